@@ -1,0 +1,99 @@
+"""Messages between scheduler, runner, controller and whoever records them (the ledger).
+
+Ledger rows are built from these dataclasses only, never from engine internals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+from engine.tags import ObjectKind, Tag, Tier
+
+
+class StepKind(str, enum.Enum):
+    """What a step's forward pass contained."""
+
+    PREFILL = "prefill"  # only prompt tokens
+    DECODE = "decode"  # only one new token per running request
+    MIXED = "mixed"  # prefill chunks and decode tokens together
+    RECOMPUTE = "recompute"  # a re-run over evicted tokens to rebuild their KV blocks
+
+
+@dataclasses.dataclass(slots=True)
+class Event:
+    """One aggregated fact: what was done to objects of one kind, for one request, in one layer."""
+
+    step_id: int  # engine step the event belongs to
+    request_id: str  # request whose tokens used the objects
+    layer: int  # decoder layer index
+    object_kind: ObjectKind  # expert or kv_block
+    tag: Tag  # the action taken
+    count: int  # number of objects (experts, or KV blocks) this row covers
+    bytes_moved: int = 0  # bytes copied over a link for these objects (0 when resident or omitted)
+    source_tier: Tier | None = None  # tier the bytes came from (host/disk), None when nothing moved
+    predicted_cost: float = 0.0  # predicted quality cost in nats (approximate tags only; set by controller)
+    modeled_s: float = 0.0  # modeled time of this action from the hardware profile, seconds
+    note: str = ""  # free text, e.g. "checksum mismatch on disk page; recovered from host"
+
+
+@dataclasses.dataclass(slots=True)
+class StepPlan:
+    """What the scheduler decided to run in one step."""
+
+    step_id: int  # monotonically increasing step number within an engine
+    kind: StepKind  # prefill, decode, mixed or recompute
+    request_ids: list[str]  # requests with tokens in this step, in packing order
+    num_tokens: dict[str, int]  # request id -> tokens fed this step (prefill chunk or 1)
+    start_positions: dict[str, int]  # request id -> position of its first token this step
+    preempted_ids: list[str] = dataclasses.field(default_factory=list)  # requests swapped/dropped before step
+    resumed_ids: list[str] = dataclasses.field(default_factory=list)  # requests brought back this step
+    is_observe: bool = False  # controller decisions recorded but exact actions served
+
+
+@dataclasses.dataclass(slots=True)
+class StepResult:
+    """What one step did and produced."""
+
+    step_id: int  # same as the plan's
+    kind: StepKind  # same as the plan's
+    request_ids: list[str]  # requests that had tokens in the step
+    sampled_token_ids: dict[str, int]  # request id -> token sampled at its last position (if it emits one)
+    logits: dict[str, torch.Tensor]  # request id -> fp32 logits [vocab] that produced the sampled token
+    events: list[Event]  # every fallback taken in this step, aggregated per request × layer × kind × tag
+    wall_s: float  # measured wall time of the step, seconds
+    modeled_s: float  # modeled time of the step from the hardware profile, seconds
+    finished_ids: list[str] = dataclasses.field(default_factory=list)  # requests that ended this step
+    num_device_bytes_expert: int = 0  # device bytes held by expert slots after the step
+    num_device_bytes_kv: int = 0  # device bytes held by KV blocks after the step
+
+
+@dataclasses.dataclass(slots=True)
+class RequestOutput:
+    """A finished request, as returned to the caller."""
+
+    request_id: str  # caller's id
+    request_class: str  # policy request class name ("default" when none)
+    prompt_token_ids: list[int]  # tokenised prompt
+    output_token_ids: list[int]  # generated tokens (without the prompt)
+    output_logits: torch.Tensor  # [num_output_tokens, vocab] fp32 logits that produced each output token
+    arrival_s: float  # wall clock when submitted (time.perf_counter)
+    first_token_s: float  # wall clock when the first output token was sampled
+    finish_s: float  # wall clock when the last output token was sampled
+    modeled_ttft_s: float  # modeled time to first token
+    modeled_tpot_s: float  # modeled mean time per output token after the first
+    tag_counts: dict[str, int]  # tag value -> objects served with it for this request
+    num_preemptions: int = 0  # how often the request was swapped out or dropped
+
+    @property
+    def ttft_s(self) -> float:
+        """Measured time to first token, seconds."""
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def tpot_s(self) -> float:
+        """Measured mean time per output token after the first, seconds."""
+        n = len(self.output_token_ids)
+        return (self.finish_s - self.first_token_s) / (n - 1) if n > 1 else 0.0
