@@ -1,0 +1,168 @@
+"""python -m fallbackgate.tinymoe.evaluate [--checkpoint DIR] [--data evals/data] [--limit N]
+
+Evaluate the bundled tiny MoE checkpoint on the held-out evaluation sets and
+write ``eval_results.json`` into the checkpoint directory; then regenerate the
+numbers section of the model card (``README.md`` between the
+``<!-- EVAL:BEGIN -->`` / ``<!-- EVAL:END -->`` markers), also printed.
+
+Measured: held-out perplexity (sliding 256-token windows, and whole passages)
+against an add-0.5 token unigram model fitted on the training books; cloze
+accuracy; name-completion exact match; a greedy sample; and per-layer routing
+statistics (load entropy, expert reuse) for the trained model and for a
+randomly initialised model of the same shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+import time
+
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from fallbackgate.tinymoe import CHECKPOINT_DIR
+from fallbackgate.tinymoe import metrics as M
+from fallbackgate.tinymoe.data import load_books, split_books
+
+DATA_DIR = pathlib.Path(__file__).resolve().parents[2] / "evals" / "data"
+BEGIN, END = "<!-- EVAL:BEGIN -->", "<!-- EVAL:END -->"
+
+
+def read_jsonl(path: pathlib.Path, limit: int | None = None) -> list[dict]:
+    """Read a JSONL file (first ``limit`` items if given)."""
+    with path.open(encoding="utf-8") as f:
+        items = [json.loads(line) for line in f if line.strip()]
+    return items[:limit] if limit else items
+
+
+def routing_windows(tokenizer, texts: list[str], n_windows: int, seq: int) -> torch.Tensor:
+    """``n_windows`` consecutive ``seq``-token windows from the concatenated texts."""
+    ids: list[int] = []
+    for text in texts:
+        ids += tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) >= n_windows * seq:
+            break
+    n = min(n_windows, len(ids) // seq)
+    return torch.tensor(ids[: n * seq], dtype=torch.long).reshape(n, seq)
+
+
+def routing_report(model, windows: torch.Tensor) -> list[dict]:
+    """Routing statistics for every layer of ``model`` on ``windows``."""
+    return [M.routing_stats(mask) for mask in M.expert_choices(model, windows)]
+
+
+def evaluate(ckpt: pathlib.Path, data: pathlib.Path, limit: int | None, seed: int) -> dict:
+    """Run every measurement and return the results dictionary."""
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    rolling = read_jsonl(data / "rolling_ppl.jsonl", limit)
+    res: dict = {"n_params": sum(p.numel() for p in model.parameters())}
+    t0 = time.time()
+    lp, ids = M.passage_logprobs(model, tok, [r["text"] for r in rolling])
+    lp_full, _ = M.passage_logprobs(model, tok, [r["text"] for r in rolling], window=1024, stride=512)
+    train_books, _ = split_books(load_books())
+    unigram = M.UnigramModel.fit(tok, train_books.values())
+    res["perplexity"] = {
+        "n_passages": len(rolling), "n_tokens": int(lp.size),
+        "model_ppl_window256": M.perplexity(lp), "model_ppl_full_passage": M.perplexity(lp_full),
+        "unigram_ppl": M.perplexity(unigram.logprobs(ids)),
+    }
+    res["cloze"] = M.cloze_accuracy(model, tok, read_jsonl(data / "cloze.jsonl", limit))
+    res["name_completion"] = M.name_completion_accuracy(
+        model, tok, read_jsonl(data / "name_completion.jsonl", limit))
+    prompt = rolling[0]["text"][:300].rsplit(" ", 1)[0]
+    res["greedy_sample"] = {"prompt": prompt,
+                            "continuation": M.greedy_continuation(model, tok, prompt, 60)}
+    windows = routing_windows(tok, [r["text"] for r in rolling], 64, 256)
+    res["routing"] = {"n_tokens": int(windows.numel()), "trained": routing_report(model, windows)}
+    torch.manual_seed(seed)
+    random_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(ckpt)).eval()
+    res["routing"]["random_init"] = routing_report(random_model, windows)
+    res["eval_wall_s"] = round(time.time() - t0, 1)
+    return res
+
+
+def fmt_layers(stats: list[dict], key: str, digits: int = 3) -> str:
+    """Per-layer values of ``key`` joined by ' / '."""
+    return " / ".join(f"{s[key]:.{digits}f}" for s in stats)
+
+
+def render_section(res: dict, info: dict, cfg: dict) -> str:
+    """Markdown for the card's generated numbers section."""
+    ppl, rt = res["perplexity"], res["routing"]
+    n_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    lines = [
+        "| Quantity | Value |", "|---|---|",
+        (f"| Architecture | `{cfg['architectures'][0]}`: {cfg['num_hidden_layers']} layers, all MoE; "
+        f"{n_experts} routed experts per layer, top-{cfg['num_experts_per_tok']}; hidden "
+        f"{cfg['hidden_size']}, expert FFN {cfg['moe_intermediate_size']}, {cfg['num_attention_heads']} "
+        f"heads ({cfg['num_key_value_heads']} KV), vocab {cfg['vocab_size']}, tied embeddings |"),
+        f"| Parameters | {res['n_params']:,} (fp32) |",
+        (f"| Tokens trained | {info['tokens_trained']:,} ({info['steps']} steps; training corpus "
+        f"{info['train_corpus_tokens']:,} tokens) |"),
+        f"| Training wall time | {info['train_wall_s'] / 60:.1f} min on {info['torch_threads']} CPU thread(s) |",
+        f"| Held-out books | {', '.join(info['heldout_books'])} |",
+        (f"| Held-out perplexity (per token, 256-token windows) | **{ppl['model_ppl_window256']:.2f}** "
+        f"({ppl['n_passages']} passages, {ppl['n_tokens']:,} tokens) |"),
+        f"| Held-out perplexity, whole passages in one window | {ppl['model_ppl_full_passage']:.2f} |",
+        f"| Unigram perplexity, same tokens | **{ppl['unigram_ppl']:.2f}** |",
+        (f"| Cloze accuracy (4-way, sum log-lik / per char) | **{res['cloze']['acc']:.1%}** / "
+        f"{res['cloze']['acc_norm']:.1%} (n={res['cloze']['n']}, chance 25%) |"),
+        (f"| Name completion exact match (greedy) | {res['name_completion']['exact_match']:.1%} "
+        f"(n={res['name_completion']['n']}) |"),
+        "", (f"Routing statistics per layer (layers 0 / 1 / ... ; {rt['n_tokens']:,} held-out tokens). "
+        "Entropy ratio = expert-load entropy / log(number of experts) (1 = uniform); reuse@k = "
+        "P(an expert used at token t is used again within tokens t+1..t+k); "
+        "'indep.' = that probability if tokens drew experts independently with the same loads."), "",
+        "| Statistic | Trained | Random init |", "|---|---|---|",
+    ]
+    tr, rd = rt["trained"], rt["random_init"]
+    lines.append(f"| Load entropy ratio | {fmt_layers(tr, 'entropy_ratio')} | {fmt_layers(rd, 'entropy_ratio')} |")
+    lines.append(f"| Max load / mean load | {fmt_layers(tr, 'max_load_over_mean', 2)} | "
+                 f"{fmt_layers(rd, 'max_load_over_mean', 2)} |")
+    for k in (1, 4, 16):
+        lines.append(f"| reuse@{k} | {fmt_layers(tr, f'reuse@{k}')} | {fmt_layers(rd, f'reuse@{k}')} |")
+        lines.append(f"| reuse@{k} (indep.) | {fmt_layers(tr, f'reuse_indep@{k}')} | "
+                     f"{fmt_layers(rd, f'reuse_indep@{k}')} |")
+    sample = res["greedy_sample"]
+    lines += ["", "Greedy sample from the start of a held-out passage (prompt, then *model text*):", "",
+              "> " + sample["prompt"].replace("\n", " ") + " *" + sample["continuation"].replace("\n", " ").strip() + "*"]
+    return "\n".join(lines)
+
+
+def update_card(card: pathlib.Path, section: str) -> None:
+    """Replace the text between the EVAL markers of ``card`` with ``section``."""
+    text = card.read_text(encoding="utf-8") if card.exists() else f"{BEGIN}\n{END}\n"
+    pattern = re.compile(re.escape(BEGIN) + ".*?" + re.escape(END), re.DOTALL)
+    text = pattern.sub(lambda _: f"{BEGIN}\n{section}\n{END}", text)
+    card.write_text(text, encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Evaluate, save ``eval_results.json`` and refresh the model card."""
+    p = argparse.ArgumentParser(description="Evaluate the tiny MoE checkpoint.")
+    p.add_argument("--checkpoint", type=pathlib.Path, default=CHECKPOINT_DIR)
+    p.add_argument("--data", type=pathlib.Path, default=DATA_DIR)
+    p.add_argument("--limit", type=int, default=None, help="use only the first N items per set")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0, help="seed for the random-init comparison model")
+    p.add_argument("--no-card", action="store_true", help="do not rewrite README.md")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    np.random.seed(args.seed)
+    res = evaluate(args.checkpoint, args.data, args.limit, args.seed)
+    (args.checkpoint / "eval_results.json").write_text(json.dumps(res, indent=1) + "\n")
+    info = json.loads((args.checkpoint / "training_info.json").read_text())
+    cfg = json.loads((args.checkpoint / "config.json").read_text())
+    section = render_section(res, info, cfg)
+    if not args.no_card:
+        update_card(args.checkpoint / "README.md", section)
+    print(section)
+
+
+if __name__ == "__main__":
+    main()
