@@ -1,0 +1,219 @@
+"""SQLAlchemy 2.x models of the ledger.
+
+Enum-valued columns (``tag``, ``object_kind``, ``exactness``, ``source_tier``, ``kind``) hold the
+``.value`` strings of the engine's enums (``engine.tags``, ``engine.messages``), so the ledger reads
+without importing the engine. The schema itself is created by the Alembic migrations in
+``ledger/migrations``; ``Base.metadata`` mirrors it and a test checks that they agree.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+RUN_STATUSES: tuple[str, ...] = ("running", "complete", "failed", "incomplete")
+"""Stored run statuses. A run whose process died stays "running"; queries report it "incomplete"."""
+
+
+def utcnow() -> dt.datetime:
+    """Current time, timezone-aware UTC."""
+    return dt.datetime.now(dt.UTC)
+
+
+class Base(DeclarativeBase):
+    """Declarative base of all ledger tables."""
+
+
+def _run_fk() -> Mapped[int]:
+    return mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), nullable=False)
+
+
+class Run(Base):
+    """One engine run: its policy, model, hardware profile and outcome."""
+
+    __tablename__ = "runs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    started_at: Mapped[dt.datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow
+    )
+    finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    status: Mapped[str] = mapped_column(String(16), default="running")
+    policy: Mapped[str | None] = mapped_column(Text)  # policy file text (YAML) or JSON
+    model_path: Mapped[str | None] = mapped_column(Text)
+    hardware_profile: Mapped[dict[str, Any] | None] = mapped_column(
+        JSON(none_as_null=True)
+    )
+    versions: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    controller: Mapped[str | None] = mapped_column(String(64))
+    mode: Mapped[str | None] = mapped_column(String(16))  # "observe" or "enforce"
+    numeric_floor_kl: Mapped[float | None] = mapped_column(
+        Float
+    )  # max KL of the exact-vs-exact control
+    note: Mapped[str | None] = mapped_column(Text)
+    __table_args__ = (Index("ix_runs_started_at", "started_at"),)
+
+
+class Request(Base):
+    """One finished request of a run, with its SLO, quality budget, timings and verdict."""
+
+    __tablename__ = "requests"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = _run_fk()
+    request_id: Mapped[str] = mapped_column(String(128))
+    request_class: Mapped[str] = mapped_column(String(64), default="default")
+    prompt: Mapped[str | None] = mapped_column(Text)
+    num_prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    num_output_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    num_preemptions: Mapped[int] = mapped_column(Integer, default=0)
+    slo: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    budget: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    ttft_s: Mapped[float | None] = mapped_column(Float)
+    tpot_s: Mapped[float | None] = mapped_column(Float)
+    modeled_ttft_s: Mapped[float | None] = mapped_column(Float)
+    modeled_tpot_s: Mapped[float | None] = mapped_column(Float)
+    verdict: Mapped[str | None] = mapped_column(
+        String(16)
+    )  # "pass", "fail" or None before the gate
+    tag_counts: Mapped[dict[str, int] | None] = mapped_column(JSON(none_as_null=True))
+    __table_args__ = (
+        Index("ux_requests_run_request", "run_id", "request_id", unique=True),
+    )
+
+
+class Step(Base):
+    """One engine step (forward pass) of a run."""
+
+    __tablename__ = "steps"
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    step_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    kind: Mapped[str] = mapped_column(String(16))
+    num_requests: Mapped[int] = mapped_column(Integer, default=0)
+    num_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    is_observe: Mapped[bool] = mapped_column(Boolean, default=False)
+    wall_s: Mapped[float] = mapped_column(Float, default=0.0)
+    modeled_s: Mapped[float] = mapped_column(Float, default=0.0)
+    device_bytes_expert: Mapped[int] = mapped_column(BigInteger, default=0)
+    device_bytes_kv: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class EventRow(Base):
+    """One event: step × request × layer × object kind × tag, with counts, bytes and costs."""
+
+    __tablename__ = "events"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = _run_fk()
+    step_id: Mapped[int] = mapped_column(Integer)
+    request_id: Mapped[str] = mapped_column(String(128))
+    layer: Mapped[int] = mapped_column(Integer)
+    object_kind: Mapped[str] = mapped_column(String(16))
+    tag: Mapped[str] = mapped_column(String(32))
+    exactness: Mapped[str] = mapped_column(String(16))
+    count: Mapped[int] = mapped_column(Integer)
+    bytes_moved: Mapped[int] = mapped_column(BigInteger, default=0)
+    source_tier: Mapped[str | None] = mapped_column(String(16))
+    predicted_cost: Mapped[float] = mapped_column(Float, default=0.0)
+    modeled_s: Mapped[float] = mapped_column(Float, default=0.0)
+    note: Mapped[str] = mapped_column(Text, default="")
+    __table_args__ = (
+        Index("ix_events_run_tag", "run_id", "tag"),
+        Index("ix_events_run_request_step", "run_id", "request_id", "step_id"),
+    )
+
+
+class PositionDiffRow(Base):
+    """Diff statistics of one generated position against the exact baseline."""
+
+    __tablename__ = "position_diffs"
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    position: Mapped[int] = mapped_column(
+        Integer, primary_key=True, autoincrement=False
+    )
+    step_id: Mapped[int | None] = mapped_column(
+        Integer
+    )  # step that sampled this token, when known
+    token_id: Mapped[int] = mapped_column(Integer)  # emitted token
+    kl: Mapped[float] = mapped_column(Float)
+    top1_agree: Mapped[bool] = mapped_column(Boolean)
+    delta_p: Mapped[float] = mapped_column(Float)
+    max_abs_dlogit: Mapped[float] = mapped_column(Float)
+    vllm_top5_ok: Mapped[bool] = mapped_column(Boolean)
+    logp_exact: Mapped[float] = mapped_column(Float)
+    logp_engine: Mapped[float] = mapped_column(Float)
+
+
+class RequestStatRow(Base):
+    """Per-request summary of the position diffs (llama.cpp --kl-divergence statistics)."""
+
+    __tablename__ = "request_stats"
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    num_positions: Mapped[int] = mapped_column(Integer)
+    mean_kl: Mapped[float] = mapped_column(Float)
+    median_kl: Mapped[float] = mapped_column(Float)
+    p99_kl: Mapped[float] = mapped_column(Float)
+    max_kl: Mapped[float] = mapped_column(Float)
+    sem_kl: Mapped[float] = mapped_column(Float)
+    top1_agreement: Mapped[float] = mapped_column(Float)
+    rms_delta_p: Mapped[float] = mapped_column(Float)
+    ppl_ratio: Mapped[float] = mapped_column(Float)
+    first_divergence: Mapped[int | None] = mapped_column(
+        Integer
+    )  # first top-1 disagreement position
+
+
+class VerdictRow(Base):
+    """A gate verdict for one request, or for the whole run when ``request_id`` is NULL."""
+
+    __tablename__ = "verdicts"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = _run_fk()
+    request_id: Mapped[str | None] = mapped_column(String(128))
+    passed: Mapped[bool] = mapped_column(Boolean)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    first_divergence_position: Mapped[int | None] = mapped_column(Integer)
+    first_divergence_step: Mapped[int | None] = mapped_column(Integer)
+    first_divergence_layer: Mapped[int | None] = mapped_column(Integer)
+    first_divergence_tags: Mapped[list[str] | None] = mapped_column(
+        JSON(none_as_null=True)
+    )
+    created_at: Mapped[dt.datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow
+    )
+    __table_args__ = (Index("ix_verdicts_run_request", "run_id", "request_id"),)
+
+
+class Calibration(Base):
+    """A fitted scale of the quality-cost predictor for one tag and layer."""
+
+    __tablename__ = "calibrations"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tag: Mapped[str] = mapped_column(String(32))
+    layer: Mapped[int] = mapped_column(Integer)
+    scale: Mapped[float] = mapped_column(Float)
+    fitted_at: Mapped[dt.datetime] = mapped_column(
+        DateTime(timezone=True), default=utcnow
+    )
+    num_samples: Mapped[int] = mapped_column(Integer, default=0)
+    run_ids: Mapped[list[int] | None] = mapped_column(JSON(none_as_null=True))
+    __table_args__ = (Index("ix_calibrations_tag_layer", "tag", "layer", "fitted_at"),)

@@ -1,0 +1,168 @@
+"""Turning the engine's messages into ledger rows (plain dicts for bulk inserts)."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sqlalchemy import Table
+
+from engine.messages import RequestOutput, StepPlan, StepResult
+from engine.tags import TAG_EXACTNESS
+from ledger.models import EventRow, PositionDiffRow, RequestStatRow, Step
+
+Rows = dict[Table, list[Any]]
+"""Pending rows per table: dicts, or tuples in EVENT_COLUMNS order for the events table."""
+SampleSteps = dict[tuple[int, str], list[int]]
+"""(run id, request id) -> ids of the steps that sampled a token for the request, in order."""
+
+EXACTNESS: dict[str, str] = {t.value: c.value for t, c in TAG_EXACTNESS.items()}
+EVENT_COLUMNS: tuple[str, ...] = (
+    "run_id",
+    "step_id",
+    "request_id",
+    "layer",
+    "object_kind",
+    "tag",
+    "exactness",
+    "count",
+    "bytes_moved",
+    "source_tier",
+    "predicted_cost",
+    "modeled_s",
+    "note",
+)
+"""Column order of the event tuples that :func:`step_rows` produces."""
+DIFF_FIELDS: tuple[str, ...] = (
+    "position",
+    "token_id",
+    "kl",
+    "top1_agree",
+    "delta_p",
+    "max_abs_dlogit",
+    "vllm_top5_ok",
+    "logp_exact",
+    "logp_engine",
+)
+STAT_FIELDS: tuple[str, ...] = tuple(
+    c.name
+    for c in RequestStatRow.__table__.columns
+    if c.name not in ("run_id", "request_id")
+)
+
+
+def value(x: Any) -> Any:
+    """An enum's value, anything else unchanged."""
+    return x.value if isinstance(x, enum.Enum) else x
+
+
+def plain(x: Any) -> Any:
+    """Python scalars for numpy/torch scalars (drivers want plain floats, ints and bools)."""
+    return x.item() if hasattr(x, "item") else x
+
+
+def step_rows(
+    run_id: int,
+    plan: StepPlan,
+    result: StepResult,
+    rows: Rows,
+    sample_steps: SampleSteps,
+) -> int:
+    """Append the step row and its event rows to ``rows``; return the number of rows added."""
+    rows.setdefault(Step.__table__, []).append(
+        {
+            "run_id": run_id,
+            "step_id": plan.step_id,
+            "kind": value(plan.kind),
+            "num_requests": len(plan.request_ids),
+            "num_tokens": sum(plan.num_tokens.values()),
+            "is_observe": plan.is_observe,
+            "wall_s": result.wall_s,
+            "modeled_s": result.modeled_s,
+            "device_bytes_expert": result.num_device_bytes_expert,
+            "device_bytes_kv": result.num_device_bytes_kv,
+        }
+    )
+    for rid in result.sampled_token_ids:
+        sample_steps.setdefault((run_id, rid), []).append(plan.step_id)
+    events = rows.setdefault(EventRow.__table__, [])
+    for e in result.events:  # tuples in EVENT_COLUMNS order: the hot path stays cheap
+        tag = value(e.tag)
+        events.append(
+            (
+                run_id,
+                e.step_id,
+                e.request_id,
+                e.layer,
+                value(e.object_kind),
+                tag,
+                EXACTNESS.get(tag, "approximate"),
+                e.count,
+                e.bytes_moved,
+                value(e.source_tier),
+                e.predicted_cost,
+                e.modeled_s,
+                e.note,
+            )
+        )
+    return 1 + len(result.events)
+
+
+def request_row(
+    run_id: int,
+    out: RequestOutput,
+    slo: Mapping[str, Any] | None,
+    budget: Mapping[str, Any] | None,
+    prompt: str | None,
+) -> dict[str, Any]:
+    """The requests-table row of a finished request."""
+    return {
+        "run_id": run_id,
+        "request_id": out.request_id,
+        "request_class": out.request_class,
+        "prompt": prompt,
+        "num_prompt_tokens": len(out.prompt_token_ids),
+        "num_output_tokens": len(out.output_token_ids),
+        "num_preemptions": out.num_preemptions,
+        "slo": dict(slo) if slo is not None else None,
+        "budget": dict(budget) if budget is not None else None,
+        "ttft_s": out.ttft_s,
+        "tpot_s": out.tpot_s,
+        "modeled_ttft_s": out.modeled_ttft_s,
+        "modeled_tpot_s": out.modeled_tpot_s,
+        "verdict": None,
+        "tag_counts": {str(value(k)): int(v) for k, v in out.tag_counts.items()},
+    }
+
+
+def diff_rows(
+    run_id: int,
+    request_id: str,
+    diffs: list[Any],
+    stats: Any | None,
+    step_ids: Sequence[int | None] | None,
+    rows: Rows,
+    sample_steps: SampleSteps,
+) -> int:
+    """Append position-diff rows (and the request's stats row) to ``rows``; return rows added.
+
+    A position's step is ``step_ids[position]`` when given, else the position-th step recorded as
+    sampling a token for the request (None when unknown).
+    """
+    tracked = sample_steps.pop((run_id, request_id), [])
+    out = rows.setdefault(PositionDiffRow.__table__, [])
+    for d in diffs:
+        row = {f: plain(getattr(d, f)) for f in DIFF_FIELDS}
+        pos = row["position"]
+        if step_ids is not None:
+            row["step_id"] = step_ids[pos]
+        else:
+            row["step_id"] = tracked[pos] if pos < len(tracked) else None
+        row["run_id"], row["request_id"] = run_id, request_id
+        out.append(row)
+    if stats is not None:
+        row = {f: plain(getattr(stats, f)) for f in STAT_FIELDS}
+        row["run_id"], row["request_id"] = run_id, request_id
+        rows.setdefault(RequestStatRow.__table__, []).append(row)
+    return len(diffs) + 1

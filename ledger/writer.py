@@ -1,0 +1,334 @@
+"""Batched background writer: the decode loop hands over messages and never waits on the database.
+
+Callers put messages on a bounded queue (``put`` blocks only when it is full); one background thread
+turns them into rows and writes them with bulk inserts, one transaction per batch, every
+``flush_interval_s`` or as soon as ``batch_size`` rows are pending. A process killed mid-run leaves
+every batch committed so far and the run still "running" (reported as incomplete).
+
+The writer keeps references to the recorded messages until they are written: do not mutate them.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Self
+
+from sqlalchemy import Connection, Table, insert, update
+
+from engine.messages import RequestOutput, StepPlan, StepResult
+from engine.tags import Tag
+from ledger.bulk import insert_rows
+from ledger.db import Ledger, LedgerError
+from ledger.models import (
+    RUN_STATUSES,
+    Calibration,
+    EventRow,
+    PositionDiffRow,
+    Request,
+    RequestStatRow,
+    Run,
+    Step,
+    VerdictRow,
+    utcnow,
+)
+from ledger.rows import EVENT_COLUMNS, Rows, diff_rows, request_row, step_rows, value
+
+_TABLE_ORDER: tuple[Table, ...] = tuple(
+    m.__table__  # type: ignore[misc]
+    for m in (
+        Step,
+        EventRow,
+        Request,
+        PositionDiffRow,
+        RequestStatRow,
+        VerdictRow,
+        Calibration,
+    )
+)
+_FLUSH = object()
+_STOP = object()
+Op = Callable[[Connection], None]
+
+
+class LedgerWriter:
+    """Writes one run's steps, events, requests, diffs and verdicts to a ledger in the background."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        batch_size: int = 20_000,
+        flush_interval_s: float = 0.2,
+        max_queue: int = 10_000,
+    ) -> None:
+        if ledger.read_only:
+            raise LedgerError(
+                f"ledger {ledger.display_url} was opened read-only; cannot write"
+            )
+        self.ledger = ledger
+        self.batch_size = batch_size
+        self.flush_interval_s = flush_interval_s
+        self.run_id: int | None = None
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
+        self._error: BaseException | None = None
+        self._sample_steps: dict[tuple[int, str], list[int]] = {}
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._loop, name="ledger-writer", daemon=True
+        )
+        self._thread.start()
+
+    # ---- caller side -------------------------------------------------------------------------
+    def start_run(
+        self,
+        *,
+        policy: str | None = None,
+        model_path: str | None = None,
+        hardware_profile: Mapping[str, Any] | None = None,
+        versions: Mapping[str, Any] | None = None,
+        controller: str | None = None,
+        mode: str | None = None,
+        note: str | None = None,
+    ) -> int:
+        """Insert a run row with status "running" (synchronously) and make it the current run."""
+        self._check()
+        row = {
+            "started_at": utcnow(),
+            "status": "running",
+            "policy": policy,
+            "model_path": model_path,
+            "hardware_profile": dict(hardware_profile)
+            if hardware_profile is not None
+            else None,
+            "versions": dict(versions) if versions is not None else None,
+            "controller": controller,
+            "mode": mode,
+            "note": note,
+        }
+        with self.ledger.engine.begin() as conn:
+            run_id = conn.execute(
+                insert(Run.__table__).returning(Run.__table__.c.id), row
+            ).scalar_one()
+        self.run_id = int(run_id)
+        return self.run_id
+
+    def record_step(
+        self, plan: StepPlan, result: StepResult, *, run_id: int | None = None
+    ) -> None:
+        """Record one step row and all of its events."""
+        self._put(("step", self._run(run_id), plan, result))
+
+    def record_request(
+        self,
+        output: RequestOutput,
+        *,
+        slo: Mapping[str, Any] | None = None,
+        budget: Mapping[str, Any] | None = None,
+        prompt: str | None = None,
+        run_id: int | None = None,
+    ) -> None:
+        """Record a finished request with its class, SLO, quality budget and timings."""
+        self._put(("request", self._run(run_id), output, slo, budget, prompt))
+
+    def record_diffs(
+        self,
+        request_id: str,
+        diffs: Sequence[Any],
+        stats: Any | None = None,
+        *,
+        step_ids: Sequence[int | None] | None = None,
+        run_id: int | None = None,
+    ) -> None:
+        """Record per-position diffs (objects with :data:`DIFF_FIELDS`) and optional summary stats.
+
+        ``diffs[i].position`` is the index of the output token. When ``step_ids`` is None, each
+        position's step is the i-th recorded step that sampled a token for this request.
+        """
+        self._put(
+            ("diffs", self._run(run_id), request_id, list(diffs), stats, step_ids)
+        )
+
+    def record_verdict(
+        self,
+        request_id: str | None,
+        passed: bool,
+        reason: str = "",
+        *,
+        position: int | None = None,
+        step: int | None = None,
+        layer: int | None = None,
+        tags: Sequence[str] | None = None,
+        run_id: int | None = None,
+    ) -> None:
+        """Record a gate verdict for a request (or the run when ``request_id`` is None)."""
+        row = {
+            "run_id": self._run(run_id),
+            "request_id": request_id,
+            "passed": bool(passed),
+            "reason": reason,
+            "first_divergence_position": position,
+            "first_divergence_step": step,
+            "first_divergence_layer": layer,
+            "first_divergence_tags": list(tags) if tags is not None else None,
+            "created_at": utcnow(),
+        }
+        self._put(("rows", VerdictRow.__table__, [row]))
+        if request_id is not None:
+            tbl = Request.__table__
+            stmt = (
+                update(tbl)
+                .where(tbl.c.run_id == row["run_id"], tbl.c.request_id == request_id)
+                .values(verdict="pass" if passed else "fail")
+            )
+            self._put(("op", lambda conn: conn.execute(stmt)))
+
+    def record_control(
+        self, numeric_floor_kl: float, *, run_id: int | None = None
+    ) -> None:
+        """Record the run's numeric floor: the max KL of the exact-vs-exact control."""
+        self._put(
+            (
+                "op",
+                self._run_update(
+                    self._run(run_id), numeric_floor_kl=float(numeric_floor_kl)
+                ),
+            )
+        )
+
+    def record_calibration(
+        self,
+        tag: Tag | str,
+        layer: int,
+        scale: float,
+        num_samples: int,
+        run_ids: Sequence[int],
+    ) -> None:
+        """Record a fitted cost-predictor scale for one tag and layer."""
+        row = {
+            "tag": value(tag),
+            "layer": layer,
+            "scale": scale,
+            "num_samples": num_samples,
+            "run_ids": list(run_ids),
+            "fitted_at": utcnow(),
+        }
+        self._put(("rows", Calibration.__table__, [row]))
+
+    def finish_run(self, run_id: int | None = None, status: str = "complete") -> None:
+        """Mark the run finished with ``status`` and wait until everything recorded is written."""
+        if status not in RUN_STATUSES or status == "running":
+            raise ValueError(
+                f"finish status must be one of complete/failed/incomplete, not {status!r}"
+            )
+        rid = self._run(run_id)
+        self._put(("op", self._run_update(rid, status=status, finished_at=utcnow())))
+        self.flush()
+
+    def flush(self) -> None:
+        """Block until everything recorded so far is committed."""
+        self._put(_FLUSH)
+        self._queue.join()
+        self._check()
+
+    def close(self) -> None:
+        """Write everything still queued, stop the thread. The run's status is left as it is."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        self._thread.join()
+        self._check()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self, run_id: int | None) -> int:
+        rid = run_id if run_id is not None else self.run_id
+        if rid is None:
+            raise LedgerError("no run: call start_run() first or pass run_id")
+        return rid
+
+    @staticmethod
+    def _run_update(run_id: int, **values: Any) -> Op:
+        stmt = (
+            update(Run.__table__).where(Run.__table__.c.id == run_id).values(**values)
+        )
+        return lambda conn: conn.execute(stmt)
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise LedgerError(f"ledger writer failed: {self._error}") from self._error
+
+    def _put(self, item: Any) -> None:
+        if self._closed:
+            raise LedgerError("ledger writer is closed")
+        self._check()
+        self._queue.put(item)
+
+    # ---- writer thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        stop = False
+        while not stop:
+            items: list[Any] = [self._queue.get()]
+            deadline = time.monotonic() + self.flush_interval_s
+            rows: Rows = {}
+            ops: list[Op] = []
+            pending = 0
+            while True:
+                item = items[-1]
+                if item is _STOP:
+                    stop = True
+                    break
+                if item is _FLUSH:
+                    break
+                try:
+                    pending += self._expand(item, rows, ops)
+                except Exception as exc:  # noqa: BLE001 - surfaced to the caller on its next call
+                    self._error = self._error or exc
+                if pending >= self.batch_size:
+                    break
+                try:
+                    items.append(
+                        self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+                    )
+                except queue.Empty:
+                    break
+            self._write(rows, ops)
+            for _ in items:
+                self._queue.task_done()
+
+    def _write(self, rows: Rows, ops: list[Op]) -> None:
+        if not rows and not ops:
+            return
+        try:
+            with self.ledger.engine.begin() as conn:
+                for table in _TABLE_ORDER:
+                    cols = EVENT_COLUMNS if table is EventRow.__table__ else ()
+                    insert_rows(conn, table, rows.get(table, ()), cols)
+                for op in ops:
+                    op(conn)
+        except Exception as exc:  # noqa: BLE001 - surfaced to the caller on its next call
+            if self._error is None:
+                self._error = exc
+
+    def _expand(self, item: Any, rows: Rows, ops: list[Op]) -> int:
+        kind = item[0]
+        if kind == "op":
+            ops.append(item[1])
+            return 1
+        if kind == "rows":
+            new = item[2]
+            rows.setdefault(item[1], []).extend(new)
+            return len(new)
+        if kind == "step":
+            return step_rows(*item[1:], rows, self._sample_steps)
+        if kind == "request":
+            rows.setdefault(Request.__table__, []).append(request_row(*item[1:]))
+            return 1
+        return diff_rows(*item[1:], rows, self._sample_steps)
