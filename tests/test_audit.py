@@ -73,9 +73,8 @@ def test_vllm_check_fails_when_argmax_outside_other_top5() -> None:
     )  # engine's top-5 lacks token 0
     (d,) = position_diffs(exact, engine, [1])
     assert d.top1_agree is False and d.vllm_top5_ok is False
-    near = torch.tensor(
-        [[8.5, 8.0, 7.0, 6.0, 5.0, 4.0, 9.0]]
-    )  # token 0 back in engine's top-5
+    exact = torch.tensor([[9.0, 8.0, 7.0, 6.0, 0.0, 0.0, 5.0]])  # 6 in exact's top-5
+    near = torch.tensor([[8.5, 8.0, 7.0, 6.0, 5.0, 4.0, 9.0]])  # 0 in engine's top-5
     (d,) = position_diffs(exact, near, [1])
     assert d.top1_agree is False and d.vllm_top5_ok is True
 
