@@ -1,0 +1,101 @@
+"""``fallbackgate gate --ledger URL [--run ID] [--record]``: print the verdict table of a run.
+
+Exit status: 0 when the run passes, 1 when it fails, 2 for a ledger that cannot be opened or a run
+that does not exist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, TextIO
+
+from fallbackgate.gate import RunVerdict, evaluate_run
+from ledger import queries
+from ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
+from ledger.writer import LedgerWriter
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register the ``gate`` subcommand on an argparse subparsers object."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "gate", help="judge a run against its quality budgets; exit 1 on failure"
+    )
+    p.add_argument(
+        "--ledger",
+        default=None,
+        help=f"ledger URL or SQLite path (default: ${ENV_VAR}, else {DEFAULT_LEDGER})",
+    )
+    p.add_argument(
+        "--run", type=int, default=None, help="run id (default: the newest run)"
+    )
+    p.add_argument(
+        "--record", action="store_true", help="also write the verdicts into the ledger"
+    )
+    p.set_defaults(func=run)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def print_table(verdict: RunVerdict, out: TextIO = sys.stdout) -> None:
+    """Print one line per request and a run line."""
+    head = f"{'request':<24} {'served':<11} {'mean KL':>9} {'p99 KL':>9} {'max KL':>9} {'top1':>6} verdict"
+    print(head, file=out)
+    for v in verdict.requests:
+        s = v.stats or {}
+        where = (
+            ""
+            if v.passed or v.step is None
+            else f" [pos {v.position}, step {v.step}, layer {v.layer}, tags {','.join(v.tags)}]"
+        )
+        print(
+            f"{v.request_id:<24} {v.served:<11} {_fmt(s.get('mean_kl')):>9} {_fmt(s.get('p99_kl')):>9} "
+            f"{_fmt(s.get('max_kl')):>9} {_fmt(s.get('top1_agreement')):>6} "
+            f"{'PASS' if v.passed else 'FAIL'} {v.reason}{where}",
+            file=out,
+        )
+    result = "PASS" if verdict.passed else "FAIL: " + "; ".join(verdict.reasons)
+    print(
+        f"run {verdict.run_id} ({verdict.status}, {len(verdict.requests)} requests): {result}",
+        file=out,
+    )
+
+
+def _record(url: str | None, verdict: RunVerdict) -> None:
+    with open_ledger(url) as ledger, LedgerWriter(ledger) as w:
+        for v in verdict.requests:
+            w.record_verdict(
+                v.request_id,
+                v.passed,
+                v.reason,
+                position=v.position,
+                step=v.step,
+                layer=v.layer,
+                tags=v.tags,
+                run_id=verdict.run_id,
+            )
+        w.record_verdict(
+            None,
+            verdict.passed,
+            "; ".join(verdict.reasons) or "ok",
+            run_id=verdict.run_id,
+        )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the gate command; return the process exit status."""
+    try:
+        with open_ledger(args.ledger, read_only=True) as ledger:
+            run_id = args.run if args.run is not None else queries.latest_run_id(ledger)
+            if run_id is None:
+                raise LedgerError(f"ledger {ledger.display_url} has no runs")
+            verdict = evaluate_run(ledger, run_id)
+        if getattr(args, "record", False):
+            _record(args.ledger, verdict)
+    except LedgerError as exc:
+        print(f"fallbackgate gate: error: {exc}", file=sys.stderr)
+        return 2
+    print_table(verdict)
+    return 0 if verdict.passed else 1

@@ -1,0 +1,269 @@
+"""Read queries for the gate, dashboard and calibration; aggregation happens in SQL.
+
+Every function takes an open :class:`~ledger.db.Ledger` and returns plain dicts. Parameters are
+bound, never formatted into SQL. A stored status of "running" is reported as "incomplete": a run
+whose process died never reaches "complete" or "failed".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Select, case, func, select
+
+from ledger.db import Ledger
+from ledger.models import (
+    EventRow,
+    PositionDiffRow,
+    Request,
+    RequestStatRow,
+    Run,
+    Step,
+    VerdictRow,
+)
+
+EXACTNESS_CLASSES: tuple[str, ...] = ("exact", "equivalent", "approximate")
+
+
+def _all(ledger: Ledger, stmt: Select[Any]) -> list[dict[str, Any]]:
+    with ledger.engine.connect() as conn:
+        return [dict(r) for r in conn.execute(stmt).mappings()]
+
+
+def reported_status(stored: str) -> str:
+    """The status queries report: "running" (never finished) becomes "incomplete"."""
+    return "incomplete" if stored == "running" else stored
+
+
+def get_run(ledger: Ledger, run_id: int) -> dict[str, Any] | None:
+    """One run's row (status as reported), or None when no such run exists."""
+    rows = _all(ledger, select(Run.__table__).where(Run.id == run_id))
+    if not rows:
+        return None
+    rows[0]["status"] = reported_status(rows[0]["status"])
+    return rows[0]
+
+
+def latest_run_id(ledger: Ledger) -> int | None:
+    """The id of the most recently started run, or None for an empty ledger."""
+    with ledger.engine.connect() as conn:
+        return conn.execute(
+            select(Run.id).order_by(Run.started_at.desc(), Run.id.desc()).limit(1)
+        ).scalar()
+
+
+def list_runs(ledger: Ledger, limit: int = 100) -> list[dict[str, Any]]:
+    """Newest runs first, each with its object counts per exactness class (``objects_exact``, ...)."""
+    mix = [
+        func.coalesce(
+            func.sum(case((EventRow.exactness == cls, EventRow.count), else_=0)), 0
+        ).label(f"objects_{cls}")
+        for cls in EXACTNESS_CLASSES
+    ]
+    events = select(EventRow.run_id, *mix).group_by(EventRow.run_id).subquery()
+    stmt = (
+        select(
+            Run.id,
+            Run.started_at,
+            Run.finished_at,
+            Run.status,
+            Run.model_path,
+            Run.controller,
+            Run.mode,
+            *[
+                func.coalesce(events.c[f"objects_{c}"], 0).label(f"objects_{c}")
+                for c in EXACTNESS_CLASSES
+            ],
+        )
+        .outerjoin(events, events.c.run_id == Run.id)
+        .order_by(Run.started_at.desc(), Run.id.desc())
+        .limit(limit)
+    )
+    rows = _all(ledger, stmt)
+    for r in rows:
+        r["status"] = reported_status(r["status"])
+    return rows
+
+
+def run_tag_counts(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
+    """Per tag and object kind: events, objects, bytes moved, modeled seconds, predicted cost."""
+    stmt = (
+        select(
+            EventRow.tag,
+            EventRow.exactness,
+            EventRow.object_kind,
+            func.count().label("events"),
+            func.sum(EventRow.count).label("objects"),
+            func.sum(EventRow.bytes_moved).label("bytes_moved"),
+            func.sum(EventRow.modeled_s).label("modeled_s"),
+            func.sum(EventRow.predicted_cost).label("predicted_cost"),
+        )
+        .where(EventRow.run_id == run_id)
+        .group_by(EventRow.tag, EventRow.exactness, EventRow.object_kind)
+        .order_by(EventRow.tag, EventRow.object_kind)
+    )
+    return _all(ledger, stmt)
+
+
+def request_summaries(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
+    """Each request of a run with its timings, budget, verdict and diff statistics (None if unaudited)."""
+    stats = RequestStatRow.__table__.c
+    cols = [c for c in stats if c.name not in ("run_id", "request_id")]
+    stmt = (
+        select(Request.__table__, *cols)
+        .outerjoin(
+            RequestStatRow,
+            (RequestStatRow.run_id == Request.run_id)
+            & (RequestStatRow.request_id == Request.request_id),
+        )
+        .where(Request.run_id == run_id)
+        .order_by(Request.id)
+    )
+    return _all(ledger, stmt)
+
+
+def request_exactness(ledger: Ledger, run_id: int) -> dict[str, dict[str, int]]:
+    """request id -> {exactness class -> objects}, from the events (observe steps excluded for approximate)."""
+    observe = select(Step.step_id).where(
+        Step.run_id == run_id, Step.is_observe.is_(True)
+    )
+    applied = (EventRow.exactness != "approximate") | EventRow.step_id.not_in(
+        observe.scalar_subquery()
+    )
+    stmt = (
+        select(
+            EventRow.request_id,
+            EventRow.exactness,
+            func.sum(EventRow.count).label("objects"),
+        )
+        .where(EventRow.run_id == run_id, applied)
+        .group_by(EventRow.request_id, EventRow.exactness)
+    )
+    out: dict[str, dict[str, int]] = {}
+    for r in _all(ledger, stmt):
+        out.setdefault(r["request_id"], {})[r["exactness"]] = int(r["objects"])
+    return out
+
+
+def request_tags(ledger: Ledger, run_id: int) -> dict[str, dict[str, int]]:
+    """request id -> {tag -> objects} over the whole run."""
+    stmt = (
+        select(
+            EventRow.request_id, EventRow.tag, func.sum(EventRow.count).label("objects")
+        )
+        .where(EventRow.run_id == run_id)
+        .group_by(EventRow.request_id, EventRow.tag)
+    )
+    out: dict[str, dict[str, int]] = {}
+    for r in _all(ledger, stmt):
+        out.setdefault(r["request_id"], {})[r["tag"]] = int(r["objects"])
+    return out
+
+
+def request_events(
+    ledger: Ledger, run_id: int, request_id: str, step_id: int | None = None
+) -> list[dict[str, Any]]:
+    """One request's events as step × layer × tag (objects, bytes, predicted cost), in step/layer order."""
+    stmt = select(
+        EventRow.step_id,
+        EventRow.layer,
+        EventRow.object_kind,
+        EventRow.tag,
+        EventRow.exactness,
+        func.sum(EventRow.count).label("objects"),
+        func.sum(EventRow.bytes_moved).label("bytes_moved"),
+        func.sum(EventRow.predicted_cost).label("predicted_cost"),
+    ).where(EventRow.run_id == run_id, EventRow.request_id == request_id)
+    if step_id is not None:
+        stmt = stmt.where(EventRow.step_id == step_id)
+    stmt = stmt.group_by(
+        EventRow.step_id,
+        EventRow.layer,
+        EventRow.object_kind,
+        EventRow.tag,
+        EventRow.exactness,
+    )
+    return _all(ledger, stmt.order_by(EventRow.step_id, EventRow.layer, EventRow.tag))
+
+
+def position_diffs(
+    ledger: Ledger, run_id: int, request_id: str
+) -> list[dict[str, Any]]:
+    """One request's per-position diffs, in position order."""
+    stmt = (
+        select(PositionDiffRow.__table__)
+        .where(
+            PositionDiffRow.run_id == run_id, PositionDiffRow.request_id == request_id
+        )
+        .order_by(PositionDiffRow.position)
+    )
+    return _all(ledger, stmt)
+
+
+def verdicts(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
+    """Recorded verdicts of a run (run-level first)."""
+    stmt = select(VerdictRow.__table__).where(VerdictRow.run_id == run_id)
+    return _all(
+        ledger, stmt.order_by(VerdictRow.request_id.is_not(None), VerdictRow.id)
+    )
+
+
+def drift(ledger: Ledger, limit: int = 100) -> list[dict[str, Any]]:
+    """Per run (oldest first): mean and max KL, top-1 agreement over its audited requests."""
+    stmt = (
+        select(
+            Run.id.label("run_id"),
+            Run.started_at,
+            func.count(RequestStatRow.request_id).label("audited_requests"),
+            func.avg(RequestStatRow.mean_kl).label("mean_kl"),
+            func.max(RequestStatRow.max_kl).label("max_kl"),
+            func.avg(RequestStatRow.top1_agreement).label("top1_agreement"),
+        )
+        .join(RequestStatRow, RequestStatRow.run_id == Run.id)
+        .group_by(Run.id, Run.started_at)
+        .order_by(Run.started_at.desc(), Run.id.desc())
+        .limit(limit)
+    )
+    return list(reversed(_all(ledger, stmt)))
+
+
+def calibration_pairs(
+    ledger: Ledger, run_id: int | None = None, tag: str | None = None
+) -> list[dict[str, Any]]:
+    """Predicted cost (events of a request's step, per tag and layer) next to the measured KL of the
+    position that step produced: the data a per-tag, per-layer cost calibration is fitted on."""
+    ev = (
+        select(
+            EventRow.run_id,
+            EventRow.request_id,
+            EventRow.step_id,
+            EventRow.tag,
+            EventRow.layer,
+            func.sum(EventRow.predicted_cost).label("predicted"),
+        )
+        .where(EventRow.exactness == "approximate")
+        .group_by(
+            EventRow.run_id,
+            EventRow.request_id,
+            EventRow.step_id,
+            EventRow.tag,
+            EventRow.layer,
+        )
+    )
+    if run_id is not None:
+        ev = ev.where(EventRow.run_id == run_id)
+    if tag is not None:
+        ev = ev.where(EventRow.tag == tag)
+    sub = ev.subquery()
+    pd = PositionDiffRow
+    stmt = (
+        select(sub, pd.position, pd.kl.label("measured_kl"))
+        .join(
+            pd,
+            (pd.run_id == sub.c.run_id)
+            & (pd.request_id == sub.c.request_id)
+            & (pd.step_id == sub.c.step_id),
+        )
+        .order_by(sub.c.run_id, sub.c.request_id, sub.c.step_id, sub.c.layer)
+    )
+    return _all(ledger, stmt)
