@@ -10,9 +10,11 @@ names the ledger, and a failed open leaves no new file behind.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Self
 
@@ -20,7 +22,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event, inspect
+from sqlalchemy import Connection, Engine, create_engine, event, inspect
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
@@ -28,6 +30,8 @@ from sqlalchemy.pool import StaticPool
 DEFAULT_LEDGER = "./fallbackgate-ledger.sqlite"
 ENV_VAR = "FALLBACKGATE_LEDGER"
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+WRITE_TRANSACTION = "fallbackgate_write"
+"""Execution option: a SQLite transaction that will write starts with BEGIN IMMEDIATE (see begin_write)."""
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
 
@@ -172,7 +176,10 @@ def _sqlite_engine(url: URL, path: Path | None, read_only: bool) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
-        conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+        immediate = conn.get_execution_options().get(WRITE_TRANSACTION, False)
+        conn.exec_driver_sql(
+            "BEGIN IMMEDIATE" if immediate and not read_only else "BEGIN"
+        )
 
     return engine
 
@@ -229,10 +236,20 @@ def _check_revision(engine: Engine, display: str, read_only: bool) -> None:
         )
 
 
+@contextlib.contextmanager
+def begin_write(engine: Engine) -> Iterator[Connection]:
+    """A connection in a write transaction (SQLite: BEGIN IMMEDIATE, so writers queue on the lock
+    instead of failing on a read-to-write upgrade); committed on success, rolled back on error."""
+    with engine.connect() as conn:
+        conn.execution_options(**{WRITE_TRANSACTION: True})
+        with conn.begin():
+            yield conn
+
+
 def upgrade(engine: Engine) -> None:
     """Upgrade the schema of ``engine``'s database to the newest revision, in one transaction."""
     cfg = alembic_config()
-    with engine.begin() as conn:
+    with begin_write(engine) as conn:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
 

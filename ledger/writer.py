@@ -21,7 +21,7 @@ from sqlalchemy import Connection, Table, insert, update
 from engine.messages import RequestOutput, StepPlan, StepResult
 from engine.tags import Tag
 from ledger.bulk import insert_rows
-from ledger.db import Ledger, LedgerError
+from ledger.db import Ledger, LedgerError, begin_write
 from ledger.models import (
     RUN_STATUSES,
     Calibration,
@@ -108,7 +108,7 @@ class LedgerWriter:
             "mode": mode,
             "note": note,
         }
-        with self.ledger.engine.begin() as conn:
+        with begin_write(self.ledger.engine) as conn:
             run_id = conn.execute(
                 insert(Run.__table__).returning(Run.__table__.c.id), row
             ).scalar_one()
@@ -307,7 +307,7 @@ class LedgerWriter:
         if not rows and not ops:
             return
         try:
-            with self.ledger.engine.begin() as conn:
+            with begin_write(self.ledger.engine) as conn:
                 for table in _TABLE_ORDER:
                     cols = EVENT_COLUMNS if table is EventRow.__table__ else ()
                     insert_rows(conn, table, rows.get(table, ()), cols)
