@@ -39,8 +39,9 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
-def print_table(verdict: RunVerdict, out: TextIO = sys.stdout) -> None:
-    """Print one line per request and a run line."""
+def print_table(verdict: RunVerdict, out: TextIO | None = None) -> None:
+    """Print one line per request and a run line (to stdout by default)."""
+    out = out or sys.stdout
     head = f"{'request':<24} {'served':<11} {'mean KL':>9} {'p99 KL':>9} {'max KL':>9} {'top1':>6} verdict"
     print(head, file=out)
     for v in verdict.requests:
