@@ -1,0 +1,47 @@
+"""Engine configuration: one validated slots dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.hardware import CPU_BOX, HardwareProfile
+
+MIB = 1024 * 1024
+
+
+@dataclasses.dataclass(slots=True)
+class EngineConfig:
+    """Knobs of the mechanism. Budgets are bytes; None means "everything fits"."""
+
+    model_dir: str  # local checkpoint directory
+    device_budget_bytes: int | None = None  # expert slots + KV blocks on device
+    host_budget_bytes: int | None = None  # expert homes + KV copies in host memory; the rest spills to disk
+    spill_dir: str | None = None  # disk tier directory (a temporary directory when None)
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 8  # running requests at most
+    max_num_batched_tokens: int = 256  # tokens per forward (prefill chunks + decodes)
+    max_model_len: int = 2048  # prompt + output tokens per request
+    preempt_mode: str = "swap"  # "swap" (copy KV to host) or "recompute" (drop KV, re-prefill later)
+    expert_lowbit_bits: int = 8  # bits of the low-bit expert copies (0: none)
+    profile: HardwareProfile = CPU_BOX  # modeled time
+    device: str = "auto"  # "auto", "cpu" or "cuda"
+    seed: int = 0  # base seed for sampling
+
+    def __post_init__(self) -> None:
+        for name in ("device_budget_bytes", "host_budget_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {value}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs})")
+        if self.preempt_mode not in ("swap", "recompute"):
+            raise ValueError(f"preempt_mode must be 'swap' or 'recompute', got {self.preempt_mode!r}")
+        if self.expert_lowbit_bits not in (0, 4, 8):
+            raise ValueError(f"expert_lowbit_bits must be 0, 4 or 8, got {self.expert_lowbit_bits}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")

@@ -1,0 +1,113 @@
+"""The small interface the engine consults each step. Controllers (in `fallbackgate`) implement it.
+
+The engine reports what is possible and what it costs; a controller decides.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+from engine.expert_store import ExpertKey, ExpertStore
+from engine.hardware import HardwareProfile
+from engine.kv_store import KVBlockKey, KVStore, SpillMode
+from engine.messages import StepPlan
+from engine.tags import Tag, Tier
+
+
+@dataclasses.dataclass(slots=True)
+class ExpertMiss:
+    """A routed expert that one request's tokens need and that is not on device."""
+
+    step_id: int  # current step
+    request_id: str  # request whose tokens route to the expert
+    request_class: str  # its policy class
+    layer: int  # decoder layer
+    expert_id: int  # routed expert index
+    num_tokens: int  # tokens of this request routed to the expert in this step
+    max_gate_weight: float  # largest routing weight among those tokens (proxy for defer cost)
+    home: Tier  # where the full-precision copy lives
+    num_bytes: int  # full-precision bytes of the expert
+    is_lowbit_available: bool  # an int8/int4 copy exists
+    is_device_room: bool  # the expert fits on device without evicting anything
+
+
+@dataclasses.dataclass(slots=True)
+class KVMiss:
+    """A KV block a request must read this step that is not on device."""
+
+    step_id: int  # current step
+    request_id: str  # owner
+    request_class: str  # its policy class
+    layer: int  # decoder layer
+    block_index: int  # index in the request's block table
+    exact_tier: Tier | None  # tier of the nearest full-precision copy, None when none exists
+    quant_tier: Tier | None  # tier of the nearest quantized copy, None when none exists
+    quant_bits: int  # bits of that quantized copy (0 when none)
+    num_bytes: int  # full-precision bytes of the block
+
+
+@dataclasses.dataclass(slots=True)
+class Decision:
+    """A controller's choice for one miss."""
+
+    tag: Tag  # the action to take
+    predicted_cost: float = 0.0  # predicted quality cost in nats (approximate tags)
+    reason: str = ""  # why, for the ledger
+
+
+@dataclasses.dataclass(slots=True)
+class Victim:
+    """An object to take off device: an expert (dropped, its home stays) or a KV block (spilled)."""
+
+    expert_key: ExpertKey | None = None  # set for an expert
+    kv_block_key: KVBlockKey | None = None  # set for a KV block
+    spill_mode: SpillMode = SpillMode.HOST_FULL  # how a KV block's copy is kept
+
+
+@dataclasses.dataclass(slots=True)
+class StepEndActions:
+    """What a controller wants done between steps; the engine executes it within the budgets."""
+
+    spill: list[tuple[KVBlockKey, SpillMode]] = dataclasses.field(default_factory=list)  # KV to take off device
+    evict_experts: list[ExpertKey] = dataclasses.field(default_factory=list)  # experts to drop from device
+    promote_kv: list[KVBlockKey] = dataclasses.field(default_factory=list)  # staged KV to keep on device
+    load_experts: list[ExpertKey] = dataclasses.field(default_factory=list)  # experts to prefetch
+
+
+@dataclasses.dataclass(slots=True)
+class EngineView:
+    """Read access to the engine's state for a controller."""
+
+    expert_store: ExpertStore  # tiered experts
+    kv_store: KVStore  # paged KV
+    profile: HardwareProfile  # link and compute rates
+    request_classes: dict[str, str]  # live request id -> class
+    running_ids: list[str]  # requests holding device KV now
+    used_expert_keys: list[ExpertKey]  # experts computed in the last step, in use order
+    used_kv_block_keys: list[KVBlockKey]  # KV blocks read in the last step
+    deferred_expert_keys: list[ExpertKey]  # experts deferred in the last step (loads queued)
+
+
+class Controller(abc.ABC):
+    """Decides every action the engine may take differently; never moves bytes itself."""
+
+    @abc.abstractmethod
+    def expert_action(self, miss: ExpertMiss) -> Decision:
+        """exact_load, cpu_execute, expert_defer or expert_lowbit for one request's use of one expert."""
+
+    @abc.abstractmethod
+    def kv_action(self, miss: KVMiss) -> Decision:
+        """exact_load, kv_dequant or recompute for one off-device KV block."""
+
+    @abc.abstractmethod
+    def choose_victims(self, num_bytes: int, view: EngineView, pinned_experts: set[ExpertKey],
+                       pinned_kv: set[KVBlockKey]) -> list[Victim]:
+        """Objects to take off device so that `num_bytes` more fit; may return fewer than needed."""
+
+    def on_step_start(self, plan: StepPlan, view: EngineView) -> None:  # noqa: B027 - optional hook
+        """Called before each step's forward pass."""
+
+    def on_step_end(self, view: EngineView) -> StepEndActions:
+        """Called after each step; default: nothing to do."""
+        return StepEndActions()

@@ -1,0 +1,235 @@
+"""The engine: requests in, tagged steps out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+from tqdm.auto import tqdm
+
+from engine.build import build_stores, probe_kv_shapes, resolve_device
+from engine.config import EngineConfig
+from engine.controller import Controller, EngineView
+from engine.errors import PromptError
+from engine.executor import Executor
+from engine.kv_store import KVBlockKey, SpillMode
+from engine.loader import load_checkpoint
+from engine.messages import RequestOutput, StepPlan, StepResult
+from engine.model_runner import ModelRunner
+from engine.scheduler import Scheduler
+from engine.sequence import SamplingParams, Sequence
+from engine.step_context import EventLog, ForwardBatch
+from engine.step_end import apply_step_end
+from engine.tags import ObjectKind, Tag
+
+
+class Engine:
+    """A joint-offload MoE engine over a transformers checkpoint; the controller decides every fallback."""
+
+    def __init__(self, config: EngineConfig, controller: Controller) -> None:
+        self.config, self.controller = config, controller
+        loaded = load_checkpoint(config.model_dir)
+        self.tokenizer, self.model_config = loaded.tokenizer, loaded.model.config
+        self.device = resolve_device(config.device)
+        shape = probe_kv_shapes(loaded)
+        self.num_dense_params = sum(p.numel() for n, p in loaded.model.named_parameters() if "experts" not in n)
+        self.expert_store, self.kv_store, expert_floor = build_stores(config, loaded, shape, self.device)
+        model = loaded.model.to(self.device)
+        hidden = int(self.model_config.hidden_size)
+        first = next(iter(loaded.experts_by_layer.values()))
+        self.executor = Executor(self.expert_store, self.kv_store, controller, config.profile, hidden,
+                                 int(first.intermediate_dim))
+        self.executor.view_factory = self.view
+        for layer, module in loaded.experts_by_layer.items():
+            module._fg_executor, module._fg_layer = self.executor, layer
+        heads = int(self.model_config.num_attention_heads)
+        attn_flops = 4.0 * heads * (shape.key_dim + shape.value_dim) / 2 * shape.num_layers
+        self.runner = ModelRunner(model, self.executor, shape.num_layers, self.device, 2.0 * self.num_dense_params,
+                                  attn_flops)
+        self.scheduler = Scheduler(config, self.kv_store, self._make_room_for_kv, expert_floor, self._preempt)
+        self.sequences: dict[str, Sequence] = {}
+        self.finished: dict[str, RequestOutput] = {}
+        self.modeled_clock_s = 0.0
+        self.is_observe = False  # set by the policy layer for observe mode
+
+    # --- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, request_class: str = "default") -> str:
+        """Queue a request; returns its id."""
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{len(self.sequences)}"
+        if request_id in self.sequences:
+            raise PromptError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise PromptError(f"request {request_id!r}: the prompt is empty")
+        limit = min(self.config.max_model_len, int(getattr(self.model_config, "max_position_embeddings", 1 << 30)))
+        if len(prompt_token_ids) + params.max_new_tokens > limit:
+            raise PromptError(f"request {request_id!r}: prompt ({len(prompt_token_ids)} tokens) + max_new_tokens "
+                              f"({params.max_new_tokens}) exceeds the model length limit {limit}")
+        vocab = int(self.model_config.vocab_size)
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise PromptError(f"request {request_id!r}: token ids must be in [0, {vocab})")
+        seq = Sequence(request_id, list(prompt_token_ids), params, request_class)
+        seq.modeled_arrival_s = self.modeled_clock_s
+        seed = params.seed if params.seed is not None else self.config.seed + len(self.sequences)
+        seq.generator = torch.Generator().manual_seed(seed)
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- one step ------------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        """Schedule, make KV usable, run one packed forward, sample, and let the controller tidy up."""
+        started = time.perf_counter()
+        plan, chosen = self.scheduler.schedule()
+        plan.is_observe = self.is_observe
+        self.controller.on_step_start(plan, self.view())
+        log = self._prepare(plan, chosen)
+        logits = self._forward(plan, chosen, log)
+        return self._finish_step(plan, chosen, logits, log, started)
+
+    def _prepare(self, plan: StepPlan, chosen: list[tuple[Sequence, int]]) -> EventLog:
+        log = EventLog(plan.step_id)
+        log.modeled_transfer_s += self.executor.pending_modeled_s
+        self.executor.pending_modeled_s = 0.0
+        for request_id, staged in self.scheduler.restored:
+            modeled = self.config.profile.transfer_s(staged.bytes_moved, staged.source_tier)
+            log.modeled_transfer_s += modeled
+            log.add(request_id, staged.key[1], ObjectKind.KV_BLOCK, Tag.EXACT_LOAD, bytes_moved=staged.bytes_moved,
+                    source_tier=staged.source_tier, modeled_s=modeled, note="resume: tail block")
+        self.scheduler.restored.clear()
+        self.runner.resolve_kv(plan.step_id, chosen, log, self.is_observe)
+        return log
+
+    def _forward(self, plan: StepPlan, chosen: list[tuple[Sequence, int]], log: EventLog) -> torch.Tensor:
+        token_ids: list[int] = []
+        owners: list[int] = []
+        rows: list[int] = []
+        for index, (seq, num) in enumerate(chosen):
+            start = seq.num_computed_tokens
+            token_ids += seq.all_token_ids[start : start + num]
+            owners += [index] * num
+            if start + num == seq.num_tokens:
+                rows.append(len(token_ids) - 1)
+            self._log_rebuilt(seq, start, num, log)
+        batch = ForwardBatch([s.request_id for s, _ in chosen], [s.num_computed_tokens for s, _ in chosen],
+                             [n for _, n in chosen], torch.tensor(owners), [s.request_class for s, _ in chosen])
+        return self.runner.forward(plan.step_id, batch, token_ids, rows, log, self.is_observe)
+
+    def _log_rebuilt(self, seq: Sequence, start: int, num: int, log: EventLog) -> None:
+        """Blocks re-filled by a re-prefill after a drop-preemption are recompute, not prefill."""
+        end = min(start + num, seq.num_recompute_tokens)
+        if end <= start:
+            return
+        size = self.config.block_size
+        num_blocks = (end - 1) // size - start // size + 1
+        for layer in range(self.kv_store.num_layers):
+            log.add(seq.request_id, layer, ObjectKind.KV_BLOCK, Tag.RECOMPUTE, count=num_blocks,
+                    note="re-prefill after drop preemption")
+
+    def _finish_step(self, plan: StepPlan, chosen: list[tuple[Sequence, int]], logits: torch.Tensor,
+                     log: EventLog, started: float) -> StepResult:
+        apply_step_end(self, log)
+        sampled, kept, finished = {}, {}, []
+        row = 0
+        for seq, num in chosen:
+            seq.num_computed_tokens += num
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampled[seq.request_id], kept[seq.request_id] = self._sample(seq, logits[row]), logits[row]
+                row += 1
+        events = log.events()
+        modeled = log.modeled_transfer_s + log.modeled_compute_s
+        self.modeled_clock_s += modeled
+        now = time.perf_counter()
+        for event in events:
+            if event.request_id in self.sequences:
+                counts = self.sequences[event.request_id].tag_counts
+                counts[event.tag.value] = counts.get(event.tag.value, 0) + event.count
+        for request_id, token in sampled.items():
+            if self._append_token(self.sequences[request_id], token, kept[request_id], now):
+                finished.append(request_id)
+        pool = self.kv_store.device_pool
+        return StepResult(plan.step_id, plan.kind, plan.request_ids, sampled, kept, events, now - started, modeled,
+                          finished, pool.used_bytes_by_kind[ObjectKind.EXPERT],
+                          pool.used_bytes_by_kind[ObjectKind.KV_BLOCK])
+
+    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
+        params = seq.params
+        if params.temperature == 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        if params.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            drop = torch.cumsum(sorted_probs, 0) - sorted_probs > params.top_p
+            sorted_probs[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+        return int(torch.multinomial(probs.cpu(), 1, generator=seq.generator))
+
+    def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor, now: float) -> bool:
+        if not seq.output_token_ids:
+            seq.first_token_s, seq.modeled_first_token_s = now, self.modeled_clock_s
+        seq.output_token_ids.append(token)
+        seq.output_logits.append(logits.detach().cpu())
+        is_done = len(seq.output_token_ids) >= seq.params.max_new_tokens or token in seq.params.stop_token_ids
+        if is_done:
+            seq.finish_s, seq.modeled_finish_s = now, self.modeled_clock_s
+            self.scheduler.finish(seq)
+            self.kv_store.free_sequence(seq.request_id)
+            self.finished[seq.request_id] = self._output(seq)
+        return is_done
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        n = len(seq.output_token_ids)
+        tpot = (seq.modeled_finish_s - seq.modeled_first_token_s) / (n - 1) if n > 1 else 0.0
+        return RequestOutput(seq.request_id, seq.request_class, seq.prompt_token_ids, list(seq.output_token_ids),
+                             torch.stack(seq.output_logits), seq.arrival_s, seq.first_token_s, seq.finish_s,
+                             seq.modeled_first_token_s - seq.modeled_arrival_s, tpot, dict(seq.tag_counts),
+                             seq.num_preemptions)
+
+    # --- memory pressure -----------------------------------------------------------------------
+    def _make_room_for_kv(self, num_bytes: int, pinned: set[KVBlockKey], is_done: Callable[[], bool],
+                          is_kv_only: bool) -> bool:
+        pinned_experts = set(self.expert_store.device_keys()) if is_kv_only else set()
+        if self.executor.make_room(num_bytes, pinned_kv=pinned, pinned_experts=pinned_experts, is_done=is_done):
+            return True
+        return self.executor.make_room(num_bytes, pinned_kv=pinned, pinned_experts=set(self.expert_store.device_keys()),
+                                       is_done=is_done)
+
+    def _preempt(self, seq: Sequence) -> None:
+        if self.config.preempt_mode == "swap":
+            for blocks in self.kv_store.tables[seq.request_id]:
+                for block in blocks:
+                    if block.device is not None:
+                        self.executor.spill_kv(block.key, SpillMode.HOST_FULL)
+        else:
+            self.kv_store.free_sequence(seq.request_id)
+            self.kv_store.add_sequence(seq.request_id)
+            seq.num_recompute_tokens = max(seq.num_recompute_tokens, seq.num_computed_tokens)
+            seq.num_computed_tokens = 0
+
+    def view(self) -> EngineView:
+        """A read view of the engine's state for controllers."""
+        return EngineView(self.expert_store, self.kv_store, self.config.profile,
+                          {rid: s.request_class for rid, s in self.sequences.items() if not s.is_finished},
+                          [s.request_id for s in self.scheduler.running], list(self.executor.used_expert_keys),
+                          list(self.executor.used_kv_block_keys), list(self.executor.deferred_expert_keys))
+
+    # --- conveniences --------------------------------------------------------------------------
+    def generate(self, prompts: Iterable[list[int]], params: SamplingParams | None = None,
+                 is_progress_shown: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order."""
+        ids = [self.add_request(p, params) for p in prompts]
+        total = sum(self.sequences[i].params.max_new_tokens for i in ids)
+        with tqdm(total=total, disable=not is_progress_shown, unit="tok") as bar:
+            while self.has_unfinished():
+                result = self.step()
+                bar.update(len(result.sampled_token_ids))
+        return [self.finished[i] for i in ids]
+
+    def exact_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Exact-baseline logits [len, vocab] for a token sequence (the audit's teacher-forced pass)."""
+        return self.runner.exact_logits(token_ids)

@@ -1,0 +1,120 @@
+"""Load a transformers MoE causal LM from a local directory and find its routed-experts modules."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+import warnings
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from engine.errors import CheckpointError
+
+# model_type -> architecture family; each routes its experts through transformers' experts interface.
+SUPPORTED_MODEL_TYPES: dict[str, str] = {
+    "qwen3_moe": "Qwen3-MoE",
+    "qwen2_moe": "Qwen2-MoE (shared expert)",
+    "mixtral": "Mixtral",
+    "olmoe": "OLMoE",
+    "deepseek_v3": "DeepSeek-V3 (shared experts, grouped top-k)",
+    "glm4_moe": "GLM-4-MoE",
+    "ernie4_5_moe": "ERNIE-4.5-MoE",
+    "hunyuan_v1_moe": "Hunyuan-MoE",
+    "phimoe": "PhiMoE",
+}
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclasses.dataclass(slots=True)
+class LoadedCheckpoint:
+    """A model ready for the engine: experts modules found, layer indices known."""
+
+    path: pathlib.Path  # the model directory
+    model: PreTrainedModel  # fp32, eval mode, attention through sdpa
+    tokenizer: PreTrainedTokenizerBase | None  # None when the directory has no tokenizer
+    experts_by_layer: dict[int, torch.nn.Module]  # decoder layer index -> routed experts module
+    top_k: int  # experts per token
+    num_experts: int  # routed experts per MoE layer
+
+
+def _read_config(path: pathlib.Path) -> dict:
+    if not path.exists():
+        raise CheckpointError(f"model directory {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"model path {path} is a file, not a checkpoint directory")
+    config_file = path / "config.json"
+    if not config_file.exists():
+        found = sorted(p.name for p in path.iterdir())[:10]
+        raise CheckpointError(f"{path} is not a checkpoint: no config.json (found: {found or 'nothing'})")
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_file} is not valid JSON: {exc}") from exc
+
+
+def _check_supported(path: pathlib.Path, config: dict) -> None:
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        supported = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
+        raise CheckpointError(
+            f"{path}: model_type {model_type!r} is not a supported MoE architecture (supported: {supported})"
+        )
+    weights = list(path.glob("*.safetensors")) + list(path.glob("*.safetensors.index.json"))
+    if not weights:
+        raise CheckpointError(f"{path}: no *.safetensors weights found next to config.json")
+
+
+def _top_k(config: object) -> int:
+    for name in ("num_experts_per_tok", "moe_top_k", "top_k"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    raise CheckpointError("could not find the number of experts per token in the config")
+
+
+def find_experts_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """Map decoder layer index -> the routed-experts module that uses transformers' experts interface."""
+    found: dict[int, torch.nn.Module] = {}
+    for name, module in model.named_modules():
+        if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and hasattr(module, "has_gate")):
+            continue
+        match = _LAYER_RE.search(name + ".")
+        if match is None:
+            continue
+        if module.has_bias or module.is_transposed or not module.has_gate or not module.is_concatenated:
+            raise CheckpointError(f"experts module {name} uses a weight layout the engine does not support yet")
+        found[int(match.group(1))] = module
+    return found
+
+
+def load_checkpoint(path: str | pathlib.Path, *, is_tokenizer_required: bool = False) -> LoadedCheckpoint:
+    """Load `path` in fp32 with experts routed through the engine's experts function."""
+    path = pathlib.Path(path)
+    config = _read_config(path)
+    _check_supported(path, config)
+    from engine.experts_hook import EXPERTS_IMPLEMENTATION, register_experts_function
+
+    register_experts_function()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True,
+                experts_implementation=EXPERTS_IMPLEMENTATION,
+            )
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: transformers could not load the checkpoint: {exc}") from exc
+    model.eval()
+    experts = find_experts_modules(model)
+    if not experts:
+        raise CheckpointError(f"{path}: {config.get('model_type')} model has no routed-experts layers (dense model?)")
+    tokenizer = None
+    if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    elif is_tokenizer_required:
+        raise CheckpointError(f"{path}: no tokenizer files (tokenizer.json) next to the weights")
+    first = next(iter(experts.values()))
+    return LoadedCheckpoint(path, model, tokenizer, experts, _top_k(model.config), int(first.num_experts))

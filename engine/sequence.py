@@ -1,0 +1,76 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+import torch
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet
+    RUNNING = "running"  # holds device KV (at least its tail blocks)
+    SWAPPED = "swapped"  # preempted; KV copies on host/disk, or dropped for recompute
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(slots=True)
+class SamplingParams:
+    """How the next token is chosen."""
+
+    max_new_tokens: int = 32  # output tokens at most
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # nucleus sampling mass
+    seed: int | None = None  # per-request seed (seeded sampling)
+    stop_token_ids: tuple[int, ...] = ()  # end generation on these tokens
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass(slots=True)
+class Sequence:
+    """A request: its tokens, how many have KV in the store, and its timings."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_class: str = "default"
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    output_logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the store
+    num_recompute_tokens: int = 0  # tokens computed before a drop-preemption, to be rebuilt
+    num_preemptions: int = 0
+    arrival_s: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_s: float = 0.0
+    finish_s: float = 0.0
+    modeled_arrival_s: float = 0.0  # engine modeled clock at arrival
+    modeled_first_token_s: float = 0.0
+    modeled_finish_s: float = 0.0
+    tag_counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    generator: torch.Generator | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens to feed before the next token can be sampled (prompt chunks, or the last output)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

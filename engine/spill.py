@@ -1,0 +1,67 @@
+"""The disk tier: tensors written as files under a spill directory, one CRC32 per page."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import zlib
+
+import numpy as np
+import torch
+
+from engine.errors import ChecksumError, EngineError
+
+PAGE_BYTES = 64 * 1024
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class SpillRecord:
+    """Where a spilled tensor lives and how to check it."""
+
+    path: pathlib.Path  # file holding the raw bytes
+    dtype: torch.dtype  # element type
+    shape: tuple[int, ...]  # tensor shape
+    page_crcs: tuple[int, ...]  # CRC32 of each PAGE_BYTES page, in order
+
+    @property
+    def num_bytes(self) -> int:
+        return int(np.prod(self.shape)) * torch.empty((), dtype=self.dtype).element_size()
+
+
+class SpillDir:
+    """Writes and reads tensors under one directory; every read verifies every page's checksum."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = pathlib.Path(root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / ".fallbackgate-write-probe"
+            probe.write_bytes(b"ok")
+            probe.unlink()
+        except OSError as exc:
+            raise EngineError(f"spill directory {self.root} is not writable: {exc}") from exc
+        self.is_checksum_verified = True  # tests turn this off to plant a fault
+
+    def write(self, name: str, tensor: torch.Tensor) -> SpillRecord:
+        """Write `tensor` to `<root>/<name>.bin` and return its record."""
+        data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        crcs = tuple(zlib.crc32(data[i : i + PAGE_BYTES]) for i in range(0, len(data), PAGE_BYTES))
+        path = self.root / f"{name}.bin"
+        path.write_bytes(data)
+        return SpillRecord(path=path, dtype=tensor.dtype, shape=tuple(tensor.shape), page_crcs=crcs)
+
+    def read(self, record: SpillRecord) -> torch.Tensor:
+        """Read a tensor back; raises ChecksumError if any page does not match its CRC."""
+        data = record.path.read_bytes()
+        if self.is_checksum_verified:
+            for page, expected in enumerate(record.page_crcs):
+                chunk = data[page * PAGE_BYTES : (page + 1) * PAGE_BYTES]
+                if zlib.crc32(chunk) != expected:
+                    raise ChecksumError(f"{record.path.name}: page {page} checksum mismatch")
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return raw.view(record.dtype).reshape(record.shape).clone()
+
+    def delete(self, record: SpillRecord) -> None:
+        """Remove a spilled file (missing files are fine)."""
+        record.path.unlink(missing_ok=True)

@@ -1,0 +1,67 @@
+"""Per-forward state shared by the experts hook and the paged cache, and the event accumulator."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from engine.messages import Event
+from engine.tags import ObjectKind, Tag, Tier
+
+_EventKey = tuple[str, int, ObjectKind, Tag, Tier | None, str]
+
+
+@dataclasses.dataclass(slots=True)
+class ForwardBatch:
+    """How one packed forward's tokens map onto requests."""
+
+    request_ids: list[str]  # requests in packing order
+    starts: list[int]  # position of each request's first token in this forward
+    lengths: list[int]  # tokens of each request in this forward
+    token_owner: torch.Tensor  # [T] index into request_ids for every packed token
+    request_classes: list[str]  # class of each request
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.lengths))
+
+
+class EventLog:
+    """Aggregates actions into one Event per step × request × layer × kind × tag (× source, note)."""
+
+    def __init__(self, step_id: int) -> None:
+        self.step_id = step_id
+        self._events: dict[_EventKey, Event] = {}
+        self.modeled_transfer_s = 0.0  # serialised link time of this step
+        self.modeled_compute_s = 0.0  # device + CPU compute time of this step
+
+    def add(self, request_id: str, layer: int, kind: ObjectKind, tag: Tag, *, count: int = 1,
+            bytes_moved: int = 0, source_tier: Tier | None = None, predicted_cost: float = 0.0,
+            modeled_s: float = 0.0, note: str = "") -> None:
+        """Record `count` objects served with `tag`."""
+        key = (request_id, layer, kind, tag, source_tier, note)
+        event = self._events.get(key)
+        if event is None:
+            event = Event(self.step_id, request_id, layer, kind, tag, 0, source_tier=source_tier, note=note)
+            self._events[key] = event
+        event.count += count
+        event.bytes_moved += bytes_moved
+        event.predicted_cost += predicted_cost
+        event.modeled_s += modeled_s
+
+    def events(self) -> list[Event]:
+        return list(self._events.values())
+
+
+@dataclasses.dataclass(slots=True)
+class StepContext:
+    """Everything a forward's hooks need; set by the runner around each forward pass."""
+
+    step_id: int  # engine step
+    batch: ForwardBatch  # token -> request mapping
+    log: EventLog  # where actions are recorded
+    is_observe: bool = False  # decide and record, but serve exact
+    is_exact_baseline: bool = False  # audit pass: exact weights, nothing recorded
+    used_expert_keys: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    deferred_expert_keys: list[tuple[int, int]] = dataclasses.field(default_factory=list)
