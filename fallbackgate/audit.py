@@ -68,9 +68,7 @@ def position_diffs(
     exact = exact_logits.detach().to("cpu", torch.float64)
     engine = engine_logits.detach().to("cpu", torch.float64)
     if exact.shape != engine.shape or exact.dim() != 2:
-        raise ValueError(
-            f"logits must both be [N, V]; got {tuple(exact.shape)} and {tuple(engine.shape)}"
-        )
+        raise ValueError(f"logits must both be [N, V]; got {tuple(exact.shape)} and {tuple(engine.shape)}")
     tokens = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
     if tokens.numel() != exact.shape[0]:
         raise ValueError(f"{tokens.numel()} token ids for {exact.shape[0]} positions")
@@ -113,9 +111,7 @@ def percentile(sorted_values: list[float], fraction: float) -> float:
     p = fraction * (len(sorted_values) - 1)
     ip = int(p)
     p -= ip
-    return (1 - p) * sorted_values[ip] + p * sorted_values[
-        min(ip + 1, len(sorted_values) - 1)
-    ]
+    return (1 - p) * sorted_values[ip] + p * sorted_values[min(ip + 1, len(sorted_values) - 1)]
 
 
 def request_stats(diffs: list[PositionDiff]) -> RequestDiffStats:

@@ -42,9 +42,7 @@ class RequestVerdict:
     position: int | None = None  # first diverging output position
     step: int | None = None  # step that produced that position
     layer: int | None = None  # lowest layer with a non-exact tag on that step
-    tags: list[str] = dataclasses.field(
-        default_factory=list
-    )  # tags on that step for this request
+    tags: list[str] = dataclasses.field(default_factory=list)  # tags on that step for this request
     stats: dict[str, Any] | None = None
 
     @property
@@ -92,9 +90,7 @@ def judge_request(
 ) -> RequestVerdict:
     """Judge one request from its diff statistics (None when not audited), budget and tag counts."""
     served = served_class(objects_by_class)
-    v = RequestVerdict(
-        request_id, True, served, stats=dict(stats) if stats is not None else None
-    )
+    v = RequestVerdict(request_id, True, served, stats=dict(stats) if stats is not None else None)
     budget = budget or {}
     if stats is not None:
         _check_kl_budget(v, stats, budget)
@@ -112,11 +108,7 @@ def judge_request(
         v.reasons.append(f"approximate fraction {approx / total:.3g} > {limit:g}")
     allowed = budget.get("allowed_tags")
     if allowed is not None:
-        used = sorted(
-            t
-            for t, n in objects_by_tag.items()
-            if n > 0 and _is_approximate(t) and t not in allowed
-        )
+        used = sorted(t for t, n in objects_by_tag.items() if n > 0 and _is_approximate(t) and t not in allowed)
         if used:
             v.reasons.append(f"tags not allowed: {', '.join(used)}")
     v.passed = not v.reasons
@@ -130,9 +122,7 @@ def _is_approximate(tag: str) -> bool:
         return True  # an unknown tag is never assumed exact
 
 
-def _check_kl_budget(
-    v: RequestVerdict, stats: Mapping[str, Any], budget: Mapping[str, Any]
-) -> None:
+def _check_kl_budget(v: RequestVerdict, stats: Mapping[str, Any], budget: Mapping[str, Any]) -> None:
     checks = (
         ("max_mean_kl", "mean_kl", "mean KL", 1),
         ("max_p99_kl", "p99_kl", "p99 KL", 1),
@@ -145,17 +135,13 @@ def _check_kl_budget(
             v.reasons.append(f"{label} {stats[stat]:.3g} {op} budget {limit:g}")
 
 
-def _locate(
-    ledger: Ledger, run_id: int, v: RequestVerdict, numeric_floor_kl: float | None
-) -> None:
+def _locate(ledger: Ledger, run_id: int, v: RequestVerdict, numeric_floor_kl: float | None) -> None:
     """Fill in the first diverging position, its step, layer and tags."""
     diffs = queries.position_diffs(ledger, run_id, v.request_id)
     if not diffs:
         return
     tol = tolerance(v.served, numeric_floor_kl)
-    first = (
-        next((d for d in diffs if d["kl"] > tol), None) if v.correctness_bug else None
-    )
+    first = next((d for d in diffs if d["kl"] > tol), None) if v.correctness_bug else None
     first = first or next((d for d in diffs if not d["top1_agree"]), None)
     first = first or max(diffs, key=lambda d: d["kl"])
     v.position, v.step = first["position"], first["step_id"]
@@ -188,12 +174,8 @@ def evaluate_run(ledger: Ledger, run_id: int) -> RunVerdict:
     )
     for req in queries.request_summaries(ledger, run_id):
         rid = req["request_id"]
-        stats = (
-            {k: req[k] for k in stat_keys} if req["num_positions"] is not None else None
-        )
-        v = judge_request(
-            rid, stats, req["budget"], by_class.get(rid, {}), by_tag.get(rid, {}), floor
-        )
+        stats = {k: req[k] for k in stat_keys} if req["num_positions"] is not None else None
+        v = judge_request(rid, stats, req["budget"], by_class.get(rid, {}), by_tag.get(rid, {}), floor)
         if not v.passed:
             _locate(ledger, run_id, v, floor)
         verdicts.append(v)
@@ -202,7 +184,5 @@ def evaluate_run(ledger: Ledger, run_id: int) -> RunVerdict:
         reasons.append(f"run is {run['status']}")
     failed = [v.request_id for v in verdicts if not v.passed]
     if failed:
-        reasons.append(
-            f"{len(failed)} of {len(verdicts)} requests failed: {', '.join(failed[:10])}"
-        )
+        reasons.append(f"{len(failed)} of {len(verdicts)} requests failed: {', '.join(failed[:10])}")
     return RunVerdict(run_id, not reasons, run["status"], reasons, verdicts)

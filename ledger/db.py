@@ -82,14 +82,10 @@ def parse_url(raw: str) -> URL:
     if not raw:
         raise LedgerError("ledger URL is empty")
     scheme = _SCHEME.match(raw)
-    if (
-        scheme is None or len(scheme.group(1)) == 1
-    ):  # plain path (or a Windows drive letter)
+    if scheme is None or len(scheme.group(1)) == 1:  # plain path (or a Windows drive letter)
         return URL.create("sqlite", database=str(Path(raw).expanduser().absolute()))
     if not raw[scheme.end() :].startswith("//"):
-        raise LedgerError(
-            f"malformed ledger URL {raw!r}: expected SCHEME://..., e.g. sqlite:///file.sqlite"
-        )
+        raise LedgerError(f"malformed ledger URL {raw!r}: expected SCHEME://..., e.g. sqlite:///file.sqlite")
     try:
         return make_url(raw)
     except (ArgumentError, ValueError) as exc:
@@ -129,22 +125,16 @@ def _check_sqlite_path(path: Path, read_only: bool) -> None:
         if read_only:
             raise LedgerError(f"no ledger at {path} (the file does not exist)")
         if not path.parent.is_dir():
-            raise LedgerError(
-                f"cannot create ledger {path}: directory {path.parent} does not exist"
-            )
+            raise LedgerError(f"cannot create ledger {path}: directory {path.parent} does not exist")
         if not _writable(path.parent):
-            raise LedgerError(
-                f"cannot create ledger {path}: directory {path.parent} is read-only"
-            )
+            raise LedgerError(f"cannot create ledger {path}: directory {path.parent} is read-only")
         return
     with path.open("rb") as fh:
         head = fh.read(len(_SQLITE_MAGIC))
     if head and head != _SQLITE_MAGIC:
         raise LedgerError(f"ledger {path} is not a SQLite database")
     if not read_only and not (_writable(path) and _writable(path.parent)):
-        raise LedgerError(
-            f"ledger {path} is read-only (file or its directory not writable); open it read-only"
-        )
+        raise LedgerError(f"ledger {path} is read-only (file or its directory not writable); open it read-only")
 
 
 def _sqlite_engine(url: URL, path: Path | None, read_only: bool) -> Engine:
@@ -153,33 +143,25 @@ def _sqlite_engine(url: URL, path: Path | None, read_only: bool) -> Engine:
         kwargs["poolclass"] = StaticPool
         kwargs["connect_args"] = {"check_same_thread": False}
     elif read_only:
-        url = URL.create(
-            "sqlite", database=f"file:{path}?mode=ro", query={"uri": "true"}
-        )
+        url = URL.create("sqlite", database=f"file:{path}?mode=ro", query={"uri": "true"})
     engine = create_engine(url, **kwargs)
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-        dbapi_conn.isolation_level = (
-            None  # let the "begin" hook below own transactions (DDL included)
-        )
+        dbapi_conn.isolation_level = None  # let the "begin" hook below own transactions (DDL included)
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA foreign_keys=ON")
         cur.execute("PRAGMA busy_timeout=10000")
         if not read_only and path is not None:
             cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA synchronous=NORMAL")
-            cur.execute(
-                "PRAGMA cache_size=-65536"
-            )  # 64 MiB: index inserts stay in memory
+            cur.execute("PRAGMA cache_size=-65536")  # 64 MiB: index inserts stay in memory
         cur.close()
 
     @event.listens_for(engine, "begin")
     def _on_begin(conn: Any) -> None:
         immediate = conn.get_execution_options().get(WRITE_TRANSACTION, False)
-        conn.exec_driver_sql(
-            "BEGIN IMMEDIATE" if immediate and not read_only else "BEGIN"
-        )
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate and not read_only else "BEGIN")
 
     return engine
 
@@ -191,18 +173,12 @@ def _make_engine(url: URL, read_only: bool) -> Engine:
             if path is not None:
                 _check_sqlite_path(path, read_only)
             return _sqlite_engine(url, path, read_only)
-        connect_args = (
-            {"connect_timeout": 5} if url.get_backend_name() == "postgresql" else {}
-        )
+        connect_args = {"connect_timeout": 5} if url.get_backend_name() == "postgresql" else {}
         return create_engine(url, connect_args=connect_args, pool_pre_ping=True)
     except NoSuchModuleError:
-        raise LedgerError(
-            f"unknown database kind {url.drivername!r} in ledger URL"
-        ) from None
+        raise LedgerError(f"unknown database kind {url.drivername!r} in ledger URL") from None
     except ImportError as exc:
-        raise LedgerError(
-            f"database driver for {url.drivername!r} is not installed: {exc}"
-        ) from None
+        raise LedgerError(f"database driver for {url.drivername!r} is not installed: {exc}") from None
     except ArgumentError as exc:
         raise LedgerError(f"malformed ledger URL: {exc}") from None
 
@@ -226,9 +202,7 @@ def _check_revision(engine: Engine, display: str, read_only: bool) -> None:
             f"(newest known: {head!r}); upgrade fallbackgate to use it"
         )
     if current is None and (read_only or has_runs):
-        raise LedgerError(
-            f"{display} is not a fallbackgate ledger (no schema revision recorded)"
-        )
+        raise LedgerError(f"{display} is not a fallbackgate ledger (no schema revision recorded)")
     if read_only and current != head:
         raise LedgerError(
             f"ledger {display} has old schema revision {current!r} (newest: {head!r}); open it once for "

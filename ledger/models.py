@@ -47,22 +47,16 @@ class Run(Base):
 
     __tablename__ = "runs"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    started_at: Mapped[dt.datetime] = mapped_column(
-        DateTime(timezone=True), default=utcnow
-    )
+    started_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     status: Mapped[str] = mapped_column(String(16), default="running")
     policy: Mapped[str | None] = mapped_column(Text)  # policy file text (YAML) or JSON
     model_path: Mapped[str | None] = mapped_column(Text)
-    hardware_profile: Mapped[dict[str, Any] | None] = mapped_column(
-        JSON(none_as_null=True)
-    )
+    hardware_profile: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     versions: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     controller: Mapped[str | None] = mapped_column(String(64))
     mode: Mapped[str | None] = mapped_column(String(16))  # "observe" or "enforce"
-    numeric_floor_kl: Mapped[float | None] = mapped_column(
-        Float
-    )  # max KL of the exact-vs-exact control
+    numeric_floor_kl: Mapped[float | None] = mapped_column(Float)  # max KL of the exact-vs-exact control
     note: Mapped[str | None] = mapped_column(Text)
     __table_args__ = (Index("ix_runs_started_at", "started_at"),)
 
@@ -85,22 +79,16 @@ class Request(Base):
     tpot_s: Mapped[float | None] = mapped_column(Float)
     modeled_ttft_s: Mapped[float | None] = mapped_column(Float)
     modeled_tpot_s: Mapped[float | None] = mapped_column(Float)
-    verdict: Mapped[str | None] = mapped_column(
-        String(16)
-    )  # "pass", "fail" or None before the gate
+    verdict: Mapped[str | None] = mapped_column(String(16))  # "pass", "fail" or None before the gate
     tag_counts: Mapped[dict[str, int] | None] = mapped_column(JSON(none_as_null=True))
-    __table_args__ = (
-        Index("ux_requests_run_request", "run_id", "request_id", unique=True),
-    )
+    __table_args__ = (Index("ux_requests_run_request", "run_id", "request_id", unique=True),)
 
 
 class Step(Base):
     """One engine step (forward pass) of a run."""
 
     __tablename__ = "steps"
-    run_id: Mapped[int] = mapped_column(
-        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
-    )
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     step_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
     kind: Mapped[str] = mapped_column(String(16))
     num_requests: Mapped[int] = mapped_column(Integer, default=0)
@@ -117,7 +105,9 @@ class EventRow(Base):
 
     __tablename__ = "events"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    run_id: Mapped[int] = _run_fk()
+    # No foreign key on the bulk table: a per-row check (a trigger per row on PostgreSQL) halves the
+    # insert rate. Only LedgerWriter writes events, for run ids it created; delete_run() cleans up.
+    run_id: Mapped[int] = mapped_column(Integer, nullable=False)
     step_id: Mapped[int] = mapped_column(Integer)
     request_id: Mapped[str] = mapped_column(String(128))
     layer: Mapped[int] = mapped_column(Integer)
@@ -140,16 +130,10 @@ class PositionDiffRow(Base):
     """Diff statistics of one generated position against the exact baseline."""
 
     __tablename__ = "position_diffs"
-    run_id: Mapped[int] = mapped_column(
-        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
-    )
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    position: Mapped[int] = mapped_column(
-        Integer, primary_key=True, autoincrement=False
-    )
-    step_id: Mapped[int | None] = mapped_column(
-        Integer
-    )  # step that sampled this token, when known
+    position: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    step_id: Mapped[int | None] = mapped_column(Integer)  # step that sampled this token, when known
     token_id: Mapped[int] = mapped_column(Integer)  # emitted token
     kl: Mapped[float] = mapped_column(Float)
     top1_agree: Mapped[bool] = mapped_column(Boolean)
@@ -164,9 +148,7 @@ class RequestStatRow(Base):
     """Per-request summary of the position diffs (llama.cpp --kl-divergence statistics)."""
 
     __tablename__ = "request_stats"
-    run_id: Mapped[int] = mapped_column(
-        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
-    )
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     num_positions: Mapped[int] = mapped_column(Integer)
     mean_kl: Mapped[float] = mapped_column(Float)
@@ -177,9 +159,7 @@ class RequestStatRow(Base):
     top1_agreement: Mapped[float] = mapped_column(Float)
     rms_delta_p: Mapped[float] = mapped_column(Float)
     ppl_ratio: Mapped[float] = mapped_column(Float)
-    first_divergence: Mapped[int | None] = mapped_column(
-        Integer
-    )  # first top-1 disagreement position
+    first_divergence: Mapped[int | None] = mapped_column(Integer)  # first top-1 disagreement position
 
 
 class VerdictRow(Base):
@@ -194,12 +174,8 @@ class VerdictRow(Base):
     first_divergence_position: Mapped[int | None] = mapped_column(Integer)
     first_divergence_step: Mapped[int | None] = mapped_column(Integer)
     first_divergence_layer: Mapped[int | None] = mapped_column(Integer)
-    first_divergence_tags: Mapped[list[str] | None] = mapped_column(
-        JSON(none_as_null=True)
-    )
-    created_at: Mapped[dt.datetime] = mapped_column(
-        DateTime(timezone=True), default=utcnow
-    )
+    first_divergence_tags: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True))
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     __table_args__ = (Index("ix_verdicts_run_request", "run_id", "request_id"),)
 
 
@@ -211,9 +187,7 @@ class Calibration(Base):
     tag: Mapped[str] = mapped_column(String(32))
     layer: Mapped[int] = mapped_column(Integer)
     scale: Mapped[float] = mapped_column(Float)
-    fitted_at: Mapped[dt.datetime] = mapped_column(
-        DateTime(timezone=True), default=utcnow
-    )
+    fitted_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     num_samples: Mapped[int] = mapped_column(Integer, default=0)
     run_ids: Mapped[list[int] | None] = mapped_column(JSON(none_as_null=True))
     __table_args__ = (Index("ix_calibrations_tag_layer", "tag", "layer", "fitted_at"),)

@@ -47,17 +47,13 @@ def get_run(ledger: Ledger, run_id: int) -> dict[str, Any] | None:
 def latest_run_id(ledger: Ledger) -> int | None:
     """The id of the most recently started run, or None for an empty ledger."""
     with ledger.engine.connect() as conn:
-        return conn.execute(
-            select(Run.id).order_by(Run.started_at.desc(), Run.id.desc()).limit(1)
-        ).scalar()
+        return conn.execute(select(Run.id).order_by(Run.started_at.desc(), Run.id.desc()).limit(1)).scalar()
 
 
 def list_runs(ledger: Ledger, limit: int = 100) -> list[dict[str, Any]]:
     """Newest runs first, each with its object counts per exactness class (``objects_exact``, ...)."""
     mix = [
-        func.coalesce(
-            func.sum(case((EventRow.exactness == cls, EventRow.count), else_=0)), 0
-        ).label(f"objects_{cls}")
+        func.coalesce(func.sum(case((EventRow.exactness == cls, EventRow.count), else_=0)), 0).label(f"objects_{cls}")
         for cls in EXACTNESS_CLASSES
     ]
     events = select(EventRow.run_id, *mix).group_by(EventRow.run_id).subquery()
@@ -70,10 +66,7 @@ def list_runs(ledger: Ledger, limit: int = 100) -> list[dict[str, Any]]:
             Run.model_path,
             Run.controller,
             Run.mode,
-            *[
-                func.coalesce(events.c[f"objects_{c}"], 0).label(f"objects_{c}")
-                for c in EXACTNESS_CLASSES
-            ],
+            *[func.coalesce(events.c[f"objects_{c}"], 0).label(f"objects_{c}") for c in EXACTNESS_CLASSES],
         )
         .outerjoin(events, events.c.run_id == Run.id)
         .order_by(Run.started_at.desc(), Run.id.desc())
@@ -113,8 +106,7 @@ def request_summaries(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
         select(Request.__table__, *cols)
         .outerjoin(
             RequestStatRow,
-            (RequestStatRow.run_id == Request.run_id)
-            & (RequestStatRow.request_id == Request.request_id),
+            (RequestStatRow.run_id == Request.run_id) & (RequestStatRow.request_id == Request.request_id),
         )
         .where(Request.run_id == run_id)
         .order_by(Request.id)
@@ -124,12 +116,8 @@ def request_summaries(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
 
 def request_exactness(ledger: Ledger, run_id: int) -> dict[str, dict[str, int]]:
     """request id -> {exactness class -> objects}, from the events (observe steps excluded for approximate)."""
-    observe = select(Step.step_id).where(
-        Step.run_id == run_id, Step.is_observe.is_(True)
-    )
-    applied = (EventRow.exactness != "approximate") | EventRow.step_id.not_in(
-        observe.scalar_subquery()
-    )
+    observe = select(Step.step_id).where(Step.run_id == run_id, Step.is_observe.is_(True))
+    applied = (EventRow.exactness != "approximate") | EventRow.step_id.not_in(observe.scalar_subquery())
     stmt = (
         select(
             EventRow.request_id,
@@ -148,9 +136,7 @@ def request_exactness(ledger: Ledger, run_id: int) -> dict[str, dict[str, int]]:
 def request_tags(ledger: Ledger, run_id: int) -> dict[str, dict[str, int]]:
     """request id -> {tag -> objects} over the whole run."""
     stmt = (
-        select(
-            EventRow.request_id, EventRow.tag, func.sum(EventRow.count).label("objects")
-        )
+        select(EventRow.request_id, EventRow.tag, func.sum(EventRow.count).label("objects"))
         .where(EventRow.run_id == run_id)
         .group_by(EventRow.request_id, EventRow.tag)
     )
@@ -160,9 +146,7 @@ def request_tags(ledger: Ledger, run_id: int) -> dict[str, dict[str, int]]:
     return out
 
 
-def request_events(
-    ledger: Ledger, run_id: int, request_id: str, step_id: int | None = None
-) -> list[dict[str, Any]]:
+def request_events(ledger: Ledger, run_id: int, request_id: str, step_id: int | None = None) -> list[dict[str, Any]]:
     """One request's events as step × layer × tag (objects, bytes, predicted cost), in step/layer order."""
     stmt = select(
         EventRow.step_id,
@@ -186,15 +170,11 @@ def request_events(
     return _all(ledger, stmt.order_by(EventRow.step_id, EventRow.layer, EventRow.tag))
 
 
-def position_diffs(
-    ledger: Ledger, run_id: int, request_id: str
-) -> list[dict[str, Any]]:
+def position_diffs(ledger: Ledger, run_id: int, request_id: str) -> list[dict[str, Any]]:
     """One request's per-position diffs, in position order."""
     stmt = (
         select(PositionDiffRow.__table__)
-        .where(
-            PositionDiffRow.run_id == run_id, PositionDiffRow.request_id == request_id
-        )
+        .where(PositionDiffRow.run_id == run_id, PositionDiffRow.request_id == request_id)
         .order_by(PositionDiffRow.position)
     )
     return _all(ledger, stmt)
@@ -203,9 +183,7 @@ def position_diffs(
 def verdicts(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
     """Recorded verdicts of a run (run-level first)."""
     stmt = select(VerdictRow.__table__).where(VerdictRow.run_id == run_id)
-    return _all(
-        ledger, stmt.order_by(VerdictRow.request_id.is_not(None), VerdictRow.id)
-    )
+    return _all(ledger, stmt.order_by(VerdictRow.request_id.is_not(None), VerdictRow.id))
 
 
 def drift(ledger: Ledger, limit: int = 100) -> list[dict[str, Any]]:
@@ -227,9 +205,7 @@ def drift(ledger: Ledger, limit: int = 100) -> list[dict[str, Any]]:
     return list(reversed(_all(ledger, stmt)))
 
 
-def calibration_pairs(
-    ledger: Ledger, run_id: int | None = None, tag: str | None = None
-) -> list[dict[str, Any]]:
+def calibration_pairs(ledger: Ledger, run_id: int | None = None, tag: str | None = None) -> list[dict[str, Any]]:
     """Predicted cost (events of a request's step, per tag and layer) next to the measured KL of the
     position that step produced: the data a per-tag, per-layer cost calibration is fitted on."""
     ev = (
@@ -260,9 +236,7 @@ def calibration_pairs(
         select(sub, pd.position, pd.kl.label("measured_kl"))
         .join(
             pd,
-            (pd.run_id == sub.c.run_id)
-            & (pd.request_id == sub.c.request_id)
-            & (pd.step_id == sub.c.step_id),
+            (pd.run_id == sub.c.run_id) & (pd.request_id == sub.c.request_id) & (pd.step_id == sub.c.step_id),
         )
         .order_by(sub.c.run_id, sub.c.request_id, sub.c.step_id, sub.c.layer)
     )

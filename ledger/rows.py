@@ -46,9 +46,7 @@ DIFF_FIELDS: tuple[str, ...] = (
     "logp_engine",
 )
 STAT_FIELDS: tuple[str, ...] = tuple(
-    c.name
-    for c in RequestStatRow.__table__.columns
-    if c.name not in ("run_id", "request_id")
+    c.name for c in RequestStatRow.__table__.columns if c.name not in ("run_id", "request_id")
 )
 
 

@@ -86,9 +86,7 @@ def _event(
     )
 
 
-def synthetic_output(
-    request_id: str, num_output: int = 5, vocab: int = 16
-) -> RequestOutput:
+def synthetic_output(request_id: str, num_output: int = 5, vocab: int = 16) -> RequestOutput:
     """A finished request with ``num_output`` tokens and random logits."""
     gen = torch.Generator().manual_seed(len(request_id))
     return RequestOutput(

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Self
 
-from sqlalchemy import Connection, Table, insert, update
+from sqlalchemy import Connection, Table, delete, insert, update
 
 from engine.messages import RequestOutput, StepPlan, StepResult
 from engine.tags import Tag
@@ -65,9 +65,7 @@ class LedgerWriter:
         max_queue: int = 10_000,
     ) -> None:
         if ledger.read_only:
-            raise LedgerError(
-                f"ledger {ledger.display_url} was opened read-only; cannot write"
-            )
+            raise LedgerError(f"ledger {ledger.display_url} was opened read-only; cannot write")
         self.ledger = ledger
         self.batch_size = batch_size
         self.flush_interval_s = flush_interval_s
@@ -76,9 +74,7 @@ class LedgerWriter:
         self._error: BaseException | None = None
         self._sample_steps: dict[tuple[int, str], list[int]] = {}
         self._closed = False
-        self._thread = threading.Thread(
-            target=self._loop, name="ledger-writer", daemon=True
-        )
+        self._thread = threading.Thread(target=self._loop, name="ledger-writer", daemon=True)
         self._thread.start()
 
     # ---- caller side -------------------------------------------------------------------------
@@ -100,24 +96,18 @@ class LedgerWriter:
             "status": "running",
             "policy": policy,
             "model_path": model_path,
-            "hardware_profile": dict(hardware_profile)
-            if hardware_profile is not None
-            else None,
+            "hardware_profile": dict(hardware_profile) if hardware_profile is not None else None,
             "versions": dict(versions) if versions is not None else None,
             "controller": controller,
             "mode": mode,
             "note": note,
         }
         with begin_write(self.ledger.engine) as conn:
-            run_id = conn.execute(
-                insert(Run.__table__).returning(Run.__table__.c.id), row
-            ).scalar_one()
+            run_id = conn.execute(insert(Run.__table__).returning(Run.__table__.c.id), row).scalar_one()
         self.run_id = int(run_id)
         return self.run_id
 
-    def record_step(
-        self, plan: StepPlan, result: StepResult, *, run_id: int | None = None
-    ) -> None:
+    def record_step(self, plan: StepPlan, result: StepResult, *, run_id: int | None = None) -> None:
         """Record one step row and all of its events."""
         self._put(("step", self._run(run_id), plan, result))
 
@@ -147,9 +137,7 @@ class LedgerWriter:
         ``diffs[i].position`` is the index of the output token. When ``step_ids`` is None, each
         position's step is the i-th recorded step that sampled a token for this request.
         """
-        self._put(
-            ("diffs", self._run(run_id), request_id, list(diffs), stats, step_ids)
-        )
+        self._put(("diffs", self._run(run_id), request_id, list(diffs), stats, step_ids))
 
     def record_verdict(
         self,
@@ -185,16 +173,12 @@ class LedgerWriter:
             )
             self._put(("op", lambda conn: conn.execute(stmt)))
 
-    def record_control(
-        self, numeric_floor_kl: float, *, run_id: int | None = None
-    ) -> None:
+    def record_control(self, numeric_floor_kl: float, *, run_id: int | None = None) -> None:
         """Record the run's numeric floor: the max KL of the exact-vs-exact control."""
         self._put(
             (
                 "op",
-                self._run_update(
-                    self._run(run_id), numeric_floor_kl=float(numeric_floor_kl)
-                ),
+                self._run_update(self._run(run_id), numeric_floor_kl=float(numeric_floor_kl)),
             )
         )
 
@@ -220,9 +204,7 @@ class LedgerWriter:
     def finish_run(self, run_id: int | None = None, status: str = "complete") -> None:
         """Mark the run finished with ``status`` and wait until everything recorded is written."""
         if status not in RUN_STATUSES or status == "running":
-            raise ValueError(
-                f"finish status must be one of complete/failed/incomplete, not {status!r}"
-            )
+            raise ValueError(f"finish status must be one of complete/failed/incomplete, not {status!r}")
         rid = self._run(run_id)
         self._put(("op", self._run_update(rid, status=status, finished_at=utcnow())))
         self.flush()
@@ -256,14 +238,14 @@ class LedgerWriter:
 
     @staticmethod
     def _run_update(run_id: int, **values: Any) -> Op:
-        stmt = (
-            update(Run.__table__).where(Run.__table__.c.id == run_id).values(**values)
-        )
+        stmt = update(Run.__table__).where(Run.__table__.c.id == run_id).values(**values)
         return lambda conn: conn.execute(stmt)
 
     def _check(self) -> None:
         if self._error is not None:
-            raise LedgerError(f"ledger writer failed: {self._error}") from self._error
+            err = self._error
+            lines = str(getattr(err, "orig", None) or err).strip().splitlines() or [type(err).__name__]
+            raise LedgerError(f"ledger writer failed: {lines[0]}") from err
 
     def _put(self, item: Any) -> None:
         if self._closed:
@@ -294,9 +276,7 @@ class LedgerWriter:
                 if pending >= self.batch_size:
                     break
                 try:
-                    items.append(
-                        self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-                    )
+                    items.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
                 except queue.Empty:
                     break
             self._write(rows, ops)
@@ -332,3 +312,10 @@ class LedgerWriter:
             rows.setdefault(Request.__table__, []).append(request_row(*item[1:]))
             return 1
         return diff_rows(*item[1:], rows, self._sample_steps)
+
+
+def delete_run(ledger: Ledger, run_id: int) -> None:
+    """Delete a run and everything recorded for it, in one transaction."""
+    with begin_write(ledger.engine) as conn:
+        conn.execute(delete(EventRow.__table__).where(EventRow.__table__.c.run_id == run_id))
+        conn.execute(delete(Run.__table__).where(Run.__table__.c.id == run_id))  # the rest cascades

@@ -78,10 +78,6 @@ def pg_url_fixture(pg_server: tuple[str, int]) -> str:
 
     host, port = pg_server
     name = f"fg_test_{os.getpid()}_{next(_counter)}"
-    with psycopg.connect(
-        host=host, port=port, user="postgres", dbname="postgres", autocommit=True
-    ) as conn:
-        conn.execute(
-            f'CREATE DATABASE "{name}"'
-        )  # name built from ints above, not from input
+    with psycopg.connect(host=host, port=port, user="postgres", dbname="postgres", autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')  # name built from ints above, not from input
     return f"postgresql+psycopg://postgres@{host}:{port}/{name}"

@@ -23,16 +23,10 @@ def _log(p: list[float]) -> list[float]:
 def test_identical_logits_give_exactly_zero() -> None:
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
     diffs, stats = audit(logits, logits.clone(), [1, 2, 3, 4, 5, 6])
-    assert all(
-        d.kl == 0.0 and d.delta_p == 0.0 and d.max_abs_dlogit == 0.0 for d in diffs
-    )
+    assert all(d.kl == 0.0 and d.delta_p == 0.0 and d.max_abs_dlogit == 0.0 for d in diffs)
     assert all(d.top1_agree and d.vllm_top5_ok for d in diffs)
     assert stats.max_kl == 0.0 and stats.mean_kl == 0.0 and stats.sem_kl == 0.0
-    assert (
-        stats.top1_agreement == 1.0
-        and stats.ppl_ratio == 1.0
-        and stats.rms_delta_p == 0.0
-    )
+    assert stats.top1_agreement == 1.0 and stats.ppl_ratio == 1.0 and stats.rms_delta_p == 0.0
     assert stats.first_divergence is None
 
 
@@ -58,9 +52,7 @@ def test_three_token_vocabulary_by_hand() -> None:
 
 
 def test_kl_is_shift_invariant_and_logits_diff_is_not() -> None:
-    exact = torch.randn(
-        3, 20, generator=torch.Generator().manual_seed(1), dtype=torch.float64
-    )
+    exact = torch.randn(3, 20, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     diffs = position_diffs(exact, exact + 3.0, [0, 1, 2])
     assert max(d.kl for d in diffs) < 1e-12
     assert all(d.max_abs_dlogit == pytest.approx(3.0) for d in diffs)
@@ -68,9 +60,7 @@ def test_kl_is_shift_invariant_and_logits_diff_is_not() -> None:
 
 def test_vllm_check_fails_when_argmax_outside_other_top5() -> None:
     exact = torch.tensor([[9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 0.0]])
-    engine = torch.tensor(
-        [[0.0, 8.0, 7.0, 6.0, 5.0, 4.0, 9.0]]
-    )  # engine's top-5 lacks token 0
+    engine = torch.tensor([[0.0, 8.0, 7.0, 6.0, 5.0, 4.0, 9.0]])  # engine's top-5 lacks token 0
     (d,) = position_diffs(exact, engine, [1])
     assert d.top1_agree is False and d.vllm_top5_ok is False
     exact = torch.tensor([[9.0, 8.0, 7.0, 6.0, 0.0, 0.0, 5.0]])  # 6 in exact's top-5
@@ -99,12 +89,8 @@ def test_request_summary_numbers() -> None:
     ]
     s = request_stats(diffs)
     assert s.mean_kl == 1.5 and s.median_kl == 1.5 and s.max_kl == 3.0
-    assert s.p99_kl == pytest.approx(
-        2.97
-    )  # 0.99 * 3 = 2.97 -> between order stats 2 and 3
-    assert s.sem_kl == pytest.approx(
-        math.sqrt((3.5 - 2.25) / 3)
-    )  # llama.cpp's mean ± uncertainty
+    assert s.p99_kl == pytest.approx(2.97)  # 0.99 * 3 = 2.97 -> between order stats 2 and 3
+    assert s.sem_kl == pytest.approx(math.sqrt((3.5 - 2.25) / 3))  # llama.cpp's mean ± uncertainty
     assert s.top1_agreement == 0.5 and s.first_divergence == 2
     assert s.rms_delta_p == pytest.approx(math.sqrt((0.09 + 0.16) / 4))
     assert s.num_positions == 4
@@ -118,10 +104,7 @@ def test_ppl_ratio_from_nll_gap() -> None:
 def test_percentile_matches_linear_interpolation() -> None:
     assert percentile([1.0], 0.99) == 1.0
     assert percentile([0.0, 10.0], 0.5) == 5.0
-    assert (
-        percentile([0.0, 1.0, 2.0], 0.0) == 0.0
-        and percentile([0.0, 1.0, 2.0], 1.0) == 2.0
-    )
+    assert percentile([0.0, 1.0, 2.0], 0.0) == 0.0 and percentile([0.0, 1.0, 2.0], 1.0) == 2.0
 
 
 def test_bad_shapes_raise() -> None:

@@ -23,9 +23,7 @@ from ledger.writer import LedgerWriter
 EXACT = [Tag.RESIDENT, Tag.EXACT_LOAD]
 
 
-def _stats(
-    max_kl: float, mean_kl: float | None = None, top1: float = 1.0
-) -> dict[str, float]:
+def _stats(max_kl: float, mean_kl: float | None = None, top1: float = 1.0) -> dict[str, float]:
     mean = max_kl if mean_kl is None else mean_kl
     return {"mean_kl": mean, "p99_kl": max_kl, "max_kl": max_kl, "top1_agreement": top1}
 
@@ -40,9 +38,7 @@ def test_tolerances() -> None:
 def test_exact_only_difference_is_a_correctness_bug() -> None:
     v = judge_request("r", _stats(2e-6), None, {"exact": 40}, {"resident": 40}, None)
     assert not v.passed and v.correctness_bug and "correctness bug" in v.reason
-    ok = judge_request(
-        "r", _stats(2e-6), None, {"exact": 40}, {"resident": 40}, 5e-7
-    )  # floor 5e-7 -> tol 5e-6
+    ok = judge_request("r", _stats(2e-6), None, {"exact": 40}, {"resident": 40}, 5e-7)  # floor 5e-7 -> tol 5e-6
     assert ok.passed and ok.served == "exact"
     eq = judge_request(
         "r",
@@ -53,9 +49,7 @@ def test_exact_only_difference_is_a_correctness_bug() -> None:
         None,
     )
     assert eq.passed and eq.served == "equivalent"
-    bad = judge_request(
-        "r", _stats(2e-4), None, {"equivalent": 2}, {"recompute": 2}, None
-    )
+    bad = judge_request("r", _stats(2e-4), None, {"equivalent": 2}, {"recompute": 2}, None)
     assert not bad.passed and bad.correctness_bug
 
 
@@ -90,27 +84,18 @@ def test_budget_checks_name_each_breach() -> None:
         {},
         None,
     )
-    assert (
-        ok.passed and ok.served == "approximate"
-    )  # approximate requests have no exactness tolerance
+    assert ok.passed and ok.served == "approximate"  # approximate requests have no exactness tolerance
 
 
 def test_allowed_tags_only_restrict_approximate_tags() -> None:
     tags = {"resident": 5, "cpu_execute": 1, "kv_dequant": 2, "expert_defer": 1}
-    v = judge_request(
-        "r", None, {"allowed_tags": ["expert_defer"]}, {"approximate": 3}, tags, None
-    )
+    v = judge_request("r", None, {"allowed_tags": ["expert_defer"]}, {"approximate": 3}, tags, None)
     assert not v.passed and v.reasons == ["tags not allowed: kv_dequant"]
-    assert judge_request(
-        "r", None, {"allowed_tags": ["expert_defer", "kv_dequant"]}, {}, tags, None
-    ).passed
+    assert judge_request("r", None, {"allowed_tags": ["expert_defer", "kv_dequant"]}, {}, tags, None).passed
 
 
 def _diffs(kls: list[float], disagree_at: int | None = None) -> list[PositionDiff]:
-    return [
-        PositionDiff(i, 0, kl, i != disagree_at, 0.0, 0.0, True, -1.0, -1.0)
-        for i, kl in enumerate(kls)
-    ]
+    return [PositionDiff(i, 0, kl, i != disagree_at, 0.0, 0.0, True, -1.0, -1.0) for i, kl in enumerate(kls)]
 
 
 def _write_run(path: Path, finish: bool = True) -> int:
@@ -131,11 +116,7 @@ def _write_run(path: Path, finish: bool = True) -> int:
         run_id = w.start_run(mode="enforce")
         for k, (rid, (tags, kls, disagree, budget)) in enumerate(plan.items()):
             for i in range(4):
-                w.record_step(
-                    *synthetic_step(
-                        10 * k + i, [rid], num_layers=3, events_per_layer=2, tags=tags
-                    )
-                )
+                w.record_step(*synthetic_step(10 * k + i, [rid], num_layers=3, events_per_layer=2, tags=tags))
             w.record_request(synthetic_output(rid, num_output=4), budget=budget)
             diffs = _diffs(kls, disagree)
             w.record_diffs(rid, diffs, request_stats(diffs))
@@ -151,14 +132,8 @@ def test_evaluate_run_locates_first_divergence(tmp_path: Path) -> None:
     with open_ledger(str(path), read_only=True) as ledger:
         verdict = evaluate_run(ledger, run_id)
     by_id = {v.request_id: v for v in verdict.requests}
-    assert not verdict.passed and verdict.reasons == [
-        "2 of 4 requests failed: exact_bug, approx"
-    ]
-    assert (
-        by_id["exact_ok"].passed
-        and by_id["equiv"].passed
-        and by_id["equiv"].served == "equivalent"
-    )
+    assert not verdict.passed and verdict.reasons == ["2 of 4 requests failed: exact_bug, approx"]
+    assert by_id["exact_ok"].passed and by_id["equiv"].passed and by_id["equiv"].served == "equivalent"
     bug = by_id["exact_bug"]
     assert bug.correctness_bug and (bug.position, bug.step, bug.layer) == (2, 12, 0)
     assert bug.tags == ["exact_load", "resident"]
@@ -176,25 +151,17 @@ def _args(ledger: str, run: int | None, record: bool = False) -> argparse.Namesp
     return argparse.Namespace(ledger=ledger, run=run, record=record)
 
 
-def test_gate_command_exit_codes(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_gate_command_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "l.sqlite"
     run_id = _write_run(path)
     assert gate_cmd.run(_args(str(path), run_id, record=True)) == 1
     out = capsys.readouterr().out
-    assert (
-        "correctness bug" in out
-        and "pos 2, step 12, layer 0" in out
-        and f"run {run_id}" in out
-    )
+    assert "correctness bug" in out and "pos 2, step 12, layer 0" in out and f"run {run_id}" in out
     with (
         open_ledger(str(path), read_only=True) as ledger,
         ledger.engine.connect() as conn,
     ):
-        n = conn.exec_driver_sql(
-            "SELECT count(*), sum(passed) FROM verdicts"
-        ).fetchone()
+        n = conn.exec_driver_sql("SELECT count(*), sum(passed) FROM verdicts").fetchone()
     assert tuple(n) == (5, 2)  # 4 requests (2 passed) + the run
     assert gate_cmd.run(_args(str(path), 999)) == 2
     assert "no run 999" in capsys.readouterr().err
@@ -204,9 +171,7 @@ def test_gate_command_exit_codes(
     assert not (tmp_path / "absent.sqlite").exists()
 
 
-def test_gate_passes_clean_run_and_fails_incomplete_run(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_gate_passes_clean_run_and_fails_incomplete_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "l.sqlite"
     with open_ledger(str(path)) as ledger, LedgerWriter(ledger) as w:
         w.start_run()

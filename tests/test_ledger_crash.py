@@ -51,9 +51,7 @@ def test_kill_9_leaves_consistent_incomplete_ledger(tmp_path: Path) -> None:
     assert proc.stdout is not None
     flushed = 0
     deadline = time.monotonic() + 60
-    while (
-        flushed < 100 and time.monotonic() < deadline
-    ):  # at least 5 flushes, then keep it writing
+    while flushed < 100 and time.monotonic() < deadline:  # at least 5 flushes, then keep it writing
         line = proc.stdout.readline()
         assert line, f"writer exited early with {proc.wait()}"
         flushed = int(line)
@@ -66,18 +64,12 @@ def test_kill_9_leaves_consistent_incomplete_ledger(tmp_path: Path) -> None:
     con = sqlite3.connect(path)
     assert con.execute("PRAGMA integrity_check").fetchone() == ("ok",)
     assert con.execute("PRAGMA foreign_key_check").fetchall() == []
-    n_steps, n_events = con.execute(
-        "SELECT (SELECT count(*) FROM steps), (SELECT count(*) FROM events)"
-    ).fetchone()
+    n_steps, n_events = con.execute("SELECT (SELECT count(*) FROM steps), (SELECT count(*) FROM events)").fetchone()
     assert n_steps >= flushed and n_events >= flushed * EVENTS_PER_STEP
     # each step was written whole, in one transaction with its events: no step is half there
-    per_step = con.execute(
-        "SELECT step_id, count(*) FROM events GROUP BY step_id"
-    ).fetchall()
+    per_step = con.execute("SELECT step_id, count(*) FROM events GROUP BY step_id").fetchall()
     assert len(per_step) == n_steps and {n for _, n in per_step} == {EVENTS_PER_STEP}
-    assert con.execute("SELECT status, finished_at FROM runs").fetchall() == [
-        ("running", None)
-    ]
+    assert con.execute("SELECT status, finished_at FROM runs").fetchall() == [("running", None)]
     con.close()
     with open_ledger(str(path), read_only=True) as ledger:
         (run,) = queries.list_runs(ledger)

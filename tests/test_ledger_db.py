@@ -61,9 +61,7 @@ def test_url_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv(ENV_VAR, "sqlite:///env.sqlite")
     with open_ledger(None) as ledger:
         assert ledger.url.database == "env.sqlite"
-    with open_ledger(
-        str(tmp_path / "arg.sqlite")
-    ) as ledger:  # the argument wins over the variable
+    with open_ledger(str(tmp_path / "arg.sqlite")) as ledger:  # the argument wins over the variable
         assert ledger.is_sqlite and (tmp_path / "arg.sqlite").exists()
 
 
@@ -77,9 +75,7 @@ def test_url_resolution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
         ("", "empty"),
     ],
 )
-def test_bad_urls_write_nothing(
-    url: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_bad_urls_write_nothing(url: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(ENV_VAR, raising=False)
     with pytest.raises(LedgerError, match=message):
@@ -89,9 +85,7 @@ def test_bad_urls_write_nothing(
 
 def test_unreachable_server() -> None:
     url = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/nothing"
-    with pytest.raises(
-        LedgerError, match=r"cannot open ledger .*127\.0\.0\.1.*(refused|connect)"
-    ):
+    with pytest.raises(LedgerError, match=r"cannot open ledger .*127\.0\.0\.1.*(refused|connect)"):
         open_ledger(url)
 
 
@@ -115,9 +109,7 @@ def test_newer_schema_is_refused_untouched(tmp_path: Path) -> None:
 
 def test_newer_schema_postgres(pg_url: str) -> None:
     with open_ledger(pg_url) as ledger, ledger.engine.begin() as conn:
-        conn.execute(
-            text("UPDATE alembic_version SET version_num = :v"), {"v": "9999_future"}
-        )
+        conn.execute(text("UPDATE alembic_version SET version_num = :v"), {"v": "9999_future"})
     with pytest.raises(LedgerError, match="newer"):
         open_ledger(pg_url)
 

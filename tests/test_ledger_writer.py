@@ -28,10 +28,7 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 def test_round_trip(url: str) -> None:
     ledger = open_ledger(url)
-    steps = [
-        synthetic_step(i, ["a", "b"], num_layers=3, events_per_layer=2)
-        for i in range(5)
-    ]
+    steps = [synthetic_step(i, ["a", "b"], num_layers=3, events_per_layer=2) for i in range(5)]
     out = synthetic_output("a", num_output=5, vocab=16)
     with LedgerWriter(ledger, flush_interval_s=0.05) as w:
         run_id = w.start_run(
@@ -42,47 +39,25 @@ def test_round_trip(url: str) -> None:
         )
         for plan, result in steps:
             w.record_step(plan, result)
-        w.record_request(
-            out, slo={"ttft_s": 1.0}, budget={"max_mean_kl": 0.5}, prompt="hi"
-        )
-        exact = out.output_logits + 0.1 * torch.randn(
-            5, 16, generator=torch.Generator().manual_seed(3)
-        )
+        w.record_request(out, slo={"ttft_s": 1.0}, budget={"max_mean_kl": 0.5}, prompt="hi")
+        exact = out.output_logits + 0.1 * torch.randn(5, 16, generator=torch.Generator().manual_seed(3))
         diffs, stats = audit(exact, out.output_logits, out.output_token_ids)
         w.record_diffs("a", diffs, stats)
         w.record_control(2e-7)
-        w.record_verdict(
-            "a", False, "too much KL", step=2, layer=1, tags=["expert_defer"]
-        )
+        w.record_verdict("a", False, "too much KL", step=2, layer=1, tags=["expert_defer"])
         w.finish_run(status="complete")
     events = [e for _, r in steps for e in r.events]
     with ledger.engine.connect() as conn:
-        assert conn.execute(select(func.count()).select_from(EventRow)).scalar() == len(
-            events
-        )
-        assert conn.execute(select(func.sum(EventRow.count))).scalar() == sum(
-            e.count for e in events
-        )
+        assert conn.execute(select(func.count()).select_from(EventRow)).scalar() == len(events)
+        assert conn.execute(select(func.sum(EventRow.count))).scalar() == sum(e.count for e in events)
         assert conn.execute(select(func.count()).select_from(Step)).scalar() == 5
-        pairs = set(
-            conn.execute(select(EventRow.tag, EventRow.exactness).distinct()).all()
-        )
+        pairs = set(conn.execute(select(EventRow.tag, EventRow.exactness).distinct()).all())
     assert pairs == {(t.value, c.value) for t, c in TAG_EXACTNESS.items()}
     run = queries.get_run(ledger, run_id)
-    assert (
-        run is not None
-        and run["status"] == "complete"
-        and run["finished_at"] is not None
-    )
-    assert run["numeric_floor_kl"] == pytest.approx(2e-7) and run[
-        "hardware_profile"
-    ] == {"pcie_gbps": 25}
+    assert run is not None and run["status"] == "complete" and run["finished_at"] is not None
+    assert run["numeric_floor_kl"] == pytest.approx(2e-7) and run["hardware_profile"] == {"pcie_gbps": 25}
     (req,) = queries.request_summaries(ledger, run_id)
-    assert (
-        req["verdict"] == "fail"
-        and req["budget"] == {"max_mean_kl": 0.5}
-        and req["slo"] == {"ttft_s": 1.0}
-    )
+    assert req["verdict"] == "fail" and req["budget"] == {"max_mean_kl": 0.5} and req["slo"] == {"ttft_s": 1.0}
     assert req["mean_kl"] == pytest.approx(stats.mean_kl) and req["num_positions"] == 5
     assert req["ttft_s"] == pytest.approx(0.5) and req["tag_counts"] == {
         "resident": 10,
@@ -98,14 +73,8 @@ def test_round_trip(url: str) -> None:
     ]  # i-th output token <- i-th sampling step
     assert [d["kl"] for d in pds] == pytest.approx([d.kl for d in diffs])
     (listed,) = queries.list_runs(ledger)
-    by_class = {
-        c: sum(e.count for e in events if e.tag.exactness.value == c)
-        for c in ("exact", "equivalent")
-    }
-    assert (
-        listed["objects_exact"] == by_class["exact"]
-        and listed["objects_equivalent"] == by_class["equivalent"]
-    )
+    by_class = {c: sum(e.count for e in events if e.tag.exactness.value == c) for c in ("exact", "equivalent")}
+    assert listed["objects_exact"] == by_class["exact"] and listed["objects_equivalent"] == by_class["equivalent"]
     rows = queries.run_tag_counts(ledger, run_id)
     loads = sum(r["objects"] for r in rows if r["tag"] == Tag.EXACT_LOAD.value)
     assert loads == sum(e.count for e in events if e.tag is Tag.EXACT_LOAD)
@@ -116,10 +85,7 @@ def test_round_trip(url: str) -> None:
         (e.layer, e.tag.value) for e in steps[2][1].events if e.request_id == "a"
     }
     verdicts = queries.verdicts(ledger, run_id)
-    assert (
-        verdicts[0]["first_divergence_tags"] == ["expert_defer"]
-        and verdicts[0]["passed"] is False
-    )
+    assert verdicts[0]["first_divergence_tags"] == ["expert_defer"] and verdicts[0]["passed"] is False
     ledger.close()
 
 
@@ -129,9 +95,7 @@ def test_background_flush_without_explicit_flush(tmp_path: Path) -> None:
     w.start_run()
     start = time.perf_counter()
     w.record_step(*synthetic_step(0, ["a"]))
-    assert (
-        time.perf_counter() - start < 0.05
-    )  # the caller does not wait for the database
+    assert time.perf_counter() - start < 0.05  # the caller does not wait for the database
     deadline = time.monotonic() + 5.0
     with ledger.engine.connect() as conn:
         while conn.execute(select(func.count()).select_from(EventRow)).scalar() == 0:
@@ -139,9 +103,7 @@ def test_background_flush_without_explicit_flush(tmp_path: Path) -> None:
             time.sleep(0.02)
             conn.rollback()
     run = queries.get_run(ledger, w.run_id or 0)
-    assert (
-        run is not None and run["status"] == "incomplete"
-    )  # stored "running": reported incomplete
+    assert run is not None and run["status"] == "incomplete"  # stored "running": reported incomplete
     w.close()
     ledger.close()
 
@@ -150,9 +112,7 @@ def test_background_errors_surface_on_next_call(tmp_path: Path) -> None:
     ledger = open_ledger(str(tmp_path / "l.sqlite"))
     w = LedgerWriter(ledger)
     w.start_run()
-    w.record_step(
-        *synthetic_step(0, ["a"]), run_id=999
-    )  # no such run: foreign key violation
+    w.record_step(*synthetic_step(0, ["a"]), run_id=999)  # no such run: foreign key violation
     with pytest.raises(LedgerError, match="ledger writer failed"):
         w.flush()
     with pytest.raises(LedgerError):

@@ -26,12 +26,8 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help=f"ledger URL or SQLite path (default: ${ENV_VAR}, else {DEFAULT_LEDGER})",
     )
-    p.add_argument(
-        "--run", type=int, default=None, help="run id (default: the newest run)"
-    )
-    p.add_argument(
-        "--record", action="store_true", help="also write the verdicts into the ledger"
-    )
+    p.add_argument("--run", type=int, default=None, help="run id (default: the newest run)")
+    p.add_argument("--record", action="store_true", help="also write the verdicts into the ledger")
     p.set_defaults(func=run)
 
 

@@ -70,7 +70,6 @@ def upgrade() -> None:
         sa.Column("predicted_cost", sa.Float(), nullable=False),
         sa.Column("modeled_s", sa.Float(), nullable=False),
         sa.Column("note", sa.Text(), nullable=False),
-        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id"),
     )
     op.create_index(
@@ -136,9 +135,7 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(["run_id"], ["runs.id"], ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id"),
     )
-    op.create_index(
-        "ux_requests_run_request", "requests", ["run_id", "request_id"], unique=True
-    )
+    op.create_index("ux_requests_run_request", "requests", ["run_id", "request_id"], unique=True)
 
     op.create_table(
         "steps",
@@ -170,9 +167,7 @@ def upgrade() -> None:
         sa.ForeignKeyConstraint(["run_id"], ["runs.id"], ondelete="CASCADE"),
         sa.PrimaryKeyConstraint("id"),
     )
-    op.create_index(
-        "ix_verdicts_run_request", "verdicts", ["run_id", "request_id"], unique=False
-    )
+    op.create_index("ix_verdicts_run_request", "verdicts", ["run_id", "request_id"], unique=False)
 
 
 def downgrade() -> None:

@@ -1,0 +1,145 @@
+"""``fallbackgate run``: serve prompts through the engine, record every step, audit, and judge.
+
+Exit status: 0 when the gate passes, 1 when it fails, 2 for bad input (model, prompts, budget, ledger).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+import torch
+import transformers
+
+from engine.errors import EngineError
+from engine.tags import Tag
+from fallbackgate.auditor import audit_output, choose_audited, numeric_floor
+from fallbackgate.controllers.exact_lru import FORCEABLE_TAGS, ExactLRUController
+from fallbackgate.gate import evaluate_run
+from fallbackgate.prompts import PromptsFileError, load_prompts
+from fallbackgate.report import print_report, to_json, write_json
+from fallbackgate.session import RunOutcome, RunSettings, build_engine, run_prompts
+from fallbackgate.tinymoe import CHECKPOINT_DIR
+from ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
+from ledger.writer import LedgerWriter
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``run``."""
+    p: argparse.ArgumentParser = subparsers.add_parser("run", help="serve prompts, record, audit and gate")
+    p.add_argument("--model", default=str(CHECKPOINT_DIR), help="checkpoint directory (default: bundled tiny MoE)")
+    p.add_argument("--prompts", default=None, help="JSONL: prompt (required), id, class, max_new_tokens")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = seeded sampling")
+    p.add_argument("--device-budget-mb", type=float, default=None, help="expert slots + KV blocks on device")
+    p.add_argument("--host-budget-mb", type=float, default=None, help="host memory; the rest spills to disk")
+    p.add_argument("--spill-dir", default=None, help="disk tier directory (default: a temporary directory)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together at most")
+    p.add_argument("--preempt", choices=("swap", "recompute"), default="swap", help="what preemption does to KV")
+    p.add_argument("--profile", default="cpu-box", help="hardware profile: cpu-box or pcie4-gpu-nvme")
+    p.add_argument(
+        "--force",
+        action="append",
+        default=[],
+        choices=sorted(t.value for t in FORCEABLE_TAGS),
+        help="force a fallback tag on (repeatable), for testing",
+    )
+    p.add_argument("--ledger", default=None, help=f"ledger URL (default: ${ENV_VAR}, else {DEFAULT_LEDGER})")
+    p.add_argument("--no-ledger", action="store_true", help="record nothing (no audit, no gate)")
+    p.add_argument("--audit-rate", type=float, default=1.0, help="fraction of requests audited against exact")
+    p.add_argument("--json", default=None, help="write the run's results as JSON to this path")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def _settings(args: argparse.Namespace) -> RunSettings:
+    return RunSettings(
+        args.model,
+        args.max_new_tokens,
+        args.seed,
+        args.temperature,
+        args.device_budget_mb,
+        args.host_budget_mb,
+        args.spill_dir,
+        args.block_size,
+        args.max_num_seqs,
+        args.profile,
+        args.preempt,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``fallbackgate run``."""
+    try:
+        if not 0.0 < args.audit_rate <= 1.0:
+            raise ValueError(f"--audit-rate must be in (0, 1], got {args.audit_rate}")
+        specs = load_prompts(args.prompts)
+        settings = _settings(args)
+        controller = ExactLRUController(force=[Tag(t) for t in args.force])
+        engine = build_engine(settings, controller)
+        writer = None if args.no_ledger else LedgerWriter(open_ledger(args.ledger))
+    except (PromptsFileError, EngineError, LedgerError, ValueError) as exc:
+        print(f"fallbackgate run: error: {exc}", file=sys.stderr)
+        return 2
+    run_id = None
+    if writer is not None:
+        run_id = writer.start_run(
+            policy=None,
+            model_path=settings.model_dir,
+            controller="exact_lru",
+            hardware_profile=dataclasses.asdict(settings.engine_config().profile),
+            versions=_versions(),
+            mode="enforce",
+            note=f"force={args.force}",
+        )
+    try:
+        outcome = run_prompts(engine, specs, settings, writer.record_step if writer else None, not args.quiet)
+    except BaseException:
+        if writer is not None:
+            writer.finish_run(status="failed")
+            writer.close()
+        raise
+    print_report(outcome, sys.stdout)
+    status = 0
+    if writer is not None:
+        status = _audit_and_gate(engine, outcome, writer, args)
+    if args.json:
+        write_json(args.json, to_json(outcome, run_id))
+    return status
+
+
+def _audit_and_gate(engine: Any, outcome: RunOutcome, writer: LedgerWriter, args: argparse.Namespace) -> int:
+    for spec, output in zip(outcome.specs, outcome.outputs, strict=True):
+        writer.record_request(output, prompt=spec.prompt)
+    audited = choose_audited(outcome.outputs, args.audit_rate, args.seed)
+    for output in audited:
+        diffs, stats = audit_output(engine, output)
+        writer.record_diffs(output.request_id, diffs, stats)
+    writer.record_control(numeric_floor(engine, audited[0]))
+    writer.finish_run(status="complete")
+    writer.close()
+    verdict = evaluate_run(writer.ledger, writer.run_id)
+    print(
+        f"\nrun {verdict.run_id}: {'PASS' if verdict.passed else 'FAIL'} "
+        f"({len(audited)} of {len(outcome.outputs)} requests audited)"
+    )
+    for reason in verdict.reasons:
+        print(f"  {reason}")
+    for request in verdict.requests:
+        if not request.passed:
+            print(f"  {request.request_id}: {request.reason}")
+    return 0 if verdict.passed else 1
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        own = version("fallbackgate")
+    except PackageNotFoundError:
+        own = "source"
+    return {"fallbackgate": own, "torch": torch.__version__, "transformers": transformers.__version__}
