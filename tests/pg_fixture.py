@@ -1,4 +1,4 @@
-"""A throwaway PostgreSQL server for tests (``from pg_fixture import pg_server_fixture, pg_url_fixture`` in a test
+"""A throwaway PostgreSQL server for tests (``from tests.pg_fixture import pg_server_fixture, pg_url_fixture`` in a test
 module provides the fixtures ``pg_server`` and ``pg_url``).
 
 Needs Debian's ``postgresql`` package (``/usr/lib/postgresql/*/bin/initdb``). Without it the tests

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from pg_fixture import free_port, pg_server_fixture, pg_url_fixture  # noqa: F401 - fixtures
 from sqlalchemy import inspect, text
 
 from ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, head_revision, open_ledger
 from ledger.models import Base
 from ledger.writer import LedgerWriter
+from tests.pg_fixture import free_port, pg_server_fixture, pg_url_fixture  # noqa: F401 - fixtures
 
 TABLES = {
     "runs",

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from pg_fixture import pg_server_fixture, pg_url_fixture  # noqa: F401 - fixtures
 from sqlalchemy import func, select
 
 from engine.tags import TAG_EXACTNESS, Tag
@@ -17,6 +16,7 @@ from ledger.db import LedgerError, open_ledger
 from ledger.models import EventRow, Step
 from ledger.synthetic import synthetic_output, synthetic_step
 from ledger.writer import LedgerWriter
+from tests.pg_fixture import pg_server_fixture, pg_url_fixture  # noqa: F401 - fixtures
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
