@@ -52,6 +52,7 @@ class Engine:
         self.finished: dict[str, RequestOutput] = {}
         self.modeled_clock_s = 0.0
         self.is_observe = False  # set by the policy layer for observe mode
+        self.last_plan: StepPlan | None = None  # plan of the latest step, for recorders
 
     # --- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -87,6 +88,7 @@ class Engine:
         started = time.perf_counter()
         plan, chosen = self.scheduler.schedule()
         plan.is_observe = self.is_observe
+        self.last_plan = plan
         self.controller.on_step_start(plan, self.view())
         log = self._prepare(plan, chosen)
         logits = self._forward(plan, chosen, log)
@@ -230,6 +232,6 @@ class Engine:
                 bar.update(len(result.sampled_token_ids))
         return [self.finished[i] for i in ids]
 
-    def exact_logits(self, token_ids: list[int]) -> torch.Tensor:
+    def exact_logits(self, token_ids: list[int], num_chunked: int = 0) -> torch.Tensor:
         """Exact-baseline logits [len, vocab] for a token sequence (the audit's teacher-forced pass)."""
-        return self.runner.exact_logits(token_ids)
+        return self.runner.exact_logits(token_ids, num_chunked)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from engine.controller import KVMiss
 from engine.errors import ChecksumError, EngineError
@@ -102,14 +102,25 @@ class ModelRunner:
             self.dense_flops_per_token * len(token_ids) + self.attn_flops_per_pair * pairs)
         return out.logits[0].float()
 
-    def exact_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Exact baseline: every expert at full precision, one teacher-forced prefill, no paged KV."""
+    def exact_logits(self, token_ids: list[int], num_chunked: int = 0) -> torch.Tensor:
+        """Exact baseline: every expert at full precision, teacher-forced, transformers' own cache.
+
+        One prefill pass by default; with `num_chunked` > 0 the last `num_chunked` tokens are fed one at
+        a time instead (the exact-vs-exact control: same math, other kernel shapes).
+        """
         batch = ForwardBatch(["audit"], [0], [len(token_ids)], torch.zeros(len(token_ids), dtype=torch.long),
                              ["audit"])
         self.executor.ctx = StepContext(-1, batch, EventLog(-1), is_exact_baseline=True)
+        ids = torch.tensor([token_ids], device=self.device)
+        split = len(token_ids) - num_chunked
         try:
             with torch.inference_mode():
-                out = self.model(input_ids=torch.tensor([token_ids], device=self.device), use_cache=False)
+                if not num_chunked:
+                    return self.model(input_ids=ids, use_cache=False).logits[0].float()
+                cache = DynamicCache(config=self.model.config)
+                parts = [self.model(input_ids=ids[:, :split], cache=cache, use_cache=True).logits[0]]
+                for i in range(split, len(token_ids)):
+                    parts.append(self.model(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True).logits[0])
+                return torch.cat(parts).float()
         finally:
             self.executor.ctx = None
-        return out.logits[0].float()

@@ -116,14 +116,16 @@ class Scheduler:
         return low
 
     def _pinned_tails(self, chosen: list[tuple[Sequence, int]], seq: Sequence) -> set[KVBlockKey]:
+        """Blocks that must stay on device: every running tail, and every block this step writes."""
         pinned: set[KVBlockKey] = set()
         size = self.config.block_size
-        for other in [s for s, _ in chosen] + [seq] + self.running:
+        writing = {s.request_id: s.num_computed_tokens for s, _ in chosen}
+        for other in self.running + [seq]:
             used = self.kv_store.num_tokens.get(other.request_id, 0)
+            first = writing.get(other.request_id, used) // size
             for layer in range(self.kv_store.num_layers):
-                pinned.add((other.request_id, layer, used // size))
-                if used % size == 0 and used:
-                    pinned.add((other.request_id, layer, used // size - 1))
+                for index in range(first, max(first, -(-used // size) - 1) + 1):
+                    pinned.add((other.request_id, layer, index))
         return pinned
 
     def _preemption_victim(self, seq: Sequence, chosen: list[tuple[Sequence, int]]) -> Sequence | None:

@@ -1,0 +1,27 @@
+"""The ``fallbackgate`` command line: one subcommand per module in ``fallbackgate.commands``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fallbackgate.commands import gate, run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every subcommand registered."""
+    parser = argparse.ArgumentParser(prog="fallbackgate", description="Honest MoE inference under memory pressure.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for module in (run, gate):
+        module.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse `argv` and run the chosen subcommand; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Prompts files (JSONL) and the built-in prompts used when none is given."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+BUILTIN_PROMPTS: tuple[str, ...] = (
+    "Once upon a time there was a little girl who lived in a cottage at the edge of a great forest.",
+    "The king called his three sons to him and said,",
+    "It was a cold winter morning, and the snow lay deep upon the ground.",
+    "\"Where are you going?\" asked the old woman, looking up from her spinning.",
+    "Anne looked out of the window at the orchard, where the cherry trees were in bloom.",
+    "The children ran down to the railway to watch the trains go by.",
+)
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class PromptSpec:
+    """One request from a prompts file."""
+
+    prompt: str  # the text
+    request_id: str  # `id`, or prompt-<line number>
+    request_class: str = "default"  # `class`: the policy request class
+    max_new_tokens: int | None = None  # overrides --max-new-tokens
+
+
+class PromptsFileError(ValueError):
+    """A prompts file that cannot be used; the message names the file, line and field."""
+
+
+def load_prompts(path: str | pathlib.Path | None) -> list[PromptSpec]:
+    """Read a JSONL prompts file: one object per line with `prompt` and optional `id`, `class`, `max_new_tokens`."""
+    if path is None:
+        return [PromptSpec(text, f"builtin-{i}") for i, text in enumerate(BUILTIN_PROMPTS)]
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise PromptsFileError(f"prompts file {path} does not exist")
+    specs: list[PromptSpec] = []
+    seen: set[str] = set()
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        specs.append(_parse_line(path, number, line, seen))
+    if not specs:
+        raise PromptsFileError(f"{path}: no prompts (expected one JSON object per line)")
+    return specs
+
+
+def _parse_line(path: pathlib.Path, number: int, line: str, seen: set[str]) -> PromptSpec:
+    where = f"{path}:{number}"
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise PromptsFileError(f"{where}: not valid JSON ({exc.msg})") from exc
+    if not isinstance(item, dict):
+        raise PromptsFileError(f"{where}: expected a JSON object, got {type(item).__name__}")
+    unknown = set(item) - {"prompt", "id", "class", "max_new_tokens"}
+    if unknown:
+        raise PromptsFileError(f"{where}: unknown field(s) {sorted(unknown)}")
+    prompt = item.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise PromptsFileError(f"{where}: field 'prompt' must be a non-empty string, got {prompt!r}")
+    request_id = str(item.get("id", f"prompt-{number}"))
+    if request_id in seen:
+        raise PromptsFileError(f"{where}: field 'id' value {request_id!r} is used twice")
+    seen.add(request_id)
+    request_class = item.get("class", "default")
+    if not isinstance(request_class, str) or not request_class:
+        raise PromptsFileError(f"{where}: field 'class' must be a non-empty string, got {request_class!r}")
+    max_new = item.get("max_new_tokens")
+    if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1):
+        raise PromptsFileError(f"{where}: field 'max_new_tokens' must be a positive integer, got {max_new!r}")
+    return PromptSpec(prompt, request_id, request_class, max_new)

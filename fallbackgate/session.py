@@ -1,0 +1,91 @@
+"""Build an engine from user settings and run a batch of prompts through it, with a progress bar."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from tqdm.auto import tqdm
+
+from engine.config import MIB, EngineConfig
+from engine.controller import Controller
+from engine.engine import Engine
+from engine.errors import CheckpointError
+from engine.hardware import get_profile
+from engine.messages import RequestOutput, StepPlan, StepResult
+from engine.sequence import SamplingParams
+from fallbackgate.prompts import PromptSpec
+
+
+@dataclasses.dataclass(slots=True)
+class RunSettings:
+    """What a user chose on the command line or in a policy file."""
+
+    model_dir: str
+    max_new_tokens: int = 32
+    seed: int = 0
+    temperature: float = 0.0
+    device_budget_mb: float | None = None
+    host_budget_mb: float | None = None
+    spill_dir: str | None = None
+    block_size: int = 16
+    max_num_seqs: int = 8
+    profile: str = "cpu-box"
+    preempt_mode: str = "swap"
+
+    def engine_config(self) -> EngineConfig:
+        """The engine configuration these settings describe."""
+        def to_bytes(mb: float | None) -> int | None:
+            return None if mb is None else int(mb * MIB)
+
+        return EngineConfig(self.model_dir, device_budget_bytes=to_bytes(self.device_budget_mb),
+                            host_budget_bytes=to_bytes(self.host_budget_mb), spill_dir=self.spill_dir,
+                            block_size=self.block_size, max_num_seqs=self.max_num_seqs,
+                            profile=get_profile(self.profile), preempt_mode=self.preempt_mode, seed=self.seed)
+
+
+@dataclasses.dataclass(slots=True)
+class RunOutcome:
+    """Everything a run produced, in prompt order."""
+
+    specs: list[PromptSpec]
+    outputs: list[RequestOutput]
+    texts: list[str]
+    steps: list[StepResult]
+    wall_s: float
+
+
+StepHook = Callable[[StepPlan, StepResult], None]
+
+
+def build_engine(settings: RunSettings, controller: Controller) -> Engine:
+    """Load the model and build the engine; a model without a tokenizer is refused for text prompts."""
+    engine = Engine(settings.engine_config(), controller)
+    if engine.tokenizer is None:
+        raise CheckpointError(f"{settings.model_dir}: no tokenizer files next to the weights; text prompts need one")
+    return engine
+
+
+def run_prompts(engine: Engine, specs: list[PromptSpec], settings: RunSettings,
+                on_step: StepHook | None = None, is_progress_shown: bool = True) -> RunOutcome:
+    """Submit every prompt, step the engine until all finish, decode the outputs."""
+    tokenizer = engine.tokenizer
+    stop_ids = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
+    for spec in specs:
+        params = SamplingParams(max_new_tokens=spec.max_new_tokens or settings.max_new_tokens,
+                                temperature=settings.temperature, stop_token_ids=stop_ids)
+        engine.add_request(tokenizer.encode(spec.prompt), params, spec.request_id, spec.request_class)
+    total = sum(engine.sequences[s.request_id].params.max_new_tokens for s in specs)
+    steps: list[StepResult] = []
+    started = time.perf_counter()
+    with tqdm(total=total, disable=not is_progress_shown, unit="tok", desc="decoding") as bar:
+        while engine.has_unfinished():
+            result = engine.step()
+            steps.append(result)
+            if on_step is not None:
+                on_step(engine.last_plan, result)
+            bar.update(len(result.sampled_token_ids))
+    outputs = [engine.finished[s.request_id] for s in specs]
+    texts = [tokenizer.decode(o.output_token_ids, skip_special_tokens=True) for o in outputs]
+    return RunOutcome(specs, outputs, texts, steps, time.perf_counter() - started)
