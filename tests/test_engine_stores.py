@@ -1,0 +1,97 @@
+"""Stores, spill checksums, and the loader's errors."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.errors import CheckpointError, ChecksumError
+from engine.sequence import SamplingParams
+from engine.spill import PAGE_BYTES, SpillDir
+from engine.tags import Tag, Tier
+from fallbackgate.controllers.exact_lru import ExactLRUController
+from tests.checkpoints import make_checkpoint
+from tests.test_engine_exact import NEW_TOKENS, _prompts, reference, sizes
+
+
+def test_spill_detects_a_corrupted_page(tmp_path: pathlib.Path) -> None:
+    spill = SpillDir(tmp_path)
+    tensor = torch.arange(3 * PAGE_BYTES // 4, dtype=torch.float32)
+    record = spill.write("t", tensor)
+    assert len(record.page_crcs) == 3
+    assert torch.equal(spill.read(record), tensor)
+    data = bytearray(record.path.read_bytes())
+    data[PAGE_BYTES + 5] ^= 0xFF
+    record.path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="page 1"):
+        spill.read(record)
+
+
+def test_corrupted_expert_page_is_recovered_exactly_and_recorded(checkpoint_factory) -> None:
+    path = checkpoint_factory("qwen3_moe")
+    expert, block, layers, top_k = sizes(path)
+    prompts = _prompts(1)
+    ref_tokens, _ = reference(path, prompts)
+    engine = Engine(EngineConfig(str(path), block_size=4, device_budget_bytes=4 * expert + 20 * layers * block,
+                                 host_budget_bytes=0), ExactLRUController())
+    disk_keys = [k for k, e in engine.expert_store.entries.items() if e.home is Tier.DISK]
+    assert len(disk_keys) == len(engine.expert_store.entries)  # host budget 0: every expert on disk
+    for key in disk_keys:  # corrupt every primary copy
+        record = engine.expert_store.entries[key].disk[0]
+        data = bytearray(record.path.read_bytes())
+        data[10] ^= 0x01
+        record.path.write_bytes(bytes(data))
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts]
+    notes = []
+    while engine.has_unfinished():
+        notes += [e.note for e in engine.step().events if e.tag is Tag.EXACT_LOAD and e.note]
+    assert [engine.finished[i].output_token_ids for i in ids] == ref_tokens
+    assert notes and all("checksum" in n and "recovered" in n for n in notes)
+
+
+def test_kv_blocks_round_trip_through_disk(checkpoint_factory) -> None:
+    path = checkpoint_factory("olmoe")
+    expert, block, layers, top_k = sizes(path)
+    prompts = _prompts(1)
+    ref_tokens, _ = reference(path, prompts)
+    engine = Engine(EngineConfig(str(path), block_size=4, device_budget_bytes=top_k * expert + 3 * layers * block,
+                                 host_budget_bytes=0), ExactLRUController())
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
+    assert [o.output_token_ids for o in outputs] == ref_tokens
+    assert not any(engine.kv_store.spill.root.glob("kv-*"))  # finished requests leave no spill files
+
+
+def _copy(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_loader_errors_say_what_was_found(tmp_path: pathlib.Path, checkpoint_factory) -> None:
+    with pytest.raises(CheckpointError, match="does not exist"):
+        Engine(EngineConfig(str(tmp_path / "nope")), ExactLRUController())
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("x")
+    with pytest.raises(CheckpointError, match=r"no config.json \(found: \['notes.txt'\]\)"):
+        Engine(EngineConfig(str(tmp_path / "empty")), ExactLRUController())
+    dense = make_checkpoint("llama", tmp_path / "dense")
+    with pytest.raises(CheckpointError, match="'llama' is not a supported MoE architecture.*qwen3_moe"):
+        Engine(EngineConfig(str(dense)), ExactLRUController())
+    broken = _copy(checkpoint_factory("qwen3_moe"), tmp_path / "broken")
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        Engine(EngineConfig(str(broken)), ExactLRUController())
+    bad_json = _copy(checkpoint_factory("qwen3_moe"), tmp_path / "badjson")
+    (bad_json / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        Engine(EngineConfig(str(bad_json)), ExactLRUController())
+    dense_moe_type = _copy(checkpoint_factory("qwen3_moe"), tmp_path / "truncated")
+    (dense_moe_type / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="could not load"):
+        Engine(EngineConfig(str(dense_moe_type)), ExactLRUController())
+    assert json.loads((checkpoint_factory("qwen3_moe") / "config.json").read_text())["model_type"] == "qwen3_moe"
