@@ -22,7 +22,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Engine, create_engine, event, inspect
+from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
@@ -33,6 +33,7 @@ MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 WRITE_TRANSACTION = "fallbackgate_write"
 """Execution option: a SQLite transaction that will write starts with BEGIN IMMEDIATE (see begin_write)."""
 _SQLITE_MAGIC = b"SQLite format 3\x00"
+_PG_UPGRADE_LOCK = 0x66_67_6C_65_64  # "fgled": advisory lock id held while upgrading
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
 
 
@@ -224,6 +225,8 @@ def upgrade(engine: Engine) -> None:
     """Upgrade the schema of ``engine``'s database to the newest revision, in one transaction."""
     cfg = alembic_config()
     with begin_write(engine) as conn:
+        if conn.dialect.name == "postgresql":  # concurrent first opens of a shared ledger take turns
+            conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _PG_UPGRADE_LOCK})
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "head")
 

@@ -85,20 +85,21 @@ def step_rows(
     for rid in result.sampled_token_ids:
         sample_steps.setdefault((run_id, rid), []).append(plan.step_id)
     events = rows.setdefault(EventRow.__table__, [])
-    for e in result.events:  # tuples in EVENT_COLUMNS order: the hot path stays cheap
-        tag = value(e.tag)
+    exactness = EXACTNESS.get
+    for e in result.events:  # tuples in EVENT_COLUMNS order; getattr(_value_) is the cheap enum -> str
+        tag = getattr(e.tag, "_value_", e.tag)
         events.append(
             (
                 run_id,
                 e.step_id,
                 e.request_id,
                 e.layer,
-                value(e.object_kind),
+                getattr(e.object_kind, "_value_", e.object_kind),
                 tag,
-                EXACTNESS.get(tag, "approximate"),
+                exactness(tag, "approximate"),
                 e.count,
                 e.bytes_moved,
-                value(e.source_tier),
+                getattr(e.source_tier, "_value_", e.source_tier),
                 e.predicted_cost,
                 e.modeled_s,
                 e.note,

@@ -10,6 +10,8 @@ The writer keeps references to the recorded messages until they are written: do 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import queue
 import threading
 import time
@@ -76,6 +78,7 @@ class LedgerWriter:
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="ledger-writer", daemon=True)
         self._thread.start()
+        atexit.register(self._close_at_exit)  # a normal interpreter exit still writes what was recorded
 
     # ---- caller side -------------------------------------------------------------------------
     def start_run(
@@ -220,9 +223,14 @@ class LedgerWriter:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._close_at_exit)
         self._queue.put(_STOP)
         self._thread.join()
         self._check()
+
+    def _close_at_exit(self) -> None:
+        with contextlib.suppress(LedgerError):
+            self.close()
 
     def __enter__(self) -> Self:
         return self

@@ -74,3 +74,25 @@ def test_kill_9_leaves_consistent_incomplete_ledger(tmp_path: Path) -> None:
     with open_ledger(str(path), read_only=True) as ledger:
         (run,) = queries.list_runs(ledger)
         assert run["status"] == "incomplete"
+
+
+def test_normal_exit_without_close_writes_everything(tmp_path: Path) -> None:
+    path = tmp_path / "exit.sqlite"
+    script = textwrap.dedent(
+        """
+        import sys
+        from ledger.db import open_ledger
+        from ledger.synthetic import synthetic_step
+        from ledger.writer import LedgerWriter
+
+        w = LedgerWriter(open_ledger(sys.argv[1]), flush_interval_s=60.0)
+        w.start_run()
+        for step in range(30):
+            w.record_step(*synthetic_step(step, ["a"], num_layers=2, events_per_layer=1))
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-c", script, str(path)], check=True, env=env, timeout=60)
+    con = sqlite3.connect(path)
+    assert con.execute("SELECT count(*) FROM events").fetchone() == (60,)
+    assert con.execute("SELECT status FROM runs").fetchone() == ("running",)  # never finished: incomplete
