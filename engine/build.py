@@ -53,14 +53,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def build_stores(config: EngineConfig, loaded: LoadedCheckpoint, shape: KVShape, device: torch.device
-                 ) -> tuple[ExpertStore, KVStore, int]:
+def build_stores(
+    config: EngineConfig, loaded: LoadedCheckpoint, shape: KVShape, device: torch.device
+) -> tuple[ExpertStore, KVStore, int]:
     """Pools, the expert store (experts leave the modules) and the KV store; returns the expert floor."""
     first = next(iter(loaded.experts_by_layer.values()))
     expert_bytes = (first.gate_up_proj[0].numel() + first.down_proj[0].numel()) * 4
     block_bytes = shape.num_kv_heads * config.block_size * (shape.key_dim + shape.value_dim) * 4
     num_experts_total = sum(m.num_experts for m in loaded.experts_by_layer.values())
-    kv_everything = shape.num_layers * config.max_num_seqs * (config.max_model_len // config.block_size + 1) * block_bytes
+    kv_everything = (
+        shape.num_layers * config.max_num_seqs * (config.max_model_len // config.block_size + 1) * block_bytes
+    )
     device_budget = config.device_budget_bytes
     if device_budget is None:
         device_budget = num_experts_total * expert_bytes + kv_everything
@@ -70,13 +73,25 @@ def build_stores(config: EngineConfig, loaded: LoadedCheckpoint, shape: KVShape,
         raise BudgetError(
             f"device budget {device_budget / MIB:.3f} MiB cannot make progress: the minimum is {minimum / MIB:.3f} MiB "
             f"({loaded.top_k} experts × {expert_bytes} B for one layer's top-k, plus one {block_bytes} B KV block "
-            f"per layer × {shape.num_layers} layers for one running request)")
+            f"per layer × {shape.num_layers} layers for one running request)"
+        )
     host_budget = config.host_budget_bytes
     if host_budget is None:
         host_budget = 2 * num_experts_total * expert_bytes + 2 * kv_everything
     device_pool, host_pool = TierPool("device", device_budget), TierPool("host", host_budget)
     spill = SpillDir(config.spill_dir or tempfile.mkdtemp(prefix="fallbackgate-spill-"))
-    expert_store = ExpertStore(loaded.experts_by_layer, device_pool, host_pool, spill, device, config.expert_lowbit_bits)
-    kv_store = KVStore(shape.num_layers, shape.num_kv_heads, shape.key_dim, shape.value_dim, config.block_size,
-                       device_pool, host_pool, spill, device)
+    expert_store = ExpertStore(
+        loaded.experts_by_layer, device_pool, host_pool, spill, device, config.expert_lowbit_bits
+    )
+    kv_store = KVStore(
+        shape.num_layers,
+        shape.num_kv_heads,
+        shape.key_dim,
+        shape.value_dim,
+        config.block_size,
+        device_pool,
+        host_pool,
+        spill,
+        device,
+    )
     return expert_store, kv_store, expert_floor

@@ -37,8 +37,9 @@ class EngineConfig:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                             f"({self.max_num_seqs})")
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
+            )
         if self.preempt_mode not in ("swap", "recompute"):
             raise ValueError(f"preempt_mode must be 'swap' or 'recompute', got {self.preempt_mode!r}")
         if self.expert_lowbit_bits not in (0, 4, 8):

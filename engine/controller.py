@@ -101,8 +101,9 @@ class Controller(abc.ABC):
         """exact_load, kv_dequant or recompute for one off-device KV block."""
 
     @abc.abstractmethod
-    def choose_victims(self, num_bytes: int, view: EngineView, pinned_experts: set[ExpertKey],
-                       pinned_kv: set[KVBlockKey]) -> list[Victim]:
+    def choose_victims(
+        self, num_bytes: int, view: EngineView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
+    ) -> list[Victim]:
         """Objects to take off device so that `num_bytes` more fit; may return fewer than needed."""
 
     def on_step_start(self, plan: StepPlan, view: EngineView) -> None:  # noqa: B027 - optional hook

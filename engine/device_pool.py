@@ -37,6 +37,8 @@ class TierPool:
     def release(self, kind: ObjectKind, num_bytes: int) -> None:
         """Give back bytes reserved earlier for `kind`."""
         if num_bytes > self.used_bytes_by_kind[kind]:
-            raise BudgetError(f"{self.name}: releasing {num_bytes} B of {kind.value} but only "
-                              f"{self.used_bytes_by_kind[kind]} B are held")
+            raise BudgetError(
+                f"{self.name}: releasing {num_bytes} B of {kind.value} but only "
+                f"{self.used_bytes_by_kind[kind]} B are held"
+            )
         self.used_bytes_by_kind[kind] -= num_bytes

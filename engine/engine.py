@@ -38,15 +38,17 @@ class Engine:
         model = loaded.model.to(self.device)
         hidden = int(self.model_config.hidden_size)
         first = next(iter(loaded.experts_by_layer.values()))
-        self.executor = Executor(self.expert_store, self.kv_store, controller, config.profile, hidden,
-                                 int(first.intermediate_dim))
+        self.executor = Executor(
+            self.expert_store, self.kv_store, controller, config.profile, hidden, int(first.intermediate_dim)
+        )
         self.executor.view_factory = self.view
         for layer, module in loaded.experts_by_layer.items():
             module._fg_executor, module._fg_layer = self.executor, layer
         heads = int(self.model_config.num_attention_heads)
         attn_flops = 4.0 * heads * (shape.key_dim + shape.value_dim) / 2 * shape.num_layers
-        self.runner = ModelRunner(model, self.executor, shape.num_layers, self.device, 2.0 * self.num_dense_params,
-                                  attn_flops)
+        self.runner = ModelRunner(
+            model, self.executor, shape.num_layers, self.device, 2.0 * self.num_dense_params, attn_flops
+        )
         self.scheduler = Scheduler(config, self.kv_store, self._make_room_for_kv, expert_floor, self._preempt)
         self.sequences: dict[str, Sequence] = {}
         self.finished: dict[str, RequestOutput] = {}
@@ -55,8 +57,13 @@ class Engine:
         self.last_plan: StepPlan | None = None  # plan of the latest step, for recorders
 
     # --- requests ------------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, request_class: str = "default") -> str:
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        request_class: str = "default",
+    ) -> str:
         """Queue a request; returns its id."""
         params = params or SamplingParams()
         request_id = request_id or f"req-{len(self.sequences)}"
@@ -66,8 +73,10 @@ class Engine:
             raise PromptError(f"request {request_id!r}: the prompt is empty")
         limit = min(self.config.max_model_len, int(getattr(self.model_config, "max_position_embeddings", 1 << 30)))
         if len(prompt_token_ids) + params.max_new_tokens > limit:
-            raise PromptError(f"request {request_id!r}: prompt ({len(prompt_token_ids)} tokens) + max_new_tokens "
-                              f"({params.max_new_tokens}) exceeds the model length limit {limit}")
+            raise PromptError(
+                f"request {request_id!r}: prompt ({len(prompt_token_ids)} tokens) + max_new_tokens "
+                f"({params.max_new_tokens}) exceeds the model length limit {limit}"
+            )
         vocab = int(self.model_config.vocab_size)
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise PromptError(f"request {request_id!r}: token ids must be in [0, {vocab})")
@@ -101,8 +110,16 @@ class Engine:
         for request_id, staged in self.scheduler.restored:
             modeled = self.config.profile.transfer_s(staged.bytes_moved, staged.source_tier)
             log.modeled_transfer_s += modeled
-            log.add(request_id, staged.key[1], ObjectKind.KV_BLOCK, Tag.EXACT_LOAD, bytes_moved=staged.bytes_moved,
-                    source_tier=staged.source_tier, modeled_s=modeled, note="resume: tail block")
+            log.add(
+                request_id,
+                staged.key[1],
+                ObjectKind.KV_BLOCK,
+                Tag.EXACT_LOAD,
+                bytes_moved=staged.bytes_moved,
+                source_tier=staged.source_tier,
+                modeled_s=modeled,
+                note="resume: tail block",
+            )
         self.scheduler.restored.clear()
         self.runner.resolve_kv(plan.step_id, chosen, log, self.is_observe)
         return log
@@ -118,8 +135,13 @@ class Engine:
             if start + num == seq.num_tokens:
                 rows.append(len(token_ids) - 1)
             self._log_rebuilt(seq, start, num, log)
-        batch = ForwardBatch([s.request_id for s, _ in chosen], [s.num_computed_tokens for s, _ in chosen],
-                             [n for _, n in chosen], torch.tensor(owners), [s.request_class for s, _ in chosen])
+        batch = ForwardBatch(
+            [s.request_id for s, _ in chosen],
+            [s.num_computed_tokens for s, _ in chosen],
+            [n for _, n in chosen],
+            torch.tensor(owners),
+            [s.request_class for s, _ in chosen],
+        )
         return self.runner.forward(plan.step_id, batch, token_ids, rows, log, self.is_observe)
 
     def _log_rebuilt(self, seq: Sequence, start: int, num: int, log: EventLog) -> None:
@@ -130,11 +152,18 @@ class Engine:
         size = self.config.block_size
         num_blocks = (end - 1) // size - start // size + 1
         for layer in range(self.kv_store.num_layers):
-            log.add(seq.request_id, layer, ObjectKind.KV_BLOCK, Tag.RECOMPUTE, count=num_blocks,
-                    note="re-prefill after drop preemption")
+            log.add(
+                seq.request_id,
+                layer,
+                ObjectKind.KV_BLOCK,
+                Tag.RECOMPUTE,
+                count=num_blocks,
+                note="re-prefill after drop preemption",
+            )
 
-    def _finish_step(self, plan: StepPlan, chosen: list[tuple[Sequence, int]], logits: torch.Tensor,
-                     log: EventLog, started: float) -> StepResult:
+    def _finish_step(
+        self, plan: StepPlan, chosen: list[tuple[Sequence, int]], logits: torch.Tensor, log: EventLog, started: float
+    ) -> StepResult:
         apply_step_end(self, log)
         sampled, kept, finished = {}, {}, []
         row = 0
@@ -155,9 +184,19 @@ class Engine:
             if self._append_token(self.sequences[request_id], token, kept[request_id], now):
                 finished.append(request_id)
         pool = self.kv_store.device_pool
-        return StepResult(plan.step_id, plan.kind, plan.request_ids, sampled, kept, events, now - started, modeled,
-                          finished, pool.used_bytes_by_kind[ObjectKind.EXPERT],
-                          pool.used_bytes_by_kind[ObjectKind.KV_BLOCK])
+        return StepResult(
+            plan.step_id,
+            plan.kind,
+            plan.request_ids,
+            sampled,
+            kept,
+            events,
+            now - started,
+            modeled,
+            finished,
+            pool.used_bytes_by_kind[ObjectKind.EXPERT],
+            pool.used_bytes_by_kind[ObjectKind.KV_BLOCK],
+        )
 
     def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
         params = seq.params
@@ -187,19 +226,31 @@ class Engine:
     def _output(self, seq: Sequence) -> RequestOutput:
         n = len(seq.output_token_ids)
         tpot = (seq.modeled_finish_s - seq.modeled_first_token_s) / (n - 1) if n > 1 else 0.0
-        return RequestOutput(seq.request_id, seq.request_class, seq.prompt_token_ids, list(seq.output_token_ids),
-                             torch.stack(seq.output_logits), seq.arrival_s, seq.first_token_s, seq.finish_s,
-                             seq.modeled_first_token_s - seq.modeled_arrival_s, tpot, dict(seq.tag_counts),
-                             seq.num_preemptions)
+        return RequestOutput(
+            seq.request_id,
+            seq.request_class,
+            seq.prompt_token_ids,
+            list(seq.output_token_ids),
+            torch.stack(seq.output_logits),
+            seq.arrival_s,
+            seq.first_token_s,
+            seq.finish_s,
+            seq.modeled_first_token_s - seq.modeled_arrival_s,
+            tpot,
+            dict(seq.tag_counts),
+            seq.num_preemptions,
+        )
 
     # --- memory pressure -----------------------------------------------------------------------
-    def _make_room_for_kv(self, num_bytes: int, pinned: set[KVBlockKey], is_done: Callable[[], bool],
-                          is_kv_only: bool) -> bool:
+    def _make_room_for_kv(
+        self, num_bytes: int, pinned: set[KVBlockKey], is_done: Callable[[], bool], is_kv_only: bool
+    ) -> bool:
         pinned_experts = set(self.expert_store.device_keys()) if is_kv_only else set()
         if self.executor.make_room(num_bytes, pinned_kv=pinned, pinned_experts=pinned_experts, is_done=is_done):
             return True
-        return self.executor.make_room(num_bytes, pinned_kv=pinned, pinned_experts=set(self.expert_store.device_keys()),
-                                       is_done=is_done)
+        return self.executor.make_room(
+            num_bytes, pinned_kv=pinned, pinned_experts=set(self.expert_store.device_keys()), is_done=is_done
+        )
 
     def _preempt(self, seq: Sequence) -> None:
         if self.config.preempt_mode == "swap":
@@ -215,14 +266,21 @@ class Engine:
 
     def view(self) -> EngineView:
         """A read view of the engine's state for controllers."""
-        return EngineView(self.expert_store, self.kv_store, self.config.profile,
-                          {rid: s.request_class for rid, s in self.sequences.items() if not s.is_finished},
-                          [s.request_id for s in self.scheduler.running], list(self.executor.used_expert_keys),
-                          list(self.executor.used_kv_block_keys), list(self.executor.deferred_expert_keys))
+        return EngineView(
+            self.expert_store,
+            self.kv_store,
+            self.config.profile,
+            {rid: s.request_class for rid, s in self.sequences.items() if not s.is_finished},
+            [s.request_id for s in self.scheduler.running],
+            list(self.executor.used_expert_keys),
+            list(self.executor.used_kv_block_keys),
+            list(self.executor.deferred_expert_keys),
+        )
 
     # --- conveniences --------------------------------------------------------------------------
-    def generate(self, prompts: Iterable[list[int]], params: SamplingParams | None = None,
-                 is_progress_shown: bool = False) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Iterable[list[int]], params: SamplingParams | None = None, is_progress_shown: bool = False
+    ) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order."""
         ids = [self.add_request(p, params) for p in prompts]
         total = sum(self.sequences[i].params.max_new_tokens for i in ids)

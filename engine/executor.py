@@ -19,8 +19,15 @@ from engine.tags import ObjectKind, Tag, Tier
 class Executor:
     """Owns the stores and the controller; the experts hook and the paged cache call into it."""
 
-    def __init__(self, expert_store: ExpertStore, kv_store: KVStore, controller: Controller,
-                 profile: HardwareProfile, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self,
+        expert_store: ExpertStore,
+        kv_store: KVStore,
+        controller: Controller,
+        profile: HardwareProfile,
+        hidden_size: int,
+        intermediate_size: int,
+    ) -> None:
         self.expert_store, self.kv_store, self.controller, self.profile = expert_store, kv_store, controller, profile
         self.flops_per_expert_token = 6.0 * hidden_size * intermediate_size
         self.hidden_size = hidden_size
@@ -32,8 +39,14 @@ class Executor:
         self.deferred_expert_keys: list[ExpertKey] = []  # experts deferred this step
 
     # --- experts -------------------------------------------------------------------------------
-    def run_experts(self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    def run_experts(
+        self,
+        module: torch.nn.Module,
+        layer: int,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
         """Compute the routed experts of one layer for the packed tokens of this forward."""
         ctx = self.ctx
         if ctx is None:
@@ -50,8 +63,15 @@ class Executor:
             self._run_expert(module, key, key_uses, hidden, weights, out)
         return out
 
-    def _run_expert(self, module: torch.nn.Module, key: ExpertKey, uses: list[ExpertUse], hidden: torch.Tensor,
-                    weights: torch.Tensor, out: torch.Tensor) -> None:
+    def _run_expert(
+        self,
+        module: torch.nn.Module,
+        key: ExpertKey,
+        uses: list[ExpertUse],
+        hidden: torch.Tensor,
+        weights: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
         ctx = self.ctx
         groups: dict[Tag, list[ExpertUse]] = {}
         for use in uses:
@@ -79,13 +99,21 @@ class Executor:
             out.index_add_(0, token_idx, y * weights[token_idx, top_k_pos, None])
             ctx.log.modeled_compute_s += compute_s
             ctx.used_expert_keys.append(key)
-            transfer_s = self.profile.transfer_s(fetched.bytes_moved, fetched.source_tier) if fetched.source_tier else 0.0
+            transfer_s = (
+                self.profile.transfer_s(fetched.bytes_moved, fetched.source_tier) if fetched.source_tier else 0.0
+            )
             ctx.log.modeled_transfer_s += transfer_s
             for i, use in enumerate(tag_uses):
                 served = fetch_tag if i == 0 else (Tag.RESIDENT if fetch_tag is Tag.EXACT_LOAD else fetch_tag)
                 moved = fetched.bytes_moved if i == 0 else 0
-                self._record(use, served, moved, fetched.source_tier if moved else None,
-                             transfer_s if i == 0 else 0.0, fetched.note if i == 0 else "")
+                self._record(
+                    use,
+                    served,
+                    moved,
+                    fetched.source_tier if moved else None,
+                    transfer_s if i == 0 else 0.0,
+                    fetched.note if i == 0 else "",
+                )
 
     def _record(self, use: ExpertUse, tag: Tag, moved: int, tier: Tier | None, modeled_s: float, note: str) -> None:
         ctx = self.ctx
@@ -93,11 +121,26 @@ class Executor:
         if ctx.is_observe and decided not in (Tag.RESIDENT, tag):
             note = (note + "; " if note else "") + f"observe: would serve {decided.value}"
         cost = use.decision.predicted_cost if not ctx.is_observe else 0.0
-        ctx.log.add(ctx.batch.request_ids[use.request_index], use.key[0], ObjectKind.EXPERT, tag, bytes_moved=moved,
-                    source_tier=tier, predicted_cost=cost, modeled_s=modeled_s, note=note)
+        ctx.log.add(
+            ctx.batch.request_ids[use.request_index],
+            use.key[0],
+            ObjectKind.EXPERT,
+            tag,
+            bytes_moved=moved,
+            source_tier=tier,
+            predicted_cost=cost,
+            modeled_s=modeled_s,
+            note=note,
+        )
 
-    def _exact_experts(self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                       top_k_weights: torch.Tensor) -> torch.Tensor:
+    def _exact_experts(
+        self,
+        module: torch.nn.Module,
+        layer: int,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
         out = torch.zeros_like(hidden)
         for expert_id in torch.unique(top_k_index).tolist():
             token_idx, pos = torch.where(top_k_index == expert_id)
@@ -109,8 +152,9 @@ class Executor:
         return out
 
     # --- KV (called by the paged cache) --------------------------------------------------------
-    def kv_update(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv_update(
+        self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this forward's K/V into the blocks, return every request's full K/V packed along tokens."""
         batch = self.ctx.batch
         keys, values = [], []
@@ -128,17 +172,24 @@ class Executor:
         return torch.cat(keys, dim=1)[None], torch.cat(values, dim=1)[None]
 
     # --- room on device ------------------------------------------------------------------------
-    def make_room(self, num_bytes: int, *, pinned_experts: set[ExpertKey] | None = None,
-                  pinned_kv: set[KVBlockKey] | None = None, is_kv_evictable: bool = True,
-                  is_done: Callable[[], bool] | None = None) -> bool:
+    def make_room(
+        self,
+        num_bytes: int,
+        *,
+        pinned_experts: set[ExpertKey] | None = None,
+        pinned_kv: set[KVBlockKey] | None = None,
+        is_kv_evictable: bool = True,
+        is_done: Callable[[], bool] | None = None,
+    ) -> bool:
         """Ask the controller for victims until `is_done()` (default: `num_bytes` free); True when it is."""
         pool = self.expert_store.device_pool
         is_done = is_done or (lambda: pool.can_reserve(num_bytes))
         if is_done():
             return True
         view: EngineView = self.view_factory()
-        victims = self.controller.choose_victims(num_bytes - pool.free_bytes, view, pinned_experts or set(),
-                                                 pinned_kv or set())
+        victims = self.controller.choose_victims(
+            num_bytes - pool.free_bytes, view, pinned_experts or set(), pinned_kv or set()
+        )
         for victim in victims:
             if victim.expert_key is not None and self.expert_store.is_on_device(victim.expert_key):
                 if victim.expert_key not in (pinned_experts or set()):

@@ -81,10 +81,15 @@ class ExpertStore:
             name = f"expert-L{layer}-E{expert_id}"
             entry = _Entry(home=Tier.DISK)
             entry.disk = (self.spill.write(name + "-gu", weights.gate_up), self.spill.write(name + "-dn", weights.down))
-            entry.replica = (self.spill.write(name + "-gu.r", weights.gate_up),
-                             self.spill.write(name + "-dn.r", weights.down))
+            entry.replica = (
+                self.spill.write(name + "-gu.r", weights.gate_up),
+                self.spill.write(name + "-dn.r", weights.down),
+            )
         if self.lowbit_bits:
-            low = (quantize(weights.gate_up, self.lowbit_bits, axis=1), quantize(weights.down, self.lowbit_bits, axis=1))
+            low = (
+                quantize(weights.gate_up, self.lowbit_bits, axis=1),
+                quantize(weights.down, self.lowbit_bits, axis=1),
+            )
             low_bytes = low[0].num_bytes + low[1].num_bytes
             if self.host_pool.can_reserve(low_bytes):
                 self.host_pool.reserve(ObjectKind.EXPERT, low_bytes)

@@ -56,8 +56,9 @@ class ExpertUse:
     decision: Decision
 
 
-def plan_expert_uses(executor: Executor, layer: int, top_k_index: torch.Tensor,
-                     top_k_weights: torch.Tensor) -> list[ExpertUse]:
+def plan_expert_uses(
+    executor: Executor, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> list[ExpertUse]:
     """Split routing into (expert, request) uses and ask the controller about each one off device."""
     ctx, store = executor.ctx, executor.expert_store
     owner = ctx.batch.token_owner
@@ -71,11 +72,21 @@ def plan_expert_uses(executor: Executor, layer: int, top_k_index: torch.Tensor,
             if ctx.is_exact_baseline or store.is_on_device(key):
                 decision = Decision(Tag.RESIDENT)
             else:
-                decision = executor.controller.expert_action(ExpertMiss(
-                    ctx.step_id, ctx.batch.request_ids[request_index], ctx.batch.request_classes[request_index],
-                    layer, int(expert_id), int(token_idx.numel()),
-                    float(top_k_weights[token_idx, pos].max()), store.home(key), store.bytes_per_expert,
-                    store.has_lowbit(key), store.device_pool.can_reserve(store.bytes_per_expert)))
+                decision = executor.controller.expert_action(
+                    ExpertMiss(
+                        ctx.step_id,
+                        ctx.batch.request_ids[request_index],
+                        ctx.batch.request_classes[request_index],
+                        layer,
+                        int(expert_id),
+                        int(token_idx.numel()),
+                        float(top_k_weights[token_idx, pos].max()),
+                        store.home(key),
+                        store.bytes_per_expert,
+                        store.has_lowbit(key),
+                        store.device_pool.can_reserve(store.bytes_per_expert),
+                    )
+                )
             uses.append(ExpertUse(key, request_index, token_idx, pos, decision))
     return uses
 

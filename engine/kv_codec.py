@@ -46,8 +46,11 @@ def write_quant(spill: SpillDir, name: str, quant: QuantKV) -> QuantKV:
     meta = []
     for label, part in (("k", quant.keys), ("v", quant.values)):
         assert part is not None
-        records += [spill.write(f"{name}-{label}c", part.codes), spill.write(f"{name}-{label}s", part.scales),
-                    spill.write(f"{name}-{label}z", part.zeros)]
+        records += [
+            spill.write(f"{name}-{label}c", part.codes),
+            spill.write(f"{name}-{label}s", part.scales),
+            spill.write(f"{name}-{label}z", part.zeros),
+        ]
         meta.append((part.bits, part.axis, part.group_size))
     return QuantKV(None, None, quant.bits, quant.nbytes, tuple(records), tuple(meta))
 

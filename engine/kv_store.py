@@ -69,8 +69,18 @@ class Staged:
 class KVStore:
     """Block tables for all live requests; byte-accurate device and host accounting."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, key_dim: int, value_dim: int, block_size: int,
-                 device_pool: TierPool, host_pool: TierPool, spill: SpillDir, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        key_dim: int,
+        value_dim: int,
+        block_size: int,
+        device_pool: TierPool,
+        host_pool: TierPool,
+        spill: SpillDir,
+        device: torch.device,
+    ) -> None:
         self.num_layers, self.num_kv_heads, self.block_size = num_layers, num_kv_heads, block_size
         self.key_dim, self.value_dim = key_dim, value_dim
         self.device_pool, self.host_pool, self.spill, self.device = device_pool, host_pool, spill, device
@@ -135,8 +145,9 @@ class KVStore:
 
     def _reserve_device(self, block: KVBlock, values: torch.Tensor | None) -> None:
         self.device_pool.reserve(ObjectKind.KV_BLOCK, self.bytes_per_block)
-        block.device = (torch.zeros(self.block_shape, device=self.device) if values is None
-                        else values.to(self.device, copy=True))
+        block.device = (
+            torch.zeros(self.block_shape, device=self.device) if values is None else values.to(self.device, copy=True)
+        )
 
     # --- reads and writes during a forward -----------------------------------------------------
     def write(self, request_id: str, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -250,7 +261,9 @@ class KVStore:
             block.disk = self.spill.write("kv-" + "-".join(map(str, block.key)), tensor)
             return self.bytes_per_block
         if mode is SpillMode.DISK_INT8 and block.disk_q is None:
-            block.disk_q = write_quant(self.spill, "kvq-" + "-".join(map(str, block.key)), quantize_kv(tensor, 8, self.key_dim))
+            block.disk_q = write_quant(
+                self.spill, "kvq-" + "-".join(map(str, block.key)), quantize_kv(tensor, 8, self.key_dim)
+            )
             return block.disk_q.num_bytes
         return 0
 

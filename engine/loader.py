@@ -102,7 +102,10 @@ def load_checkpoint(path: str | pathlib.Path, *, is_tokenizer_required: bool = F
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = AutoModelForCausalLM.from_pretrained(
-                path, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True,
+                path,
+                dtype=torch.float32,
+                attn_implementation="sdpa",
+                local_files_only=True,
                 experts_implementation=EXPERTS_IMPLEMENTATION,
             )
     except Exception as exc:  # transformers and safetensors raise many kinds; all mean "cannot load"

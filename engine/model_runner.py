@@ -18,8 +18,15 @@ from engine.tags import ObjectKind, Tag, Tier
 class ModelRunner:
     """Owns the model, the paged cache and the executor; one packed forward per call."""
 
-    def __init__(self, model: PreTrainedModel, executor: Executor, num_layers: int, device: torch.device,
-                 dense_flops_per_token: float, attn_flops_per_pair: float) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        executor: Executor,
+        num_layers: int,
+        device: torch.device,
+        dense_flops_per_token: float,
+        attn_flops_per_pair: float,
+    ) -> None:
         self.model, self.executor, self.device = model, executor, device
         self.cache = PagedCache(executor, num_layers)
         self.dense_flops_per_token = dense_flops_per_token  # 2 × dense parameters
@@ -47,9 +54,19 @@ class ModelRunner:
         exact_tier = Tier.HOST if block.host is not None else Tier.DISK if block.disk is not None else None
         quant = block.host_q or block.disk_q
         quant_tier = Tier.HOST if block.host_q is not None else Tier.DISK if block.disk_q is not None else None
-        decision = self.executor.controller.kv_action(KVMiss(
-            step_id, seq.request_id, seq.request_class, block.key[1], block.key[2], exact_tier, quant_tier,
-            quant.bits if quant else 0, kv.bytes_per_block))
+        decision = self.executor.controller.kv_action(
+            KVMiss(
+                step_id,
+                seq.request_id,
+                seq.request_class,
+                block.key[1],
+                block.key[2],
+                exact_tier,
+                quant_tier,
+                quant.bits if quant else 0,
+                kv.bytes_per_block,
+            )
+        )
         tag, note = decision.tag, decision.reason
         if is_observe and tag is not Tag.EXACT_LOAD and exact_tier is not None:
             note, tag = f"observe: would serve {tag.value}", Tag.EXACT_LOAD
@@ -62,8 +79,17 @@ class ModelRunner:
         cost = decision.predicted_cost if staged.tag is decision.tag and not is_observe else 0.0
         modeled = profile.transfer_s(staged.bytes_moved, staged.source_tier) if staged.source_tier else 0.0
         log.modeled_transfer_s += modeled
-        log.add(seq.request_id, block.key[1], ObjectKind.KV_BLOCK, staged.tag, bytes_moved=staged.bytes_moved,
-                source_tier=staged.source_tier, predicted_cost=cost, modeled_s=modeled, note=note)
+        log.add(
+            seq.request_id,
+            block.key[1],
+            ObjectKind.KV_BLOCK,
+            staged.tag,
+            bytes_moved=staged.bytes_moved,
+            source_tier=staged.source_tier,
+            predicted_cost=cost,
+            modeled_s=modeled,
+            note=note,
+        )
         self.executor.used_kv_block_keys.append(block.key)
         return staged.tag
 
@@ -75,13 +101,21 @@ class ModelRunner:
                 if block.device is None and block.key not in kv.scratch:
                     kv.stage(block, Tag.RECOMPUTE)
         token_ids = seq.all_token_ids[begin:end]
-        batch = ForwardBatch([seq.request_id], [begin], [end - begin], torch.zeros(end - begin, dtype=torch.long),
-                             [seq.request_class])
+        batch = ForwardBatch(
+            [seq.request_id], [begin], [end - begin], torch.zeros(end - begin, dtype=torch.long), [seq.request_class]
+        )
         self.forward(step_id, batch, token_ids, [], log, is_observe=False)
 
     # --- forward -------------------------------------------------------------------------------
-    def forward(self, step_id: int, batch: ForwardBatch, token_ids: list[int], logits_rows: list[int],
-                log: EventLog, is_observe: bool) -> torch.Tensor:
+    def forward(
+        self,
+        step_id: int,
+        batch: ForwardBatch,
+        token_ids: list[int],
+        logits_rows: list[int],
+        log: EventLog,
+        is_observe: bool,
+    ) -> torch.Tensor:
         """One packed forward; returns fp32 logits at `logits_rows` of the packed tokens."""
         ctx = StepContext(step_id, batch, log, is_observe=is_observe)
         self.executor.ctx = ctx
@@ -91,15 +125,22 @@ class ModelRunner:
         keep = torch.tensor(logits_rows or [len(token_ids) - 1], device=self.device)
         try:
             with torch.inference_mode():
-                out = self.model(input_ids=input_ids, position_ids=positions[None].to(self.device),
-                                 attention_mask=mask, cache=self.cache, use_cache=True, logits_to_keep=keep)
+                out = self.model(
+                    input_ids=input_ids,
+                    position_ids=positions[None].to(self.device),
+                    attention_mask=mask,
+                    cache=self.cache,
+                    use_cache=True,
+                    logits_to_keep=keep,
+                )
         finally:
             self.executor.used_expert_keys.extend(ctx.used_expert_keys)
             self.executor.deferred_expert_keys.extend(ctx.deferred_expert_keys)
             self.executor.ctx = None
         pairs = sum(n * s + n * (n + 1) / 2 for s, n in zip(batch.starts, batch.lengths, strict=True))
         log.modeled_compute_s += self.executor.profile.device_compute_s(
-            self.dense_flops_per_token * len(token_ids) + self.attn_flops_per_pair * pairs)
+            self.dense_flops_per_token * len(token_ids) + self.attn_flops_per_pair * pairs
+        )
         return out.logits[0].float()
 
     def exact_logits(self, token_ids: list[int], num_chunked: int = 0) -> torch.Tensor:
@@ -108,8 +149,7 @@ class ModelRunner:
         One prefill pass by default; with `num_chunked` > 0 the last `num_chunked` tokens are fed one at
         a time instead (the exact-vs-exact control: same math, other kernel shapes).
         """
-        batch = ForwardBatch(["audit"], [0], [len(token_ids)], torch.zeros(len(token_ids), dtype=torch.long),
-                             ["audit"])
+        batch = ForwardBatch(["audit"], [0], [len(token_ids)], torch.zeros(len(token_ids), dtype=torch.long), ["audit"])
         self.executor.ctx = StepContext(-1, batch, EventLog(-1), is_exact_baseline=True)
         ids = torch.tensor([token_ids], device=self.device)
         split = len(token_ids) - num_chunked

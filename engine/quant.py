@@ -45,8 +45,9 @@ def quantize(x: torch.Tensor, bits: int, axis: int, group_size: int = 32) -> Qua
     scales = ((high - low) / levels).clamp_min(1e-12)
     codes = torch.round((grouped - low) / scales).clamp(0, levels).to(torch.uint8)
     codes = codes.reshape(*moved.shape[:-1], -1)[..., :length].movedim(-1, axis).contiguous()
-    return Quantized(codes=codes, scales=scales.squeeze(-1), zeros=low.squeeze(-1), bits=bits, axis=axis,
-                     group_size=group_size)
+    return Quantized(
+        codes=codes, scales=scales.squeeze(-1), zeros=low.squeeze(-1), bits=bits, axis=axis, group_size=group_size
+    )
 
 
 def dequantize(q: Quantized) -> torch.Tensor:

@@ -18,8 +18,14 @@ RoomMaker = Callable[[int, set[KVBlockKey], Callable[[], bool], bool], bool]
 class Scheduler:
     """Chooses which requests run each step and how many tokens each feeds."""
 
-    def __init__(self, config: EngineConfig, kv_store: KVStore, make_room: RoomMaker, expert_floor_bytes: int,
-                 preempt: Callable[[Sequence], None]) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_store: KVStore,
+        make_room: RoomMaker,
+        expert_floor_bytes: int,
+        preempt: Callable[[Sequence], None],
+    ) -> None:
         self.config, self.kv_store, self.make_room, self.preempt_fn = config, kv_store, make_room, preempt
         self.expert_floor_bytes = expert_floor_bytes  # device bytes KV may never take from expert slots
         self.waiting: deque[Sequence] = deque()
@@ -153,7 +159,11 @@ class Scheduler:
         kind = StepKind.DECODE if kinds == {True} else StepKind.PREFILL if kinds == {False} else StepKind.MIXED
         preempted = [s.request_id for s in self.swapped if s.request_id not in preempted_before]
         return StepPlan(
-            step_id=self.step_id, kind=kind, request_ids=[s.request_id for s, _ in chosen],
+            step_id=self.step_id,
+            kind=kind,
+            request_ids=[s.request_id for s, _ in chosen],
             num_tokens={s.request_id: n for s, n in chosen},
             start_positions={s.request_id: s.num_computed_tokens for s, _ in chosen},
-            preempted_ids=preempted, resumed_ids=resumed)
+            preempted_ids=preempted,
+            resumed_ids=resumed,
+        )

@@ -36,9 +36,20 @@ class EventLog:
         self.modeled_transfer_s = 0.0  # serialised link time of this step
         self.modeled_compute_s = 0.0  # device + CPU compute time of this step
 
-    def add(self, request_id: str, layer: int, kind: ObjectKind, tag: Tag, *, count: int = 1,
-            bytes_moved: int = 0, source_tier: Tier | None = None, predicted_cost: float = 0.0,
-            modeled_s: float = 0.0, note: str = "") -> None:
+    def add(
+        self,
+        request_id: str,
+        layer: int,
+        kind: ObjectKind,
+        tag: Tag,
+        *,
+        count: int = 1,
+        bytes_moved: int = 0,
+        source_tier: Tier | None = None,
+        predicted_cost: float = 0.0,
+        modeled_s: float = 0.0,
+        note: str = "",
+    ) -> None:
         """Record `count` objects served with `tag`."""
         key = (request_id, layer, kind, tag, source_tier, note)
         event = self._events.get(key)

@@ -34,8 +34,16 @@ def apply_step_end(engine: Engine, log: EventLog) -> None:
         fetched = experts.place(key)
         modeled = engine.config.profile.transfer_s(fetched.bytes_moved, fetched.source_tier)
         log.modeled_transfer_s += modeled
-        log.add(ENGINE_REQUEST_ID, key[0], ObjectKind.EXPERT, Tag.EXACT_LOAD, bytes_moved=fetched.bytes_moved,
-                source_tier=fetched.source_tier, modeled_s=modeled, note="prefetch after defer")
+        log.add(
+            ENGINE_REQUEST_ID,
+            key[0],
+            ObjectKind.EXPERT,
+            Tag.EXACT_LOAD,
+            bytes_moved=fetched.bytes_moved,
+            source_tier=fetched.source_tier,
+            modeled_s=modeled,
+            note="prefetch after defer",
+        )
     kv.clear_scratch()
     executor.used_expert_keys.clear()
     executor.used_kv_block_keys.clear()

@@ -10,7 +10,7 @@ BUILTIN_PROMPTS: tuple[str, ...] = (
     "Once upon a time there was a little girl who lived in a cottage at the edge of a great forest.",
     "The king called his three sons to him and said,",
     "It was a cold winter morning, and the snow lay deep upon the ground.",
-    "\"Where are you going?\" asked the old woman, looking up from her spinning.",
+    '"Where are you going?" asked the old woman, looking up from her spinning.',
     "Anne looked out of the window at the orchard, where the cherry trees were in bloom.",
     "The children ran down to the railway to watch the trains go by.",
 )

@@ -27,20 +27,33 @@ def to_json(outcome: RunOutcome, run_id: int | None, extra: dict[str, Any] | Non
     requests = []
     for spec, out, text in zip(outcome.specs, outcome.outputs, outcome.texts, strict=True):
         decode_s = out.finish_s - out.first_token_s
-        requests.append({
-            "id": out.request_id, "class": out.request_class, "prompt": spec.prompt,
-            "output_token_ids": out.output_token_ids, "text": text,
-            "ttft_s": out.ttft_s, "tpot_s": out.tpot_s,
-            "modeled_ttft_s": out.modeled_ttft_s, "modeled_tpot_s": out.modeled_tpot_s,
-            "tokens_per_s": (len(out.output_token_ids) - 1) / decode_s if decode_s > 0 else None,
-            "num_preemptions": out.num_preemptions, "tags": out.tag_counts,
-        })
+        requests.append(
+            {
+                "id": out.request_id,
+                "class": out.request_class,
+                "prompt": spec.prompt,
+                "output_token_ids": out.output_token_ids,
+                "text": text,
+                "ttft_s": out.ttft_s,
+                "tpot_s": out.tpot_s,
+                "modeled_ttft_s": out.modeled_ttft_s,
+                "modeled_tpot_s": out.modeled_tpot_s,
+                "tokens_per_s": (len(out.output_token_ids) - 1) / decode_s if decode_s > 0 else None,
+                "num_preemptions": out.num_preemptions,
+                "tags": out.tag_counts,
+            }
+        )
     num_tokens = sum(len(o.output_token_ids) for o in outcome.outputs)
     return {
-        "format_version": JSON_FORMAT_VERSION, "run_id": run_id, "requests": requests,
-        "tags": tag_totals(outcome), "num_steps": len(outcome.steps), "wall_s": outcome.wall_s,
+        "format_version": JSON_FORMAT_VERSION,
+        "run_id": run_id,
+        "requests": requests,
+        "tags": tag_totals(outcome),
+        "num_steps": len(outcome.steps),
+        "wall_s": outcome.wall_s,
         "output_tokens_per_s": num_tokens / outcome.wall_s if outcome.wall_s > 0 else None,
-        "modeled_s": sum(s.modeled_s for s in outcome.steps), **(extra or {}),
+        "modeled_s": sum(s.modeled_s for s in outcome.steps),
+        **(extra or {}),
     }
 
 
@@ -50,18 +63,23 @@ def write_json(path: str | pathlib.Path, document: dict[str, Any]) -> None:
 
 def print_report(outcome: RunOutcome, out: TextIO) -> None:
     """Per-request speeds (measured and modeled) and a table of tag counts and bytes."""
-    out.write(f"\n{'request':<14} {'class':<10} {'tokens':>6} {'tok/s':>7} {'TTFT ms':>8} {'TPOT ms':>8} "
-              f"{'mTTFT ms':>9} {'mTPOT ms':>9}  text\n")
+    out.write(
+        f"\n{'request':<14} {'class':<10} {'tokens':>6} {'tok/s':>7} {'TTFT ms':>8} {'TPOT ms':>8} "
+        f"{'mTTFT ms':>9} {'mTPOT ms':>9}  text\n"
+    )
     for out_req, text in zip(outcome.outputs, outcome.texts, strict=True):
         n = len(out_req.output_token_ids)
         decode_s = out_req.finish_s - out_req.first_token_s
         speed = f"{(n - 1) / decode_s:7.1f}" if decode_s > 0 else "      -"
         snippet = text.replace("\n", " ")[:48]
-        out.write(f"{out_req.request_id[:14]:<14} {out_req.request_class[:10]:<10} {n:>6} {speed} "
-                  f"{out_req.ttft_s * 1e3:8.1f} {out_req.tpot_s * 1e3:8.1f} {out_req.modeled_ttft_s * 1e3:9.3f} "
-                  f"{out_req.modeled_tpot_s * 1e3:9.3f}  {snippet}\n")
+        out.write(
+            f"{out_req.request_id[:14]:<14} {out_req.request_class[:10]:<10} {n:>6} {speed} "
+            f"{out_req.ttft_s * 1e3:8.1f} {out_req.tpot_s * 1e3:8.1f} {out_req.modeled_ttft_s * 1e3:9.3f} "
+            f"{out_req.modeled_tpot_s * 1e3:9.3f}  {snippet}\n"
+        )
     out.write(f"\n{'tag':<14} {'exactness':<12} {'count':>10} {'MiB moved':>10}\n")
     for tag, total in tag_totals(outcome).items():
         if total["count"]:
-            out.write(f"{tag:<14} {TAG_EXACTNESS[Tag(tag)].value:<12} {total['count']:>10} "
-                      f"{total['bytes'] / 2**20:10.2f}\n")
+            out.write(
+                f"{tag:<14} {TAG_EXACTNESS[Tag(tag)].value:<12} {total['count']:>10} {total['bytes'] / 2**20:10.2f}\n"
+            )

@@ -36,13 +36,21 @@ class RunSettings:
 
     def engine_config(self) -> EngineConfig:
         """The engine configuration these settings describe."""
+
         def to_bytes(mb: float | None) -> int | None:
             return None if mb is None else int(mb * MIB)
 
-        return EngineConfig(self.model_dir, device_budget_bytes=to_bytes(self.device_budget_mb),
-                            host_budget_bytes=to_bytes(self.host_budget_mb), spill_dir=self.spill_dir,
-                            block_size=self.block_size, max_num_seqs=self.max_num_seqs,
-                            profile=get_profile(self.profile), preempt_mode=self.preempt_mode, seed=self.seed)
+        return EngineConfig(
+            self.model_dir,
+            device_budget_bytes=to_bytes(self.device_budget_mb),
+            host_budget_bytes=to_bytes(self.host_budget_mb),
+            spill_dir=self.spill_dir,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            profile=get_profile(self.profile),
+            preempt_mode=self.preempt_mode,
+            seed=self.seed,
+        )
 
 
 @dataclasses.dataclass(slots=True)
@@ -67,14 +75,22 @@ def build_engine(settings: RunSettings, controller: Controller) -> Engine:
     return engine
 
 
-def run_prompts(engine: Engine, specs: list[PromptSpec], settings: RunSettings,
-                on_step: StepHook | None = None, is_progress_shown: bool = True) -> RunOutcome:
+def run_prompts(
+    engine: Engine,
+    specs: list[PromptSpec],
+    settings: RunSettings,
+    on_step: StepHook | None = None,
+    is_progress_shown: bool = True,
+) -> RunOutcome:
     """Submit every prompt, step the engine until all finish, decode the outputs."""
     tokenizer = engine.tokenizer
     stop_ids = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
     for spec in specs:
-        params = SamplingParams(max_new_tokens=spec.max_new_tokens or settings.max_new_tokens,
-                                temperature=settings.temperature, stop_token_ids=stop_ids)
+        params = SamplingParams(
+            max_new_tokens=spec.max_new_tokens or settings.max_new_tokens,
+            temperature=settings.temperature,
+            stop_token_ids=stop_ids,
+        )
         engine.add_request(tokenizer.encode(spec.prompt), params, spec.request_id, spec.request_class)
     total = sum(engine.sequences[s.request_id].params.max_new_tokens for s in specs)
     steps: list[StepResult] = []

@@ -18,24 +18,54 @@ from transformers import (
 
 VOCAB = 320
 ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3")
-_TEXT = ("the quick brown fox jumps over the lazy dog. once upon a time a princess lived in a castle. " * 20).split(". ")
+_TEXT = ("the quick brown fox jumps over the lazy dog. once upon a time a princess lived in a castle. " * 20).split(
+    ". "
+)
 
 
 def _config(arch: str, num_experts: int = 8) -> object:
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                  max_position_embeddings=512, num_experts_per_tok=2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        num_experts_per_tok=2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     if arch == "qwen3_moe":
-        return Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=2,
-                              head_dim=16, num_experts=num_experts, norm_topk_prob=True)
+        return Qwen3MoeConfig(
+            **common,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=num_experts,
+            norm_topk_prob=True,
+        )
     if arch == "mixtral":
         return MixtralConfig(**common, intermediate_size=32, num_key_value_heads=2, num_local_experts=num_experts)
     if arch == "olmoe":
         return OlmoeConfig(**common, intermediate_size=32, num_key_value_heads=4, num_experts=num_experts)
     if arch == "deepseek_v3":
-        return DeepseekV3Config(**common, intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=4,
-                                n_routed_experts=num_experts, n_shared_experts=1, first_k_dense_replace=1,
-                                q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16,
-                                v_head_dim=16, n_group=2, topk_group=1)
+        return DeepseekV3Config(
+            **common,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_key_value_heads=4,
+            n_routed_experts=num_experts,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_group=2,
+            topk_group=1,
+        )
     if arch == "llama":
         return LlamaConfig(**common, intermediate_size=96, num_key_value_heads=2)
     raise ValueError(arch)
@@ -46,8 +76,9 @@ def save_tokenizer(path: pathlib.Path) -> None:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(_TEXT, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(path)

@@ -29,9 +29,14 @@ def reference(path: pathlib.Path, prompts: list[list[int]]) -> tuple[list[list[i
     tokens, logits = [], []
     with torch.no_grad():
         for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 min_new_tokens=NEW_TOKENS, pad_token_id=0)
-            generated = out[0, len(prompt):].tolist()
+            out = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                min_new_tokens=NEW_TOKENS,
+                pad_token_id=0,
+            )
+            generated = out[0, len(prompt) :].tolist()
             tokens.append(generated)
             full = model(torch.tensor([prompt + generated[:-1]])).logits[0, len(prompt) - 1 :]
             logits.append(full)
@@ -41,8 +46,12 @@ def reference(path: pathlib.Path, prompts: list[list[int]]) -> tuple[list[list[i
 def sizes(path: pathlib.Path) -> tuple[int, int, int, int]:
     """(bytes per expert, bytes per KV block of 4 tokens, num layers, top_k) of a checkpoint."""
     engine = Engine(EngineConfig(str(path), block_size=4), ExactLRUController())
-    return (engine.expert_store.bytes_per_expert, engine.kv_store.bytes_per_block, engine.kv_store.num_layers,
-            engine.model_config.num_experts_per_tok)
+    return (
+        engine.expert_store.bytes_per_expert,
+        engine.kv_store.bytes_per_block,
+        engine.kv_store.num_layers,
+        engine.model_config.num_experts_per_tok,
+    )
 
 
 def budgets(path: pathlib.Path) -> dict[str, dict]:

@@ -61,8 +61,10 @@ def test_int4_kv_moves_logits_more_than_int8(checkpoint_factory) -> None:
     path = checkpoint_factory("qwen3_moe")
     diffs = {}
     for bits in (8, 4):
-        engine = Engine(EngineConfig(str(path), block_size=4, max_num_seqs=3),
-                        ExactLRUController(["kv_dequant"], kv_quant_bits=bits))
+        engine = Engine(
+            EngineConfig(str(path), block_size=4, max_num_seqs=3),
+            ExactLRUController(["kv_dequant"], kv_quant_bits=bits),
+        )
         outputs = engine.generate(_prompts(1), SamplingParams(max_new_tokens=NEW_TOKENS))
         diffs[bits] = _max_teacher_forced_diff(engine, outputs, reduce="mean")
     assert diffs[4] > 2 * diffs[8] > 0, diffs
@@ -115,8 +117,10 @@ def test_seeded_sampling_is_reproducible(checkpoint_factory) -> None:
 def test_device_accounting_is_byte_accurate(checkpoint_factory) -> None:
     path = checkpoint_factory("qwen3_moe")
     expert, block, layers, top_k = sizes(path)
-    engine = Engine(EngineConfig(str(path), block_size=4, device_budget_bytes=6 * expert + 20 * layers * block),
-                    ExactLRUController())
+    engine = Engine(
+        EngineConfig(str(path), block_size=4, device_budget_bytes=6 * expert + 20 * layers * block),
+        ExactLRUController(),
+    )
     engine.add_request(_prompts(1)[1], SamplingParams(max_new_tokens=4))
     while engine.has_unfinished():
         result = engine.step()

@@ -38,8 +38,12 @@ def test_corrupted_expert_page_is_recovered_exactly_and_recorded(checkpoint_fact
     expert, block, layers, top_k = sizes(path)
     prompts = _prompts(1)
     ref_tokens, _ = reference(path, prompts)
-    engine = Engine(EngineConfig(str(path), block_size=4, device_budget_bytes=4 * expert + 20 * layers * block,
-                                 host_budget_bytes=0), ExactLRUController())
+    engine = Engine(
+        EngineConfig(
+            str(path), block_size=4, device_budget_bytes=4 * expert + 20 * layers * block, host_budget_bytes=0
+        ),
+        ExactLRUController(),
+    )
     disk_keys = [k for k, e in engine.expert_store.entries.items() if e.home is Tier.DISK]
     assert len(disk_keys) == len(engine.expert_store.entries)  # host budget 0: every expert on disk
     for key in disk_keys:  # corrupt every primary copy
@@ -60,8 +64,12 @@ def test_kv_blocks_round_trip_through_disk(checkpoint_factory) -> None:
     expert, block, layers, top_k = sizes(path)
     prompts = _prompts(1)
     ref_tokens, _ = reference(path, prompts)
-    engine = Engine(EngineConfig(str(path), block_size=4, device_budget_bytes=top_k * expert + 3 * layers * block,
-                                 host_budget_bytes=0), ExactLRUController())
+    engine = Engine(
+        EngineConfig(
+            str(path), block_size=4, device_budget_bytes=top_k * expert + 3 * layers * block, host_budget_bytes=0
+        ),
+        ExactLRUController(),
+    )
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
     assert [o.output_token_ids for o in outputs] == ref_tokens
     assert not any(engine.kv_store.spill.root.glob("kv-*"))  # finished requests leave no spill files

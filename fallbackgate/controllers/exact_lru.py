@@ -24,8 +24,9 @@ class ExactLRUController(Controller):
         self.force = {Tag(t) for t in force}
         unknown = self.force - FORCEABLE_TAGS
         if unknown:
-            raise ValueError(f"cannot force {sorted(t.value for t in unknown)}; forceable: "
-                             f"{sorted(t.value for t in FORCEABLE_TAGS)}")
+            raise ValueError(
+                f"cannot force {sorted(t.value for t in unknown)}; forceable: {sorted(t.value for t in FORCEABLE_TAGS)}"
+            )
         self.kv_spill_mode = SpillMode.HOST_FULL
         if Tag.KV_DEQUANT in self.force:
             self.kv_spill_mode = SpillMode.HOST_INT8 if kv_quant_bits == 8 else SpillMode.HOST_INT4
@@ -51,8 +52,9 @@ class ExactLRUController(Controller):
             return Decision(Tag.EXACT_LOAD)
         return Decision(Tag.RECOMPUTE, reason="only a quantized copy exists; exact-only policy rebuilds")
 
-    def choose_victims(self, num_bytes: int, view: EngineView, pinned_experts: set[ExpertKey],
-                       pinned_kv: set[KVBlockKey]) -> list[Victim]:
+    def choose_victims(
+        self, num_bytes: int, view: EngineView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
+    ) -> list[Victim]:
         victims: list[Victim] = []
         freed = 0
         on_device = set(view.expert_store.device_keys())
