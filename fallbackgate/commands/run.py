@@ -6,21 +6,17 @@ Exit status: 0 when the gate passes, 1 when it fails, 2 for bad input (model, pr
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from typing import Any
 
-import torch
-import transformers
-
 from engine.errors import EngineError
 from engine.tags import Tag
-from fallbackgate.auditor import audit_output, choose_audited, numeric_floor
 from fallbackgate.controllers.exact_lru import FORCEABLE_TAGS, ExactLRUController
-from fallbackgate.gate import evaluate_run
+from fallbackgate.gate import RunVerdict
 from fallbackgate.prompts import PromptsFileError, load_prompts
+from fallbackgate.recording import audit_and_judge, serve_recorded, start_run
 from fallbackgate.report import print_report, to_json, write_json
-from fallbackgate.session import RunOutcome, RunSettings, build_engine, run_prompts
+from fallbackgate.session import RunSettings, build_engine, run_prompts
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 from ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
 from ledger.writer import LedgerWriter
@@ -85,61 +81,29 @@ def run(args: argparse.Namespace) -> int:
     except (PromptsFileError, EngineError, LedgerError, ValueError) as exc:
         print(f"fallbackgate run: error: {exc}", file=sys.stderr)
         return 2
-    run_id = None
-    if writer is not None:
-        run_id = writer.start_run(
-            policy=None,
-            model_path=settings.model_dir,
-            controller="exact_lru",
-            hardware_profile=dataclasses.asdict(settings.engine_config().profile),
-            versions=_versions(),
-            mode="enforce",
-            note=f"force={args.force}",
-        )
-    try:
-        outcome = run_prompts(engine, specs, settings, writer.record_step if writer else None, not args.quiet)
-    except BaseException:
-        if writer is not None:
-            writer.finish_run(status="failed")
-            writer.close()
-        raise
+    if writer is None:
+        outcome = run_prompts(engine, specs, settings, None, not args.quiet)
+        print_report(outcome, sys.stdout)
+        if args.json:
+            write_json(args.json, to_json(outcome, None))
+        return 0
+    run_id = start_run(writer, engine, note=f"force={args.force}")
+    outcome = serve_recorded(engine, specs, settings, writer, not args.quiet)
     print_report(outcome, sys.stdout)
-    status = 0
-    if writer is not None:
-        status = _audit_and_gate(engine, outcome, writer, args)
+    verdict, num_audited = audit_and_judge(engine, outcome, writer, audit_rate=args.audit_rate, seed=args.seed)
+    _print_verdict(verdict, num_audited, len(outcome.outputs))
     if args.json:
         write_json(args.json, to_json(outcome, run_id))
-    return status
+    return 0 if verdict.passed else 1
 
 
-def _audit_and_gate(engine: Any, outcome: RunOutcome, writer: LedgerWriter, args: argparse.Namespace) -> int:
-    for spec, output in zip(outcome.specs, outcome.outputs, strict=True):
-        writer.record_request(output, prompt=spec.prompt)
-    audited = choose_audited(outcome.outputs, args.audit_rate, args.seed)
-    for output in audited:
-        diffs, stats = audit_output(engine, output)
-        writer.record_diffs(output.request_id, diffs, stats)
-    writer.record_control(numeric_floor(engine, audited[0]))
-    writer.finish_run(status="complete")
-    writer.close()
-    verdict = evaluate_run(writer.ledger, writer.run_id)
+def _print_verdict(verdict: RunVerdict, num_audited: int, num_requests: int) -> None:
     print(
         f"\nrun {verdict.run_id}: {'PASS' if verdict.passed else 'FAIL'} "
-        f"({len(audited)} of {len(outcome.outputs)} requests audited)"
+        f"({num_audited} of {num_requests} requests audited)"
     )
     for reason in verdict.reasons:
         print(f"  {reason}")
     for request in verdict.requests:
         if not request.passed:
             print(f"  {request.request_id}: {request.reason}")
-    return 0 if verdict.passed else 1
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        own = version("fallbackgate")
-    except PackageNotFoundError:
-        own = "source"
-    return {"fallbackgate": own, "torch": torch.__version__, "transformers": transformers.__version__}

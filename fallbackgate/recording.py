@@ -1,0 +1,132 @@
+"""Serve prompts through an engine while recording every step to a ledger, then audit and judge the run.
+
+This is what ``fallbackgate run`` does between building the engine and printing; tests and benchmarks
+call :func:`record_and_judge` to get the same ledger rows and the same verdict from their own engines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import transformers
+
+from engine.engine import Engine
+from fallbackgate.auditor import audit_output, choose_audited, numeric_floor
+from fallbackgate.gate import RunVerdict, evaluate_run
+from fallbackgate.prompts import PromptSpec
+from fallbackgate.session import RunOutcome, RunSettings, run_prompts
+from ledger.db import Ledger, open_ledger
+from ledger.writer import LedgerWriter
+
+Budgets = Mapping[str, Mapping[str, Any]]  # request class -> quality budget (see fallbackgate.gate)
+
+
+@dataclasses.dataclass(slots=True)
+class RecordedRun:
+    """A served, recorded, audited and judged run."""
+
+    run_id: int  # the run's id in the ledger
+    outcome: RunOutcome  # what the engine produced, in prompt order
+    verdict: RunVerdict  # the gate's verdict, read back from the ledger
+    num_audited: int  # requests audited against the exact baseline
+
+
+def as_specs(prompts: Sequence[PromptSpec | str]) -> list[PromptSpec]:
+    """Prompt specs from specs or plain texts (texts get ids ``prompt-<i>`` and the default class)."""
+    return [p if isinstance(p, PromptSpec) else PromptSpec(p, f"prompt-{i}") for i, p in enumerate(prompts)]
+
+
+def versions() -> dict[str, str]:
+    """Versions of fallbackgate, torch and transformers, for the run row."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        own = version("fallbackgate")
+    except PackageNotFoundError:
+        own = "source"
+    return {"fallbackgate": own, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def start_run(writer: LedgerWriter, engine: Engine, *, controller: str = "exact_lru", note: str = "") -> int:
+    """Insert the run row (status "running") describing ``engine``; returns the run id."""
+    return writer.start_run(
+        policy=None,
+        model_path=engine.config.model_dir,
+        controller=controller,
+        hardware_profile=dataclasses.asdict(engine.config.profile),
+        versions=versions(),
+        mode="observe" if engine.is_observe else "enforce",
+        note=note,
+    )
+
+
+def serve_recorded(
+    engine: Engine, specs: list[PromptSpec], settings: RunSettings, writer: LedgerWriter, progress: bool = False
+) -> RunOutcome:
+    """Serve ``specs``, recording every step; a run that raises is marked failed before re-raising."""
+    try:
+        return run_prompts(engine, specs, settings, writer.record_step, progress)
+    except BaseException:
+        writer.finish_run(status="failed")
+        writer.close()
+        raise
+
+
+def audit_and_judge(
+    engine: Engine,
+    outcome: RunOutcome,
+    writer: LedgerWriter,
+    *,
+    budgets: Budgets | None = None,
+    audit_rate: float = 1.0,
+    seed: int = 0,
+) -> tuple[RunVerdict, int]:
+    """Record requests (with their class's budget), audit a sample, record the numeric-floor control,
+    finish the run and close the writer; returns the gate's verdict and the number audited."""
+    budgets = budgets or {}
+    for spec, output in zip(outcome.specs, outcome.outputs, strict=True):
+        writer.record_request(output, prompt=spec.prompt, budget=budgets.get(spec.request_class))
+    audited = choose_audited(outcome.outputs, audit_rate, seed)
+    for output in audited:
+        diffs, stats = audit_output(engine, output)
+        writer.record_diffs(output.request_id, diffs, stats)
+    writer.record_control(numeric_floor(engine, audited[0]))
+    writer.finish_run(status="complete")
+    writer.close()
+    return evaluate_run(writer.ledger, writer.run_id), len(audited)
+
+
+def record_and_judge(
+    engine: Engine,
+    prompts: Sequence[PromptSpec | str],
+    ledger: str | Ledger | LedgerWriter,
+    *,
+    settings: RunSettings | None = None,
+    budgets: Budgets | None = None,
+    audit_rate: float = 1.0,
+    note: str = "",
+    progress: bool = False,
+) -> RecordedRun:
+    """Serve ``prompts`` on ``engine`` recording every step to ``ledger`` (URL, open ledger or writer),
+    audit against the exact baseline, and judge the run exactly as ``fallbackgate run`` does.
+
+    ``settings`` supplies max_new_tokens / temperature / seed (default: 32 greedy tokens, the engine's
+    seed); ``budgets`` maps request class to quality budget.
+    """
+    settings = settings or RunSettings(engine.config.model_dir, seed=engine.config.seed)
+    opened = open_ledger(ledger) if isinstance(ledger, str) else None
+    writer = ledger if isinstance(ledger, LedgerWriter) else LedgerWriter(opened or ledger)
+    try:
+        run_id = start_run(writer, engine, note=note)
+        outcome = serve_recorded(engine, as_specs(prompts), settings, writer, progress)
+        verdict, num_audited = audit_and_judge(
+            engine, outcome, writer, budgets=budgets, audit_rate=audit_rate, seed=settings.seed
+        )
+    finally:
+        writer.close()
+        if opened is not None:
+            opened.close()
+    return RecordedRun(run_id, outcome, verdict, num_audited)
