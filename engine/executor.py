@@ -96,7 +96,7 @@ class Executor:
             else:
                 y = expert_mlp(module, x, fetched.weights)
                 compute_s = self.profile.device_compute_s(self.flops_per_expert_token * len(token_idx))
-            out.index_add_(0, token_idx, y * weights[token_idx, top_k_pos, None])
+            out[token_idx] += y * weights[token_idx, top_k_pos, None]  # rows are distinct per expert
             ctx.log.modeled_compute_s += compute_s
             ctx.used_expert_keys.append(key)
             transfer_s = (
@@ -148,7 +148,7 @@ class Executor:
             store = self.expert_store
             weights = store.device_weights(key) if store.is_on_device(key) else store.host_weights(key).weights
             y = expert_mlp(module, hidden[token_idx], weights)
-            out.index_add_(0, token_idx, y * top_k_weights[token_idx, pos, None])
+            out[token_idx] += y * top_k_weights[token_idx, pos, None]
         return out
 
     # --- KV (called by the paged cache) --------------------------------------------------------
