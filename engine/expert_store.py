@@ -42,6 +42,7 @@ class _Entry:
     replica: tuple[SpillRecord, SpillRecord] | None = None  # second copy, read when a page fails
     device: ExpertWeights | None = None  # cached device copy
     lowbit: tuple[Quantized, Quantized] | None = None  # int8/int4 copy kept in host memory
+    ready: torch.cuda.Event | None = None  # CUDA: set when an async (side-stream) copy completes
 
 
 class ExpertStore:
@@ -58,6 +59,7 @@ class ExpertStore:
     ) -> None:
         self.device_pool, self.host_pool, self.spill, self.device = device_pool, host_pool, spill, device
         self.lowbit_bits = lowbit_bits
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # prefetch side stream
         self.entries: dict[ExpertKey, _Entry] = {}
         first = next(iter(experts_by_layer.values()))
         self.bytes_per_expert = (first.gate_up_proj[0].numel() + first.down_proj[0].numel()) * 4
@@ -110,35 +112,54 @@ class ExpertStore:
         return [key for key, entry in self.entries.items() if entry.device is not None]
 
     def device_weights(self, key: ExpertKey) -> ExpertWeights:
-        weights = self.entries[key].device
-        if weights is None:
+        entry = self.entries[key]
+        if entry.device is None:
             raise EngineError(f"expert {key} used as resident but it is not on device")
-        return weights
+        if entry.ready is not None:  # a prefetch on the copy stream: compute waits for it, not the host
+            torch.cuda.current_stream().wait_event(entry.ready)
+            entry.ready = None
+        return entry.device
 
     # --- mechanism -----------------------------------------------------------------------------
     def can_place(self, key: ExpertKey) -> bool:
         """True when `key` is on device already or its bytes fit in the device budget now."""
         return self.is_on_device(key) or self.device_pool.can_reserve(self.bytes_per_expert)
 
-    def place(self, key: ExpertKey) -> Fetched:
-        """Copy `key` from its home to device at full precision (exact_load)."""
+    def place(self, key: ExpertKey, is_async: bool = False) -> Fetched:
+        """Copy `key` from its home to device at full precision (exact_load).
+
+        On CUDA with `is_async`, the copy runs on a side stream from pinned memory and overlaps compute;
+        the first use waits for it on the GPU (see `device_weights`).
+        """
         entry = self.entries[key]
         if entry.device is not None:
-            return Fetched(entry.device, None, 0)
+            return Fetched(self.device_weights(key), None, 0)
         fetched = self._read_home(key)
         self.device_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
         weights = fetched.weights
-        entry.device = ExpertWeights(
+        if is_async and self.copy_stream is not None:
+            with torch.cuda.stream(self.copy_stream):
+                entry.device = self._copy_to_device(weights)
+                entry.ready = torch.cuda.Event()
+                entry.ready.record(self.copy_stream)
+        else:
+            entry.device = self._copy_to_device(weights)
+        return Fetched(entry.device, fetched.source_tier, self.bytes_per_expert, fetched.note)
+
+    def _copy_to_device(self, weights: ExpertWeights) -> ExpertWeights:
+        return ExpertWeights(
             weights.gate_up.to(self.device, copy=True, non_blocking=True),
             weights.down.to(self.device, copy=True, non_blocking=True),
         )
-        return Fetched(entry.device, fetched.source_tier, self.bytes_per_expert, fetched.note)
 
     def evict(self, key: ExpertKey) -> None:
         """Drop the device copy of `key` (its home copy stays)."""
         entry = self.entries[key]
         if entry.device is None:
             raise EngineError(f"expert {key} is not on device; cannot evict")
+        if entry.ready is not None:  # never free memory an in-flight side-stream copy still writes
+            entry.ready.synchronize()
+            entry.ready = None
         entry.device = None
         self.device_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)
 

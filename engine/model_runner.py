@@ -117,6 +117,7 @@ class ModelRunner:
         is_observe: bool,
     ) -> torch.Tensor:
         """One packed forward; returns fp32 logits at `logits_rows` of the packed tokens."""
+        batch.token_owner = batch.token_owner.to(self.device)
         ctx = StepContext(step_id, batch, log, is_observe=is_observe)
         self.executor.ctx = ctx
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(batch.starts, batch.lengths, strict=True)])

@@ -31,7 +31,7 @@ def apply_step_end(engine: Engine, log: EventLog) -> None:
     for key in actions.load_experts:
         if experts.is_on_device(key) or not experts.device_pool.can_reserve(experts.bytes_per_expert):
             continue
-        fetched = experts.place(key)
+        fetched = experts.place(key, is_async=True)
         modeled = engine.config.profile.transfer_s(fetched.bytes_moved, fetched.source_tier)
         log.modeled_transfer_s += modeled
         log.add(
