@@ -599,3 +599,16 @@ def latest_calibrations(ledger: Ledger) -> list[dict[str, Any]]:
         .order_by(Calibration.tag, Calibration.layer)
     )
     return _all(ledger, stmt)
+
+
+def request_objects_by_class(ledger: Ledger, run_id: int, request_id: str) -> dict[str, int]:
+    """One request's objects per exactness class (approximate tags of observe steps excluded, as in
+    :func:`request_exactness`)."""
+    observe = select(Step.step_id).where(Step.run_id == run_id, Step.is_observe.is_(True))
+    applied = (EventRow.exactness != "approximate") | EventRow.step_id.not_in(observe.scalar_subquery())
+    stmt = (
+        select(EventRow.exactness, func.sum(EventRow.count).label("objects"))
+        .where(EventRow.run_id == run_id, EventRow.request_id == request_id, applied)
+        .group_by(EventRow.exactness)
+    )
+    return {r["exactness"]: int(r["objects"]) for r in _all(ledger, stmt)}

@@ -1,0 +1,66 @@
+"""The fallbackgate dashboard (Streamlit): ``fallbackgate dashboard --ledger URL`` or
+``FALLBACKGATE_LEDGER=URL streamlit run dashboard/app.py``. Reads the ledger read-only.
+
+Pages (sidebar, or ``?page=overview|drift|request|calibration|sweep``): Overview, Drift, Request
+drill-down, Calibration, Budget sweep.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if _ROOT not in sys.path:  # `streamlit run dashboard/app.py` puts only dashboard/ on the path
+    sys.path.insert(0, _ROOT)
+
+import streamlit as st  # noqa: E402
+from sqlalchemy.exc import SQLAlchemyError  # noqa: E402
+
+from dashboard import data, filters  # noqa: E402
+from dashboard.views import calibration, drift, drilldown, overview, sweep  # noqa: E402
+
+PAGES: dict[str, tuple[str, Callable[..., None]]] = {
+    "overview": ("Overview", overview.render),
+    "drift": ("Drift", drift.render),
+    "request": ("Request drill-down", drilldown.render),
+    "calibration": ("Calibration", calibration.render),
+    "sweep": ("Budget sweep", sweep.render),
+}
+
+
+def _page() -> str:
+    slugs = list(PAGES)
+    wanted = st.query_params.get("page", "overview")
+    index = slugs.index(wanted) if wanted in slugs else 0
+    slug = st.sidebar.radio("Page", slugs, index=index, format_func=lambda s: PAGES[s][0], key="page")
+    st.query_params["page"] = slug
+    return slug
+
+
+def main() -> None:
+    """Draw the sidebar and the chosen page; ledger problems become messages, never tracebacks."""
+    st.set_page_config(page_title="fallbackgate", layout="wide")
+    st.sidebar.title("fallbackgate")
+    slug = _page()
+    url = data.ledger_url()
+    try:
+        ledger = data.connect(url)
+        if slug == "sweep":
+            sweep.render(url, data.RunFilter(), ledger)
+            return
+        if not data.has_runs(url):
+            st.info(f"The ledger {ledger.display_url} has no runs yet. Record one: `fallbackgate run --ledger URL`.")
+            return
+        run_filter = filters.sidebar_filters(url)
+        PAGES[slug][1](url, run_filter)
+    except data.LedgerError as exc:
+        st.error(f"Cannot open the ledger: {exc}")
+    except SQLAlchemyError as exc:
+        first = str(getattr(exc, "orig", None) or exc).strip().splitlines()
+        st.error(f"Cannot read the ledger {url}: {first[0] if first else type(exc).__name__}")
+    st.sidebar.caption(f"ledger (read-only): {url}")
+
+
+main()

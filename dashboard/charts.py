@@ -1,0 +1,64 @@
+"""Altair chart builders shared by the pages; colours follow the exactness classes and tag names."""
+
+from __future__ import annotations
+
+import altair as alt
+import pandas as pd
+
+from dashboard.data import EXACTNESS_CLASSES, TAG_ORDER
+
+CLASS_COLOURS = ("#4c9a2a", "#e0a526", "#d1495b")  # exact, equivalent, approximate
+TAG_COLOURS = ("#4c9a2a", "#8fc46a", "#e0a526", "#f2cf74", "#d1495b", "#a4243b", "#6a4c93")
+
+
+def class_scale() -> alt.Scale:
+    """Colour scale over the exactness classes."""
+    return alt.Scale(domain=list(EXACTNESS_CLASSES), range=list(CLASS_COLOURS))
+
+
+def tag_scale() -> alt.Scale:
+    """Colour scale over the tag names (exact tags green, approximate red/purple)."""
+    return alt.Scale(domain=list(TAG_ORDER), range=list(TAG_COLOURS))
+
+
+def exactness_bars(df: pd.DataFrame) -> alt.Chart:
+    """Stacked bars: objects per run by exactness class (``df`` has run_id, exactness, objects)."""
+    return (
+        alt.Chart(df)
+        .mark_bar()
+        .encode(
+            x=alt.X("run_id:O", title="run"),
+            y=alt.Y("objects:Q", stack="normalize", title="share of objects"),
+            color=alt.Color("exactness:N", scale=class_scale(), title="exactness class"),
+            tooltip=["run_id", "exactness", "objects"],
+        )
+    )
+
+
+def tag_bars(df: pd.DataFrame) -> alt.Chart:
+    """Stacked bars: objects per run by tag."""
+    return (
+        alt.Chart(df)
+        .mark_bar()
+        .encode(
+            x=alt.X("run_id:O", title="run"),
+            y=alt.Y("objects:Q", title="objects"),
+            color=alt.Color("tag:N", scale=tag_scale(), title="tag"),
+            tooltip=["run_id", "tag", "exactness", "objects"],
+        )
+    )
+
+
+def tag_heatmap(grid: pd.DataFrame) -> alt.Chart:
+    """Step × layer cells coloured by the least exact tag used there, one row per object kind."""
+    return (
+        alt.Chart(grid)
+        .mark_rect()
+        .encode(
+            x=alt.X("step_id:O", title="step"),
+            y=alt.Y("layer:O", title="layer"),
+            color=alt.Color("tag:N", scale=tag_scale(), title="least exact tag"),
+            row=alt.Row("object_kind:N", title=None),
+            tooltip=["step_id", "layer", "object_kind", "tag", "exactness", "objects", "cell_objects", "cell_tags"],
+        )
+    )

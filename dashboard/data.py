@@ -1,0 +1,144 @@
+"""The dashboard's data layer: opens the ledger read-only and turns ``ledger.queries`` results into
+DataFrames. Every aggregation runs in SQL inside those queries; this module only renames columns and
+derives per-row ratios. Results are cached per (ledger URL, filter) for :data:`CACHE_TTL_S` seconds.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+
+from ledger import queries
+from ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError, open_ledger
+from ledger.queries import RunFilter
+
+CACHE_TTL_S = 15
+EXACTNESS_CLASSES = queries.EXACTNESS_CLASSES
+TAG_ORDER: tuple[str, ...] = (
+    "resident",
+    "exact_load",
+    "cpu_execute",
+    "recompute",
+    "expert_defer",
+    "expert_lowbit",
+    "kv_dequant",
+)
+"""Tag names exactly as the engine writes them, exact first, approximate last."""
+
+__all__ = ["LedgerError", "RunFilter", "ledger_url", "connect"]
+
+
+def ledger_url() -> str:
+    """The ledger URL the app shows: ``$FALLBACKGATE_LEDGER``, else the default SQLite file."""
+    return os.environ.get(ENV_VAR) or DEFAULT_LEDGER
+
+
+@st.cache_resource(show_spinner=False)
+def _open(url: str) -> Ledger:
+    return open_ledger(url, read_only=True)
+
+
+def connect(url: str) -> Ledger:
+    """The ledger at ``url``, opened read-only once per process; raises LedgerError with a clear message."""
+    return _open(url)
+
+
+def _frame(rows: list[dict[str, Any]], columns: list[str] | None = None) -> pd.DataFrame:
+    return pd.DataFrame(rows, columns=columns) if rows or columns else pd.DataFrame()
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def filter_options(url: str) -> dict[str, Any]:
+    """Distinct policies, models, request classes and the date range of the runs."""
+    return queries.filter_options(connect(url))
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def has_runs(url: str) -> bool:
+    """Whether the ledger holds any run."""
+    return queries.latest_run_id(connect(url)) is not None
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def overview(url: str, f: RunFilter) -> pd.DataFrame:
+    """One row per run: policy, model, verdict, SLO attainment, objects and share per exactness class."""
+    df = _frame(queries.overview_runs(connect(url), f))
+    if df.empty:
+        return df
+    total = sum(df[f"objects_{c}"] for c in EXACTNESS_CLASSES)
+    for c in EXACTNESS_CLASSES:
+        df[f"share_{c}"] = (df[f"objects_{c}"] / total.where(total > 0)).astype(float)
+    return df
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def tag_mix(url: str, f: RunFilter) -> pd.DataFrame:
+    """Objects per run × tag × exactness class."""
+    return _frame(queries.tag_mix(connect(url), f), ["run_id", "tag", "exactness", "objects"])
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def drift(url: str, f: RunFilter) -> pd.DataFrame:
+    """Per audited run: mean and p99 KL, top-1 agreement, perplexity ratio, numeric floor, verdict."""
+    df = _frame(queries.drift_series(connect(url), f))
+    if df.empty:
+        return df
+    df["ppl_ratio"] = df["mean_log_ppl_ratio"].map(math.exp)
+    return df
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def run_requests(url: str, run_id: int, request_classes: tuple[str, ...]) -> pd.DataFrame:
+    """The requests of one run (id, class, verdict)."""
+    rows = queries.run_request_ids(connect(url), run_id, request_classes)
+    return _frame(rows, ["request_id", "request_class", "verdict"])
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def request_detail(url: str, run_id: int, request_id: str) -> dict[str, Any] | None:
+    """Everything the drill-down shows for one request, or None when the run has no such request."""
+    ledger = connect(url)
+    summary = next((r for r in queries.request_summaries(ledger, run_id) if r["request_id"] == request_id), None)
+    if summary is None:
+        return None
+    return {
+        "summary": summary,
+        "run": queries.get_run(ledger, run_id),
+        "verdict": queries.request_verdict(ledger, run_id, request_id),
+        "grid": _frame(
+            queries.request_tag_grid(ledger, run_id, request_id),
+            ["step_id", "layer", "object_kind", "tag", "exactness", "objects", "cell_objects", "cell_tags"],
+        ),
+        "positions": _frame(
+            queries.position_diffs(ledger, run_id, request_id),
+            ["position", "step_id", "token_id", "kl", "top1_agree", "delta_p", "logp_exact", "logp_engine"],
+        ),
+        "timeline": _frame(
+            queries.request_step_timeline(ledger, run_id, request_id),
+            ["step_id", "kind", "is_observe", "wall_s", "modeled_s", "cum_wall_s", "cum_modeled_s"]
+            + ["predicted_cost", "cum_predicted_cost"],
+        ),
+        "exactness": queries.request_objects_by_class(ledger, run_id, request_id),
+    }
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def calibration(url: str, f: RunFilter) -> pd.DataFrame:
+    """Per tag × layer: pairs, mean predicted cost, mean measured KL, their ratio and the fitted scale."""
+    ledger = connect(url)
+    cols = ["tag", "layer", "pairs", "mean_predicted", "mean_measured_kl", "sum_predicted", "sum_measured_kl"]
+    df = _frame(queries.calibration_summary(ledger, f), cols)
+    fitted = _frame(queries.latest_calibrations(ledger), ["tag", "layer", "scale", "num_samples", "fitted_at"])
+    df = df.merge(fitted[["tag", "layer", "scale"]], on=["tag", "layer"], how="outer")
+    df["measured_over_predicted"] = df["sum_measured_kl"] / df["sum_predicted"].where(df["sum_predicted"] > 0)
+    return df.sort_values(["tag", "layer"], ignore_index=True)
+
+
+def clear_caches() -> None:
+    """Forget cached query results and connections (the benchmark measures cold renders)."""
+    st.cache_data.clear()
+    st.cache_resource.clear()

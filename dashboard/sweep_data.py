@@ -1,0 +1,90 @@
+"""Budget-sweep results for the Budget sweep page: from the ledger when ``ledger.queries`` offers
+``sweep_points`` (the sweep command's table), else from JSON files named by ``$FALLBACKGATE_SWEEP_JSON``
+(a file, a directory of ``*.json`` files, or several paths separated by ``os.pathsep``).
+
+A JSON file holds a list of points, or an object with a ``points`` or ``results`` list. A point has
+``controller``, an expert budget (``expert_budget_mb``, ``expert_budget``, ``expert_mb`` or
+``expert_budget_bytes``), a KV budget (``kv_budget_mb``, ``kv_budget``, ``kv_mb`` or ``kv_budget_bytes``)
+and numeric metrics, at top level or under ``metrics``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from ledger import queries
+from ledger.db import Ledger
+
+ENV_SWEEP = "FALLBACKGATE_SWEEP_JSON"
+EXPERT_KEYS = ("expert_budget_mb", "expert_budget", "expert_mb", "expert_budget_bytes")
+KV_KEYS = ("kv_budget_mb", "kv_budget", "kv_mb", "kv_budget_bytes")
+
+
+def sweep_paths(setting: str | None = None) -> list[Path]:
+    """The JSON files named by ``setting`` (default ``$FALLBACKGATE_SWEEP_JSON``); directories expand to *.json."""
+    raw = setting if setting is not None else os.environ.get(ENV_SWEEP, "")
+    out: list[Path] = []
+    for part in filter(None, raw.split(os.pathsep)):
+        p = Path(part).expanduser()
+        out.extend(sorted(p.glob("*.json")) if p.is_dir() else [p])
+    return out
+
+
+def _points(doc: Any) -> list[dict[str, Any]]:
+    if isinstance(doc, dict):
+        doc = doc.get("points", doc.get("results"))
+    if not isinstance(doc, list):
+        raise ValueError("expected a list of points, or an object with a 'points' or 'results' list")
+    return [p for p in doc if isinstance(p, dict)]
+
+
+def _flatten(point: dict[str, Any]) -> dict[str, Any]:
+    flat = {k: v for k, v in point.items() if k != "metrics"}
+    if isinstance(point.get("metrics"), dict):
+        flat.update(point["metrics"])
+    return flat
+
+
+def normalise(rows: list[dict[str, Any]], source: str) -> pd.DataFrame:
+    """Points as a frame with ``controller``, ``expert_budget``, ``kv_budget``, ``source`` and metrics."""
+    df = pd.DataFrame([_flatten(r) for r in rows])
+    if df.empty:
+        return df
+    expert = next((k for k in EXPERT_KEYS if k in df), None)
+    kv = next((k for k in KV_KEYS if k in df), None)
+    if expert is None or kv is None or "controller" not in df:
+        raise ValueError(f"points need 'controller', one of {EXPERT_KEYS} and one of {KV_KEYS}")
+    df = df.rename(columns={expert: "expert_budget", kv: "kv_budget"})
+    df["budget_unit"] = "MB" if expert.endswith("mb") else ("bytes" if expert.endswith("bytes") else "")
+    df["source"] = source
+    return df
+
+
+def load_sweep(ledger: Ledger | None, setting: str | None = None) -> tuple[pd.DataFrame, list[str]]:
+    """All sweep points (ledger first, then JSON files) and one message per source that could not be read."""
+    frames: list[pd.DataFrame] = []
+    problems: list[str] = []
+    reader = getattr(queries, "sweep_points", None)
+    if ledger is not None and reader is not None:
+        try:
+            frames.append(normalise(reader(ledger), "ledger"))
+        except Exception as exc:  # noqa: BLE001 - shown to the user, never a traceback
+            problems.append(f"ledger sweep table: {exc}")
+    for path in sweep_paths(setting):
+        try:
+            frames.append(normalise(_points(json.loads(path.read_text())), str(path)))
+        except (OSError, ValueError) as exc:
+            problems.append(f"{path}: {exc}")
+    frames = [f for f in frames if not f.empty]
+    return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), problems
+
+
+def metric_columns(df: pd.DataFrame) -> list[str]:
+    """Numeric columns other than the two budgets: what a heatmap can colour by."""
+    skip = {"expert_budget", "kv_budget"}
+    return [c for c in df.columns if c not in skip and pd.api.types.is_numeric_dtype(df[c])]

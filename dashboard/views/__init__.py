@@ -1,0 +1,1 @@
+"""The dashboard's pages: each module has ``render(url, run_filter)``."""

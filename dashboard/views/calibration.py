@@ -1,0 +1,73 @@
+"""Calibration: predicted against measured quality cost, per tag and layer."""
+
+from __future__ import annotations
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from dashboard import charts, data
+from ledger.queries import RunFilter
+
+TABLE = {
+    "tag": "tag",
+    "layer": "layer",
+    "pairs": "pairs",
+    "mean_predicted": st.column_config.NumberColumn("mean predicted cost", format="%.3e"),
+    "mean_measured_kl": st.column_config.NumberColumn("mean measured KL", format="%.3e"),
+    "measured_over_predicted": st.column_config.NumberColumn("measured / predicted", format="%.3g"),
+    "scale": st.column_config.NumberColumn("fitted scale", format="%.3g"),
+}
+
+
+def _scatter(df: pd.DataFrame) -> alt.LayerChart:
+    pts = df.dropna(subset=["mean_measured_kl"])
+    top = float(max(pts["mean_predicted"].max(), pts["mean_measured_kl"].max(), 1e-12))
+    diag = pd.DataFrame({"x": [0.0, top], "y": [0.0, top]})
+    dots = (
+        alt.Chart(pts)
+        .mark_circle(size=90)
+        .encode(
+            x=alt.X("mean_predicted:Q", title="predicted cost (mean per step)"),
+            y=alt.Y("mean_measured_kl:Q", title="measured KL (mean per position)"),
+            color=alt.Color("tag:N", scale=charts.tag_scale()),
+            tooltip=list(TABLE),
+        )
+    )
+    return alt.layer(alt.Chart(diag).mark_line(color="gray", strokeDash=[4, 4]).encode(x="x:Q", y="y:Q"), dots)
+
+
+def _heatmap(df: pd.DataFrame) -> alt.Chart:
+    return (
+        alt.Chart(df.dropna(subset=["mean_measured_kl"]))
+        .mark_rect()
+        .encode(
+            x=alt.X("layer:O"),
+            y=alt.Y("tag:N"),
+            color=alt.Color("mean_measured_kl:Q", title="mean measured KL"),
+            tooltip=list(TABLE),
+        )
+    )
+
+
+def render(url: str, f: RunFilter) -> None:
+    """Draw the Calibration page."""
+    st.header("Calibration")
+    df = data.calibration(url, f)
+    if df.empty:
+        st.info(
+            "No calibration data: no approximate tag (expert_defer, expert_lowbit, kv_dequant) landed on an "
+            "audited position in the filtered runs, and no fitted scales are recorded."
+        )
+        return
+    cols = st.columns(3)
+    cols[0].metric("Tag × layer cells", int(df["pairs"].notna().sum()))
+    cols[1].metric("Pairs", int(df["pairs"].fillna(0).sum()))
+    cols[2].metric("Fitted scales", int(df["scale"].notna().sum()))
+    left, right = st.columns(2)
+    left.subheader("Predicted against measured")
+    left.altair_chart(_scatter(df), width="stretch")
+    right.subheader("Measured KL per tag and layer")
+    right.altair_chart(_heatmap(df), width="stretch")
+    st.caption("Each step's approximate events per tag and layer are paired with the KL of the position it produced.")
+    st.dataframe(df[list(TABLE)], column_config=TABLE, hide_index=True, key="calibration_table")

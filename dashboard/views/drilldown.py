@@ -1,0 +1,176 @@
+"""Request drill-down: tags per step × layer, quality budget spent against remaining, per-position KL,
+the first divergence and the SLO timeline (measured and modeled)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from dashboard import charts, data
+from ledger.queries import RunFilter
+
+BUDGET_CHECKS = (  # budget key, statistic, label, True when larger is worse
+    ("max_mean_kl", "mean_kl", "mean KL", True),
+    ("max_p99_kl", "p99_kl", "p99 KL", True),
+    ("min_top1_agreement", "top1_agreement", "top-1 agreement", False),
+    ("max_approx_fraction", "approx_fraction", "approximate fraction", True),
+)
+
+
+def _pick_run(url: str, f: RunFilter) -> int | None:
+    runs = data.overview(url, f)
+    options = [int(r) for r in runs["run_id"]] if not runs.empty else []
+    wanted = st.query_params.get("run")
+    index = 0 if options else None
+    if wanted is not None and wanted in {str(o) for o in options}:
+        index = [str(o) for o in options].index(wanted)
+    elif wanted is not None:
+        options = [wanted, *options]
+        index = 0
+    choice = st.selectbox("Run", options, index=index, key="dd_run", accept_new_options=True)
+    if choice is None:
+        return None
+    try:
+        return int(choice)
+    except (TypeError, ValueError):
+        st.warning(f"{choice!r} is not a run id (run ids are whole numbers).")
+        return None
+
+
+def _pick_request(url: str, run_id: int, f: RunFilter) -> str | None:
+    reqs = data.run_requests(url, run_id, f.request_classes)
+    options = list(reqs["request_id"])
+    wanted = st.query_params.get("request")
+    if wanted is not None and wanted not in options:
+        options = [wanted, *options]
+    index = options.index(wanted) if wanted is not None else (0 if options else None)
+    return st.selectbox("Request", options, index=index, key="dd_request", accept_new_options=True)
+
+
+def budget_table(summary: dict[str, Any], by_class: dict[str, int]) -> pd.DataFrame:
+    """Each limit of the request's quality budget with the measured value, spent share and remaining."""
+    total = sum(by_class.values())
+    measured = dict(summary, approx_fraction=(by_class.get("approximate", 0) / total) if total else 0.0)
+    rows = []
+    for key, stat, label, larger_worse in BUDGET_CHECKS:
+        limit = (summary.get("budget") or {}).get(key)
+        value = measured.get(stat)
+        if limit is None or value is None:
+            continue
+        remaining = (limit - value) if larger_worse else (value - limit)
+        spent = (value / limit if limit else float("inf")) if larger_worse else None
+        rows.append(
+            {
+                "limit": key,
+                "statistic": label,
+                "budget": limit,
+                "measured": value,
+                "spent": spent,
+                "remaining": remaining,
+                "within": remaining >= 0,
+            }
+        )
+    return pd.DataFrame(rows, columns=["limit", "statistic", "budget", "measured", "spent", "remaining", "within"])
+
+
+def _metrics(d: dict[str, Any]) -> None:
+    s = d["summary"]
+    fd = s.get("first_divergence")
+    cols = st.columns(6)
+    cols[0].metric("Mean KL", "—" if s.get("mean_kl") is None else f"{s['mean_kl']:.3e}")
+    cols[1].metric("p99 KL", "—" if s.get("p99_kl") is None else f"{s['p99_kl']:.3e}")
+    cols[2].metric("Top-1 agreement", "—" if s.get("top1_agreement") is None else f"{s['top1_agreement']:.4f}")
+    cols[3].metric("PPL ratio", "—" if s.get("ppl_ratio") is None else f"{s['ppl_ratio']:.5f}")
+    cols[4].metric("First divergence", "none" if fd is None else f"position {fd}")
+    cols[5].metric("Verdict", s.get("verdict") or "not recorded")
+    v = d["verdict"]
+    if v is not None and not v["passed"]:
+        st.error(
+            f"Gate: {v['reason']} — first divergence at position {v['first_divergence_position']}, "
+            f"step {v['first_divergence_step']}, layer {v['first_divergence_layer']}, "
+            f"tags {', '.join(v['first_divergence_tags'] or [])}"
+        )
+
+
+def _kl_chart(pos: pd.DataFrame, first: int | None) -> alt.LayerChart:
+    line = (
+        alt.Chart(pos)
+        .mark_line(point=True)
+        .encode(
+            x=alt.X("position:Q", title="output position"),
+            y=alt.Y("kl:Q", title="KL (nats)"),
+            tooltip=["position", "step_id", "token_id", "kl", "top1_agree", "delta_p"],
+        )
+    )
+    marks = pos[pos["position"] == first] if first is not None else pos.iloc[0:0]
+    dot = alt.Chart(marks).mark_rule(color="#d1495b").encode(x="position:Q", tooltip=["position", "kl"])
+    return alt.layer(line, dot)
+
+
+def _slo_chart(tl: pd.DataFrame, slo: dict[str, Any] | None) -> alt.LayerChart:
+    long = tl.melt(id_vars=["step_id", "kind"], value_vars=["cum_wall_s", "cum_modeled_s"], var_name="time")
+    long["time"] = long["time"].map({"cum_wall_s": "measured", "cum_modeled_s": "modeled"})
+    chart = (
+        alt.Chart(long)
+        .mark_line(point=True)
+        .encode(
+            x=alt.X("step_id:Q", title="step"),
+            y=alt.Y("value:Q", title="elapsed seconds (steps of this request)"),
+            color=alt.Color("time:N", title=None),
+            tooltip=["step_id", "kind", "time", "value"],
+        )
+    )
+    slo = slo or {}
+    ttft = slo.get("ttft_s", (slo["ttft_ms"] / 1000.0) if "ttft_ms" in slo else None)
+    rows = [{"label": "TTFT target", "value": ttft}] if ttft is not None else []
+    rules = pd.DataFrame(rows, columns=["label", "value"])
+    rule = alt.Chart(rules).mark_rule(strokeDash=[4, 4]).encode(y="value:Q", tooltip=["label", "value"])
+    return alt.layer(chart, rule)
+
+
+def render(url: str, f: RunFilter) -> None:
+    """Draw the Request drill-down page."""
+    st.header("Request drill-down")
+    left, right = st.columns(2)
+    with left:
+        run_id = _pick_run(url, f)
+    if run_id is None:
+        st.info("No run selected (no runs match the filters).")
+        return
+    with right:
+        request_id = _pick_request(url, run_id, f)
+    d = data.request_detail(url, run_id, request_id) if request_id is not None else None
+    if d is None:
+        st.warning(f"Run {run_id} has no request {request_id!r}.")
+        return
+    _metrics(d)
+    s = d["summary"]
+    st.subheader("Tags per step × layer")
+    st.altair_chart(charts.tag_heatmap(d["grid"]), width="stretch")
+    st.subheader("Quality budget: spent against remaining")
+    table = budget_table(s, d["exactness"])
+    if table.empty:
+        st.info("No quality budget was recorded for this request.")
+    else:
+        st.dataframe(table, hide_index=True, key="dd_budget")
+    tl = d["timeline"]
+    st.metric("Predicted cost spent (approximate tags)", f"{tl['predicted_cost'].sum() if not tl.empty else 0.0:.4g}")
+    st.subheader("KL per output position")
+    if d["positions"].empty:
+        st.info("This request was not audited: no per-position diffs.")
+    else:
+        st.altair_chart(_kl_chart(d["positions"], s.get("first_divergence")), width="stretch")
+    st.subheader("SLO timeline")
+    cols = st.columns(4)
+    for col, key, label in zip(
+        cols,
+        ("ttft_s", "modeled_ttft_s", "tpot_s", "modeled_tpot_s"),
+        ("TTFT measured", "TTFT modeled", "TPOT measured", "TPOT modeled"),
+        strict=True,
+    ):
+        col.metric(label, "—" if s.get(key) is None else f"{s[key]:.4g} s")
+    if not tl.empty:
+        st.altair_chart(_slo_chart(tl, s.get("slo")), width="stretch")

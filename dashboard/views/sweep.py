@@ -1,0 +1,45 @@
+"""Budget sweep: expert × KV budget heatmaps from sweep runs, one per controller."""
+
+from __future__ import annotations
+
+import altair as alt
+import pandas as pd
+import streamlit as st
+
+from dashboard import sweep_data
+from ledger.db import Ledger
+from ledger.queries import RunFilter
+
+
+def heatmap(df: pd.DataFrame, metric: str) -> alt.Chart:
+    """Expert budget × KV budget cells coloured (and labelled) by ``metric``, one panel per controller."""
+    base = alt.Chart(df).encode(
+        x=alt.X("expert_budget:O", title="expert budget"),
+        y=alt.Y("kv_budget:O", title="KV budget", sort="descending"),
+    )
+    cells = base.mark_rect().encode(color=alt.Color(f"{metric}:Q", title=metric), tooltip=list(df.columns))
+    text = base.mark_text(fontSize=11).encode(text=alt.Text(f"{metric}:Q", format=".3g"))
+    return alt.layer(cells, text, data=df).facet(column=alt.Column("controller:N", title="controller"))
+
+
+def render(url: str, f: RunFilter, ledger: Ledger | None = None) -> None:
+    """Draw the Budget sweep page."""
+    st.header("Budget sweep")
+    df, problems = sweep_data.load_sweep(ledger)
+    for p in problems:
+        st.warning(f"Could not read sweep results from {p}")
+    if df.empty:
+        st.info(
+            "No sweep results yet. Run `fallbackgate sweep` and point the dashboard at its JSON output with "
+            f"${sweep_data.ENV_SWEEP}=PATH (a file or a directory of *.json files)."
+        )
+        return
+    metrics = sweep_data.metric_columns(df)
+    if not metrics:
+        st.warning("The sweep results hold no numeric metric to draw.")
+        return
+    metric = st.selectbox("Metric", metrics, key="sweep_metric")
+    controllers = sorted(df["controller"].astype(str).unique())
+    st.metric("Controllers", len(controllers))
+    st.altair_chart(heatmap(df, metric), width="content")
+    st.dataframe(df, hide_index=True, key="sweep_points")
