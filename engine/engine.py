@@ -108,16 +108,14 @@ class Engine:
         log.modeled_transfer_s += self.executor.pending_modeled_s
         self.executor.pending_modeled_s = 0.0
         for request_id, staged in self.scheduler.restored:
-            modeled = self.config.profile.transfer_s(staged.bytes_moved, staged.source_tier)
-            log.modeled_transfer_s += modeled
-            log.add(
+            log.add_transfer(
+                self.config.profile,
                 request_id,
                 staged.key[1],
                 ObjectKind.KV_BLOCK,
                 Tag.EXACT_LOAD,
-                bytes_moved=staged.bytes_moved,
-                source_tier=staged.source_tier,
-                modeled_s=modeled,
+                staged.bytes_moved,
+                staged.source_tier,
                 note="resume: tail block",
             )
         self.scheduler.restored.clear()

@@ -8,7 +8,7 @@ import torch
 
 from engine.controller import Controller, EngineView
 from engine.errors import EngineError
-from engine.expert_store import ExpertKey, ExpertStore
+from engine.expert_store import ExpertKey, ExpertStore, ExpertWeights
 from engine.experts_hook import ExpertUse, expert_mlp, fetch_for_tag, plan_expert_uses, renormalise_deferred, served_tag
 from engine.hardware import HardwareProfile
 from engine.kv_store import KVBlockKey, KVStore, SpillMode
@@ -145,8 +145,8 @@ class Executor:
         for expert_id in torch.unique(top_k_index).tolist():
             token_idx, pos = torch.where(top_k_index == expert_id)
             key = (layer, int(expert_id))
-            store = self.expert_store
-            weights = store.device_weights(key) if store.is_on_device(key) else store.host_weights(key).weights
+            home = self.expert_store.host_weights(key).weights  # never a device copy the audited path made
+            weights = ExpertWeights(home.gate_up.to(hidden.device), home.down.to(hidden.device))
             y = expert_mlp(module, hidden[token_idx], weights)
             out[token_idx] += y * top_k_weights[token_idx, pos, None]
         return out

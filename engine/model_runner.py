@@ -77,17 +77,15 @@ class ModelRunner:
         except ChecksumError as exc:
             staged, note = kv.stage(block, Tag.RECOMPUTE), f"{exc}; recovered by recompute"
         cost = decision.predicted_cost if staged.tag is decision.tag and not is_observe else 0.0
-        modeled = profile.transfer_s(staged.bytes_moved, staged.source_tier) if staged.source_tier else 0.0
-        log.modeled_transfer_s += modeled
-        log.add(
+        log.add_transfer(
+            profile,
             seq.request_id,
             block.key[1],
             ObjectKind.KV_BLOCK,
             staged.tag,
-            bytes_moved=staged.bytes_moved,
-            source_tier=staged.source_tier,
+            staged.bytes_moved,
+            staged.source_tier,
             predicted_cost=cost,
-            modeled_s=modeled,
             note=note,
         )
         self.executor.used_kv_block_keys.append(block.key)
@@ -148,12 +146,15 @@ class ModelRunner:
         """Exact baseline: every expert at full precision, teacher-forced, transformers' own cache.
 
         One prefill pass by default; with `num_chunked` > 0 the last `num_chunked` tokens are fed one at
-        a time instead (the exact-vs-exact control: same math, other kernel shapes).
+        a time instead (the exact-vs-exact control: same math, other kernel shapes). Disk reads always
+        verify page checksums here, even when the serving path has verification switched off.
         """
         batch = ForwardBatch(["audit"], [0], [len(token_ids)], torch.zeros(len(token_ids), dtype=torch.long), ["audit"])
         self.executor.ctx = StepContext(-1, batch, EventLog(-1), is_exact_baseline=True)
         ids = torch.tensor([token_ids], device=self.device)
         split = len(token_ids) - num_chunked
+        spill = self.executor.expert_store.spill
+        was_verified, spill.is_checksum_verified = spill.is_checksum_verified, True  # never trust an unchecked read
         try:
             with torch.inference_mode():
                 if not num_chunked:
@@ -165,3 +166,4 @@ class ModelRunner:
                 return torch.cat(parts).float()
         finally:
             self.executor.ctx = None
+            spill.is_checksum_verified = was_verified

@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from engine.hardware import HardwareProfile
 from engine.messages import Event
 from engine.tags import ObjectKind, Tag, Tier
 
@@ -60,6 +61,34 @@ class EventLog:
         event.bytes_moved += bytes_moved
         event.predicted_cost += predicted_cost
         event.modeled_s += modeled_s
+
+    def add_transfer(
+        self,
+        profile: HardwareProfile,
+        request_id: str,
+        layer: int,
+        kind: ObjectKind,
+        tag: Tag,
+        bytes_moved: int,
+        source_tier: Tier | None,
+        *,
+        predicted_cost: float = 0.0,
+        note: str = "",
+    ) -> None:
+        """Record an action that moved `bytes_moved` from `source_tier`, charging its link time to the step."""
+        modeled = profile.transfer_s(bytes_moved, source_tier) if source_tier is not None else 0.0
+        self.modeled_transfer_s += modeled
+        self.add(
+            request_id,
+            layer,
+            kind,
+            tag,
+            bytes_moved=bytes_moved,
+            source_tier=source_tier,
+            predicted_cost=predicted_cost,
+            modeled_s=modeled,
+            note=note,
+        )
 
     def events(self) -> list[Event]:
         return list(self._events.values())

@@ -32,16 +32,14 @@ def apply_step_end(engine: Engine, log: EventLog) -> None:
         if experts.is_on_device(key) or not experts.device_pool.can_reserve(experts.bytes_per_expert):
             continue
         fetched = experts.place(key, is_async=True)
-        modeled = engine.config.profile.transfer_s(fetched.bytes_moved, fetched.source_tier)
-        log.modeled_transfer_s += modeled
-        log.add(
+        log.add_transfer(
+            engine.config.profile,
             ENGINE_REQUEST_ID,
             key[0],
             ObjectKind.EXPERT,
             Tag.EXACT_LOAD,
-            bytes_moved=fetched.bytes_moved,
-            source_tier=fetched.source_tier,
-            modeled_s=modeled,
+            fetched.bytes_moved,
+            fetched.source_tier,
             note="prefetch after defer",
         )
     kv.clear_scratch()
