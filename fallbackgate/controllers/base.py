@@ -1,0 +1,87 @@
+"""Shared pieces of the policy-driven controllers: recency tracking, KV ordering, step-end basics."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
+from engine.expert_store import ExpertKey
+from engine.kv_store import KVBlockKey, SpillMode
+from engine.tags import Tag
+
+
+class Recency:
+    """Least-recently-used order of expert keys and KV block keys, updated at every step end."""
+
+    def __init__(self) -> None:
+        self.experts: OrderedDict[ExpertKey, None] = OrderedDict()
+        self.kv: OrderedDict[KVBlockKey, None] = OrderedDict()
+
+    def touch(self, view: EngineView) -> None:
+        """Move the last step's used experts and KV blocks to the most recent end."""
+        for key in view.used_expert_keys:
+            self.experts.pop(key, None)
+            self.experts[key] = None
+        for key in view.used_kv_block_keys:
+            self.kv.pop(key, None)
+            self.kv[key] = None
+
+    def experts_lru_first(self, view: EngineView) -> list[ExpertKey]:
+        """Device experts, least recently used first (never-used ones first of all)."""
+        on_device = view.expert_store.device_keys()
+        known = set(self.experts)
+        return [k for k in on_device if k not in known] + [k for k in self.experts if k in set(on_device)]
+
+    def kv_lru_first(self, view: EngineView) -> list[KVBlockKey]:
+        """Device KV blocks: blocks of requests not running first, then older blocks first."""
+        running = set(view.running_ids)
+        order = {k: i for i, k in enumerate(self.kv)}
+        blocks = view.kv_store.device_blocks()
+        blocks.sort(key=lambda b: (b.key[0] in running, order.get(b.key, -1), b.key[2], b.key[1]))
+        return [b.key for b in blocks]
+
+
+def take_victims(
+    candidates: list[Victim], view: EngineView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
+) -> list[Victim]:
+    """The candidates in order without pinned objects. The whole list is returned: the engine takes
+    victims in order only until enough is free, and skips KV victims when only experts may go."""
+    return [
+        v
+        for v in candidates
+        if (v.expert_key is not None and v.expert_key not in pinned_experts)
+        or (v.kv_block_key is not None and v.kv_block_key not in pinned_kv)
+    ]
+
+
+def full_block_keys(view: EngineView) -> set[KVBlockKey]:
+    """Device KV blocks that are full and not the tail a request still writes."""
+    kv = view.kv_store
+    return {
+        b.key
+        for b in kv.device_blocks()
+        if b.num_tokens == kv.block_size and b.key[2] < kv.num_tokens.get(b.key[0], 0) // kv.block_size
+    }
+
+
+class ExactBaseline(Controller):
+    """Exact-only decisions shared by the baselines: load every miss at full precision."""
+
+    def __init__(self) -> None:
+        self.recency = Recency()
+
+    def expert_action(self, miss: ExpertMiss) -> Decision:
+        return Decision(Tag.EXACT_LOAD)
+
+    def kv_action(self, miss: KVMiss) -> Decision:
+        if miss.exact_tier is not None:
+            return Decision(Tag.EXACT_LOAD)
+        return Decision(Tag.RECOMPUTE, reason="no full-precision copy")
+
+    def on_step_end(self, view: EngineView) -> StepEndActions:
+        """Promote the KV blocks read this step when they fit; prefetch nothing."""
+        self.recency.touch(view)
+        return StepEndActions(promote_kv=list(view.used_kv_block_keys))
+
+    def kv_victim(self, key: KVBlockKey) -> Victim:
+        return Victim(kv_block_key=key, spill_mode=SpillMode.HOST_FULL)

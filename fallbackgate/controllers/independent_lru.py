@@ -1,0 +1,20 @@
+"""Two independent LRU caches over one device budget: each side evicts its own least recently used objects."""
+
+from __future__ import annotations
+
+from engine.controller import EngineView, Victim
+from engine.expert_store import ExpertKey
+from engine.kv_store import KVBlockKey
+from fallbackgate.controllers.base import ExactBaseline, take_victims
+
+
+class IndependentLRUController(ExactBaseline):
+    """Exact-only. KV growth evicts the LRU KV blocks (requests not running first) before touching experts;
+    expert loads evict the LRU experts. No value comparison between the two sides."""
+
+    def choose_victims(
+        self, num_bytes: int, view: EngineView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
+    ) -> list[Victim]:
+        ordered = [self.kv_victim(k) for k in self.recency.kv_lru_first(view)]
+        ordered += [Victim(expert_key=k) for k in self.recency.experts_lru_first(view)]
+        return take_victims(ordered, view, pinned_experts, pinned_kv)

@@ -1,0 +1,208 @@
+"""The joint budget controller: one device budget for expert slots and KV blocks, one link per tier pair,
+per-request quality budgets.
+
+Per step it gives the link the step's deadline (the tightest TPOT target among the step's decoding
+requests; TTFT for prefill-only steps) and queues transfers in priority order: KV blocks with a
+full-precision copy (no cheaper exact way to read them), then expert misses — those of requests that
+cannot fall back first, through a reservation of the expected miss time. A miss that cannot arrive in
+time gets the cheapest fallback the request's class allows and whose predicted cost fits its remaining
+budget: cpu_execute (same math), expert_lowbit, expert_defer; a KV block with only a quantized copy is
+read with kv_dequant or rebuilt with recompute. A request with no budget left gets exact actions only;
+its slipped deadline is recorded (``slips``) with the reason. At step boundaries bytes move to the side
+with the higher value per byte (see :mod:`fallbackgate.controllers.values`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
+from engine.expert_store import ExpertKey
+from engine.hardware import CPU_BOX
+from engine.kv_store import KVBlockKey, KVStore, SpillMode
+from engine.messages import StepPlan
+from engine.tags import Tag, Tier
+from fallbackgate.budgets import BudgetBook, RequestBudget
+from fallbackgate.controllers.base import Recency, take_victims
+from fallbackgate.controllers.joint_memory import rebalance
+from fallbackgate.controllers.link import LinkBudget
+from fallbackgate.controllers.values import ValueModel
+from fallbackgate.cost import CostModel, quant_error_energy
+from fallbackgate.policy.schema import Policy, QualityBudget
+
+
+@dataclasses.dataclass(slots=True)
+class Slip:
+    """A deadline the controller let slip rather than break a request's quality budget or class."""
+
+    step_id: int
+    request_id: str
+    object_kind: str  # expert or kv_block
+    reason: str
+
+
+class JointController(Controller):
+    """Joint expert/KV placement, link-time scheduling and budgeted fallbacks (see the module docstring)."""
+
+    def __init__(self, policy: Policy, cost_model: CostModel | None = None, top_k: int = 1) -> None:
+        self.policy, self.top_k = policy, top_k
+        spec = policy.controller
+        self.cost = cost_model or CostModel(lowbit_bits=spec.expert_lowbit_bits or 8)
+        self.book = BudgetBook({n: c.budget for n, c in policy.classes.items()}, QualityBudget())
+        self.values, self.recency = ValueModel(spec.routing_decay), Recency()
+        self.link = LinkBudget(CPU_BOX)
+        self.kv_bits = spec.kv_quant_bits
+        self.step_id, self.is_observe = -1, False
+        self.loading: set[ExpertKey] = set()
+        self.strict_reserve_s = 0.0
+        self.kv_energy: dict[KVBlockKey, float] = {}
+        self.slips: list[Slip] = []
+        self.kv_store: KVStore | None = None  # the engine's KV store, read to size quantization errors
+
+    # --- per step --------------------------------------------------------------------------------
+    def on_step_start(self, plan: StepPlan, view: EngineView) -> None:
+        self.link.profile, self.kv_store = view.profile, view.kv_store
+        self.step_id, self.is_observe = plan.step_id, plan.is_observe
+        self.loading.clear()
+        self.link.reset(self._deadline_s(plan, view))
+        base = view.kv_store.num_layers * self.top_k
+        for rid in plan.request_ids:
+            self._budget(rid, view.request_classes.get(rid, "")).begin_step(
+                plan.step_id, plan.num_tokens[rid] == 1, base
+            )
+        self._queue_kv(plan, view)
+        must = any(not self._can_fall_back(self.book.requests[r]) for r in plan.request_ids)
+        expected = sum(p * self._load_s(view, k) for k, p in self.values.expected_misses(view)) if must else 0.0
+        self.strict_reserve_s = min(expected, max(0.0, self.link.left_s[Tier.HOST]))
+
+    def _deadline_s(self, plan: StepPlan, view: EngineView) -> float:
+        targets = []
+        for rid in plan.request_ids:
+            cls = self.policy.classes.get(view.request_classes.get(rid, ""))
+            if cls is not None:
+                targets.append(cls.slo.tpot_ms if plan.num_tokens[rid] == 1 else cls.slo.ttft_ms)
+        return (min(targets) if targets else 0.0) / 1000.0
+
+    def _queue_kv(self, plan: StepPlan, view: EngineView) -> None:
+        """KV blocks with a full copy must load exactly: queue them first; quantized ones at their size."""
+        kv = view.kv_store
+        for rid in plan.request_ids:
+            start = plan.start_positions[rid]
+            for layer in range(kv.num_layers):
+                for block in kv.blocks(rid, layer)[: start // kv.block_size]:
+                    if block.device is not None:
+                        continue
+                    if block.has_exact_copy:
+                        self.link.take(kv.bytes_per_block, Tier.HOST if block.host is not None else Tier.DISK)
+
+    def _load_s(self, view: EngineView, key: ExpertKey) -> float:
+        return sum(self.link.legs(view.expert_store.bytes_per_expert, view.expert_store.home(key)).values())
+
+    def _budget(self, request_id: str, request_class: str) -> RequestBudget:
+        return self.book.get(request_id, request_class)
+
+    def _can_fall_back(self, budget: RequestBudget) -> bool:
+        tags = budget.limits.allowed_tags
+        return "cpu_execute" in tags or (not budget.is_spent and bool(tags))
+
+    # --- decisions -------------------------------------------------------------------------------
+    def expert_action(self, miss: ExpertMiss) -> Decision:
+        budget = self._budget(miss.request_id, miss.request_class)
+        key = (miss.layer, miss.expert_id)
+        if key in self.loading:  # another request of this step already queued its load
+            budget.spend(Tag.EXACT_LOAD, 0.0, True)
+            return Decision(Tag.EXACT_LOAD)
+        reserve = 0.0 if not self._can_fall_back(budget) else self.strict_reserve_s
+        self.link.reserve_s(Tier.HOST, reserve)
+        in_time = self.link.fits(miss.num_bytes, miss.home)
+        self.link.release_s(Tier.HOST, reserve)
+        if in_time:
+            return self._load(miss, budget, "")
+        for tag, cost in self._expert_fallbacks(miss):
+            if budget.fits(tag, cost):
+                budget.spend(tag, cost, True)
+                if tag is Tag.EXPERT_LOWBIT:
+                    self.link.take(miss.num_bytes * self.cost.lowbit_bits // 32, Tier.HOST)
+                return Decision(tag, cost, "deadline")
+        reason = "slo slip: quality budget spent" if budget.is_spent else "slo slip: no allowed fallback fits"
+        self.slips.append(Slip(self.step_id, miss.request_id, "expert", reason))
+        return self._load(miss, budget, reason)
+
+    def _load(self, miss: ExpertMiss, budget: RequestBudget, reason: str) -> Decision:
+        self.link.take(miss.num_bytes, miss.home)
+        self.loading.add((miss.layer, miss.expert_id))
+        budget.spend(Tag.EXACT_LOAD, 0.0, True)
+        return Decision(Tag.EXACT_LOAD, reason=reason)
+
+    def _expert_fallbacks(self, miss: ExpertMiss) -> list[tuple[Tag, float]]:
+        """Fallbacks in order of preference: same math on the CPU when it beats the late load, then by cost."""
+        options: list[tuple[Tag, float]] = []
+        profile = self.link.profile
+        cpu_s = miss.num_tokens * (miss.num_bytes / 2) / profile.cpu_expert_flops
+        if cpu_s < sum(self.link.legs(miss.num_bytes, miss.home).values()):
+            options.append((Tag.CPU_EXECUTE, 0.0))
+        lowbit_bytes = miss.num_bytes * self.cost.lowbit_bits // 32
+        if miss.is_lowbit_available and self.link.fits(lowbit_bytes, Tier.HOST):
+            options.append(
+                (Tag.EXPERT_LOWBIT, self.cost.expert_cost(Tag.EXPERT_LOWBIT, miss.layer, miss.max_gate_weight))
+            )
+        options.append((Tag.EXPERT_DEFER, self.cost.expert_cost(Tag.EXPERT_DEFER, miss.layer, miss.max_gate_weight)))
+        return options
+
+    def kv_action(self, miss: KVMiss) -> Decision:
+        budget = self._budget(miss.request_id, miss.request_class)
+        if miss.exact_tier is not None:
+            budget.spend(Tag.EXACT_LOAD, 0.0, False)
+            if self.link.left_s.get(Tier.HOST, 0.0) < 0:
+                self.slips.append(Slip(self.step_id, miss.request_id, "kv_block", "slo slip: exact KV copy late"))
+            return Decision(Tag.EXACT_LOAD)
+        if miss.quant_tier is not None:
+            key = (miss.request_id, miss.layer, miss.block_index)
+            cost = self.cost.kv_cost(miss.layer, self.kv_energy.get(key, 0.0) or self._energy(key))
+            if budget.fits(Tag.KV_DEQUANT, cost):
+                budget.spend(Tag.KV_DEQUANT, cost, False)
+                self.link.take(miss.num_bytes * miss.quant_bits // 32, miss.quant_tier)
+                return Decision(Tag.KV_DEQUANT, cost, "quantized copy")
+            budget.spend(Tag.RECOMPUTE, 0.0, False)
+            return Decision(Tag.RECOMPUTE, reason="budget spent: rebuilt exactly from tokens")
+        budget.spend(Tag.RECOMPUTE, 0.0, False)
+        return Decision(Tag.RECOMPUTE, reason="no copy")
+
+    def _energy(self, key: KVBlockKey) -> float:
+        block = self.kv_store.blocks(key[0], key[1])[key[2]] if self.kv_store is not None else None
+        quant = (block.host_q or block.disk_q) if block is not None else None
+        energy = quant_error_energy(quant) if quant is not None else 1.0
+        self.kv_energy[key] = energy
+        return energy
+
+    # --- memory ----------------------------------------------------------------------------------
+    def spill_mode(self, request_id: str, view: EngineView) -> SpillMode:
+        """A quantized copy only for classes that may read one and rebuild exactly when their budget is spent."""
+        budget = self.book.requests.get(request_id)
+        if budget is None or self.is_observe:
+            return SpillMode.HOST_FULL
+        tags = budget.limits.allowed_tags
+        if "kv_dequant" in tags and "recompute" in tags and not budget.is_spent:
+            return SpillMode.HOST_INT8 if self.kv_bits == 8 else SpillMode.HOST_INT4
+        return SpillMode.HOST_FULL
+
+    def choose_victims(
+        self, num_bytes: int, view: EngineView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
+    ) -> list[Victim]:
+        """Everything on device, lowest value per byte first."""
+        running = set(view.running_ids)
+        ranked: list[tuple[float, Victim]] = [
+            (self.values.expert_value(k, view), Victim(expert_key=k)) for k in view.expert_store.device_keys()
+        ]
+        for block in view.kv_store.device_blocks():
+            mode = self.spill_mode(block.key[0], view)
+            fraction = 1.0 if mode is SpillMode.HOST_FULL else self.kv_bits / 32
+            value = self.values.kv_value(block.key, view, running, fraction)
+            ranked.append((value, Victim(kv_block_key=block.key, spill_mode=mode)))
+        ranked.sort(key=lambda item: item[0])
+        return take_victims([v for _, v in ranked], view, pinned_experts, pinned_kv)
+
+    def on_step_end(self, view: EngineView) -> StepEndActions:
+        self.values.update(view)
+        self.recency.touch(view)
+        return rebalance(self, view)

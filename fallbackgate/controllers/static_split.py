@@ -1,0 +1,55 @@
+"""Static split baseline: a fixed share of the device budget for expert slots, the rest for KV; LRU in each."""
+
+from __future__ import annotations
+
+from engine.controller import EngineView, StepEndActions, Victim
+from engine.expert_store import ExpertKey
+from engine.kv_store import KVBlockKey
+from engine.tags import ObjectKind
+from fallbackgate.controllers.base import ExactBaseline, take_victims
+
+
+class StaticSplitController(ExactBaseline):
+    """Exact-only; experts may hold at most `expert_fraction` of the device budget, KV the rest.
+
+    Experts above their share are evicted first when anything needs room and at every step end; KV
+    blocks above the KV share go next (LRU, requests not running first); then the LRU of either side.
+    """
+
+    def __init__(self, expert_fraction: float = 0.5) -> None:
+        super().__init__()
+        if not 0.0 < expert_fraction < 1.0:
+            raise ValueError(f"expert_fraction must be in (0, 1), got {expert_fraction}")
+        self.expert_fraction = expert_fraction
+
+    def _shares(self, view: EngineView) -> tuple[int, int]:
+        pool = view.expert_store.device_pool
+        expert_share = int(pool.budget_bytes * self.expert_fraction)
+        return expert_share, pool.budget_bytes - expert_share
+
+    def choose_victims(
+        self, num_bytes: int, view: EngineView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
+    ) -> list[Victim]:
+        expert_share, kv_share = self._shares(view)
+        pool = view.expert_store.device_pool
+        experts = [k for k in self.recency.experts_lru_first(view) if k not in pinned_experts]
+        blocks = [k for k in self.recency.kv_lru_first(view) if k not in pinned_kv]
+        per_expert, per_block = view.expert_store.bytes_per_expert, view.kv_store.bytes_per_block
+        over_e = max(0, -(-(pool.used_bytes_by_kind[ObjectKind.EXPERT] - expert_share) // per_expert))
+        over_kv = max(0, -(-(pool.used_bytes_by_kind[ObjectKind.KV_BLOCK] - kv_share) // per_block))
+        ordered = [Victim(expert_key=k) for k in experts[:over_e]]
+        ordered += [self.kv_victim(k) for k in blocks[:over_kv]]
+        ordered += [Victim(expert_key=k) for k in experts[over_e:]]
+        ordered += [self.kv_victim(k) for k in blocks[over_kv:]]
+        return take_victims(ordered, view, pinned_experts, pinned_kv)
+
+    def on_step_end(self, view: EngineView) -> StepEndActions:
+        actions = super().on_step_end(view)
+        expert_share, _ = self._shares(view)
+        used = view.expert_store.device_pool.used_bytes_by_kind[ObjectKind.EXPERT]
+        for key in self.recency.experts_lru_first(view):
+            if used <= expert_share:
+                break
+            actions.evict_experts.append(key)
+            used -= view.expert_store.bytes_per_expert
+        return actions

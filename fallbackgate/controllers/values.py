@@ -1,0 +1,51 @@
+"""Marginal value per device byte of expert slots and KV blocks, for the joint controller.
+
+- expert: misses avoided per step (decayed per-layer routing frequency of that expert) × its load time;
+- KV block: one read per step while its request runs × its cheapest acceptable reload time (a quantized
+  copy when its class may read one, else the full block); 0 for requests not running.
+Values are seconds saved per step per byte, so both sides compare in one unit.
+"""
+
+from __future__ import annotations
+
+from engine.controller import EngineView
+from engine.expert_store import ExpertKey
+from engine.kv_store import KVBlockKey
+from engine.tags import Tier
+
+
+class ValueModel:
+    """Decayed routing frequencies and the value-per-byte estimates built on them."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.freq: dict[ExpertKey, float] = {}
+
+    def update(self, view: EngineView) -> None:
+        """Decay every frequency and count the last step's used and deferred experts once each."""
+        used = set(view.used_expert_keys) | set(view.deferred_expert_keys)
+        for key in list(self.freq):
+            self.freq[key] *= self.decay
+            if self.freq[key] < 1e-6 and key not in used:
+                del self.freq[key]
+        for key in used:
+            self.freq[key] = self.freq.get(key, 0.0) + (1.0 - self.decay)
+
+    def expected_misses(self, view: EngineView) -> list[tuple[ExpertKey, float]]:
+        """Non-resident experts with their probability of being needed next step."""
+        store = view.expert_store
+        return [(k, min(1.0, f)) for k, f in self.freq.items() if not store.is_on_device(k)]
+
+    def expert_value(self, key: ExpertKey, view: EngineView) -> float:
+        """Seconds saved per step per byte by keeping `key` on device."""
+        store = view.expert_store
+        seconds = view.profile.transfer_s(store.bytes_per_expert, store.home(key))
+        return self.freq.get(key, 0.0) * seconds / store.bytes_per_expert
+
+    def kv_value(self, key: KVBlockKey, view: EngineView, running: set[str], reload_fraction: float = 1.0) -> float:
+        """Seconds saved per step per byte by keeping KV block `key` on device (0 when its request is idle)."""
+        if key[0] not in running:
+            return 0.0
+        num_bytes = view.kv_store.bytes_per_block
+        seconds = view.profile.transfer_s(max(1, int(num_bytes * reload_fraction)), Tier.HOST)
+        return seconds / num_bytes

@@ -1,0 +1,179 @@
+"""The policy file schema: pydantic models (unknown keys are errors) and their JSON Schema export.
+
+A policy names the model, the hardware profile, device / host budgets, the spill directory, the
+controller, audit settings, the ledger URL and the request classes, each with an SLO and a quality
+budget. Quality limits are in the auditor's units: KL(exact ‖ engine) in nats per generated position.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+FALLBACK_TAGS: tuple[str, ...] = ("cpu_execute", "expert_defer", "expert_lowbit", "kv_dequant", "recompute")
+CONTROLLER_KINDS: tuple[str, ...] = ("joint", "static_split", "independent_lru", "exact_lru")
+PROFILE_NAMES: tuple[str, ...] = ("cpu-box", "pcie4-gpu-nvme")
+_CLASS_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
+
+PositiveRate = Annotated[float, Field(gt=0, description="bytes/s or FLOP/s, > 0")]
+Milliseconds = Annotated[float, Field(gt=0, description="milliseconds, > 0")]
+Nats = Annotated[float, Field(ge=0, description="KL divergence in nats, >= 0")]
+FallbackTag = Literal["cpu_execute", "expert_defer", "expert_lowbit", "kv_dequant", "recompute"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False, validate_default=True)
+
+
+class HardwareSpec(_Strict):
+    """A shipped hardware profile, with any of its rates overridden."""
+
+    profile: Literal["cpu-box", "pcie4-gpu-nvme"] = "cpu-box"
+    host_to_device_bytes_per_s: PositiveRate | None = None
+    device_to_host_bytes_per_s: PositiveRate | None = None
+    disk_to_host_bytes_per_s: PositiveRate | None = None
+    host_to_disk_bytes_per_s: PositiveRate | None = None
+    device_flops: PositiveRate | None = None
+    cpu_expert_flops: PositiveRate | None = None
+    link_latency_s: Annotated[float, Field(ge=0)] | None = None
+
+    def overrides(self) -> dict[str, float]:
+        """The rates this spec sets explicitly."""
+        return {k: v for k, v in self.model_dump(exclude={"profile"}).items() if v is not None}
+
+
+class MemorySpec(_Strict):
+    """Device and host budgets (MiB; null: everything fits), the spill directory and paging knobs."""
+
+    device_budget_mb: Annotated[float, Field(gt=0)] | None = None
+    host_budget_mb: Annotated[float, Field(gt=0)] | None = None
+    spill_dir: str | None = None
+    block_size: Annotated[int, Field(ge=1, le=1024)] = 16
+    max_num_seqs: Annotated[int, Field(ge=1, le=1024)] = 8
+    preempt_mode: Literal["swap", "recompute"] = "swap"
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError("a power of two")
+        return value
+
+
+class ControllerSpec(_Strict):
+    """Which controller decides, and its knobs."""
+
+    kind: Literal["joint", "static_split", "independent_lru", "exact_lru"] = "joint"
+    expert_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.5  # static_split: device share of expert slots
+    routing_decay: Annotated[float, Field(gt=0, lt=1)] = 0.9  # joint: per-step decay of routing frequency
+    kv_quant_bits: Literal[4, 8] = 8  # bits of quantized KV copies
+    expert_lowbit_bits: Literal[0, 4, 8] = 8  # bits of low-bit expert copies (0: none)
+
+
+class AuditSpec(_Strict):
+    """observe: decide and record, serve exactly; enforce: act. sample_rate: fraction audited."""
+
+    mode: Literal["observe", "enforce"] = "observe"
+    sample_rate: Annotated[float, Field(gt=0, le=1)] = 1.0
+
+
+class LedgerSpec(_Strict):
+    """Where the run is recorded (any SQLAlchemy URL or a SQLite path)."""
+
+    url: Annotated[str, Field(min_length=1)] | None = None
+
+
+class SLO(_Strict):
+    """Latency targets of a class (modeled time, milliseconds)."""
+
+    ttft_ms: Milliseconds = 1000.0
+    tpot_ms: Milliseconds = 100.0
+    p99_ttft_ms: Milliseconds | None = None
+    p99_tpot_ms: Milliseconds | None = None
+
+    @model_validator(mode="after")
+    def _p99_not_below_mean(self) -> SLO:
+        for name in ("ttft", "tpot"):
+            p99 = getattr(self, f"p99_{name}_ms")
+            if p99 is not None and p99 < getattr(self, f"{name}_ms"):
+                raise ValueError(f"@p99_{name}_ms: a value >= {name}_ms ({getattr(self, f'{name}_ms')})")
+        return self
+
+
+class QualityBudget(_Strict):
+    """Per-request limits on measured (and predicted) quality loss, and the fallbacks allowed at all."""
+
+    max_mean_kl: Nats = 0.0
+    max_p99_kl: Nats = 0.0
+    min_top1_agreement: Annotated[float, Field(ge=0, le=1)] = 1.0
+    max_approx_fraction: Annotated[float, Field(ge=0, le=1)] = 0.0
+    allowed_tags: list[FallbackTag] = Field(default_factory=list)
+
+    @field_validator("allowed_tags")
+    @classmethod
+    def _unique(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("tags without repeats")
+        return value
+
+    @model_validator(mode="after")
+    def _p99_not_below_mean(self) -> QualityBudget:
+        if self.max_p99_kl < self.max_mean_kl:
+            raise ValueError(f"@max_p99_kl: a value >= max_mean_kl ({self.max_mean_kl})")
+        return self
+
+    def as_gate_dict(self) -> dict[str, Any]:
+        """The budget in the form the gate and the ledger take."""
+        return self.model_dump()
+
+
+class RequestClass(_Strict):
+    """One request class: its SLO and quality budget."""
+
+    slo: SLO = Field(default_factory=SLO)
+    budget: QualityBudget = Field(default_factory=QualityBudget)
+    description: str = ""
+
+
+class Policy(_Strict):
+    """A whole policy file."""
+
+    version: Literal[1] = 1
+    model: str | None = None
+    hardware: HardwareSpec = Field(default_factory=HardwareSpec)
+    memory: MemorySpec = Field(default_factory=MemorySpec)
+    controller: ControllerSpec = Field(default_factory=ControllerSpec)
+    audit: AuditSpec = Field(default_factory=AuditSpec)
+    ledger: LedgerSpec = Field(default_factory=LedgerSpec)
+    classes: dict[str, RequestClass] = Field(default_factory=lambda: {"default": RequestClass()}, min_length=1)
+    default_class: str = "default"
+
+    @field_validator("classes")
+    @classmethod
+    def _class_names(cls, value: dict[str, RequestClass]) -> dict[str, RequestClass]:
+        for name in value:
+            if not _CLASS_NAME.match(name):
+                raise ValueError(f"class names matching {_CLASS_NAME.pattern} (got {name!r})")
+        return value
+
+    @model_validator(mode="after")
+    def _default_class_exists(self) -> Policy:
+        if self.default_class not in self.classes:
+            raise ValueError(f"@default_class: one of the class names {sorted(self.classes)}")
+        return self
+
+    def request_class(self, name: str) -> RequestClass:
+        """The class `name`, or a KeyError naming the known classes."""
+        if name not in self.classes:
+            raise KeyError(f"request class {name!r} is not in the policy (classes: {sorted(self.classes)})")
+        return self.classes[name]
+
+
+def json_schema() -> dict[str, Any]:
+    """The policy's JSON Schema (draft 2020-12), for editors."""
+    schema = Policy.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "fallbackgate policy"
+    return schema
