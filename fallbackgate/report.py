@@ -53,6 +53,7 @@ def to_json(outcome: RunOutcome, run_id: int | None, extra: dict[str, Any] | Non
         "wall_s": outcome.wall_s,
         "output_tokens_per_s": num_tokens / outcome.wall_s if outcome.wall_s > 0 else None,
         "modeled_s": sum(s.modeled_s for s in outcome.steps),
+        "memory": outcome.memory,
         **(extra or {}),
     }
 
@@ -77,6 +78,11 @@ def print_report(outcome: RunOutcome, out: TextIO) -> None:
             f"{out_req.ttft_s * 1e3:8.1f} {out_req.tpot_s * 1e3:8.1f} {out_req.modeled_ttft_s * 1e3:9.3f} "
             f"{out_req.modeled_tpot_s * 1e3:9.3f}  {snippet}\n"
         )
+    mem = outcome.memory
+    if mem:
+        out.write(f"\ndevice budget {mem['device_budget_bytes'] / 2**20:.2f} MiB for expert slots + KV blocks "
+                  f"(all experts: {mem['expert_bytes_total'] / 2**20:.2f} MiB, {mem['num_experts_on_disk']} homed on "
+                  f"disk); dense weights resident outside the budget: {mem['dense_bytes'] / 2**20:.2f} MiB\n")
     out.write(f"\n{'tag':<14} {'exactness':<12} {'count':>10} {'MiB moved':>10}\n")
     for tag, total in tag_totals(outcome).items():
         if total["count"]:

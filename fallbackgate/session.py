@@ -62,6 +62,7 @@ class RunOutcome:
     texts: list[str]
     steps: list[StepResult]
     wall_s: float
+    memory: dict[str, int] = dataclasses.field(default_factory=dict)  # byte counts, see `memory_summary`
 
 
 StepHook = Callable[[StepPlan, StepResult], None]
@@ -104,4 +105,18 @@ def run_prompts(
             bar.update(len(result.sampled_token_ids))
     outputs = [engine.finished[s.request_id] for s in specs]
     texts = [tokenizer.decode(o.output_token_ids, skip_special_tokens=True) for o in outputs]
-    return RunOutcome(specs, outputs, texts, steps, time.perf_counter() - started)
+    return RunOutcome(specs, outputs, texts, steps, time.perf_counter() - started, memory_summary(engine))
+
+
+def memory_summary(engine: Engine) -> dict[str, int]:
+    """What the device budget counts (expert slots, KV blocks) and what stays resident outside it (dense)."""
+    experts = engine.expert_store
+    return {
+        "device_budget_bytes": engine.kv_store.device_pool.budget_bytes,
+        "host_budget_bytes": engine.kv_store.host_pool.budget_bytes,
+        "dense_bytes": engine.num_dense_bytes,
+        "expert_bytes_total": experts.bytes_per_expert * len(experts.entries),
+        "bytes_per_expert": experts.bytes_per_expert,
+        "bytes_per_kv_block": engine.kv_store.bytes_per_block,
+        "num_experts_on_disk": sum(1 for e in experts.entries.values() if e.home.value == "disk"),
+    }
