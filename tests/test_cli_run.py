@@ -1,0 +1,48 @@
+"""`fallbackgate run` end to end on a small random checkpoint: JSON format, ledger, gate."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from fallbackgate.cli import main
+
+
+def test_run_writes_the_documented_json_and_passes_the_gate(tmp_path: pathlib.Path, checkpoint_factory) -> None:
+    model = checkpoint_factory("qwen3_moe")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        json.dumps({"prompt": "once upon a time", "id": "a", "max_new_tokens": 5})
+        + "\n"
+        + json.dumps({"prompt": "the quick brown fox", "id": "b", "class": "chat"})
+        + "\n"
+    )
+    out = tmp_path / "run.json"
+    ledger = tmp_path / "ledger.sqlite"
+    status = main(["run", "--model", str(model), "--prompts", str(prompts), "--max-new-tokens", "7",
+                   "--device-budget-mb", "0.3", "--ledger", str(ledger), "--json", str(out), "--quiet"])
+    assert status == 0
+    doc = json.loads(out.read_text())
+    assert doc["format_version"] == 1 and isinstance(doc["run_id"], int)
+    by_id = {r["id"]: r for r in doc["requests"]}
+    assert [len(by_id["a"]["output_token_ids"]), len(by_id["b"]["output_token_ids"])] == [5, 7]
+    assert by_id["b"]["class"] == "chat"
+    for request in doc["requests"]:
+        assert set(request) >= {"id", "prompt", "output_token_ids", "text", "ttft_s", "tpot_s", "tags"}
+        assert request["ttft_s"] > 0 and request["modeled_ttft_s"] > 0
+    per_request = sum(sum(r["tags"].values()) for r in doc["requests"])
+    assert sum(t["count"] for t in doc["tags"].values()) >= per_request > 0
+    assert doc["tags"]["exact_load"]["bytes"] >= doc["tags"]["exact_load"]["count"] > 0  # budget forced loads
+    assert doc["memory"]["device_budget_bytes"] == int(0.3 * 2**20)
+
+
+def test_run_with_forced_cpu_execute_passes_within_the_equivalent_tolerance(
+    tmp_path: pathlib.Path, checkpoint_factory
+) -> None:
+    model = checkpoint_factory("qwen3_moe")
+    out = tmp_path / "run.json"
+    status = main(["run", "--model", str(model), "--max-new-tokens", "4", "--force", "cpu_execute",
+                   "--ledger", str(tmp_path / "l.sqlite"), "--json", str(out), "--quiet"])
+    assert status == 0
+    tags = json.loads(out.read_text())["tags"]
+    assert tags["cpu_execute"]["count"] > 0 and tags["exact_load"]["count"] == 0
