@@ -9,11 +9,21 @@ import argparse
 import sys
 from typing import Any
 
+from engine.engine import Engine
 from engine.errors import EngineError
 from engine.tags import Tag
 from fallbackgate.controllers.exact_lru import FORCEABLE_TAGS, ExactLRUController
 from fallbackgate.gate import RunVerdict
-from fallbackgate.prompts import PromptsFileError, load_prompts
+from fallbackgate.policy import CONTROLLER_KINDS
+from fallbackgate.policy.apply import (
+    build_policy_engine,
+    check_classes,
+    class_budgets,
+    policy_from_args,
+    print_slips,
+    run_settings,
+)
+from fallbackgate.prompts import PromptsFileError, PromptSpec, load_prompts
 from fallbackgate.recording import audit_and_judge, serve_recorded, start_run
 from fallbackgate.report import print_report, to_json, write_json
 from fallbackgate.session import RunSettings, build_engine, run_prompts
@@ -25,7 +35,8 @@ from ledger.writer import LedgerWriter
 def add_parser(subparsers: Any) -> None:
     """Register ``run``."""
     p: argparse.ArgumentParser = subparsers.add_parser("run", help="serve prompts, record, audit and gate")
-    p.add_argument("--model", default=str(CHECKPOINT_DIR), help="checkpoint directory (default: bundled tiny MoE)")
+    p.add_argument("--policy", default=None, help="policy YAML; flags given on the command line override it")
+    p.add_argument("--model", default=None, help="checkpoint directory (default: bundled tiny MoE)")
     p.add_argument("--prompts", default=None, help="JSONL: prompt (required), id, class, max_new_tokens")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
@@ -33,10 +44,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--device-budget-mb", type=float, default=None, help="expert slots + KV blocks on device")
     p.add_argument("--host-budget-mb", type=float, default=None, help="host memory; the rest spills to disk")
     p.add_argument("--spill-dir", default=None, help="disk tier directory (default: a temporary directory)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together at most")
-    p.add_argument("--preempt", choices=("swap", "recompute"), default="swap", help="what preemption does to KV")
-    p.add_argument("--profile", default="cpu-box", help="hardware profile: cpu-box or pcie4-gpu-nvme")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together at most (default 8)")
+    p.add_argument("--preempt", choices=("swap", "recompute"), default=None, help="what preemption does to KV")
+    p.add_argument("--profile", default=None, help="hardware profile: cpu-box (default) or pcie4-gpu-nvme")
+    p.add_argument("--controller", choices=CONTROLLER_KINDS, default=None, help="controller (overrides the policy)")
+    p.add_argument("--mode", choices=("observe", "enforce"), default=None, help="audit mode (overrides the policy)")
     p.add_argument(
         "--force",
         action="append",
@@ -46,10 +59,41 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--ledger", default=None, help=f"ledger URL (default: ${ENV_VAR}, else {DEFAULT_LEDGER})")
     p.add_argument("--no-ledger", action="store_true", help="record nothing (no audit, no gate)")
-    p.add_argument("--audit-rate", type=float, default=1.0, help="fraction of requests audited against exact")
+    p.add_argument("--audit-rate", type=float, default=None, help="fraction of requests audited (default 1)")
     p.add_argument("--json", default=None, help="write the run's results as JSON to this path")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
+
+
+_DEFAULTS = {"block_size": 16, "max_num_seqs": 8, "preempt": "swap", "profile": "cpu-box", "audit_rate": 1.0}
+
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    """Without a policy, flags left unset take their documented defaults."""
+    for name, value in _DEFAULTS.items():
+        if getattr(args, name, None) is None:
+            setattr(args, name, value)
+    args.model = args.model or str(CHECKPOINT_DIR)
+
+
+def _setup(args: argparse.Namespace) -> tuple[list[PromptSpec], Engine, RunSettings, LedgerWriter | None, Any]:
+    """Prompts, engine, settings, writer and policy (None without --policy)."""
+    specs = load_prompts(args.prompts)
+    if getattr(args, "policy", None) is None:
+        _fill_defaults(args)
+        if not 0.0 < args.audit_rate <= 1.0:
+            raise ValueError(f"--audit-rate must be in (0, 1], got {args.audit_rate}")
+        settings = _settings(args)
+        engine = build_engine(settings, ExactLRUController(force=[Tag(t) for t in args.force]))
+        writer = None if args.no_ledger else LedgerWriter(open_ledger(args.ledger))
+        return specs, engine, settings, writer, None
+    policy = policy_from_args(args)
+    args.audit_rate = policy.audit.sample_rate
+    specs = check_classes(policy, specs)
+    settings = run_settings(policy, args)
+    writer = None if args.no_ledger else LedgerWriter(open_ledger(policy.ledger.url))
+    engine, _ = build_policy_engine(policy, settings, writer.ledger if writer else None, args.force)
+    return specs, engine, settings, writer, policy
 
 
 def _settings(args: argparse.Namespace) -> RunSettings:
@@ -71,26 +115,26 @@ def _settings(args: argparse.Namespace) -> RunSettings:
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``fallbackgate run``."""
     try:
-        if not 0.0 < args.audit_rate <= 1.0:
-            raise ValueError(f"--audit-rate must be in (0, 1], got {args.audit_rate}")
-        specs = load_prompts(args.prompts)
-        settings = _settings(args)
-        controller = ExactLRUController(force=[Tag(t) for t in args.force])
-        engine = build_engine(settings, controller)
-        writer = None if args.no_ledger else LedgerWriter(open_ledger(args.ledger))
+        specs, engine, settings, writer, policy = _setup(args)
     except (PromptsFileError, EngineError, LedgerError, ValueError) as exc:
         print(f"fallbackgate run: error: {exc}", file=sys.stderr)
         return 2
     if writer is None:
         outcome = run_prompts(engine, specs, settings, None, not args.quiet)
         print_report(outcome, sys.stdout)
+        print_slips(engine.controller, sys.stdout)
         if args.json:
             write_json(args.json, to_json(outcome, None))
         return 0
-    run_id = start_run(writer, engine, note=f"force={args.force}")
+    kind = policy.controller.kind if policy is not None else "exact_lru"
+    run_id = start_run(writer, engine, controller=kind, note=f"force={args.force}")
     outcome = serve_recorded(engine, specs, settings, writer, not args.quiet)
     print_report(outcome, sys.stdout)
-    verdict, num_audited = audit_and_judge(engine, outcome, writer, audit_rate=args.audit_rate, seed=args.seed)
+    print_slips(engine.controller, sys.stdout)
+    budgets = class_budgets(policy) if policy is not None else None
+    verdict, num_audited = audit_and_judge(
+        engine, outcome, writer, budgets=budgets, audit_rate=args.audit_rate, seed=args.seed
+    )
     _print_verdict(verdict, num_audited, len(outcome.outputs))
     if args.json:
         write_json(args.json, to_json(outcome, run_id))

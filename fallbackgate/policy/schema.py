@@ -105,8 +105,8 @@ class SLO(_Strict):
 class QualityBudget(_Strict):
     """Per-request limits on measured (and predicted) quality loss, and the fallbacks allowed at all."""
 
-    max_mean_kl: Nats = 0.0
-    max_p99_kl: Nats = 0.0
+    max_mean_kl: Nats = 1e-6  # default: exact serving, numeric noise only
+    max_p99_kl: Nats = 1e-6
     min_top1_agreement: Annotated[float, Field(ge=0, le=1)] = 1.0
     max_approx_fraction: Annotated[float, Field(ge=0, le=1)] = 0.0
     allowed_tags: list[FallbackTag] = Field(default_factory=list)
