@@ -88,8 +88,8 @@ def _metrics(d: dict[str, Any]) -> None:
     cols[5].metric("Verdict", s.get("verdict") or "not recorded")
     v = d["verdict"]
     if v is not None and not v["passed"]:
-        st.error(
-            f"Gate: {v['reason']} — first divergence at position {v['first_divergence_position']}, "
+        st.warning(
+            f"Gate failed: {v['reason']} — first divergence at position {v['first_divergence_position']}, "
             f"step {v['first_divergence_step']}, layer {v['first_divergence_layer']}, "
             f"tags {', '.join(v['first_divergence_tags'] or [])}"
         )
