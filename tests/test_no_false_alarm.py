@@ -1,0 +1,58 @@
+"""Exact-only runs on random checkpoints, prompts and tight budgets pass the gate: no false alarms."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from fallbackgate.controllers.exact_lru import ExactLRUController
+from fallbackgate.recording import RecordedRun, record_and_judge
+from fallbackgate.session import RunSettings
+from tests.checkpoints import make_checkpoint
+from tests.test_engine_exact import sizes
+
+WORDS = "once upon a time the quick brown fox jumps over lazy dog princess lived in castle".split()
+
+
+def _exact_only_run(seed: int, root: pathlib.Path) -> RecordedRun:
+    """An exact-only run on a fresh random checkpoint and prompts, at a tight budget picked by the seed."""
+    gen = torch.Generator().manual_seed(seed)
+    arch = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3")[seed % 4]
+    path = make_checkpoint(arch, root / f"ck-{seed}", seed=seed)
+    expert, block, layers, top_k = sizes(path)
+    minimum = top_k * expert + layers * block
+    knobs = [
+        {"device_budget_bytes": minimum},
+        {"device_budget_bytes": minimum + 3 * layers * block, "host_budget_bytes": 6 * expert},
+        {"device_budget_bytes": 3 * expert + 6 * layers * block, "preempt_mode": "recompute"},
+    ][seed % 3]
+    engine = Engine(EngineConfig(str(path), block_size=4, max_num_seqs=3, seed=seed, **knobs), ExactLRUController())
+    prompts = [
+        " ".join(WORDS[i] for i in torch.randint(len(WORDS), (int(n),), generator=gen).tolist())
+        for n in torch.randint(1, 9, (3,), generator=gen)
+    ]
+    settings = RunSettings(str(path), max_new_tokens=6, seed=seed)
+    return record_and_judge(engine, prompts, str(root / f"ledger-{seed}.sqlite"), settings=settings)
+
+
+def _assert_no_false_alarm(seed: int, root: pathlib.Path) -> None:
+    recorded = _exact_only_run(seed, root)
+    tags = {t for o in recorded.outcome.outputs for t in o.tag_counts}
+    assert recorded.verdict.passed, (seed, recorded.verdict)
+    assert "exact_load" in tags and tags <= {"resident", "exact_load", "recompute"}, (seed, tags)
+    assert all(v.stats["max_kl"] < 1e-9 for v in recorded.verdict.requests), seed
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_exact_only_runs_pass_the_gate(seed: int, tmp_path: pathlib.Path) -> None:
+    _assert_no_false_alarm(seed, tmp_path)
+
+
+@pytest.mark.slow
+def test_exact_only_runs_pass_the_gate_over_ten_seeds(tmp_path: pathlib.Path) -> None:
+    for seed in range(10):
+        _assert_no_false_alarm(seed, tmp_path)

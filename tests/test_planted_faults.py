@@ -1,0 +1,310 @@
+"""Planted faults: each one makes the gate fail and the verdict names the step and the tag it hid behind.
+
+Every fault is planted with monkeypatch for one run, at (or from) a chosen step, on a random checkpoint
+whose budget forces the faulted path; the run is recorded to a SQLite ledger and judged exactly as
+``fallbackgate run`` does (:func:`fallbackgate.recording.record_and_judge`). Exact-only runs over many
+seeds pass the same gate (no false alarms): tests/test_no_false_alarm.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from engine import kv_codec
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.expert_store import ExpertKey, ExpertStore, ExpertWeights, Fetched
+from engine.model_runner import ModelRunner
+from engine.tags import Tag
+from fallbackgate.controllers.exact_lru import ExactLRUController
+from fallbackgate.gate import EQUIVALENT_TOLERANCE, RequestVerdict, RunVerdict
+from fallbackgate.recording import RecordedRun, record_and_judge
+from fallbackgate.session import RunSettings
+from ledger import queries
+from ledger.db import open_ledger
+from tests.checkpoints import make_checkpoint
+from tests.test_engine_exact import sizes
+
+PROMPTS = ["once upon a time", "the quick brown fox jumps"]
+NEW_TOKENS = 8
+FAULT_STEP = 4  # a decode step: step 0 prefills both prompts
+KV_BUDGET = {"max_mean_kl": 1e-3}  # int8 KV measures ~1e-6 mean KL here; the faulted scale ~5e-2
+
+
+def _engine(path: pathlib.Path, force: tuple[str, ...] = (), experts: int = 4, **knobs: int) -> Engine:
+    expert, block, layers, _ = sizes(path)
+    budget = knobs.pop("device_budget_bytes", experts * expert + 12 * layers * block)
+    config = EngineConfig(str(path), block_size=4, max_num_seqs=2, device_budget_bytes=budget, **knobs)
+    return Engine(config, ExactLRUController(force))
+
+
+def _judge(engine: Engine, tmp_path: pathlib.Path, budgets: dict | None = None, prompts=PROMPTS) -> RecordedRun:
+    settings = RunSettings(engine.config.model_dir, max_new_tokens=NEW_TOKENS, seed=engine.config.seed)
+    return record_and_judge(engine, prompts, str(tmp_path / "ledger.sqlite"), settings=settings, budgets=budgets)
+
+
+def _culprit(verdict: RunVerdict) -> RequestVerdict:
+    """The failing request whose first divergence came earliest: the one the fault hit first."""
+    failed = [v for v in verdict.requests if not v.passed]
+    assert failed and not verdict.passed, f"gate passed a planted fault: {verdict}"
+    assert all(v.step is not None for v in failed), failed
+    return min(failed, key=lambda v: v.step)
+
+
+def _steps_with(recorded: RecordedRun, tag: Tag) -> list[int]:
+    return [s.step_id for s in recorded.outcome.steps if any(e.tag is tag for e in s.events)]
+
+
+def _at_step(engine: Engine, step: int) -> Callable[[], bool]:
+    """True while the engine serves step `step` (never during the audit's exact baseline)."""
+
+    def armed() -> bool:
+        ctx = engine.executor.ctx
+        is_baseline = ctx is not None and ctx.is_exact_baseline
+        return not is_baseline and engine.last_plan is not None and engine.last_plan.step_id == step
+
+    return armed
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    return make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("faults-qwen3"), seed=0)
+
+
+def test_correct_int8_kv_dequant_passes_its_budget(model: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    recorded = _judge(_engine(model, ("kv_dequant",)), tmp_path, {"default": KV_BUDGET})
+    assert recorded.verdict.passed, recorded.verdict
+    assert _steps_with(recorded, Tag.KV_DEQUANT)
+    assert all(0 < v.stats["mean_kl"] < KV_BUDGET["max_mean_kl"] / 100 for v in recorded.verdict.requests)
+
+
+def test_wrong_dequant_scale(model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = _engine(model, ("kv_dequant",))
+    armed, dequantize = _at_step(engine, FAULT_STEP), kv_codec.dequantize
+
+    def wrong_scale(q):
+        return dequantize(dataclasses.replace(q, scales=q.scales * 1.5) if armed() else q)
+
+    monkeypatch.setattr(kv_codec, "dequantize", wrong_scale)
+    recorded = _judge(engine, tmp_path, {"default": KV_BUDGET})
+    culprit = _culprit(recorded.verdict)
+    assert FAULT_STEP in _steps_with(recorded, Tag.KV_DEQUANT)
+    assert not culprit.correctness_bug and "mean KL" in culprit.reason
+    assert culprit.step == FAULT_STEP and "kv_dequant" in culprit.tags, culprit
+
+
+def test_wrong_expert_loaded(model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = _engine(model)
+    armed, place, loaded_at = _at_step(engine, FAULT_STEP), ExpertStore.place, []
+
+    def place_wrong(self: ExpertStore, key: ExpertKey) -> Fetched:
+        if not armed() or self.is_on_device(key) or loaded_at:
+            return place(self, key)
+        layer, expert_id = key
+        other = self._read_home((layer, (expert_id + 1) % engine.model_config.num_experts)).weights
+        fetched = place(self, key)
+        self.entries[key].device = ExpertWeights(other.gate_up.clone(), other.down.clone())  # wrong weights
+        loaded_at.append(engine.last_plan.step_id)
+        return Fetched(self.entries[key].device, fetched.source_tier, fetched.bytes_moved)
+
+    monkeypatch.setattr(ExpertStore, "place", place_wrong)
+    recorded = _judge(engine, tmp_path)
+    culprit = _culprit(recorded.verdict)
+    assert loaded_at == [FAULT_STEP]
+    assert culprit.correctness_bug and culprit.served == "exact", culprit
+    assert culprit.step == FAULT_STEP and "exact_load" in culprit.tags, culprit
+
+
+def _shift_one_position(engine: Engine, request_id: str) -> None:
+    """Move every rebuilt K/V row one position later (position p gets p-1's K/V) in each layer."""
+    kv = engine.kv_store
+    for layer in range(kv.num_layers):
+        staged = [kv.scratch[b.key] for b in kv.blocks(request_id, layer) if b.key in kv.scratch and b.device is None]
+        rebuilt = [s for s in staged if s.tag is Tag.RECOMPUTE]
+        if not rebuilt:
+            continue
+        rows = torch.cat([s.tensor for s in rebuilt], dim=1)
+        shifted = torch.cat([rows[:, :1], rows[:, :-1]], dim=1)
+        for i, s in enumerate(rebuilt):
+            s.tensor.copy_(shifted[:, i * kv.block_size : (i + 1) * kv.block_size])
+
+
+def test_position_offset_after_recompute(
+    model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = _engine(model, ("recompute",))
+    armed, recompute, shifted_at = _at_step(engine, FAULT_STEP), ModelRunner._recompute, []
+
+    def recompute_shifted(self: ModelRunner, step_id: int, seq, begin: int, end: int, log) -> None:
+        recompute(self, step_id, seq, begin, end, log)
+        if armed():
+            _shift_one_position(engine, seq.request_id)
+            shifted_at.append(step_id)
+
+    monkeypatch.setattr(ModelRunner, "_recompute", recompute_shifted)
+    recorded = _judge(engine, tmp_path)
+    culprit = _culprit(recorded.verdict)
+    assert shifted_at and set(shifted_at) == {FAULT_STEP}
+    assert culprit.correctness_bug and culprit.served == "equivalent", culprit
+    assert culprit.step == FAULT_STEP and "recompute" in culprit.tags, culprit
+
+
+def _run_bf16_cpu_execute(model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> RecordedRun:
+    """Forced cpu_execute whose host weights are rounded through bfloat16 at FAULT_STEP."""
+    engine = _engine(model, ("cpu_execute",))
+    store, armed, rounded_at = engine.expert_store, _at_step(engine, FAULT_STEP), []
+    host_weights = store.host_weights
+
+    def host_weights_bf16(key: ExpertKey) -> Fetched:
+        fetched = host_weights(key)
+        if not armed():
+            return fetched
+        rounded_at.append(engine.last_plan.step_id)
+        w = fetched.weights
+        return dataclasses.replace(
+            fetched, weights=ExpertWeights(w.gate_up.bfloat16().float(), w.down.bfloat16().float())
+        )
+
+    monkeypatch.setattr(store, "host_weights", host_weights_bf16)
+    recorded = _judge(engine, tmp_path)
+    assert rounded_at and FAULT_STEP in _steps_with(recorded, Tag.CPU_EXECUTE)
+    return recorded
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap: bf16 weights in cpu_execute move KL by ~1e-8 here, far below the equivalent-class "
+    "tolerance (1e-4 nats) the gate applies; see test_bf16_in_cpu_execute_is_measured_above_the_floor",
+)
+def test_bf16_truncation_in_cpu_execute(
+    model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    culprit = _culprit(_run_bf16_cpu_execute(model, tmp_path, monkeypatch).verdict)
+    assert culprit.correctness_bug and culprit.served == "equivalent", culprit
+    assert culprit.step == FAULT_STEP and "cpu_execute" in culprit.tags, culprit
+
+
+def test_bf16_in_cpu_execute_is_measured_above_the_floor(
+    model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ledger does see the fault: its KL is orders of magnitude above the exact-vs-exact floor."""
+    recorded = _run_bf16_cpu_execute(model, tmp_path, monkeypatch)
+    with open_ledger(str(tmp_path / "ledger.sqlite"), read_only=True) as ledger:
+        floor = queries.get_run(ledger, recorded.run_id)["numeric_floor_kl"]
+        worst = max(queries.position_diffs(ledger, recorded.run_id, "prompt-0"), key=lambda d: d["kl"])
+    assert floor < 1e-12
+    assert 1e3 * max(floor, 1e-15) < worst["kl"] < EQUIVALENT_TOLERANCE
+    assert worst["step_id"] == FAULT_STEP
+
+
+def _flip_signs(path: pathlib.Path) -> None:
+    """Flip the sign bit of every 4th float32 in a spill file (the page CRCs no longer match)."""
+    data = bytearray(path.read_bytes())
+    for i in range(3, len(data), 16):
+        data[i] ^= 0x80
+    path.write_bytes(bytes(data))
+
+
+def test_corrupt_spill_page_unchecked(
+    model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = _engine(model, host_budget_bytes=0)  # every expert's home is on disk
+    spill, armed, read_at = engine.expert_store.spill, _at_step(engine, FAULT_STEP), []
+    primaries = sorted(spill.root.glob("expert-*-gu.bin")) + sorted(spill.root.glob("expert-*-dn.bin"))
+    assert primaries and engine.expert_store.home((0, 0)).value == "disk"
+    read, on_step_start = spill.read, engine.controller.on_step_start
+
+    def corrupt_from_fault_step(plan, view) -> None:
+        if plan.step_id == FAULT_STEP:
+            for path in primaries:
+                _flip_signs(path)
+            spill.is_checksum_verified = False  # the planted bug: reads no longer check page CRCs
+        on_step_start(plan, view)
+
+    def read_recording(record):
+        if record.path in primaries and armed() and not read_at:
+            read_at.append(engine.last_plan.step_id)
+        return read(record)
+
+    monkeypatch.setattr(engine.controller, "on_step_start", corrupt_from_fault_step)
+    monkeypatch.setattr(spill, "read", read_recording)
+    recorded = _judge(engine, tmp_path)
+    culprit = _culprit(recorded.verdict)
+    assert read_at == [FAULT_STEP]
+    assert culprit.correctness_bug and culprit.served == "exact", culprit
+    assert culprit.step == FAULT_STEP and "exact_load" in culprit.tags, culprit
+
+
+class SlotReuseFault:
+    """A slot-reuse bug: to load an expert, evict one that the same forward still needs later in the same
+    layer, and copy the loaded expert into the victim's freed device buffer while the victim's entry still
+    points at it. The victim's later use in that layer (served as resident) computes with the wrong weights.
+    Planted once, at the first chance from `from_step` on; `step` records where."""
+
+    def __init__(self, engine: Engine, from_step: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.engine, self.from_step, self.store = engine, from_step, engine.expert_store
+        self.layer_keys: list[ExpertKey] = []  # experts of the layer being computed, in compute order
+        self.current: ExpertKey | None = None  # the expert being computed
+        self.victim: ExpertKey | None = None  # evicted but still referenced
+        self.free_slot: ExpertWeights | None = None  # the victim's buffer, about to be reused
+        self.step: int | None = None  # step in which the reused slot was read
+        ex = engine.executor
+        self._run_experts, self._run_expert, self._make_room = ex.run_experts, ex._run_expert, ex.make_room
+        self._place = self.store.place
+        monkeypatch.setattr(ex, "run_experts", self.run_experts)
+        monkeypatch.setattr(ex, "_run_expert", self.run_expert)
+        monkeypatch.setattr(ex, "make_room", self.make_room)
+        monkeypatch.setattr(self.store, "place", self.place)
+
+    def _armed(self) -> bool:
+        ctx = self.engine.executor.ctx
+        return ctx is not None and not ctx.is_exact_baseline and ctx.step_id >= self.from_step and self.step is None
+
+    def run_experts(self, module, layer: int, hidden, top_k_index, top_k_weights):
+        self.layer_keys = [(layer, int(e)) for e in torch.unique(top_k_index).tolist()]
+        return self._run_experts(module, layer, hidden, top_k_index, top_k_weights)
+
+    def run_expert(self, module, key: ExpertKey, *args) -> None:
+        self.current = key
+        self._run_expert(module, key, *args)
+        if key == self.victim:  # its use read the reused slot; now let the dangling reference go
+            self.store.entries[key].device = None
+            self.victim, self.step = None, self.engine.executor.ctx.step_id
+
+    def make_room(self, num_bytes: int, **kwargs) -> bool:
+        later = self.layer_keys[self.layer_keys.index(self.current) + 1 :] if self.current in self.layer_keys else []
+        needed = [k for k in later if self.store.is_on_device(k)]
+        if self._armed() and not kwargs.get("is_kv_evictable", True) and needed and self.victim is None:
+            self.victim = needed[0]
+            stale = self.store.entries[self.victim].device
+            self.store.evict(self.victim)  # bytes released ...
+            self.store.entries[self.victim].device = self.free_slot = stale  # ... but still referenced
+            kwargs["pinned_experts"] = set(kwargs.get("pinned_experts") or ()) | {self.victim}
+        return self._make_room(num_bytes, **kwargs)
+
+    def place(self, key: ExpertKey) -> Fetched:
+        fetched = self._place(key)
+        slot, self.free_slot = self.free_slot, None
+        if slot is None:
+            return fetched
+        slot.gate_up.copy_(fetched.weights.gate_up)  # the loaded expert lands in the victim's buffer
+        slot.down.copy_(fetched.weights.down)
+        self.store.entries[key].device = slot
+        return dataclasses.replace(fetched, weights=slot)
+
+
+def test_evicting_an_expert_the_forward_still_needs(
+    model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = _engine(model)
+    fault = SlotReuseFault(engine, FAULT_STEP, monkeypatch)
+    recorded = _judge(engine, tmp_path)
+    culprit = _culprit(recorded.verdict)
+    assert fault.step is not None and fault.step >= FAULT_STEP, "the budget never forced the planted eviction"
+    assert culprit.correctness_bug and culprit.served == "exact", culprit
+    assert culprit.step == fault.step and "resident" in culprit.tags, culprit
