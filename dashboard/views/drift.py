@@ -42,13 +42,13 @@ def _kl_chart(df: pd.DataFrame) -> alt.LayerChart:
     floor_line = (
         alt.Chart(floor)
         .mark_line(color="gray", strokeDash=[2, 2])
-        .encode(x=x, y=alt.Y("floor:Q"), tooltip=["run_id", "numeric_floor_kl"])
+        .encode(x=x, y=alt.Y("floor:Q"), tooltip=["run_id:O", "numeric_floor_kl:Q"])
     )
     fails = df[df["verdict"] == "fail"].assign(value=lambda d: d["mean_kl"].clip(lower=TINY_KL))
     alerts = (
         alt.Chart(fails)
         .mark_point(shape="triangle-up", size=220, color="#d1495b", filled=True)
-        .encode(x=x, y=alt.Y("value:Q"), tooltip=["run_id", "policy", "verdict", "mean_kl"])
+        .encode(x=x, y=alt.Y("value:Q"), tooltip=["run_id:O", "policy:N", "verdict:N", "mean_kl:Q"])
     )
     return alt.layer(lines, floor_line, alerts)
 

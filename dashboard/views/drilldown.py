@@ -106,7 +106,7 @@ def _kl_chart(pos: pd.DataFrame, first: int | None) -> alt.LayerChart:
         )
     )
     marks = pos[pos["position"] == first] if first is not None else pos.iloc[0:0]
-    dot = alt.Chart(marks).mark_rule(color="#d1495b").encode(x="position:Q", tooltip=["position", "kl"])
+    dot = alt.Chart(marks).mark_rule(color="#d1495b").encode(x="position:Q", tooltip=["position:Q", "kl:Q"])
     return alt.layer(line, dot)
 
 
@@ -127,7 +127,7 @@ def _slo_chart(tl: pd.DataFrame, slo: dict[str, Any] | None) -> alt.LayerChart:
     ttft = slo.get("ttft_s", (slo["ttft_ms"] / 1000.0) if "ttft_ms" in slo else None)
     rows = [{"label": "TTFT target", "value": ttft}] if ttft is not None else []
     rules = pd.DataFrame(rows, columns=["label", "value"])
-    rule = alt.Chart(rules).mark_rule(strokeDash=[4, 4]).encode(y="value:Q", tooltip=["label", "value"])
+    rule = alt.Chart(rules).mark_rule(strokeDash=[4, 4]).encode(y="value:Q", tooltip=["label:N", "value:Q"])
     return alt.layer(chart, rule)
 
 
