@@ -27,7 +27,7 @@ from fallbackgate.controllers.base import Recency, take_victims
 from fallbackgate.controllers.joint_memory import rebalance
 from fallbackgate.controllers.link import LinkBudget
 from fallbackgate.controllers.values import ValueModel
-from fallbackgate.cost import CostModel, quant_error_energy
+from fallbackgate.cost import CostModel, lowbit_error_energy, quant_error_energy
 from fallbackgate.policy.schema import Policy, QualityBudget
 
 
@@ -158,7 +158,7 @@ class JointController(Controller):
             return Decision(Tag.EXACT_LOAD)
         if miss.quant_tier is not None:
             key = (miss.request_id, miss.layer, miss.block_index)
-            cost = self.cost.kv_cost(miss.layer, self.kv_energy.get(key, 0.0) or self._energy(key))
+            cost = self.cost.kv_cost(miss.layer, self.kv_energy.get(key) or self._energy(key, miss.quant_bits))
             if budget.fits(Tag.KV_DEQUANT, cost):
                 budget.spend(Tag.KV_DEQUANT, cost, False)
                 self.link.take(miss.num_bytes * miss.quant_bits // 32, miss.quant_tier)
@@ -168,10 +168,12 @@ class JointController(Controller):
         budget.spend(Tag.RECOMPUTE, 0.0, False)
         return Decision(Tag.RECOMPUTE, reason="no copy")
 
-    def _energy(self, key: KVBlockKey) -> float:
-        block = self.kv_store.blocks(key[0], key[1])[key[2]] if self.kv_store is not None else None
+    def _energy(self, key: KVBlockKey, bits: int) -> float:
+        """Relative error energy of a block's quantized copy (the bits' default when it cannot be read)."""
+        blocks = self.kv_store.blocks(key[0], key[1]) if self.kv_store is not None else []
+        block = blocks[key[2]] if key[2] < len(blocks) else None
         quant = (block.host_q or block.disk_q) if block is not None else None
-        energy = quant_error_energy(quant) if quant is not None else 1.0
+        energy = quant_error_energy(quant) if quant is not None else lowbit_error_energy(bits)
         self.kv_energy[key] = energy
         return energy
 

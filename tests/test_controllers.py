@@ -1,0 +1,204 @@
+"""Controllers under random routing, link pressure, budgets and class mixes (hypothesis).
+
+Synthetic miss sequences drive the joint controller directly: no decision ever uses a tag the request's
+class disallows, no request's predicted spend exceeds its budget (mean over its positions, per step,
+approximate fraction), and exact-only classes never see an approximate tag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.controller import EngineView, ExpertMiss, KVMiss
+from engine.hardware import CPU_BOX, HardwareProfile
+from engine.messages import StepKind, StepPlan
+from engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.controllers import ControllerKind, JointController, make_controller
+from fallbackgate.policy.schema import FALLBACK_TAGS, SLO, Policy, QualityBudget, RequestClass
+
+LAYERS, TOP_K, EXPERTS = 4, 2, 8
+EXPERT_BYTES = 1 << 20
+SLOW = HardwareProfile("slow", 2e8, 2e8, 1e8, 1e8, 1e10, 1e10, 1e-5)
+EXACT = {Tag.RESIDENT, Tag.EXACT_LOAD}
+
+
+class FakeExperts:
+    """Just enough of ExpertStore for a controller: nothing is ever on device."""
+
+    bytes_per_expert = EXPERT_BYTES
+    device_pool = types.SimpleNamespace(
+        budget_bytes=8 * EXPERT_BYTES, free_bytes=0, used_bytes_by_kind={ObjectKind.EXPERT: 0, ObjectKind.KV_BLOCK: 0}
+    )
+
+    def is_on_device(self, key: tuple[int, int]) -> bool:
+        return False
+
+    def device_keys(self) -> list[tuple[int, int]]:
+        return []
+
+    def home(self, key: tuple[int, int]) -> Tier:
+        return Tier.HOST
+
+
+class FakeKV:
+    """Just enough of KVStore: no block tables (KV misses arrive synthetically)."""
+
+    num_layers, block_size, bytes_per_block = LAYERS, 16, 64 * 1024
+    scratch: dict = {}
+    num_tokens: dict = {}
+
+    def blocks(self, request_id: str, layer: int) -> list:
+        return []
+
+    def device_blocks(self) -> list:
+        return []
+
+
+budgets = st.builds(
+    lambda tags, mean, ratio, frac: QualityBudget(
+        max_mean_kl=mean, max_p99_kl=mean * ratio, max_approx_fraction=frac, allowed_tags=sorted(tags)
+    ),
+    st.sets(st.sampled_from(FALLBACK_TAGS)),
+    st.sampled_from([0.0, 1e-6, 1e-3, 0.02, 0.2, 2.0]),
+    st.sampled_from([1.0, 2.0, 10.0]),
+    st.sampled_from([0.0, 0.05, 0.3, 1.0]),
+)
+classes = st.lists(st.tuples(budgets, st.sampled_from([0.001, 0.05, 1.0, 100.0])), min_size=1, max_size=3)
+expert_miss = st.tuples(
+    st.just("expert"),
+    st.integers(0, 5),
+    st.integers(0, LAYERS - 1),
+    st.integers(0, EXPERTS - 1),
+    st.floats(0.0, 1.0),
+    st.booleans(),
+    st.integers(1, 8),
+)
+kv_miss = st.tuples(st.just("kv"), st.integers(0, 5), st.integers(0, LAYERS - 1), st.integers(0, 7), st.integers(0, 2))
+steps = st.lists(
+    st.tuples(st.lists(st.booleans(), min_size=6, max_size=6), st.lists(st.one_of(expert_miss, kv_miss), max_size=40)),
+    min_size=1,
+    max_size=12,
+)
+
+
+def _policy(spec: list[tuple[QualityBudget, float]]) -> Policy:
+    cls = {
+        f"c{i}": RequestClass(slo=SLO(tpot_ms=tpot, ttft_ms=tpot * 10), budget=b) for i, (b, tpot) in enumerate(spec)
+    }
+    return Policy(classes=cls, default_class="c0")
+
+
+@dataclasses.dataclass
+class Ledger:
+    """The test's own account of what a request was given."""
+
+    limits: QualityBudget
+    positions: int = 0
+    spent: float = 0.0
+    approx: int = 0
+    objects: int = 0
+    tags: set = dataclasses.field(default_factory=set)
+
+
+def _kv(miss: tuple, rid: str, cls: str, limits: QualityBudget, step_id: int) -> KVMiss | None:
+    """A KV miss whose copies are ones the joint controller itself would have kept for this class."""
+    _, _, layer, index, copy = miss
+    may_quant = {"kv_dequant", "recompute"} <= set(limits.allowed_tags)
+    if copy == 1 and may_quant:
+        return KVMiss(step_id, rid, cls, layer, index, None, Tier.HOST, 8, 64 * 1024)
+    if copy == 2 and "recompute" in limits.allowed_tags:
+        return KVMiss(step_id, rid, cls, layer, index, None, None, 0, 64 * 1024)
+    return KVMiss(step_id, rid, cls, layer, index, Tier.HOST, None, 0, 64 * 1024)
+
+
+def _drive(controller: JointController, policy: Policy, assign: list[int], plan_steps: list, profile) -> dict:
+    names = [f"c{i % len(policy.classes)}" for i in assign]
+    accounts = {f"r{i}": Ledger(policy.classes[names[i]].budget) for i in range(6)}
+    for step_id, (active, misses) in enumerate(plan_steps, start=1):
+        rids = [f"r{i}" for i in range(6) if active[i]] or ["r0"]
+        plan = StepPlan(step_id, StepKind.DECODE, rids, dict.fromkeys(rids, 1), dict.fromkeys(rids, 32))
+        view = EngineView(FakeExperts(), FakeKV(), profile, {f"r{i}": names[i] for i in range(6)}, rids, [], [], [])
+        controller.on_step_start(plan, view)
+        step_spent = dict.fromkeys(rids, 0.0)
+        expert_uses = dict.fromkeys(rids, 0)
+        for rid in rids:
+            accounts[rid].positions += 1
+        for miss in misses:
+            rid = rids[miss[1] % len(rids)]
+            cls, acc = names[int(rid[1:])], accounts[rid]
+            if miss[0] == "expert":
+                _, _, layer, expert, weight, lowbit, tokens = miss
+                decision = controller.expert_action(
+                    ExpertMiss(step_id, rid, cls, layer, expert, tokens, weight, Tier.HOST, EXPERT_BYTES, lowbit, False)
+                )
+                expert_uses[rid] += 1
+            else:
+                decision = controller.kv_action(_kv(miss, rid, cls, acc.limits, step_id))
+                acc.objects += 1
+            acc.tags.add(decision.tag)
+            if decision.tag.is_approximate:
+                acc.approx += 1
+                acc.spent += decision.predicted_cost
+                step_spent[rid] += decision.predicted_cost
+            else:
+                assert decision.predicted_cost == 0.0
+        for rid in rids:
+            accounts[rid].objects += max(LAYERS * TOP_K, expert_uses[rid])
+            assert step_spent[rid] <= accounts[rid].limits.max_p99_kl + 1e-9, (rid, step_spent[rid])
+        controller.on_step_end(view)
+    return accounts
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(classes, st.lists(st.integers(0, 2), min_size=6, max_size=6), steps, st.sampled_from([CPU_BOX, SLOW]))
+def test_joint_never_breaks_class_or_budget(spec, assign, plan_steps, profile) -> None:
+    policy = _policy(spec)
+    controller = make_controller(ControllerKind.JOINT, policy, top_k=TOP_K)
+    accounts = _drive(controller, policy, assign, plan_steps, profile)
+    for rid, acc in accounts.items():
+        allowed = EXACT | {Tag(t) for t in acc.limits.allowed_tags}
+        assert acc.tags <= allowed, (rid, acc.tags, allowed)
+        if not any(Tag(t).is_approximate for t in acc.limits.allowed_tags):
+            assert not any(t.is_approximate for t in acc.tags)
+        assert acc.spent <= acc.limits.max_mean_kl * max(acc.positions, 1) + 1e-9, (rid, acc.spent, acc.positions)
+        assert acc.approx <= acc.limits.max_approx_fraction * acc.objects + 1e-9, (rid, acc.approx, acc.objects)
+
+
+@settings(max_examples=30, deadline=None)
+@given(steps)
+def test_ample_link_time_serves_everything_exactly(plan_steps) -> None:
+    generous = QualityBudget(max_mean_kl=1.0, max_p99_kl=5.0, max_approx_fraction=1.0, allowed_tags=list(FALLBACK_TAGS))
+    roomy = RequestClass(slo=SLO(tpot_ms=1e6, ttft_ms=1e6), budget=generous)
+    policy = Policy(classes={"c0": roomy}, default_class="c0")
+    controller = make_controller("joint", policy, top_k=TOP_K)
+    accounts = _drive(controller, policy, [0] * 6, plan_steps, CPU_BOX)
+    for acc in accounts.values():  # only a block whose one copy is quantized is read dequantized
+        assert not acc.tags & {Tag.EXPERT_DEFER, Tag.EXPERT_LOWBIT, Tag.CPU_EXECUTE}, acc.tags
+
+
+def test_spent_budget_serves_exactly_and_records_the_slip() -> None:
+    tight = QualityBudget(max_mean_kl=0.01, max_p99_kl=0.01, max_approx_fraction=1.0, allowed_tags=["expert_defer"])
+    policy = Policy(classes={"be": RequestClass(slo=SLO(tpot_ms=0.001), budget=tight)}, default_class="be")
+    controller = make_controller("joint", policy, top_k=TOP_K)
+    plan = StepPlan(1, StepKind.DECODE, ["r"], {"r": 1}, {"r": 8})
+    view = EngineView(FakeExperts(), FakeKV(), SLOW, {"r": "be"}, ["r"], [], [], [])
+    controller.on_step_start(plan, view)
+    first = controller.expert_action(ExpertMiss(1, "r", "be", 0, 1, 1, 0.05, Tier.HOST, EXPERT_BYTES, False, False))
+    assert first.tag is Tag.EXPERT_DEFER and 0 < first.predicted_cost <= 0.01
+    second = controller.expert_action(ExpertMiss(1, "r", "be", 1, 2, 1, 0.5, Tier.HOST, EXPERT_BYTES, False, False))
+    assert second.tag is Tag.EXACT_LOAD and second.reason.startswith("slo slip")
+    assert [s.request_id for s in controller.slips] == ["r"]
+
+
+def test_factory_builds_every_kind() -> None:
+    kinds = {kind: type(make_controller(kind)).__name__ for kind in ControllerKind}
+    assert kinds == {
+        ControllerKind.JOINT: "JointController",
+        ControllerKind.STATIC_SPLIT: "StaticSplitController",
+        ControllerKind.INDEPENDENT_LRU: "IndependentLRUController",
+        ControllerKind.EXACT_LRU: "ExactLRUController",
+    }
