@@ -66,8 +66,13 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         request_class: str = "default",
+        num_scored_tokens: int = 0,
     ) -> str:
-        """Queue a request; returns its id."""
+        """Queue a request; returns its id.
+
+        `num_scored_tokens` = k > 0 keeps the prefill logits of the last k prompt positions; they come back as
+        `RequestOutput.prompt_logits` [k, vocab] (teacher-forced scoring through the engine's own path).
+        """
         params = params or SamplingParams()
         request_id = request_id or f"req-{len(self.sequences)}"
         if request_id in self.sequences:
@@ -83,7 +88,13 @@ class Engine:
         vocab = int(self.model_config.vocab_size)
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise PromptError(f"request {request_id!r}: token ids must be in [0, {vocab})")
+        if not 0 <= num_scored_tokens <= len(prompt_token_ids):
+            raise PromptError(
+                f"request {request_id!r}: num_scored_tokens must be in [0, {len(prompt_token_ids)}] "
+                f"(prompt of {len(prompt_token_ids)} tokens), got {num_scored_tokens}"
+            )
         seq = Sequence(request_id, list(prompt_token_ids), params, request_class)
+        seq.num_scored_tokens = num_scored_tokens
         seq.modeled_arrival_s = self.modeled_clock_s
         seed = params.seed if params.seed is not None else self.config.seed + len(self.sequences)
         seq.generator = torch.Generator().manual_seed(seed)
@@ -129,12 +140,16 @@ class Engine:
         token_ids: list[int] = []
         owners: list[int] = []
         rows: list[int] = []
+        scored: list[tuple[Sequence, int, int]] = []  # (sequence, prompt position, packed row) kept for scoring
         for index, (seq, num) in enumerate(chosen):
             start = seq.num_computed_tokens
+            offset = len(token_ids)
             token_ids += seq.all_token_ids[start : start + num]
             owners += [index] * num
             if start + num == seq.num_tokens:
                 rows.append(len(token_ids) - 1)
+            kept = seq.scored_positions
+            scored += [(seq, p, offset + p - start) for p in range(max(start, kept.start), min(start + num, kept.stop))]
             self._log_rebuilt(seq, start, num, log)
         batch = ForwardBatch(
             [s.request_id for s, _ in chosen],
@@ -143,7 +158,14 @@ class Engine:
             torch.tensor(owners),
             [s.request_class for s, _ in chosen],
         )
-        return self.runner.forward(plan.step_id, batch, token_ids, rows, log, self.is_observe)
+        if not scored:
+            return self.runner.forward(plan.step_id, batch, token_ids, rows, log, self.is_observe)
+        logits = self.runner.forward(
+            plan.step_id, batch, token_ids, rows + [r for _, _, r in scored], log, self.is_observe
+        )
+        for i, (seq, position, _) in enumerate(scored, start=len(rows)):
+            seq.prompt_logits[position] = logits[i].detach().cpu()
+        return logits[: len(rows)]
 
     def _log_rebuilt(self, seq: Sequence, start: int, num: int, log: EventLog) -> None:
         """Blocks re-filled by a re-prefill after a drop-preemption are recompute, not prefill."""
@@ -240,7 +262,17 @@ class Engine:
             tpot,
             dict(seq.tag_counts),
             seq.num_preemptions,
+            self._prompt_logits(seq),
         )
+
+    @staticmethod
+    def _prompt_logits(seq: Sequence) -> torch.Tensor | None:
+        """The kept prefill logits in position order (then released from the sequence)."""
+        if not seq.num_scored_tokens:
+            return None
+        stacked = torch.stack([seq.prompt_logits[p] for p in seq.scored_positions])
+        seq.prompt_logits = {}
+        return stacked
 
     # --- memory pressure -----------------------------------------------------------------------
     def _make_room_for_kv(

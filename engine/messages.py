@@ -86,6 +86,9 @@ class RequestOutput:
     modeled_tpot_s: float  # modeled mean time per output token after the first
     tag_counts: dict[str, int]  # tag value -> objects served with it for this request
     num_preemptions: int = 0  # how often the request was swapped out or dropped
+    prompt_logits: torch.Tensor | None = None  # [num_scored_tokens, vocab] fp32 prefill logits at the last prompt
+    # positions (row i at position len(prompt) - num_scored_tokens + i; the last row produced the first output
+    # token); None unless scoring was requested
 
     @property
     def ttft_s(self) -> float:

@@ -57,6 +57,8 @@ class Sequence:
     modeled_finish_s: float = 0.0
     tag_counts: dict[str, int] = dataclasses.field(default_factory=dict)
     generator: torch.Generator | None = None
+    num_scored_tokens: int = 0  # keep the prefill logits of the last this-many prompt positions (scoring)
+    prompt_logits: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # position -> fp32 logits
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -65,6 +67,13 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def scored_positions(self) -> range:
+        """Prompt positions whose prefill logits are kept: the last `num_scored_tokens` (the last one predicts
+        the first output token)."""
+        end = len(self.prompt_token_ids)
+        return range(end - self.num_scored_tokens, end)
 
     @property
     def num_pending_tokens(self) -> int:
