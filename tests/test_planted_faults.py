@@ -32,7 +32,7 @@ from tests.test_engine_exact import sizes
 
 PROMPTS = ["once upon a time", "the quick brown fox jumps"]
 NEW_TOKENS = 8
-FAULT_STEP = 4  # a decode step: step 0 prefills both prompts
+FAULT_STEP = 4  # a decode step: steps count from 1, the first prefills both prompts
 KV_BUDGET = {"max_mean_kl": 1e-3}  # int8 KV measures ~1e-6 mean KL here; the faulted scale ~5e-2
 
 
