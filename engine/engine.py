@@ -33,8 +33,11 @@ class Engine:
         self.tokenizer, self.model_config = loaded.tokenizer, loaded.model.config
         self.device = resolve_device(config.device)
         shape = probe_kv_shapes(loaded)
-        dense = [p for n, p in loaded.model.named_parameters() if not n.endswith(("experts.gate_up_proj",
-                                                                                   "experts.down_proj"))]
+        dense = [
+            p
+            for n, p in loaded.model.named_parameters()
+            if not n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        ]
         self.num_dense_params = sum(p.numel() for p in dense)  # resident, outside the device budget
         self.num_dense_bytes = sum(p.numel() * p.element_size() for p in dense)
         self.expert_store, self.kv_store, expert_floor = build_stores(config, loaded, shape, self.device)

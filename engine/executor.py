@@ -99,8 +99,11 @@ class Executor:
             out[token_idx] += y * weights[token_idx, top_k_pos, None]  # rows are distinct per expert
             ctx.log.modeled_compute_s += compute_s
             ctx.used_expert_keys.append(key)
+            target = Tier.HOST if tag is Tag.CPU_EXECUTE else Tier.DEVICE
             transfer_s = (
-                self.profile.transfer_s(fetched.bytes_moved, fetched.source_tier) if fetched.source_tier else 0.0
+                self.profile.transfer_s(fetched.bytes_moved, fetched.source_tier, target)
+                if fetched.source_tier
+                else 0.0
             )
             ctx.log.modeled_transfer_s += transfer_s
             for i, use in enumerate(tag_uses):
@@ -118,6 +121,8 @@ class Executor:
     def _record(self, use: ExpertUse, tag: Tag, moved: int, tier: Tier | None, modeled_s: float, note: str) -> None:
         ctx = self.ctx
         decided = use.decision.tag
+        if decided is not Tag.RESIDENT and use.decision.reason:
+            note = (note + "; " if note else "") + use.decision.reason
         if ctx.is_observe and decided not in (Tag.RESIDENT, tag):
             note = (note + "; " if note else "") + f"observe: would serve {decided.value}"
         cost = use.decision.predicted_cost if not ctx.is_observe else 0.0

@@ -15,7 +15,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from engine.controller import Decision, ExpertMiss, Victim
 from engine.errors import EngineError
 from engine.expert_store import ExpertKey, ExpertWeights, Fetched
-from engine.tags import ObjectKind, Tag
+from engine.tags import ObjectKind, Tag, Tier
 
 if TYPE_CHECKING:
     from engine.executor import Executor
@@ -126,8 +126,9 @@ def fetch_for_tag(executor: Executor, key: ExpertKey, tag: Tag) -> Fetched:
         if not store.can_place(key):
             raise EngineError(f"no device room for expert {key} even after eviction")
         return store.place(key)
-    if tag is Tag.CPU_EXECUTE:
-        return store.host_weights(key)
+    if tag is Tag.CPU_EXECUTE:  # computed where the host copy is: only a disk home moves weight bytes (to host)
+        fetched = store.host_weights(key)
+        return fetched if fetched.source_tier is Tier.DISK else Fetched(fetched.weights, None, 0, fetched.note)
     if tag is Tag.EXPERT_LOWBIT:
         return store.lowbit_weights(key)
     raise EngineError(f"{tag.value} is not an expert action")

@@ -30,6 +30,8 @@ class SpillMode(str, enum.Enum):
     HOST_INT4 = "host_int4"
     DISK_FULL = "disk_full"
     DISK_INT8 = "disk_int8"
+    HOST_FULL_AND_INT8 = "host_full_and_int8"  # both copies: the reader may choose exact_load or kv_dequant
+    HOST_FULL_AND_INT4 = "host_full_and_int4"
     DROP = "drop"  # no copy kept: the block must be rebuilt by recompute
 
 
@@ -247,6 +249,9 @@ class KVStore:
         return written
 
     def _write_copy(self, block: KVBlock, mode: SpillMode) -> int:
+        if mode in (SpillMode.HOST_FULL_AND_INT8, SpillMode.HOST_FULL_AND_INT4):
+            quant_mode = SpillMode.HOST_INT8 if mode is SpillMode.HOST_FULL_AND_INT8 else SpillMode.HOST_INT4
+            return self._write_copy(block, SpillMode.HOST_FULL) + self._write_copy(block, quant_mode)
         tensor = block.device.cpu()
         if mode is SpillMode.HOST_FULL and block.host is None:
             self.host_pool.reserve(ObjectKind.KV_BLOCK, self.bytes_per_block)
@@ -271,8 +276,11 @@ class KVStore:
         """Whether a host copy in `mode` fits the host budget now."""
         if mode is SpillMode.HOST_FULL:
             return self.host_pool.can_reserve(self.bytes_per_block)
+        quant_bytes = self.bytes_per_block // 4 + 1024
         if mode in (SpillMode.HOST_INT8, SpillMode.HOST_INT4):
-            return self.host_pool.can_reserve(self.bytes_per_block // (4 if mode is SpillMode.HOST_INT8 else 8) + 1024)
+            return self.host_pool.can_reserve(quant_bytes)
+        if mode in (SpillMode.HOST_FULL_AND_INT8, SpillMode.HOST_FULL_AND_INT4):
+            return self.host_pool.can_reserve(self.bytes_per_block + quant_bytes)
         return True
 
     def _drop_copies(self, block: KVBlock, keep_device: bool) -> None:

@@ -103,3 +103,25 @@ def test_loader_errors_say_what_was_found(tmp_path: pathlib.Path, checkpoint_fac
     with pytest.raises(CheckpointError, match="could not load"):
         Engine(EngineConfig(str(dense_moe_type)), ExactLRUController())
     assert json.loads((checkpoint_factory("qwen3_moe") / "config.json").read_text())["model_type"] == "qwen3_moe"
+
+
+def test_kv_block_keeps_full_and_quantized_copies(tmp_path: pathlib.Path) -> None:
+    from engine.device_pool import TierPool
+    from engine.kv_store import KVStore, SpillMode
+
+    device, host = TierPool("device", 1 << 20), TierPool("host", 1 << 20)
+    kv = KVStore(1, 2, 8, 8, 4, device, host, SpillDir(tmp_path), torch.device("cpu"))
+    kv.add_sequence("r")
+    kv.append("r", 6)
+    keys, values = torch.randn(2, 6, 8), torch.randn(2, 6, 8)
+    kv.write("r", 0, 0, keys, values)
+    block = kv.blocks("r", 0)[0]
+    original = block.device.clone()
+    written = kv.spill_block(block, SpillMode.HOST_FULL_AND_INT8)
+    assert block.device is None and block.host is not None and block.host_q is not None
+    assert written == kv.bytes_per_block + block.host_q.num_bytes
+    assert host.used_bytes == written and device.used_bytes == kv.bytes_per_block  # the tail block stays
+    assert torch.equal(kv.stage(block, Tag.EXACT_LOAD).tensor, original)
+    dequantized = kv.stage(block, Tag.KV_DEQUANT).tensor
+    error = (dequantized - original).abs().max().item()
+    assert 0 < error < 0.05
