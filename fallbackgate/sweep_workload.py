@@ -1,0 +1,108 @@
+"""The sweep's mixed workload: short chats and long-context requests in two classes, seeded.
+
+Long contexts are passages of ``evals/data/rolling_ppl.jsonl`` cut to ``long_tokens`` tokens; chats are
+single short lines taken from other passages. Each request is put in the strict or the best-effort class
+(``strict_share`` of them strict), independently of its length. ``split`` keeps two workloads disjoint:
+"a" draws only even-numbered passages, "b" only odd ones, "all" any.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import random
+from typing import Any
+
+from fallbackgate.policy.schema import Policy
+from fallbackgate.prompts import PromptSpec
+
+PASSAGES = pathlib.Path(__file__).resolve().parents[1] / "evals" / "data" / "rolling_ppl.jsonl"
+STRICT, BEST_EFFORT = "strict", "best-effort"
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class WorkloadSpec:
+    """Shape of the mixed workload."""
+
+    seed: int = 0
+    num_chats: int = 6  # short prompts
+    num_long: int = 2  # long-context prompts
+    long_tokens: int = 192  # prompt tokens of a long-context request
+    chat_new_tokens: int = 16  # tokens generated per chat
+    long_new_tokens: int = 16  # tokens generated per long-context request
+    strict_share: float = 0.5  # fraction of requests in the strict class
+    split: str = "all"  # "a", "b" or "all": which passages may be drawn
+
+    def as_dict(self) -> dict[str, Any]:
+        """The spec as plain JSON-able values."""
+        return dataclasses.asdict(self)
+
+
+def load_passages(path: pathlib.Path = PASSAGES) -> list[str]:
+    """Passage texts, in file order."""
+    return [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def _short_line(text: str, rng: random.Random) -> str:
+    lines = [ln.strip() for ln in text.splitlines() if 20 <= len(ln.strip()) <= 90]
+    return rng.choice(lines) if lines else text[:80].strip()
+
+
+def build_workload(spec: WorkloadSpec, tokenizer: Any) -> list[PromptSpec]:
+    """The requests of ``spec``, chats and long contexts interleaved (ids ``chat-<i>`` / ``long-<i>``)."""
+    if spec.split not in ("a", "b", "all"):
+        raise ValueError(f"split must be 'a', 'b' or 'all', got {spec.split!r}")
+    rng = random.Random(spec.seed)
+    passages = load_passages()
+    allowed = [i for i in range(len(passages)) if spec.split == "all" or i % 2 == (0 if spec.split == "a" else 1)]
+    chosen = rng.sample(allowed, spec.num_chats + spec.num_long)
+    specs: list[PromptSpec] = []
+    for i, index in enumerate(chosen[: spec.num_long]):
+        ids = tokenizer.encode(passages[index])[: spec.long_tokens]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        cls = STRICT if rng.random() < spec.strict_share else BEST_EFFORT
+        specs.append(PromptSpec(text, f"long-{i}", cls, spec.long_new_tokens))
+    chats = []
+    for i, index in enumerate(chosen[spec.num_long :]):
+        cls = STRICT if rng.random() < spec.strict_share else BEST_EFFORT
+        chats.append(PromptSpec(_short_line(passages[index], rng), f"chat-{i}", cls, spec.chat_new_tokens))
+    merged: list[PromptSpec] = []
+    every = max(1, len(chats) // max(1, len(specs)))
+    for i, chat in enumerate(chats):  # a long request after every few chats, so both share the batch
+        if i % every == 0 and specs:
+            merged.append(specs.pop(0))
+        merged.append(chat)
+    return merged + specs
+
+
+def default_policy(tpot_ms: tuple[float, float] = (1.0, 0.5), ttft_ms: tuple[float, float] = (40.0, 40.0)) -> Policy:
+    """The sweep's two classes on the cpu-box profile: ``strict`` (exact-class tags only: cpu_execute and
+    recompute) and ``best-effort`` (every fallback, small quality budget). ``tpot_ms`` / ``ttft_ms`` are the
+    (strict, best-effort) modeled targets; the tiny model's steps take ~a millisecond modeled."""
+    fallbacks = ["cpu_execute", "expert_defer", "expert_lowbit", "kv_dequant", "recompute"]
+    return Policy.model_validate(
+        {
+            "hardware": {"profile": "cpu-box"},
+            "memory": {"block_size": 16, "max_num_seqs": 8},
+            "controller": {"kind": "joint", "kv_quant_bits": 8, "expert_lowbit_bits": 8},
+            "audit": {"mode": "enforce"},
+            "default_class": STRICT,
+            "classes": {
+                STRICT: {
+                    "slo": {"ttft_ms": ttft_ms[0], "tpot_ms": tpot_ms[0]},
+                    "budget": {"allowed_tags": ["cpu_execute", "recompute"]},
+                },
+                BEST_EFFORT: {
+                    "slo": {"ttft_ms": ttft_ms[1], "tpot_ms": tpot_ms[1]},
+                    "budget": {
+                        "max_mean_kl": 0.05,
+                        "max_p99_kl": 0.3,
+                        "min_top1_agreement": 0.85,
+                        "max_approx_fraction": 0.3,
+                        "allowed_tags": fallbacks,
+                    },
+                },
+            },
+        }
+    )
