@@ -65,12 +65,16 @@ class LedgerWriter:
         batch_size: int = 20_000,
         flush_interval_s: float = 0.2,
         max_queue: int = 10_000,
+        handoff_steps: int = 16,
     ) -> None:
         if ledger.read_only:
             raise LedgerError(f"ledger {ledger.display_url} was opened read-only; cannot write")
         self.ledger = ledger
         self.batch_size = batch_size
         self.flush_interval_s = flush_interval_s
+        self.handoff_steps = handoff_steps  # steps held by the caller before one wake-up of the thread
+        self._held: list[Any] = []  # steps not yet handed to the thread; it also takes them when idle
+        self._held_lock = threading.Lock()
         self.run_id: int | None = None
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
         self._error: BaseException | None = None
@@ -111,8 +115,27 @@ class LedgerWriter:
         return self.run_id
 
     def record_step(self, plan: StepPlan, result: StepResult, *, run_id: int | None = None) -> None:
-        """Record one step row and all of its events."""
-        self._put(("step", self._run(run_id), plan, result))
+        """Record one step row and all of its events.
+
+        Steps are handed to the writer thread in groups of `handoff_steps` (the thread also collects them
+        after `flush_interval_s` of quiet), so the decode loop rarely wakes it; a crash loses at most the
+        steps of the last `flush_interval_s`.
+        """
+        with self._held_lock:
+            self._held.append(("step", self._run(run_id), plan, result))
+            is_due = len(self._held) >= self.handoff_steps
+        if is_due:
+            self._handoff()
+
+    def _take_held(self) -> list[Any]:
+        with self._held_lock:
+            held, self._held = self._held, []
+        return held
+
+    def _handoff(self) -> None:
+        held = self._take_held()
+        if held:
+            self._put_now(("group", held))
 
     def record_request(
         self,
@@ -222,6 +245,8 @@ class LedgerWriter:
         """Write everything still queued, stop the thread. The run's status is left as it is."""
         if self._closed:
             return
+        with contextlib.suppress(LedgerError):
+            self._handoff()
         self._closed = True
         atexit.unregister(self._close_at_exit)
         self._queue.put(_STOP)
@@ -256,6 +281,10 @@ class LedgerWriter:
             raise LedgerError(f"ledger writer failed: {lines[0]}") from err
 
     def _put(self, item: Any) -> None:
+        self._handoff()
+        self._put_now(item)
+
+    def _put_now(self, item: Any) -> None:
         if self._closed:
             raise LedgerError("ledger writer is closed")
         self._check()
@@ -265,31 +294,43 @@ class LedgerWriter:
     def _loop(self) -> None:
         stop = False
         while not stop:
-            items: list[Any] = [self._queue.get()]
-            deadline = time.monotonic() + self.flush_interval_s
-            rows: Rows = {}
-            ops: list[Op] = []
-            pending = 0
-            while True:
-                item = items[-1]
-                if item is _STOP:
-                    stop = True
-                    break
-                if item is _FLUSH:
-                    break
-                try:
-                    pending += self._expand(item, rows, ops)
-                except Exception as exc:  # noqa: BLE001 - surfaced to the caller on its next call
-                    self._error = self._error or exc
-                if pending >= self.batch_size:
-                    break
-                try:
-                    items.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
-                except queue.Empty:
-                    break
-            self._write(rows, ops)
-            for _ in items:
+            try:
+                items: list[Any] = [self._queue.get(timeout=self.flush_interval_s)]
+                num_queued = 1
+            except queue.Empty:  # a quiet caller: write the steps it still holds, before anything it queues later
+                held = self._take_held()
+                if not held:
+                    continue
+                items, num_queued = [("group", held)], 0
+            stop, num_queued = self._drain(items, num_queued)
+            for _ in range(num_queued):
                 self._queue.task_done()
+
+    def _drain(self, items: list[Any], num_queued: int) -> tuple[bool, int]:
+        """Expand items (and whatever arrives within the flush interval) into one batch and write it."""
+        deadline = time.monotonic() + self.flush_interval_s
+        rows: Rows = {}
+        ops: list[Op] = []
+        pending = 0
+        stop = False
+        while True:
+            item = items[-1]
+            if item is _STOP or item is _FLUSH:
+                stop = item is _STOP
+                break
+            try:
+                pending += self._expand(item, rows, ops)
+            except Exception as exc:  # noqa: BLE001 - surfaced to the caller on its next call
+                self._error = self._error or exc
+            if pending >= self.batch_size:
+                break
+            try:
+                items.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                num_queued += 1
+            except queue.Empty:
+                break
+        self._write(rows, ops)
+        return stop, num_queued
 
     def _write(self, rows: Rows, ops: list[Op]) -> None:
         if not rows and not ops:
@@ -307,6 +348,8 @@ class LedgerWriter:
 
     def _expand(self, item: Any, rows: Rows, ops: list[Op]) -> int:
         kind = item[0]
+        if kind == "group":
+            return sum(self._expand(member, rows, ops) for member in item[1])
         if kind == "op":
             ops.append(item[1])
             return 1

@@ -29,9 +29,10 @@ def _stats(max_kl: float, mean_kl: float | None = None, top1: float = 1.0) -> di
 
 
 def test_tolerances() -> None:
-    assert tolerance("exact", None) == 1e-6  # absolute minimum
+    assert tolerance("exact", None) == 1e-9  # absolute minimum
     assert tolerance("exact", 3e-7) == pytest.approx(3e-6)  # 10 × the control's floor
-    assert tolerance("equivalent", None) == EQUIVALENT_TOLERANCE == 1e-4
+    assert tolerance("equivalent", None) == EQUIVALENT_TOLERANCE == 1e-9
+    assert tolerance("equivalent", 1e-11) == pytest.approx(1e-8)  # 1000 × the floor
     assert tolerance("approximate", 0.0) == float("inf")
 
 
@@ -42,14 +43,14 @@ def test_exact_only_difference_is_a_correctness_bug() -> None:
     assert ok.passed and ok.served == "exact"
     eq = judge_request(
         "r",
-        _stats(5e-5),
+        _stats(5e-10),
         None,
         {"exact": 30, "equivalent": 2},
         {"cpu_execute": 2},
         None,
     )
     assert eq.passed and eq.served == "equivalent"
-    bad = judge_request("r", _stats(2e-4), None, {"equivalent": 2}, {"recompute": 2}, None)
+    bad = judge_request("r", _stats(2e-8), None, {"equivalent": 2}, {"recompute": 2}, None)
     assert not bad.passed and bad.correctness_bug
 
 
@@ -110,7 +111,7 @@ def _write_run(path: Path, finish: bool = True) -> int:
             1,
             {"max_mean_kl": 0.05},
         ),
-        "equiv": ([Tag.RESIDENT, Tag.CPU_EXECUTE], [5e-5] * 4, None, None),
+        "equiv": ([Tag.RESIDENT, Tag.CPU_EXECUTE], [5e-10] * 4, None, None),
     }
     with open_ledger(str(path)) as ledger, LedgerWriter(ledger) as w:
         run_id = w.start_run(mode="enforce")
