@@ -55,7 +55,13 @@ def run(args: argparse.Namespace) -> int:
     except ParityInputError as exc:
         print(f"fallbackgate parity: error: {exc}", file=sys.stderr)
         return 2
-    report = run_parity(prepared)
+    from engine.errors import EngineError
+
+    try:
+        report = run_parity(prepared)
+    except EngineError as exc:  # e.g. a device budget below the minimum, a checkpoint it cannot load
+        print(f"fallbackgate parity: error: {exc}", file=sys.stderr)
+        return 2
     sys.stdout.write(to_markdown(report))
     if args.report_dir:
         md, js = write_reports(report, args.report_dir)
