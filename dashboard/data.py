@@ -66,9 +66,15 @@ def has_runs(url: str) -> bool:
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def overview(url: str, f: RunFilter) -> pd.DataFrame:
     """One row per run: policy, model, verdict, SLO attainment, objects and share per exactness class."""
-    df = _frame(queries.overview_runs(connect(url), f))
+    df = _frame(queries.overview_runs(connect(url), f, objects=False))
     if df.empty:
         return df
+    # per-class objects from the (cached) per-tag sums: one pass over the events serves both
+    mix = tag_mix(url, f).pivot_table(index="run_id", columns="exactness", values="objects", aggfunc="sum")
+    mix = mix.reindex(columns=list(EXACTNESS_CLASSES), fill_value=0).add_prefix("objects_")
+    df = df.join(mix, on="run_id")
+    for c in EXACTNESS_CLASSES:
+        df[f"objects_{c}"] = df[f"objects_{c}"].fillna(0).astype(int)
     total = sum(df[f"objects_{c}"] for c in EXACTNESS_CLASSES)
     for c in EXACTNESS_CLASSES:
         df[f"share_{c}"] = (df[f"objects_{c}"] / total.where(total > 0)).astype(float)

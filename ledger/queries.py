@@ -332,24 +332,15 @@ def _run_verdicts() -> Any:
     return select(VerdictRow.run_id, VerdictRow.passed, VerdictRow.reason).where(VerdictRow.id.in_(newest)).subquery()
 
 
-def overview_runs(ledger: Ledger, f: RunFilter, limit: int = 500) -> list[dict[str, Any]]:
+def overview_runs(ledger: Ledger, f: RunFilter, limit: int = 500, objects: bool = True) -> list[dict[str, Any]]:
     """Runs passing ``f``, newest first: policy, model, verdict, SLO counts, objects per exactness class.
 
     SLO targets come from each request's ``slo`` (``ttft_s``/``tpot_s`` or ``ttft_ms``/``tpot_ms``); a
     request meets its SLO when its TTFT and TPOT are within the targets it has. With a class filter,
-    only requests (and their events) of those classes count.
+    only requests (and their events) of those classes count. ``objects=False`` leaves out the
+    per-class object counts (no pass over the events; :func:`tag_mix` has them per tag).
     """
-    mix = [
-        func.sum(case((EventRow.exactness == cls, EventRow.count), else_=0)).label(f"objects_{cls}")
-        for cls in EXACTNESS_CLASSES
-    ]
     ids = _run_ids(f).scalar_subquery()
-    ev = (
-        select(EventRow.run_id, *mix)
-        .where(EventRow.run_id.in_(ids), _in_classes(f, EventRow.run_id, EventRow.request_id))
-        .group_by(EventRow.run_id)
-        .subquery()
-    )
     req_where = [Request.run_id.in_(ids)]
     if f.request_classes:
         req_where.append(Request.request_class.in_(f.request_classes))
@@ -368,15 +359,22 @@ def overview_runs(ledger: Ledger, f: RunFilter, limit: int = 500) -> list[dict[s
             func.coalesce(rq.c.slo_requests, 0).label("slo_requests"),
             (rq.c.slo_met * 1.0 / func.nullif(rq.c.slo_requests, 0)).label("slo_attainment"),
             (rq.c.slo_met_modeled * 1.0 / func.nullif(rq.c.slo_requests, 0)).label("slo_attainment_modeled"),
-            *[func.coalesce(ev.c[f"objects_{c}"], 0).label(f"objects_{c}") for c in EXACTNESS_CLASSES],
         )
-        .outerjoin(ev, ev.c.run_id == Run.id)
         .outerjoin(rq, rq.c.run_id == Run.id)
         .outerjoin(vd, vd.c.run_id == Run.id)
         .where(Run.id.in_(ids))
         .order_by(Run.started_at.desc(), Run.id.desc())
         .limit(limit)
     )
+    if objects:
+        per_tag = _tag_mix(f).subquery()
+        mix = [
+            func.sum(case((per_tag.c.exactness == cls, per_tag.c.objects), else_=0)).label(f"objects_{cls}")
+            for cls in EXACTNESS_CLASSES
+        ]
+        ev = select(per_tag.c.run_id, *mix).group_by(per_tag.c.run_id).subquery()
+        cols = [func.coalesce(ev.c[f"objects_{c}"], 0).label(f"objects_{c}") for c in EXACTNESS_CLASSES]
+        stmt = stmt.add_columns(*cols).outerjoin(ev, ev.c.run_id == Run.id)
     rows = _all(ledger, stmt)
     for r in rows:
         r["status"] = reported_status(r["status"])
@@ -385,13 +383,22 @@ def overview_runs(ledger: Ledger, f: RunFilter, limit: int = 500) -> list[dict[s
 
 def tag_mix(ledger: Ledger, f: RunFilter) -> list[dict[str, Any]]:
     """Objects per run, tag and exactness class over the runs (and request classes) of ``f``."""
-    stmt = (
-        select(EventRow.run_id, EventRow.tag, EventRow.exactness, func.sum(EventRow.count).label("objects"))
+    return _all(ledger, _tag_mix(f).order_by("run_id", "tag"))
+
+
+def _tag_mix(f: RunFilter) -> Select[Any]:
+    # grouped by (run_id, tag) only, the order of ix_events_run_tag: no temporary B-tree on 1M events;
+    # a tag's exactness class is fixed, so max() just carries it along
+    return (
+        select(
+            EventRow.run_id,
+            EventRow.tag,
+            func.max(EventRow.exactness).label("exactness"),
+            func.sum(EventRow.count).label("objects"),
+        )
         .where(EventRow.run_id.in_(_run_ids(f).scalar_subquery()), _in_classes(f, EventRow.run_id, EventRow.request_id))
-        .group_by(EventRow.run_id, EventRow.tag, EventRow.exactness)
-        .order_by(EventRow.run_id, EventRow.tag)
+        .group_by(EventRow.run_id, EventRow.tag)
     )
-    return _all(ledger, stmt)
 
 
 def drift_series(ledger: Ledger, f: RunFilter, limit: int = 500) -> list[dict[str, Any]]:
@@ -555,37 +562,48 @@ def request_verdict(ledger: Ledger, run_id: int, request_id: str) -> dict[str, A
 def calibration_summary(ledger: Ledger, f: RunFilter) -> list[dict[str, Any]]:
     """Per tag and layer over the runs of ``f``: predicted cost (approximate events of a request's
     step) against the measured KL of the position that step produced — pairs, means and sums."""
-    ev = (
+    pd = PositionDiffRow
+    # one measured KL per (run, request, step); grouped, so the database materialises it and looks
+    # events up through ix_events_run_request_step instead of scanning positions per event
+    measured = (
+        select(pd.run_id, pd.request_id, pd.step_id, func.max(pd.kl).label("kl"))
+        .where(
+            pd.step_id.is_not(None),
+            pd.run_id.in_(_run_ids(f).scalar_subquery()),
+            _in_classes(f, pd.run_id, pd.request_id),
+        )
+        .group_by(pd.run_id, pd.request_id, pd.step_id)
+        .subquery()
+    )
+    pairs = (
         select(
-            EventRow.run_id,
-            EventRow.request_id,
-            EventRow.step_id,
             EventRow.tag,
             EventRow.layer,
             func.sum(EventRow.predicted_cost).label("predicted"),
+            func.max(measured.c.kl).label("kl"),
         )
-        .where(
-            EventRow.exactness == "approximate",
-            EventRow.run_id.in_(_run_ids(f).scalar_subquery()),
-            _in_classes(f, EventRow.run_id, EventRow.request_id),
+        .join(
+            EventRow,
+            (EventRow.run_id == measured.c.run_id)
+            & (EventRow.request_id == measured.c.request_id)
+            & (EventRow.step_id == measured.c.step_id),
         )
-        .group_by(EventRow.run_id, EventRow.request_id, EventRow.step_id, EventRow.tag, EventRow.layer)
+        .where(EventRow.exactness == "approximate")
+        .group_by(measured.c.run_id, measured.c.request_id, measured.c.step_id, EventRow.tag, EventRow.layer)
         .subquery()
     )
-    pd = PositionDiffRow
     stmt = (
         select(
-            ev.c.tag,
-            ev.c.layer,
+            pairs.c.tag,
+            pairs.c.layer,
             func.count().label("pairs"),
-            func.avg(ev.c.predicted).label("mean_predicted"),
-            func.avg(pd.kl).label("mean_measured_kl"),
-            func.sum(ev.c.predicted).label("sum_predicted"),
-            func.sum(pd.kl).label("sum_measured_kl"),
+            func.avg(pairs.c.predicted).label("mean_predicted"),
+            func.avg(pairs.c.kl).label("mean_measured_kl"),
+            func.sum(pairs.c.predicted).label("sum_predicted"),
+            func.sum(pairs.c.kl).label("sum_measured_kl"),
         )
-        .join(pd, (pd.run_id == ev.c.run_id) & (pd.request_id == ev.c.request_id) & (pd.step_id == ev.c.step_id))
-        .group_by(ev.c.tag, ev.c.layer)
-        .order_by(ev.c.tag, ev.c.layer)
+        .group_by(pairs.c.tag, pairs.c.layer)
+        .order_by(pairs.c.tag, pairs.c.layer)
     )
     return _all(ledger, stmt)
 
