@@ -11,7 +11,7 @@ import dataclasses
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import Select, case, func, select, true, tuple_
+from sqlalchemy import BigInteger, Float, Select, case, cast, func, select, true, tuple_
 
 from ledger.db import Ledger
 from ledger.models import (
@@ -260,6 +260,11 @@ class RunFilter:
     until: dt.datetime | None = None  # runs started before
 
 
+def _float(expr: Any) -> Any:
+    """``expr`` as a float column (PostgreSQL would return NUMERIC, read as Decimal, for 1.0-literal sums)."""
+    return cast(expr, Float)
+
+
 def _run_ids(f: RunFilter) -> Select[Any]:
     """Ids of the runs that pass ``f`` (a run passes the class filter when it has such a request)."""
     stmt = select(Run.id)
@@ -357,8 +362,8 @@ def overview_runs(ledger: Ledger, f: RunFilter, limit: int = 500, objects: bool 
             case((vd.c.passed.is_(None), None), (vd.c.passed, "pass"), else_="fail").label("verdict"),
             func.coalesce(rq.c.requests, 0).label("requests"),
             func.coalesce(rq.c.slo_requests, 0).label("slo_requests"),
-            (rq.c.slo_met * 1.0 / func.nullif(rq.c.slo_requests, 0)).label("slo_attainment"),
-            (rq.c.slo_met_modeled * 1.0 / func.nullif(rq.c.slo_requests, 0)).label("slo_attainment_modeled"),
+            _float(rq.c.slo_met / func.nullif(_float(rq.c.slo_requests), 0)).label("slo_attainment"),
+            _float(rq.c.slo_met_modeled / func.nullif(_float(rq.c.slo_requests), 0)).label("slo_attainment_modeled"),
         )
         .outerjoin(rq, rq.c.run_id == Run.id)
         .outerjoin(vd, vd.c.run_id == Run.id)
@@ -427,7 +432,9 @@ def drift_series(ledger: Ledger, f: RunFilter, limit: int = 500) -> list[dict[st
                     (ranked.c.rank == lo + 1, ranked.c.kl * frac),
                     else_=0.0,
                 )
-            ).label("p99_kl"),
+            )
+            .cast(Float)
+            .label("p99_kl"),
         )
         .group_by(ranked.c.run_id)
         .subquery()
@@ -439,7 +446,7 @@ def drift_series(ledger: Ledger, f: RunFilter, limit: int = 500) -> list[dict[st
             func.count().label("positions"),
             func.avg(pd.kl).label("mean_kl"),
             func.max(pd.kl).label("max_kl"),
-            func.avg(case((pd.top1_agree, 1.0), else_=0.0)).label("top1_agreement"),
+            _float(func.avg(case((pd.top1_agree, 1.0), else_=0.0))).label("top1_agreement"),
             func.avg(pd.logp_exact - pd.logp_engine).label("mean_log_ppl_ratio"),
         )
         .where(pd.run_id.in_(_run_ids(f).scalar_subquery()), _in_classes(f, pd.run_id, pd.request_id))
@@ -502,7 +509,7 @@ def request_tag_grid(ledger: Ledger, run_id: int, request_id: str) -> list[dict[
         func.row_number()
         .over(partition_by=cell, order_by=(per_tag.c.severity.desc(), per_tag.c.objects.desc(), per_tag.c.tag))
         .label("rn"),
-        func.sum(per_tag.c.objects).over(partition_by=cell).label("cell_objects"),
+        cast(func.sum(per_tag.c.objects).over(partition_by=cell), BigInteger).label("cell_objects"),
         func.count().over(partition_by=cell).label("cell_tags"),
     ).subquery()
     stmt = (
@@ -519,7 +526,7 @@ def request_step_timeline(ledger: Ledger, run_id: int, request_id: str) -> list[
     ev = (
         select(
             EventRow.step_id,
-            func.sum(case((EventRow.exactness == "approximate", EventRow.predicted_cost), else_=0.0)).label(
+            _float(func.sum(case((EventRow.exactness == "approximate", EventRow.predicted_cost), else_=0.0))).label(
                 "predicted_cost"
             ),
         )
