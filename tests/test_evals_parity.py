@@ -106,7 +106,16 @@ def test_adapter_on_exact_policy_matches_lm_eval_hf_model(ckpt: pathlib.Path, da
     for name, lm in (("fallbackgate", ours), ("hf", hf)):
         manager = TaskManager(include_path=include, include_defaults=False)
         results[name] = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=20)["results"]
-    for task in tasks:
-        for key, value in results["hf"][task].items():
-            if "," in key and "stderr" not in key:
-                assert f"{results['fallbackgate'][task][key]:.4f}" == f"{value:.4f}", (task, key)
+    printed = {
+        name: {(t, k): f"{v:.4f}" for t in tasks for k, v in res[t].items() if "," in k and "stderr" not in k}
+        for name, res in results.items()
+    }
+    print(json.dumps({f"{t} {k}": [v, printed["hf"][(t, k)]] for (t, k), v in printed["fallbackgate"].items()}))
+    # Every printed score matches to lm-eval's 4 decimals, except that a corpus perplexity in the hundreds can
+    # flip its last printed digit on fp32 noise (packed, chunked prefill vs hf's padded batch): measured on
+    # the bundled checkpoint, limit 20: word_perplexity 679.4999 vs 679.4998. Those get a 1e-6 relative bound.
+    for key, ours in printed["fallbackgate"].items():
+        if key[1].startswith("word_perplexity"):
+            assert float(ours) == pytest.approx(float(printed["hf"][key]), rel=1e-6), key
+        else:
+            assert ours == printed["hf"][key], key
