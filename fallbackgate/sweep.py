@@ -49,12 +49,12 @@ class SweepConfig:
     model_dir: str
     policy: Policy
     expert_fracs: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
-    kv_fracs: tuple[float, ...] = (0.5, 1.0)
+    kv_fracs: tuple[float, ...] = (0.5,)
     controllers: tuple[str, ...] = CONTROLLERS
     workload: WorkloadSpec = dataclasses.field(default_factory=WorkloadSpec)
     audit_rate: float = 1.0  # 1: every request audited; below 1 a seeded sample
     headline_expert_frac: float = 0.4  # the cell (with the smallest KV fraction) of the headline comparison
-    static_fracs: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8, 0.9)  # static splits tried at the headline budget
+    static_fracs: tuple[float, ...] = (0.2, 0.5, 0.8, 0.9)  # static splits tried at the headline budget
     progress: bool = True
 
 

@@ -38,7 +38,8 @@ def heatmaps(points: list[dict[str, Any]], path: str | pathlib.Path) -> pathlib.
             ax.imshow(grid, origin="lower", cmap="viridis", vmin=lo, vmax=hi if hi > lo else lo + 1e-12, aspect="auto")
             for i, kf_row in enumerate(grid):
                 for j, v in enumerate(kf_row):
-                    ax.text(j, i, f"{v:.3g}", ha="center", va="center", fontsize=7, color="white")
+                    bright = hi > lo and (v - lo) / (hi - lo) > 0.6
+                    ax.text(j, i, f"{v:.3g}", ha="center", va="center", fontsize=7, color="k" if bright else "w")
             ax.set_xticks(range(len(efs)), [f"{e:g}" for e in efs], fontsize=7)
             ax.set_yticks(range(len(kfs)), [f"{k:g}" for k in kfs], fontsize=7)
             ax.set_title(f"{ctrl}: {title}", fontsize=8)

@@ -47,12 +47,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: bundled tiny MoE)")
     p.add_argument("--policy", default=None, help="policy YAML with classes 'strict' and 'best-effort'")
     p.add_argument("--expert-fracs", type=_fracs, default=(0.2, 0.4, 0.6, 0.8), help="fractions of all expert bytes")
-    p.add_argument("--kv-fracs", type=_fracs, default=(0.5, 1.0), help="fractions of the workload's peak KV bytes")
+    p.add_argument("--kv-fracs", type=_fracs, default=(0.5,), help="fractions of the workload's peak KV bytes")
     p.add_argument("--controllers", type=_controllers, default=CONTROLLERS, help="comma-separated controllers")
     p.add_argument(
         "--static-fracs",
         type=_fracs,
-        default=(0.2, 0.4, 0.6, 0.8, 0.9),
+        default=(0.2, 0.5, 0.8, 0.9),
         help="static splits tried at the headline budget (expert share of the device budget)",
     )
     p.add_argument("--headline-expert-frac", type=float, default=0.4, help="cell of the headline comparisons")
