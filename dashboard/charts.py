@@ -61,4 +61,5 @@ def tag_heatmap(grid: pd.DataFrame) -> alt.Chart:
             row=alt.Row("object_kind:N", title=None),
             tooltip=["step_id", "layer", "object_kind", "tag", "exactness", "objects", "cell_objects", "cell_tags"],
         )
+        .properties(height=alt.Step(18))
     )

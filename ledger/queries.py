@@ -406,10 +406,8 @@ def _tag_mix(f: RunFilter) -> Select[Any]:
     )
 
 
-def drift_series(ledger: Ledger, f: RunFilter, limit: int = 500) -> list[dict[str, Any]]:
-    """Per run (oldest first) over its audited positions: mean KL, p99 KL (linear interpolation, as
-    numpy's default percentile), top-1 agreement, mean log(PPL ratio) = mean(logp_exact - logp_engine),
-    plus the run's numeric floor, policy, model and newest run-level verdict."""
+def _p99_by_run(f: RunFilter) -> Any:
+    """Subquery: p99 KL per run over its positions (linear interpolation, as numpy's default)."""
     pd = PositionDiffRow
     ranked = (
         select(
@@ -423,7 +421,7 @@ def drift_series(ledger: Ledger, f: RunFilter, limit: int = 500) -> list[dict[st
     )
     lo = (ranked.c.n - 1) * 99 // 100  # floor((n - 1) * 0.99)
     frac = (ranked.c.n - 1) * 0.99 - lo
-    p99 = (
+    return (
         select(
             ranked.c.run_id,
             func.sum(
@@ -439,6 +437,14 @@ def drift_series(ledger: Ledger, f: RunFilter, limit: int = 500) -> list[dict[st
         .group_by(ranked.c.run_id)
         .subquery()
     )
+
+
+def drift_series(ledger: Ledger, f: RunFilter, limit: int = 500) -> list[dict[str, Any]]:
+    """Per run (oldest first) over its audited positions: mean KL, p99 KL (linear interpolation, as
+    numpy's default percentile), top-1 agreement, mean log(PPL ratio) = mean(logp_exact - logp_engine),
+    plus the run's numeric floor, policy, model and newest run-level verdict."""
+    pd = PositionDiffRow
+    p99 = _p99_by_run(f)
     stats = (
         select(
             pd.run_id,

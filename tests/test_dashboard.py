@@ -184,6 +184,9 @@ def test_request_drilldown_of_an_exact_request_has_no_divergence(db: Path, monke
     m = metrics(at)
     assert m["First divergence"] == "none" and m["Verdict"] == "pass" and m["Top-1 agreement"] == "1.0000"
     assert "No quality budget was recorded for this request." in [i.value for i in at.info]
+    assert "SLO targets: TTFT 0.001 s, TPOT 0.001 s" in [c.value for c in at.caption]  # request b's SLO in seconds
+    at = open_page(db, "request", monkeypatch, run="1", request="a")
+    assert "SLO targets: TTFT 1e+04 s, TPOT 1e+04 s" in [c.value for c in at.caption]  # given in ms
 
 
 def test_calibration_numbers(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:

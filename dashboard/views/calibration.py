@@ -18,6 +18,7 @@ TABLE = {
     "measured_over_predicted": st.column_config.NumberColumn("measured / predicted", format="%.3g"),
     "scale": st.column_config.NumberColumn("fitted scale", format="%.3g"),
 }
+TOOLTIP = [f"{c}:{'N' if c == 'tag' else 'O' if c == 'layer' else 'Q'}" for c in TABLE]  # typed: frames may be empty
 
 
 def _scatter(df: pd.DataFrame) -> alt.LayerChart:
@@ -31,7 +32,7 @@ def _scatter(df: pd.DataFrame) -> alt.LayerChart:
             x=alt.X("mean_predicted:Q", title="predicted cost (mean per step)"),
             y=alt.Y("mean_measured_kl:Q", title="measured KL (mean per position)"),
             color=alt.Color("tag:N", scale=charts.tag_scale()),
-            tooltip=list(TABLE),
+            tooltip=TOOLTIP,
         )
     )
     return alt.layer(alt.Chart(diag).mark_line(color="gray", strokeDash=[4, 4]).encode(x="x:Q", y="y:Q"), dots)
@@ -45,7 +46,7 @@ def _heatmap(df: pd.DataFrame) -> alt.Chart:
             x=alt.X("layer:O"),
             y=alt.Y("tag:N"),
             color=alt.Color("mean_measured_kl:Q", title="mean measured KL"),
-            tooltip=list(TABLE),
+            tooltip=TOOLTIP,
         )
     )
 

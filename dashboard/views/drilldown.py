@@ -79,7 +79,7 @@ def budget_table(summary: dict[str, Any], by_class: dict[str, int]) -> pd.DataFr
 def _metrics(d: dict[str, Any]) -> None:
     s = d["summary"]
     fd = s.get("first_divergence")
-    cols = st.columns(6)
+    cols = [*st.columns(3), *st.columns(3)]
     cols[0].metric("Mean KL", "—" if s.get("mean_kl") is None else f"{s['mean_kl']:.3e}")
     cols[1].metric("p99 KL", "—" if s.get("p99_kl") is None else f"{s['p99_kl']:.3e}")
     cols[2].metric("Top-1 agreement", "—" if s.get("top1_agreement") is None else f"{s['top1_agreement']:.4f}")
@@ -110,6 +110,17 @@ def _kl_chart(pos: pd.DataFrame, first: int | None) -> alt.LayerChart:
     return alt.layer(line, dot)
 
 
+def slo_targets(slo: dict[str, Any] | None) -> dict[str, float]:
+    """``ttft_s`` and ``tpot_s`` targets from a request's SLO (``*_s`` or ``*_ms`` keys), where given."""
+    out = {}
+    for name in ("ttft", "tpot"):
+        if (slo or {}).get(f"{name}_s") is not None:
+            out[f"{name}_s"] = float(slo[f"{name}_s"])
+        elif (slo or {}).get(f"{name}_ms") is not None:
+            out[f"{name}_s"] = float(slo[f"{name}_ms"]) / 1000.0
+    return out
+
+
 def _slo_chart(tl: pd.DataFrame, slo: dict[str, Any] | None) -> alt.LayerChart:
     long = tl.melt(id_vars=["step_id", "kind"], value_vars=["cum_wall_s", "cum_modeled_s"], var_name="time")
     long["time"] = long["time"].map({"cum_wall_s": "measured", "cum_modeled_s": "modeled"})
@@ -123,9 +134,9 @@ def _slo_chart(tl: pd.DataFrame, slo: dict[str, Any] | None) -> alt.LayerChart:
             tooltip=["step_id", "kind", "time", "value"],
         )
     )
-    slo = slo or {}
-    ttft = slo.get("ttft_s", (slo["ttft_ms"] / 1000.0) if "ttft_ms" in slo else None)
-    rows = [{"label": "TTFT target", "value": ttft}] if ttft is not None else []
+    ttft = slo_targets(slo).get("ttft_s")
+    on_chart = ttft is not None and ttft <= 2 * float(long["value"].max() or 0.0)  # else it flattens the lines
+    rows = [{"label": "TTFT target", "value": ttft}] if on_chart else []
     rules = pd.DataFrame(rows, columns=["label", "value"])
     rule = alt.Chart(rules).mark_rule(strokeDash=[4, 4]).encode(y="value:Q", tooltip=["label:N", "value:Q"])
     return alt.layer(chart, rule)
@@ -172,5 +183,9 @@ def render(url: str, f: RunFilter) -> None:
         strict=True,
     ):
         col.metric(label, "—" if s.get(key) is None else f"{s[key]:.4g} s")
+    targets = slo_targets(s.get("slo"))
+    st.caption(
+        "SLO targets: " + (", ".join(f"{k.removesuffix('_s').upper()} {v:.4g} s" for k, v in targets.items()) or "none")
+    )
     if not tl.empty:
         st.altair_chart(_slo_chart(tl, s.get("slo")), width="stretch")
