@@ -3,6 +3,7 @@ must equal those computed here with plain SQL and numpy, independently of ledger
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 from pathlib import Path
@@ -99,8 +100,18 @@ def test_overview_filters_by_request_class(db: Path, monkeypatch: pytest.MonkeyP
     assert m["Requests"] == "2" and m["Runs"] == "2"
     assert m["Approximate objects"] == str(sum(n for (_, c), n in counts.items() if c == "approximate"))
     at.multiselect(key="f_class").set_value([]).run()
+    (first,) = sql(db, "SELECT date(MIN(started_at)) FROM runs")[0]
+    day = dt.date.fromisoformat(first)
+    at.date_input(key="f_since").set_value(day).run()
+    at.date_input(key="f_until").set_value(day + dt.timedelta(days=1)).run()
+    assert metrics(at)["Runs"] == "2"  # both bounds inclusive of whole days
+    at.date_input(key="f_since").set_value(day + dt.timedelta(days=1)).run()
+    assert [i.value for i in at.info] == ["No runs match the filters."]
+    at.date_input(key="f_since").set_value(None).run()
     at.multiselect(key="f_policy").set_value(["no-such-policy"]).run()
     assert [i.value for i in at.info] == ["No runs match the filters."]
+    at.multiselect(key="f_policy").set_value(["exact_lru"]).run()
+    assert metrics(at)["Runs"] == "2"
 
 
 def test_drift_numbers(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
