@@ -13,13 +13,16 @@ from ledger.queries import RunFilter
 
 def heatmap(df: pd.DataFrame, metric: str) -> alt.Chart:
     """Expert budget × KV budget cells coloured (and labelled) by ``metric``, one panel per controller."""
+    unit = " (" + "/".join(sorted(set(df["budget_unit"].dropna()) - {""})) + ")" if "budget_unit" in df else ""
+    unit = "" if unit == " ()" else unit
     base = alt.Chart(df).encode(
-        x=alt.X("expert_budget:O", title="expert budget"),
-        y=alt.Y("kv_budget:O", title="KV budget", sort="descending"),
+        x=alt.X("expert_budget:O", title=f"expert budget{unit}"),
+        y=alt.Y("kv_budget:O", title=f"KV budget{unit}", sort="descending"),
     )
     cells = base.mark_rect().encode(color=alt.Color(f"{metric}:Q", title=metric), tooltip=list(df.columns))
     text = base.mark_text(fontSize=11).encode(text=alt.Text(f"{metric}:Q", format=".3g"))
-    return alt.layer(cells, text, data=df).facet(column=alt.Column("controller:N", title="controller"))
+    layered = alt.layer(cells, text, data=df).properties(width=alt.Step(64), height=alt.Step(40))
+    return layered.facet(column=alt.Column("controller:N", title="controller"))
 
 
 def render(url: str, f: RunFilter, ledger: Ledger | None = None) -> None:
