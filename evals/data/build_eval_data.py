@@ -6,7 +6,8 @@ Regenerate the held-out evaluation sets from the books listed in
 * ``rolling_ppl.jsonl``: passages of about 1-2k characters, for rolling
   perplexity;
 * ``cloze.jsonl``: a passage and four candidate next sentences (one true,
-  three distractors drawn from other held-out passages of similar length);
+  three distractors drawn from other held-out passages of similar length),
+  hard-wrapped at 70 characters like the books;
 * ``name_completion.jsonl``: a passage cut right before a character's name
   that already appeared earlier in the passage; the target is that name.
 
@@ -23,11 +24,12 @@ import pathlib
 import random
 import re
 import sys
+import textwrap
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO_ROOT))
 
-from fallbackgate.tinymoe.data import load_books, split_books
+from fallbackgate.tinymoe.data import load_books, split_books  # noqa: E402
 
 NOT_NAMES = {"Mr", "Mrs", "Miss", "Lord", "Lady", "Sir", "Captain", "Daddy", "Mother", "Father",
              "England", "English", "America", "American", "Russian", "French", "God", "King", "Queen"}
@@ -50,6 +52,21 @@ def sentences(paragraph: str) -> list[str]:
         if sent:
             out.append(sent)
     return out
+
+
+def wrap(text: str, width: int = 70) -> str:
+    """Hard-wrap text like the books (which the model was trained on) at ``width``."""
+    return textwrap.fill(text, width=width, break_long_words=False, break_on_hyphens=False)
+
+
+def wrapped_choice(context: str, choice: str) -> str:
+    """The continuation of ``wrap(context)`` when ``choice`` follows it after a space.
+
+    Starts with the separator the wrapping puts there (a space or a newline).
+    """
+    head, full = wrap(context), wrap(context + " " + choice)
+    assert full.startswith(head), (head, full)
+    return full[len(head):]
 
 
 def good_sentence(sent: str) -> bool:
@@ -101,10 +118,11 @@ def build_cloze(heldout: dict[str, str], n: int, rng: random.Random) -> list[dic
         true = rows[i][2]
         near = [j for j in pool if abs(j - i) > 30 and 0.67 <= len(rows[j][2]) / len(true) <= 1.5]
         distractors = [rows[j][2] for j in rng.sample(near, 3)]
-        choices = [true] + distractors
-        rng.shuffle(choices)
-        items.append({"id": f"cloze-{k:04d}", "book": rows[i][0], "context": context,
-                      "choices": choices, "label": choices.index(true)})
+        plain = [true] + distractors
+        rng.shuffle(plain)
+        items.append({"id": f"cloze-{k:04d}", "book": rows[i][0], "context": wrap(context),
+                      "choices": [wrapped_choice(context, c) for c in plain],
+                      "choices_plain": plain, "label": plain.index(true)})
     return items
 
 
@@ -121,14 +139,13 @@ def build_names(heldout: dict[str, str], n: int, rng: random.Random) -> list[dic
     """Contexts (300-800 chars) ending just before a name seen earlier in the context."""
     candidates = []
     for book, text in heldout.items():
-        flat = re.sub(r"\s+", " ", text)
         names = character_names(text)
-        for m in re.finditer(r"\b(" + "|".join(names) + r")\b", flat):
-            if m.start() < 800 or flat[m.start() - 1] != " ":
+        for m in re.finditer(r"\b(" + "|".join(names) + r")\b", text):
+            if m.start() < 800 or text[m.start() - 1] not in " \n":
                 continue
             length = rng.randint(300, 800)
-            start = flat.find(" ", m.start() - length) + 1
-            context = flat[start:m.start() - 1]
+            start = re.search(r"\s", text[m.start() - length:]).start() + m.start() - length + 1
+            context = text[start:m.start()].rstrip()
             if re.search(r"\b" + m.group(1) + r"\b", context):
                 candidates.append((book, m.start(), context, m.group(1)))
     rng.shuffle(candidates)

@@ -110,8 +110,10 @@ def render_section(res: dict, info: dict, cfg: dict) -> str:
         f"({ppl['n_passages']} passages, {ppl['n_tokens']:,} tokens) |"),
         f"| Held-out perplexity, whole passages in one window | {ppl['model_ppl_full_passage']:.2f} |",
         f"| Unigram perplexity, same tokens | **{ppl['unigram_ppl']:.2f}** |",
-        (f"| Cloze accuracy (4-way, sum log-lik / per char) | **{res['cloze']['acc']:.1%}** / "
-        f"{res['cloze']['acc_norm']:.1%} (n={res['cloze']['n']}, chance 25%) |"),
+        (f"| Cloze accuracy (4-way, chance 25%), context-conditional minus unconditional log-lik "
+         f"(mutual info) | **{res['cloze']['acc_mutual_info']:.1%}** (n={res['cloze']['n']}) |"),
+        (f"| Cloze accuracy, sum log-lik / log-lik per character | {res['cloze']['acc']:.1%} / "
+         f"{res['cloze']['acc_norm']:.1%} |"),
         (f"| Name completion exact match (greedy) | {res['name_completion']['exact_match']:.1%} "
         f"(n={res['name_completion']['n']}) |"),
         "", (f"Routing statistics per layer (layers 0 / 1 / ... ; {rt['n_tokens']:,} held-out tokens). "
@@ -130,7 +132,8 @@ def render_section(res: dict, info: dict, cfg: dict) -> str:
                      f"{fmt_layers(rd, f'reuse_indep@{k}')} |")
     sample = res["greedy_sample"]
     lines += ["", "Greedy sample from the start of a held-out passage (prompt, then *model text*):", "",
-              "> " + sample["prompt"].replace("\n", " ") + " *" + sample["continuation"].replace("\n", " ").strip() + "*"]
+              "> " + sample["prompt"].replace("\n", " ") + " *"
+              + sample["continuation"].replace("\n", " ").strip() + "*"]
     return "\n".join(lines)
 
 

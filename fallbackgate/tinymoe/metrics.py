@@ -84,10 +84,11 @@ def perplexity(logprobs: np.ndarray) -> float:
 
 
 @torch.no_grad()
-def continuation_logprobs(model, tokenizer, context: str, continuations: Sequence[str]) -> list[float]:
-    """Summed log-probability of each ``" " + continuation`` after ``context``."""
+def continuation_logprobs(model, tokenizer, context: str, continuations: Sequence[str],
+                          delimiter: str = "") -> list[float]:
+    """Summed log-probability of each ``delimiter + continuation`` after ``context``."""
     ctx = [bos_id(tokenizer)] + tokenizer(context, add_special_tokens=False)["input_ids"]
-    conts = [tokenizer(" " + c, add_special_tokens=False)["input_ids"] for c in continuations]
+    conts = [tokenizer(delimiter + c, add_special_tokens=False)["input_ids"] for c in continuations]
     seqs = [ctx + c for c in conts]
     width = max(len(s) for s in seqs)
     pad = tokenizer.pad_token_id
@@ -103,14 +104,24 @@ def continuation_logprobs(model, tokenizer, context: str, continuations: Sequenc
 
 
 def cloze_accuracy(model, tokenizer, items: Sequence[dict]) -> dict[str, float]:
-    """Accuracy by summed log-likelihood and by log-likelihood per character."""
-    hits, hits_norm = 0, 0
+    """Cloze accuracy under three scorings of each choice.
+
+    ``acc``: summed log-likelihood of the choice after the context;
+    ``acc_norm``: the same per character; ``acc_mutual_info``: summed
+    log-likelihood after the context minus that after an empty context (BOS
+    only), i.e. how much the context raises the choice's probability (lm-eval's
+    ``acc_mutual_info``). Choices already carry their leading separator (see
+    ``evals/data/README.md``).
+    """
+    hits = np.zeros(3)
     for item in items:
-        scores = continuation_logprobs(model, tokenizer, item["context"], item["choices"])
-        norm = [s / len(" " + c) for s, c in zip(scores, item["choices"], strict=True)]
-        hits += int(np.argmax(scores) == item["label"])
-        hits_norm += int(np.argmax(norm) == item["label"])
-    return {"acc": hits / len(items), "acc_norm": hits_norm / len(items), "n": len(items)}
+        cond = np.array(continuation_logprobs(model, tokenizer, item["context"], item["choices"]))
+        uncond = np.array(continuation_logprobs(model, tokenizer, "", item["choices"]))
+        lengths = np.array([len(c) for c in item["choices"]])
+        for i, score in enumerate((cond, cond / lengths, cond - uncond)):
+            hits[i] += int(np.argmax(score) == item["label"])
+    acc = hits / len(items)
+    return {"acc": acc[0], "acc_norm": acc[1], "acc_mutual_info": acc[2], "n": len(items)}
 
 
 @torch.no_grad()

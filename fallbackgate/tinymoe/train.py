@@ -169,6 +169,14 @@ def train_loop(model: Qwen3MoeForCausalLM, train_ids: np.ndarray, val_ids: np.nd
             "final_val_loss": eval_loss(model, val_ids, args.seq, 32)}
 
 
+def make_tokenizer_config_portable(out: pathlib.Path) -> None:
+    """Name the generic fast-tokenizer class so transformers 4.x loads it too."""
+    path = out / "tokenizer_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse command-line flags."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -218,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     model.generation_config.pad_token_id = config.pad_token_id
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
+    make_tokenizer_config_portable(args.out)
     sources = corpus_dir / "SOURCES.md"
     if sources.exists():
         shutil.copyfile(sources, args.out / "SOURCES.md")
