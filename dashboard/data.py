@@ -82,6 +82,12 @@ def overview(url: str, f: RunFilter) -> pd.DataFrame:
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
+def run_ids(url: str, f: RunFilter) -> list[int]:
+    """Ids of the runs passing ``f``, newest first (no pass over the events)."""
+    return [int(r["run_id"]) for r in queries.overview_runs(connect(url), f, objects=False)]
+
+
+@st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def tag_mix(url: str, f: RunFilter) -> pd.DataFrame:
     """Objects per run × tag × exactness class."""
     return _frame(queries.tag_mix(connect(url), f), ["run_id", "tag", "exactness", "objects"])

@@ -21,8 +21,7 @@ BUDGET_CHECKS = (  # budget key, statistic, label, True when larger is worse
 
 
 def _pick_run(url: str, f: RunFilter) -> int | None:
-    runs = data.overview(url, f)
-    options = [int(r) for r in runs["run_id"]] if not runs.empty else []
+    options: list[int | str] = list(data.run_ids(url, f))
     wanted = st.query_params.get("run")
     index = 0 if options else None
     if wanted is not None and wanted in {str(o) for o in options}:
