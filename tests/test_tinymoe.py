@@ -35,7 +35,7 @@ def read_jsonl(name: str, limit: int) -> list[dict]:
 def lm():
     """The checkpoint's model (fp32, eval mode) and tokenizer, loaded offline."""
     os.environ["HF_HUB_OFFLINE"] = "1"
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    torch.set_num_threads(1)  # fast enough, and leaves other cores free
     model = transformers.AutoModelForCausalLM.from_pretrained(CHECKPOINT_DIR).eval()
     tok = transformers.AutoTokenizer.from_pretrained(CHECKPOINT_DIR)
     return model, tok
@@ -76,10 +76,10 @@ def test_greedy_text_is_english(lm, train_books) -> None:
     in_vocab, total = 0, 0
     for item in read_jsonl("rolling_ppl.jsonl", 3):
         prompt = item["text"][:200].rsplit(" ", 1)[0]
-        words = re.findall(r"[A-Za-z]+", M.greedy_continuation(model, tok, prompt, 40))
+        words = re.findall(r"[A-Za-z]+", M.greedy_continuation(model, tok, prompt, 32))
         in_vocab += sum(w.lower() in vocab for w in words)
         total += len(words)
-    assert total >= 30
+    assert total >= 25
     assert in_vocab / total >= 0.9
 
 
@@ -87,7 +87,7 @@ def test_greedy_text_is_english(lm, train_books) -> None:
 @needs_corpus
 def test_heldout_perplexity_beats_unigram(lm, train_books) -> None:
     model, tok = lm
-    texts = [r["text"] for r in read_jsonl("rolling_ppl.jsonl", 12)]
+    texts = [r["text"] for r in read_jsonl("rolling_ppl.jsonl", 8)]
     logprobs, ids = M.passage_logprobs(model, tok, texts)
     # a unigram fitted on every 4th training book: token frequencies are stable at this size
     subset = [train_books[k] for k in sorted(train_books)[::4]]
@@ -99,7 +99,7 @@ def test_heldout_perplexity_beats_unigram(lm, train_books) -> None:
 @needs_ckpt
 def test_cloze_accuracy_above_chance(lm) -> None:
     model, tok = lm
-    result = M.cloze_accuracy(model, tok, read_jsonl("cloze.jsonl", 60))
+    result = M.cloze_accuracy(model, tok, read_jsonl("cloze.jsonl", 48))
     assert result["acc_mutual_info"] >= 0.38, result
 
 
