@@ -11,6 +11,7 @@ from typing import Any
 
 import pandas as pd
 import streamlit as st
+from sqlalchemy import event
 
 from ledger import queries
 from ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError, open_ledger
@@ -39,7 +40,17 @@ def ledger_url() -> str:
 
 @st.cache_resource(show_spinner=False)
 def _open(url: str) -> Ledger:
-    return open_ledger(url, read_only=True)
+    ledger = open_ledger(url, read_only=True)  # SQLite: a mode=ro file URI
+    if ledger.url.get_backend_name() == "postgresql":  # PostgreSQL: every session read-only too
+
+        @event.listens_for(ledger.engine, "connect")
+        def _read_only(dbapi_conn: Any, _record: Any) -> None:
+            with dbapi_conn.cursor() as cur:
+                cur.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+            dbapi_conn.commit()
+
+        ledger.engine.dispose()  # drop the connection opened before the hook
+    return ledger
 
 
 def connect(url: str) -> Ledger:

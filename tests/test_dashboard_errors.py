@@ -111,3 +111,15 @@ def test_command_binds_localhost_and_passes_the_url(monkeypatch: pytest.MonkeyPa
     assert cmd[cmd.index("--server.port") + 1] == "8600"
     assert env["FALLBACKGATE_LEDGER"] == "postgresql+psycopg://u@db:5432/l"
     assert command.APP.is_file()
+
+
+def test_sqlite_ledger_is_opened_read_only() -> None:
+    from sqlalchemy import text
+    from sqlalchemy.exc import OperationalError
+
+    from dashboard import data
+
+    ledger = data.connect(str(real_ledger()))
+    assert ledger.read_only
+    with ledger.engine.connect() as conn, pytest.raises(OperationalError, match="readonly"):
+        conn.execute(text("DELETE FROM runs"))

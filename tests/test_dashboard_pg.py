@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from sqlalchemy import insert, select
+from sqlalchemy import insert, select, text
+from sqlalchemy.exc import DBAPIError
 from streamlit.testing.v1 import AppTest
 
 from ledger.db import begin_write, open_ledger
@@ -39,6 +40,19 @@ def _shown(url: str, page: str, monkeypatch: pytest.MonkeyPatch, **params: str) 
     assert not at.exception and not at.error, [e.value for e in [*at.exception, *at.error]]
     frames = [d.value.drop(columns=["started_at", "fitted_at"], errors="ignore") for d in at.dataframe]
     return {m.label: m.value for m in at.metric}, frames
+
+
+def test_postgresql_sessions_are_read_only(pg_url: str) -> None:
+    from dashboard import data
+
+    _copy(str(real_ledger()), pg_url)
+    ledger = data.connect(pg_url)
+    with ledger.engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM runs")).scalar() == 2
+        with pytest.raises(DBAPIError, match="read-only transaction"):
+            conn.execute(text("DELETE FROM runs"))
+    with open_ledger(pg_url, read_only=True) as check, check.engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM runs")).scalar() == 2
 
 
 @pytest.mark.parametrize(
