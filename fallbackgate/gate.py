@@ -29,6 +29,7 @@ from typing import Any
 from engine.tags import TAG_EXACTNESS, Exactness, Tag
 from ledger import queries
 from ledger.db import Ledger, LedgerError
+from ledger.writer import LedgerWriter
 
 EXACT_TOLERANCE_MIN = 1e-9
 FLOOR_MARGIN = 10.0
@@ -192,3 +193,19 @@ def evaluate_run(ledger: Ledger, run_id: int) -> RunVerdict:
     if failed:
         reasons.append(f"{len(failed)} of {len(verdicts)} requests failed: {', '.join(failed[:10])}")
     return RunVerdict(run_id, not reasons, run["status"], reasons, verdicts)
+
+
+def record_verdicts(writer: LedgerWriter, verdict: RunVerdict) -> None:
+    """Write every request's verdict and the run's verdict into the ledger (queued on `writer`)."""
+    for v in verdict.requests:
+        writer.record_verdict(
+            v.request_id,
+            v.passed,
+            v.reason,
+            position=v.position,
+            step=v.step,
+            layer=v.layer,
+            tags=v.tags,
+            run_id=verdict.run_id,
+        )
+    writer.record_verdict(None, verdict.passed, "; ".join(verdict.reasons) or "ok", run_id=verdict.run_id)

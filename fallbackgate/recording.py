@@ -15,7 +15,7 @@ import transformers
 
 from engine.engine import Engine
 from fallbackgate.auditor import audit_output, choose_audited, numeric_floor
-from fallbackgate.gate import RunVerdict, evaluate_run
+from fallbackgate.gate import RunVerdict, evaluate_run, record_verdicts
 from fallbackgate.prompts import PromptSpec
 from fallbackgate.session import RunOutcome, RunSettings, run_prompts
 from ledger.db import Ledger, open_ledger
@@ -83,20 +83,26 @@ def audit_and_judge(
     budgets: Budgets | None = None,
     audit_rate: float = 1.0,
     seed: int = 0,
+    slos: Budgets | None = None,
 ) -> tuple[RunVerdict, int]:
-    """Record requests (with their class's budget), audit a sample, record the numeric-floor control,
-    finish the run and close the writer; returns the gate's verdict and the number audited."""
-    budgets = budgets or {}
+    """Record requests (with their class's SLO and budget), audit a sample, record the numeric-floor control,
+    finish the run, judge it, record the verdicts and close the writer; returns the verdict and the number
+    audited."""
+    budgets, slos = budgets or {}, slos or {}
     for spec, output in zip(outcome.specs, outcome.outputs, strict=True):
-        writer.record_request(output, prompt=spec.prompt, budget=budgets.get(spec.request_class))
+        writer.record_request(
+            output, prompt=spec.prompt, budget=budgets.get(spec.request_class), slo=slos.get(spec.request_class)
+        )
     audited = choose_audited(outcome.outputs, audit_rate, seed)
     for output in audited:
         diffs, stats = audit_output(engine, output)
         writer.record_diffs(output.request_id, diffs, stats)
     writer.record_control(numeric_floor(engine, audited[0]))
     writer.finish_run(status="complete")
+    verdict = evaluate_run(writer.ledger, writer.run_id)
+    record_verdicts(writer, verdict)
     writer.close()
-    return evaluate_run(writer.ledger, writer.run_id), len(audited)
+    return verdict, len(audited)
 
 
 def record_and_judge(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import sqlite3
 
 from fallbackgate.cli import main
 
@@ -34,6 +35,9 @@ def test_run_writes_the_documented_json_and_passes_the_gate(tmp_path: pathlib.Pa
     assert sum(t["count"] for t in doc["tags"].values()) >= per_request > 0
     assert doc["tags"]["exact_load"]["bytes"] >= doc["tags"]["exact_load"]["count"] > 0  # budget forced loads
     assert doc["memory"]["device_budget_bytes"] == int(0.3 * 2**20)
+    with sqlite3.connect(ledger) as conn:  # the run's verdicts are in the ledger: one per request + the run
+        rows = conn.execute("select request_id, passed from verdicts where run_id = ?", (doc["run_id"],)).fetchall()
+    assert sorted(rows, key=str) == sorted([("a", 1), ("b", 1), (None, 1)], key=str)
 
 
 def test_run_with_forced_cpu_execute_passes_within_the_equivalent_tolerance(

@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Any, TextIO
 
-from fallbackgate.gate import RunVerdict, evaluate_run
+from fallbackgate.gate import RunVerdict, evaluate_run, record_verdicts
 from ledger import queries
 from ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
 from ledger.writer import LedgerWriter
@@ -61,24 +61,8 @@ def print_table(verdict: RunVerdict, out: TextIO | None = None) -> None:
 
 
 def _record(url: str | None, verdict: RunVerdict) -> None:
-    with open_ledger(url) as ledger, LedgerWriter(ledger) as w:
-        for v in verdict.requests:
-            w.record_verdict(
-                v.request_id,
-                v.passed,
-                v.reason,
-                position=v.position,
-                step=v.step,
-                layer=v.layer,
-                tags=v.tags,
-                run_id=verdict.run_id,
-            )
-        w.record_verdict(
-            None,
-            verdict.passed,
-            "; ".join(verdict.reasons) or "ok",
-            run_id=verdict.run_id,
-        )
+    with open_ledger(url) as ledger, LedgerWriter(ledger) as writer:
+        record_verdicts(writer, verdict)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from fallbackgate.policy.apply import (
     build_policy_engine,
     check_classes,
     class_budgets,
+    class_slos,
     policy_from_args,
     print_slips,
     run_settings,
@@ -132,8 +133,9 @@ def run(args: argparse.Namespace) -> int:
     print_report(outcome, sys.stdout)
     print_slips(engine.controller, sys.stdout)
     budgets = class_budgets(policy) if policy is not None else None
+    slos = class_slos(policy) if policy is not None else None
     verdict, num_audited = audit_and_judge(
-        engine, outcome, writer, budgets=budgets, audit_rate=args.audit_rate, seed=args.seed
+        engine, outcome, writer, budgets=budgets, slos=slos, audit_rate=args.audit_rate, seed=args.seed
     )
     _print_verdict(verdict, num_audited, len(outcome.outputs))
     if args.json:

@@ -125,6 +125,11 @@ def class_budgets(policy: Policy) -> dict[str, dict[str, Any]]:
     return {name: cls.budget.as_gate_dict() for name, cls in policy.classes.items()}
 
 
+def class_slos(policy: Policy) -> dict[str, dict[str, Any]]:
+    """request class -> SLO targets (milliseconds), as recorded on the ledger's request rows."""
+    return {name: cls.slo.model_dump() for name, cls in policy.classes.items()}
+
+
 def print_slips(controller: Controller, out: TextIO) -> None:
     """One line summarising the SLO slips a controller recorded (nothing when there were none)."""
     slips = getattr(controller, "slips", [])
