@@ -5,7 +5,10 @@ actions. A request may take an action only while, after it,
 
 - its cumulative spend stays within ``max_mean_kl`` × the positions it has produced (this step's included),
   so the predicted mean KL per position never exceeds the limit at any point of the request;
-- its spend in the current step stays within ``max_p99_kl`` (one position's predicted KL);
+- its spend in the current step stays within ``P99_HEADROOM`` × ``max_p99_kl`` (one position's predicted
+  KL; the cost proxies are fitted to means, so the tail keeps headroom);
+- the positions it touches with any approximate action stay within ``1 − min_top1_agreement`` of its
+  positions (only a touched position can flip its top-1 token, so top-1 agreement is protected);
 - its approximate objects stay within ``max_approx_fraction`` of a lower bound on the objects served;
 - the tag is in the class's ``allowed_tags``.
 """
@@ -18,6 +21,7 @@ from engine.tags import Tag
 from fallbackgate.policy.schema import QualityBudget
 
 EPS = 1e-12
+P99_HEADROOM = 0.5  # share of max_p99_kl one position may be predicted to cost
 
 
 @dataclasses.dataclass
@@ -36,6 +40,8 @@ class RequestBudget:
     step_base: int = 0  # expert uses this step is sure to have (layers × top_k)
     step_experts: int = 0  # expert misses decided this step
     step_kv: int = 0  # KV block misses decided this step
+    touched_positions: int = 0  # positions (steps) with at least one approximate action
+    is_step_touched: bool = False
 
     def begin_step(self, step_id: int, emits_position: bool, base_objects: int) -> None:
         """Open a step: count its guaranteed objects and, when it produces a token, one more position."""
@@ -44,6 +50,7 @@ class RequestBudget:
         self.closed_objects = self.total_objects
         self.step_id, self.step_spent = step_id, 0.0
         self.step_base, self.step_experts, self.step_kv = base_objects, 0, 0
+        self.is_step_touched = False
         self.positions += 1 if emits_position or self.positions == 0 else 0
 
     @property
@@ -58,7 +65,14 @@ class RequestBudget:
     def remaining(self) -> float:
         """Predicted nats this request may still spend in the current step."""
         total = self.limits.max_mean_kl * max(self.positions, 1) - self.spent
-        return max(0.0, min(total, self.limits.max_p99_kl - self.step_spent))
+        return max(0.0, min(total, P99_HEADROOM * self.limits.max_p99_kl - self.step_spent))
+
+    def may_touch_step(self) -> bool:
+        """Whether one more position may carry an approximate action under ``min_top1_agreement``."""
+        if self.is_step_touched:
+            return True
+        allowed = (1.0 - self.limits.min_top1_agreement) * max(self.positions, 1)
+        return self.touched_positions + 1 <= allowed + EPS
 
     def fits(self, tag: Tag, cost: float) -> bool:
         """Whether taking `tag` at predicted `cost` keeps every limit."""
@@ -66,7 +80,7 @@ class RequestBudget:
             return False
         if not tag.is_approximate:
             return True
-        if cost > self.remaining() + EPS:
+        if cost > self.remaining() + EPS or not self.may_touch_step():
             return False
         return self.approx_objects + 1 <= self.limits.max_approx_fraction * self.total_objects + EPS
 
@@ -77,6 +91,9 @@ class RequestBudget:
         else:
             self.step_kv += 1
         if tag.is_approximate:
+            if not self.is_step_touched:
+                self.touched_positions += 1
+                self.is_step_touched = True
             self.approx_objects += 1
             self.spent += cost
             self.step_spent += cost

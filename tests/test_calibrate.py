@@ -40,7 +40,9 @@ def test_fit_attributes_by_predicted_share() -> None:
 def test_calibrate_from_a_real_run(checkpoint_factory, tmp_path: pathlib.Path, capsys) -> None:
     path = checkpoint_factory("qwen3_moe")
     expert, block, layers, top_k = sizes(path)
-    budget = QualityBudget(max_mean_kl=0.5, max_p99_kl=2.0, max_approx_fraction=0.5, allowed_tags=["expert_defer"])
+    budget = QualityBudget(
+        max_mean_kl=0.5, max_p99_kl=2.0, max_approx_fraction=0.5, allowed_tags=["expert_defer"], min_top1_agreement=0
+    )
     policy = Policy(classes={"be": RequestClass(slo=SLO(tpot_ms=0.05), budget=budget)}, default_class="be")
     engine = Engine(
         EngineConfig(

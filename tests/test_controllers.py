@@ -59,13 +59,18 @@ class FakeKV:
 
 
 budgets = st.builds(
-    lambda tags, mean, ratio, frac: QualityBudget(
-        max_mean_kl=mean, max_p99_kl=mean * ratio, max_approx_fraction=frac, allowed_tags=sorted(tags)
+    lambda tags, mean, ratio, frac, top1: QualityBudget(
+        max_mean_kl=mean,
+        max_p99_kl=mean * ratio,
+        max_approx_fraction=frac,
+        allowed_tags=sorted(tags),
+        min_top1_agreement=top1,
     ),
     st.sets(st.sampled_from(FALLBACK_TAGS)),
     st.sampled_from([0.0, 1e-6, 1e-3, 0.02, 0.2, 2.0]),
     st.sampled_from([1.0, 2.0, 10.0]),
     st.sampled_from([0.0, 0.05, 0.3, 1.0]),
+    st.sampled_from([0.0, 0.5, 0.9, 1.0]),
 )
 classes = st.lists(st.tuples(budgets, st.sampled_from([0.001, 0.05, 1.0, 100.0])), min_size=1, max_size=3)
 expert_miss = st.tuples(
@@ -171,7 +176,13 @@ def test_joint_never_breaks_class_or_budget(spec, assign, plan_steps, profile) -
 @settings(max_examples=30, deadline=None)
 @given(steps)
 def test_ample_link_time_serves_everything_exactly(plan_steps) -> None:
-    generous = QualityBudget(max_mean_kl=1.0, max_p99_kl=5.0, max_approx_fraction=1.0, allowed_tags=list(FALLBACK_TAGS))
+    generous = QualityBudget(
+        max_mean_kl=1.0,
+        max_p99_kl=5.0,
+        max_approx_fraction=1.0,
+        allowed_tags=list(FALLBACK_TAGS),
+        min_top1_agreement=0.0,
+    )
     roomy = RequestClass(slo=SLO(tpot_ms=1e6, ttft_ms=1e6), budget=generous)
     policy = Policy(classes={"c0": roomy}, default_class="c0")
     controller = make_controller("joint", policy, top_k=TOP_K)
@@ -181,7 +192,9 @@ def test_ample_link_time_serves_everything_exactly(plan_steps) -> None:
 
 
 def test_spent_budget_serves_exactly_and_records_the_slip() -> None:
-    tight = QualityBudget(max_mean_kl=0.01, max_p99_kl=0.01, max_approx_fraction=1.0, allowed_tags=["expert_defer"])
+    tight = QualityBudget(
+        max_mean_kl=0.01, max_p99_kl=0.02, max_approx_fraction=1.0, allowed_tags=["expert_defer"], min_top1_agreement=0
+    )
     policy = Policy(classes={"be": RequestClass(slo=SLO(tpot_ms=0.001), budget=tight)}, default_class="be")
     controller = make_controller("joint", policy, top_k=TOP_K)
     plan = StepPlan(1, StepKind.DECODE, ["r"], {"r": 1}, {"r": 8})

@@ -44,7 +44,7 @@ def _serve(path, controller, budget_bytes: int, classes: list[str], observe: boo
 
 budgets = st.builds(
     lambda tags, mean, frac: QualityBudget(
-        max_mean_kl=mean, max_p99_kl=mean * 3, max_approx_fraction=frac, allowed_tags=sorted(tags)
+        max_mean_kl=mean, max_p99_kl=mean * 3, max_approx_fraction=frac, allowed_tags=sorted(tags), min_top1_agreement=0
     ),
     st.sets(st.sampled_from(FALLBACK_TAGS)),
     st.sampled_from([1e-6, 0.01, 0.3]),
@@ -79,7 +79,9 @@ def test_joint_uses_fallbacks_for_best_effort_only(checkpoint_factory) -> None:
     path = checkpoint_factory("qwen3_moe")
     expert, block, layers, top_k = sizes(path)
     approx_tags = ["expert_defer", "expert_lowbit", "kv_dequant", "recompute"]  # no cpu_execute: approximate only
-    loose = QualityBudget(max_mean_kl=0.5, max_p99_kl=2.0, max_approx_fraction=0.5, allowed_tags=approx_tags)
+    loose = QualityBudget(
+        max_mean_kl=0.5, max_p99_kl=2.0, max_approx_fraction=0.5, allowed_tags=approx_tags, min_top1_agreement=0.0
+    )
     policy = Policy(
         classes={
             "strict": RequestClass(slo=SLO(tpot_ms=0.05)),
