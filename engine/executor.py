@@ -86,8 +86,11 @@ class Executor:
             was_resident = self.expert_store.is_on_device(key)
             fetch_tag = Tag.RESIDENT if tag is Tag.EXACT_LOAD and was_resident else tag
             fetched = fetch_for_tag(self, key, fetch_tag)
-            token_idx = torch.cat([u.token_idx for u in tag_uses])
-            top_k_pos = torch.cat([u.top_k_pos for u in tag_uses])
+            if len(tag_uses) == 1:
+                token_idx, top_k_pos = tag_uses[0].token_idx, tag_uses[0].top_k_pos
+            else:
+                token_idx = torch.cat([u.token_idx for u in tag_uses])
+                top_k_pos = torch.cat([u.top_k_pos for u in tag_uses])
             x = hidden[token_idx]
             if tag is Tag.CPU_EXECUTE:
                 y = expert_mlp(module, x.to("cpu", torch.float32), fetched.weights).to(hidden.device)

@@ -56,38 +56,56 @@ class ExpertUse:
     decision: Decision
 
 
+def _group_routing(
+    owner: list[int], top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> dict[tuple[int, int], tuple[list[int], list[int], float]]:
+    """(expert, request index) -> (token indices, top-k slots, max gate weight), in token order.
+
+    Plain Python over the routing lists: a decode step routes a handful of tokens, where many tiny
+    tensor ops would cost more than the experts themselves.
+    """
+    groups: dict[tuple[int, int], tuple[list[int], list[int], float]] = {}
+    for token, (experts, weights) in enumerate(zip(top_k_index.tolist(), top_k_weights.tolist(), strict=True)):
+        request_index = owner[token]
+        for slot, (expert_id, weight) in enumerate(zip(experts, weights, strict=True)):
+            tokens, slots, top = groups.get((expert_id, request_index), ([], [], 0.0))
+            tokens.append(token)
+            slots.append(slot)
+            groups[(expert_id, request_index)] = (tokens, slots, max(top, weight))
+    return groups
+
+
 def plan_expert_uses(
     executor: Executor, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> list[ExpertUse]:
-    """Split routing into (expert, request) uses and ask the controller about each one off device."""
+    """Split routing into (expert, request) uses, experts ascending; ask the controller about each miss."""
     ctx, store = executor.ctx, executor.expert_store
-    owner = ctx.batch.token_owner
     uses: list[ExpertUse] = []
-    for expert_id in torch.unique(top_k_index).tolist():
-        token_idx_all, pos_all = torch.where(top_k_index == expert_id)
-        key = (layer, int(expert_id))
-        for request_index in torch.unique(owner[token_idx_all]).tolist():
-            mine = owner[token_idx_all] == request_index
-            token_idx, pos = token_idx_all[mine], pos_all[mine]
-            if ctx.is_exact_baseline or store.is_on_device(key):
-                decision = Decision(Tag.RESIDENT)
-            else:
-                decision = executor.controller.expert_action(
-                    ExpertMiss(
-                        ctx.step_id,
-                        ctx.batch.request_ids[request_index],
-                        ctx.batch.request_classes[request_index],
-                        layer,
-                        int(expert_id),
-                        int(token_idx.numel()),
-                        float(top_k_weights[token_idx, pos].max()),
-                        store.home(key),
-                        store.bytes_per_expert,
-                        store.has_lowbit(key),
-                        store.device_pool.can_reserve(store.bytes_per_expert),
-                    )
+    device = top_k_index.device
+    for (expert_id, request_index), (tokens, slots, top) in sorted(
+        _group_routing(ctx.token_owner, top_k_index, top_k_weights).items()
+    ):
+        key = (layer, expert_id)
+        if ctx.is_exact_baseline or store.is_on_device(key):
+            decision = Decision(Tag.RESIDENT)
+        else:
+            decision = executor.controller.expert_action(
+                ExpertMiss(
+                    ctx.step_id,
+                    ctx.batch.request_ids[request_index],
+                    ctx.batch.request_classes[request_index],
+                    layer,
+                    expert_id,
+                    len(tokens),
+                    top,
+                    store.home(key),
+                    store.bytes_per_expert,
+                    store.has_lowbit(key),
+                    store.device_pool.can_reserve(store.bytes_per_expert),
                 )
-            uses.append(ExpertUse(key, request_index, token_idx, pos, decision))
+            )
+        token_idx = torch.tensor(tokens, device=device)
+        uses.append(ExpertUse(key, request_index, token_idx, torch.tensor(slots, device=device), decision))
     return uses
 
 

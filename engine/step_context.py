@@ -105,3 +105,7 @@ class StepContext:
     is_exact_baseline: bool = False  # audit pass: exact weights, nothing recorded
     used_expert_keys: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     deferred_expert_keys: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    token_owner: list[int] = dataclasses.field(default_factory=list)  # batch.token_owner as a list
+
+    def __post_init__(self) -> None:
+        self.token_owner = self.batch.token_owner.tolist()
