@@ -13,9 +13,9 @@ import pandas as pd
 import streamlit as st
 from sqlalchemy import event
 
-from ledger import queries
+from ledger import dashboard_queries, queries
+from ledger.dashboard_queries import RunFilter
 from ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError, open_ledger
-from ledger.queries import RunFilter
 
 CACHE_TTL_S = 15
 EXACTNESS_CLASSES = queries.EXACTNESS_CLASSES
@@ -65,7 +65,7 @@ def _frame(rows: list[dict[str, Any]], columns: list[str] | None = None) -> pd.D
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def filter_options(url: str) -> dict[str, Any]:
     """Distinct policies, models, request classes and the date range of the runs."""
-    return queries.filter_options(connect(url))
+    return dashboard_queries.filter_options(connect(url))
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
@@ -77,7 +77,7 @@ def has_runs(url: str) -> bool:
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def overview(url: str, f: RunFilter) -> pd.DataFrame:
     """One row per run: policy, model, verdict, SLO attainment, objects and share per exactness class."""
-    df = _frame(queries.overview_runs(connect(url), f, objects=False))
+    df = _frame(dashboard_queries.overview_runs(connect(url), f, objects=False))
     if df.empty:
         return df
     # per-class objects from the (cached) per-tag sums: one pass over the events serves both
@@ -95,19 +95,19 @@ def overview(url: str, f: RunFilter) -> pd.DataFrame:
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def run_ids(url: str, f: RunFilter) -> list[int]:
     """Ids of the runs passing ``f``, newest first (no pass over the events)."""
-    return [int(r["run_id"]) for r in queries.overview_runs(connect(url), f, objects=False)]
+    return [int(r["run_id"]) for r in dashboard_queries.overview_runs(connect(url), f, objects=False)]
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def tag_mix(url: str, f: RunFilter) -> pd.DataFrame:
     """Objects per run × tag × exactness class."""
-    return _frame(queries.tag_mix(connect(url), f), ["run_id", "tag", "exactness", "objects"])
+    return _frame(dashboard_queries.tag_mix(connect(url), f), ["run_id", "tag", "exactness", "objects"])
 
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def drift(url: str, f: RunFilter) -> pd.DataFrame:
     """Per audited run: mean and p99 KL, top-1 agreement, perplexity ratio, numeric floor, verdict."""
-    df = _frame(queries.drift_series(connect(url), f))
+    df = _frame(dashboard_queries.drift_series(connect(url), f))
     if df.empty:
         return df
     df["ppl_ratio"] = df["mean_log_ppl_ratio"].map(math.exp)
@@ -117,7 +117,7 @@ def drift(url: str, f: RunFilter) -> pd.DataFrame:
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def run_requests(url: str, run_id: int, request_classes: tuple[str, ...]) -> pd.DataFrame:
     """The requests of one run (id, class, verdict)."""
-    rows = queries.run_request_ids(connect(url), run_id, request_classes)
+    rows = dashboard_queries.run_request_ids(connect(url), run_id, request_classes)
     return _frame(rows, ["request_id", "request_class", "verdict"])
 
 
@@ -131,9 +131,9 @@ def request_detail(url: str, run_id: int, request_id: str) -> dict[str, Any] | N
     return {
         "summary": summary,
         "run": queries.get_run(ledger, run_id),
-        "verdict": queries.request_verdict(ledger, run_id, request_id),
+        "verdict": dashboard_queries.request_verdict(ledger, run_id, request_id),
         "grid": _frame(
-            queries.request_tag_grid(ledger, run_id, request_id),
+            dashboard_queries.request_tag_grid(ledger, run_id, request_id),
             ["step_id", "layer", "object_kind", "tag", "exactness", "objects", "cell_objects", "cell_tags"],
         ),
         "positions": _frame(
@@ -141,11 +141,11 @@ def request_detail(url: str, run_id: int, request_id: str) -> dict[str, Any] | N
             ["position", "step_id", "token_id", "kl", "top1_agree", "delta_p", "logp_exact", "logp_engine"],
         ),
         "timeline": _frame(
-            queries.request_step_timeline(ledger, run_id, request_id),
+            dashboard_queries.request_step_timeline(ledger, run_id, request_id),
             ["step_id", "kind", "is_observe", "wall_s", "modeled_s", "cum_wall_s", "cum_modeled_s"]
             + ["predicted_cost", "cum_predicted_cost"],
         ),
-        "exactness": queries.request_objects_by_class(ledger, run_id, request_id),
+        "exactness": dashboard_queries.request_objects_by_class(ledger, run_id, request_id),
     }
 
 
@@ -154,8 +154,10 @@ def calibration(url: str, f: RunFilter) -> pd.DataFrame:
     """Per tag × layer: pairs, mean predicted cost, mean measured KL, their ratio and the fitted scale."""
     ledger = connect(url)
     cols = ["tag", "layer", "pairs", "mean_predicted", "mean_measured_kl", "sum_predicted", "sum_measured_kl"]
-    df = _frame(queries.calibration_summary(ledger, f), cols)
-    fitted = _frame(queries.latest_calibrations(ledger), ["tag", "layer", "scale", "num_samples", "fitted_at"])
+    df = _frame(dashboard_queries.calibration_summary(ledger, f), cols)
+    fitted = _frame(
+        dashboard_queries.latest_calibrations(ledger), ["tag", "layer", "scale", "num_samples", "fitted_at"]
+    )
     df = df.merge(fitted[["tag", "layer", "scale"]], on=["tag", "layer"], how="outer")
     df["measured_over_predicted"] = df["sum_measured_kl"] / df["sum_predicted"].where(df["sum_predicted"] > 0)
     return df.sort_values(["tag", "layer"], ignore_index=True)

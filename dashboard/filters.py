@@ -7,7 +7,7 @@ import datetime as dt
 import streamlit as st
 
 from dashboard import data
-from ledger.queries import RunFilter
+from ledger.dashboard_queries import RunFilter
 
 
 def _day_start(day: dt.date | None, plus_days: int = 0) -> dt.datetime | None:

@@ -157,7 +157,7 @@ def test_request_drilldown_numbers(db: Path, monkeypatch: pytest.MonkeyPatch) ->
         db,
         "SELECT reason, first_divergence_position, first_divergence_step, first_divergence_layer, "
         "first_divergence_tags FROM verdicts "
-        "WHERE run_id = 2 AND request_id = 'a'",
+        "WHERE run_id = 2 AND request_id = 'a' ORDER BY id DESC LIMIT 1",  # the newest verdict is shown
     )[0]
     assert [w.value for w in at.warning] == [
         f"Gate failed: {reason} — first divergence at position {pos}, step {step}, layer {layer}, "

@@ -7,7 +7,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, data
-from ledger.queries import RunFilter
+from ledger.dashboard_queries import RunFilter
 
 TABLE = {
     "tag": "tag",

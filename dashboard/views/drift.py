@@ -8,7 +8,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import data
-from ledger.queries import RunFilter
+from ledger.dashboard_queries import RunFilter
 
 TABLE = {
     "run_id": st.column_config.NumberColumn("run"),

@@ -10,7 +10,7 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import charts, data
-from ledger.queries import RunFilter
+from ledger.dashboard_queries import RunFilter
 
 BUDGET_CHECKS = (  # budget key, statistic, label, True when larger is worse
     ("max_mean_kl", "mean_kl", "mean KL", True),

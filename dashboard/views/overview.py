@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from dashboard import charts, data
-from ledger.queries import RunFilter
+from ledger.dashboard_queries import RunFilter
 
 COLUMNS = {
     "run_id": st.column_config.NumberColumn("run"),

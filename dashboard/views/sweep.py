@@ -7,8 +7,8 @@ import pandas as pd
 import streamlit as st
 
 from dashboard import sweep_data
+from ledger.dashboard_queries import RunFilter
 from ledger.db import Ledger
-from ledger.queries import RunFilter
 
 
 def heatmap(df: pd.DataFrame, metric: str) -> alt.Chart:
