@@ -73,6 +73,10 @@ class Executor:
         out: torch.Tensor,
     ) -> None:
         ctx = self.ctx
+        is_still_resident = self.expert_store.is_on_device(key)  # a load earlier in this layer may have evicted it
+        if len(uses) == 1 and uses[0].decision.tag is Tag.RESIDENT and is_still_resident:  # common case, kept lean
+            self._run_resident(module, uses[0], hidden, weights, out)
+            return
         groups: dict[Tag, list[ExpertUse]] = {}
         for use in uses:
             tag = served_tag(use, ctx.is_observe)
@@ -120,6 +124,17 @@ class Executor:
                     transfer_s if i == 0 else 0.0,
                     fetched.note if i == 0 else "",
                 )
+
+    def _run_resident(
+        self, module: torch.nn.Module, use: ExpertUse, hidden: torch.Tensor, weights: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """One request's tokens through an expert already on device: compute, account, record `resident`."""
+        ctx, token_idx = self.ctx, use.token_idx
+        y = expert_mlp(module, hidden[token_idx], self.expert_store.device_weights(use.key))
+        out[token_idx] += y * weights[token_idx, use.top_k_pos, None]
+        ctx.log.modeled_compute_s += self.profile.device_compute_s(self.flops_per_expert_token * len(token_idx))
+        ctx.used_expert_keys.append(use.key)
+        ctx.log.add(ctx.batch.request_ids[use.request_index], use.key[0], ObjectKind.EXPERT, Tag.RESIDENT)
 
     def _record(self, use: ExpertUse, tag: Tag, moved: int, tier: Tier | None, modeled_s: float, note: str) -> None:
         ctx = self.ctx
