@@ -17,6 +17,7 @@ from engine.kv_store import KVBlockKey, SpillMode
 from engine.loader import load_checkpoint
 from engine.messages import RequestOutput, StepPlan, StepResult
 from engine.model_runner import ModelRunner
+from engine.sampler import sample
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence
 from engine.step_context import EventLog, ForwardBatch
@@ -196,7 +197,8 @@ class Engine:
         for seq, num in chosen:
             seq.num_computed_tokens += num
             if seq.num_computed_tokens == seq.num_tokens:
-                sampled[seq.request_id], kept[seq.request_id] = self._sample(seq, logits[row]), logits[row]
+                kept[seq.request_id] = logits[row]
+                sampled[seq.request_id] = sample(logits[row], seq.params, seq.generator)
                 row += 1
         events = log.events()
         modeled = log.modeled_transfer_s + log.modeled_compute_s
@@ -223,18 +225,6 @@ class Engine:
             pool.used_bytes_by_kind[ObjectKind.EXPERT],
             pool.used_bytes_by_kind[ObjectKind.KV_BLOCK],
         )
-
-    def _sample(self, seq: Sequence, logits: torch.Tensor) -> int:
-        params = seq.params
-        if params.temperature == 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits / params.temperature, dim=-1)
-        if params.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            drop = torch.cumsum(sorted_probs, 0) - sorted_probs > params.top_p
-            sorted_probs[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-        return int(torch.multinomial(probs.cpu(), 1, generator=seq.generator))
 
     def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor, now: float) -> bool:
         if not seq.output_token_ids:

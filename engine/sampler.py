@@ -1,0 +1,20 @@
+"""Choosing the next token: greedy, or seeded temperature / nucleus sampling."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sequence import SamplingParams
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """The next token from fp32 `logits` [vocab]: argmax at temperature 0, else a draw from `generator`."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        drop = torch.cumsum(sorted_probs, 0) - sorted_probs > params.top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
