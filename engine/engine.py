@@ -19,7 +19,7 @@ from engine.messages import RequestOutput, StepPlan, StepResult
 from engine.model_runner import ModelRunner
 from engine.sampler import sample
 from engine.scheduler import Scheduler
-from engine.sequence import SamplingParams, Sequence
+from engine.sequence import SamplingParams, Sequence, check_prompt
 from engine.step_context import EventLog, ForwardBatch
 from engine.step_end import apply_step_end
 from engine.tags import ObjectKind, Tag
@@ -81,22 +81,8 @@ class Engine:
         request_id = request_id or f"req-{len(self.sequences)}"
         if request_id in self.sequences:
             raise PromptError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise PromptError(f"request {request_id!r}: the prompt is empty")
         limit = min(self.config.max_model_len, int(getattr(self.model_config, "max_position_embeddings", 1 << 30)))
-        if len(prompt_token_ids) + params.max_new_tokens > limit:
-            raise PromptError(
-                f"request {request_id!r}: prompt ({len(prompt_token_ids)} tokens) + max_new_tokens "
-                f"({params.max_new_tokens}) exceeds the model length limit {limit}"
-            )
-        vocab = int(self.model_config.vocab_size)
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
-            raise PromptError(f"request {request_id!r}: token ids must be in [0, {vocab})")
-        if not 0 <= num_scored_tokens <= len(prompt_token_ids):
-            raise PromptError(
-                f"request {request_id!r}: num_scored_tokens must be in [0, {len(prompt_token_ids)}] "
-                f"(prompt of {len(prompt_token_ids)} tokens), got {num_scored_tokens}"
-            )
+        check_prompt(request_id, prompt_token_ids, params, limit, int(self.model_config.vocab_size), num_scored_tokens)
         seq = Sequence(request_id, list(prompt_token_ids), params, request_class)
         seq.num_scored_tokens = num_scored_tokens
         seq.modeled_arrival_s = self.modeled_clock_s

@@ -8,6 +8,8 @@ import time
 
 import torch
 
+from engine.errors import PromptError
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not admitted yet
@@ -83,3 +85,28 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+def check_prompt(
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    limit: int,
+    vocab: int,
+    num_scored_tokens: int = 0,
+) -> None:
+    """Refuse an unusable prompt with a message naming the request and what is wrong."""
+    if not prompt_token_ids:
+        raise PromptError(f"request {request_id!r}: the prompt is empty")
+    if len(prompt_token_ids) + params.max_new_tokens > limit:
+        raise PromptError(
+            f"request {request_id!r}: prompt ({len(prompt_token_ids)} tokens) + max_new_tokens "
+            f"({params.max_new_tokens}) exceeds the model length limit {limit}"
+        )
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+        raise PromptError(f"request {request_id!r}: token ids must be in [0, {vocab})")
+    if not 0 <= num_scored_tokens <= len(prompt_token_ids):
+        raise PromptError(
+            f"request {request_id!r}: num_scored_tokens must be in [0, {len(prompt_token_ids)}] "
+            f"(prompt of {len(prompt_token_ids)} tokens), got {num_scored_tokens}"
+        )
