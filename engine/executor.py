@@ -141,7 +141,7 @@ class Executor:
         decided = use.decision.tag
         if decided is not Tag.RESIDENT and use.decision.reason:
             note = (note + "; " if note else "") + use.decision.reason
-        if ctx.is_observe and decided not in (Tag.RESIDENT, tag):
+        if ctx.is_observe and decided not in (Tag.RESIDENT, Tag.EXACT_LOAD, tag):
             note = (note + "; " if note else "") + f"observe: would serve {decided.value}"
         cost = use.decision.predicted_cost if not ctx.is_observe else 0.0
         ctx.log.add(

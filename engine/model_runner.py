@@ -68,8 +68,9 @@ class ModelRunner:
             )
         )
         tag, note = decision.tag, decision.reason
-        if is_observe and tag is not Tag.EXACT_LOAD and exact_tier is not None:
-            note, tag = f"observe: would serve {tag.value}", Tag.EXACT_LOAD
+        if is_observe and tag is not Tag.EXACT_LOAD:  # observe serves exactly: the full copy, else a rebuild
+            served = Tag.EXACT_LOAD if exact_tier else Tag.RECOMPUTE
+            note, tag = (f"observe: would serve {tag.value}" if served is not tag else note), served
         if (tag is Tag.EXACT_LOAD and exact_tier is None) or (tag is Tag.KV_DEQUANT and quant_tier is None):
             raise EngineError(f"controller chose {tag.value} for KV block {block.key} which has no such copy")
         try:

@@ -130,3 +130,22 @@ def test_device_accounting_is_byte_accurate(checkpoint_factory) -> None:
         kv_blocks = len(engine.kv_store.device_blocks())
         assert result.num_device_bytes_kv == kv_blocks * block
     assert torch.tensor(0.0).item() == 0.0
+
+
+@pytest.mark.parametrize("force", ["expert_defer", "expert_lowbit", "kv_dequant"])
+def test_observe_mode_records_the_choice_but_serves_exactly(force: str, checkpoint_factory) -> None:
+    path = checkpoint_factory("qwen3_moe")
+    expert, block, layers, top_k = sizes(path)
+    engine = Engine(
+        EngineConfig(str(path), block_size=4, max_num_seqs=3, device_budget_bytes=4 * expert + 12 * layers * block),
+        ExactLRUController([force]),
+    )
+    engine.is_observe = True
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in _prompts(1)]
+    notes: list[str] = []
+    while engine.has_unfinished():
+        notes += [e.note for e in engine.step().events if "observe" in e.note]
+    outputs = [engine.finished[i] for i in ids]
+    assert not set(_tags(outputs)) & {"expert_defer", "expert_lowbit", "kv_dequant"}
+    assert notes and all(n.endswith(f"observe: would serve {force}") for n in notes)
+    assert _max_teacher_forced_diff(engine, outputs) < 1e-4  # exact (kv_dequant: rebuilt by recompute)
