@@ -79,7 +79,7 @@ def build_stores(
     if host_budget is None:
         host_budget = 2 * num_experts_total * expert_bytes + 2 * kv_everything
     device_pool, host_pool = TierPool("device", device_budget), TierPool("host", host_budget)
-    spill = SpillDir(config.spill_dir or tempfile.mkdtemp(prefix="fallbackgate-spill-"))
+    spill = SpillDir(config.spill_dir or tempfile.gettempdir())
     expert_store = ExpertStore(
         loaded.experts_by_layer, device_pool, host_pool, spill, device, config.expert_lowbit_bits
     )

@@ -99,15 +99,16 @@ class Executor:
             if tag is Tag.CPU_EXECUTE:
                 y = expert_mlp(module, x.to("cpu", torch.float32), fetched.weights).to(hidden.device)
                 compute_s = self.profile.cpu_compute_s(self.flops_per_expert_token * len(token_idx))
-                compute_s += self.profile.transfer_s(2 * x.numel() * 4, Tier.HOST)
+                activations_s = self.profile.transfer_s(2 * x.numel() * 4, Tier.HOST)  # there and back
             else:
                 y = expert_mlp(module, x, fetched.weights)
                 compute_s = self.profile.device_compute_s(self.flops_per_expert_token * len(token_idx))
+                activations_s = 0.0
             out[token_idx] += y * weights[token_idx, top_k_pos, None]  # rows are distinct per expert
             ctx.log.modeled_compute_s += compute_s
             ctx.used_expert_keys.append(key)
             target = Tier.HOST if tag is Tag.CPU_EXECUTE else Tier.DEVICE
-            transfer_s = (
+            transfer_s = activations_s + (
                 self.profile.transfer_s(fetched.bytes_moved, fetched.source_tier, target)
                 if fetched.source_tier
                 else 0.0

@@ -9,7 +9,7 @@ import torch
 
 from engine.device_pool import TierPool
 from engine.errors import ChecksumError, EngineError
-from engine.quant import Quantized, dequantize, quantize
+from engine.quant import Quantized, dequantize, quantize, quantized_to
 from engine.spill import SpillDir, SpillRecord
 from engine.tags import ObjectKind, Tier
 
@@ -172,7 +172,9 @@ class ExpertStore:
         low = self.entries[key].lowbit
         if low is None:
             raise EngineError(f"expert {key} has no low-bit copy")
-        weights = ExpertWeights(dequantize(low[0]), dequantize(low[1]))
+        weights = ExpertWeights(  # the low-bit bytes cross the link; dequantized where the expert runs
+            dequantize(quantized_to(low[0], self.device)), dequantize(quantized_to(low[1], self.device))
+        )
         return Fetched(weights, Tier.HOST, low[0].num_bytes + low[1].num_bytes)
 
     def _read_home(self, key: ExpertKey) -> Fetched:

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from engine.quant import Quantized, dequantize, quantize
+from engine.quant import Quantized, dequantize, quantize, quantized_to
 from engine.spill import SpillDir, SpillRecord
 
 
@@ -62,3 +62,9 @@ def read_quant(spill: SpillDir, quant: QuantKV) -> QuantKV:
         codes, scales, zeros = (spill.read(r) for r in quant.records[3 * i : 3 * i + 3])
         parts.append(Quantized(codes, scales, zeros, bits, axis, group_size))
     return QuantKV(parts[0], parts[1], quant.bits, quant.nbytes)
+
+
+def quant_to(quant: QuantKV, device: torch.device) -> QuantKV:
+    """The same quantized block with codes, scales and zero points on `device`."""
+    assert quant.keys is not None and quant.values is not None
+    return QuantKV(quantized_to(quant.keys, device), quantized_to(quant.values, device), quant.bits, quant.nbytes)

@@ -15,7 +15,7 @@ import torch
 
 from engine.device_pool import TierPool
 from engine.errors import ChecksumError, EngineError
-from engine.kv_codec import QuantKV, dequantize_kv, quantize_kv, read_quant, write_quant
+from engine.kv_codec import QuantKV, dequantize_kv, quant_to, quantize_kv, read_quant, write_quant
 from engine.spill import SpillDir, SpillRecord
 from engine.tags import ObjectKind, Tag, Tier
 
@@ -140,6 +140,7 @@ class KVStore:
                 if block.device is None:
                     staged = self.stage(block, Tag.EXACT_LOAD) if block.num_tokens else None
                     self._reserve_device(block, staged.tensor if staged else None)
+                    self._drop_copies(block, keep_device=True)  # new tokens land on device: older copies go stale
                     if staged:
                         restored.append(staged)
         self.num_tokens[request_id] = used + num_new_tokens
@@ -221,7 +222,7 @@ class KVStore:
             quant, tier = read_quant(self.spill, block.disk_q), Tier.DISK
         else:
             raise EngineError(f"KV block {block.key} has no quantized copy")
-        tensor = dequantize_kv(quant).to(self.device)
+        tensor = dequantize_kv(quant_to(quant, self.device))  # only the quantized bytes cross the link
         return Staged(tensor, Tag.KV_DEQUANT, tier, quant.num_bytes)
 
     def promote(self, block: KVBlock) -> bool:

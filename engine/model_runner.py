@@ -47,7 +47,7 @@ class ModelRunner:
                             index = block.key[2]
                             rebuild_from = index if rebuild_from is None else min(rebuild_from, index)
             if rebuild_from is not None:
-                self._recompute(step_id, seq, rebuild_from * kv.block_size, start, log)
+                self._recompute(step_id, seq, rebuild_from * kv.block_size, start, log, is_observe)
 
     def _stage_block(self, step_id: int, seq: Sequence, block: KVBlock, log: EventLog, is_observe: bool) -> Tag:
         kv, profile = self.executor.kv_store, self.executor.profile
@@ -92,7 +92,7 @@ class ModelRunner:
         self.executor.used_kv_block_keys.append(block.key)
         return staged.tag
 
-    def _recompute(self, step_id: int, seq: Sequence, begin: int, end: int, log: EventLog) -> None:
+    def _recompute(self, step_id: int, seq: Sequence, begin: int, end: int, log: EventLog, is_observe: bool) -> None:
         """Re-run the model over tokens [begin, end) so their KV is rebuilt into the staged blocks."""
         kv = self.executor.kv_store
         for layer in range(kv.num_layers):  # blocks in the range that are readable need no rebuild
@@ -103,7 +103,7 @@ class ModelRunner:
         batch = ForwardBatch(
             [seq.request_id], [begin], [end - begin], torch.zeros(end - begin, dtype=torch.long), [seq.request_class]
         )
-        self.forward(step_id, batch, token_ids, [], log, is_observe=False)
+        self.forward(step_id, batch, token_ids, [], log, is_observe=is_observe)
 
     # --- forward -------------------------------------------------------------------------------
     def forward(

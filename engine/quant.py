@@ -60,3 +60,8 @@ def dequantize(q: Quantized) -> torch.Tensor:
     grouped = codes.reshape(*codes.shape[:-1], -1, q.group_size)
     values = grouped * q.scales.unsqueeze(-1) + q.zeros.unsqueeze(-1)
     return values.reshape(*codes.shape[:-1], -1)[..., :length].movedim(-1, q.axis).contiguous()
+
+
+def quantized_to(q: Quantized, device: torch.device) -> Quantized:
+    """`q` with its tensors on `device` (a no-op when they are already there)."""
+    return dataclasses.replace(q, codes=q.codes.to(device), scales=q.scales.to(device), zeros=q.zeros.to(device))

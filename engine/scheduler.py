@@ -6,6 +6,7 @@ from collections import deque
 from collections.abc import Callable
 
 from engine.config import EngineConfig
+from engine.errors import BudgetError
 from engine.kv_store import KVBlockKey, KVStore, Staged
 from engine.messages import StepKind, StepPlan
 from engine.sequence import Sequence, SequenceStatus
@@ -55,7 +56,12 @@ class Scheduler:
                 budget -= num
         resumed = self._admit(chosen, budget)
         if not chosen:
-            raise RuntimeError("scheduler could not fit any request; the device budget is below the minimum")
+            pool = self.kv_store.device_pool
+            waiting = [s.request_id for s in list(self.running) + list(self.swapped) + list(self.waiting)][:5]
+            raise BudgetError(
+                f"no request fits on device this step (requests {waiting}): device budget {pool.budget_bytes} B, "
+                f"{pool.free_bytes} B free, {self.expert_floor_bytes} B kept for expert slots; raise the device budget"
+            )
         return self._plan(chosen, resumed, preempted_before), chosen
 
     def _admit(self, chosen: list[tuple[Sequence, int]], budget: int) -> list[str]:

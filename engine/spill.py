@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import shutil
+import uuid
+import weakref
 import zlib
 
 import numpy as np
@@ -32,15 +35,18 @@ class SpillRecord:
 class SpillDir:
     """Writes and reads tensors under one directory; every read verifies every page's checksum."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
-        self.root = pathlib.Path(root)
+    def __init__(self, parent: str | os.PathLike[str]) -> None:
+        """Files go into a fresh `fallbackgate-spill-<id>` directory under `parent` (so engines sharing a
+        spill directory never collide); it is removed when this object is garbage collected or at exit."""
+        self.root = pathlib.Path(parent) / f"fallbackgate-spill-{uuid.uuid4().hex[:12]}"
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(parents=True, exist_ok=False)
             probe = self.root / ".fallbackgate-write-probe"
             probe.write_bytes(b"ok")
             probe.unlink()
         except OSError as exc:
-            raise EngineError(f"spill directory {self.root} is not writable: {exc}") from exc
+            raise EngineError(f"spill directory {parent} is not writable: {exc}") from exc
+        weakref.finalize(self, shutil.rmtree, self.root, ignore_errors=True)
         self.is_checksum_verified = True  # tests turn this off to plant a fault
 
     def write(self, name: str, tensor: torch.Tensor) -> SpillRecord:

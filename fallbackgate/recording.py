@@ -89,6 +89,20 @@ def audit_and_judge(
     finish the run, judge it, record the verdicts and close the writer; returns the verdict and the number
     audited."""
     budgets, slos = budgets or {}, slos or {}
+    try:
+        audited = _record_and_audit(engine, outcome, writer, budgets, slos, audit_rate, seed)
+    except BaseException:
+        writer.finish_run(status="failed")
+        writer.close()
+        raise
+    verdict = evaluate_run(writer.ledger, writer.run_id)
+    record_verdicts(writer, verdict)
+    writer.close()
+    return verdict, len(audited)
+
+
+def _record_and_audit(engine: Engine, outcome: RunOutcome, writer: LedgerWriter, budgets: Budgets, slos: Budgets,
+                      audit_rate: float, seed: int) -> list[Any]:
     for spec, output in zip(outcome.specs, outcome.outputs, strict=True):
         writer.record_request(
             output, prompt=spec.prompt, budget=budgets.get(spec.request_class), slo=slos.get(spec.request_class)
@@ -99,10 +113,7 @@ def audit_and_judge(
         writer.record_diffs(output.request_id, diffs, stats)
     writer.record_control(numeric_floor(engine, audited[0]))
     writer.finish_run(status="complete")
-    verdict = evaluate_run(writer.ledger, writer.run_id)
-    record_verdicts(writer, verdict)
-    writer.close()
-    return verdict, len(audited)
+    return audited
 
 
 def record_and_judge(

@@ -125,3 +125,25 @@ def test_kv_block_keeps_full_and_quantized_copies(tmp_path: pathlib.Path) -> Non
     dequantized = kv.stage(block, Tag.KV_DEQUANT).tensor
     error = (dequantized - original).abs().max().item()
     assert 0 < error < 0.05
+
+
+def test_restored_tail_block_never_comes_back_stale(tmp_path: pathlib.Path) -> None:
+    """Swap out a partial tail, bring it back, append, swap out again: the second copy has the new token."""
+    from engine.device_pool import TierPool
+    from engine.kv_store import KVStore, SpillMode
+
+    device, host = TierPool("device", 1 << 20), TierPool("host", 1 << 20)
+    kv = KVStore(1, 1, 2, 2, 4, device, host, SpillDir(tmp_path), torch.device("cpu"))
+    kv.add_sequence("r")
+    kv.append("r", 3)
+    kv.write("r", 0, 0, torch.ones(1, 3, 2), torch.ones(1, 3, 2))
+    block = kv.blocks("r", 0)[0]
+    kv.spill_block(block, SpillMode.HOST_FULL)
+    restored = kv.append("r", 1)  # resume: the partial tail comes back, position 3 is next
+    assert len(restored) == 1 and block.host is None  # the old copy is gone once new tokens can land
+    kv.write("r", 0, 3, torch.full((1, 1, 2), 7.0), torch.full((1, 1, 2), 7.0))
+    assert kv.spill_block(block, SpillMode.HOST_FULL) == kv.bytes_per_block
+    kv.clear_scratch()
+    staged = kv.stage(block, Tag.EXACT_LOAD)
+    assert staged.tensor[0, 3].tolist() == [7.0, 7.0, 7.0, 7.0]
+    assert host.used_bytes == kv.bytes_per_block  # one copy accounted, not two

@@ -140,8 +140,8 @@ def test_position_offset_after_recompute(
     engine = _engine(model, ("recompute",))
     armed, recompute, shifted_at = _at_step(engine, FAULT_STEP), ModelRunner._recompute, []
 
-    def recompute_shifted(self: ModelRunner, step_id: int, seq, begin: int, end: int, log) -> None:
-        recompute(self, step_id, seq, begin, end, log)
+    def recompute_shifted(self: ModelRunner, step_id: int, seq, begin: int, end: int, log, is_observe: bool) -> None:
+        recompute(self, step_id, seq, begin, end, log, is_observe)
         if armed():
             _shift_one_position(engine, seq.request_id)
             shifted_at.append(step_id)

@@ -20,8 +20,10 @@ DATA_DIR = pathlib.Path(__file__).resolve().parents[1] / "evals" / "data"
 needs_ckpt = pytest.mark.skipif(
     not (CHECKPOINT_DIR / "model.safetensors").exists(), reason="checkpoint not built"
 )
+# CI (FALLBACKGATE_REQUIRE_CORPUS=1, set by .ci/test) has ../shared beside the clone: there a missing corpus fails.
 needs_corpus = pytest.mark.skipif(
-    not default_corpus_dir().exists(), reason="corpus not available"
+    not default_corpus_dir().exists() and os.environ.get("FALLBACKGATE_REQUIRE_CORPUS") != "1",
+    reason="corpus not available",
 )
 
 

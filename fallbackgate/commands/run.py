@@ -93,7 +93,12 @@ def _setup(args: argparse.Namespace) -> tuple[list[PromptSpec], Engine, RunSetti
     specs = check_classes(policy, specs)
     settings = run_settings(policy, args)
     writer = None if args.no_ledger else LedgerWriter(open_ledger(policy.ledger.url))
-    engine, _ = build_policy_engine(policy, settings, writer.ledger if writer else None, args.force)
+    try:
+        engine, _ = build_policy_engine(policy, settings, writer.ledger if writer else None, args.force)
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        raise
     return specs, engine, settings, writer, policy
 
 
@@ -120,6 +125,15 @@ def run(args: argparse.Namespace) -> int:
     except (PromptsFileError, EngineError, LedgerError, ValueError) as exc:
         print(f"fallbackgate run: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        return _serve(args, specs, engine, settings, writer, policy)
+    except EngineError as exc:  # e.g. a prompt too long for the model: the run is marked failed
+        print(f"fallbackgate run: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _serve(args: argparse.Namespace, specs: list[PromptSpec], engine: Engine, settings: RunSettings,
+           writer: LedgerWriter | None, policy: Any) -> int:
     if writer is None:
         outcome = run_prompts(engine, specs, settings, None, not args.quiet)
         print_report(outcome, sys.stdout)
