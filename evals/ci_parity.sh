@@ -18,5 +18,6 @@ tasks=fg_cloze,fg_rolling_ppl,fg_names
 limit=${FALLBACKGATE_PARITY_LIMIT:-10}
 "$PY" -m fallbackgate.cli parity --policy fallbackgate/policies/exact.yaml --tasks "$tasks" --limit "$limit" \
   --model "$model" --ledger "sqlite:///$work/ledger.db" --report-dir "$work/exact"
-"$PY" -m fallbackgate.cli parity --policy evals/policies/ci_kv_int4.yaml --force kv_dequant --tasks "$tasks" \
+# 64-token chunks: later chunks of a window attend over the int4 copies of earlier chunks' KV
+"$PY" -m fallbackgate.cli parity --policy evals/policies/ci_kv_int4.yaml --force kv_dequant --chunk-tokens 64 --tasks "$tasks" \
   --limit "$limit" --model "$model" --ledger "sqlite:///$work/ledger.db" --report-dir "$work/approx"

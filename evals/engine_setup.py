@@ -17,6 +17,8 @@ from fallbackgate.policy.apply import build_policy_engine, class_budgets
 from fallbackgate.session import RunSettings
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
+SCORING_BATCH_TOKENS = 4096  # at least the longest window (prompt + continuation) the adapter scores
+
 
 @dataclasses.dataclass
 class EngineSetup:
@@ -50,11 +52,15 @@ def build_setup(
     force: list[str] | None = None,
     exact_baseline: bool = False,
     policy_name: str | None = None,
+    chunk_tokens: int = SCORING_BATCH_TOKENS,
 ) -> EngineSetup:
     """Load the policy (a path or a parsed one; None: the default exact policy) and build its engine.
 
     `exact_baseline` builds :func:`exact_counterpart` instead; `force` forces fallback tags on an
     ``exact_lru`` policy (as ``fallbackgate run --force``); `device_budget_mb` overrides the policy's.
+    `chunk_tokens` is the engine's tokens per forward: the default scores a whole window in one forward
+    (hf's summation order); smaller values split windows into prefill chunks whose later chunks read the
+    earlier chunks' KV through the policy's fallbacks.
     """
     if isinstance(policy, str | pathlib.Path):
         from evals.tolerances import load_parity_policy
@@ -81,6 +87,8 @@ def build_setup(
         spill_dir=mem.spill_dir,
         profile=policy.hardware.profile,
         preempt_mode=mem.preempt_mode,
+        # a whole scoring window in one forward, as lm-eval's hf model computes it (same summation order)
+        max_num_batched_tokens=chunk_tokens,
     )
     engine, controller = build_policy_engine(policy, settings, None, list(force or []))
     name = policy.controller.kind + (f" force={'|'.join(force)}" if force else "")

@@ -52,6 +52,7 @@ class FallbackgateLM(TemplateLM):
         exact_baseline: bool = False,
         note: str = "",
         setup: EngineSetup | None = None,
+        chunk_tokens: int | None = None,
         **_ignored: Any,
     ) -> None:
         """`pretrained`: checkpoint directory (default: the policy's model, else the bundled tiny MoE);
@@ -60,7 +61,9 @@ class FallbackgateLM(TemplateLM):
         `force`: fallback tags forced on an exact_lru policy (testing); `setup`: a prebuilt engine setup."""
         super().__init__()
         forced = force.split("|") if isinstance(force, str) else list(force or [])
-        self.setup = setup or build_setup(pretrained, policy, device_budget_mb, forced, bool(exact_baseline))
+        self.setup = setup or build_setup(
+            pretrained, policy, device_budget_mb, forced, bool(exact_baseline), chunk_tokens=int(chunk_tokens or 4096)
+        )
         self.engine: Engine = self.setup.engine
         self.tokenizer = self.engine.tokenizer
         self.add_bos_token = add_bos_token

@@ -37,6 +37,7 @@ class ParityConfig:
     force: list[str] = dataclasses.field(default_factory=list)
     batch_size: int = 64
     seed: int = 0
+    chunk_tokens: int = 4096  # engine tokens per forward on both sides (small: windows split into chunks)
 
 
 @dataclasses.dataclass
@@ -145,11 +146,19 @@ def run_parity(prepared: Prepared) -> dict[str, Any]:
 
     cfg = prepared.config
     exact = FallbackgateLM(
-        setup=build_setup(prepared.model_dir, prepared.policy, exact_baseline=True, policy_name=cfg.policy_path),
+        setup=build_setup(
+            prepared.model_dir,
+            prepared.policy,
+            exact_baseline=True,
+            policy_name=cfg.policy_path,
+            chunk_tokens=cfg.chunk_tokens,
+        ),
         ledger="none",
         batch_size=cfg.batch_size,
     )
-    setup = build_setup(prepared.model_dir, prepared.policy, force=cfg.force, policy_name=cfg.policy_path)
+    setup = build_setup(
+        prepared.model_dir, prepared.policy, force=cfg.force, policy_name=cfg.policy_path, chunk_tokens=cfg.chunk_tokens
+    )
     policy_lm = FallbackgateLM(setup=setup, ledger=cfg.ledger, batch_size=cfg.batch_size)
     url = policy_lm.ledger_url
     tasks = []

@@ -33,6 +33,7 @@ class RunSettings:
     max_num_seqs: int = 8
     profile: str = "cpu-box"
     preempt_mode: str = "swap"
+    max_num_batched_tokens: int = 256  # tokens per forward (prefill chunk size)
 
     def engine_config(self) -> EngineConfig:
         """The engine configuration these settings describe."""
@@ -50,6 +51,7 @@ class RunSettings:
             profile=get_profile(self.profile),
             preempt_mode=self.preempt_mode,
             seed=self.seed,
+            max_num_batched_tokens=self.max_num_batched_tokens,
         )
 
 

@@ -31,8 +31,27 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from fallbackgate.tinymoe.data import load_books, split_books  # noqa: E402
 
-NOT_NAMES = {"Mr", "Mrs", "Miss", "Lord", "Lady", "Sir", "Captain", "Daddy", "Mother", "Father",
-             "England", "English", "America", "American", "Russian", "French", "God", "King", "Queen"}
+NOT_NAMES = {
+    "Mr",
+    "Mrs",
+    "Miss",
+    "Lord",
+    "Lady",
+    "Sir",
+    "Captain",
+    "Daddy",
+    "Mother",
+    "Father",
+    "England",
+    "English",
+    "America",
+    "American",
+    "Russian",
+    "French",
+    "God",
+    "King",
+    "Queen",
+}
 _SENT_RE = re.compile(r"(?<=[.!?])([\"”’']?)\s+(?=[\"“‘']?[A-Z])")
 
 
@@ -66,14 +85,19 @@ def wrapped_choice(context: str, choice: str) -> str:
     """
     head, full = wrap(context), wrap(context + " " + choice)
     assert full.startswith(head), (head, full)
-    return full[len(head):]
+    return full[len(head) :]
 
 
 def good_sentence(sent: str) -> bool:
     """True for ordinary prose sentences (not headings, not tiny, not huge)."""
     words = sent.split()
-    return (5 <= len(words) <= 40 and 25 <= len(sent) <= 220 and not sent.isupper()
-            and "CHAPTER" not in sent and sent[-1] in ".!?\"”’'")
+    return (
+        5 <= len(words) <= 40
+        and 25 <= len(sent) <= 220
+        and not sent.isupper()
+        and "CHAPTER" not in sent
+        and sent[-1] in ".!?\"”’'"
+    )
 
 
 def build_rolling(heldout: dict[str, str], n: int, rng: random.Random) -> list[dict]:
@@ -108,7 +132,7 @@ def build_cloze(heldout: dict[str, str], n: int, rng: random.Random) -> list[dic
     pool = [i for i, r in enumerate(rows) if good_sentence(r[2])]
     candidates = []
     for i in range(4, len(rows)):
-        ctx = rows[i - 4:i]
+        ctx = rows[i - 4 : i]
         if good_sentence(rows[i][2]) and all(c[0] == rows[i][0] for c in ctx):
             text = " ".join(c[2] for c in ctx)
             if 150 <= len(text) <= 700 and rows[i - 1][1] >= rows[i][1] - 1:
@@ -120,9 +144,16 @@ def build_cloze(heldout: dict[str, str], n: int, rng: random.Random) -> list[dic
         distractors = [rows[j][2] for j in rng.sample(near, 3)]
         plain = [true] + distractors
         rng.shuffle(plain)
-        items.append({"id": f"cloze-{k:04d}", "book": rows[i][0], "context": wrap(context),
-                      "choices": [wrapped_choice(context, c) for c in plain],
-                      "choices_plain": plain, "label": plain.index(true)})
+        items.append(
+            {
+                "id": f"cloze-{k:04d}",
+                "book": rows[i][0],
+                "context": wrap(context),
+                "choices": [wrapped_choice(context, c) for c in plain],
+                "choices_plain": plain,
+                "label": plain.index(true),
+            }
+        )
     return items
 
 
@@ -131,8 +162,11 @@ def character_names(text: str, min_count: int = 15) -> list[str]:
     caps = collections.Counter(re.findall(r"\b([A-Z][a-z]+)\b", text))
     low = collections.Counter(re.findall(r"\b([a-z]+)\b", text))
     mid = collections.Counter(re.findall(r"[a-z,;] ([A-Z][a-z]+)\b", text))
-    return [w for w, c in caps.items() if c >= min_count and w not in NOT_NAMES
-            and low[w.lower()] <= 0.02 * c and mid[w] >= 0.5 * c]
+    return [
+        w
+        for w, c in caps.items()
+        if c >= min_count and w not in NOT_NAMES and low[w.lower()] <= 0.02 * c and mid[w] >= 0.5 * c
+    ]
 
 
 def build_names(heldout: dict[str, str], n: int, rng: random.Random) -> list[dict]:
@@ -144,8 +178,8 @@ def build_names(heldout: dict[str, str], n: int, rng: random.Random) -> list[dic
             if m.start() < 800 or text[m.start() - 1] not in " \n":
                 continue
             length = rng.randint(300, 800)
-            start = re.search(r"\s", text[m.start() - length:]).start() + m.start() - length + 1
-            context = text[start:m.start()].rstrip()
+            start = re.search(r"\s", text[m.start() - length :]).start() + m.start() - length + 1
+            context = text[start : m.start()].rstrip()
             if re.search(r"\b" + m.group(1) + r"\b", context):
                 candidates.append((book, m.start(), context, m.group(1)))
     rng.shuffle(candidates)
@@ -156,8 +190,7 @@ def build_names(heldout: dict[str, str], n: int, rng: random.Random) -> list[dic
         if len(picked) == n:
             break
     picked.sort()
-    return [{"id": f"name-{k:04d}", "book": b, "context": ctx, "target": t}
-            for k, (b, _, ctx, t) in enumerate(picked)]
+    return [{"id": f"name-{k:04d}", "book": b, "context": ctx, "target": t} for k, (b, _, ctx, t) in enumerate(picked)]
 
 
 def write_jsonl(path: pathlib.Path, items: list[dict]) -> None:

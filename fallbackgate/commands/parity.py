@@ -29,6 +29,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--force", action="append", default=[], help="force a fallback tag on an exact_lru policy (testing)")
     p.add_argument("--batch-size", type=int, default=64, help="requests in flight in the engine at once")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=4096,
+        help="engine tokens per forward (default: a whole window, as lm-eval's hf model; smaller values split "
+        "windows into prefill chunks whose later chunks read earlier KV through the policy's fallbacks)",
+    )
     p.set_defaults(func=run)
 
 
@@ -49,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         list(args.force),
         args.batch_size,
         args.seed,
+        args.chunk_tokens,
     )
     try:
         prepared = prepare(config)
