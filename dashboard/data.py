@@ -13,7 +13,7 @@ import pandas as pd
 import streamlit as st
 from sqlalchemy import event
 
-from ledger import dashboard_queries, queries
+from ledger import dashboard_queries, queries, request_queries
 from ledger.dashboard_queries import RunFilter
 from ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError, open_ledger
 
@@ -117,7 +117,7 @@ def drift(url: str, f: RunFilter) -> pd.DataFrame:
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def run_requests(url: str, run_id: int, request_classes: tuple[str, ...]) -> pd.DataFrame:
     """The requests of one run (id, class, verdict)."""
-    rows = dashboard_queries.run_request_ids(connect(url), run_id, request_classes)
+    rows = request_queries.run_request_ids(connect(url), run_id, request_classes)
     return _frame(rows, ["request_id", "request_class", "verdict"])
 
 
@@ -131,9 +131,9 @@ def request_detail(url: str, run_id: int, request_id: str) -> dict[str, Any] | N
     return {
         "summary": summary,
         "run": queries.get_run(ledger, run_id),
-        "verdict": dashboard_queries.request_verdict(ledger, run_id, request_id),
+        "verdict": request_queries.request_verdict(ledger, run_id, request_id),
         "grid": _frame(
-            dashboard_queries.request_tag_grid(ledger, run_id, request_id),
+            request_queries.request_tag_grid(ledger, run_id, request_id),
             ["step_id", "layer", "object_kind", "tag", "exactness", "objects", "cell_objects", "cell_tags"],
         ),
         "positions": _frame(
@@ -141,11 +141,11 @@ def request_detail(url: str, run_id: int, request_id: str) -> dict[str, Any] | N
             ["position", "step_id", "token_id", "kl", "top1_agree", "delta_p", "logp_exact", "logp_engine"],
         ),
         "timeline": _frame(
-            dashboard_queries.request_step_timeline(ledger, run_id, request_id),
+            request_queries.request_step_timeline(ledger, run_id, request_id),
             ["step_id", "kind", "is_observe", "wall_s", "modeled_s", "cum_wall_s", "cum_modeled_s"]
             + ["predicted_cost", "cum_predicted_cost"],
         ),
-        "exactness": dashboard_queries.request_objects_by_class(ledger, run_id, request_id),
+        "exactness": request_queries.request_objects_by_class(ledger, run_id, request_id),
     }
 
 
