@@ -257,12 +257,10 @@ class Engine:
     def _make_room_for_kv(
         self, num_bytes: int, pinned: set[KVBlockKey], is_done: Callable[[], bool], is_kv_only: bool
     ) -> bool:
-        pinned_experts = set(self.expert_store.device_keys()) if is_kv_only else set()
-        if self.executor.make_room(num_bytes, pinned_kv=pinned, pinned_experts=pinned_experts, is_done=is_done):
-            return True
-        return self.executor.make_room(
-            num_bytes, pinned_kv=pinned, pinned_experts=set(self.expert_store.device_keys()), is_done=is_done
-        )
+        if not is_kv_only and self.executor.make_room(num_bytes, pinned_kv=pinned, is_done=is_done):
+            return True  # experts or KV, as the controller chose
+        all_experts = set(self.expert_store.device_keys())  # only KV blocks can help now
+        return self.executor.make_room(num_bytes, pinned_kv=pinned, pinned_experts=all_experts, is_done=is_done)
 
     def _preempt(self, seq: Sequence) -> None:
         if self.config.preempt_mode == "swap":

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from engine.controller import Decision, ExpertMiss, Victim
+from engine.controller import Decision, ExpertMiss
 from engine.errors import EngineError
 from engine.expert_store import ExpertKey, ExpertWeights, Fetched
-from engine.tags import ObjectKind, Tag, Tier
+from engine.tags import Tag, Tier
 
 if TYPE_CHECKING:
     from engine.executor import Executor
@@ -150,6 +150,3 @@ def fetch_for_tag(executor: Executor, key: ExpertKey, tag: Tag) -> Fetched:
     if tag is Tag.EXPERT_LOWBIT:
         return store.lowbit_weights(key)
     raise EngineError(f"{tag.value} is not an expert action")
-
-
-__all__ = ["Victim", "ObjectKind"]

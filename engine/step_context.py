@@ -23,10 +23,6 @@ class ForwardBatch:
     token_owner: torch.Tensor  # [T] index into request_ids for every packed token
     request_classes: list[str]  # class of each request
 
-    @property
-    def num_tokens(self) -> int:
-        return int(sum(self.lengths))
-
 
 class EventLog:
     """Aggregates actions into one Event per step × request × layer × kind × tag (× source, note)."""

@@ -48,7 +48,6 @@ EXPERT_TAGS: frozenset[Tag] = frozenset(
     {Tag.RESIDENT, Tag.EXACT_LOAD, Tag.CPU_EXECUTE, Tag.EXPERT_DEFER, Tag.EXPERT_LOWBIT}
 )
 KV_TAGS: frozenset[Tag] = frozenset({Tag.RESIDENT, Tag.EXACT_LOAD, Tag.KV_DEQUANT, Tag.RECOMPUTE})
-APPROXIMATE_TAGS: frozenset[Tag] = frozenset(t for t, c in TAG_EXACTNESS.items() if c is Exactness.APPROXIMATE)
 
 
 class ObjectKind(str, enum.Enum):

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
 
 from engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
 from engine.expert_store import ExpertKey
 from engine.kv_store import KVBlockKey, SpillMode
 from engine.tags import Tag
+from fallbackgate.controllers.base import Recency, full_block_keys, take_victims
 
 FORCEABLE_TAGS = frozenset({Tag.CPU_EXECUTE, Tag.EXPERT_DEFER, Tag.EXPERT_LOWBIT, Tag.KV_DEQUANT, Tag.RECOMPUTE})
 
@@ -32,7 +32,7 @@ class ExactLRUController(Controller):
             self.kv_spill_mode = SpillMode.HOST_INT8 if kv_quant_bits == 8 else SpillMode.HOST_INT4
         if Tag.RECOMPUTE in self.force:
             self.kv_spill_mode = SpillMode.DROP
-        self.expert_lru: OrderedDict[ExpertKey, None] = OrderedDict()
+        self.recency = Recency()
 
     def expert_action(self, miss: ExpertMiss) -> Decision:
         if Tag.EXPERT_DEFER in self.force:
@@ -55,36 +55,15 @@ class ExactLRUController(Controller):
     def choose_victims(
         self, num_bytes: int, view: EngineView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
     ) -> list[Victim]:
-        victims: list[Victim] = []
-        freed = 0
-        on_device = set(view.expert_store.device_keys())
-        ordered = [k for k in self.expert_lru if k in on_device] + [k for k in on_device if k not in self.expert_lru]
-        for key in ordered:
-            if freed >= num_bytes:
-                return victims
-            if key not in pinned_experts:
-                victims.append(Victim(expert_key=key))
-                freed += view.expert_store.bytes_per_expert
-        running = set(view.running_ids)
-        blocks = sorted(view.kv_store.device_blocks(), key=lambda b: (b.key[0] in running, b.key[2], b.key[1]))
-        for block in blocks:
-            if freed >= num_bytes:
-                break
-            if block.key not in pinned_kv:
-                victims.append(Victim(kv_block_key=block.key, spill_mode=self.kv_spill_mode))
-                freed += view.kv_store.bytes_per_block
-        return victims
+        experts = [Victim(expert_key=k) for k in self.recency.experts_lru_first(view)]
+        blocks = [Victim(kv_block_key=k, spill_mode=self.kv_spill_mode) for k in self.recency.kv_lru_first(view)]
+        return take_victims(experts + blocks, view, pinned_experts, pinned_kv)
 
     def on_step_end(self, view: EngineView) -> StepEndActions:
-        for key in view.used_expert_keys:
-            self.expert_lru.pop(key, None)
-            self.expert_lru[key] = None
+        self.recency.touch(view)
         actions = StepEndActions(load_experts=list(dict.fromkeys(view.deferred_expert_keys)))
         if Tag.KV_DEQUANT in self.force or Tag.RECOMPUTE in self.force:
-            kv = view.kv_store
-            for block in kv.device_blocks():
-                if block.num_tokens == kv.block_size and block.key[2] < kv.num_tokens[block.key[0]] // kv.block_size:
-                    actions.spill.append((block.key, self.kv_spill_mode))
+            actions.spill = [(key, self.kv_spill_mode) for key in sorted(full_block_keys(view))]
         else:
             actions.promote_kv = list(view.used_kv_block_keys)
         return actions
