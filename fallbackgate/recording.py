@@ -50,10 +50,22 @@ def versions() -> dict[str, str]:
     return {"fallbackgate": own, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
-def start_run(writer: LedgerWriter, engine: Engine, *, controller: str = "exact_lru", note: str = "") -> int:
-    """Insert the run row (status "running") describing ``engine``; returns the run id."""
+def start_run(
+    writer: LedgerWriter,
+    engine: Engine,
+    *,
+    controller: str = "exact_lru",
+    note: str = "",
+    policy: str | None = None,
+    policy_name: str | None = None,
+) -> int:
+    """Insert the run row (status "running") describing ``engine``; returns the run id.
+
+    ``policy`` is the effective policy as JSON and ``policy_name`` its file's stem (None: no policy file).
+    """
     return writer.start_run(
-        policy=None,
+        policy=policy,
+        policy_name=policy_name,
         model_path=engine.config.model_dir,
         controller=controller,
         hardware_profile=dataclasses.asdict(engine.config.profile),

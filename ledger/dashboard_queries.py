@@ -26,11 +26,15 @@ from ledger.queries import EXACTNESS_CLASSES, _all, reported_status
 class RunFilter:
     """Which runs (and requests) a dashboard view covers; empty tuples and None mean "all"."""
 
-    policies: tuple[str, ...] = ()  # runs.controller values
+    policies: tuple[str, ...] = ()  # POLICY_LABEL values
     models: tuple[str, ...] = ()  # runs.model_path values
     request_classes: tuple[str, ...] = ()  # requests.request_class values
     since: dt.datetime | None = None  # runs started at or after
     until: dt.datetime | None = None  # runs started before
+
+
+#: A run's policy as the dashboard labels it: the policy file's name, or the controller for runs without one.
+POLICY_LABEL = func.coalesce(Run.policy_name, Run.controller)
 
 
 def _float(expr: Any) -> Any:
@@ -42,7 +46,7 @@ def _run_ids(f: RunFilter) -> Select[Any]:
     """Ids of the runs that pass ``f`` (a run passes the class filter when it has such a request)."""
     stmt = select(Run.id)
     if f.policies:
-        stmt = stmt.where(Run.controller.in_(f.policies))
+        stmt = stmt.where(POLICY_LABEL.in_(f.policies))
     if f.models:
         stmt = stmt.where(Run.model_path.in_(f.models))
     if f.since is not None:
@@ -67,11 +71,11 @@ def _in_classes(f: RunFilter, run_col: Any, request_col: Any) -> Any:
 
 
 def filter_options(ledger: Ledger) -> dict[str, Any]:
-    """Distinct policies (controllers), models and request classes, and the first/last run start."""
+    """Distinct policies (see :data:`POLICY_LABEL`), models and request classes, and the first/last run start."""
     with ledger.engine.connect() as conn:
         first, last = conn.execute(select(func.min(Run.started_at), func.max(Run.started_at))).one()
         return {
-            "policies": list(conn.execute(select(Run.controller).distinct().order_by(Run.controller)).scalars()),
+            "policies": list(conn.execute(select(POLICY_LABEL).distinct().order_by(POLICY_LABEL)).scalars()),
             "models": list(conn.execute(select(Run.model_path).distinct().order_by(Run.model_path)).scalars()),
             "request_classes": list(
                 conn.execute(select(Request.request_class).distinct().order_by(Request.request_class)).scalars()
@@ -129,7 +133,8 @@ def overview_runs(ledger: Ledger, f: RunFilter, limit: int = 500, objects: bool 
             Run.id.label("run_id"),
             Run.started_at,
             Run.status,
-            Run.controller.label("policy"),
+            POLICY_LABEL.label("policy"),
+            Run.controller.label("controller"),
             Run.mode,
             Run.model_path.label("model"),
             case((vd.c.passed.is_(None), None), (vd.c.passed, "pass"), else_="fail").label("verdict"),
@@ -237,7 +242,8 @@ def drift_series(ledger: Ledger, f: RunFilter, limit: int = 500) -> list[dict[st
         select(
             Run.id.label("run_id"),
             Run.started_at,
-            Run.controller.label("policy"),
+            POLICY_LABEL.label("policy"),
+            Run.controller.label("controller"),
             Run.model_path.label("model"),
             Run.numeric_floor_kl,
             case((vd.c.passed.is_(None), None), (vd.c.passed, "pass"), else_="fail").label("verdict"),

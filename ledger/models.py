@@ -50,7 +50,8 @@ class Run(Base):
     started_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
     status: Mapped[str] = mapped_column(String(16), default="running")
-    policy: Mapped[str | None] = mapped_column(Text)  # policy file text (YAML) or JSON
+    policy: Mapped[str | None] = mapped_column(Text)  # the effective policy (file plus overrides) as JSON
+    policy_name: Mapped[str | None] = mapped_column(String(128))  # policy file stem, e.g. "balanced"
     model_path: Mapped[str | None] = mapped_column(Text)
     hardware_profile: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     versions: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))

@@ -50,3 +50,32 @@ def test_run_with_forced_cpu_execute_passes_within_the_equivalent_tolerance(
     assert status == 0
     tags = json.loads(out.read_text())["tags"]
     assert tags["cpu_execute"]["count"] > 0 and tags["exact_load"]["count"] == 0
+
+
+def test_run_with_a_policy_file_records_its_name_budgets_and_slos(tmp_path: pathlib.Path, checkpoint_factory) -> None:
+    from fallbackgate.policy import load_policy
+    from ledger.dashboard_queries import RunFilter, filter_options, overview_runs
+    from ledger.db import open_ledger
+
+    policies = pathlib.Path(__file__).resolve().parents[1] / "fallbackgate" / "policies"
+    model = checkpoint_factory("qwen3_moe")
+    ledger = tmp_path / "ledger.sqlite"
+    status = main(["run", "--policy", str(policies / "two_classes.yaml"), "--model", str(model),
+                   "--prompts", str(policies / "two_classes_prompts.jsonl"), "--ledger", str(ledger),
+                   "--device-budget-mb", "0.3", "--max-new-tokens", "3", "--quiet"])
+    assert status == 0
+    with sqlite3.connect(ledger) as conn:
+        name, controller, text = conn.execute("select policy_name, controller, policy from runs").fetchone()
+        budgets = dict(conn.execute("select request_class, budget from requests").fetchall())
+    assert (name, controller) == ("two_classes", "joint")
+    recorded = json.loads(text)  # the effective policy: the file with the command-line overrides applied
+    shipped = load_policy(policies / "two_classes.yaml")
+    assert recorded["classes"].keys() == shipped.classes.keys() and recorded["model"] == str(model)
+    assert recorded["memory"]["device_budget_mb"] == 0.3 != shipped.memory.device_budget_mb
+    assert json.loads(budgets["strict"])["max_approx_fraction"] == 0
+    assert json.loads(budgets["best-effort"])["max_mean_kl"] == 0.05
+    with open_ledger(str(ledger)) as opened:
+        assert filter_options(opened)["policies"] == ["two_classes"]
+        [row] = overview_runs(opened, RunFilter(policies=("two_classes",)))
+        assert (row["policy"], row["controller"]) == ("two_classes", "joint")
+        assert overview_runs(opened, RunFilter(policies=("joint",))) == []

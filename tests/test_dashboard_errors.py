@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from alembic.script import ScriptDirectory
 from streamlit.testing.v1 import AppTest
 
 import ledger.db
@@ -63,17 +64,18 @@ def test_missing_file_and_unreachable_server_show_a_message(tmp_path: Path, monk
 
 def test_older_schema_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     db = tmp_path / "old.sqlite"
-    open_ledger(str(db)).close()  # at revision 0001
+    open_ledger(str(db)).close()  # at today's newest revision
+    head = ScriptDirectory.from_config(ledger.db.alembic_config()).get_current_head()
     newer = tmp_path / "migrations"
     shutil.copytree(ledger.db.MIGRATIONS_DIR, newer, ignore=shutil.ignore_patterns("__pycache__"))
-    (newer / "versions" / "0002_later.py").write_text(
-        'revision = "0002"\ndown_revision = "0001"\nbranch_labels = None\ndepends_on = None\n\n\n'
+    (newer / "versions" / "9000_later.py").write_text(
+        f'revision = "9000"\ndown_revision = "{head}"\nbranch_labels = None\ndepends_on = None\n\n\n'
         "def upgrade() -> None:\n    pass\n\n\ndef downgrade() -> None:\n    pass\n"
     )
     monkeypatch.setattr(ledger.db, "MIGRATIONS_DIR", newer)  # this code now knows a newer schema
     at = run_app(str(db), monkeypatch)
     (msg,) = [e.value for e in at.error]
-    assert "has old schema revision '0001' (newest: '0002')" in msg and msg.startswith("Cannot open the ledger:")
+    assert f"has old schema revision '{head}' (newest: '9000')" in msg and msg.startswith("Cannot open the ledger:")
 
 
 def _fingerprint(db: Path) -> tuple[str, list[int]]:

@@ -152,3 +152,26 @@ def test_not_a_ledger(tmp_path: Path) -> None:
         open_ledger(str(tmp_path / "absent.sqlite"), read_only=True)
     assert not (tmp_path / "absent.sqlite").exists()
     assert os.path.getsize(junk) == 5
+
+
+def test_upgrade_from_0001_keeps_runs_and_labels_them_by_controller(tmp_path: Path) -> None:
+    from alembic import command
+    from sqlalchemy import create_engine
+
+    from ledger.dashboard_queries import RunFilter, overview_runs
+    from ledger.db import alembic_config
+
+    path = tmp_path / "old.sqlite"
+    cfg = alembic_config()
+    engine = create_engine(f"sqlite:///{path}")
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0001")
+        conn.execute(text("INSERT INTO runs (started_at, status, controller) VALUES ('2026-11-01', 'complete', 'joint')"))
+    engine.dispose()
+    with open_ledger(str(path)) as ledger:  # a writer's open upgrades the file to the head revision
+        with ledger.engine.connect() as conn:
+            assert MigrationContext.configure(conn).get_current_revision() == head_revision()
+            assert conn.execute(text("SELECT controller, policy_name FROM runs")).all() == [("joint", None)]
+        [row] = overview_runs(ledger, RunFilter(policies=("joint",)))
+        assert (row["policy"], row["controller"]) == ("joint", "joint")

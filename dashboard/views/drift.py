@@ -14,6 +14,7 @@ TABLE = {
     "run_id": st.column_config.NumberColumn("run"),
     "started_at": st.column_config.DatetimeColumn("started (UTC)"),
     "policy": "policy",
+    "controller": "controller",
     "model": "model",
     "audited_requests": "audited requests",
     "positions": "positions",

@@ -11,6 +11,7 @@ COLUMNS = {
     "run_id": st.column_config.NumberColumn("run"),
     "started_at": st.column_config.DatetimeColumn("started (UTC)"),
     "policy": "policy",
+    "controller": "controller",
     "mode": "mode",
     "model": "model",
     "status": "status",

@@ -6,6 +6,7 @@ Exit status: 0 when the gate passes, 1 when it fails, 2 for bad input (model, pr
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 from typing import Any
 
@@ -142,7 +143,14 @@ def _serve(args: argparse.Namespace, specs: list[PromptSpec], engine: Engine, se
             write_json(args.json, to_json(outcome, None))
         return 0
     kind = policy.controller.kind if policy is not None else "exact_lru"
-    run_id = start_run(writer, engine, controller=kind, note=f"force={args.force}")
+    run_id = start_run(
+        writer,
+        engine,
+        controller=kind,
+        note=f"force={args.force}",
+        policy=policy.model_dump_json() if policy is not None else None,
+        policy_name=pathlib.Path(args.policy).stem if policy is not None else None,
+    )
     outcome = serve_recorded(engine, specs, settings, writer, not args.quiet)
     print_report(outcome, sys.stdout)
     print_slips(engine.controller, sys.stdout)

@@ -7,7 +7,8 @@ book corpus (``../shared/data/corpus``), holding out whole books
 Steps:
 1. train a byte-level BPE tokenizer (``tokenizers``) on the training books;
 2. train a ``Qwen3MoeForCausalLM`` (every layer MoE, top-2 routing, a light
-   load-balancing auxiliary loss) with AdamW and a cosine LR schedule on random
+   load-balancing auxiliary loss; token embeddings initialised with std
+   1/sqrt(hidden), see :func:`init_model`) with AdamW and a cosine LR schedule on random
    256-token windows, seeded;
 3. save model (fp32 safetensors), tokenizer and ``training_info.json`` to the
    output directory (default: the package's ``checkpoint/``).
@@ -92,6 +93,23 @@ def build_config(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) -
         pad_token_id=eos,
         dtype="float32",
     )
+
+
+def init_model(config: Qwen3MoeConfig, seed: int, embed_std: float) -> Qwen3MoeForCausalLM:
+    """A freshly initialised model: transformers' init, then token embeddings N(0, ``embed_std``).
+
+    transformers draws every weight, embeddings included, from N(0, 0.02). At
+    hidden size 192 that makes each token's embedding small next to what the
+    attention layers add, so the residual stream of a random model is dominated
+    by a running mean over the prefix and its deeper routers pick nearly the
+    same experts for every token. Embeddings of std 1/sqrt(hidden) (unit-variance
+    tied output logits) keep the token identity visible at initialisation.
+    """
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0.0, embed_std)
+    return model
 
 
 def encode_books(tokenizer: PreTrainedTokenizerFast, books: dict[str, str]) -> np.ndarray:
@@ -193,6 +211,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--moe-intermediate", type=int, default=128)
+    p.add_argument("--embed-std", type=float, default=0.0,
+                   help="std of the initial token embeddings (0: 1/sqrt(hidden))")
     p.add_argument("--aux-coef", type=float, default=0.001)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=256)
@@ -217,7 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"tokenizer {len(tokenizer)} tokens in {time.time() - t0:.1f}s; "
           f"train {len(train_ids):,} tokens, held-out {len(val_ids):,} tokens", flush=True)
     config = build_config(tokenizer, args)
-    model = Qwen3MoeForCausalLM(config)
+    embed_std = args.embed_std or args.hidden ** -0.5
+    model = init_model(config, args.seed, embed_std)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model params: {n_params:,}", flush=True)
     summary = train_loop(model, train_ids, val_ids, args)
@@ -233,7 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     info = {"params": n_params, "train_corpus_tokens": len(train_ids),
             "heldout_books": list(HELDOUT_BOOKS), "train_books": sorted(train_books),
             "args": {k: str(v) for k, v in vars(args).items()},
-            "torch_threads": args.threads, **summary}
+            "embed_std": embed_std, "torch_threads": args.threads, **summary}
     (args.out / "training_info.json").write_text(json.dumps(info, indent=1) + "\n")
     print(f"saved to {args.out}: {summary['steps']} steps, {summary['tokens_trained']:,} tokens, "
           f"{summary['train_wall_s']}s, val loss {summary['final_val_loss']:.3f}", flush=True)
