@@ -167,7 +167,8 @@ def test_upgrade_from_0001_keeps_runs_and_labels_them_by_controller(tmp_path: Pa
     with engine.begin() as conn:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, "0001")
-        conn.execute(text("INSERT INTO runs (started_at, status, controller) VALUES ('2026-11-01', 'complete', 'joint')"))
+        insert = "INSERT INTO runs (started_at, status, controller) VALUES ('2026-11-01', 'complete', 'joint')"
+        conn.execute(text(insert))
     engine.dispose()
     with open_ledger(str(path)) as ledger:  # a writer's open upgrades the file to the head revision
         with ledger.engine.connect() as conn:
