@@ -1,8 +1,8 @@
 """Batched background writer: the decode loop hands over messages and never waits on the database.
 
 Callers put messages on a bounded queue (``put`` blocks only when it is full); one background thread
-turns them into rows and writes them with bulk inserts, one transaction per batch, every
-``flush_interval_s`` or as soon as ``batch_size`` rows are pending. A process killed mid-run leaves
+(:mod:`ledger.writer_thread`) turns them into rows and writes them with bulk inserts, one transaction
+per batch, every ``flush_interval_s`` or as soon as ``batch_size`` rows are pending. A process killed mid-run leaves
 every batch committed so far and the run still "running" (reported as incomplete).
 
 The writer keeps references to the recorded messages until they are written: do not mutate them.
@@ -12,47 +12,18 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import queue
 import threading
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
-from sqlalchemy import Connection, Table, delete, insert, update
+from sqlalchemy import delete, insert, update
 
 from engine.messages import RequestOutput, StepPlan, StepResult
 from engine.tags import Tag
-from ledger.bulk import insert_rows
 from ledger.db import Ledger, LedgerError, begin_write
-from ledger.models import (
-    RUN_STATUSES,
-    Calibration,
-    EventRow,
-    PositionDiffRow,
-    Request,
-    RequestStatRow,
-    Run,
-    Step,
-    VerdictRow,
-    utcnow,
-)
-from ledger.rows import EVENT_COLUMNS, Rows, diff_rows, request_row, step_rows, value
-
-_TABLE_ORDER: tuple[Table, ...] = tuple(
-    m.__table__  # type: ignore[misc]
-    for m in (
-        Step,
-        EventRow,
-        Request,
-        PositionDiffRow,
-        RequestStatRow,
-        VerdictRow,
-        Calibration,
-    )
-)
-_FLUSH = object()
-_STOP = object()
-Op = Callable[[Connection], None]
+from ledger.models import RUN_STATUSES, Calibration, EventRow, Request, Run, VerdictRow, utcnow
+from ledger.rows import value
+from ledger.writer_thread import FLUSH, Op, WriterThread
 
 
 class LedgerWriter:
@@ -70,18 +41,14 @@ class LedgerWriter:
         if ledger.read_only:
             raise LedgerError(f"ledger {ledger.display_url} was opened read-only; cannot write")
         self.ledger = ledger
-        self.batch_size = batch_size
-        self.flush_interval_s = flush_interval_s
         self.handoff_steps = handoff_steps  # steps held by the caller before one wake-up of the thread
         self._held: list[Any] = []  # steps not yet handed to the thread; it also takes them when idle
         self._held_lock = threading.Lock()
         self.run_id: int | None = None
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
-        self._error: BaseException | None = None
-        self._sample_steps: dict[tuple[int, str], list[int]] = {}
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="ledger-writer", daemon=True)
-        self._thread.start()
+        self._writer = WriterThread(
+            ledger, self._take_held, batch_size=batch_size, flush_interval_s=flush_interval_s, max_queue=max_queue
+        )
         atexit.register(self._close_at_exit)  # a normal interpreter exit still writes what was recorded
 
     # ---- caller side -------------------------------------------------------------------------
@@ -239,8 +206,8 @@ class LedgerWriter:
 
     def flush(self) -> None:
         """Block until everything recorded so far is committed."""
-        self._put(_FLUSH)
-        self._queue.join()
+        self._put(FLUSH)
+        self._writer.join()
         self._check()
 
     def close(self) -> None:
@@ -251,8 +218,7 @@ class LedgerWriter:
             self._handoff()
         self._closed = True
         atexit.unregister(self._close_at_exit)
-        self._queue.put(_STOP)
-        self._thread.join()
+        self._writer.stop()
         self._check()
 
     def _close_at_exit(self) -> None:
@@ -277,10 +243,7 @@ class LedgerWriter:
         return lambda conn: conn.execute(stmt)
 
     def _check(self) -> None:
-        if self._error is not None:
-            err = self._error
-            lines = str(getattr(err, "orig", None) or err).strip().splitlines() or [type(err).__name__]
-            raise LedgerError(f"ledger writer failed: {lines[0]}") from err
+        self._writer.check()
 
     def _put(self, item: Any) -> None:
         self._handoff()
@@ -290,81 +253,7 @@ class LedgerWriter:
         if self._closed:
             raise LedgerError("ledger writer is closed")
         self._check()
-        self._queue.put(item)
-
-    # ---- writer thread -----------------------------------------------------------------------
-    def _loop(self) -> None:
-        stop = False
-        while not stop:
-            try:
-                items: list[Any] = [self._queue.get(timeout=self.flush_interval_s)]
-                num_queued = 1
-            except queue.Empty:  # a quiet caller: write the steps it still holds, before anything it queues later
-                held = self._take_held()
-                if not held:
-                    continue
-                items, num_queued = [("group", held)], 0
-            stop, num_queued = self._drain(items, num_queued)
-            for _ in range(num_queued):
-                self._queue.task_done()
-
-    def _drain(self, items: list[Any], num_queued: int) -> tuple[bool, int]:
-        """Expand items (and whatever arrives within the flush interval) into one batch and write it."""
-        deadline = time.monotonic() + self.flush_interval_s
-        rows: Rows = {}
-        ops: list[Op] = []
-        pending = 0
-        stop = False
-        while True:
-            item = items[-1]
-            if item is _STOP or item is _FLUSH:
-                stop = item is _STOP
-                break
-            try:
-                pending += self._expand(item, rows, ops)
-            except Exception as exc:  # noqa: BLE001 - surfaced to the caller on its next call
-                self._error = self._error or exc
-            if pending >= self.batch_size:
-                break
-            try:
-                items.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
-                num_queued += 1
-            except queue.Empty:
-                break
-        self._write(rows, ops)
-        return stop, num_queued
-
-    def _write(self, rows: Rows, ops: list[Op]) -> None:
-        if not rows and not ops:
-            return
-        try:
-            with begin_write(self.ledger.engine) as conn:
-                for table in _TABLE_ORDER:
-                    cols = EVENT_COLUMNS if table is EventRow.__table__ else ()
-                    insert_rows(conn, table, rows.get(table, ()), cols)
-                for op in ops:
-                    op(conn)
-        except Exception as exc:  # noqa: BLE001 - surfaced to the caller on its next call
-            if self._error is None:
-                self._error = exc
-
-    def _expand(self, item: Any, rows: Rows, ops: list[Op]) -> int:
-        kind = item[0]
-        if kind == "group":
-            return sum(self._expand(member, rows, ops) for member in item[1])
-        if kind == "op":
-            ops.append(item[1])
-            return 1
-        if kind == "rows":
-            new = item[2]
-            rows.setdefault(item[1], []).extend(new)
-            return len(new)
-        if kind == "step":
-            return step_rows(*item[1:], rows, self._sample_steps)
-        if kind == "request":
-            rows.setdefault(Request.__table__, []).append(request_row(*item[1:]))
-            return 1
-        return diff_rows(*item[1:], rows, self._sample_steps)
+        self._writer.queue.put(item)
 
 
 def delete_run(ledger: Ledger, run_id: int) -> None:

@@ -116,3 +116,20 @@ def test_routing_stats_reuse_definition() -> None:
     assert stats["reuse@1"] == pytest.approx(1 / 3)  # t=0 reused at t=1; t=1, t=2 not
     assert stats["reuse@2"] == pytest.approx(1.0)  # t=0 -> t=1, t=1 -> t=3
     assert stats["entropy_ratio"] < 1.0
+
+
+@needs_ckpt
+@needs_corpus
+def test_trained_routing_is_more_skewed_and_more_reused_than_random_init(lm) -> None:
+    from fallbackgate.tinymoe.evaluate import random_init_model, routing_report, routing_windows
+
+    model, tok = lm
+    texts = [r["text"] for r in read_jsonl("rolling_ppl.jsonl", 40)]
+    windows = routing_windows(tok, texts, 8, 256)
+    assert windows.shape == (8, 256)
+    trained = routing_report(model, windows)
+    random = routing_report(random_init_model(CHECKPOINT_DIR, model.config, 0), windows)
+    for layer, (t, r) in enumerate(zip(trained, random, strict=True)):
+        assert t["entropy_ratio"] < r["entropy_ratio"] - 0.05, (layer, t["entropy_ratio"], r["entropy_ratio"])
+        for k in (1, 4, 16):
+            assert t[f"reuse@{k}"] > r[f"reuse@{k}"], (layer, k, t[f"reuse@{k}"], r[f"reuse@{k}"])

@@ -1,0 +1,140 @@
+"""The background half of :class:`ledger.writer.LedgerWriter`: one thread drains a queue into batches.
+
+Each batch is written with bulk inserts in one transaction, every ``flush_interval_s`` or as soon as
+``batch_size`` rows are pending. A failure is kept and surfaced to the caller on its next call.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import Connection, Table
+
+from ledger.bulk import insert_rows
+from ledger.db import Ledger, LedgerError, begin_write
+from ledger.models import Calibration, EventRow, PositionDiffRow, Request, RequestStatRow, Step, VerdictRow
+from ledger.rows import EVENT_COLUMNS, Rows, diff_rows, request_row, step_rows
+
+_TABLE_ORDER: tuple[Table, ...] = tuple(
+    m.__table__  # type: ignore[misc]
+    for m in (Step, EventRow, Request, PositionDiffRow, RequestStatRow, VerdictRow, Calibration)
+)
+FLUSH = object()  # queue marker: write what is pending, then mark the queue's items done
+STOP = object()  # queue marker: write what is pending and end the thread
+Op = Callable[[Connection], None]
+
+
+class WriterThread:
+    """Turns queued messages into rows and writes them in batches on a daemon thread."""
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        take_held: Callable[[], list[Any]],
+        *,
+        batch_size: int,
+        flush_interval_s: float,
+        max_queue: int,
+    ) -> None:
+        self.ledger = ledger
+        self.batch_size = batch_size
+        self.flush_interval_s = flush_interval_s
+        self.take_held = take_held  # the caller's held steps, collected when the queue is quiet
+        self.queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
+        self.error: BaseException | None = None
+        self._sample_steps: dict[tuple[int, str], list[int]] = {}
+        self._thread = threading.Thread(target=self._loop, name="ledger-writer", daemon=True)
+        self._thread.start()
+
+    def check(self) -> None:
+        """Raise :class:`LedgerError` if a write has failed."""
+        if self.error is not None:
+            err = self.error
+            lines = str(getattr(err, "orig", None) or err).strip().splitlines() or [type(err).__name__]
+            raise LedgerError(f"ledger writer failed: {lines[0]}") from err
+
+    def join(self) -> None:
+        """Block until every queued item has been written (or has failed); queue :data:`FLUSH` first."""
+        self.queue.join()
+
+    def stop(self) -> None:
+        """Write what is queued and end the thread."""
+        self.queue.put(STOP)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        stop = False
+        while not stop:
+            try:
+                items: list[Any] = [self.queue.get(timeout=self.flush_interval_s)]
+                num_queued = 1
+            except queue.Empty:  # a quiet caller: write the steps it still holds, before anything it queues later
+                held = self.take_held()
+                if not held:
+                    continue
+                items, num_queued = [("group", held)], 0
+            stop, num_queued = self._drain(items, num_queued)
+            for _ in range(num_queued):
+                self.queue.task_done()
+
+    def _drain(self, items: list[Any], num_queued: int) -> tuple[bool, int]:
+        """Expand items (and whatever arrives within the flush interval) into one batch and write it."""
+        deadline = time.monotonic() + self.flush_interval_s
+        rows: Rows = {}
+        ops: list[Op] = []
+        pending = 0
+        stop = False
+        while True:
+            item = items[-1]
+            if item is STOP or item is FLUSH:
+                stop = item is STOP
+                break
+            try:
+                pending += self._expand(item, rows, ops)
+            except Exception as exc:  # noqa: BLE001 - surfaced to the caller on its next call
+                self.error = self.error or exc
+            if pending >= self.batch_size:
+                break
+            try:
+                items.append(self.queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                num_queued += 1
+            except queue.Empty:
+                break
+        self._write(rows, ops)
+        return stop, num_queued
+
+    def _write(self, rows: Rows, ops: list[Op]) -> None:
+        if not rows and not ops:
+            return
+        try:
+            with begin_write(self.ledger.engine) as conn:
+                for table in _TABLE_ORDER:
+                    cols = EVENT_COLUMNS if table is EventRow.__table__ else ()
+                    insert_rows(conn, table, rows.get(table, ()), cols)
+                for op in ops:
+                    op(conn)
+        except Exception as exc:  # noqa: BLE001 - surfaced to the caller on its next call
+            if self.error is None:
+                self.error = exc
+
+    def _expand(self, item: Any, rows: Rows, ops: list[Op]) -> int:
+        kind = item[0]
+        if kind == "group":
+            return sum(self._expand(member, rows, ops) for member in item[1])
+        if kind == "op":
+            ops.append(item[1])
+            return 1
+        if kind == "rows":
+            new = item[2]
+            rows.setdefault(item[1], []).extend(new)
+            return len(new)
+        if kind == "step":
+            return step_rows(*item[1:], rows, self._sample_steps)
+        if kind == "request":
+            rows.setdefault(Request.__table__, []).append(request_row(*item[1:]))
+            return 1
+        return diff_rows(*item[1:], rows, self._sample_steps)
