@@ -97,6 +97,26 @@ def evaluate(ckpt: pathlib.Path, data: pathlib.Path, limit: int | None, seed: in
     return res
 
 
+def acceptance_checks(res: dict) -> list[tuple[str, bool, str]]:
+    """The model issue's done-when criteria as (check, passed, measured) rows."""
+    ppl, cloze, rt = res["perplexity"], res["cloze"], res["routing"]
+    tr, rd = rt["trained"], rt["random_init"]
+    model_ppl, unigram_ppl = ppl["model_ppl_window256"], ppl["unigram_ppl"]
+    rows = [
+        ("held-out perplexity below a quarter of the unigram's", model_ppl * 4 < unigram_ppl,
+         f"{model_ppl:.2f} vs {unigram_ppl:.2f}"),
+        ("cloze accuracy (mutual info) >= 45 %", cloze["acc_mutual_info"] >= 0.45, f"{cloze['acc_mutual_info']:.1%}"),
+        ("expert loads more skewed than random init, every layer",
+         all(t["entropy_ratio"] < r["entropy_ratio"] for t, r in zip(tr, rd, strict=True)),
+         f"entropy ratio {fmt_layers(tr, 'entropy_ratio')} vs {fmt_layers(rd, 'entropy_ratio')}"),
+    ]
+    for k in (1, 4, 16):
+        rows.append((f"reuse@{k} above random init, every layer",
+                     all(t[f"reuse@{k}"] > r[f"reuse@{k}"] for t, r in zip(tr, rd, strict=True)),
+                     f"{fmt_layers(tr, f'reuse@{k}')} vs {fmt_layers(rd, f'reuse@{k}')}"))
+    return rows
+
+
 def fmt_layers(stats: list[dict], key: str, digits: int = 3) -> str:
     """Per-layer values of ``key`` joined by ' / '."""
     return " / ".join(f"{s[key]:.{digits}f}" for s in stats)
@@ -150,6 +170,10 @@ def render_section(res: dict, info: dict, cfg: dict) -> str:
                   "mean over the prefix, so neighbouring tokens pick the same experts whatever the "
                   "text. That is why the recipe initialises embeddings with std 1/sqrt(hidden) and "
                   "why the random column above is the recipe's own step-0 model.")]
+    lines += ["", "Acceptance checks (the model issue's done-when criteria):", "",
+              "| Check | Result | Measured (trained vs reference) |", "|---|---|---|"]
+    for name, ok, measured in acceptance_checks(res):
+        lines.append(f"| {name} | {'pass' if ok else '**FAIL**'} | {measured} |")
     sample = res["greedy_sample"]
     lines += ["", "Greedy sample from the start of a held-out passage (prompt, then *model text*):", "",
               "> " + sample["prompt"].replace("\n", " ") + " *"
@@ -185,6 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_card:
         update_card(args.checkpoint / "README.md", section)
     print(section)
+    failed = [name for name, ok, _ in acceptance_checks(res) if not ok]
+    if failed:
+        raise SystemExit(f"acceptance checks failed: {failed}")
 
 
 if __name__ == "__main__":
