@@ -57,7 +57,7 @@ def routing_report(model, windows: torch.Tensor) -> list[dict]:
 
 
 def random_init_model(ckpt: pathlib.Path, config, seed: int):
-    """A model of the checkpoint's shape as the training recipe initialises it (step 0)."""
+    """A model of the checkpoint's shape, initialised as the training recipe initialises its model."""
     info_path = ckpt / "training_info.json"
     info = json.loads(info_path.read_text()) if info_path.exists() else {}
     embed_std = float(info.get("embed_std", config.initializer_range))
@@ -169,7 +169,7 @@ def render_section(res: dict, info: dict, cfg: dict) -> str:
                   "such small embeddings leave deeper layers' router inputs dominated by a running "
                   "mean over the prefix, so neighbouring tokens pick the same experts whatever the "
                   "text. That is why the recipe initialises embeddings with std 1/sqrt(hidden) and "
-                  "why the random column above is the recipe's own step-0 model.")]
+                  "why the random column above is initialised as the recipe initialises its model.")]
     lines += ["", "Acceptance checks (the model issue's done-when criteria):", "",
               "| Check | Result | Measured (trained vs reference) |", "|---|---|---|"]
     for name, ok, measured in acceptance_checks(res):
