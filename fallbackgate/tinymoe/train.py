@@ -70,7 +70,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
 
 
 def build_config(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) -> Qwen3MoeConfig:
-    """Return the model configuration (all layers MoE, top-2 of ``--experts``)."""
+    """Return the model configuration (top-2 of ``--experts``; the first ``--dense-layers`` layers dense)."""
     eos = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     return Qwen3MoeConfig(
         vocab_size=len(tokenizer),
@@ -84,7 +84,7 @@ def build_config(tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) -
         num_experts_per_tok=args.top_k,
         norm_topk_prob=True,
         decoder_sparse_step=1,
-        mlp_only_layers=[],
+        mlp_only_layers=list(range(args.dense_layers)),
         max_position_embeddings=1024,
         tie_word_embeddings=True,
         output_router_logits=True,
@@ -211,6 +211,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=192)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dense-layers", type=int, default=0, help="how many first layers have a dense MLP, not experts")
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--moe-intermediate", type=int, default=128)
