@@ -56,11 +56,8 @@ def test_checkpoint_shape_and_size(lm) -> None:
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
     assert next(model.parameters()).dtype == torch.float32
     assert cfg.num_experts >= 16 and cfg.num_experts_per_tok >= 2
-    assert (
-        cfg.num_hidden_layers >= 4
-        and cfg.decoder_sparse_step == 1
-        and not cfg.mlp_only_layers
-    )
+    moe_layers = [i for i in range(cfg.num_hidden_layers) if i not in cfg.mlp_only_layers]
+    assert cfg.decoder_sparse_step == 1 and len(moe_layers) >= 4
     assert cfg.max_position_embeddings >= 1024 and len(tok) == cfg.vocab_size
     size = sum(p.stat().st_size for p in CHECKPOINT_DIR.rglob("*") if p.is_file())
     assert size <= 30 * 1024 * 1024

@@ -52,7 +52,7 @@ def routing_windows(tokenizer, texts: list[str], n_windows: int, seq: int) -> to
 
 
 def routing_report(model, windows: torch.Tensor) -> list[dict]:
-    """Routing statistics for every layer of ``model`` on ``windows``."""
+    """Routing statistics for every MoE layer of ``model`` on ``windows``."""
     return [M.routing_stats(mask) for mask in M.expert_choices(model, windows)]
 
 
@@ -106,15 +106,30 @@ def acceptance_checks(res: dict) -> list[tuple[str, bool, str]]:
         ("held-out perplexity below a quarter of the unigram's", model_ppl * 4 < unigram_ppl,
          f"{model_ppl:.2f} vs {unigram_ppl:.2f}"),
         ("cloze accuracy (mutual info) >= 45 %", cloze["acc_mutual_info"] >= 0.45, f"{cloze['acc_mutual_info']:.1%}"),
-        ("expert loads more skewed than random init, every layer",
+        ("expert loads more skewed than random init, every MoE layer",
          all(t["entropy_ratio"] < r["entropy_ratio"] for t, r in zip(tr, rd, strict=True)),
          f"entropy ratio {fmt_layers(tr, 'entropy_ratio')} vs {fmt_layers(rd, 'entropy_ratio')}"),
     ]
     for k in (1, 4, 16):
-        rows.append((f"reuse@{k} above random init, every layer",
+        rows.append((f"reuse@{k} above random init, every MoE layer",
                      all(t[f"reuse@{k}"] > r[f"reuse@{k}"] for t, r in zip(tr, rd, strict=True)),
                      f"{fmt_layers(tr, f'reuse@{k}')} vs {fmt_layers(rd, f'reuse@{k}')}"))
     return rows
+
+
+def moe_layer_ids(cfg: dict) -> list[int]:
+    """Indices of the decoder layers that route to experts."""
+    dense = set(cfg.get("mlp_only_layers") or [])
+    return [i for i in range(cfg["num_hidden_layers"]) if i not in dense]
+
+
+def layer_kinds(cfg: dict) -> str:
+    """'4 layers, all MoE' or '5 layers: layer 0 dense, 4 MoE'."""
+    dense = sorted(cfg.get("mlp_only_layers") or [])
+    n = cfg["num_hidden_layers"]
+    if not dense:
+        return f"{n} layers, all MoE"
+    return f"{n} layers: layer{'s' if len(dense) > 1 else ''} {', '.join(map(str, dense))} dense, {n - len(dense)} MoE"
 
 
 def fmt_layers(stats: list[dict], key: str, digits: int = 3) -> str:
@@ -128,7 +143,7 @@ def render_section(res: dict, info: dict, cfg: dict) -> str:
     n_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
     lines = [
         "| Quantity | Value |", "|---|---|",
-        (f"| Architecture | `{cfg['architectures'][0]}`: {cfg['num_hidden_layers']} layers, all MoE; "
+        (f"| Architecture | `{cfg['architectures'][0]}`: {layer_kinds(cfg)}; "
         f"{n_experts} routed experts per layer, top-{cfg['num_experts_per_tok']}; hidden "
         f"{cfg['hidden_size']}, expert FFN {cfg['moe_intermediate_size']}, {cfg['num_attention_heads']} "
         f"heads ({cfg['num_key_value_heads']} KV), vocab {cfg['vocab_size']}, tied embeddings |"),
@@ -147,7 +162,8 @@ def render_section(res: dict, info: dict, cfg: dict) -> str:
          f"{res['cloze']['acc_norm']:.1%} |"),
         (f"| Name completion exact match (greedy) | {res['name_completion']['exact_match']:.1%} "
         f"(n={res['name_completion']['n']}) |"),
-        "", (f"Routing statistics per layer (layers 0 / 1 / ... ; {rt['n_tokens']:,} held-out tokens). "
+        "", (f"Routing statistics per MoE layer (layers {' / '.join(map(str, moe_layer_ids(cfg)))}; "
+        f"{rt['n_tokens']:,} held-out tokens). "
         "Entropy ratio = expert-load entropy / log(number of experts) (1 = uniform); reuse@k = "
         "P(an expert used at token t is used again within tokens t+1..t+k); "
         "'indep.' = that probability if tokens drew experts independently with the same loads."), "",
