@@ -144,7 +144,7 @@ def render_section(res: dict, info: dict, cfg: dict) -> str:
     lines = [
         "| Quantity | Value |", "|---|---|",
         (f"| Architecture | `{cfg['architectures'][0]}`: {layer_kinds(cfg)}; "
-        f"{n_experts} routed experts per layer, top-{cfg['num_experts_per_tok']}; hidden "
+        f"{n_experts} routed experts per MoE layer, top-{cfg['num_experts_per_tok']}; hidden "
         f"{cfg['hidden_size']}, expert FFN {cfg['moe_intermediate_size']}, {cfg['num_attention_heads']} "
         f"heads ({cfg['num_key_value_heads']} KV), vocab {cfg['vocab_size']}, tied embeddings |"),
         f"| Parameters | {res['n_params']:,} (fp32) |",
