@@ -10,7 +10,7 @@ import pytest
 
 from fallbackgate.cli import main
 from fallbackgate.policy import Policy, PolicyError, hardware_profile, json_schema, load_policy, loads_policy
-from fallbackgate.policy.apply import merge_args
+from fallbackgate.policy.apply import merge_args, policy_record
 
 POLICIES = pathlib.Path(__file__).resolve().parents[1] / "fallbackgate" / "policies"
 GOOD_CLASS = "classes: {c: {budget: {max_mean_kl: 0.1, max_p99_kl: 0.2, allowed_tags: [kv_dequant]}}}\n"
@@ -160,3 +160,12 @@ def test_command_line_overrides_policy() -> None:
     assert merged.memory.device_budget_mb == 3.0 and merged.audit.mode == "enforce"
     assert merged.controller.kind == "joint" and merged.audit.sample_rate == policy.audit.sample_rate
     assert isinstance(merged, Policy)
+
+
+def test_recorded_policy_hides_the_ledger_password() -> None:
+    policy = load_policy(POLICIES / "balanced.yaml")
+    args = argparse.Namespace(ledger="postgresql+psycopg://fg:s3cret@db.example/ledger", model=None)
+    recorded = json.loads(policy_record(merge_args(policy, args)))
+    assert recorded["ledger"]["url"] == "postgresql+psycopg://fg:***@db.example/ledger"
+    assert "s3cret" not in policy_record(merge_args(policy, args))
+    assert recorded["classes"]["default"]["budget"]["max_mean_kl"] == policy.classes["default"].budget.max_mean_kl

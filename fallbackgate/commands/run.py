@@ -22,6 +22,7 @@ from fallbackgate.policy.apply import (
     class_budgets,
     class_slos,
     policy_from_args,
+    policy_record,
     print_slips,
     run_settings,
 )
@@ -148,7 +149,7 @@ def _serve(args: argparse.Namespace, specs: list[PromptSpec], engine: Engine, se
         engine,
         controller=kind,
         note=f"force={args.force}",
-        policy=policy.model_dump_json() if policy is not None else None,
+        policy=policy_record(policy) if policy is not None else None,
         policy_name=pathlib.Path(args.policy).stem if policy is not None else None,
     )
     outcome = serve_recorded(engine, specs, settings, writer, not args.quiet)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections import Counter
 from typing import Any, TextIO
 
 from pydantic import ValidationError
+from sqlalchemy import make_url
+from sqlalchemy.exc import ArgumentError
 
 from engine.controller import Controller
 from engine.engine import Engine
@@ -118,6 +121,18 @@ def policy_from_args(args: argparse.Namespace) -> Policy:
         return merge_args(policy, args)
     except ValidationError as exc:
         raise PolicyError(f"{args.policy} with command-line overrides", format_errors(exc)) from None
+
+
+def policy_record(policy: Policy) -> str:
+    """The effective policy as JSON for the run row, with any password in the ledger URL hidden."""
+    data = policy.model_dump(mode="json")
+    url = data.get("ledger", {}).get("url")
+    if url:
+        try:
+            data["ledger"]["url"] = make_url(url).render_as_string(hide_password=True)
+        except ArgumentError:
+            data["ledger"]["url"] = "(unparsable URL)"
+    return json.dumps(data, sort_keys=True)
 
 
 def class_budgets(policy: Policy) -> dict[str, dict[str, Any]]:
