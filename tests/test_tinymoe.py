@@ -121,9 +121,10 @@ def test_trained_routing_is_more_skewed_and_more_reused_than_random_init(lm) -> 
     from fallbackgate.tinymoe.evaluate import random_init_model, routing_report, routing_windows
 
     model, tok = lm
-    texts = [r["text"] for r in read_jsonl("rolling_ppl.jsonl", 40)]
-    windows = routing_windows(tok, texts, 8, 256)
-    assert windows.shape == (8, 256)
+    # the model card's sample: 64 consecutive 256-token windows of the held-out passages
+    texts = [r["text"] for r in read_jsonl("rolling_ppl.jsonl", 300)]
+    windows = routing_windows(tok, texts, 64, 256)
+    assert windows.shape == (64, 256)
     trained = routing_report(model, windows)
     random = routing_report(random_init_model(CHECKPOINT_DIR, model.config, 0), windows)
     for layer, (t, r) in enumerate(zip(trained, random, strict=True)):
