@@ -4,6 +4,7 @@ and the adapter against lm-eval's own hf model (slow)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 
@@ -106,12 +107,15 @@ def test_adapter_on_exact_policy_matches_lm_eval_hf_model(ckpt: pathlib.Path, da
     for name, lm in (("fallbackgate", ours), ("hf", hf)):
         manager = TaskManager(include_path=include, include_defaults=False)
         results[name] = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=20)["results"]
-    printed = {
-        name: {(t, k): f"{v:.4f}" for t in tasks for k, v in res[t].items() if "," in k and "stderr" not in k}
+    scores = {
+        name: {(t, k): float(v) for t in tasks for k, v in res[t].items() if "," in k and "stderr" not in k}
         for name, res in results.items()
     }
-    print(json.dumps({f"{t} {k}": [v, printed["hf"][(t, k)]] for (t, k), v in printed["fallbackgate"].items()}))
-    # Every printed score matches to lm-eval's 4 decimals (the adapter scores a window in one forward, as hf does).
-    assert printed["fallbackgate"] and printed["fallbackgate"].keys() == printed["hf"].keys()
-    for key, ours in printed["fallbackgate"].items():
-        assert ours == printed["hf"][key], key
+    print(json.dumps({f"{t} {k}": [v, scores["hf"][(t, k)]] for (t, k), v in scores["fallbackgate"].items()}))
+    # The adapter scores a window in one forward, as hf does: accuracies are identical and perplexities agree
+    # to fp32 rounding (hf pads a batch, the engine packs it: the sums differ in the 7th significant digit).
+    assert scores["fallbackgate"] and scores["fallbackgate"].keys() == scores["hf"].keys()
+    for key, ours in scores["fallbackgate"].items():
+        assert math.isclose(ours, scores["hf"][key], rel_tol=1e-6), (key, ours, scores["hf"][key])
+        if "acc" in key[1] or "exact_match" in key[1]:
+            assert ours == scores["hf"][key], key
