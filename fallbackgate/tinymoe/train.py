@@ -6,15 +6,15 @@ book corpus (``../shared/data/corpus``), holding out whole books
 
 Steps:
 1. train a byte-level BPE tokenizer (``tokenizers``) on the training books;
-2. train a ``Qwen3MoeForCausalLM`` (every layer MoE, top-2 routing, a light
-   load-balancing auxiliary loss; token embeddings initialised with std
-   1/sqrt(hidden), see :func:`init_model`) with AdamW and a cosine LR schedule on random
-   256-token windows, seeded;
+2. train a ``Qwen3MoeForCausalLM`` (a dense first layer, then MoE layers with
+   top-2 routing and a light load-balancing auxiliary loss; token embeddings
+   initialised with std 1/sqrt(hidden), see :func:`init_model`) with AdamW and
+   a cosine LR schedule on random 256-token windows, seeded;
 3. save model (fp32 safetensors), tokenizer and ``training_info.json`` to the
    output directory (default: the package's ``checkpoint/``).
 
-By default it runs the bundled checkpoint's 3000 steps (about 50 minutes on
-one thread of this 2-core machine). With ``--steps 0`` the step count is
+By default it reproduces the bundled checkpoint: 5 layers (1 dense + 4 MoE),
+3000 steps, about an hour on one thread of this 2-core machine. With ``--steps 0`` the step count is
 derived from ``--max-minutes`` by timing the first steps; the chosen count is
 logged and stored in ``training_info.json`` so a run can be repeated with
 ``--steps``.
