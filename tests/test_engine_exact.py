@@ -92,9 +92,9 @@ def test_bundled_checkpoint_exact_only_matches_transformers() -> None:
         pytest.skip("checkpoint not built")
     prompts = _prompts(7)
     ref_tokens, ref_logits = reference(CHECKPOINT_DIR, prompts)
-    expert, block, layers, _ = sizes(CHECKPOINT_DIR)
-    num_experts = len(Engine(EngineConfig(str(CHECKPOINT_DIR)), ExactLRUController()).expert_store.entries)
-    budget = int(0.4 * num_experts) * expert + 20 * layers * block  # 40 % of the experts stay on device
+    probe = Engine(EngineConfig(str(CHECKPOINT_DIR), block_size=4), ExactLRUController())
+    store, kv = probe.expert_store, probe.kv_store
+    budget = int(0.4 * len(store.entries)) * store.bytes_per_expert + 20 * kv.num_layers * kv.bytes_per_block
     engine = Engine(EngineConfig(str(CHECKPOINT_DIR), block_size=4, max_num_seqs=4, device_budget_bytes=budget),
                     ExactLRUController())
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))

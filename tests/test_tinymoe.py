@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 from fallbackgate.tinymoe import CHECKPOINT_DIR  # noqa: E402
 from fallbackgate.tinymoe import metrics as M  # noqa: E402
 from fallbackgate.tinymoe.data import default_corpus_dir, load_books, split_books  # noqa: E402
+from fallbackgate.tinymoe.evaluate import moe_layer_ids, random_init_model, routing_report, routing_windows  # noqa: E402
 
 DATA_DIR = pathlib.Path(__file__).resolve().parents[1] / "evals" / "data"
 needs_ckpt = pytest.mark.skipif(
@@ -56,8 +57,7 @@ def test_checkpoint_shape_and_size(lm) -> None:
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
     assert next(model.parameters()).dtype == torch.float32
     assert cfg.num_experts >= 16 and cfg.num_experts_per_tok >= 2
-    moe_layers = [i for i in range(cfg.num_hidden_layers) if i not in cfg.mlp_only_layers]
-    assert cfg.decoder_sparse_step == 1 and len(moe_layers) >= 4
+    assert cfg.decoder_sparse_step == 1 and len(moe_layer_ids(cfg.to_dict())) >= 4
     assert cfg.max_position_embeddings >= 1024 and len(tok) == cfg.vocab_size
     size = sum(p.stat().st_size for p in CHECKPOINT_DIR.rglob("*") if p.is_file())
     assert size <= 30 * 1024 * 1024
@@ -118,8 +118,6 @@ def test_routing_stats_reuse_definition() -> None:
 @needs_ckpt
 @needs_corpus
 def test_trained_routing_is_more_skewed_and_more_reused_than_random_init(lm) -> None:
-    from fallbackgate.tinymoe.evaluate import random_init_model, routing_report, routing_windows
-
     model, tok = lm
     # the model card's sample: 64 consecutive 256-token windows of the held-out passages
     texts = [r["text"] for r in read_jsonl("rolling_ppl.jsonl", 300)]

@@ -125,11 +125,11 @@ def moe_layer_ids(cfg: dict) -> list[int]:
 
 def layer_kinds(cfg: dict) -> str:
     """'4 layers, all MoE' or '5 layers: layer 0 dense, 4 MoE'."""
-    dense = sorted(cfg.get("mlp_only_layers") or [])
-    n = cfg["num_hidden_layers"]
+    n, moe = cfg["num_hidden_layers"], moe_layer_ids(cfg)
+    dense = [i for i in range(n) if i not in moe]
     if not dense:
         return f"{n} layers, all MoE"
-    return f"{n} layers: layer{'s' if len(dense) > 1 else ''} {', '.join(map(str, dense))} dense, {n - len(dense)} MoE"
+    return f"{n} layers: layer{'s' if len(dense) > 1 else ''} {', '.join(map(str, dense))} dense, {len(moe)} MoE"
 
 
 def fmt_layers(stats: list[dict], key: str, digits: int = 3) -> str:
