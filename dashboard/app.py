@@ -7,19 +7,13 @@ drill-down, Calibration, Budget sweep.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
-_ROOT = str(Path(__file__).resolve().parent.parent)
-if _ROOT not in sys.path:  # `streamlit run dashboard/app.py` puts only dashboard/ on the path
-    sys.path.insert(0, _ROOT)
+import streamlit as st
+from sqlalchemy.exc import SQLAlchemyError
 
-import streamlit as st  # noqa: E402
-from sqlalchemy.exc import SQLAlchemyError  # noqa: E402
-
-from dashboard import data, filters  # noqa: E402
-from dashboard.views import calibration, drift, drilldown, overview, sweep  # noqa: E402
+from fallbackgate.dashboard import data, filters
+from fallbackgate.dashboard.views import calibration, drift, drilldown, overview, sweep
 
 PAGES: dict[str, tuple[str, Callable[..., None]]] = {
     "overview": ("Overview", overview.render),

@@ -1,6 +1,6 @@
-"""python -m dashboard.bench --json bench-dashboard.json [--events 1000000] [--ledger PATH] [--repeats 3]
+"""python -m fallbackgate.dashboard.bench --json bench-dashboard.json [--events 1000000] [--ledger PATH] [--repeats 3]
 
-Builds a SQLite ledger of ``--events`` synthetic events (``ledger.synthetic`` messages through the
+Builds a SQLite ledger of ``--events`` synthetic events (``fallbackgate.ledger.synthetic`` messages through the
 LedgerWriter: several runs and policies, 8 requests of two classes per run, 16 layers, per-position
 diffs, request statistics, run verdicts, calibration scales), or reuses ``--ledger`` when that file
 exists, then renders every dashboard page with Streamlit's AppTest, caches cleared before each render.
@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from engine.tags import Tag
-from ledger.db import ENV_VAR, open_ledger
-from ledger.synthetic import synthetic_output, synthetic_step
-from ledger.writer import LedgerWriter
+from fallbackgate.ledger.db import ENV_VAR, open_ledger
+from fallbackgate.ledger.rows import EXACT_TAG_NAMES
+from fallbackgate.ledger.synthetic import synthetic_output, synthetic_step
+from fallbackgate.ledger.writer import LedgerWriter
 
 GOAL_S = 3.0
 PAGES = ("overview", "drift", "request", "calibration", "sweep")
@@ -78,7 +78,7 @@ def _write_run(writer: LedgerWriter, index: int, steps: int, rng: np.random.Gene
     exact = policy == "exact_lru"
     writer.start_run(model_path=f"model-{index % 2}", controller=policy, mode="enforce")
     rids = [f"req-{i}" for i in range(REQUESTS)]
-    tags = [Tag.RESIDENT, Tag.EXACT_LOAD] if exact else None
+    tags = EXACT_TAG_NAMES if exact else None
     for s in range(steps):
         plan, result = synthetic_step(
             s,
@@ -122,7 +122,7 @@ def render_seconds(page: str, repeats: int) -> list[tuple[float, float]]:
     """(wall, CPU) seconds to render ``page`` from cold caches, ``repeats`` times."""
     from streamlit.testing.v1 import AppTest
 
-    from dashboard import data
+    from fallbackgate.dashboard import data
 
     logging.getLogger("streamlit").setLevel(logging.ERROR)  # "no runtime found" notes from the caches
     out = []
@@ -140,7 +140,7 @@ def render_seconds(page: str, repeats: int) -> list[tuple[float, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Build (or reuse) the ledger, time every page, print and write the results."""
-    p = argparse.ArgumentParser(prog="python -m dashboard.bench", description=__doc__.splitlines()[2])
+    p = argparse.ArgumentParser(prog="python -m fallbackgate.dashboard.bench", description=__doc__.splitlines()[2])
     p.add_argument("--json", default="bench-dashboard.json", help="where to write the results")
     p.add_argument("--events", type=int, default=1_000_000, help="events in the built ledger")
     p.add_argument("--ledger", default=None, help="SQLite file: reused when it exists, else built there")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import altair as alt
 import pandas as pd
 
-from dashboard.data import EXACTNESS_CLASSES, TAG_ORDER
+from fallbackgate.dashboard.data import EXACTNESS_CLASSES, TAG_ORDER
 
 CLASS_COLOURS = ("#4c9a2a", "#e0a526", "#d1495b")  # exact, equivalent, approximate
 TAG_COLOURS = ("#4c9a2a", "#8fc46a", "#e0a526", "#f2cf74", "#d1495b", "#a4243b", "#6a4c93")

@@ -1,4 +1,4 @@
-"""The dashboard's data layer: opens the ledger read-only and turns ``ledger.queries`` results into
+"""The dashboard's data layer: opens the ledger read-only and turns ``fallbackgate.ledger.queries`` results into
 DataFrames. Every aggregation runs in SQL inside those queries; this module only renames columns and
 derives per-row ratios. Results are cached per (ledger URL, filter) for :data:`CACHE_TTL_S` seconds.
 """
@@ -13,9 +13,9 @@ import pandas as pd
 import streamlit as st
 from sqlalchemy import event
 
-from ledger import dashboard_queries, queries, request_queries
-from ledger.dashboard_queries import RunFilter
-from ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError, open_ledger
+from fallbackgate.ledger import dashboard_queries, queries, request_queries
+from fallbackgate.ledger.dashboard_queries import RunFilter
+from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError, open_ledger
 
 CACHE_TTL_S = 15
 EXACTNESS_CLASSES = queries.EXACTNESS_CLASSES

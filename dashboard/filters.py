@@ -6,8 +6,8 @@ import datetime as dt
 
 import streamlit as st
 
-from dashboard import data
-from ledger.dashboard_queries import RunFilter
+from fallbackgate.dashboard import data
+from fallbackgate.ledger.dashboard_queries import RunFilter
 
 
 def _day_start(day: dt.date | None, plus_days: int = 0) -> dt.datetime | None:

@@ -1,4 +1,4 @@
-"""Budget-sweep results for the Budget sweep page: from the ledger when ``ledger.queries`` offers
+"""Budget-sweep results for the Budget sweep page: from the ledger when ``fallbackgate.ledger.queries`` offers
 ``sweep_points`` (the sweep command's table), else from JSON files named by ``$FALLBACKGATE_SWEEP_JSON``
 (a file, a directory of ``*.json`` files, or several paths separated by ``os.pathsep``).
 
@@ -17,8 +17,8 @@ from typing import Any
 
 import pandas as pd
 
-from ledger import queries
-from ledger.db import Ledger
+from fallbackgate.ledger import queries
+from fallbackgate.ledger.db import Ledger
 
 ENV_SWEEP = "FALLBACKGATE_SWEEP_JSON"
 EXPERT_KEYS = ("expert_budget_mb", "expert_budget", "expert_mb", "expert_budget_bytes")

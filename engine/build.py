@@ -8,13 +8,13 @@ import tempfile
 import torch
 from transformers import DynamicCache
 
-from engine.config import EngineConfig
-from engine.device_pool import TierPool
-from engine.errors import BudgetError, CheckpointError
-from engine.expert_store import ExpertStore
-from engine.kv_store import KVStore
-from engine.loader import LoadedCheckpoint
-from engine.spill import SpillDir
+from fallbackgate.engine.config import EngineConfig
+from fallbackgate.engine.device_pool import TierPool
+from fallbackgate.engine.errors import BudgetError, CheckpointError
+from fallbackgate.engine.expert_store import ExpertStore
+from fallbackgate.engine.kv_store import KVStore
+from fallbackgate.engine.loader import LoadedCheckpoint
+from fallbackgate.engine.spill import SpillDir
 
 MIB = 1024 * 1024
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.hardware import CPU_BOX, HardwareProfile
+from fallbackgate.engine.hardware import CPU_BOX, HardwareProfile
 
 MIB = 1024 * 1024
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 import abc
 import dataclasses
 
-from engine.expert_store import ExpertKey, ExpertStore
-from engine.hardware import HardwareProfile
-from engine.kv_store import KVBlockKey, KVStore, SpillMode
-from engine.messages import StepPlan
-from engine.tags import Tag, Tier
+from fallbackgate.engine.expert_store import ExpertKey, ExpertStore
+from fallbackgate.engine.hardware import HardwareProfile
+from fallbackgate.engine.kv_store import KVBlockKey, KVStore, SpillMode
+from fallbackgate.engine.messages import StepPlan
+from fallbackgate.engine.tags import Tag, Tier
 
 
 @dataclasses.dataclass(slots=True)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.errors import BudgetError
-from engine.tags import ObjectKind
+from fallbackgate.engine.errors import BudgetError
+from fallbackgate.engine.tags import ObjectKind
 
 
 class TierPool:

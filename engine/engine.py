@@ -8,21 +8,21 @@ from collections.abc import Callable, Iterable
 import torch
 from tqdm.auto import tqdm
 
-from engine.build import build_stores, probe_kv_shapes, resolve_device
-from engine.config import EngineConfig
-from engine.controller import Controller, EngineView
-from engine.errors import PromptError
-from engine.executor import Executor
-from engine.kv_store import KVBlockKey, SpillMode
-from engine.loader import load_checkpoint
-from engine.messages import RequestOutput, StepPlan, StepResult
-from engine.model_runner import ModelRunner
-from engine.sampler import sample
-from engine.scheduler import Scheduler
-from engine.sequence import SamplingParams, Sequence, check_prompt
-from engine.step_context import EventLog, ForwardBatch
-from engine.step_end import apply_step_end
-from engine.tags import ObjectKind, Tag
+from fallbackgate.engine.build import build_stores, probe_kv_shapes, resolve_device
+from fallbackgate.engine.config import EngineConfig
+from fallbackgate.engine.controller import Controller, EngineView
+from fallbackgate.engine.errors import PromptError
+from fallbackgate.engine.executor import Executor
+from fallbackgate.engine.kv_store import KVBlockKey, SpillMode
+from fallbackgate.engine.loader import load_checkpoint
+from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
+from fallbackgate.engine.model_runner import ModelRunner
+from fallbackgate.engine.sampler import sample
+from fallbackgate.engine.scheduler import Scheduler
+from fallbackgate.engine.sequence import SamplingParams, Sequence, check_prompt
+from fallbackgate.engine.step_context import EventLog, ForwardBatch
+from fallbackgate.engine.step_end import apply_step_end
+from fallbackgate.engine.tags import ObjectKind, Tag
 
 
 class Engine:

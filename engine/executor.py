@@ -6,14 +6,21 @@ from collections.abc import Callable
 
 import torch
 
-from engine.controller import Controller, EngineView
-from engine.errors import EngineError
-from engine.expert_store import ExpertKey, ExpertStore, ExpertWeights
-from engine.experts_hook import ExpertUse, expert_mlp, fetch_for_tag, plan_expert_uses, renormalise_deferred, served_tag
-from engine.hardware import HardwareProfile
-from engine.kv_store import KVBlockKey, KVStore, SpillMode
-from engine.step_context import StepContext
-from engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.engine.controller import Controller, EngineView
+from fallbackgate.engine.errors import EngineError
+from fallbackgate.engine.expert_store import ExpertKey, ExpertStore, ExpertWeights
+from fallbackgate.engine.experts_hook import (
+    ExpertUse,
+    expert_mlp,
+    fetch_for_tag,
+    plan_expert_uses,
+    renormalise_deferred,
+    served_tag,
+)
+from fallbackgate.engine.hardware import HardwareProfile
+from fallbackgate.engine.kv_store import KVBlockKey, KVStore, SpillMode
+from fallbackgate.engine.step_context import StepContext
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 
 class Executor:

@@ -7,11 +7,11 @@ import dataclasses
 
 import torch
 
-from engine.device_pool import TierPool
-from engine.errors import ChecksumError, EngineError
-from engine.quant import Quantized, dequantize, quantize, quantized_to
-from engine.spill import SpillDir, SpillRecord
-from engine.tags import ObjectKind, Tier
+from fallbackgate.engine.device_pool import TierPool
+from fallbackgate.engine.errors import ChecksumError, EngineError
+from fallbackgate.engine.quant import Quantized, dequantize, quantize, quantized_to
+from fallbackgate.engine.spill import SpillDir, SpillRecord
+from fallbackgate.engine.tags import ObjectKind, Tier
 
 ExpertKey = tuple[int, int]  # (layer, expert_id)
 

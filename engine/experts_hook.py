@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from engine.controller import Decision, ExpertMiss
-from engine.errors import EngineError
-from engine.expert_store import ExpertKey, ExpertWeights, Fetched
-from engine.tags import Tag, Tier
+from fallbackgate.engine.controller import Decision, ExpertMiss
+from fallbackgate.engine.errors import EngineError
+from fallbackgate.engine.expert_store import ExpertKey, ExpertWeights, Fetched
+from fallbackgate.engine.tags import Tag, Tier
 
 if TYPE_CHECKING:
-    from engine.executor import Executor
+    from fallbackgate.engine.executor import Executor
 
 EXPERTS_IMPLEMENTATION = "fallbackgate"
 

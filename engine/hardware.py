@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.tags import Tier
+from fallbackgate.engine.tags import Tier
 
 
 @dataclasses.dataclass(slots=True, frozen=True)

@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from engine.quant import Quantized, dequantize, quantize, quantized_to
-from engine.spill import SpillDir, SpillRecord
+from fallbackgate.engine.quant import Quantized, dequantize, quantize, quantized_to
+from fallbackgate.engine.spill import SpillDir, SpillRecord
 
 
 @dataclasses.dataclass(slots=True)

@@ -13,11 +13,11 @@ import enum
 
 import torch
 
-from engine.device_pool import TierPool
-from engine.errors import ChecksumError, EngineError
-from engine.kv_codec import QuantKV, dequantize_kv, quant_to, quantize_kv, read_quant, write_quant
-from engine.spill import SpillDir, SpillRecord
-from engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.engine.device_pool import TierPool
+from fallbackgate.engine.errors import ChecksumError, EngineError
+from fallbackgate.engine.kv_codec import QuantKV, dequantize_kv, quant_to, quantize_kv, read_quant, write_quant
+from fallbackgate.engine.spill import SpillDir, SpillRecord
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 KVBlockKey = tuple[str, int, int]  # (request_id, layer, block_index)
 

@@ -11,7 +11,7 @@ import warnings
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from engine.errors import CheckpointError
+from fallbackgate.engine.errors import CheckpointError
 
 # model_type -> architecture family; each routes its experts through transformers' experts interface.
 SUPPORTED_MODEL_TYPES: dict[str, str] = {
@@ -95,7 +95,7 @@ def load_checkpoint(path: str | pathlib.Path, *, is_tokenizer_required: bool = F
     path = pathlib.Path(path)
     config = _read_config(path)
     _check_supported(path, config)
-    from engine.experts_hook import EXPERTS_IMPLEMENTATION, register_experts_function
+    from fallbackgate.engine.experts_hook import EXPERTS_IMPLEMENTATION, register_experts_function
 
     register_experts_function()
     try:

@@ -10,7 +10,7 @@ import enum
 
 import torch
 
-from engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 
 class StepKind(str, enum.Enum):

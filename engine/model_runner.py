@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from engine.controller import KVMiss
-from engine.errors import ChecksumError, EngineError
-from engine.executor import Executor
-from engine.kv_store import KVBlock
-from engine.paged_cache import PagedCache, packed_attention_mask
-from engine.sequence import Sequence
-from engine.step_context import EventLog, ForwardBatch, StepContext
-from engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.engine.controller import KVMiss
+from fallbackgate.engine.errors import ChecksumError, EngineError
+from fallbackgate.engine.executor import Executor
+from fallbackgate.engine.kv_store import KVBlock
+from fallbackgate.engine.paged_cache import PagedCache, packed_attention_mask
+from fallbackgate.engine.sequence import Sequence
+from fallbackgate.engine.step_context import EventLog, ForwardBatch, StepContext
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 
 class ModelRunner:

@@ -8,7 +8,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 if TYPE_CHECKING:
-    from engine.executor import Executor
+    from fallbackgate.engine.executor import Executor
 
 
 class PagedLayer(CacheLayerMixin):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.sequence import SamplingParams
+from fallbackgate.engine.sequence import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from engine.config import EngineConfig
-from engine.errors import BudgetError
-from engine.kv_store import KVBlockKey, KVStore, Staged
-from engine.messages import StepKind, StepPlan
-from engine.sequence import Sequence, SequenceStatus
-from engine.tags import ObjectKind
+from fallbackgate.engine.config import EngineConfig
+from fallbackgate.engine.errors import BudgetError
+from fallbackgate.engine.kv_store import KVBlockKey, KVStore, Staged
+from fallbackgate.engine.messages import StepKind, StepPlan
+from fallbackgate.engine.sequence import Sequence, SequenceStatus
+from fallbackgate.engine.tags import ObjectKind
 
 # (bytes needed, pinned KV blocks, condition that says "enough", only KV may go) -> whether it became true
 RoomMaker = Callable[[int, set[KVBlockKey], Callable[[], bool], bool], bool]

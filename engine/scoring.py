@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from engine.engine import Engine
-from engine.messages import RequestOutput, StepPlan, StepResult
-from engine.sequence import SamplingParams
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
+from fallbackgate.engine.sequence import SamplingParams
 
 StepHook = Callable[[StepPlan, StepResult], None]
 FinishHook = Callable[[RequestOutput, list[int]], None]  # output, step id that computed each scored position

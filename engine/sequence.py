@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from engine.errors import PromptError
+from fallbackgate.engine.errors import PromptError
 
 
 class SequenceStatus(enum.Enum):

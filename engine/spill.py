@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 import torch
 
-from engine.errors import ChecksumError, EngineError
+from fallbackgate.engine.errors import ChecksumError, EngineError
 
 PAGE_BYTES = 64 * 1024
 

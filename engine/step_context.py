@@ -6,9 +6,9 @@ import dataclasses
 
 import torch
 
-from engine.hardware import HardwareProfile
-from engine.messages import Event
-from engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.engine.hardware import HardwareProfile
+from fallbackgate.engine.messages import Event
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 _EventKey = tuple[str, int, ObjectKind, Tag, Tier | None, str]
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.step_context import EventLog
-from engine.tags import ObjectKind, Tag
+from fallbackgate.engine.step_context import EventLog
+from fallbackgate.engine.tags import ObjectKind, Tag
 
 if TYPE_CHECKING:
-    from engine.engine import Engine
+    from fallbackgate.engine.engine import Engine
 
 ENGINE_REQUEST_ID = "__engine__"  # events not caused by one request (prefetches)
 

@@ -11,10 +11,10 @@ import dataclasses
 import pathlib
 from typing import Any
 
-from engine.engine import Engine
+from fallbackgate.engine.engine import Engine
 from fallbackgate.policy import Policy
 from fallbackgate.policy.apply import build_policy_engine, class_budgets
-from fallbackgate.session import RunSettings
+from fallbackgate.serving.session import RunSettings
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 SCORING_BATCH_TOKENS = 4096  # at least the longest window (prompt + continuation) the adapter scores
@@ -63,7 +63,7 @@ def build_setup(
     earlier chunks' KV through the policy's fallbacks.
     """
     if isinstance(policy, str | pathlib.Path):
-        from evals.tolerances import load_parity_policy
+        from fallbackgate.evals.tolerances import load_parity_policy
 
         policy_name = policy_name or str(policy)
         policy, _ = load_parity_policy(policy)

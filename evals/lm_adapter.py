@@ -26,12 +26,12 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from engine.engine import Engine
-from engine.scoring import Submission, run_requests, score
-from engine.sequence import SamplingParams
-from evals.engine_setup import EngineSetup, build_setup
-from evals.recorder import EvalRecorder
-from fallbackgate.gate import RunVerdict
+from fallbackgate.audit.gate import RunVerdict
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.scoring import Submission, run_requests, score
+from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.evals.engine_setup import EngineSetup, build_setup
+from fallbackgate.evals.recorder import EvalRecorder
 
 
 @register_model("fallbackgate")

@@ -3,7 +3,7 @@
 Inputs are checked before any model work (:func:`prepare`): the policy file (schema + ``parity`` section),
 task names, local data files, the model directory. Then, per task, both engines run through lm-eval's
 ``simple_evaluate`` with logged samples; the policy's run is recorded to the ledger (one run per task), and
-the comparison (:mod:`evals.parity_stats`) is judged against the policy's declared tolerances.
+the comparison (:mod:`fallbackgate.evals.parity_stats`) is judged against the policy's declared tolerances.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import dataclasses
 import pathlib
 from typing import Any
 
-from evals.task_dir import TaskError, check_tasks, render_include_dir
-from evals.tolerances import ParitySpec, TaskTolerance, load_parity_policy
+from fallbackgate.evals.task_dir import TaskError, check_tasks, render_include_dir
+from fallbackgate.evals.tolerances import ParitySpec, TaskTolerance, load_parity_policy
 from fallbackgate.policy import Policy
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
@@ -92,8 +92,8 @@ def ledger_drift(url: str | None, run_id: int | None) -> dict[str, Any] | None:
     """The audited drift of one ledger run: KL and top-1 agreement over its audited requests, and its tags."""
     if run_id is None:
         return None
-    from ledger.db import open_ledger
-    from ledger.queries import get_run, request_summaries, run_tag_counts
+    from fallbackgate.ledger.db import open_ledger
+    from fallbackgate.ledger.queries import get_run, request_summaries, run_tag_counts
 
     ledger = open_ledger(url, read_only=True)
     try:
@@ -139,10 +139,10 @@ def _evaluate(lm: Any, task: str, prepared: Prepared) -> dict[str, Any]:
 
 
 def run_parity(prepared: Prepared) -> dict[str, Any]:
-    """Run both engines on every task and build the report (see :mod:`evals.parity_report`)."""
-    from evals.engine_setup import build_setup
-    from evals.lm_adapter import FallbackgateLM
-    from evals.parity_stats import compare, task_items
+    """Run both engines on every task and build the report (see :mod:`fallbackgate.evals.parity_report`)."""
+    from fallbackgate.evals.engine_setup import build_setup
+    from fallbackgate.evals.lm_adapter import FallbackgateLM
+    from fallbackgate.evals.parity_stats import compare, task_items
 
     cfg = prepared.config
     exact = FallbackgateLM(

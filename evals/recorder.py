@@ -2,7 +2,7 @@
 
 Scoring requests (``RequestOutput.prompt_logits`` set) are audited at their scored positions: the engine's
 prefill logits there against one exact teacher-forced pass over the same tokens. Generation requests are
-audited as ``fallbackgate run`` audits them (:func:`fallbackgate.auditor.audit_output`).
+audited as ``fallbackgate run`` audits them (:func:`fallbackgate.audit.auditor.audit_output`).
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-from engine.engine import Engine
-from engine.messages import RequestOutput, StepPlan, StepResult
-from fallbackgate.audit import PositionDiff, RequestDiffStats, audit
-from fallbackgate.auditor import audit_output, numeric_floor
-from fallbackgate.gate import RunVerdict, evaluate_run
-from fallbackgate.recording import versions
-from ledger.db import Ledger, open_ledger
-from ledger.writer import LedgerWriter
+from fallbackgate.audit.auditor import audit_output, numeric_floor
+from fallbackgate.audit.gate import RunVerdict, evaluate_run
+from fallbackgate.audit.stats import PositionDiff, RequestDiffStats, audit
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
+from fallbackgate.ledger.db import Ledger, open_ledger
+from fallbackgate.ledger.writer import LedgerWriter
+from fallbackgate.serving.recording import versions
 
 
 def scored_targets(output: RequestOutput) -> list[int]:

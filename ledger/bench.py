@@ -1,4 +1,4 @@
-"""python -m ledger.bench --json bench-ledger.json [--events 500000] [--pg-url URL | --no-pg]
+"""python -m fallbackgate.ledger.bench --json bench-ledger.json [--events 500000] [--pg-url URL | --no-pg]
 
 Events per second through the batched LedgerWriter, end to end (first ``record_step`` to the final
 commit), into a fresh SQLite file and into PostgreSQL: the server at ``--pg-url`` (a fresh database
@@ -28,9 +28,9 @@ from typing import Any
 
 import sqlalchemy
 
-from ledger.db import open_ledger
-from ledger.synthetic import synthetic_step
-from ledger.writer import LedgerWriter
+from fallbackgate.ledger.db import open_ledger
+from fallbackgate.ledger.synthetic import synthetic_step
+from fallbackgate.ledger.writer import LedgerWriter
 
 GOALS = {"sqlite": 200_000, "postgresql": 50_000}
 REQUESTS, LAYERS, EVENTS_PER_LAYER = 8, 16, 4  # 512 events per step
@@ -127,7 +127,7 @@ def _postgres(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print and write the results."""
-    p = argparse.ArgumentParser(prog="python -m ledger.bench", description=__doc__.splitlines()[2])
+    p = argparse.ArgumentParser(prog="python -m fallbackgate.ledger.bench", description=__doc__.splitlines()[2])
     p.add_argument("--json", default="bench-ledger.json", help="where to write the results")
     p.add_argument("--events", type=int, default=500_000, help="events per database")
     p.add_argument("--pg-url", default=None, help="PostgreSQL URL (an empty database)")

@@ -8,8 +8,8 @@ from typing import Any
 
 from sqlalchemy import Float, Select, case, cast, func, select, true, tuple_
 
-from ledger.db import Ledger
-from ledger.models import (
+from fallbackgate.ledger.db import Ledger
+from fallbackgate.ledger.models import (
     Calibration,
     EventRow,
     PositionDiffRow,
@@ -17,7 +17,7 @@ from ledger.models import (
     Run,
     VerdictRow,
 )
-from ledger.queries import EXACTNESS_CLASSES, _all, reported_status
+from fallbackgate.ledger.queries import EXACTNESS_CLASSES, _all, reported_status
 
 # --- dashboard read queries (issue 7): filters are bound parameters, aggregation stays in SQL ---
 

@@ -1,8 +1,8 @@
 """SQLAlchemy 2.x models of the ledger.
 
 Enum-valued columns (``tag``, ``object_kind``, ``exactness``, ``source_tier``, ``kind``) hold the
-``.value`` strings of the engine's enums (``engine.tags``, ``engine.messages``), so the ledger reads
-without importing the engine. The schema itself is created by the Alembic migrations in
+``.value`` strings of the engine's enums (``fallbackgate.engine.tags``, ``fallbackgate.engine.messages``),
+so the ledger reads without importing the engine. The schema itself is created by the Alembic migrations in
 ``ledger/migrations``; ``Base.metadata`` mirrors it and a test checks that they agree.
 """
 

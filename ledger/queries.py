@@ -1,6 +1,6 @@
 """Read queries for the gate, dashboard and calibration; aggregation happens in SQL.
 
-Every function takes an open :class:`~ledger.db.Ledger` and returns plain dicts. Parameters are
+Every function takes an open :class:`~fallbackgate.ledger.db.Ledger` and returns plain dicts. Parameters are
 bound, never formatted into SQL. A stored status of "running" is reported as "incomplete": a run
 whose process died never reaches "complete" or "failed".
 """
@@ -11,8 +11,8 @@ from typing import Any
 
 from sqlalchemy import Select, case, func, select
 
-from ledger.db import Ledger
-from ledger.models import (
+from fallbackgate.ledger.db import Ledger
+from fallbackgate.ledger.models import (
     EventRow,
     PositionDiffRow,
     Request,

@@ -6,15 +6,15 @@ from typing import Any
 
 from sqlalchemy import BigInteger, case, cast, func, select
 
-from ledger.dashboard_queries import _float
-from ledger.db import Ledger
-from ledger.models import (
+from fallbackgate.ledger.dashboard_queries import _float
+from fallbackgate.ledger.db import Ledger
+from fallbackgate.ledger.models import (
     EventRow,
     Request,
     Step,
     VerdictRow,
 )
-from ledger.queries import _all
+from fallbackgate.ledger.queries import _all
 
 
 def run_request_ids(ledger: Ledger, run_id: int, request_classes: tuple[str, ...] = ()) -> list[dict[str, Any]]:

@@ -8,9 +8,9 @@ from typing import Any
 
 from sqlalchemy import Table
 
-from engine.messages import RequestOutput, StepPlan, StepResult
-from engine.tags import TAG_EXACTNESS
-from ledger.models import EventRow, PositionDiffRow, RequestStatRow, Step
+from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
+from fallbackgate.engine.tags import TAG_EXACTNESS
+from fallbackgate.ledger.models import EventRow, PositionDiffRow, RequestStatRow, Step
 
 Rows = dict[Table, list[Any]]
 """Pending rows per table: dicts, or tuples in EVENT_COLUMNS order for the events table."""
@@ -18,6 +18,8 @@ SampleSteps = dict[tuple[int, str], list[int]]
 """(run id, request id) -> ids of the steps that sampled a token for the request, in order."""
 
 EXACTNESS: dict[str, str] = {t.value: c.value for t, c in TAG_EXACTNESS.items()}
+"""Tag name -> exactness class name: the ledger's vocabulary for readers that do not import the engine."""
+EXACT_TAG_NAMES: tuple[str, ...] = tuple(t for t, c in EXACTNESS.items() if c == "exact")
 EVENT_COLUMNS: tuple[str, ...] = (
     "run_id",
     "step_id",

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import torch
 
-from engine.messages import Event, RequestOutput, StepKind, StepPlan, StepResult
-from engine.tags import EXPERT_TAGS, KV_TAGS, ObjectKind, Tag, Tier
+from fallbackgate.engine.messages import Event, RequestOutput, StepKind, StepPlan, StepResult
+from fallbackgate.engine.tags import EXPERT_TAGS, KV_TAGS, ObjectKind, Tag, Tier
 
 _EXPERT_TAGS = sorted(EXPERT_TAGS, key=lambda t: t.value)
 _KV_TAGS = sorted(KV_TAGS, key=lambda t: t.value)
@@ -20,7 +21,7 @@ def synthetic_step(
     num_layers: int = 4,
     events_per_layer: int = 2,
     rng: random.Random | None = None,
-    tags: list[Tag] | None = None,
+    tags: Sequence[str] | None = None,
 ) -> tuple[StepPlan, StepResult]:
     """A decode step over ``request_ids`` with ``num_layers * events_per_layer`` events per request.
 
@@ -62,10 +63,10 @@ def _event(
     layer: int,
     i: int,
     rng: random.Random,
-    tags: list[Tag] | None,
+    tags: Sequence[str] | None,
 ) -> Event:
     if tags is not None:
-        tag = tags[i % len(tags)]
+        tag = Tag(tags[i % len(tags)])
         kind = ObjectKind.EXPERT if tag in EXPERT_TAGS else ObjectKind.KV_BLOCK
     elif i % 2 == 0:
         tag, kind = _EXPERT_TAGS[i // 2 % len(_EXPERT_TAGS)], ObjectKind.EXPERT

@@ -1,7 +1,7 @@
 """Batched background writer: the decode loop hands over messages and never waits on the database.
 
 Callers put messages on a bounded queue (``put`` blocks only when it is full); one background thread
-(:mod:`ledger.writer_thread`) turns them into rows and writes them with bulk inserts, one transaction
+(:mod:`fallbackgate.ledger.writer_thread`) turns them into rows and writes them with bulk inserts, one transaction
 per batch, every ``flush_interval_s`` or as soon as ``batch_size`` rows are pending. A process killed mid-run leaves
 every batch committed so far and the run still "running" (reported as incomplete).
 
@@ -18,12 +18,12 @@ from typing import Any, Self
 
 from sqlalchemy import delete, insert, update
 
-from engine.messages import RequestOutput, StepPlan, StepResult
-from engine.tags import Tag
-from ledger.db import Ledger, LedgerError, begin_write
-from ledger.models import RUN_STATUSES, Calibration, EventRow, Request, Run, VerdictRow, utcnow
-from ledger.rows import value
-from ledger.writer_thread import FLUSH, Op, WriterThread
+from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
+from fallbackgate.engine.tags import Tag
+from fallbackgate.ledger.db import Ledger, LedgerError, begin_write
+from fallbackgate.ledger.models import RUN_STATUSES, Calibration, EventRow, Request, Run, VerdictRow, utcnow
+from fallbackgate.ledger.rows import value
+from fallbackgate.ledger.writer_thread import FLUSH, Op, WriterThread
 
 
 class LedgerWriter:

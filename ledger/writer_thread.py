@@ -1,4 +1,4 @@
-"""The background half of :class:`ledger.writer.LedgerWriter`: one thread drains a queue into batches.
+"""The background half of :class:`fallbackgate.ledger.writer.LedgerWriter`: one thread drains a queue into batches.
 
 Each batch is written with bulk inserts in one transaction, every ``flush_interval_s`` or as soon as
 ``batch_size`` rows are pending. A failure is kept and surfaced to the caller on its next call.
@@ -14,10 +14,10 @@ from typing import Any
 
 from sqlalchemy import Connection, Table
 
-from ledger.bulk import insert_rows
-from ledger.db import Ledger, LedgerError, begin_write
-from ledger.models import Calibration, EventRow, PositionDiffRow, Request, RequestStatRow, Step, VerdictRow
-from ledger.rows import EVENT_COLUMNS, Rows, diff_rows, request_row, step_rows
+from fallbackgate.ledger.bulk import insert_rows
+from fallbackgate.ledger.db import Ledger, LedgerError, begin_write
+from fallbackgate.ledger.models import Calibration, EventRow, PositionDiffRow, Request, RequestStatRow, Step, VerdictRow
+from fallbackgate.ledger.rows import EVENT_COLUMNS, Rows, diff_rows, request_row, step_rows
 
 _TABLE_ORDER: tuple[Table, ...] = tuple(
     m.__table__  # type: ignore[misc]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from fallbackgate.audit import (
+from fallbackgate.audit.stats import (
     PositionDiff,
     audit,
     percentile,

@@ -6,17 +6,17 @@ import pathlib
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.tags import Tag
 from fallbackgate.cli import main
 from fallbackgate.commands.calibrate import fit, weighted_quantile
 from fallbackgate.controllers import make_controller
-from fallbackgate.cost import DEFAULT_SCALES, load_calibration
+from fallbackgate.controllers.cost import DEFAULT_SCALES, load_calibration
+from fallbackgate.engine.config import EngineConfig
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.tags import Tag
+from fallbackgate.ledger.db import open_ledger
 from fallbackgate.policy.schema import SLO, Policy, QualityBudget, RequestClass
-from fallbackgate.recording import record_and_judge
-from fallbackgate.session import RunSettings
-from ledger.db import open_ledger
+from fallbackgate.serving.recording import record_and_judge
+from fallbackgate.serving.session import RunSettings
 from tests.test_controllers_engine import SLOW
 from tests.test_engine_exact import sizes
 
@@ -50,7 +50,7 @@ def test_calibrate_from_a_real_run(checkpoint_factory, tmp_path: pathlib.Path, c
         ),
         make_controller("joint", policy, top_k=top_k),
     )
-    from fallbackgate.prompts import PromptSpec
+    from fallbackgate.serving.prompts import PromptSpec
 
     specs = [PromptSpec(f"the quick brown fox {i}", f"p{i}", "be") for i in range(3)]
     url = f"sqlite:///{tmp_path / 'ledger.sqlite'}"

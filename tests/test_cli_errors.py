@@ -17,8 +17,8 @@ import sys
 import pytest
 
 from fallbackgate.cli import main
-from ledger.db import ENV_VAR, open_ledger
-from ledger.writer import LedgerWriter
+from fallbackgate.ledger.db import ENV_VAR, open_ledger
+from fallbackgate.ledger.writer import LedgerWriter
 from tests.pg_fixture import free_port
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

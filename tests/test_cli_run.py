@@ -53,9 +53,9 @@ def test_run_with_forced_cpu_execute_passes_within_the_equivalent_tolerance(
 
 
 def test_run_with_a_policy_file_records_its_name_budgets_and_slos(tmp_path: pathlib.Path, checkpoint_factory) -> None:
+    from fallbackgate.ledger.dashboard_queries import RunFilter, filter_options, overview_runs
+    from fallbackgate.ledger.db import open_ledger
     from fallbackgate.policy import load_policy
-    from ledger.dashboard_queries import RunFilter, filter_options, overview_runs
-    from ledger.db import open_ledger
 
     policies = pathlib.Path(__file__).resolve().parents[1] / "fallbackgate" / "policies"
     model = checkpoint_factory("qwen3_moe")

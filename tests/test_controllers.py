@@ -13,11 +13,11 @@ import types
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.controller import EngineView, ExpertMiss, KVMiss
-from engine.hardware import CPU_BOX, HardwareProfile
-from engine.messages import StepKind, StepPlan
-from engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.controllers import ControllerKind, JointController, make_controller
+from fallbackgate.engine.controller import EngineView, ExpertMiss, KVMiss
+from fallbackgate.engine.hardware import CPU_BOX, HardwareProfile
+from fallbackgate.engine.messages import StepKind, StepPlan
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.policy.schema import FALLBACK_TAGS, SLO, Policy, QualityBudget, RequestClass
 
 LAYERS, TOP_K, EXPERTS = 4, 2, 8

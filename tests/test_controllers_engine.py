@@ -9,12 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.hardware import HardwareProfile
-from engine.sequence import SamplingParams
-from engine.tags import Tag
 from fallbackgate.controllers import ControllerKind, make_controller
+from fallbackgate.engine.config import EngineConfig
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.hardware import HardwareProfile
+from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.engine.tags import Tag
 from fallbackgate.policy.schema import FALLBACK_TAGS, SLO, Policy, QualityBudget, RequestClass
 from tests.test_engine_exact import sizes
 

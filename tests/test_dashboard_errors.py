@@ -12,10 +12,10 @@ import pytest
 from alembic.script import ScriptDirectory
 from streamlit.testing.v1 import AppTest
 
-import ledger.db
 from fallbackgate import cli
 from fallbackgate.commands import dashboard as command
-from ledger.db import open_ledger
+from fallbackgate.ledger import db as ledger_db
+from fallbackgate.ledger.db import open_ledger
 from tests.test_dashboard_ledger import real_ledger, sql
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
@@ -65,14 +65,14 @@ def test_missing_file_and_unreachable_server_show_a_message(tmp_path: Path, monk
 def test_older_schema_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     db = tmp_path / "old.sqlite"
     open_ledger(str(db)).close()  # at today's newest revision
-    head = ScriptDirectory.from_config(ledger.db.alembic_config()).get_current_head()
+    head = ScriptDirectory.from_config(ledger_db.alembic_config()).get_current_head()
     newer = tmp_path / "migrations"
-    shutil.copytree(ledger.db.MIGRATIONS_DIR, newer, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ledger_db.MIGRATIONS_DIR, newer, ignore=shutil.ignore_patterns("__pycache__"))
     (newer / "versions" / "9000_later.py").write_text(
         f'revision = "9000"\ndown_revision = "{head}"\nbranch_labels = None\ndepends_on = None\n\n\n'
         "def upgrade() -> None:\n    pass\n\n\ndef downgrade() -> None:\n    pass\n"
     )
-    monkeypatch.setattr(ledger.db, "MIGRATIONS_DIR", newer)  # this code now knows a newer schema
+    monkeypatch.setattr(ledger_db, "MIGRATIONS_DIR", newer)  # this code now knows a newer schema
     at = run_app(str(db), monkeypatch)
     (msg,) = [e.value for e in at.error]
     assert f"has old schema revision '{head}' (newest: '9000')" in msg and msg.startswith("Cannot open the ledger:")
@@ -119,7 +119,7 @@ def test_sqlite_ledger_is_opened_read_only() -> None:
     from sqlalchemy import text
     from sqlalchemy.exc import OperationalError
 
-    from dashboard import data
+    from fallbackgate.dashboard import data
 
     ledger = data.connect(str(real_ledger()))
     assert ledger.read_only

@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 
 from fallbackgate import cli
-from ledger.db import open_ledger
-from ledger.writer import LedgerWriter
+from fallbackgate.ledger.db import open_ledger
+from fallbackgate.ledger.writer import LedgerWriter
 from tests.checkpoints import make_checkpoint
 
 PROMPTS = (

@@ -12,8 +12,8 @@ from sqlalchemy import insert, select, text
 from sqlalchemy.exc import DBAPIError
 from streamlit.testing.v1 import AppTest
 
-from ledger.db import begin_write, open_ledger
-from ledger.models import Base
+from fallbackgate.ledger.db import begin_write, open_ledger
+from fallbackgate.ledger.models import Base
 from tests.pg_fixture import pg_server_fixture, pg_url_fixture  # noqa: F401 - fixtures
 from tests.test_dashboard_ledger import real_ledger
 
@@ -43,7 +43,7 @@ def _shown(url: str, page: str, monkeypatch: pytest.MonkeyPatch, **params: str) 
 
 
 def test_postgresql_sessions_are_read_only(pg_url: str) -> None:
-    from dashboard import data
+    from fallbackgate.dashboard import data
 
     _copy(str(real_ledger()), pg_url)
     ledger = data.connect(pg_url)

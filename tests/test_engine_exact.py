@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.sequence import SamplingParams
 from fallbackgate.controllers.exact_lru import ExactLRUController
+from fallbackgate.engine.config import EngineConfig
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.sequence import SamplingParams
 from tests.checkpoints import ARCHITECTURES
 
 NEW_TOKENS = 12

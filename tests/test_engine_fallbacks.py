@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.sequence import SamplingParams
 from fallbackgate.controllers.exact_lru import ExactLRUController
+from fallbackgate.engine.config import EngineConfig
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.sequence import SamplingParams
 from tests.test_engine_exact import NEW_TOKENS, _prompts, reference, sizes
 
 
@@ -73,7 +73,7 @@ def test_budget_below_minimum_is_refused_with_the_minimum(checkpoint_factory) ->
     path = checkpoint_factory("qwen3_moe")
     expert, block, layers, top_k = sizes(path)
     minimum = top_k * expert + layers * block
-    from engine.errors import BudgetError
+    from fallbackgate.engine.errors import BudgetError
 
     with pytest.raises(BudgetError, match=f"minimum is {minimum / 2**20:.3f} MiB"):
         Engine(EngineConfig(str(path), block_size=4, device_budget_bytes=minimum - 1), ExactLRUController())

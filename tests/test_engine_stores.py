@@ -9,13 +9,13 @@ import shutil
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import CheckpointError, ChecksumError
-from engine.sequence import SamplingParams
-from engine.spill import PAGE_BYTES, SpillDir
-from engine.tags import Tag, Tier
 from fallbackgate.controllers.exact_lru import ExactLRUController
+from fallbackgate.engine.config import EngineConfig
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.errors import CheckpointError, ChecksumError
+from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.engine.spill import PAGE_BYTES, SpillDir
+from fallbackgate.engine.tags import Tag, Tier
 from tests.checkpoints import make_checkpoint
 from tests.test_engine_exact import NEW_TOKENS, _prompts, reference, sizes
 
@@ -106,8 +106,8 @@ def test_loader_errors_say_what_was_found(tmp_path: pathlib.Path, checkpoint_fac
 
 
 def test_kv_block_keeps_full_and_quantized_copies(tmp_path: pathlib.Path) -> None:
-    from engine.device_pool import TierPool
-    from engine.kv_store import KVStore, SpillMode
+    from fallbackgate.engine.device_pool import TierPool
+    from fallbackgate.engine.kv_store import KVStore, SpillMode
 
     device, host = TierPool("device", 1 << 20), TierPool("host", 1 << 20)
     kv = KVStore(1, 2, 8, 8, 4, device, host, SpillDir(tmp_path), torch.device("cpu"))
@@ -129,8 +129,8 @@ def test_kv_block_keeps_full_and_quantized_copies(tmp_path: pathlib.Path) -> Non
 
 def test_restored_tail_block_never_comes_back_stale(tmp_path: pathlib.Path) -> None:
     """Swap out a partial tail, bring it back, append, swap out again: the second copy has the new token."""
-    from engine.device_pool import TierPool
-    from engine.kv_store import KVStore, SpillMode
+    from fallbackgate.engine.device_pool import TierPool
+    from fallbackgate.engine.kv_store import KVStore, SpillMode
 
     device, host = TierPool("device", 1 << 20), TierPool("host", 1 << 20)
     kv = KVStore(1, 1, 2, 2, 4, device, host, SpillDir(tmp_path), torch.device("cpu"))

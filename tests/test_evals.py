@@ -9,15 +9,15 @@ import pathlib
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import PromptError
-from engine.scoring import score
-from evals.parity_report import failure_lines, to_markdown
-from evals.parity_stats import TaskItems, aggregate, compare, mcnemar
-from evals.tolerances import load_parity_policy
 from fallbackgate.cli import main
 from fallbackgate.controllers.exact_lru import ExactLRUController
+from fallbackgate.engine.config import EngineConfig
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.errors import PromptError
+from fallbackgate.engine.scoring import score
+from fallbackgate.evals.parity_report import failure_lines, to_markdown
+from fallbackgate.evals.parity_stats import TaskItems, aggregate, compare, mcnemar
+from fallbackgate.evals.tolerances import load_parity_policy
 from fallbackgate.policy import PolicyError
 from tests.checkpoints import make_checkpoint
 
@@ -73,8 +73,8 @@ def test_statistics_by_hand() -> None:
 def test_report_names_task_gap_and_interval() -> None:
     e = TaskItems("acc", "none", True, [0, 1, 2, 3], [1, 1, 1, 1], [0, 0, 0, 0])
     p = TaskItems("acc", "none", True, [0, 1, 2, 3], [1, 0, 0, 1], [0, 1, 1, 0])
-    from evals.parity import judge
-    from evals.tolerances import TaskTolerance
+    from fallbackgate.evals.parity import judge
+    from fallbackgate.evals.tolerances import TaskTolerance
 
     r = compare(e, p, samples=500)
     r.update(task="fg_cloze", drift=None)
@@ -140,7 +140,7 @@ def test_bad_inputs_fail_before_model_work(
 
 
 def test_task_yamls_render_with_absolute_data_paths(tmp_path: pathlib.Path) -> None:
-    from evals.task_dir import LOCAL_TASKS, render_include_dir
+    from fallbackgate.evals.task_dir import LOCAL_TASKS, render_include_dir
 
     out = render_include_dir(dest=tmp_path)
     names = sorted(p.stem for p in out.glob("*.yaml"))

@@ -10,8 +10,8 @@ import pathlib
 
 import pytest
 
-from evals.parity import ParityConfig, prepare, run_parity
 from fallbackgate.cli import main
+from fallbackgate.evals.parity import ParityConfig, prepare, run_parity
 from tests.checkpoints import make_checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -93,8 +93,8 @@ def test_adapter_on_exact_policy_matches_lm_eval_hf_model(ckpt: pathlib.Path, da
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
-    from evals.lm_adapter import FallbackgateLM
-    from evals.task_dir import render_include_dir
+    from fallbackgate.evals.lm_adapter import FallbackgateLM
+    from fallbackgate.evals.task_dir import render_include_dir
 
     trained = ROOT / "fallbackgate" / "tinymoe" / "checkpoint"
     model = trained if (trained / "config.json").is_file() else ckpt

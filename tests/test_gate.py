@@ -7,18 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from engine.tags import Tag
-from fallbackgate.audit import PositionDiff, request_stats
-from fallbackgate.commands import gate as gate_cmd
-from fallbackgate.gate import (
+from fallbackgate.audit.gate import (
     EQUIVALENT_TOLERANCE,
     evaluate_run,
     judge_request,
     tolerance,
 )
-from ledger.db import open_ledger
-from ledger.synthetic import synthetic_output, synthetic_step
-from ledger.writer import LedgerWriter
+from fallbackgate.audit.stats import PositionDiff, request_stats
+from fallbackgate.commands import gate as gate_cmd
+from fallbackgate.engine.tags import Tag
+from fallbackgate.ledger.db import open_ledger
+from fallbackgate.ledger.synthetic import synthetic_output, synthetic_step
+from fallbackgate.ledger.writer import LedgerWriter
 
 EXACT = [Tag.RESIDENT, Tag.EXACT_LOAD]
 

@@ -11,8 +11,8 @@ import textwrap
 import time
 from pathlib import Path
 
-from ledger import queries
-from ledger.db import open_ledger
+from fallbackgate.ledger import queries
+from fallbackgate.ledger.db import open_ledger
 
 REPO = Path(__file__).resolve().parents[1]
 EVENTS_PER_STEP = 3 * 4 * 2  # requests × layers × events per layer
@@ -20,9 +20,9 @@ EVENTS_PER_STEP = 3 * 4 * 2  # requests × layers × events per layer
 SCRIPT = textwrap.dedent(
     """
     import sys
-    from ledger.db import open_ledger
-    from ledger.synthetic import synthetic_step
-    from ledger.writer import LedgerWriter
+    from fallbackgate.ledger.db import open_ledger
+    from fallbackgate.ledger.synthetic import synthetic_step
+    from fallbackgate.ledger.writer import LedgerWriter
 
     w = LedgerWriter(open_ledger(sys.argv[1]), flush_interval_s=0.01, batch_size=200)
     w.start_run(model_path="crash-test")
@@ -81,9 +81,9 @@ def test_normal_exit_without_close_writes_everything(tmp_path: Path) -> None:
     script = textwrap.dedent(
         """
         import sys
-        from ledger.db import open_ledger
-        from ledger.synthetic import synthetic_step
-        from ledger.writer import LedgerWriter
+        from fallbackgate.ledger.db import open_ledger
+        from fallbackgate.ledger.synthetic import synthetic_step
+        from fallbackgate.ledger.writer import LedgerWriter
 
         w = LedgerWriter(open_ledger(sys.argv[1]), flush_interval_s=60.0)
         w.start_run()

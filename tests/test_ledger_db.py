@@ -12,9 +12,9 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 
-from ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, head_revision, open_ledger
-from ledger.models import Base
-from ledger.writer import LedgerWriter
+from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, head_revision, open_ledger
+from fallbackgate.ledger.models import Base
+from fallbackgate.ledger.writer import LedgerWriter
 from tests.pg_fixture import free_port, pg_server_fixture, pg_url_fixture  # noqa: F401 - fixtures
 
 TABLES = {
@@ -158,8 +158,8 @@ def test_upgrade_from_0001_keeps_runs_and_labels_them_by_controller(tmp_path: Pa
     from alembic import command
     from sqlalchemy import create_engine
 
-    from ledger.dashboard_queries import RunFilter, overview_runs
-    from ledger.db import alembic_config
+    from fallbackgate.ledger.dashboard_queries import RunFilter, overview_runs
+    from fallbackgate.ledger.db import alembic_config
 
     path = tmp_path / "old.sqlite"
     cfg = alembic_config()

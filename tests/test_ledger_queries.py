@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.tags import Tag
-from fallbackgate.audit import PositionDiff, request_stats
-from ledger import queries
-from ledger.db import Ledger, open_ledger
-from ledger.synthetic import synthetic_output, synthetic_step
-from ledger.writer import LedgerWriter, delete_run
+from fallbackgate.audit.stats import PositionDiff, request_stats
+from fallbackgate.engine.tags import Tag
+from fallbackgate.ledger import queries
+from fallbackgate.ledger.db import Ledger, open_ledger
+from fallbackgate.ledger.synthetic import synthetic_output, synthetic_step
+from fallbackgate.ledger.writer import LedgerWriter, delete_run
 
 
 def _diffs(kls: list[float]) -> list[PositionDiff]:

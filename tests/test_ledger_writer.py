@@ -9,13 +9,13 @@ import pytest
 import torch
 from sqlalchemy import func, select
 
-from engine.tags import TAG_EXACTNESS, Tag
-from fallbackgate.audit import audit
-from ledger import queries
-from ledger.db import LedgerError, open_ledger
-from ledger.models import EventRow, Step
-from ledger.synthetic import synthetic_output, synthetic_step
-from ledger.writer import LedgerWriter
+from fallbackgate.audit.stats import audit
+from fallbackgate.engine.tags import TAG_EXACTNESS, Tag
+from fallbackgate.ledger import queries
+from fallbackgate.ledger.db import LedgerError, open_ledger
+from fallbackgate.ledger.models import EventRow, Step
+from fallbackgate.ledger.synthetic import synthetic_output, synthetic_step
+from fallbackgate.ledger.writer import LedgerWriter
 from tests.pg_fixture import pg_server_fixture, pg_url_fixture  # noqa: F401 - fixtures
 
 

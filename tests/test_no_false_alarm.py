@@ -7,11 +7,11 @@ import pathlib
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import Engine
 from fallbackgate.controllers.exact_lru import ExactLRUController
-from fallbackgate.recording import RecordedRun, record_and_judge
-from fallbackgate.session import RunSettings
+from fallbackgate.engine.config import EngineConfig
+from fallbackgate.engine.engine import Engine
+from fallbackgate.serving.recording import RecordedRun, record_and_judge
+from fallbackgate.serving.session import RunSettings
 from tests.checkpoints import make_checkpoint
 from tests.test_engine_exact import sizes
 

@@ -14,8 +14,8 @@ import time
 import pytest
 
 from fallbackgate.cli import main
-from ledger import queries
-from ledger.db import ENV_VAR, open_ledger
+from fallbackgate.ledger import queries
+from fallbackgate.ledger.db import ENV_VAR, open_ledger
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MIN_STEPS = 15  # steps committed before the kill

@@ -9,12 +9,12 @@ import random
 import pytest
 from sqlalchemy import select
 
-from dashboard import sweep_data
-from fallbackgate.belady import belady_misses, lru_misses
 from fallbackgate.cli import main
-from fallbackgate.sweep_metrics import _p99, headline
-from ledger.db import open_ledger
-from ledger.models import Run
+from fallbackgate.dashboard import sweep_data
+from fallbackgate.ledger.db import open_ledger
+from fallbackgate.ledger.models import Run
+from fallbackgate.sweep.belady import belady_misses, lru_misses
+from fallbackgate.sweep.metrics import _p99, headline
 
 # The textbook reference string 1 2 3 4 1 2 5 1 2 3 4 5 (as (layer, expert) keys).
 TEXTBOOK = [(0, e) for e in (1, 2, 3, 4, 1, 2, 5, 1, 2, 3, 4, 5)]

@@ -6,8 +6,8 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, data
-from ledger.dashboard_queries import RunFilter
+from fallbackgate.dashboard import charts, data
+from fallbackgate.ledger.dashboard_queries import RunFilter
 
 TABLE = {
     "tag": "tag",

@@ -7,8 +7,8 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from dashboard import data
-from ledger.dashboard_queries import RunFilter
+from fallbackgate.dashboard import data
+from fallbackgate.ledger.dashboard_queries import RunFilter
 
 TABLE = {
     "run_id": st.column_config.NumberColumn("run"),

@@ -9,8 +9,8 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, data
-from ledger.dashboard_queries import RunFilter
+from fallbackgate.dashboard import charts, data
+from fallbackgate.ledger.dashboard_queries import RunFilter
 
 BUDGET_CHECKS = (  # budget key, statistic, label, True when larger is worse
     ("max_mean_kl", "mean_kl", "mean KL", True),

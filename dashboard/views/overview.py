@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import streamlit as st
 
-from dashboard import charts, data
-from ledger.dashboard_queries import RunFilter
+from fallbackgate.dashboard import charts, data
+from fallbackgate.ledger.dashboard_queries import RunFilter
 
 COLUMNS = {
     "run_id": st.column_config.NumberColumn("run"),

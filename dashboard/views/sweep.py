@@ -6,9 +6,9 @@ import altair as alt
 import pandas as pd
 import streamlit as st
 
-from dashboard import sweep_data
-from ledger.dashboard_queries import RunFilter
-from ledger.db import Ledger
+from fallbackgate.dashboard import sweep_data
+from fallbackgate.ledger.dashboard_queries import RunFilter
+from fallbackgate.ledger.db import Ledger
 
 
 def heatmap(df: pd.DataFrame, metric: str) -> alt.Chart:

@@ -5,7 +5,7 @@ is compared with the predicted nats its approximate events carried, per tag and 
 the ratio measured / predicted; a (tag, layer) takes the ``--quantile`` (default 0.95) of the ratios of
 the requests it appears in, weighted by its share of their prediction, so later predictions err high.
 The new scale is the scale in force (newest calibration, else the default) times that ratio; it is
-stored in the ``calibrations`` table, and later runs load it (:func:`fallbackgate.cost.load_calibration`).
+stored in the ``calibrations`` table, and later runs load it (:func:`fallbackgate.controllers.cost.load_calibration`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from engine.tags import Tag
-from fallbackgate.cost import CALIBRATED_TAGS, load_calibration
-from ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError, open_ledger
-from ledger.models import EventRow, RequestStatRow
-from ledger.writer import LedgerWriter
+from fallbackgate.controllers.cost import CALIBRATED_TAGS, load_calibration
+from fallbackgate.engine.tags import Tag
+from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError, open_ledger
+from fallbackgate.ledger.models import EventRow, RequestStatRow
+from fallbackgate.ledger.writer import LedgerWriter
 
 MIN_SCALE = 1e-6  # a fitted scale never reaches 0: a tag that measured nothing still costs a little
 

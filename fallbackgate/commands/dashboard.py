@@ -15,9 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ledger.db import DEFAULT_LEDGER, ENV_VAR
+from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR
+from fallbackgate.resources import package_dir
 
-APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
+APP = package_dir("fallbackgate.dashboard") / "app.py"
 DEFAULT_ADDRESS = "127.0.0.1"
 DEFAULT_PORT = 8501
 

@@ -10,10 +10,10 @@ import argparse
 import sys
 from typing import Any, TextIO
 
-from fallbackgate.gate import RunVerdict, evaluate_run, record_verdicts
-from ledger import queries
-from ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
-from ledger.writer import LedgerWriter
+from fallbackgate.audit.gate import RunVerdict, evaluate_run, record_verdicts
+from fallbackgate.ledger import queries
+from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
+from fallbackgate.ledger.writer import LedgerWriter
 
 
 def add_parser(subparsers: Any) -> None:

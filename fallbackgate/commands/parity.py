@@ -41,8 +41,8 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``fallbackgate parity``."""
-    from evals.parity import ParityConfig, ParityInputError, prepare, run_parity
-    from evals.parity_report import failure_lines, to_markdown, write_reports
+    from fallbackgate.evals.parity import ParityConfig, ParityInputError, prepare, run_parity
+    from fallbackgate.evals.parity_report import failure_lines, to_markdown, write_reports
 
     config = ParityConfig(
         args.policy,
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     except ParityInputError as exc:
         print(f"fallbackgate parity: error: {exc}", file=sys.stderr)
         return 2
-    from engine.errors import EngineError
+    from fallbackgate.engine.errors import EngineError
 
     try:
         report = run_parity(prepared)

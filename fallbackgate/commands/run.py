@@ -10,11 +10,13 @@ import pathlib
 import sys
 from typing import Any
 
-from engine.engine import Engine
-from engine.errors import EngineError
-from engine.tags import Tag
+from fallbackgate.audit.gate import RunVerdict
 from fallbackgate.controllers.exact_lru import FORCEABLE_TAGS, ExactLRUController
-from fallbackgate.gate import RunVerdict
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.errors import EngineError
+from fallbackgate.engine.tags import Tag
+from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
+from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy import CONTROLLER_KINDS
 from fallbackgate.policy.apply import (
     build_policy_engine,
@@ -26,13 +28,11 @@ from fallbackgate.policy.apply import (
     print_slips,
     run_settings,
 )
-from fallbackgate.prompts import PromptsFileError, PromptSpec, load_prompts
-from fallbackgate.recording import audit_and_judge, serve_recorded, start_run
-from fallbackgate.report import print_report, to_json, write_json
-from fallbackgate.session import RunSettings, build_engine, run_prompts
+from fallbackgate.serving.prompts import PromptsFileError, PromptSpec, load_prompts
+from fallbackgate.serving.recording import audit_and_judge, serve_recorded, start_run
+from fallbackgate.serving.report import print_report, to_json, write_json
+from fallbackgate.serving.session import RunSettings, build_engine, run_prompts
 from fallbackgate.tinymoe import CHECKPOINT_DIR
-from ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
-from ledger.writer import LedgerWriter
 
 
 def add_parser(subparsers: Any) -> None:

@@ -14,13 +14,13 @@ import pathlib
 import sys
 from typing import Any
 
-from engine.errors import EngineError
+from fallbackgate.engine.errors import EngineError
+from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
 from fallbackgate.policy import PolicyError, load_policy
-from fallbackgate.sweep import CONTROLLERS, SweepConfig, run_sweep
-from fallbackgate.sweep_plot import heatmaps
-from fallbackgate.sweep_workload import WorkloadSpec, default_policy
+from fallbackgate.sweep.grid import CONTROLLERS, SweepConfig, run_sweep
+from fallbackgate.sweep.plot import heatmaps
+from fallbackgate.sweep.workload import WorkloadSpec, default_policy
 from fallbackgate.tinymoe import CHECKPOINT_DIR
-from ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
 
 
 def _fracs(text: str) -> tuple[float, ...]:

@@ -1,15 +1,16 @@
-"""Controllers behind the engine's one interface (:class:`engine.controller.Controller`), chosen by an enum."""
+"""Controllers behind the engine's one interface (:class:`fallbackgate.engine.controller.Controller`),
+chosen by an enum."""
 
 from __future__ import annotations
 
 import enum
 
-from engine.controller import Controller
+from fallbackgate.controllers.cost import CostModel
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.controllers.independent_lru import IndependentLRUController
 from fallbackgate.controllers.joint import JointController, Slip
 from fallbackgate.controllers.static_split import StaticSplitController
-from fallbackgate.cost import CostModel
+from fallbackgate.engine.controller import Controller
 from fallbackgate.policy.schema import Policy
 
 

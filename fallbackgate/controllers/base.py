@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
-from engine.expert_store import ExpertKey
-from engine.kv_store import KVBlockKey, SpillMode
-from engine.tags import Tag
+from fallbackgate.engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
+from fallbackgate.engine.expert_store import ExpertKey
+from fallbackgate.engine.kv_store import KVBlockKey, SpillMode
+from fallbackgate.engine.tags import Tag
 
 
 class Recency:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
-from engine.expert_store import ExpertKey
-from engine.kv_store import KVBlockKey, SpillMode
-from engine.tags import Tag
 from fallbackgate.controllers.base import Recency, full_block_keys, take_victims
+from fallbackgate.engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
+from fallbackgate.engine.expert_store import ExpertKey
+from fallbackgate.engine.kv_store import KVBlockKey, SpillMode
+from fallbackgate.engine.tags import Tag
 
 FORCEABLE_TAGS = frozenset({Tag.CPU_EXECUTE, Tag.EXPERT_DEFER, Tag.EXPERT_LOWBIT, Tag.KV_DEQUANT, Tag.RECOMPUTE})
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.controller import EngineView, Victim
-from engine.expert_store import ExpertKey
-from engine.kv_store import KVBlockKey
 from fallbackgate.controllers.base import ExactBaseline, take_victims
+from fallbackgate.engine.controller import EngineView, Victim
+from fallbackgate.engine.expert_store import ExpertKey
+from fallbackgate.engine.kv_store import KVBlockKey
 
 
 class IndependentLRUController(ExactBaseline):

@@ -16,18 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
-from engine.expert_store import ExpertKey
-from engine.hardware import CPU_BOX
-from engine.kv_store import KVBlockKey, KVStore, SpillMode
-from engine.messages import StepPlan
-from engine.tags import Tag, Tier
-from fallbackgate.budgets import BudgetBook, RequestBudget
 from fallbackgate.controllers.base import Recency, take_victims
+from fallbackgate.controllers.cost import CostModel, lowbit_error_energy, quant_error_energy
 from fallbackgate.controllers.joint_memory import rebalance
 from fallbackgate.controllers.link import LinkBudget
 from fallbackgate.controllers.values import ValueModel
-from fallbackgate.cost import CostModel, lowbit_error_energy, quant_error_energy
+from fallbackgate.engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
+from fallbackgate.engine.expert_store import ExpertKey
+from fallbackgate.engine.hardware import CPU_BOX
+from fallbackgate.engine.kv_store import KVBlockKey, KVStore, SpillMode
+from fallbackgate.engine.messages import StepPlan
+from fallbackgate.engine.tags import Tag, Tier
+from fallbackgate.policy.budgets import BudgetBook, RequestBudget
 from fallbackgate.policy.schema import Policy, QualityBudget
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.controller import EngineView, StepEndActions
-from engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.engine.controller import EngineView, StepEndActions
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 if TYPE_CHECKING:
     from fallbackgate.controllers.joint import JointController

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.hardware import HardwareProfile
-from engine.tags import Tier
+from fallbackgate.engine.hardware import HardwareProfile
+from fallbackgate.engine.tags import Tier
 
 
 @dataclasses.dataclass

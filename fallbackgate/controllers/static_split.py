@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine.controller import EngineView, StepEndActions, Victim
-from engine.expert_store import ExpertKey
-from engine.kv_store import KVBlockKey
-from engine.tags import ObjectKind
 from fallbackgate.controllers.base import ExactBaseline, take_victims
+from fallbackgate.engine.controller import EngineView, StepEndActions, Victim
+from fallbackgate.engine.expert_store import ExpertKey
+from fallbackgate.engine.kv_store import KVBlockKey
+from fallbackgate.engine.tags import ObjectKind
 
 
 class StaticSplitController(ExactBaseline):

@@ -8,10 +8,10 @@ Values are seconds saved per step per byte, so both sides compare in one unit.
 
 from __future__ import annotations
 
-from engine.controller import EngineView
-from engine.expert_store import ExpertKey
-from engine.kv_store import KVBlockKey
-from engine.tags import Tier
+from fallbackgate.engine.controller import EngineView
+from fallbackgate.engine.expert_store import ExpertKey
+from fallbackgate.engine.kv_store import KVBlockKey
+from fallbackgate.engine.tags import Tier
 
 
 class ValueModel:

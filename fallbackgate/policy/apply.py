@@ -12,17 +12,17 @@ from pydantic import ValidationError
 from sqlalchemy import make_url
 from sqlalchemy.exc import ArgumentError
 
-from engine.controller import Controller
-from engine.engine import Engine
-from engine.errors import CheckpointError
 from fallbackgate.controllers import ControllerKind, JointController, make_controller
-from fallbackgate.cost import CostModel, load_calibration
+from fallbackgate.controllers.cost import CostModel, load_calibration
+from fallbackgate.engine.controller import Controller
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.errors import CheckpointError
+from fallbackgate.ledger.db import Ledger
 from fallbackgate.policy.loader import PolicyError, format_errors, hardware_profile, load_policy
 from fallbackgate.policy.schema import Policy
-from fallbackgate.prompts import PromptsFileError, PromptSpec
-from fallbackgate.session import RunSettings
+from fallbackgate.serving.prompts import PromptsFileError, PromptSpec
+from fallbackgate.serving.session import RunSettings
 from fallbackgate.tinymoe import CHECKPOINT_DIR
-from ledger.db import Ledger
 
 # command-line flag (argparse dest) -> (policy section, field); a flag given on the command line wins
 OVERRIDES: dict[str, tuple[str, str]] = {

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from engine.hardware import HardwareProfile, get_profile
+from fallbackgate.engine.hardware import HardwareProfile, get_profile
 from fallbackgate.policy.schema import Policy
 
 

@@ -24,12 +24,13 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from fallbackgate.resources import package_dir
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 from fallbackgate.tinymoe import metrics as M
 from fallbackgate.tinymoe.data import load_books, split_books
 from fallbackgate.tinymoe.train import init_model
 
-DATA_DIR = pathlib.Path(__file__).resolve().parents[2] / "evals" / "data"
+DATA_DIR = package_dir("fallbackgate.evals") / "data"
 BEGIN, END = "<!-- EVAL:BEGIN -->", "<!-- EVAL:END -->"
 
 

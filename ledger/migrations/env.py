@@ -1,10 +1,10 @@
-"""Alembic environment of the ledger; run programmatically by ``ledger.db`` (no alembic.ini)."""
+"""Alembic environment of the ledger; run programmatically by ``fallbackgate.ledger.db`` (no alembic.ini)."""
 
 from __future__ import annotations
 
 from alembic import context
 
-from ledger.models import Base
+from fallbackgate.ledger.models import Base
 
 target_metadata = Base.metadata
 

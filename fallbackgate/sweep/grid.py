@@ -5,7 +5,7 @@ routed expert bytes, KV budgets fractions of the workload's peak KV bytes; a cel
 sum (``static_split`` gets the cell's expert share as its split). Every cell × controller is one enforce
 run recorded to the ledger (``controller`` set, ``note`` = ``sweep <id> {...cell as JSON...}``), audited
 against the exact baseline and judged by the gate. Each run's expert-access trace is recorded
-(:class:`fallbackgate.belady.TraceRecorder`) and Belady's MIN computed on it. The JSON written by
+(:class:`fallbackgate.sweep.belady.TraceRecorder`) and Belady's MIN computed on it. The JSON written by
 :func:`write_outputs` is what the dashboard's Budget sweep page reads (``$FALLBACKGATE_SWEEP_JSON``).
 """
 
@@ -21,23 +21,23 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from engine.config import MIB, EngineConfig
-from engine.engine import Engine
-from engine.tags import Exactness, ObjectKind
-from fallbackgate.auditor import audit_output, numeric_floor
-from fallbackgate.belady import TraceRecorder, belady_misses, lru_misses
+from fallbackgate.audit.auditor import audit_output, numeric_floor
+from fallbackgate.audit.gate import evaluate_run
 from fallbackgate.controllers import make_controller
-from fallbackgate.cost import CostModel, load_calibration
-from fallbackgate.gate import evaluate_run
+from fallbackgate.controllers.cost import CostModel, load_calibration
+from fallbackgate.engine.config import MIB, EngineConfig
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.tags import Exactness, ObjectKind
+from fallbackgate.ledger.db import Ledger
+from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.loader import hardware_profile
 from fallbackgate.policy.schema import Policy
-from fallbackgate.prompts import PromptSpec
-from fallbackgate.recording import serve_recorded, versions
-from fallbackgate.session import RunOutcome, RunSettings, run_prompts
-from fallbackgate.sweep_metrics import headline, quality_metrics, slo_metrics, tag_mix, timing_metrics
-from fallbackgate.sweep_workload import WorkloadSpec, build_workload
-from ledger.db import Ledger
-from ledger.writer import LedgerWriter
+from fallbackgate.serving.prompts import PromptSpec
+from fallbackgate.serving.recording import serve_recorded, versions
+from fallbackgate.serving.session import RunOutcome, RunSettings, run_prompts
+from fallbackgate.sweep.belady import TraceRecorder, belady_misses, lru_misses
+from fallbackgate.sweep.metrics import headline, quality_metrics, slo_metrics, tag_mix, timing_metrics
+from fallbackgate.sweep.workload import WorkloadSpec, build_workload
 
 CONTROLLERS: tuple[str, ...] = ("joint", "static_split", "independent_lru", "exact_lru")
 

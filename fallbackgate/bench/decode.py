@@ -1,4 +1,4 @@
-"""python -m fallbackgate.bench_engine --json bench-engine.json
+"""python -m fallbackgate.bench.decode --json bench-engine.json
 
 Decode speed of the engine in exact mode against transformers' own generate() on the same model and
 prompts, and against accelerate's disk offload at a comparable device-memory budget. All numbers come
@@ -18,10 +18,10 @@ import warnings
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.config import MIB, EngineConfig
-from engine.engine import Engine
-from engine.sequence import SamplingParams
 from fallbackgate.controllers.exact_lru import ExactLRUController
+from fallbackgate.engine.config import MIB, EngineConfig
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 

@@ -6,9 +6,9 @@ import random
 
 import torch
 
-from engine.engine import Engine
-from engine.messages import RequestOutput
-from fallbackgate.audit import PositionDiff, RequestDiffStats, audit
+from fallbackgate.audit.stats import PositionDiff, RequestDiffStats, audit
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.messages import RequestOutput
 
 
 def exact_rows(engine: Engine, output: RequestOutput, num_chunked: int = 0) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""python -m fallbackgate.bench_ledger_overhead --json bench-overhead.json [--reps 5] [--max-new-tokens 32]
+"""python -m fallbackgate.bench.ledger_overhead --json bench-overhead.json [--reps 5] [--max-new-tokens 32]
 
 What recording costs the decode loop, measured in one process on one engine:
 
@@ -29,16 +29,16 @@ from typing import Any
 
 import torch
 
-from engine.engine import Engine
-from engine.messages import StepPlan, StepResult
-from fallbackgate.auditor import audit_output, numeric_floor
+from fallbackgate.audit.auditor import audit_output, numeric_floor
 from fallbackgate.controllers.exact_lru import ExactLRUController
-from fallbackgate.prompts import BUILTIN_PROMPTS, PromptSpec
-from fallbackgate.recording import start_run
-from fallbackgate.session import RunOutcome, RunSettings, build_engine, run_prompts
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.messages import StepPlan, StepResult
+from fallbackgate.ledger.db import Ledger, open_ledger
+from fallbackgate.ledger.writer import LedgerWriter
+from fallbackgate.serving.prompts import BUILTIN_PROMPTS, PromptSpec
+from fallbackgate.serving.recording import start_run
+from fallbackgate.serving.session import RunOutcome, RunSettings, build_engine, run_prompts
 from fallbackgate.tinymoe import CHECKPOINT_DIR
-from ledger.db import Ledger, open_ledger
-from ledger.writer import LedgerWriter
 
 OVERHEAD_GOAL = 0.03
 AUDIT_GOAL = 0.3
@@ -208,7 +208,7 @@ def _print(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run both measurements, print them and write the JSON report."""
-    p = argparse.ArgumentParser(prog="python -m fallbackgate.bench_ledger_overhead", description=__doc__.split("\n")[2])
+    p = argparse.ArgumentParser(prog="python -m fallbackgate.bench.ledger_overhead", description=__doc__.split("\n")[2])
     p.add_argument("--json", default="bench-overhead.json", help="where to write the results")
     p.add_argument("--model", default=None, help="checkpoint directory (default: bundled tinymoe, else random)")
     p.add_argument("--reps", type=int, default=5, help="repetitions of each side")

@@ -26,10 +26,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from engine.tags import TAG_EXACTNESS, Exactness, Tag
-from ledger import queries
-from ledger.db import Ledger, LedgerError
-from ledger.writer import LedgerWriter
+from fallbackgate.engine.tags import TAG_EXACTNESS, Exactness, Tag
+from fallbackgate.ledger import queries
+from fallbackgate.ledger.db import Ledger, LedgerError
+from fallbackgate.ledger.writer import LedgerWriter
 
 EXACT_TOLERANCE_MIN = 1e-9
 FLOOR_MARGIN = 10.0

@@ -8,10 +8,10 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from fallbackgate.audit import RequestDiffStats
-from fallbackgate.gate import RunVerdict
+from fallbackgate.audit.gate import RunVerdict
+from fallbackgate.audit.stats import RequestDiffStats
 from fallbackgate.policy.schema import Policy
-from fallbackgate.session import RunOutcome
+from fallbackgate.serving.session import RunOutcome
 
 EXACT_CONTROLLERS = ("exact_lru", "independent_lru", "static_split")
 

@@ -6,8 +6,8 @@ import json
 import pathlib
 from typing import Any, TextIO
 
-from engine.tags import TAG_EXACTNESS, Tag
-from fallbackgate.session import RunOutcome
+from fallbackgate.engine.tags import TAG_EXACTNESS, Tag
+from fallbackgate.serving.session import RunOutcome
 
 JSON_FORMAT_VERSION = 1
 

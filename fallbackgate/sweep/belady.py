@@ -15,10 +15,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
-from engine.expert_store import ExpertKey
-from engine.kv_store import KVBlockKey
-from engine.messages import StepPlan
+from fallbackgate.engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
+from fallbackgate.engine.expert_store import ExpertKey
+from fallbackgate.engine.kv_store import KVBlockKey
+from fallbackgate.engine.messages import StepPlan
 
 
 def belady_misses(trace: Sequence[ExpertKey], num_slots: int) -> int:

@@ -8,14 +8,14 @@ from collections.abc import Callable
 
 from tqdm.auto import tqdm
 
-from engine.config import MIB, EngineConfig
-from engine.controller import Controller
-from engine.engine import Engine
-from engine.errors import CheckpointError
-from engine.hardware import get_profile
-from engine.messages import RequestOutput, StepPlan, StepResult
-from engine.sequence import SamplingParams
-from fallbackgate.prompts import PromptSpec
+from fallbackgate.engine.config import MIB, EngineConfig
+from fallbackgate.engine.controller import Controller
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.errors import CheckpointError
+from fallbackgate.engine.hardware import get_profile
+from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
+from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.serving.prompts import PromptSpec
 
 
 @dataclasses.dataclass(slots=True)

@@ -1,4 +1,4 @@
-"""python -m fallbackgate.calibration_check [--model DIR] [--ledger URL] [--out FILE] [--requests N]
+"""python -m fallbackgate.bench.calibration_check [--model DIR] [--ledger URL] [--out FILE] [--requests N]
 
 Does a calibration fitted on one workload keep another workload's requests within budget?
 
@@ -26,13 +26,13 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
+from fallbackgate.audit.gate import evaluate_run
 from fallbackgate.commands import calibrate
-from fallbackgate.gate import evaluate_run
+from fallbackgate.ledger.db import Ledger, open_ledger
 from fallbackgate.policy.schema import Policy
-from fallbackgate.sweep import SweepConfig, grid_cells, reference_run, run_cell
-from fallbackgate.sweep_workload import BEST_EFFORT, WorkloadSpec, build_workload, default_policy
+from fallbackgate.sweep.grid import SweepConfig, grid_cells, reference_run, run_cell
+from fallbackgate.sweep.workload import BEST_EFFORT, WorkloadSpec, build_workload, default_policy
 from fallbackgate.tinymoe import CHECKPOINT_DIR
-from ledger.db import Ledger, open_ledger
 
 GOAL = 0.95
 
@@ -108,7 +108,8 @@ def run_check(model_dir: str, ledger_url: str, num_requests: int = 20, tpot_ms: 
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: run the check, print, write JSON; exit 0 when the goal is met, 1 otherwise."""
-    p = argparse.ArgumentParser(prog="python -m fallbackgate.calibration_check", description=__doc__.split("\n")[2])
+    prog = "python -m fallbackgate.bench.calibration_check"
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[2])
     p.add_argument("--model", default=str(CHECKPOINT_DIR), help="checkpoint directory (default: bundled tiny MoE)")
     p.add_argument("--ledger", default=None, help="ledger URL (default: calibration_check.sqlite next to --out)")
     p.add_argument("--out", default="fallbackgate/sweep_results/calibration/calibration_check.json")

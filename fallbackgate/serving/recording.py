@@ -13,15 +13,15 @@ from typing import Any
 import torch
 import transformers
 
-from engine.engine import Engine
-from fallbackgate.auditor import audit_output, choose_audited, numeric_floor
-from fallbackgate.gate import RunVerdict, evaluate_run, record_verdicts
-from fallbackgate.prompts import PromptSpec
-from fallbackgate.session import RunOutcome, RunSettings, run_prompts
-from ledger.db import Ledger, open_ledger
-from ledger.writer import LedgerWriter
+from fallbackgate.audit.auditor import audit_output, choose_audited, numeric_floor
+from fallbackgate.audit.gate import RunVerdict, evaluate_run, record_verdicts
+from fallbackgate.engine.engine import Engine
+from fallbackgate.ledger.db import Ledger, open_ledger
+from fallbackgate.ledger.writer import LedgerWriter
+from fallbackgate.serving.prompts import PromptSpec
+from fallbackgate.serving.session import RunOutcome, RunSettings, run_prompts
 
-Budgets = Mapping[str, Mapping[str, Any]]  # request class -> quality budget (see fallbackgate.gate)
+Budgets = Mapping[str, Mapping[str, Any]]  # request class -> quality budget (see fallbackgate.audit.gate)
 
 
 @dataclasses.dataclass(slots=True)

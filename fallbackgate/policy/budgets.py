@@ -1,6 +1,6 @@
 """Per-request quality budget accounting: predicted spend against the class's limits.
 
-The controller spends predicted nats (from :mod:`fallbackgate.cost`) as it chooses approximate
+The controller spends predicted nats (from :mod:`fallbackgate.controllers.cost`) as it chooses approximate
 actions. A request may take an action only while, after it,
 
 - its cumulative spend stays within ``max_mean_kl`` × the positions it has produced (this step's included),
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from engine.tags import Tag
+from fallbackgate.engine.tags import Tag
 from fallbackgate.policy.schema import QualityBudget
 
 EPS = 1e-12

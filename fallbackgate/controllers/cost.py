@@ -19,10 +19,10 @@ import dataclasses
 import torch
 from sqlalchemy import select
 
-from engine.kv_codec import QuantKV, dequantize_kv, quantize_kv
-from engine.tags import Tag
-from ledger.db import Ledger
-from ledger.models import Calibration
+from fallbackgate.engine.kv_codec import QuantKV, dequantize_kv, quantize_kv
+from fallbackgate.engine.tags import Tag
+from fallbackgate.ledger.db import Ledger
+from fallbackgate.ledger.models import Calibration
 
 # predicted nats per unit of proxy before calibration: deliberately on the high side
 DEFAULT_SCALES: dict[Tag, float] = {Tag.EXPERT_DEFER: 2.0, Tag.EXPERT_LOWBIT: 2.0, Tag.KV_DEQUANT: 2.0}

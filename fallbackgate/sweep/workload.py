@@ -15,9 +15,10 @@ import random
 from typing import Any
 
 from fallbackgate.policy.schema import Policy
-from fallbackgate.prompts import PromptSpec
+from fallbackgate.resources import package_dir
+from fallbackgate.serving.prompts import PromptSpec
 
-PASSAGES = pathlib.Path(__file__).resolve().parents[1] / "evals" / "data" / "rolling_ppl.jsonl"
+PASSAGES = package_dir("fallbackgate.evals") / "data" / "rolling_ppl.jsonl"
 STRICT, BEST_EFFORT = "strict", "best-effort"
 
 

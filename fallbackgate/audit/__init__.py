@@ -1,0 +1,1 @@
+"""The audit: diff statistics against the exact baseline, the auditor that computes them, and the gate."""

@@ -1,0 +1,1 @@
+"""Benchmarks (each ``python -m fallbackgate.bench.<name> --json FILE``): ratios measured in one run."""
