@@ -7,6 +7,7 @@ import tempfile
 
 import torch
 from transformers import DynamicCache
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.device_pool import TierPool
@@ -17,6 +18,7 @@ from fallbackgate.engine.loader import LoadedCheckpoint
 from fallbackgate.engine.spill import SpillDir
 
 MIB = 1024 * 1024
+PROBE_IMPLEMENTATION = "fallbackgate_shape_probe"
 
 
 @dataclasses.dataclass(slots=True)
@@ -29,14 +31,27 @@ class KVShape:
     value_dim: int
 
 
+def _no_experts(
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    return torch.zeros_like(hidden_states)
+
+
 def probe_kv_shapes(loaded: LoadedCheckpoint) -> KVShape:
-    """Run one token through transformers' own eager path and read the cache shapes per layer."""
+    """Run one token through the dense weights (experts contribute zeros) and read what attention cached.
+
+    The geometry comes from the K/V tensors attention really produced, not from the config (MLA-style
+    attention expands K/V to every head); no routed expert is read.
+    """
     model = loaded.model
+    ALL_EXPERTS_FUNCTIONS.register(PROBE_IMPLEMENTATION, _no_experts)
     saved = model.config._experts_implementation
-    model.config._experts_implementation = "eager"
+    model.config._experts_implementation = PROBE_IMPLEMENTATION
     try:
         with torch.inference_mode():
             out = model(input_ids=torch.tensor([[0]]), cache=DynamicCache(config=model.config), use_cache=True)
+    except Exception as exc:  # an attention or cache layout the engine cannot page
+        raise CheckpointError(f"{loaded.path}: the engine cannot serve this architecture's attention: {exc}") from exc
     finally:
         model.config._experts_implementation = saved
     layers = out.cache.layers
@@ -57,10 +72,9 @@ def build_stores(
     config: EngineConfig, loaded: LoadedCheckpoint, shape: KVShape, device: torch.device
 ) -> tuple[ExpertStore, KVStore, int]:
     """Pools, the expert store (experts leave the modules) and the KV store; returns the expert floor."""
-    first = next(iter(loaded.experts_by_layer.values()))
-    expert_bytes = (first.gate_up_proj[0].numel() + first.down_proj[0].numel()) * 4
-    block_bytes = shape.num_kv_heads * config.block_size * (shape.key_dim + shape.value_dim) * 4
-    num_experts_total = sum(m.num_experts for m in loaded.experts_by_layer.values())
+    expert_bytes = loaded.reader.compute_bytes_per_expert
+    block_bytes = shape.num_kv_heads * config.block_size * (shape.key_dim + shape.value_dim) * loaded.dtype.itemsize
+    num_experts_total = len(loaded.reader.sources)
     kv_everything = (
         shape.num_layers * config.max_num_seqs * (config.max_model_len // config.block_size + 1) * block_bytes
     )
@@ -76,13 +90,12 @@ def build_stores(
             f"per layer × {shape.num_layers} layers for one running request)"
         )
     host_budget = config.host_budget_bytes
-    if host_budget is None:
+    if host_budget is None:  # every expert cached once, its low-bit copy, and KV copies
         host_budget = 2 * num_experts_total * expert_bytes + 2 * kv_everything
     device_pool, host_pool = TierPool("device", device_budget), TierPool("host", host_budget)
     spill = SpillDir(config.spill_dir or tempfile.gettempdir())
-    expert_store = ExpertStore(
-        loaded.experts_by_layer, device_pool, host_pool, spill, device, config.expert_lowbit_bits
-    )
+    expert_store = ExpertStore(loaded.reader, device_pool, host_pool, device, config.expert_lowbit_bits)
+    expert_store.warm_host()
     kv_store = KVStore(
         shape.num_layers,
         shape.num_kv_heads,
@@ -93,5 +106,6 @@ def build_stores(
         host_pool,
         spill,
         device,
+        loaded.dtype,
     )
     return expert_store, kv_store, expert_floor

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from fallbackgate.engine.hardware import CPU_BOX, HardwareProfile
 
 MIB = 1024 * 1024
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclasses.dataclass(slots=True)
@@ -26,6 +29,7 @@ class EngineConfig:
     profile: HardwareProfile = CPU_BOX  # modeled time
     device: str = "auto"  # "auto", "cpu" or "cuda"
     seed: int = 0  # base seed for sampling
+    dtype: str | None = None  # compute dtype override ("float32", "bfloat16", "float16"); None: the checkpoint's
 
     def __post_init__(self) -> None:
         for name in ("device_budget_bytes", "host_budget_bytes"):
@@ -44,5 +48,7 @@ class EngineConfig:
             raise ValueError(f"preempt_mode must be 'swap' or 'recompute', got {self.preempt_mode!r}")
         if self.expert_lowbit_bits not in (0, 4, 8):
             raise ValueError(f"expert_lowbit_bits must be 0, 4 or 8, got {self.expert_lowbit_bits}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")

@@ -15,6 +15,7 @@ class TierPool:
         self.name = name
         self.budget_bytes = int(budget_bytes)
         self.used_bytes_by_kind: dict[ObjectKind, int] = {kind: 0 for kind in ObjectKind}
+        self.peak_used_bytes = 0  # the most ever held at once
 
     @property
     def used_bytes(self) -> int:
@@ -33,6 +34,7 @@ class TierPool:
         if not self.can_reserve(num_bytes):
             raise BudgetError(f"{self.name}: reserving {num_bytes} B with only {self.free_bytes} B free")
         self.used_bytes_by_kind[kind] += num_bytes
+        self.peak_used_bytes = max(self.peak_used_bytes, self.used_bytes)
 
     def release(self, kind: ObjectKind, num_bytes: int) -> None:
         """Give back bytes reserved earlier for `kind`."""

@@ -9,7 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fallbackgate.engine.build import build_stores, probe_kv_shapes, resolve_device
-from fallbackgate.engine.config import EngineConfig
+from fallbackgate.engine.config import DTYPES, EngineConfig
 from fallbackgate.engine.controller import Controller, EngineView
 from fallbackgate.engine.errors import PromptError
 from fallbackgate.engine.executor import Executor
@@ -30,7 +30,8 @@ class Engine:
 
     def __init__(self, config: EngineConfig, controller: Controller) -> None:
         self.config, self.controller = config, controller
-        loaded = load_checkpoint(config.model_dir)
+        loaded = load_checkpoint(config.model_dir, dtype=DTYPES[config.dtype] if config.dtype else None)
+        self.dtype = loaded.dtype
         self.tokenizer, self.model_config = loaded.tokenizer, loaded.model.config
         self.device = resolve_device(config.device)
         shape = probe_kv_shapes(loaded)

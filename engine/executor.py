@@ -104,9 +104,9 @@ class Executor:
                 top_k_pos = torch.cat([u.top_k_pos for u in tag_uses])
             x = hidden[token_idx]
             if tag is Tag.CPU_EXECUTE:
-                y = expert_mlp(module, x.to("cpu", torch.float32), fetched.weights).to(hidden.device)
+                y = expert_mlp(module, x.to("cpu"), fetched.weights).to(hidden.device)  # the model's dtype, on CPU
                 compute_s = self.profile.cpu_compute_s(self.flops_per_expert_token * len(token_idx))
-                activations_s = self.profile.transfer_s(2 * x.numel() * 4, Tier.HOST)  # there and back
+                activations_s = self.profile.transfer_s(2 * x.numel() * x.element_size(), Tier.HOST)  # there and back
             else:
                 y = expert_mlp(module, x, fetched.weights)
                 compute_s = self.profile.device_compute_s(self.flops_per_expert_token * len(token_idx))
@@ -176,7 +176,7 @@ class Executor:
         for expert_id in torch.unique(top_k_index).tolist():
             token_idx, pos = torch.where(top_k_index == expert_id)
             key = (layer, int(expert_id))
-            home = self.expert_store.host_weights(key).weights  # never a device copy the audited path made
+            home = self.expert_store.reader.read(key)  # from the checkpoint files, checked against the manifest
             weights = ExpertWeights(home.gate_up.to(hidden.device), home.down.to(hidden.device))
             y = expert_mlp(module, hidden[token_idx], weights)
             out[token_idx] += y * top_k_weights[token_idx, pos, None]

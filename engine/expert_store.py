@@ -1,27 +1,27 @@
-"""Tiered expert store: every routed expert has a full-precision home on host or disk, and may be
-cached on device. Mechanism only: callers decide what to place and what to evict."""
+"""Tiered expert store: the checkpoint's files are every expert's disk tier; host memory is a bounded
+cache of full-precision copies; the device tier holds the experts a step computes with.
+
+On a CPU-only machine the device tier aliases host memory: placing an expert moves its host copy into
+the device budget (no second copy), and evicting it hands the bytes back to the host cache when that has
+room. Low-bit copies are made the first time a controller asks for one and kept while the host budget
+allows. Mechanism only: callers decide what to place and what to evict.
+"""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import torch
 
 from fallbackgate.engine.device_pool import TierPool
 from fallbackgate.engine.errors import ChecksumError, EngineError
+from fallbackgate.engine.expert_reader import ExpertKey, ExpertReader
 from fallbackgate.engine.quant import Quantized, dequantize, quantize, quantized_to
-from fallbackgate.engine.spill import SpillDir, SpillRecord
 from fallbackgate.engine.tags import ObjectKind, Tier
+from fallbackgate.engine.weights import ExpertWeights
 
-ExpertKey = tuple[int, int]  # (layer, expert_id)
-
-
-@dataclasses.dataclass(slots=True)
-class ExpertWeights:
-    """One routed expert's matrices in transformers' layout."""
-
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+__all__ = ["ExpertKey", "ExpertStore", "ExpertWeights", "Fetched"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -31,82 +31,59 @@ class Fetched:
     weights: ExpertWeights  # ready to compute with
     source_tier: Tier | None  # where bytes came from (None: nothing moved)
     bytes_moved: int  # bytes read over a link
-    note: str = ""  # e.g. a recovered checksum failure
+    note: str = ""  # e.g. a checksum failure that a re-read cleared
 
 
 @dataclasses.dataclass(slots=True)
 class _Entry:
-    home: Tier  # HOST or DISK
-    host: ExpertWeights | None = None  # present when home is HOST
-    disk: tuple[SpillRecord, SpillRecord] | None = None  # (gate_up, down) primary files
-    replica: tuple[SpillRecord, SpillRecord] | None = None  # second copy, read when a page fails
-    device: ExpertWeights | None = None  # cached device copy
-    lowbit: tuple[Quantized, Quantized] | None = None  # int8/int4 copy kept in host memory
+    host: ExpertWeights | None = None  # full-precision copy in the host cache (host pool)
+    device: ExpertWeights | None = None  # device copy (device pool); on CPU the former host tensors
+    lowbit: tuple[Quantized, Quantized] | None = None  # int8/int4 copy in host memory, made on demand
     ready: torch.cuda.Event | None = None  # CUDA: set when an async (side-stream) copy completes
 
 
 class ExpertStore:
-    """Holds every routed expert of the model; the modules keep no expert weights of their own."""
+    """Every routed expert of the model, read from the checkpoint; the modules keep no expert weights."""
 
     def __init__(
         self,
-        experts_by_layer: dict[int, torch.nn.Module],
+        reader: ExpertReader,
         device_pool: TierPool,
         host_pool: TierPool,
-        spill: SpillDir,
         device: torch.device,
         lowbit_bits: int = 8,
     ) -> None:
-        self.device_pool, self.host_pool, self.spill, self.device = device_pool, host_pool, spill, device
+        self.reader, self.device_pool, self.host_pool, self.device = reader, device_pool, host_pool, device
         self.lowbit_bits = lowbit_bits
+        self.is_aliased = device.type == "cpu"  # one RAM: the device tier is host memory under another budget
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # prefetch side stream
-        self.entries: dict[ExpertKey, _Entry] = {}
-        first = next(iter(experts_by_layer.values()))
-        self.bytes_per_expert = (first.gate_up_proj[0].numel() + first.down_proj[0].numel()) * 4
-        for layer, module in sorted(experts_by_layer.items()):
-            for expert_id in range(module.num_experts):
-                self._take_home(layer, expert_id, module)
-            empty = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-            module.gate_up_proj, module.down_proj = empty, torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        self.entries: dict[ExpertKey, _Entry] = {key: _Entry() for key in sorted(reader.sources)}
+        self.host_lru: collections.OrderedDict[ExpertKey, None] = collections.OrderedDict()
+        self.bytes_per_expert = reader.compute_bytes_per_expert
+        self.num_disk_reads = 0
 
-    def _take_home(self, layer: int, expert_id: int, module: torch.nn.Module) -> None:
-        weights = ExpertWeights(
-            module.gate_up_proj.data[expert_id].detach().float().clone(),
-            module.down_proj.data[expert_id].detach().float().clone(),
-        )
-        if self.host_pool.can_reserve(self.bytes_per_expert):
-            self.host_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
-            if self.device.type == "cuda":
-                weights = ExpertWeights(weights.gate_up.pin_memory(), weights.down.pin_memory())
-            entry = _Entry(home=Tier.HOST, host=weights)
-        else:
-            name = f"expert-L{layer}-E{expert_id}"
-            entry = _Entry(home=Tier.DISK)
-            entry.disk = (self.spill.write(name + "-gu", weights.gate_up), self.spill.write(name + "-dn", weights.down))
-            entry.replica = (
-                self.spill.write(name + "-gu.r", weights.gate_up),
-                self.spill.write(name + "-dn.r", weights.down),
-            )
-        if self.lowbit_bits:
-            low = (
-                quantize(weights.gate_up, self.lowbit_bits, axis=1),
-                quantize(weights.down, self.lowbit_bits, axis=1),
-            )
-            low_bytes = low[0].num_bytes + low[1].num_bytes
-            if self.host_pool.can_reserve(low_bytes):
-                self.host_pool.reserve(ObjectKind.EXPERT, low_bytes)
-                entry.lowbit = low
-        self.entries[(layer, expert_id)] = entry
+    def warm_host(self) -> int:
+        """Fill the host cache in key order while it has room (what a fresh process would read first)."""
+        num_read = 0
+        for key in self.entries:
+            if not self.host_pool.can_reserve(self.bytes_per_expert):
+                break
+            self._cache_on_host(key, self._read_disk(key)[0])
+            num_read += 1
+        return num_read
 
     # --- queries -------------------------------------------------------------------------------
     def home(self, key: ExpertKey) -> Tier:
-        return self.entries[key].home
+        """Where a full-precision copy comes from: the host cache, or the checkpoint on disk."""
+        entry = self.entries[key]
+        return Tier.HOST if entry.host is not None or (self.is_aliased and entry.device is not None) else Tier.DISK
 
     def is_on_device(self, key: ExpertKey) -> bool:
         return self.entries[key].device is not None
 
     def has_lowbit(self, key: ExpertKey) -> bool:
-        return self.entries[key].lowbit is not None
+        """True when a low-bit copy exists or can be made (it is made on first use)."""
+        return self.lowbit_bits > 0
 
     def device_keys(self) -> list[ExpertKey]:
         return [key for key, entry in self.entries.items() if entry.device is not None]
@@ -126,24 +103,27 @@ class ExpertStore:
         return self.is_on_device(key) or self.device_pool.can_reserve(self.bytes_per_expert)
 
     def place(self, key: ExpertKey, is_async: bool = False) -> Fetched:
-        """Copy `key` from its home to device at full precision (exact_load).
+        """Bring `key` to device at full precision (exact_load).
 
-        On CUDA with `is_async`, the copy runs on a side stream from pinned memory and overlaps compute;
-        the first use waits for it on the GPU (see `device_weights`).
+        On CUDA with `is_async`, the copy runs on a side stream and overlaps compute; the first use waits
+        for it on the GPU (see `device_weights`).
         """
         entry = self.entries[key]
         if entry.device is not None:
             return Fetched(self.device_weights(key), None, 0)
-        fetched = self._read_home(key)
+        fetched = self._read_home(key, is_cached=not self.is_aliased)
         self.device_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
-        weights = fetched.weights
-        if is_async and self.copy_stream is not None:
+        if self.is_aliased:
+            if entry.host is not None:  # the host copy moves under the device budget
+                self._drop_host(key)
+            entry.device = fetched.weights
+        elif is_async and self.copy_stream is not None:
             with torch.cuda.stream(self.copy_stream):
-                entry.device = self._copy_to_device(weights)
+                entry.device = self._copy_to_device(fetched.weights)
                 entry.ready = torch.cuda.Event()
                 entry.ready.record(self.copy_stream)
         else:
-            entry.device = self._copy_to_device(weights)
+            entry.device = self._copy_to_device(fetched.weights)
         return Fetched(entry.device, fetched.source_tier, self.bytes_per_expert, fetched.note)
 
     def _copy_to_device(self, weights: ExpertWeights) -> ExpertWeights:
@@ -153,39 +133,81 @@ class ExpertStore:
         )
 
     def evict(self, key: ExpertKey) -> None:
-        """Drop the device copy of `key` (its home copy stays)."""
+        """Drop the device copy of `key`; on CPU its bytes return to the host cache when that has room."""
         entry = self.entries[key]
         if entry.device is None:
             raise EngineError(f"expert {key} is not on device; cannot evict")
         if entry.ready is not None:  # never free memory an in-flight side-stream copy still writes
             entry.ready.synchronize()
             entry.ready = None
-        entry.device = None
+        weights, entry.device = entry.device, None
         self.device_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)
+        if self.is_aliased and self.host_pool.can_reserve(self.bytes_per_expert):
+            self._cache_on_host(key, weights)
 
     def host_weights(self, key: ExpertKey) -> Fetched:
-        """Full-precision weights in host memory for cpu_execute (read from disk when homed there)."""
-        return self._read_home(key)
+        """Full-precision weights in host memory for cpu_execute (read from the checkpoint when not cached)."""
+        entry = self.entries[key]
+        if self.is_aliased and entry.device is not None:
+            return Fetched(entry.device, None, 0)
+        return self._read_home(key, is_cached=True)
 
     def lowbit_weights(self, key: ExpertKey) -> Fetched:
-        """Dequantized low-bit copy; bytes moved are the low-bit bytes."""
-        low = self.entries[key].lowbit
-        if low is None:
-            raise EngineError(f"expert {key} has no low-bit copy")
+        """Dequantized low-bit copy (made now if it does not exist); bytes moved are the low-bit bytes."""
+        entry, source, moved, note = self.entries[key], Tier.HOST, 0, ""
+        if entry.lowbit is None:
+            full = entry.device if self.is_aliased and entry.device is not None else None
+            if full is None:
+                fetched = self._read_home(key, is_cached=False)
+                full, note = fetched.weights, fetched.note
+                if fetched.source_tier is Tier.DISK:
+                    source, moved = Tier.DISK, fetched.bytes_moved
+            low = (quantize(full.gate_up, self.lowbit_bits, axis=1), quantize(full.down, self.lowbit_bits, axis=1))
+            low_bytes = low[0].num_bytes + low[1].num_bytes
+            if self.host_pool.can_reserve(low_bytes):
+                self.host_pool.reserve(ObjectKind.EXPERT, low_bytes)
+                entry.lowbit = low
+        else:
+            low = entry.lowbit
+        dtype = self.reader.compute_dtype
         weights = ExpertWeights(  # the low-bit bytes cross the link; dequantized where the expert runs
-            dequantize(quantized_to(low[0], self.device)), dequantize(quantized_to(low[1], self.device))
+            dequantize(quantized_to(low[0], self.device)).to(dtype),
+            dequantize(quantized_to(low[1], self.device)).to(dtype),
         )
-        return Fetched(weights, Tier.HOST, low[0].num_bytes + low[1].num_bytes)
+        return Fetched(weights, source, moved + low[0].num_bytes + low[1].num_bytes, note)
 
-    def _read_home(self, key: ExpertKey) -> Fetched:
+    # --- host cache and disk -------------------------------------------------------------------
+    def _read_home(self, key: ExpertKey, is_cached: bool) -> Fetched:
         entry = self.entries[key]
         if entry.host is not None:
+            self.host_lru.move_to_end(key)
             return Fetched(entry.host, Tier.HOST, self.bytes_per_expert)
-        assert entry.disk is not None and entry.replica is not None
+        weights, note = self._read_disk(key)
+        if is_cached:
+            self._make_host_room()
+            if self.host_pool.can_reserve(self.bytes_per_expert):
+                self._cache_on_host(key, weights)
+        return Fetched(weights, Tier.DISK, self.bytes_per_expert, note)
+
+    def _read_disk(self, key: ExpertKey) -> tuple[ExpertWeights, str]:
+        self.num_disk_reads += 1
         try:
-            weights = ExpertWeights(self.spill.read(entry.disk[0]), self.spill.read(entry.disk[1]))
-            return Fetched(weights, Tier.DISK, self.bytes_per_expert)
-        except ChecksumError as exc:
-            weights = ExpertWeights(self.spill.read(entry.replica[0]), self.spill.read(entry.replica[1]))
-            note = f"checksum failure ({exc}); recovered exactly from the replica"
-            return Fetched(weights, Tier.DISK, 2 * self.bytes_per_expert, note)
+            return self.reader.read(key), ""
+        except ChecksumError as exc:  # one re-read clears a transient read fault; a changed file stays an error
+            weights = self.reader.read(key)
+            return weights, f"checksum failure ({exc}); a re-read from the checkpoint matched the manifest"
+
+    def _cache_on_host(self, key: ExpertKey, weights: ExpertWeights) -> None:
+        self.host_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
+        self.entries[key].host = weights
+        self.host_lru[key] = None
+
+    def _drop_host(self, key: ExpertKey) -> None:
+        self.entries[key].host = None
+        del self.host_lru[key]
+        self.host_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)
+
+    def _make_host_room(self) -> None:
+        """Evict the least recently used host copy when the cache is full (it can be read again)."""
+        if self.host_lru and not self.host_pool.can_reserve(self.bytes_per_expert):
+            self._drop_host(next(iter(self.host_lru)))

@@ -82,12 +82,14 @@ class KVStore:
         host_pool: TierPool,
         spill: SpillDir,
         device: torch.device,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.num_layers, self.num_kv_heads, self.block_size = num_layers, num_kv_heads, block_size
+        self.dtype = dtype  # the model's: K and V are stored as attention produced them
         self.key_dim, self.value_dim = key_dim, value_dim
         self.device_pool, self.host_pool, self.spill, self.device = device_pool, host_pool, spill, device
         self.block_shape = (num_kv_heads, block_size, key_dim + value_dim)  # K and V side by side per token
-        self.bytes_per_block = num_kv_heads * block_size * (key_dim + value_dim) * 4
+        self.bytes_per_block = num_kv_heads * block_size * (key_dim + value_dim) * dtype.itemsize
         self.tables: dict[str, list[list[KVBlock]]] = {}  # request -> layer -> blocks
         self.num_tokens: dict[str, int] = {}
         self.scratch: dict[KVBlockKey, Staged] = {}
@@ -149,7 +151,7 @@ class KVStore:
     def _reserve_device(self, block: KVBlock, values: torch.Tensor | None) -> None:
         self.device_pool.reserve(ObjectKind.KV_BLOCK, self.bytes_per_block)
         block.device = (
-            torch.zeros(self.block_shape, device=self.device) if values is None else values.to(self.device, copy=True)
+            torch.zeros(self.block_shape, device=self.device, dtype=self.dtype) if values is None else values.to(self.device, copy=True)
         )
 
     # --- reads and writes during a forward -----------------------------------------------------
@@ -195,7 +197,7 @@ class KVStore:
         elif tag is Tag.KV_DEQUANT:
             staged = self._stage_dequant(block)
         elif tag is Tag.RECOMPUTE:
-            staged = Staged(torch.zeros(self.block_shape, device=self.device), Tag.RECOMPUTE, None, 0)
+            staged = Staged(torch.zeros(self.block_shape, device=self.device, dtype=self.dtype), Tag.RECOMPUTE, None, 0)
         else:
             raise EngineError(f"{tag.value} is not a KV fallback")
         staged.key = block.key
@@ -222,7 +224,7 @@ class KVStore:
             quant, tier = read_quant(self.spill, block.disk_q), Tier.DISK
         else:
             raise EngineError(f"KV block {block.key} has no quantized copy")
-        tensor = dequantize_kv(quant_to(quant, self.device))  # only the quantized bytes cross the link
+        tensor = dequantize_kv(quant_to(quant, self.device)).to(self.dtype)  # only quantized bytes cross the link
         return Staged(tensor, Tag.KV_DEQUANT, tier, quant.num_bytes)
 
     def promote(self, block: KVBlock) -> bool:

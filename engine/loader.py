@@ -1,4 +1,4 @@
-"""Load a transformers MoE causal LM from a local directory and find its routed-experts modules."""
+"""Load a transformers MoE causal LM from a local directory without materialising its routed experts."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import re
 import warnings
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from fallbackgate.engine.checkpoint_files import CheckpointFiles
+from fallbackgate.engine.dense_loader import load_dense_weights
 from fallbackgate.engine.errors import CheckpointError
+from fallbackgate.engine.expert_reader import ExpertReader, map_experts
 
 # model_type -> architecture family; each routes its experts through transformers' experts interface.
 SUPPORTED_MODEL_TYPES: dict[str, str] = {
@@ -24,20 +27,24 @@ SUPPORTED_MODEL_TYPES: dict[str, str] = {
     "ernie4_5_moe": "ERNIE-4.5-MoE",
     "hunyuan_v1_moe": "Hunyuan-MoE",
     "phimoe": "PhiMoE",
+    "deepseek_v2": "DeepSeek-V2 (MLA attention, shared experts)",
 }
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 @dataclasses.dataclass(slots=True)
 class LoadedCheckpoint:
-    """A model ready for the engine: experts modules found, layer indices known."""
+    """A model skeleton ready for the engine: dense weights loaded, routed experts left in the files."""
 
     path: pathlib.Path  # the model directory
-    model: PreTrainedModel  # fp32, eval mode, attention through sdpa
+    model: PreTrainedModel  # eval mode, attention through sdpa, expert parameters empty
     tokenizer: PreTrainedTokenizerBase | None  # None when the directory has no tokenizer
     experts_by_layer: dict[int, torch.nn.Module]  # decoder layer index -> routed experts module
     top_k: int  # experts per token
     num_experts: int  # routed experts per MoE layer
+    reader: ExpertReader  # one expert at a time from the checkpoint files, checked against the manifest
+    dtype: torch.dtype  # compute dtype (the checkpoint's unless overridden)
+    checkpoint_dtype: torch.dtype  # dtype of the routed experts in the files
 
 
 def _read_config(path: pathlib.Path) -> dict:
@@ -90,34 +97,58 @@ def find_experts_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     return found
 
 
-def load_checkpoint(path: str | pathlib.Path, *, is_tokenizer_required: bool = False) -> LoadedCheckpoint:
-    """Load `path` in fp32 with experts routed through the engine's experts function."""
+def _checkpoint_dtype(files: CheckpointFiles, sources: dict) -> torch.dtype:
+    if not sources:
+        raise CheckpointError(f"{files.path}: no routed-expert tensors found (names like ...experts.0.gate_proj.weight)")
+    name = next(iter(sources.values())).parts[0][0]
+    return files.dtype(name)
+
+
+def load_checkpoint(
+    path: str | pathlib.Path, *, dtype: torch.dtype | None = None, is_tokenizer_required: bool = False
+) -> LoadedCheckpoint:
+    """Build `path`'s model on the meta device, load its dense weights, and leave the experts to a reader.
+
+    Weights keep the checkpoint's dtype unless `dtype` overrides the compute dtype; routed experts are never
+    materialised in the model (the expert store reads them one at a time through the returned reader).
+    """
     path = pathlib.Path(path)
-    config = _read_config(path)
-    _check_supported(path, config)
+    config_dict = _read_config(path)
+    _check_supported(path, config_dict)
+    files = CheckpointFiles(path)
+    checkpoint_dtype = _checkpoint_dtype(files, map_experts(files))
+    compute = dtype or checkpoint_dtype
     from fallbackgate.engine.experts_hook import EXPERTS_IMPLEMENTATION, register_experts_function
 
     register_experts_function()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model = AutoModelForCausalLM.from_pretrained(
-                path,
-                dtype=torch.float32,
-                attn_implementation="sdpa",
-                local_files_only=True,
-                experts_implementation=EXPERTS_IMPLEMENTATION,
-            )
-    except Exception as exc:  # transformers and safetensors raise many kinds; all mean "cannot load"
-        raise CheckpointError(f"{path}: transformers could not load the checkpoint: {exc}") from exc
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(
+                    config, dtype=compute, attn_implementation="sdpa", experts_implementation=EXPERTS_IMPLEMENTATION
+                )
+    except Exception as exc:  # transformers raises many kinds for a config it cannot build; all mean "cannot load"
+        raise CheckpointError(f"{path}: transformers could not build the model from config.json: {exc}") from exc
     model.eval()
     experts = find_experts_modules(model)
     if not experts:
-        raise CheckpointError(f"{path}: {config.get('model_type')} model has no routed-experts layers (dense model?)")
+        raise CheckpointError(f"{path}: {config_dict.get('model_type')} model has no routed-experts layers (dense model?)")
+    for module in experts.values():
+        for name in ("gate_up_proj", "down_proj"):
+            setattr(module, name, torch.nn.Parameter(torch.empty(0, dtype=compute), requires_grad=False))
+    load_dense_weights(model, files, compute)
+    reader = ExpertReader(files, compute)
+    first = next(iter(experts.values()))
+    expected = {(layer, e) for layer in experts for e in range(int(first.num_experts))}
+    if set(reader.sources) != expected:
+        missing = sorted(expected - set(reader.sources))[:4]
+        raise CheckpointError(f"{path}: expert tensors do not match the config's experts (e.g. missing {missing})")
     tokenizer = None
     if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     elif is_tokenizer_required:
         raise CheckpointError(f"{path}: no tokenizer files (tokenizer.json) next to the weights")
-    first = next(iter(experts.values()))
-    return LoadedCheckpoint(path, model, tokenizer, experts, _top_k(model.config), int(first.num_experts))
+    top_k, num_experts = _top_k(model.config), int(first.num_experts)
+    return LoadedCheckpoint(path, model, tokenizer, experts, top_k, num_experts, reader, compute, checkpoint_dtype)

@@ -147,15 +147,15 @@ class ModelRunner:
         """Exact baseline: every expert at full precision, teacher-forced, transformers' own cache.
 
         One prefill pass by default; with `num_chunked` > 0 the last `num_chunked` tokens are fed one at
-        a time instead (the exact-vs-exact control: same math, other kernel shapes). Disk reads always
-        verify page checksums here, even when the serving path has verification switched off.
+        a time instead (the exact-vs-exact control: same math, other kernel shapes). Experts are read from
+        the checkpoint files and always checked against the manifest, even when serving has that check off.
         """
         batch = ForwardBatch(["audit"], [0], [len(token_ids)], torch.zeros(len(token_ids), dtype=torch.long), ["audit"])
         self.executor.ctx = StepContext(-1, batch, EventLog(-1), is_exact_baseline=True)
         ids = torch.tensor([token_ids], device=self.device)
         split = len(token_ids) - num_chunked
-        spill = self.executor.expert_store.spill
-        was_verified, spill.is_checksum_verified = spill.is_checksum_verified, True  # never trust an unchecked read
+        reader = self.executor.expert_store.reader
+        was_verified, reader.is_checksum_verified = reader.is_checksum_verified, True  # never trust an unchecked read
         try:
             with torch.inference_mode():
                 if not num_chunked:
@@ -167,4 +167,4 @@ class ModelRunner:
                 return torch.cat(parts).float()
         finally:
             self.executor.ctx = None
-            spill.is_checksum_verified = was_verified
+            reader.is_checksum_verified = was_verified

@@ -16,6 +16,11 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from fallbackgate.engine.checkpoint_files import CheckpointFiles
+from fallbackgate.engine.expert_reader import map_experts, weights_digest, write_manifest
+from fallbackgate.engine.loader import find_experts_modules
+from fallbackgate.engine.weights import ExpertWeights
+
 VOCAB = 320
 ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3")
 _TEXT = ("the quick brown fox jumps over the lazy dog. once upon a time a princess lived in a castle. " * 20).split(
@@ -84,14 +89,27 @@ def save_tokenizer(path: pathlib.Path) -> None:
     fast.save_pretrained(path)
 
 
-def make_checkpoint(arch: str, path: pathlib.Path, seed: int = 0, num_experts: int = 8) -> pathlib.Path:
-    """Save a seeded random `arch` model (fp32) and a tokenizer into `path`."""
+def make_checkpoint(
+    arch: str, path: pathlib.Path, seed: int = 0, num_experts: int = 8, dtype: torch.dtype = torch.float32
+) -> pathlib.Path:
+    """Save a seeded random `arch` model (in `dtype`), its expert manifest and a tokenizer into `path`.
+
+    The manifest's digests come from the model's own fused expert tensors, not from reading the files back,
+    so a reader that maps the wrong tensors to an expert fails its check.
+    """
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_config(arch, num_experts))
     with torch.no_grad():  # widen the weights a little so logits vary enough to compare paths
         for name, param in model.named_parameters():
             if "norm" not in name and param.dim() >= 2:
                 param.mul_(3.0)
+    model = model.to(dtype)
     model.save_pretrained(path)
     save_tokenizer(path)
+    digests = {}
+    for layer, module in find_experts_modules(model).items():
+        for e in range(module.num_experts):
+            weights = ExpertWeights(module.gate_up_proj.data[e], module.down_proj.data[e])
+            digests[(layer, e)] = weights_digest(weights)
+    write_manifest(path, digests, map_experts(CheckpointFiles(path)))
     return path

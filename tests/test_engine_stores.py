@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
@@ -33,30 +34,51 @@ def test_spill_detects_a_corrupted_page(tmp_path: pathlib.Path) -> None:
         spill.read(record)
 
 
-def test_corrupted_expert_page_is_recovered_exactly_and_recorded(checkpoint_factory) -> None:
+def _disk_engine(path: pathlib.Path, sized_like: pathlib.Path | None = None) -> Engine:
+    expert, block, layers, _ = sizes(sized_like or path)
+    config = EngineConfig(str(path), block_size=4, device_budget_bytes=4 * expert + 20 * layers * block)
+    config.host_budget_bytes = 0  # every expert is read from the checkpoint on use
+    return Engine(config, ExactLRUController())
+
+
+def test_a_transient_bad_read_is_read_again_and_recorded(checkpoint_factory, monkeypatch) -> None:
     path = checkpoint_factory("qwen3_moe")
-    expert, block, layers, top_k = sizes(path)
     prompts = _prompts(1)
     ref_tokens, _ = reference(path, prompts)
-    engine = Engine(
-        EngineConfig(
-            str(path), block_size=4, device_budget_bytes=4 * expert + 20 * layers * block, host_budget_bytes=0
-        ),
-        ExactLRUController(),
-    )
-    disk_keys = [k for k, e in engine.expert_store.entries.items() if e.home is Tier.DISK]
-    assert len(disk_keys) == len(engine.expert_store.entries)  # host budget 0: every expert on disk
-    for key in disk_keys:  # corrupt every primary copy
-        record = engine.expert_store.entries[key].disk[0]
-        data = bytearray(record.path.read_bytes())
-        data[10] ^= 0x01
-        record.path.write_bytes(bytes(data))
+    engine = _disk_engine(path)
+    store = engine.expert_store
+    assert all(store.home(key) is Tier.DISK for key in store.entries)
+    read_raw, garbled = store.reader.read_raw, set()
+
+    def bad_first_read(key):  # each expert's first read returns one flipped bit
+        weights = read_raw(key)
+        if key not in garbled:
+            garbled.add(key)
+            weights.gate_up.view(torch.uint8).view(-1)[10] ^= 0x01
+        return weights
+
+    monkeypatch.setattr(store.reader, "read_raw", bad_first_read)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts]
     notes = []
     while engine.has_unfinished():
         notes += [e.note for e in engine.step().events if e.tag is Tag.EXACT_LOAD and e.note]
     assert [engine.finished[i].output_token_ids for i in ids] == ref_tokens
-    assert notes and all("checksum" in n and "recovered" in n for n in notes)
+    assert notes and all("checksum failure" in n and "re-read" in n for n in notes)
+
+
+def test_a_changed_checkpoint_file_stops_the_engine_naming_the_tensors(checkpoint_factory, tmp_path) -> None:
+    original = checkpoint_factory("qwen3_moe")
+    path = _copy(original, tmp_path / "changed")
+    name = "model.layers.0.mlp.experts.0.gate_proj.weight"
+    everything = load_file(str(path / "model.safetensors"))
+    everything[name].view(-1)[0] += 1.0  # one weight of one expert changed after the manifest was written
+    save_file(everything, str(path / "model.safetensors"), metadata={"format": "pt"})
+    engine = _disk_engine(path, sized_like=original)
+    rid = engine.add_request(_prompts(1)[0], SamplingParams(max_new_tokens=NEW_TOKENS))
+    with pytest.raises(ChecksumError, match=r"expert \(0, 0\).*experts\.0\.gate_proj\.weight"):
+        while engine.has_unfinished():
+            engine.step()
+    assert rid not in engine.finished
 
 
 def test_kv_blocks_round_trip_through_disk(checkpoint_factory) -> None:
@@ -100,7 +122,7 @@ def test_loader_errors_say_what_was_found(tmp_path: pathlib.Path, checkpoint_fac
         Engine(EngineConfig(str(bad_json)), ExactLRUController())
     dense_moe_type = _copy(checkpoint_factory("qwen3_moe"), tmp_path / "truncated")
     (dense_moe_type / "model.safetensors").write_bytes(b"garbage")
-    with pytest.raises(CheckpointError, match="could not load"):
+    with pytest.raises(CheckpointError, match="model.safetensors: not a readable safetensors file"):
         Engine(EngineConfig(str(dense_moe_type)), ExactLRUController())
     assert json.loads((checkpoint_factory("qwen3_moe") / "config.json").read_text())["model_type"] == "qwen3_moe"
 

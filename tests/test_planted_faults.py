@@ -106,7 +106,7 @@ def test_wrong_expert_loaded(model: pathlib.Path, tmp_path: pathlib.Path, monkey
         if not armed() or self.is_on_device(key) or loaded_at:
             return place(self, key)
         layer, expert_id = key
-        other = self._read_home((layer, (expert_id + 1) % engine.model_config.num_experts)).weights
+        other = self.reader.read((layer, (expert_id + 1) % engine.model_config.num_experts))
         fetched = place(self, key)
         self.entries[key].device = ExpertWeights(other.gate_up.clone(), other.down.clone())  # wrong weights
         loaded_at.append(engine.last_plan.step_id)
@@ -197,40 +197,40 @@ def test_bf16_in_cpu_execute_is_measured_above_the_floor(
     assert worst["step_id"] == FAULT_STEP
 
 
-def _flip_signs(path: pathlib.Path) -> None:
-    """Flip the sign bit of every 4th float32 in a spill file (the page CRCs no longer match)."""
-    data = bytearray(path.read_bytes())
-    for i in range(3, len(data), 16):
-        data[i] ^= 0x80
-    path.write_bytes(bytes(data))
+def _flip_signs(weights: ExpertWeights) -> ExpertWeights:
+    """Flip the sign of every 4th element (as a bad disk read would garble bytes)."""
+    gate_up, down = weights.gate_up.clone(), weights.down.clone()
+    gate_up.view(-1)[::4] *= -1
+    down.view(-1)[::4] *= -1
+    return ExpertWeights(gate_up, down)
 
 
-def test_corrupt_spill_page_unchecked(
+def test_corrupt_disk_read_unchecked(
     model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = _engine(model, host_budget_bytes=0)  # every expert's home is on disk
-    spill, armed, read_at = engine.expert_store.spill, _at_step(engine, FAULT_STEP), []
-    primaries = sorted(spill.root.glob("expert-*-gu.bin")) + sorted(spill.root.glob("expert-*-dn.bin"))
-    assert primaries and engine.expert_store.home((0, 0)).value == "disk"
-    read, on_step_start = spill.read, engine.controller.on_step_start
+    engine = _engine(model, host_budget_bytes=0)  # every expert is read from the checkpoint on use
+    reader, armed, read_at = engine.expert_store.reader, _at_step(engine, FAULT_STEP), []
+    assert engine.expert_store.home((0, 0)).value == "disk"
+    read_raw, on_step_start = reader.read_raw, engine.controller.on_step_start
 
-    def corrupt_from_fault_step(plan, view) -> None:
+    def unchecked_from_fault_step(plan, view) -> None:
         if plan.step_id == FAULT_STEP:
-            for path in primaries:
-                _flip_signs(path)
-            spill.is_checksum_verified = False  # the planted bug: reads no longer check page CRCs
+            reader.is_checksum_verified = False  # the planted bug: disk reads are no longer checked
         on_step_start(plan, view)
 
-    def read_recording(record):
-        if record.path in primaries and armed() and not read_at:
+    def garbled_read(key: ExpertKey) -> ExpertWeights:
+        weights = read_raw(key)
+        ctx = engine.executor.ctx
+        if armed() and ctx is not None and not ctx.is_exact_baseline:
             read_at.append(engine.last_plan.step_id)
-        return read(record)
+            return _flip_signs(weights)
+        return weights
 
-    monkeypatch.setattr(engine.controller, "on_step_start", corrupt_from_fault_step)
-    monkeypatch.setattr(spill, "read", read_recording)
+    monkeypatch.setattr(engine.controller, "on_step_start", unchecked_from_fault_step)
+    monkeypatch.setattr(reader, "read_raw", garbled_read)
     recorded = _judge(engine, tmp_path)
     culprit = _culprit(recorded.verdict)
-    assert read_at == [FAULT_STEP]
+    assert read_at and read_at[0] == FAULT_STEP
     assert culprit.correctness_bug and culprit.served == "exact", culprit
     assert culprit.step == FAULT_STEP and "exact_load" in culprit.tags, culprit
 

@@ -120,5 +120,8 @@ def memory_summary(engine: Engine) -> dict[str, int]:
         "expert_bytes_total": experts.bytes_per_expert * len(experts.entries),
         "bytes_per_expert": experts.bytes_per_expert,
         "bytes_per_kv_block": engine.kv_store.bytes_per_block,
-        "num_experts_on_disk": sum(1 for e in experts.entries.values() if e.home.value == "disk"),
+        "num_experts_on_disk": sum(1 for key in experts.entries if experts.home(key).value == "disk"),
+        "peak_device_pool_bytes": engine.kv_store.device_pool.peak_used_bytes,
+        "peak_host_pool_bytes": engine.kv_store.host_pool.peak_used_bytes,
+        "num_expert_disk_reads": experts.num_disk_reads,
     }

@@ -1,0 +1,107 @@
+"""A checkpoint's safetensors files as one tensor namespace: which file holds which tensor, read lazily.
+
+Single files, several files, and sharded checkpoints with ``model.safetensors.index.json`` are all read
+the same way. Nothing is loaded until asked for; a fused ``[num_experts, ...]`` tensor yields one expert's
+rows through ``get_slice`` without reading the rest. Every failure names the file and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from fallbackgate.engine.errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+class CheckpointFiles:
+    """Tensor name -> file for one checkpoint directory, with lazily opened memory-mapped handles."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+        self.file_by_tensor: dict[str, pathlib.Path] = {}
+        self._handles: dict[pathlib.Path, Any] = {}
+        index = path / INDEX_FILE
+        files = self._files_from_index(index) if index.exists() else sorted(path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{path}: no *.safetensors weights found next to config.json")
+        for file in files:
+            for name in self._open(file).keys():
+                self.file_by_tensor.setdefault(name, file)
+        if index.exists():
+            self._check_index(index)
+
+    def _files_from_index(self, index: pathlib.Path) -> list[pathlib.Path]:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index (need a 'weight_map' object): {exc}") from exc
+        files = sorted({self.path / name for name in weight_map.values()})
+        for file in files:
+            if not file.exists():
+                raise CheckpointError(f"{index}: lists shard {file.name}, which does not exist")
+        self._weight_map = weight_map
+        return files
+
+    def _check_index(self, index: pathlib.Path) -> None:
+        for name, file_name in self._weight_map.items():
+            found = self.file_by_tensor.get(name)
+            if found is None or found.name != file_name:
+                where = found.name if found else "no shard"
+                raise CheckpointError(f"{index}: tensor {name} is listed in {file_name} but found in {where}")
+        for name, file in self.file_by_tensor.items():
+            if name not in self._weight_map:
+                raise CheckpointError(f"{index}: tensor {name} (in {file.name}) has no index entry")
+
+    def _open(self, file: pathlib.Path) -> Any:
+        handle = self._handles.get(file)
+        if handle is None:
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except Exception as exc:  # safetensors raises its own error types for truncated or bad headers
+                raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from exc
+            self._handles[file] = handle
+        return handle
+
+    def names(self) -> list[str]:
+        """Every tensor name in the checkpoint, sorted."""
+        return sorted(self.file_by_tensor)
+
+    def file_of(self, name: str) -> pathlib.Path:
+        """The file holding tensor `name`."""
+        try:
+            return self.file_by_tensor[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: tensor {name} is in no safetensors file") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape from the header, without reading data."""
+        return tuple(self._open(self.file_of(name)).get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> torch.dtype:
+        """Element type from the header."""
+        text = self._open(self.file_of(name)).get_slice(name).get_dtype()
+        if text not in _DTYPES:
+            raise CheckpointError(f"{self.file_of(name)}: tensor {name} has dtype {text}; floating point expected")
+        return _DTYPES[text]
+
+    def element_size(self, name: str) -> int:
+        """Bytes per element of tensor `name`."""
+        return torch.empty((), dtype=self.dtype(name)).element_size()
+
+    def read(self, name: str, index: int | None = None) -> torch.Tensor:
+        """Tensor `name`, or its row `index` along the first dimension (one expert of a fused tensor)."""
+        file = self.file_of(name)
+        try:
+            handle = self._open(file)
+            return handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
+        except CheckpointError:
+            raise
+        except Exception as exc:  # a shard truncated after its header was read fails here
+            raise CheckpointError(f"{file}: cannot read tensor {name}: {exc}") from exc
