@@ -111,7 +111,7 @@ class Executor:
                 y = expert_mlp(module, x, fetched.weights)
                 compute_s = self.profile.device_compute_s(self.flops_per_expert_token * len(token_idx))
                 activations_s = 0.0
-            out[token_idx] += y * weights[token_idx, top_k_pos, None]  # rows are distinct per expert
+            out.index_add_(0, token_idx, (y * weights[token_idx, top_k_pos, None]).to(out.dtype))  # as eager does
             ctx.log.modeled_compute_s += compute_s
             ctx.used_expert_keys.append(key)
             target = Tier.HOST if tag is Tag.CPU_EXECUTE else Tier.DEVICE
@@ -139,7 +139,7 @@ class Executor:
         """One request's tokens through an expert already on device: compute, account, record `resident`."""
         ctx, token_idx = self.ctx, use.token_idx
         y = expert_mlp(module, hidden[token_idx], self.expert_store.device_weights(use.key))
-        out[token_idx] += y * weights[token_idx, use.top_k_pos, None]
+        out.index_add_(0, token_idx, (y * weights[token_idx, use.top_k_pos, None]).to(out.dtype))
         ctx.log.modeled_compute_s += self.profile.device_compute_s(self.flops_per_expert_token * len(token_idx))
         ctx.used_expert_keys.append(use.key)
         ctx.log.add(ctx.batch.request_ids[use.request_index], use.key[0], ObjectKind.EXPERT, Tag.RESIDENT)
@@ -179,7 +179,7 @@ class Executor:
             home = self.expert_store.reader.read(key)  # from the checkpoint files, checked against the manifest
             weights = ExpertWeights(home.gate_up.to(hidden.device), home.down.to(hidden.device))
             y = expert_mlp(module, hidden[token_idx], weights)
-            out[token_idx] += y * top_k_weights[token_idx, pos, None]
+            out.index_add_(0, token_idx, (y * top_k_weights[token_idx, pos, None]).to(out.dtype))
         return out
 
     # --- KV (called by the paged cache) --------------------------------------------------------

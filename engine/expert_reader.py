@@ -25,7 +25,7 @@ import torch
 import xxhash
 
 from fallbackgate.engine.checkpoint_files import CheckpointFiles
-from fallbackgate.engine.errors import ChecksumError, CheckpointError
+from fallbackgate.engine.errors import CheckpointError, ChecksumError
 from fallbackgate.engine.weights import ExpertWeights
 
 ExpertKey = tuple[int, int]  # (layer, expert_id)

@@ -164,6 +164,8 @@ class ExpertStore:
                     source, moved = Tier.DISK, fetched.bytes_moved
             low = (quantize(full.gate_up, self.lowbit_bits, axis=1), quantize(full.down, self.lowbit_bits, axis=1))
             low_bytes = low[0].num_bytes + low[1].num_bytes
+            while self.host_lru and not self.host_pool.can_reserve(low_bytes):  # full copies can be re-read
+                self._drop_host(next(iter(self.host_lru)))
             if self.host_pool.can_reserve(low_bytes):
                 self.host_pool.reserve(ObjectKind.EXPERT, low_bytes)
                 entry.lowbit = low

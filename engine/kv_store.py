@@ -150,9 +150,10 @@ class KVStore:
 
     def _reserve_device(self, block: KVBlock, values: torch.Tensor | None) -> None:
         self.device_pool.reserve(ObjectKind.KV_BLOCK, self.bytes_per_block)
-        block.device = (
-            torch.zeros(self.block_shape, device=self.device, dtype=self.dtype) if values is None else values.to(self.device, copy=True)
-        )
+        if values is None:
+            block.device = torch.zeros(self.block_shape, device=self.device, dtype=self.dtype)
+        else:
+            block.device = values.to(self.device, copy=True)
 
     # --- reads and writes during a forward -----------------------------------------------------
     def write(self, request_id: str, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:

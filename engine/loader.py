@@ -99,7 +99,7 @@ def find_experts_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
 
 def _checkpoint_dtype(files: CheckpointFiles, sources: dict) -> torch.dtype:
     if not sources:
-        raise CheckpointError(f"{files.path}: no routed-expert tensors found (names like ...experts.0.gate_proj.weight)")
+        raise CheckpointError(f"{files.path}: no routed-expert tensors (names like ...experts.0.gate_proj.weight)")
     name = next(iter(sources.values())).parts[0][0]
     return files.dtype(name)
 
@@ -134,7 +134,7 @@ def load_checkpoint(
     model.eval()
     experts = find_experts_modules(model)
     if not experts:
-        raise CheckpointError(f"{path}: {config_dict.get('model_type')} model has no routed-experts layers (dense model?)")
+        raise CheckpointError(f"{path}: {config_dict.get('model_type')} model has no routed-experts layers")
     for module in experts.values():
         for name in ("gate_up_proj", "down_proj"):
             setattr(module, name, torch.nn.Parameter(torch.empty(0, dtype=compute), requires_grad=False))

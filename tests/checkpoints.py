@@ -8,6 +8,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
     DeepseekV3Config,
     LlamaConfig,
     MixtralConfig,
@@ -22,7 +23,7 @@ from fallbackgate.engine.loader import find_experts_modules
 from fallbackgate.engine.weights import ExpertWeights
 
 VOCAB = 320
-ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3")
+ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2")
 _TEXT = ("the quick brown fox jumps over the lazy dog. once upon a time a princess lived in a castle. " * 20).split(
     ". "
 )
@@ -69,6 +70,24 @@ def _config(arch: str, num_experts: int = 8) -> object:
             qk_nope_head_dim=16,
             v_head_dim=16,
             n_group=2,
+            topk_group=1,
+        )
+    if arch == "deepseek_v2":  # MLA attention: K/V are expanded to every head, key and value widths differ
+        return DeepseekV2Config(
+            **common,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_key_value_heads=4,
+            n_routed_experts=num_experts,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            topk_method="greedy",
+            n_group=1,
             topk_group=1,
         )
     if arch == "llama":

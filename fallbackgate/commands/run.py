@@ -44,9 +44,27 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = seeded sampling")
-    p.add_argument("--device-budget-mb", type=float, default=None, help="expert slots + KV blocks on device")
-    p.add_argument("--host-budget-mb", type=float, default=None, help="host memory; the rest spills to disk")
-    p.add_argument("--spill-dir", default=None, help="disk tier directory (default: a temporary directory)")
+    p.add_argument(
+        "--device-budget-mb",
+        type=float,
+        default=None,
+        help="expert slots + KV blocks on device. Without a GPU, device and host are one RAM: this is the cache "
+        "experts are computed from (the device tier aliases host copies, never a second copy)",
+    )
+    p.add_argument(
+        "--host-budget-mb",
+        type=float,
+        default=None,
+        help="host memory for cached expert copies, low-bit copies and KV copies, in true bytes; experts not "
+        "cached are read from the checkpoint's own files, KV beyond it goes to --spill-dir",
+    )
+    p.add_argument("--spill-dir", default=None, help="KV disk tier directory (default: a temporary directory)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="compute dtype (default: the checkpoint's own)",
+    )
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together at most (default 8)")
     p.add_argument("--preempt", choices=("swap", "recompute"), default=None, help="what preemption does to KV")
@@ -117,6 +135,7 @@ def _settings(args: argparse.Namespace) -> RunSettings:
         args.max_num_seqs,
         args.profile,
         args.preempt,
+        dtype=args.dtype,
     )
 
 

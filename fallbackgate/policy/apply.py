@@ -70,6 +70,7 @@ def run_settings(policy: Policy, args: argparse.Namespace) -> RunSettings:
         mem.max_num_seqs,
         policy.hardware.profile,
         mem.preempt_mode,
+        dtype=getattr(args, "dtype", None),
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -34,6 +35,7 @@ class RunSettings:
     profile: str = "cpu-box"
     preempt_mode: str = "swap"
     max_num_batched_tokens: int = 256  # tokens per forward (prefill chunk size)
+    dtype: str | None = None  # compute dtype override; None: the checkpoint's own
 
     def engine_config(self) -> EngineConfig:
         """The engine configuration these settings describe."""
@@ -52,6 +54,7 @@ class RunSettings:
             preempt_mode=self.preempt_mode,
             seed=self.seed,
             max_num_batched_tokens=self.max_num_batched_tokens,
+            dtype=self.dtype,
         )
 
 
@@ -64,7 +67,7 @@ class RunOutcome:
     texts: list[str]
     steps: list[StepResult]
     wall_s: float
-    memory: dict[str, int] = dataclasses.field(default_factory=dict)  # byte counts, see `memory_summary`
+    memory: dict[str, Any] = dataclasses.field(default_factory=dict)  # byte counts and dtype, `memory_summary`
 
 
 StepHook = Callable[[StepPlan, StepResult], None]
@@ -110,7 +113,7 @@ def run_prompts(
     return RunOutcome(specs, outputs, texts, steps, time.perf_counter() - started, memory_summary(engine))
 
 
-def memory_summary(engine: Engine) -> dict[str, int]:
+def memory_summary(engine: Engine) -> dict[str, Any]:
     """What the device budget counts (expert slots, KV blocks) and what stays resident outside it (dense)."""
     experts = engine.expert_store
     return {
@@ -124,4 +127,5 @@ def memory_summary(engine: Engine) -> dict[str, int]:
         "peak_device_pool_bytes": engine.kv_store.device_pool.peak_used_bytes,
         "peak_host_pool_bytes": engine.kv_store.host_pool.peak_used_bytes,
         "num_expert_disk_reads": experts.num_disk_reads,
+        "dtype": str(engine.dtype).removeprefix("torch."),
     }
