@@ -123,15 +123,22 @@ def read_manifest(path: pathlib.Path) -> dict[ExpertKey, tuple[ExpertSource, str
 
 
 def read_source(files: CheckpointFiles, source: ExpertSource) -> ExpertWeights:
-    """One expert's matrices as stored ([2I, H] and [H, I]), unverified, in memory this process owns.
-
-    safetensors may hand out views of its read-only file mapping; a copy keeps a later in-place write (a
-    reused slot) from changing what the next read of the file returns.
-    """
-    parts = [files.read(name, index) for name, index in source.parts]
-    if len(parts) == 3:
-        return ExpertWeights(torch.cat(parts[:2], dim=0), parts[2].clone())
-    return ExpertWeights(parts[0].clone(), parts[1].clone())
+    """One expert's matrices as stored ([2I, H] and [H, I]), unverified, in fresh memory this process owns
+    (read with pread, never a view of a file mapping that a later in-place write could change)."""
+    shapes = [files.shape(name)[1:] if index is not None else files.shape(name) for name, index in source.parts]
+    dtype = files.dtype(source.parts[0][0])
+    if len(source.parts) == 3:
+        gate, up, down = shapes
+        gate_up = torch.empty((gate[0] + up[0], *gate[1:]), dtype=dtype)
+        files.read_into(source.parts[0][0], source.parts[0][1], gate_up[: gate[0]])
+        files.read_into(source.parts[1][0], source.parts[1][1], gate_up[gate[0] :])
+    else:
+        down = shapes[1]
+        gate_up = torch.empty(shapes[0], dtype=dtype)
+        files.read_into(source.parts[0][0], source.parts[0][1], gate_up)
+    down_tensor = torch.empty(down, dtype=dtype)
+    files.read_into(source.parts[-1][0], source.parts[-1][1], down_tensor)
+    return ExpertWeights(gate_up, down_tensor)
 
 
 def build_manifest(path: pathlib.Path, on_expert: Callable[[], None] | None = None) -> int:
