@@ -1,12 +1,12 @@
 """A checkpoint's safetensors files as one tensor namespace: which file holds which tensor, read lazily.
 
 Single files, several files, and sharded checkpoints with ``model.safetensors.index.json`` are all read
-the same way. safetensors opens and validates every file and reads the dense weights. Routed experts,
-read over and over while serving, are read with one ``pread`` per tensor straight into their destination
-(at the byte range the file's safetensors header gives): about 2.7x the throughput of faulting in the
-memory map for cold random reads on this machine (1.19 vs 0.45 GB/s for 12.6 MB experts). A fused
-``[num_experts, ...]`` tensor yields one expert's rows without reading the rest. Every failure names the
-file and tensor.
+the same way. safetensors opens and validates every file and reads the dense weights. Routed experts are
+read with one ``pread`` per tensor straight into fresh memory (at the byte range the file's safetensors
+header gives), never as views of a file mapping that a later in-place write could change; cold random
+reads of 12.6 MB experts measured 1.20 GB/s this way, 1.15 GB/s through the memory map, on a quiet machine.
+A fused ``[num_experts, ...]`` tensor yields one expert's rows without reading the rest. Every failure
+names the file and tensor.
 """
 
 from __future__ import annotations

@@ -69,9 +69,6 @@ def _check_supported(path: pathlib.Path, config: dict) -> None:
         raise CheckpointError(
             f"{path}: model_type {model_type!r} is not a supported MoE architecture (supported: {supported})"
         )
-    weights = list(path.glob("*.safetensors")) + list(path.glob("*.safetensors.index.json"))
-    if not weights:
-        raise CheckpointError(f"{path}: no *.safetensors weights found next to config.json")
 
 
 def _top_k(config: object) -> int:

@@ -55,8 +55,8 @@ def _config(arch: str, num_experts: int = 8) -> object:
         return MixtralConfig(**common, intermediate_size=32, num_key_value_heads=2, num_local_experts=num_experts)
     if arch == "olmoe":
         return OlmoeConfig(**common, intermediate_size=32, num_key_value_heads=4, num_experts=num_experts)
-    if arch == "deepseek_v3":
-        return DeepseekV3Config(
+    if arch in ("deepseek_v3", "deepseek_v2"):  # MLA attention: K/V expanded to every head, key and value widths differ
+        mla = dict(
             **common,
             intermediate_size=96,
             moe_intermediate_size=32,
@@ -69,27 +69,10 @@ def _config(arch: str, num_experts: int = 8) -> object:
             qk_rope_head_dim=8,
             qk_nope_head_dim=16,
             v_head_dim=16,
-            n_group=2,
-            topk_group=1,
         )
-    if arch == "deepseek_v2":  # MLA attention: K/V are expanded to every head, key and value widths differ
-        return DeepseekV2Config(
-            **common,
-            intermediate_size=96,
-            moe_intermediate_size=32,
-            num_key_value_heads=4,
-            n_routed_experts=num_experts,
-            n_shared_experts=1,
-            first_k_dense_replace=1,
-            q_lora_rank=None,
-            kv_lora_rank=16,
-            qk_rope_head_dim=8,
-            qk_nope_head_dim=16,
-            v_head_dim=16,
-            topk_method="greedy",
-            n_group=1,
-            topk_group=1,
-        )
+        if arch == "deepseek_v3":
+            return DeepseekV3Config(**mla, n_group=2, topk_group=1)
+        return DeepseekV2Config(**mla, topk_method="greedy", n_group=1, topk_group=1)
     if arch == "llama":
         return LlamaConfig(**common, intermediate_size=96, num_key_value_heads=2)
     raise ValueError(arch)
