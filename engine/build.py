@@ -79,8 +79,8 @@ def build_stores(
         shape.num_layers * config.max_num_seqs * (config.max_model_len // config.block_size + 1) * block_bytes
     )
     device_budget = config.device_budget_bytes
-    if device_budget is None:
-        device_budget = num_experts_total * expert_bytes + kv_everything
+    if device_budget is None:  # every expert, every block, and one layer's gathered K/V (blocks, then packed)
+        device_budget = num_experts_total * expert_bytes + kv_everything + 2 * kv_everything // shape.num_layers
     expert_floor = loaded.top_k * expert_bytes
     minimum = expert_floor + shape.num_layers * block_bytes
     if device_budget < minimum:

@@ -2,15 +2,18 @@
 
 Single files, several files, and sharded checkpoints with ``model.safetensors.index.json`` are all read
 the same way. safetensors opens and validates every file and reads the dense weights. Routed experts are
-read with one ``pread`` per tensor straight into fresh memory (at the byte range the file's safetensors
-header gives), never as views of a file mapping that a later in-place write could change; cold random
-reads of 12.6 MB experts measured 1.20 GB/s this way, 1.15 GB/s through the memory map, on a quiet machine.
-A fused ``[num_experts, ...]`` tensor yields one expert's rows without reading the rest. Every failure
-names the file and tensor.
+read with one ``pread`` per tensor at the byte range the file's safetensors header gives, with
+``O_DIRECT`` where the file system allows it, straight into fresh aligned memory this process owns (an
+expert's tensors that lie back to back in one read): streamed bytes never enter the page cache, so they
+neither evict anything nor count against a memory cgroup twice. Under an 8 GiB cgroup holding 6.5 GiB
+of caches, cold random 12.6 MB experts read at 0.85 GB/s with O_DIRECT against 0.47 GB/s buffered
+(three interleaved rounds). A fused ``[num_experts, ...]`` tensor yields one expert's rows without reading
+the rest. Every failure names the file and tensor.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pathlib
@@ -23,6 +26,7 @@ from safetensors import safe_open
 from fallbackgate.engine.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
+DIRECT_ALIGN = 4096  # O_DIRECT offset, length and buffer alignment (the largest common logical block size)
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
@@ -34,7 +38,7 @@ class CheckpointFiles:
         self.file_by_tensor: dict[str, pathlib.Path] = {}
         self._handles: dict[pathlib.Path, Any] = {}
         self._ranges: dict[str, tuple[int, int]] = {}  # tensor -> (absolute offset, bytes) in its file
-        self._fds: dict[pathlib.Path, int] = {}
+        self._fds: dict[pathlib.Path, tuple[int, bool]] = {}  # file -> (descriptor, opened with O_DIRECT)
         weakref.finalize(self, _close_all, self._fds)
         index = path / INDEX_FILE
         files = self._files_from_index(index) if index.exists() else sorted(path.glob("*.safetensors"))
@@ -116,22 +120,69 @@ class CheckpointFiles:
         except Exception as exc:  # a shard truncated after its header was read fails here
             raise CheckpointError(f"{file}: cannot read tensor {name}: {exc}") from exc
 
-    def read_into(self, name: str, index: int | None, out: torch.Tensor) -> None:
-        """Read tensor `name` (or its row `index`) straight into the contiguous tensor `out`, one pread."""
-        file = self.file_of(name)
+    def byte_range(self, name: str, index: int | None) -> tuple[pathlib.Path, int, int]:
+        """(file, absolute offset, bytes) of tensor `name`, or of its row `index` (a fused tensor's expert)."""
         offset, num_bytes = self._ranges[name]
         if index is not None:
-            rows = self.shape(name)[0]
-            num_bytes //= rows
+            num_bytes //= self.shape(name)[0]
             offset += index * num_bytes
-        target = out.view(torch.uint8).reshape(-1).numpy()
-        if target.nbytes != num_bytes:
-            raise CheckpointError(f"{file}: tensor {name} holds {num_bytes} B here, {target.nbytes} B expected")
-        fd = self._fds.get(file)
-        if fd is None:
-            fd = self._fds[file] = os.open(file, os.O_RDONLY)
-        if os.preadv(fd, [target], offset) != num_bytes:
+        return self.file_of(name), offset, num_bytes
+
+    def read_parts(self, parts: list[tuple[str, int | None]]) -> list[torch.Tensor]:
+        """The bytes of each (tensor, row) part as a flat uint8 tensor, in fresh memory this process owns.
+
+        Parts that lie back to back in one file (an expert's down, gate and up tensors as transformers
+        saves them) come from one read into one buffer, as views in file order: a part that directly
+        follows another is contiguous with it in memory too.
+        """
+        ranges = [self.byte_range(name, index) for name, index in parts]
+        out: list[torch.Tensor | None] = [None] * len(parts)
+        order = sorted(range(len(parts)), key=lambda i: (str(ranges[i][0]), ranges[i][1]))
+        run: list[int] = []
+        for i in order + [-1]:
+            if run and (i < 0 or ranges[i][0] != ranges[run[-1]][0] or ranges[i][1] != sum(ranges[run[-1]][1:])):
+                file, begin = ranges[run[0]][0], ranges[run[0]][1]
+                buffer = self._read_span(file, begin, sum(ranges[run[-1]][1:]) - begin, parts[run[0]][0])
+                for j in run:
+                    out[j] = buffer[ranges[j][1] - begin : ranges[j][1] - begin + ranges[j][2]]
+                run = []
+            if i >= 0:
+                run.append(i)
+        return out  # type: ignore[return-value]
+
+    def _read_span(self, file: pathlib.Path, offset: int, num_bytes: int, name: str) -> torch.Tensor:
+        """`num_bytes` at `offset` of `file` as a uint8 tensor: O_DIRECT into an aligned buffer, else pread."""
+        fd, is_direct = self._descriptor(file)
+        if is_direct:
+            head = offset % DIRECT_ALIGN
+            length = -(-(head + num_bytes) // DIRECT_ALIGN) * DIRECT_ALIGN
+            raw = torch.empty(length + DIRECT_ALIGN, dtype=torch.uint8)
+            shift = -raw.data_ptr() % DIRECT_ALIGN
+            try:
+                got = os.preadv(fd, [raw[shift : shift + length].numpy()], offset - head) - head  # short at EOF
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                os.close(fd)
+                self._fds[file] = (os.open(file, os.O_RDONLY), False)  # the file system refused O_DIRECT
+                return self._read_span(file, offset, num_bytes, name)
+            buffer = raw[shift + head : shift + head + num_bytes]
+        else:
+            buffer = torch.empty(num_bytes, dtype=torch.uint8)
+            got = os.preadv(fd, [buffer.numpy()], offset)
+        if got < num_bytes:
             raise CheckpointError(f"{file}: tensor {name} is cut short (file truncated after it was opened?)")
+        return buffer
+
+    def _descriptor(self, file: pathlib.Path) -> tuple[int, bool]:
+        opened = self._fds.get(file)
+        if opened is None:
+            try:
+                opened = (os.open(file, os.O_RDONLY | getattr(os, "O_DIRECT", 0)), hasattr(os, "O_DIRECT"))
+            except OSError:
+                opened = (os.open(file, os.O_RDONLY), False)
+            self._fds[file] = opened
+        return opened
 
 
 def _byte_ranges(file: pathlib.Path) -> dict[str, tuple[int, int]]:
@@ -147,6 +198,6 @@ def _byte_ranges(file: pathlib.Path) -> dict[str, tuple[int, int]]:
     }
 
 
-def _close_all(fds: dict[pathlib.Path, int]) -> None:
-    for fd in fds.values():
+def _close_all(fds: dict[pathlib.Path, tuple[int, bool]]) -> None:
+    for fd, _ in fds.values():
         os.close(fd)

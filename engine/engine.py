@@ -89,8 +89,8 @@ class Engine:
         seq.modeled_arrival_s = self.modeled_clock_s
         seed = params.seed if params.seed is not None else self.config.seed + len(self.sequences)
         seq.generator = torch.Generator().manual_seed(seed)
+        self.scheduler.add(seq)  # refuses a request that could never fit on device
         self.sequences[request_id] = seq
-        self.scheduler.add(seq)
         return request_id
 
     def has_unfinished(self) -> bool:

@@ -7,7 +7,8 @@ from collections.abc import Callable
 import torch
 
 from fallbackgate.engine.controller import Controller, EngineView
-from fallbackgate.engine.errors import EngineError
+from fallbackgate.engine.device_pool import Scratch
+from fallbackgate.engine.errors import BudgetError, EngineError
 from fallbackgate.engine.expert_store import ExpertKey, ExpertStore, ExpertWeights
 from fallbackgate.engine.experts_hook import (
     ExpertUse,
@@ -44,6 +45,7 @@ class Executor:
         self.used_expert_keys: list[ExpertKey] = []  # experts computed this step, in order
         self.used_kv_block_keys: list[KVBlockKey] = []  # off-device KV blocks read this step
         self.deferred_expert_keys: list[ExpertKey] = []  # experts deferred this step
+        self.num_gather_bytes_held = 0  # device pool bytes of the current layer's gathered K/V
 
     # --- experts -------------------------------------------------------------------------------
     def run_experts(
@@ -58,6 +60,7 @@ class Executor:
         ctx = self.ctx
         if ctx is None:
             raise EngineError("experts called outside an engine step")
+        self.release_gather()  # attention of this layer is done: its gathered K/V is garbage
         if ctx.is_exact_baseline:
             return self._exact_experts(module, layer, hidden, top_k_index, top_k_weights)
         uses = plan_expert_uses(self, layer, top_k_index, top_k_weights)
@@ -96,42 +99,60 @@ class Executor:
                 continue
             was_resident = self.expert_store.is_on_device(key)
             fetch_tag = Tag.RESIDENT if tag is Tag.EXACT_LOAD and was_resident else tag
-            fetched = fetch_for_tag(self, key, fetch_tag)
-            if len(tag_uses) == 1:
-                token_idx, top_k_pos = tag_uses[0].token_idx, tag_uses[0].top_k_pos
+            scratch_bytes = self.expert_store.lowbit_scratch_bytes if tag is Tag.EXPERT_LOWBIT else 0
+            if scratch_bytes:
+                self.ensure_room(scratch_bytes, f"the dequantized low-bit copy of expert {key}", is_kv_evictable=False)
+            with self.expert_store.device_pool.held(Scratch.EXPERT_DEQUANT, scratch_bytes):
+                self._compute_tagged(module, key, tag, fetch_tag, tag_uses, hidden, weights, out)
+
+    def _compute_tagged(
+        self,
+        module: torch.nn.Module,
+        key: ExpertKey,
+        tag: Tag,
+        fetch_tag: Tag,
+        tag_uses: list[ExpertUse],
+        hidden: torch.Tensor,
+        weights: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """Fetch `key` as `fetch_tag` says, compute its uses, accumulate into `out`, and record them."""
+        ctx = self.ctx
+        fetched = fetch_for_tag(self, key, fetch_tag)
+        if len(tag_uses) == 1:
+            token_idx, top_k_pos = tag_uses[0].token_idx, tag_uses[0].top_k_pos
+        else:
+            token_idx = torch.cat([u.token_idx for u in tag_uses])
+            top_k_pos = torch.cat([u.top_k_pos for u in tag_uses])
+        x = hidden[token_idx]
+        if tag is Tag.CPU_EXECUTE:
+            y = expert_mlp(module, x.to("cpu"), fetched.weights).to(hidden.device)  # the model's dtype, on CPU
+            compute_s = self.profile.cpu_compute_s(self.flops_per_expert_token * len(token_idx))
+            activations_s = self.profile.transfer_s(2 * x.numel() * x.element_size(), Tier.HOST)  # there and back
+        else:
+            y = expert_mlp(module, x, fetched.weights)
+            compute_s = self.profile.device_compute_s(self.flops_per_expert_token * len(token_idx))
+            activations_s = 0.0
+        out.index_add_(0, token_idx, (y * weights[token_idx, top_k_pos, None]).to(out.dtype))  # as eager does
+        ctx.log.modeled_compute_s += compute_s
+        ctx.used_expert_keys.append(key)
+        target = Tier.HOST if tag is Tag.CPU_EXECUTE else Tier.DEVICE
+        transfer_s = activations_s + (
+            self.profile.transfer_s(fetched.bytes_moved, fetched.source_tier, target) if fetched.source_tier else 0.0
+        )
+        ctx.log.modeled_transfer_s += transfer_s
+        self._record_fetched(tag_uses, fetch_tag, fetched.bytes_moved, fetched.source_tier, transfer_s, fetched.note)
+
+    def _record_fetched(
+        self, uses: list[ExpertUse], fetch_tag: Tag, moved: int, tier: Tier | None, transfer_s: float, note: str
+    ) -> None:
+        """The first use carries the fetch (bytes, source, time); later uses reuse the fetched weights."""
+        for i, use in enumerate(uses):
+            served = fetch_tag if i == 0 else (Tag.RESIDENT if fetch_tag is Tag.EXACT_LOAD else fetch_tag)
+            if i == 0:
+                self._record(use, served, moved, tier if moved else None, transfer_s, note)
             else:
-                token_idx = torch.cat([u.token_idx for u in tag_uses])
-                top_k_pos = torch.cat([u.top_k_pos for u in tag_uses])
-            x = hidden[token_idx]
-            if tag is Tag.CPU_EXECUTE:
-                y = expert_mlp(module, x.to("cpu"), fetched.weights).to(hidden.device)  # the model's dtype, on CPU
-                compute_s = self.profile.cpu_compute_s(self.flops_per_expert_token * len(token_idx))
-                activations_s = self.profile.transfer_s(2 * x.numel() * x.element_size(), Tier.HOST)  # there and back
-            else:
-                y = expert_mlp(module, x, fetched.weights)
-                compute_s = self.profile.device_compute_s(self.flops_per_expert_token * len(token_idx))
-                activations_s = 0.0
-            out.index_add_(0, token_idx, (y * weights[token_idx, top_k_pos, None]).to(out.dtype))  # as eager does
-            ctx.log.modeled_compute_s += compute_s
-            ctx.used_expert_keys.append(key)
-            target = Tier.HOST if tag is Tag.CPU_EXECUTE else Tier.DEVICE
-            transfer_s = activations_s + (
-                self.profile.transfer_s(fetched.bytes_moved, fetched.source_tier, target)
-                if fetched.source_tier
-                else 0.0
-            )
-            ctx.log.modeled_transfer_s += transfer_s
-            for i, use in enumerate(tag_uses):
-                served = fetch_tag if i == 0 else (Tag.RESIDENT if fetch_tag is Tag.EXACT_LOAD else fetch_tag)
-                moved = fetched.bytes_moved if i == 0 else 0
-                self._record(
-                    use,
-                    served,
-                    moved,
-                    fetched.source_tier if moved else None,
-                    transfer_s if i == 0 else 0.0,
-                    fetched.note if i == 0 else "",
-                )
+                self._record(use, served, 0, None, 0.0, "")
 
     def _run_resident(
         self, module: torch.nn.Module, use: ExpertUse, hidden: torch.Tensor, weights: torch.Tensor, out: torch.Tensor
@@ -186,8 +207,17 @@ class Executor:
     def kv_update(
         self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this forward's K/V into the blocks, return every request's full K/V packed along tokens."""
+        """Write this forward's K/V into the blocks, return every request's full K/V packed along tokens.
+
+        The gathered copy is counted in the device pool (Scratch.KV_GATHER) until this layer's attention
+        is done: the next experts call, the next layer's update, or the end of the forward releases it.
+        """
         batch = self.ctx.batch
+        self.release_gather()
+        num_bytes = self.kv_store.gather_bytes([s + n for s, n in zip(batch.starts, batch.lengths, strict=True)])
+        self.ensure_room(num_bytes, f"layer {layer}'s gathered K/V")
+        self.kv_store.device_pool.reserve(Scratch.KV_GATHER, num_bytes)
+        self.num_gather_bytes_held = num_bytes
         keys, values = [], []
         offset = 0
         for request_id, start, length in zip(batch.request_ids, batch.starts, batch.lengths, strict=True):
@@ -202,7 +232,33 @@ class Executor:
             return keys[0][None], values[0][None]
         return torch.cat(keys, dim=1)[None], torch.cat(values, dim=1)[None]
 
+    def release_gather(self) -> None:
+        """Give back the pool bytes of the last gathered K/V (its tensors are no longer referenced)."""
+        if self.num_gather_bytes_held:
+            self.kv_store.device_pool.release(Scratch.KV_GATHER, self.num_gather_bytes_held)
+            self.num_gather_bytes_held = 0
+
     # --- room on device ------------------------------------------------------------------------
+    def step_kv_keys(self) -> set[KVBlockKey]:
+        """Every KV block of the requests in the current forward (they are read: never spilled now)."""
+        tables = self.kv_store.tables
+        request_ids = self.ctx.batch.request_ids if self.ctx is not None else []
+        return {b.key for rid in request_ids if rid in tables for blocks in tables[rid] for b in blocks}
+
+    def ensure_room(
+        self, num_bytes: int, what: str, *, pinned_kv: set[KVBlockKey] | None = None, is_kv_evictable: bool = True
+    ) -> None:
+        """Free `num_bytes` of the device pool for a buffer (evicting as the controller chooses) or raise."""
+        if self.expert_store.device_pool.can_reserve(num_bytes):
+            return
+        pinned = self.step_kv_keys() if pinned_kv is None else pinned_kv
+        if not self.make_room(num_bytes, pinned_kv=pinned, is_kv_evictable=is_kv_evictable):
+            pool = self.expert_store.device_pool
+            raise BudgetError(
+                f"device budget {pool.budget_bytes} B cannot hold {what} ({num_bytes} B, {pool.free_bytes} B free "
+                "after eviction); raise --device-budget-mb"
+            )
+
     def make_room(
         self,
         num_bytes: int,

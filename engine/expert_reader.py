@@ -124,21 +124,23 @@ def read_manifest(path: pathlib.Path) -> dict[ExpertKey, tuple[ExpertSource, str
 
 def read_source(files: CheckpointFiles, source: ExpertSource) -> ExpertWeights:
     """One expert's matrices as stored ([2I, H] and [H, I]), unverified, in fresh memory this process owns
-    (read with pread, never a view of a file mapping that a later in-place write could change)."""
+    (read with pread, never a view of a file mapping that a later in-place write could change). Separate
+    gate and up tensors that lie back to back in the file become one [2I, H] view without a copy."""
     shapes = [files.shape(name)[1:] if index is not None else files.shape(name) for name, index in source.parts]
     dtype = files.dtype(source.parts[0][0])
-    if len(source.parts) == 3:
-        gate, up, down = shapes
-        gate_up = torch.empty((gate[0] + up[0], *gate[1:]), dtype=dtype)
-        files.read_into(source.parts[0][0], source.parts[0][1], gate_up[: gate[0]])
-        files.read_into(source.parts[1][0], source.parts[1][1], gate_up[gate[0] :])
+    raw = files.read_parts(list(source.parts))
+    down = raw[-1].view(dtype).view(shapes[-1])
+    if len(source.parts) == 2:
+        return ExpertWeights(raw[0].view(dtype).view(shapes[0]), down)
+    gate, up = raw[0], raw[1]
+    rows = (shapes[0][0] + shapes[1][0], *shapes[0][1:])
+    if gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr() and (
+        gate.storage_offset() + gate.numel() == up.storage_offset()
+    ):
+        gate_up = gate.as_strided((gate.numel() + up.numel(),), (1,))  # up follows gate in the same buffer
     else:
-        down = shapes[1]
-        gate_up = torch.empty(shapes[0], dtype=dtype)
-        files.read_into(source.parts[0][0], source.parts[0][1], gate_up)
-    down_tensor = torch.empty(down, dtype=dtype)
-    files.read_into(source.parts[-1][0], source.parts[-1][1], down_tensor)
-    return ExpertWeights(gate_up, down_tensor)
+        gate_up = torch.cat([gate, up])
+    return ExpertWeights(gate_up.view(dtype).view(rows), down)
 
 
 def build_manifest(path: pathlib.Path, on_expert: Callable[[], None] | None = None) -> int:
@@ -203,6 +205,14 @@ class ExpertReader:
         """Bytes one expert occupies in the checkpoint files."""
         key = next(iter(self.sources))
         return self.num_params_per_expert * self.files.element_size(self.sources[key].parts[0][0])
+
+    def max_rows_numel(self, num_rows: int) -> int:
+        """Elements in `num_rows` rows (or all rows, when fewer) of the larger of one expert's two
+        matrices ([2I, H] gate_up and [H, I] down)."""
+        key = next(iter(self.sources))
+        shapes = [self.files.shape(n)[1:] if i is not None else self.files.shape(n) for n, i in self.sources[key].parts]
+        matrices = [(shapes[0][0] + shapes[1][0], shapes[0][1]), shapes[2]] if len(shapes) == 3 else shapes
+        return max(min(num_rows, rows) * cols for rows, cols in matrices)
 
     @property
     def compute_bytes_per_expert(self) -> int:

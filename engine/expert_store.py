@@ -17,11 +17,13 @@ import torch
 from fallbackgate.engine.device_pool import TierPool
 from fallbackgate.engine.errors import ChecksumError, EngineError
 from fallbackgate.engine.expert_reader import ExpertKey, ExpertReader
-from fallbackgate.engine.quant import Quantized, dequantize, quantize, quantized_to
+from fallbackgate.engine.quant import Quantized, dequantize_rows, quantize, quantized_to
 from fallbackgate.engine.tags import ObjectKind, Tier
 from fallbackgate.engine.weights import ExpertWeights
 
 __all__ = ["ExpertKey", "ExpertStore", "ExpertWeights", "Fetched"]
+
+DEQUANT_ROWS = 64  # rows dequantized at a time: bounds the fp32 working set of an expert_lowbit copy
 
 
 @dataclasses.dataclass(slots=True)
@@ -97,6 +99,15 @@ class ExpertStore:
             entry.ready = None
         return entry.device
 
+    @property
+    def lowbit_scratch_bytes(self) -> int:
+        """Device bytes an expert_lowbit computation holds at its peak: the codes (one byte each on device)
+        with fp32 scales and zero points per 32 values, the weights in the compute dtype, and the fp32
+        working set of `dequantize_rows` (two buffers of DEQUANT_ROWS rows). Counted in the device pool
+        as Scratch.EXPERT_DEQUANT while the expert runs."""
+        numel = self.bytes_per_expert // self.reader.compute_dtype.itemsize
+        return numel + numel // 32 * 8 + self.bytes_per_expert + 2 * 4 * self.reader.max_rows_numel(DEQUANT_ROWS)
+
     # --- mechanism -----------------------------------------------------------------------------
     def can_place(self, key: ExpertKey) -> bool:
         """True when `key` is on device already or its bytes fit in the device budget now."""
@@ -133,7 +144,7 @@ class ExpertStore:
         )
 
     def evict(self, key: ExpertKey) -> None:
-        """Drop the device copy of `key`; on CPU its bytes return to the host cache when that has room."""
+        """Drop the device copy of `key`; on CPU its bytes become the host cache's most recent entry."""
         entry = self.entries[key]
         if entry.device is None:
             raise EngineError(f"expert {key} is not on device; cannot evict")
@@ -142,8 +153,10 @@ class ExpertStore:
             entry.ready = None
         weights, entry.device = entry.device, None
         self.device_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)
-        if self.is_aliased and self.host_pool.can_reserve(self.bytes_per_expert):
-            self._cache_on_host(key, weights)
+        if self.is_aliased:  # the bytes stay in RAM as the host cache's newest entry (one LRU over both)
+            self._make_host_room()
+            if self.host_pool.can_reserve(self.bytes_per_expert):
+                self._cache_on_host(key, weights)
 
     def host_weights(self, key: ExpertKey) -> Fetched:
         """Full-precision weights in host memory for cpu_execute (read from the checkpoint when not cached)."""
@@ -173,8 +186,8 @@ class ExpertStore:
             low = entry.lowbit
         dtype = self.reader.compute_dtype
         weights = ExpertWeights(  # the low-bit bytes cross the link; dequantized where the expert runs
-            dequantize(quantized_to(low[0], self.device)).to(dtype),
-            dequantize(quantized_to(low[1], self.device)).to(dtype),
+            dequantize_rows(quantized_to(low[0], self.device), dtype, DEQUANT_ROWS),
+            dequantize_rows(quantized_to(low[1], self.device), dtype, DEQUANT_ROWS),
         )
         return Fetched(weights, source, moved + low[0].num_bytes + low[1].num_bytes, note)
 

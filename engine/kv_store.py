@@ -3,7 +3,9 @@
 A block's copies may live on device (full precision), on host (full and/or int8/int4 quantized,
 keys per channel and values per token as in KIVI) and on disk (same choices). Blocks needed by a step
 that are not on device are staged into per-step scratch (exact_load, kv_dequant) or rebuilt (recompute).
-Mechanism only: callers decide what to spill, where, and how to bring it back.
+Every device byte is counted in the device pool: blocks as KV_BLOCK, staged blocks (and a dequantization's
+working set while it runs) as Scratch.KV_STAGED. Mechanism only: callers decide what to spill, where, and
+how to bring it back, and make room before staging.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import enum
 
 import torch
 
-from fallbackgate.engine.device_pool import TierPool
+from fallbackgate.engine.device_pool import Scratch, TierPool
 from fallbackgate.engine.errors import ChecksumError, EngineError
 from fallbackgate.engine.kv_codec import QuantKV, dequantize_kv, quant_to, quantize_kv, read_quant, write_quant
 from fallbackgate.engine.spill import SpillDir, SpillRecord
@@ -106,7 +108,7 @@ class KVStore:
                 self._drop_copies(block, keep_device=False)
         self.num_tokens.pop(request_id, None)
         for key in [k for k in self.scratch if k[0] == request_id]:
-            del self.scratch[key]
+            self._drop_scratch(key)
 
     def blocks(self, request_id: str, layer: int) -> list[KVBlock]:
         return self.tables[request_id][layer]
@@ -126,6 +128,23 @@ class KVStore:
                     num_needed += 1
         return num_needed * self.bytes_per_block
 
+    def bytes_to_stage(self, request_id: str, num_read_tokens: int) -> int:
+        """Scratch bytes to stage the off-device full blocks among the first `num_read_tokens` positions."""
+        num_full = num_read_tokens // self.block_size
+        num_off = sum(1 for blocks in self.tables.get(request_id, []) for b in blocks[:num_full] if b.device is None)
+        return num_off * self.bytes_per_block
+
+    def gather_bytes(self, lengths: list[int]) -> int:
+        """Scratch bytes of one layer's `gather` for requests reading `lengths` positions, packed together."""
+        per_token = self.num_kv_heads * (self.key_dim + self.value_dim) * self.dtype.itemsize
+        num_bytes = 0
+        for length in lengths:
+            num_blocks = -(-length // self.block_size)
+            num_bytes += num_blocks * self.bytes_per_block if num_blocks > 1 else 0  # blocks concatenated
+        if len(lengths) > 1:
+            num_bytes += sum(lengths) * per_token  # keys and values packed along tokens
+        return num_bytes
+
     def can_append(self, request_id: str, num_new_tokens: int) -> bool:
         return self.device_pool.can_reserve(self.bytes_to_append(request_id, num_new_tokens))
 
@@ -140,7 +159,9 @@ class KVStore:
                     layer_blocks.append(KVBlock((request_id, layer, index)))
                 block = layer_blocks[index]
                 if block.device is None:
-                    staged = self.stage(block, Tag.EXACT_LOAD) if block.num_tokens else None
+                    staged = self._stage_exact(block) if block.num_tokens else None  # loaded into its slot
+                    if staged:
+                        staged.key = block.key
                     self._reserve_device(block, staged.tensor if staged else None)
                     self._drop_copies(block, keep_device=True)  # new tokens land on device: older copies go stale
                     if staged:
@@ -152,8 +173,8 @@ class KVStore:
         self.device_pool.reserve(ObjectKind.KV_BLOCK, self.bytes_per_block)
         if values is None:
             block.device = torch.zeros(self.block_shape, device=self.device, dtype=self.dtype)
-        else:
-            block.device = values.to(self.device, copy=True)
+        else:  # a freshly loaded or staged tensor that nothing else holds: it becomes the slot
+            block.device = values
 
     # --- reads and writes during a forward -----------------------------------------------------
     def write(self, request_id: str, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -192,7 +213,31 @@ class KVStore:
 
     # --- staging (the fallbacks) ---------------------------------------------------------------
     def stage(self, block: KVBlock, tag: Tag) -> Staged:
-        """Make an off-device block readable for this step with `tag`'s computation."""
+        """Make an off-device block readable for this step with `tag`'s computation.
+
+        The staged block holds `bytes_per_block` of the device pool (Scratch.KV_STAGED) until the step ends
+        or it is promoted; the caller makes room first (`stage_bytes`).
+        """
+        self.device_pool.reserve(Scratch.KV_STAGED, self.bytes_per_block)
+        try:
+            staged = self._stage_tensor(block, tag)
+        except BaseException:
+            self.device_pool.release(Scratch.KV_STAGED, self.bytes_per_block)
+            raise
+        staged.key = block.key
+        self.scratch[block.key] = staged
+        return staged
+
+    def stage_bytes(self, block: KVBlock, tag: Tag) -> int:
+        """Device bytes staging `block` with `tag` needs at its peak (the block, plus a dequantization's
+        working set: the quantized bytes on device and the fp32 block they expand to)."""
+        if tag is not Tag.KV_DEQUANT:
+            return self.bytes_per_block
+        quant = block.host_q or block.disk_q
+        fp32_bytes = self.bytes_per_block // self.dtype.itemsize * 4
+        return self.bytes_per_block + (quant.num_bytes if quant else 0) + fp32_bytes
+
+    def _stage_tensor(self, block: KVBlock, tag: Tag) -> Staged:
         if tag is Tag.EXACT_LOAD:
             staged = self._stage_exact(block)
         elif tag is Tag.KV_DEQUANT:
@@ -201,8 +246,6 @@ class KVStore:
             staged = Staged(torch.zeros(self.block_shape, device=self.device, dtype=self.dtype), Tag.RECOMPUTE, None, 0)
         else:
             raise EngineError(f"{tag.value} is not a KV fallback")
-        staged.key = block.key
-        self.scratch[block.key] = staged
         return staged
 
     def _stage_exact(self, block: KVBlock) -> Staged:
@@ -225,7 +268,9 @@ class KVStore:
             quant, tier = read_quant(self.spill, block.disk_q), Tier.DISK
         else:
             raise EngineError(f"KV block {block.key} has no quantized copy")
-        tensor = dequantize_kv(quant_to(quant, self.device)).to(self.dtype)  # only quantized bytes cross the link
+        working = self.stage_bytes(block, Tag.KV_DEQUANT) - self.bytes_per_block
+        with self.device_pool.held(Scratch.KV_STAGED, working):  # only quantized bytes cross the link
+            tensor = dequantize_kv(quant_to(quant, self.device)).to(self.dtype)
         return Staged(tensor, Tag.KV_DEQUANT, tier, quant.num_bytes)
 
     def promote(self, block: KVBlock) -> bool:
@@ -233,14 +278,23 @@ class KVStore:
         staged = self.scratch.get(block.key)
         if staged is None or staged.tag is Tag.KV_DEQUANT or block.device is not None:
             return False
-        if not self.device_pool.can_reserve(self.bytes_per_block):
-            return False
+        self._drop_scratch(block.key)  # the staged tensor becomes the slot: its bytes change kind
         self._reserve_device(block, staged.tensor)
-        del self.scratch[block.key]
         return True
 
     def clear_scratch(self) -> None:
-        self.scratch.clear()
+        for key in list(self.scratch):
+            self._drop_scratch(key)
+
+    def _drop_scratch(self, key: KVBlockKey) -> None:
+        del self.scratch[key]
+        self.device_pool.release(Scratch.KV_STAGED, self.bytes_per_block)
+
+    def held_device_bytes(self) -> dict[str, int]:
+        """Bytes of the device tensors this store really holds (blocks and staged scratch), by pool kind."""
+        blocks = sum(b.device.nbytes for t in self.tables.values() for bs in t for b in bs if b.device is not None)
+        staged = sum(s.tensor.nbytes for s in self.scratch.values())
+        return {ObjectKind.KV_BLOCK.value: blocks, Scratch.KV_STAGED.value: staged}
 
     # --- spilling ------------------------------------------------------------------------------
     def spill_block(self, block: KVBlock, mode: SpillMode) -> int:

@@ -8,7 +8,7 @@ from transformers import DynamicCache, PreTrainedModel
 from fallbackgate.engine.controller import KVMiss
 from fallbackgate.engine.errors import ChecksumError, EngineError
 from fallbackgate.engine.executor import Executor
-from fallbackgate.engine.kv_store import KVBlock
+from fallbackgate.engine.kv_store import KVBlock, Staged
 from fallbackgate.engine.paged_cache import PagedCache, packed_attention_mask
 from fallbackgate.engine.sequence import Sequence
 from fallbackgate.engine.step_context import EventLog, ForwardBatch, StepContext
@@ -31,11 +31,13 @@ class ModelRunner:
         self.cache = PagedCache(executor, num_layers)
         self.dense_flops_per_token = dense_flops_per_token  # 2 × dense parameters
         self.attn_flops_per_pair = attn_flops_per_pair  # per (query, key) pair, all layers
+        self.step_kv_keys: set[tuple[str, int, int]] = set()  # blocks the current step reads: never spilled
 
     # --- KV blocks a step reads ------------------------------------------------------------------
     def resolve_kv(self, step_id: int, chosen: list[tuple[Sequence, int]], log: EventLog, is_observe: bool) -> None:
         """Stage or rebuild every off-device block the chosen requests read; run recompute passes."""
         kv = self.executor.kv_store
+        self.step_kv_keys = {b.key for seq, _ in chosen for blocks in kv.tables[seq.request_id] for b in blocks}
         for seq, _ in chosen:
             start = seq.num_computed_tokens
             rebuild_from: int | None = None
@@ -74,9 +76,9 @@ class ModelRunner:
         if (tag is Tag.EXACT_LOAD and exact_tier is None) or (tag is Tag.KV_DEQUANT and quant_tier is None):
             raise EngineError(f"controller chose {tag.value} for KV block {block.key} which has no such copy")
         try:
-            staged = kv.stage(block, tag)
+            staged = self._stage(block, tag)
         except ChecksumError as exc:
-            staged, note = kv.stage(block, Tag.RECOMPUTE), f"{exc}; recovered by recompute"
+            staged, note = self._stage(block, Tag.RECOMPUTE), f"{exc}; recovered by recompute"
         cost = decision.predicted_cost if staged.tag is decision.tag and not is_observe else 0.0
         log.add_transfer(
             profile,
@@ -98,12 +100,19 @@ class ModelRunner:
         for layer in range(kv.num_layers):  # blocks in the range that are readable need no rebuild
             for block in kv.blocks(seq.request_id, layer)[begin // kv.block_size : -(-end // kv.block_size)]:
                 if block.device is None and block.key not in kv.scratch:
-                    kv.stage(block, Tag.RECOMPUTE)
+                    self._stage(block, Tag.RECOMPUTE)
         token_ids = seq.all_token_ids[begin:end]
         batch = ForwardBatch(
             [seq.request_id], [begin], [end - begin], torch.zeros(end - begin, dtype=torch.long), [seq.request_class]
         )
         self.forward(step_id, batch, token_ids, [], log, is_observe=is_observe)
+
+    def _stage(self, block: KVBlock, tag: Tag) -> Staged:
+        """Stage `block` after making device room for it (never by spilling this step's blocks)."""
+        kv = self.executor.kv_store
+        what = f"staged KV block {block.key} ({tag.value})"
+        self.executor.ensure_room(kv.stage_bytes(block, tag), what, pinned_kv=self.step_kv_keys)
+        return kv.stage(block, tag)
 
     # --- forward -------------------------------------------------------------------------------
     def forward(
@@ -134,6 +143,7 @@ class ModelRunner:
                     logits_to_keep=keep,
                 )
         finally:
+            self.executor.release_gather()
             self.executor.used_expert_keys.extend(ctx.used_expert_keys)
             self.executor.deferred_expert_keys.extend(ctx.deferred_expert_keys)
             self.executor.ctx = None

@@ -62,6 +62,18 @@ def dequantize(q: Quantized) -> torch.Tensor:
     return values.reshape(*codes.shape[:-1], -1)[..., :length].movedim(-1, q.axis).contiguous()
 
 
+def dequantize_rows(q: Quantized, dtype: torch.dtype, num_rows: int = 64) -> torch.Tensor:
+    """`dequantize(q).to(dtype)` for a 2-D tensor grouped along its last axis, `num_rows` rows at a time,
+    so the fp32 working set is `num_rows` rows rather than the whole tensor (same values, same rounding)."""
+    if q.codes.dim() != 2 or q.axis != 1:
+        return dequantize(q).to(dtype)
+    out = torch.empty(q.codes.shape, dtype=dtype, device=q.codes.device)
+    for start in range(0, q.codes.shape[0], num_rows):
+        rows = slice(start, start + num_rows)
+        out[rows] = dequantize(dataclasses.replace(q, codes=q.codes[rows], scales=q.scales[rows], zeros=q.zeros[rows]))
+    return out
+
+
 def quantized_to(q: Quantized, device: torch.device) -> Quantized:
     """`q` with its tensors on `device` (a no-op when they are already there)."""
     return dataclasses.replace(q, codes=q.codes.to(device), scales=q.scales.to(device), zeros=q.zeros.to(device))

@@ -34,9 +34,25 @@ class Scheduler:
         self.swapped: deque[Sequence] = deque()
         self.restored: list[tuple[str, Staged]] = []  # tail blocks brought back on resume, for the step's log
         self.step_id = 0
+        self.chosen: list[tuple[Sequence, int]] = []  # the step being scheduled, so far
 
     def add(self, seq: Sequence) -> None:
+        self.check_fits_alone(seq.request_id, seq.num_tokens + seq.params.max_new_tokens)
         self.waiting.append(seq)
+
+    def check_fits_alone(self, request_id: str, num_tokens: int) -> None:
+        """Refuse a request that could not run even alone at its full length: all its KV blocks must fit
+        beside the expert floor, and beside one layer's gathered K/V (read blocks are on device or staged)."""
+        kv, pool = self.kv_store, self.kv_store.device_pool
+        num_blocks = -(-num_tokens // kv.block_size)
+        blocks = num_blocks * kv.num_layers * kv.bytes_per_block
+        gathered = kv.gather_bytes([num_tokens])
+        if blocks > pool.budget_bytes - self.expert_floor_bytes or blocks + gathered > pool.budget_bytes:
+            raise BudgetError(
+                f"request {request_id}: {num_tokens} tokens need {blocks} B of KV blocks on device (plus {gathered} B "
+                f"of one layer's gathered K/V), but the device budget is {pool.budget_bytes} B with "
+                f"{self.expert_floor_bytes} B kept for expert slots; raise the device budget or lower max_new_tokens"
+            )
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -46,6 +62,7 @@ class Scheduler:
         self.step_id += 1
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
+        self.chosen = chosen
         preempted_before = {s.request_id for s in self.swapped}
         for seq in list(self.running):
             if budget == 0 or seq.status is not SequenceStatus.RUNNING:
@@ -103,17 +120,34 @@ class Scheduler:
         return 0
 
     def _fits(self, seq: Sequence, num: int) -> bool:
+        """Whether `seq` can join this step with `num` tokens: its new KV blocks fit the device pool now,
+        and the step's KV (blocks, the off-device blocks it stages, then one layer's gathered K/V) stays
+        within the budget, leaving the expert floor free while experts run (the gather is released first)."""
         need = self.kv_store.bytes_to_append(seq.request_id, num)
         pool = self.kv_store.device_pool
+        kv_after = pool.used_bytes_by_kind[ObjectKind.KV_BLOCK] + need + self._staged_bytes(seq)
+        gathered = self._gathered_bytes(seq, num)
         kv_cap = pool.budget_bytes - self.expert_floor_bytes
-        return pool.can_reserve(need) and pool.used_bytes_by_kind[ObjectKind.KV_BLOCK] + need <= kv_cap
+        return pool.can_reserve(need) and kv_after <= kv_cap and kv_after + gathered <= pool.budget_bytes
+
+    def _members(self, seq: Sequence, num: int) -> list[tuple[Sequence, int]]:
+        return [(s, n) for s, n in self.chosen if s is not seq] + [(seq, num)]
+
+    def _staged_bytes(self, seq: Sequence) -> int:
+        """Scratch of the step's off-device blocks (staged for it: exact_load, kv_dequant, recompute)."""
+        kv = self.kv_store
+        return sum(kv.bytes_to_stage(s.request_id, s.num_computed_tokens) for s, _ in self._members(seq, 0))
+
+    def _gathered_bytes(self, seq: Sequence, num: int) -> int:
+        return self.kv_store.gather_bytes([s.num_computed_tokens + n for s, n in self._members(seq, num)])
 
     def _try_room(self, seq: Sequence, num: int, chosen: list[tuple[Sequence, int]]) -> bool:
         if self._fits(seq, num):
             return True
         need = self.kv_store.bytes_to_append(seq.request_id, num)
         pool = self.kv_store.device_pool
-        is_kv_only = pool.used_bytes_by_kind[ObjectKind.KV_BLOCK] + need > pool.budget_bytes - self.expert_floor_bytes
+        kv_after = pool.used_bytes_by_kind[ObjectKind.KV_BLOCK] + need + self._staged_bytes(seq)
+        is_kv_only = kv_after > pool.budget_bytes - self.expert_floor_bytes
         return self.make_room(need, self._pinned_tails(chosen, seq), lambda: self._fits(seq, num), is_kv_only)
 
     def _largest_fitting(self, seq: Sequence, num: int) -> int:
@@ -128,8 +162,10 @@ class Scheduler:
         return low
 
     def _pinned_tails(self, chosen: list[tuple[Sequence, int]], seq: Sequence) -> set[KVBlockKey]:
-        """Blocks that must stay on device: every running tail, and every block this step writes."""
-        pinned: set[KVBlockKey] = set()
+        """Blocks that must stay on device: every running tail, and every block of this step's requests
+        (spilling one would only move its bytes from a slot to the step's staging scratch)."""
+        tables = self.kv_store.tables
+        pinned = {b.key for s, _ in [*chosen, (seq, 0)] for blocks in tables.get(s.request_id, []) for b in blocks}
         size = self.config.block_size
         writing = {s.request_id: s.num_computed_tokens for s, _ in chosen}
         for other in self.running + [seq]:

@@ -58,6 +58,7 @@ class Run(Base):
     controller: Mapped[str | None] = mapped_column(String(64))
     mode: Mapped[str | None] = mapped_column(String(16))  # "observe" or "enforce"
     numeric_floor_kl: Mapped[float | None] = mapped_column(Float)  # max KL of the exact-vs-exact control
+    memory: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))  # budgets, peaks, dense bytes
     note: Mapped[str | None] = mapped_column(Text)
     __table_args__ = (Index("ix_runs_started_at", "started_at"),)
 

@@ -177,6 +177,11 @@ class LedgerWriter:
             )
         )
 
+    def record_memory(self, memory: dict[str, Any], *, run_id: int | None = None) -> None:
+        """Record the run's memory account: budgets, peak device-pool bytes (total and by kind), peak
+        host-tier bytes and the dense bytes outside the budget (``serving.session.memory_summary``)."""
+        self._put(("op", self._run_update(self._run(run_id), memory=dict(memory))))
+
     def record_calibration(
         self,
         tag: Tag | str,

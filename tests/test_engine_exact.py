@@ -54,9 +54,17 @@ def sizes(path: pathlib.Path) -> tuple[int, int, int, int]:
     )
 
 
+def one_request_budget(path: pathlib.Path, num_tokens: int) -> int:
+    """The smallest device budget that runs one request of `num_tokens` (block size 4): all its KV blocks
+    beside the experts of one layer's top-k, and beside one layer's gathered K/V."""
+    expert, block, layers, top_k = sizes(path)
+    num_blocks = -(-num_tokens // 4)
+    return num_blocks * layers * block + max(top_k * expert, num_blocks * block if num_blocks > 1 else 0)
+
+
 def budgets(path: pathlib.Path) -> dict[str, dict]:
     expert, block, layers, top_k = sizes(path)
-    minimum = top_k * expert + layers * block
+    minimum = one_request_budget(path, max(map(len, _prompts(1))) + NEW_TOKENS)
     return {
         "everything_fits": {},
         "half_experts": {"device_budget_bytes": 10 * expert + 40 * layers * block},
@@ -95,8 +103,10 @@ def test_bundled_checkpoint_exact_only_matches_transformers() -> None:
     probe = Engine(EngineConfig(str(CHECKPOINT_DIR), block_size=4), ExactLRUController())
     store, kv = probe.expert_store, probe.kv_store
     budget = int(0.4 * len(store.entries)) * store.bytes_per_expert + 20 * kv.num_layers * kv.bytes_per_block
-    engine = Engine(EngineConfig(str(CHECKPOINT_DIR), block_size=4, max_num_seqs=4, device_budget_bytes=budget),
-                    ExactLRUController())
+    engine = Engine(
+        EngineConfig(str(CHECKPOINT_DIR), block_size=4, max_num_seqs=4, device_budget_bytes=budget),
+        ExactLRUController(),
+    )
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
     for out, tokens, logits in zip(outputs, ref_tokens, ref_logits, strict=True):
         assert out.output_token_ids == tokens

@@ -82,18 +82,23 @@ def test_a_changed_checkpoint_file_stops_the_engine_naming_the_tensors(checkpoin
 
 
 def test_kv_blocks_round_trip_through_disk(checkpoint_factory) -> None:
+    """A swapped request's blocks go to disk (no host budget) and come back exactly on resume."""
     path = checkpoint_factory("olmoe")
-    expert, block, layers, top_k = sizes(path)
     prompts = _prompts(1)
     ref_tokens, _ = reference(path, prompts)
-    engine = Engine(
-        EngineConfig(
-            str(path), block_size=4, device_budget_bytes=top_k * expert + 3 * layers * block, host_budget_bytes=0
-        ),
-        ExactLRUController(),
-    )
-    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
-    assert [o.output_token_ids for o in outputs] == ref_tokens
+    engine = Engine(EngineConfig(str(path), block_size=4, host_budget_bytes=0), ExactLRUController())
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts]
+    disk_reads = 0
+    for step in range(10_000):
+        if not engine.has_unfinished():
+            break
+        if step == 3:
+            engine.scheduler.preempt(engine.sequences[ids[1]])
+            assert any(engine.kv_store.spill.root.glob("kv-*"))
+        events = engine.step().events
+        disk_reads += sum(e.count for e in events if e.object_kind.value == "kv_block" and e.source_tier is Tier.DISK)
+    assert disk_reads > 0
+    assert [engine.finished[i].output_token_ids for i in ids] == ref_tokens
     assert not any(engine.kv_store.spill.root.glob("kv-*"))  # finished requests leave no spill files
 
 

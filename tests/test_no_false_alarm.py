@@ -13,7 +13,7 @@ from fallbackgate.engine.engine import Engine
 from fallbackgate.serving.recording import RecordedRun, record_and_judge
 from fallbackgate.serving.session import RunSettings
 from tests.checkpoints import make_checkpoint
-from tests.test_engine_exact import sizes
+from tests.test_engine_exact import one_request_budget, sizes
 
 WORDS = "once upon a time the quick brown fox jumps over lazy dog princess lived in castle".split()
 
@@ -24,7 +24,7 @@ def _exact_only_run(seed: int, root: pathlib.Path) -> RecordedRun:
     arch = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3")[seed % 4]
     path = make_checkpoint(arch, root / f"ck-{seed}", seed=seed)
     expert, block, layers, top_k = sizes(path)
-    minimum = top_k * expert + layers * block
+    minimum = one_request_budget(path, 24)  # the longest request (8 words + 6 tokens) alone
     knobs = [
         {"device_budget_bytes": minimum},
         {"device_budget_bytes": minimum + 3 * layers * block, "host_budget_bytes": 6 * expert},

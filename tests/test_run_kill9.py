@@ -38,7 +38,7 @@ def _start_run(model: pathlib.Path, ledger: pathlib.Path) -> subprocess.Popen[st
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop(ENV_VAR, None)
     command = [sys.executable, "-m", "fallbackgate.cli", "run", "--model", str(model), "--ledger", str(ledger)]
-    command += ["--max-new-tokens", "400", "--block-size", "4", "--device-budget-mb", "0.3", "--quiet"]
+    command += ["--max-new-tokens", "400", "--block-size", "4", "--device-budget-mb", "0.6", "--quiet"]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
 
 

@@ -29,8 +29,8 @@ class Recency:
     def experts_lru_first(self, view: EngineView) -> list[ExpertKey]:
         """Device experts, least recently used first (never-used ones first of all)."""
         on_device = view.expert_store.device_keys()
-        known = set(self.experts)
-        return [k for k in on_device if k not in known] + [k for k in self.experts if k in set(on_device)]
+        known, resident = set(self.experts), set(on_device)
+        return [k for k in on_device if k not in known] + [k for k in self.experts if k in resident]
 
     def kv_lru_first(self, view: EngineView) -> list[KVBlockKey]:
         """Device KV blocks: blocks of requests not running first, then older blocks first."""

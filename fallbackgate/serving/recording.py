@@ -124,6 +124,7 @@ def _record_and_audit(engine: Engine, outcome: RunOutcome, writer: LedgerWriter,
         diffs, stats = audit_output(engine, output)
         writer.record_diffs(output.request_id, diffs, stats)
     writer.record_control(numeric_floor(engine, audited[0]))
+    writer.record_memory(outcome.memory)
     writer.finish_run(status="complete")
     return audited
 

@@ -80,9 +80,13 @@ def print_report(outcome: RunOutcome, out: TextIO) -> None:
         )
     mem = outcome.memory
     if mem:
-        out.write(f"\ndevice budget {mem['device_budget_bytes'] / 2**20:.2f} MiB for expert slots + KV blocks "
-                  f"(all experts: {mem['expert_bytes_total'] / 2**20:.2f} MiB, {mem['num_experts_on_disk']} homed on "
-                  f"disk); dense weights resident outside the budget: {mem['dense_bytes'] / 2**20:.2f} MiB\n")
+        out.write(f"\ndevice budget {mem['device_budget_bytes'] / 2**20:.2f} MiB for expert slots, KV blocks and "
+                  f"scratch (all experts: {mem['expert_bytes_total'] / 2**20:.2f} MiB, {mem['num_experts_on_disk']} "
+                  f"homed on disk); dense weights resident outside the budget: {mem['dense_bytes'] / 2**20:.2f} MiB\n")
+        peaks = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in mem["peak_device_pool_bytes_by_kind"].items() if v)
+        out.write(f"peak device pool {mem['peak_device_pool_bytes'] / 2**20:.2f} MiB (by kind, MiB: {peaks}); "
+                  f"peak host tier {mem['peak_host_pool_bytes'] / 2**20:.2f} MiB of "
+                  f"{mem['host_budget_bytes'] / 2**20:.2f}\n")
     out.write(f"\n{'tag':<14} {'exactness':<12} {'count':>10} {'MiB moved':>10}\n")
     for tag, total in tag_totals(outcome).items():
         if total["count"]:

@@ -114,7 +114,8 @@ def run_prompts(
 
 
 def memory_summary(engine: Engine) -> dict[str, Any]:
-    """What the device budget counts (expert slots, KV blocks) and what stays resident outside it (dense)."""
+    """What the device budget counts (expert slots, KV blocks, staged and gathered KV, dequantized expert
+    scratch; peaks in total and by kind) and what stays resident outside it (dense weights)."""
     experts = engine.expert_store
     return {
         "device_budget_bytes": engine.kv_store.device_pool.budget_bytes,
@@ -125,6 +126,9 @@ def memory_summary(engine: Engine) -> dict[str, Any]:
         "bytes_per_kv_block": engine.kv_store.bytes_per_block,
         "num_experts_on_disk": sum(1 for key in experts.entries if experts.home(key).value == "disk"),
         "peak_device_pool_bytes": engine.kv_store.device_pool.peak_used_bytes,
+        "peak_device_pool_bytes_by_kind": {
+            kind.value: peak for kind, peak in engine.kv_store.device_pool.peak_bytes_by_kind.items()
+        },
         "peak_host_pool_bytes": engine.kv_store.host_pool.peak_used_bytes,
         "num_expert_disk_reads": experts.num_disk_reads,
         "dtype": str(engine.dtype).removeprefix("torch."),
