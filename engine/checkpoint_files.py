@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import pathlib
 import weakref
@@ -151,28 +152,27 @@ class CheckpointFiles:
         return out  # type: ignore[return-value]
 
     def _read_span(self, file: pathlib.Path, offset: int, num_bytes: int, name: str) -> torch.Tensor:
-        """`num_bytes` at `offset` of `file` as a uint8 tensor: O_DIRECT into an aligned buffer, else pread."""
+        """`num_bytes` at `offset` of `file` as a uint8 tensor over its own anonymous mapping.
+
+        Page-aligned, so O_DIRECT reads straight into it; and unmapped as soon as the last tensor over it
+        goes, so a cache that churns through experts returns their memory to the system at once (from
+        malloc's heap, 12.6 MB buffers freed in varying order grew the process past an 8 GiB cap).
+        """
         fd, is_direct = self._descriptor(file)
-        if is_direct:
-            head = offset % DIRECT_ALIGN
-            length = -(-(head + num_bytes) // DIRECT_ALIGN) * DIRECT_ALIGN
-            raw = torch.empty(length + DIRECT_ALIGN, dtype=torch.uint8)
-            shift = -raw.data_ptr() % DIRECT_ALIGN
-            try:
-                got = os.preadv(fd, [raw[shift : shift + length].numpy()], offset - head) - head  # short at EOF
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                os.close(fd)
-                self._fds[file] = (os.open(file, os.O_RDONLY), False)  # the file system refused O_DIRECT
-                return self._read_span(file, offset, num_bytes, name)
-            buffer = raw[shift + head : shift + head + num_bytes]
-        else:
-            buffer = torch.empty(num_bytes, dtype=torch.uint8)
-            got = os.preadv(fd, [buffer.numpy()], offset)
+        head = offset % DIRECT_ALIGN if is_direct else 0
+        length = -(-(head + num_bytes) // DIRECT_ALIGN) * DIRECT_ALIGN if is_direct else num_bytes
+        mapping = mmap.mmap(-1, max(length, 1))
+        try:
+            got = os.preadv(fd, [memoryview(mapping)[:length]], offset - head) - head  # short only at EOF
+        except OSError as exc:
+            if not is_direct or exc.errno != errno.EINVAL:
+                raise
+            os.close(fd)
+            self._fds[file] = (os.open(file, os.O_RDONLY), False)  # the file system refused O_DIRECT
+            return self._read_span(file, offset, num_bytes, name)
         if got < num_bytes:
             raise CheckpointError(f"{file}: tensor {name} is cut short (file truncated after it was opened?)")
-        return buffer
+        return torch.frombuffer(mapping, dtype=torch.uint8)[head : head + num_bytes]  # keeps the mapping alive
 
     def _descriptor(self, file: pathlib.Path) -> tuple[int, bool]:
         opened = self._fds.get(file)

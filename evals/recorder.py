@@ -103,7 +103,8 @@ class EvalRecorder:
             return self.verdict
         try:
             if self._floor is not None:
-                self.writer.record_control(self._floor)
+                dtype = str(self.engine.dtype).removeprefix("torch.")
+                self.writer.record_control(self._floor, floor={"max_kl": self._floor, "dtype": dtype})
             self.writer.finish_run(status=status)
             self.writer.close()
             if self.num_audited and status == "complete":

@@ -59,6 +59,7 @@ class Run(Base):
     mode: Mapped[str | None] = mapped_column(String(16))  # "observe" or "enforce"
     numeric_floor_kl: Mapped[float | None] = mapped_column(Float)  # max KL of the exact-vs-exact control
     memory: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))  # budgets, peaks, dense bytes
+    numeric_floor: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))  # the control's stats
     note: Mapped[str | None] = mapped_column(Text)
     __table_args__ = (Index("ix_runs_started_at", "started_at"),)
 
@@ -144,6 +145,7 @@ class PositionDiffRow(Base):
     vllm_top5_ok: Mapped[bool] = mapped_column(Boolean)
     logp_exact: Mapped[float] = mapped_column(Float)
     logp_engine: Mapped[float] = mapped_column(Float)
+    exact_top2_gap: Mapped[float | None] = mapped_column(Float)  # exact top-1 minus top-2 logit: a near-tie if small
 
 
 class RequestStatRow(Base):

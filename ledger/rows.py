@@ -46,6 +46,7 @@ DIFF_FIELDS: tuple[str, ...] = (
     "vllm_top5_ok",
     "logp_exact",
     "logp_engine",
+    "exact_top2_gap",
 )
 STAT_FIELDS: tuple[str, ...] = tuple(
     c.name for c in RequestStatRow.__table__.columns if c.name not in ("run_id", "request_id")

@@ -168,14 +168,15 @@ class LedgerWriter:
             )
             self._put(("op", lambda conn: conn.execute(stmt)))
 
-    def record_control(self, numeric_floor_kl: float, *, run_id: int | None = None) -> None:
-        """Record the run's numeric floor: the max KL of the exact-vs-exact control."""
-        self._put(
-            (
-                "op",
-                self._run_update(self._run(run_id), numeric_floor_kl=float(numeric_floor_kl)),
-            )
-        )
+    def record_control(
+        self, numeric_floor_kl: float, *, floor: dict[str, Any] | None = None, run_id: int | None = None
+    ) -> None:
+        """Record the run's numeric floor: the max KL of the exact-vs-exact control, and optionally all of
+        the control's statistics (``audit.auditor.floor_control``: KL, logit noise, top-1, dtype)."""
+        values: dict[str, Any] = {"numeric_floor_kl": float(numeric_floor_kl)}
+        if floor is not None:
+            values["numeric_floor"] = dict(floor)
+        self._put(("op", self._run_update(self._run(run_id), **values)))
 
     def record_memory(self, memory: dict[str, Any], *, run_id: int | None = None) -> None:
         """Record the run's memory account: budgets, peak device-pool bytes (total and by kind), peak

@@ -9,11 +9,12 @@ import pytest
 
 from fallbackgate.audit.gate import (
     EQUIVALENT_TOLERANCE,
+    Floor,
     evaluate_run,
     judge_request,
     tolerance,
 )
-from fallbackgate.audit.stats import PositionDiff, request_stats
+from fallbackgate.audit.stats import PositionDiff, request_stats, top1_outside_ties
 from fallbackgate.commands import gate as gate_cmd
 from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger.db import open_ledger
@@ -34,6 +35,33 @@ def test_tolerances() -> None:
     assert tolerance("equivalent", None) == EQUIVALENT_TOLERANCE == 1e-9
     assert tolerance("equivalent", 1e-11) == pytest.approx(1e-8)  # 1000 × the floor
     assert tolerance("approximate", 0.0) == float("inf")
+
+
+def test_tolerances_follow_the_floor_in_bfloat16() -> None:
+    """bf16 exact computation differs by ~1e-4 nats: a fixed 1e-9 would fail every exact request."""
+    floor = Floor(max_kl=3e-4, mean_kl=2e-5, p99_kl=2e-4, max_abs_dlogit=0.06, dtype="bfloat16")
+    assert tolerance("exact", floor) == pytest.approx(3e-3)
+    assert tolerance("equivalent", floor) == pytest.approx(3e-3)  # measured at the exact paths' scale
+    assert tolerance("exact", Floor(dtype="bfloat16")) == pytest.approx(1e-5)  # a zero floor: the dtype's resolution
+    exact = judge_request("r", _stats(1e-3, 1e-4, top1=1.0), None, {"exact": 40}, {"resident": 40}, floor)
+    assert exact.passed
+    bug = judge_request("r", _stats(5e-3, 1e-4), None, {"exact": 40}, {"resident": 40}, floor)
+    assert bug.correctness_bug and "5e-03" in bug.reason.replace("0.005", "5e-03")
+
+
+def test_budgets_are_counted_above_the_floor_and_near_ties_do_not_count() -> None:
+    floor = Floor(max_kl=3e-4, mean_kl=2e-5, p99_kl=2e-4, max_abs_dlogit=0.06, dtype="bfloat16")
+    budget = {"max_mean_kl": 1e-6, "max_p99_kl": 1e-6, "min_top1_agreement": 1.0}
+    within = {**_stats(1e-3, 1.5e-4), "p99_kl": 1.9e-3, "top1_agreement": 0.95, "top1_outside_ties": 1.0}
+    assert judge_request("r", within, budget, {"exact": 40}, {"resident": 40}, floor).passed
+    beyond = {**within, "mean_kl": 3e-4, "top1_outside_ties": 0.95}
+    v = judge_request("r", beyond, budget, {"exact": 40}, {"resident": 40}, floor)
+    assert not v.passed and not v.correctness_bug
+    assert "mean KL 0.0003 > budget 1e-06 + floor allowance 0.0002" in v.reason
+    assert "top-1 agreement 0.95 (near-ties not counted) < budget 1" in v.reason
+    flips = [PositionDiff(0, 0, 0.0, False, 0.0, 0.0, True, -1.0, -1.0, exact_top2_gap=0.1)]
+    flips.append(PositionDiff(1, 0, 0.0, False, 0.0, 0.0, True, -1.0, -1.0, exact_top2_gap=0.5))
+    assert top1_outside_ties(flips, tie_margin=0.12) == 0.5  # the 0.1 gap is a near-tie, the 0.5 one is not
 
 
 def test_exact_only_difference_is_a_correctness_bug() -> None:

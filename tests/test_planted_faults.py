@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ FAULT_STEP = 4  # a decode step: steps count from 1, the first prefills both pro
 KV_BUDGET = {"max_mean_kl": 1e-3}  # int8 KV measures ~1e-6 mean KL here; the faulted scale ~5e-2
 
 
-def _engine(path: pathlib.Path, force: tuple[str, ...] = (), experts: int = 4, **knobs: int) -> Engine:
+def _engine(path: pathlib.Path, force: tuple[str, ...] = (), experts: int = 4, **knobs: Any) -> Engine:
     expert, block, layers, _ = sizes(path)
     budget = knobs.pop("device_budget_bytes", experts * expert + 12 * layers * block)
     config = EngineConfig(str(path), block_size=4, max_num_seqs=2, device_budget_bytes=budget, **knobs)
@@ -98,8 +99,11 @@ def test_wrong_dequant_scale(model: pathlib.Path, tmp_path: pathlib.Path, monkey
     assert culprit.step == FAULT_STEP and "kv_dequant" in culprit.tags, culprit
 
 
-def test_wrong_expert_loaded(model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = _engine(model)
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])  # bf16: caught above a ~1e-4 floor, not a fixed 1e-9
+def test_wrong_expert_loaded(
+    dtype: str | None, model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = _engine(model, dtype=dtype)
     armed, place, loaded_at = _at_step(engine, FAULT_STEP), ExpertStore.place, []
 
     def place_wrong(self: ExpertStore, key: ExpertKey) -> Fetched:

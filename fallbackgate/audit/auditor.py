@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import torch
 
@@ -29,6 +30,30 @@ def numeric_floor(engine: Engine, output: RequestOutput) -> float:
     chunked = exact_rows(engine, output, num_chunked=len(output.output_token_ids) - 1)
     _, stats = audit(one_pass, chunked, output.output_token_ids)
     return stats.max_kl
+
+
+NUM_FLOOR_REQUESTS = 3  # requests the exact-vs-exact control runs on (the largest of each statistic counts)
+
+
+def floor_control(engine: Engine, outputs: list[RequestOutput]) -> dict[str, Any]:
+    """The exact-vs-exact control on up to NUM_FLOOR_REQUESTS requests, in the engine's dtype: one prefill
+    pass against token-by-token decoding of the same tokens. Returns the worst of each statistic
+    (``max_kl``, ``mean_kl``, ``p99_kl``, ``max_abs_dlogit``, lowest ``top1_agreement``), how many requests
+    it ran on and the ``dtype``: what exact computation itself differs by, which the gate's tolerances
+    and budgets are measured against."""
+    worst: dict[str, Any] = {"max_kl": 0.0, "mean_kl": 0.0, "p99_kl": 0.0, "max_abs_dlogit": 0.0, "top1_agreement": 1.0}
+    chosen = outputs[:NUM_FLOOR_REQUESTS]
+    for output in chosen:
+        one_pass = exact_rows(engine, output)
+        chunked = exact_rows(engine, output, num_chunked=len(output.output_token_ids) - 1)
+        diffs, stats = audit(one_pass, chunked, output.output_token_ids)
+        for key in ("max_kl", "mean_kl", "p99_kl"):
+            worst[key] = max(worst[key], getattr(stats, key))
+        worst["max_abs_dlogit"] = max([worst["max_abs_dlogit"], *(d.max_abs_dlogit for d in diffs)])
+        worst["top1_agreement"] = min(worst["top1_agreement"], stats.top1_agreement)
+    worst["num_requests"] = len(chosen)
+    worst["dtype"] = str(engine.dtype).removeprefix("torch.")
+    return worst
 
 
 def choose_audited(outputs: list[RequestOutput], sample_rate: float, seed: int) -> list[RequestOutput]:

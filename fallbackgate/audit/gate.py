@@ -1,23 +1,25 @@
 """The gate: a verdict per request and per run, from the ledger's diff statistics and events.
 
-A request fails when its measured statistics break its quality budget (``max_mean_kl``,
-``max_p99_kl``, ``min_top1_agreement``, ``max_approx_fraction``, ``allowed_tags``: the approximate
-tags it may use; exact and equivalent tags are always allowed), or when it was served only through
-exact- and equivalent-class tags and still differs from the exact baseline by more than the numeric
-tolerance — a correctness bug, not a trade-off:
+Everything is measured against the run's exact-vs-exact control (``runs.numeric_floor``: one prefill
+pass against token-by-token decoding of the same tokens, in the run's dtype, on a few requests): what
+exact computation itself differs by. A request fails when
 
-- exact tags only: ``max(FLOOR_MARGIN × numeric floor, EXACT_TOLERANCE_MIN)`` nats of max KL, where
-  the numeric floor is the max KL of the run's exact-vs-exact control (``runs.numeric_floor_kl``);
-- with equivalent tags (``cpu_execute``, ``recompute``): ``max(EQUIVALENT_FLOOR_MARGIN × floor,
-  EQUIVALENT_TOLERANCE)`` nats.
-  Exact and equivalent paths (same math, other kernel or order) measure at the numeric floor (~1e-14
-  nats on CPU); 1e-9 nats leaves five orders of magnitude for kernel differences and still catches
-  lost precision (bf16 weights inside ``cpu_execute`` move KL by ~1e-8). Where the floor is higher
-  (other hardware), the tolerances scale with the measured floor.
+- it was served only through exact- and equivalent-class tags and its max KL exceeds the tolerance — a
+  correctness bug, not a trade-off. Exact tags: ``FLOOR_MARGIN × max(floor max KL, KL_RESOLUTION[dtype])``;
+  with equivalent tags (``cpu_execute``, ``recompute``): at least ``EQUIVALENT_FLOOR_MARGIN[dtype] ×``
+  the floor. In float32 the floor is ~1e-14 nats on CPU, so the resolution sets the tolerance (1e-9); in
+  bfloat16 the floor itself is ~1e-4 nats and sets it;
+- its statistics break its quality budget, counted above the floor: ``max_mean_kl`` and ``max_p99_kl``
+  each allow ``FLOOR_MARGIN ×`` the control's own mean and p99 KL on top, and ``min_top1_agreement``
+  does not count a disagreement where the exact top-2 logit gap is within ``TIE_MARGIN ×`` the control's
+  largest logit difference (a near-tie that rounding alone flips); ``max_approx_fraction`` and
+  ``allowed_tags`` (the approximate tags it may use; exact and equivalent tags are always allowed).
 
-Approximate tags recorded on observe steps were not applied, so they do not count as served.
-A run passes when it finished and all its requests pass. Failing verdicts name the first diverging
-position, the step that produced it, the lowest layer with a non-exact tag on that step and its tags.
+Runs recorded before the control kept its statistics (only ``runs.numeric_floor_kl``) are judged as
+float32 with no allowances. Approximate tags recorded on observe steps were not applied, so they do not
+count as served. A run passes when it finished and all its requests pass. Failing verdicts name the first
+diverging position, the step that produced it, the lowest layer with a non-exact tag on that step and its
+tags.
 """
 
 from __future__ import annotations
@@ -26,15 +28,52 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from fallbackgate.audit.stats import top1_outside_ties
 from fallbackgate.engine.tags import TAG_EXACTNESS, Exactness, Tag
 from fallbackgate.ledger import queries
 from fallbackgate.ledger.db import Ledger, LedgerError
 from fallbackgate.ledger.writer import LedgerWriter
 
-EXACT_TOLERANCE_MIN = 1e-9
 FLOOR_MARGIN = 10.0
-EQUIVALENT_TOLERANCE = 1e-9
-EQUIVALENT_FLOOR_MARGIN = 1000.0
+TIE_MARGIN = 2.0  # near-tie: exact top-2 gap within this many × the control's largest logit difference
+KL_RESOLUTION = {"float32": 1e-10, "float16": 1e-7, "bfloat16": 1e-6}  # smallest floor taken as measured
+# float32 leaves equivalent kernels room above a ~1e-14 floor; in 16-bit dtypes the equivalent paths measured
+# at the exact paths' own scale (bundled model, bf16, 6 requests × 32 tokens: cpu_execute bitwise equal to
+# exact_load, recompute max KL 5e-4 against exact-only up to 1.6e-2 and a floor of 5e-3).
+EQUIVALENT_FLOOR_MARGIN = {"float32": 1000.0, "float16": FLOOR_MARGIN, "bfloat16": FLOOR_MARGIN}
+EXACT_TOLERANCE_MIN = FLOOR_MARGIN * KL_RESOLUTION["float32"]  # float32 with a zero floor: 1e-9 nats
+EQUIVALENT_TOLERANCE = EXACT_TOLERANCE_MIN
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Floor:
+    """The exact-vs-exact control's statistics the gate measures against."""
+
+    max_kl: float = 0.0  # largest per-position KL between two exact computations
+    mean_kl: float = 0.0  # largest per-request mean KL
+    p99_kl: float = 0.0  # largest per-request p99 KL
+    max_abs_dlogit: float = 0.0  # largest logit difference: the scale of rounding noise
+    dtype: str = "float32"  # the dtype the run computed in
+
+    @classmethod
+    def of_run(cls, run: Mapping[str, Any]) -> Floor:
+        """From a run row: its ``numeric_floor`` statistics, else its ``numeric_floor_kl`` alone."""
+        stats = run.get("numeric_floor") or {}
+        fields = {k: stats[k] for k in ("max_kl", "mean_kl", "p99_kl", "max_abs_dlogit", "dtype") if k in stats}
+        fields.setdefault("max_kl", run.get("numeric_floor_kl") or 0.0)
+        return cls(**fields)
+
+
+def tolerance(served: str, floor: Floor | float | None, dtype: str | None = None) -> float:
+    """Max KL allowed for a request served with exactness class ``served`` (inf for approximate)."""
+    if not isinstance(floor, Floor):
+        floor = Floor(max_kl=floor or 0.0, dtype=dtype or "float32")
+    exact = FLOOR_MARGIN * max(floor.max_kl, KL_RESOLUTION.get(floor.dtype, KL_RESOLUTION["float32"]))
+    if served == "exact":
+        return exact
+    if served == "equivalent":
+        return max(EQUIVALENT_FLOOR_MARGIN.get(floor.dtype, 1000.0) * floor.max_kl, exact)
+    return float("inf")
 
 
 @dataclasses.dataclass
@@ -69,16 +108,6 @@ class RunVerdict:
     requests: list[RequestVerdict]
 
 
-def tolerance(served: str, numeric_floor_kl: float | None) -> float:
-    """Max KL allowed for a request served with exactness class ``served`` (inf for approximate)."""
-    exact = max(FLOOR_MARGIN * (numeric_floor_kl or 0.0), EXACT_TOLERANCE_MIN)
-    if served == "exact":
-        return exact
-    if served == "equivalent":
-        return max(EQUIVALENT_TOLERANCE, EQUIVALENT_FLOOR_MARGIN * (numeric_floor_kl or 0.0), exact)
-    return float("inf")
-
-
 def served_class(objects_by_class: Mapping[str, int]) -> str:
     """The least exact class with any objects served (exact when there were no events)."""
     for cls in ("approximate", "equivalent"):
@@ -93,15 +122,18 @@ def judge_request(
     budget: Mapping[str, Any] | None,
     objects_by_class: Mapping[str, int],
     objects_by_tag: Mapping[str, int],
-    numeric_floor_kl: float | None,
+    floor: Floor | float | None,
 ) -> RequestVerdict:
-    """Judge one request from its diff statistics (None when not audited), budget and tag counts."""
+    """Judge one request from its diff statistics (None when not audited), budget, tag counts and the
+    run's floor (a bare number: the control's max KL, float32). ``stats["top1_outside_ties"]``, when
+    present, is the top-1 agreement the budget is checked on."""
+    floor = floor if isinstance(floor, Floor) else Floor(max_kl=floor or 0.0)
     served = served_class(objects_by_class)
     v = RequestVerdict(request_id, True, served, stats=dict(stats) if stats is not None else None)
     budget = budget or {}
     if stats is not None:
-        _check_kl_budget(v, stats, budget)
-        tol = tolerance(served, numeric_floor_kl)
+        _check_kl_budget(v, stats, budget, floor)
+        tol = tolerance(served, floor)
         if stats["max_kl"] > tol:
             v.correctness_bug = True
             v.reasons.insert(
@@ -129,25 +161,29 @@ def _is_approximate(tag: str) -> bool:
         return True  # an unknown tag is never assumed exact
 
 
-def _check_kl_budget(v: RequestVerdict, stats: Mapping[str, Any], budget: Mapping[str, Any]) -> None:
+def _check_kl_budget(v: RequestVerdict, stats: Mapping[str, Any], budget: Mapping[str, Any], floor: Floor) -> None:
     checks = (
-        ("max_mean_kl", "mean_kl", "mean KL", 1),
-        ("max_p99_kl", "p99_kl", "p99 KL", 1),
-        ("min_top1_agreement", "top1_agreement", "top-1 agreement", -1),
+        ("max_mean_kl", "mean_kl", "mean KL", FLOOR_MARGIN * floor.mean_kl),
+        ("max_p99_kl", "p99_kl", "p99 KL", FLOOR_MARGIN * floor.p99_kl),
     )
-    for key, stat, label, sign in checks:
+    for key, stat, label, allowance in checks:
         limit = budget.get(key)
-        if limit is not None and sign * stats[stat] > sign * limit:
-            op = ">" if sign > 0 else "<"
-            v.reasons.append(f"{label} {stats[stat]:.3g} {op} budget {limit:g}")
+        if limit is not None and stats[stat] > limit + allowance:
+            extra = f" + floor allowance {allowance:.3g}" if allowance else ""
+            v.reasons.append(f"{label} {stats[stat]:.3g} > budget {limit:g}{extra}")
+    limit = budget.get("min_top1_agreement")
+    top1 = stats.get("top1_outside_ties", stats["top1_agreement"])
+    if limit is not None and top1 < limit:
+        ties = " (near-ties not counted)" if "top1_outside_ties" in stats else ""
+        v.reasons.append(f"top-1 agreement {top1:.3g}{ties} < budget {limit:g}")
 
 
-def _locate(ledger: Ledger, run_id: int, v: RequestVerdict, numeric_floor_kl: float | None) -> None:
+def _locate(ledger: Ledger, run_id: int, v: RequestVerdict, floor: Floor) -> None:
     """Fill in the first diverging position, its step, layer and tags."""
     diffs = queries.position_diffs(ledger, run_id, v.request_id)
     if not diffs:
         return
-    tol = tolerance(v.served, numeric_floor_kl)
+    tol = tolerance(v.served, floor)
     first = next((d for d in diffs if d["kl"] > tol), None) if v.correctness_bug else None
     first = first or next((d for d in diffs if not d["top1_agree"]), None)
     first = first or max(diffs, key=lambda d: d["kl"])
@@ -166,7 +202,8 @@ def evaluate_run(ledger: Ledger, run_id: int) -> RunVerdict:
     run = queries.get_run(ledger, run_id)
     if run is None:
         raise LedgerError(f"no run {run_id} in ledger {ledger.display_url}")
-    floor = run["numeric_floor_kl"]
+    floor = Floor.of_run(run)
+    tie_margin = TIE_MARGIN * floor.max_abs_dlogit
     by_class = queries.request_exactness(ledger, run_id)
     by_tag = queries.request_tags(ledger, run_id)
     verdicts = []
@@ -182,6 +219,8 @@ def evaluate_run(ledger: Ledger, run_id: int) -> RunVerdict:
     for req in queries.request_summaries(ledger, run_id):
         rid = req["request_id"]
         stats = {k: req[k] for k in stat_keys} if req["num_positions"] is not None else None
+        if stats is not None and tie_margin > 0:
+            stats["top1_outside_ties"] = top1_outside_ties(queries.position_diffs(ledger, run_id, rid), tie_margin)
         v = judge_request(rid, stats, req["budget"], by_class.get(rid, {}), by_tag.get(rid, {}), floor)
         if not v.passed:
             _locate(ledger, run_id, v, floor)

@@ -9,7 +9,12 @@ emitted token ``t_i`` (teacher-forced: the exact logits are computed on the toke
 - ``delta_p``: p_Q(t_i) − p_E(t_i) (llama.cpp's Δp, engine minus base);
 - ``max_abs_dlogit``: max_v |Q[v] − E[v]|;
 - ``vllm_top5_ok``: each side's argmax token is in the other side's top 5 (vLLM's check, applied at
-  every position since both sides are teacher-forced on the same tokens).
+  every position since both sides are teacher-forced on the same tokens);
+- ``exact_top2_gap``: E's top-1 logit minus its top-2 logit; a top-1 disagreement where this gap is
+  within the exact-vs-exact control's logit noise is a near-tie that rounding alone can flip.
+
+``top1_outside_ties`` (per request, given a tie margin): the fraction of positions that agree or whose
+exact top-2 gap is within the margin.
 
 Per request (llama.cpp's summary): mean, median, p99 (linear interpolation between order
 statistics) and max KL; ``sem_kl`` = sqrt((mean(kl²) − mean(kl)²)/(n − 1)), llama.cpp's "±" of the
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 
@@ -41,6 +47,7 @@ class PositionDiff:
     vllm_top5_ok: bool  # each side's argmax in the other's top-5
     logp_exact: float  # log p_exact(token)
     logp_engine: float  # log p_engine(token)
+    exact_top2_gap: float | None = None  # exact top-1 minus top-2 logit (None: unknown, or a one-entry vocabulary)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -84,6 +91,8 @@ def position_diffs(
     lp_q = logp_q.gather(1, tokens[:, None]).squeeze(1)
     dp = lp_q.exp() - lp_e.exp()
     dlogit = (engine - exact).abs().amax(dim=-1)
+    top2 = exact.topk(min(2, exact.shape[1]), dim=-1).values
+    gaps = (top2[:, 0] - top2[:, 1]).tolist() if top2.shape[1] > 1 else [None] * top2.shape[0]
     return [
         PositionDiff(
             position=i,
@@ -95,6 +104,7 @@ def position_diffs(
             vllm_top5_ok=bool(e_in_q[i] and q_in_e[i]),
             logp_exact=float(lp_e[i]),
             logp_engine=float(lp_q[i]),
+            exact_top2_gap=gaps[i],
         )
         for i in range(tokens.numel())
     ]
@@ -139,6 +149,22 @@ def request_stats(diffs: list[PositionDiff]) -> RequestDiffStats:
         ppl_ratio=math.exp(nll_gap),
         first_divergence=first,
     )
+
+
+def top1_outside_ties(diffs: list[Any], tie_margin: float) -> float:
+    """Top-1 agreement counting a disagreement only where the exact top-2 gap exceeds `tie_margin` logits
+    (`diffs`: PositionDiff objects or ledger rows with ``top1_agree`` and ``exact_top2_gap``)."""
+    if not diffs:
+        raise ValueError("no positions to summarise")
+
+    def field(d: Any, name: str) -> Any:
+        return d[name] if isinstance(d, dict) else getattr(d, name)
+
+    def counts(d: Any) -> bool:
+        gap = field(d, "exact_top2_gap")
+        return bool(field(d, "top1_agree")) or (gap is not None and gap <= tie_margin)
+
+    return sum(counts(d) for d in diffs) / len(diffs)
 
 
 def audit(

@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import random
+import resource
 import tempfile
 import time
 import warnings
@@ -133,6 +134,11 @@ def run_diskread(args: argparse.Namespace) -> dict[str, Any]:
     return {"num_experts": len(keys), "bytes": num_bytes, "wall_s": wall, "bytes_per_s": num_bytes / wall}
 
 
+def peak_rss_bytes() -> int:
+    """The most resident memory this process ever had (anonymous and file-backed pages it mapped)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m fallbackgate.bench.scale_child")
     p.add_argument("variant", choices=("engine", "accelerate", "generate", "diskread"))
@@ -153,7 +159,9 @@ def main() -> None:
         "generate": lambda: run_transformers(args, is_offloaded=False),
         "diskread": lambda: run_diskread(args),
     }
-    pathlib.Path(args.out).write_text(json.dumps(runners[args.variant]()))
+    result = runners[args.variant]()
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    pathlib.Path(args.out).write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

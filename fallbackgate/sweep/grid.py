@@ -21,7 +21,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from fallbackgate.audit.auditor import audit_output, numeric_floor
+from fallbackgate.audit.auditor import audit_output, floor_control
 from fallbackgate.audit.gate import evaluate_run
 from fallbackgate.controllers import make_controller
 from fallbackgate.controllers.cost import CostModel, load_calibration
@@ -154,7 +154,8 @@ def audit_and_record(engine: Engine, outcome: RunOutcome, writer: LedgerWriter, 
         diffs, st = audit_output(engine, output)
         writer.record_diffs(output.request_id, diffs, st)
         stats.append(st)
-    writer.record_control(numeric_floor(engine, audited[0]))
+    floor = floor_control(engine, audited)
+    writer.record_control(floor["max_kl"], floor=floor)
     writer.finish_run(status="complete")
     writer.close()
     verdict = evaluate_run(writer.ledger, writer.run_id)

@@ -1,4 +1,5 @@
-"""runs.memory: the run's memory account (budgets, peak pool bytes by kind, dense bytes, dtype)
+"""runs.memory (the run's memory account: budgets, peak pool bytes by kind, dense bytes, dtype),
+runs.numeric_floor (the exact-vs-exact control's statistics) and position_diffs.exact_top2_gap
 
 Revision ID: 0003
 Revises: 0002
@@ -20,9 +21,15 @@ def upgrade() -> None:
     """Apply this revision."""
     with op.batch_alter_table("runs") as batch:
         batch.add_column(sa.Column("memory", sa.JSON(none_as_null=True), nullable=True))
+        batch.add_column(sa.Column("numeric_floor", sa.JSON(none_as_null=True), nullable=True))
+    with op.batch_alter_table("position_diffs") as batch:
+        batch.add_column(sa.Column("exact_top2_gap", sa.Float(), nullable=True))
 
 
 def downgrade() -> None:
     """Revert this revision."""
+    with op.batch_alter_table("position_diffs") as batch:
+        batch.drop_column("exact_top2_gap")
     with op.batch_alter_table("runs") as batch:
+        batch.drop_column("numeric_floor")
         batch.drop_column("memory")
