@@ -95,8 +95,13 @@ class ExpertStore:
         if entry.device is None:
             raise EngineError(f"expert {key} used as resident but it is not on device")
         if entry.ready is not None:  # a prefetch on the copy stream: compute waits for it, not the host
-            torch.cuda.current_stream().wait_event(entry.ready)
+            compute = torch.cuda.current_stream()
+            compute.wait_event(entry.ready)
             entry.ready = None
+            # The copy stream allocated these tensors: without this, freeing them on eviction would let the
+            # copy stream reuse the memory for the next load while compute kernels still read it.
+            entry.device.gate_up.record_stream(compute)
+            entry.device.down.record_stream(compute)
         return entry.device
 
     @property

@@ -1,0 +1,179 @@
+"""python -m fallbackgate.bench.gpu_check --model DIR --json FILE [--device cuda] [--expert-fraction 0.25]
+
+GPU readiness on a small real-shaped checkpoint (``.ci/gpu-check`` builds one and runs this), three checks:
+
+1. exactness: greedy tokens of the engine at a tight device budget equal transformers' own (same dtype,
+   eager experts, one prompt at a time), and the largest logit difference is reported;
+2. memory: ``torch.cuda.max_memory_allocated()`` stays under dense bytes + device budget + ``--slack-mb``
+   (activations, attention workspace and the allocator's rounding, which the budget does not count);
+3. speed: tokens/s of the engine against accelerate's offload given the same GPU memory
+   (``device_map="auto"`` with ``max_memory``), measured in this one run.
+
+Imports only the engine (and transformers/accelerate for the references). Writes one JSON object; exit 1
+when a check fails, 2 on bad input. ``--device cpu`` runs the same code without the memory check (a dry
+run on a machine without a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+import warnings
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from fallbackgate.controllers.exact_lru import ExactLRUController
+from fallbackgate.engine.config import EngineConfig
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.serving.prompts import BUILTIN_PROMPTS
+
+MIB = 1 << 20
+
+
+def _prompts(model: str, num: int) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    return [tokenizer.encode(text) for text in BUILTIN_PROMPTS[:num]]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reference(model_dir: str, prompts: list[list[int]], new_tokens: int, device: torch.device) -> dict[str, Any]:
+    """transformers' greedy decoding, eager experts, one prompt at a time: tokens and per-step logits."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, experts_implementation="eager")
+    model = model.to(device).eval()
+    tokens, logits = [], []
+    with torch.inference_mode():
+        for prompt in prompts:
+            out = model.generate(
+                torch.tensor([prompt], device=device),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+            tokens.append(out.sequences[0, len(prompt) :].tolist())
+            logits.append(torch.stack(out.logits)[:, 0].float().cpu())
+    del model
+    return {"tokens": tokens, "logits": logits}
+
+
+def run_engine(args: argparse.Namespace, prompts: list[list[int]], device: torch.device) -> dict[str, Any]:
+    """The engine at a tight budget: `--expert-fraction` of the experts plus every request's KV."""
+    probe = Engine(EngineConfig(args.model, device="cpu", block_size=16), ExactLRUController())
+    num_experts = len(probe.expert_store.entries)
+    kv_bytes = sum(-(-(len(p) + args.new_tokens) // 16) for p in prompts) * probe.kv_store.num_layers
+    budget = int(args.expert_fraction * num_experts) * probe.expert_store.bytes_per_expert
+    budget += 2 * kv_bytes * probe.kv_store.bytes_per_block
+    del probe
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    config = EngineConfig(
+        args.model, device_budget_bytes=budget, device=device.type, block_size=16, max_num_seqs=len(prompts)
+    )
+    engine = Engine(config, ExactLRUController())
+    _synchronize(device)
+    started = time.perf_counter()
+    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=args.new_tokens))
+    _synchronize(device)
+    wall = time.perf_counter() - started
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {
+        "tokens": [o.output_token_ids for o in outputs],
+        "logits": [o.output_logits.float() for o in outputs],
+        "tokens_per_s": sum(len(o.output_token_ids) for o in outputs) / wall,
+        "device_budget_bytes": budget,
+        "dense_bytes": engine.num_dense_bytes,
+        "peak_device_pool_bytes": engine.kv_store.device_pool.peak_used_bytes,
+        "max_memory_allocated": peak,
+        "tags": {t: sum(o.tag_counts.get(t, 0) for o in outputs) for t in ("resident", "exact_load")},
+    }
+
+
+def run_accelerate(args: argparse.Namespace, prompts: list[list[int]], budget: int, device: torch.device) -> float:
+    """accelerate's offload with the engine's GPU memory (dense + device budget); tokens/s, batched."""
+    gpu_bytes = budget + args.dense_bytes
+    max_memory: dict[Any, str] = {"cpu": "200GiB"}
+    if device.type == "cuda":
+        max_memory[device.index or 0] = f"{gpu_bytes // MIB}MiB"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=torch.bfloat16, device_map="auto" if device.type == "cuda" else "cpu",
+            max_memory=max_memory,
+        ).eval()
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    _synchronize(device)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0,
+            eos_token_id=None,
+        )
+    _synchronize(device)
+    return (out.shape[1] - width) * len(prompts) / (time.perf_counter() - started)
+
+
+def check(args: argparse.Namespace) -> dict[str, Any]:
+    """All three checks; `passed` is their conjunction."""
+    device = torch.device(args.device)
+    prompts = _prompts(args.model, args.num_prompts)
+    ref = reference(args.model, prompts, args.new_tokens, device)
+    eng = run_engine(args, prompts, device)
+    dlogit = max((a - b).abs().max().item() for a, b in zip(eng["logits"], ref["logits"], strict=True))
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "tokens_equal": eng["tokens"] == ref["tokens"],
+        "max_abs_dlogit": dlogit,
+        **{k: v for k, v in eng.items() if k not in ("tokens", "logits")},
+        "slack_bytes": args.slack_mb * MIB,
+    }
+    peak = eng["max_memory_allocated"]
+    limit = eng["dense_bytes"] + eng["device_budget_bytes"] + args.slack_mb * MIB
+    result["memory_within_limit"] = peak is None or peak <= limit
+    args.dense_bytes = eng["dense_bytes"]
+    result["accelerate_tokens_per_s"] = run_accelerate(args, prompts, eng["device_budget_bytes"], device)
+    result["engine_over_accelerate"] = eng["tokens_per_s"] / result["accelerate_tokens_per_s"]
+    result["passed"] = result["tokens_equal"] and result["memory_within_limit"]
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fallbackgate.bench.gpu_check", description=__doc__.splitlines()[2])
+    p.add_argument("--model", required=True, help="checkpoint directory (e.g. a 2-layer synth OLMoE)")
+    p.add_argument("--json", required=True, help="where to write the result")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu for a dry run")
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--expert-fraction", type=float, default=0.25, help="share of experts the budget holds")
+    p.add_argument("--slack-mb", type=int, default=512, help="GPU memory allowed beyond dense + budget")
+    args = p.parse_args(argv)
+    if not (pathlib.Path(args.model) / "config.json").is_file():
+        print(f"error: --model {args.model}: no config.json", file=sys.stderr)
+        return 2
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but torch sees no CUDA device", file=sys.stderr)
+        return 2
+    result = check(args)
+    pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    for key, value in result.items():
+        print(f"{key:28s} {value}")
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
