@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 import torch
 from tqdm.auto import tqdm
 
-from fallbackgate.engine.build import build_stores, keep_big_buffers_out_of_the_heap, probe_kv_shapes, resolve_device
+from fallbackgate.engine.build import build_stores, probe_kv_shapes, resolve_device
 from fallbackgate.engine.config import DTYPES, EngineConfig
 from fallbackgate.engine.controller import Controller, EngineView
 from fallbackgate.engine.errors import PromptError
@@ -30,7 +30,6 @@ class Engine:
 
     def __init__(self, config: EngineConfig, controller: Controller) -> None:
         self.config, self.controller = config, controller
-        keep_big_buffers_out_of_the_heap()
         loaded = load_checkpoint(config.model_dir, dtype=DTYPES[config.dtype] if config.dtype else None)
         self.dtype = loaded.dtype
         self.tokenizer, self.model_config = loaded.tokenizer, loaded.model.config
