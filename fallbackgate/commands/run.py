@@ -48,8 +48,9 @@ def add_parser(subparsers: Any) -> None:
         "--device-budget-mb",
         type=float,
         default=None,
-        help="expert slots + KV blocks on device. Without a GPU, device and host are one RAM: this is the cache "
-        "experts are computed from (the device tier aliases host copies, never a second copy)",
+        help="every device byte: expert slots, KV blocks, staged and gathered KV, dequantized low-bit experts. "
+        "Without a GPU, device and host are one RAM: this is the cache experts are computed from (the device "
+        "tier aliases host copies, never a second copy)",
     )
     p.add_argument(
         "--host-budget-mb",
