@@ -79,3 +79,20 @@ def test_run_with_a_policy_file_records_its_name_budgets_and_slos(tmp_path: path
         [row] = overview_runs(opened, RunFilter(policies=("two_classes",)))
         assert (row["policy"], row["controller"]) == ("two_classes", "joint")
         assert overview_runs(opened, RunFilter(policies=("joint",))) == []
+
+
+def test_preemption_happens_from_ordinary_settings_in_both_modes(tmp_path: pathlib.Path) -> None:
+    """KV growth at a small device budget preempts running requests by itself (no test hook), swap or
+    recompute as asked, and every request still passes the gate."""
+    for mode in ("swap", "recompute"):
+        out, ledger = tmp_path / f"{mode}.json", tmp_path / f"{mode}.sqlite"
+        status = main(["run", "--max-new-tokens", "64", "--device-budget-mb", "0.8", "--max-num-seqs", "6",
+                       "--preempt", mode, "--ledger", str(ledger), "--json", str(out), "--quiet"])
+        doc = json.loads(out.read_text())
+        assert status == 0, mode  # 0: the gate passed (1 would be a failed gate)
+        with sqlite3.connect(ledger) as conn:
+            verdicts = conn.execute("select passed from verdicts where run_id = ?", (doc["run_id"],)).fetchall()
+        assert len(verdicts) == len(doc["requests"]) + 1 and all(passed for (passed,) in verdicts)
+        assert sum(r["num_preemptions"] for r in doc["requests"]) > 0, mode
+        tags = doc["tags"]
+        assert tags["recompute" if mode == "recompute" else "exact_load"]["count"] > 0
