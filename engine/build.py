@@ -62,6 +62,27 @@ def probe_kv_shapes(loaded: LoadedCheckpoint) -> KVShape:
     return KVShape(len(layers), int(heads), int(key_dim), int(value_dim))
 
 
+def can_stack(modules: dict[int, torch.nn.Module]) -> bool:
+    """Whether every experts module computes as transformers' grouped_mm path expects of stacked weights:
+    gated, [E, out, in] layout, no biases, no post-expert norm."""
+    return all(
+        getattr(m, "has_gate", False)
+        and not getattr(m, "is_transposed", False)
+        and not getattr(m, "has_bias", False)
+        and not getattr(m, "has_post_expert_norm", False)
+        for m in modules.values()
+    )
+
+
+def fill_expert_tiers(config: EngineConfig, loaded: LoadedCheckpoint, store: ExpertStore) -> None:
+    """Everything fits (no device budget given): stack each layer's experts on the device; otherwise warm
+    the host cache the way a fresh process would fill it."""
+    if config.device_budget_bytes is None and config.is_stacked_when_fits and can_stack(loaded.experts_by_layer):
+        store.stack_layers(loaded.experts_by_layer)
+    else:
+        store.warm_host()
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         return torch.device("cuda")
@@ -95,7 +116,6 @@ def build_stores(
     device_pool, host_pool = TierPool("device", device_budget), TierPool("host", host_budget)
     spill = SpillDir(config.spill_dir or tempfile.gettempdir())
     expert_store = ExpertStore(loaded.reader, device_pool, host_pool, device, config.expert_lowbit_bits)
-    expert_store.warm_host()
     kv_store = KVStore(
         shape.num_layers,
         shape.num_kv_heads,

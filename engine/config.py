@@ -30,6 +30,7 @@ class EngineConfig:
     device: str = "auto"  # "auto", "cpu" or "cuda"
     seed: int = 0  # base seed for sampling
     dtype: str | None = None  # compute dtype override ("float32", "bfloat16", "float16"); None: the checkpoint's
+    is_stacked_when_fits: bool = True  # no device budget: each layer's experts stacked on device (no misses at all)
 
     def __post_init__(self) -> None:
         for name in ("device_budget_bytes", "host_budget_bytes"):

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 import torch
 from tqdm.auto import tqdm
 
-from fallbackgate.engine.build import build_stores, probe_kv_shapes, resolve_device
+from fallbackgate.engine.build import build_stores, fill_expert_tiers, probe_kv_shapes, resolve_device
 from fallbackgate.engine.config import DTYPES, EngineConfig
 from fallbackgate.engine.controller import Controller, EngineView
 from fallbackgate.engine.errors import PromptError
@@ -44,6 +44,8 @@ class Engine:
         self.num_dense_bytes = sum(p.numel() * p.element_size() for p in dense)
         self.expert_store, self.kv_store, expert_floor = build_stores(config, loaded, shape, self.device)
         model = loaded.model.to(self.device)
+        fill_expert_tiers(config, loaded, self.expert_store)
+        self.loaded_experts = loaded.experts_by_layer  # decoder layer -> routed-experts module
         hidden = int(self.model_config.hidden_size)
         first = next(iter(loaded.experts_by_layer.values()))
         self.executor = Executor(

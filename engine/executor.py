@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from transformers.integrations.moe import grouped_mm_experts_forward
 
 from fallbackgate.engine.controller import Controller, EngineView
 from fallbackgate.engine.device_pool import Scratch
@@ -14,6 +15,7 @@ from fallbackgate.engine.experts_hook import (
     ExpertUse,
     expert_mlp,
     fetch_for_tag,
+    group_routing,
     plan_expert_uses,
     renormalise_deferred,
     served_tag,
@@ -63,6 +65,8 @@ class Executor:
         self.release_gather()  # attention of this layer is done: its gathered K/V is garbage
         if ctx.is_exact_baseline:
             return self._exact_experts(module, layer, hidden, top_k_index, top_k_weights)
+        if layer in self.expert_store.stacked_layers:
+            return self._run_stacked(module, layer, hidden, top_k_index, top_k_weights)
         uses = plan_expert_uses(self, layer, top_k_index, top_k_weights)
         weights = renormalise_deferred(top_k_weights, uses, ctx.is_observe)
         out = torch.zeros_like(hidden)
@@ -153,6 +157,26 @@ class Executor:
                 self._record(use, served, moved, tier if moved else None, transfer_s, note)
             else:
                 self._record(use, served, 0, None, 0.0, "")
+
+    def _run_stacked(
+        self,
+        module: torch.nn.Module,
+        layer: int,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """Every expert of the layer is resident in its stack: one grouped matmul per projection, exactly
+        transformers' `grouped_mm` experts path; each (expert, request) use is recorded `resident`."""
+        ctx = self.ctx
+        out = grouped_mm_experts_forward(module, hidden, top_k_index, top_k_weights)
+        for expert_id, request_index in group_routing(ctx.token_owner, top_k_index, top_k_weights):
+            ctx.log.add(ctx.batch.request_ids[request_index], layer, ObjectKind.EXPERT, Tag.RESIDENT)
+            ctx.used_expert_keys.append((layer, expert_id))
+        ctx.log.modeled_compute_s += self.profile.device_compute_s(
+            self.flops_per_expert_token * top_k_index.numel()
+        )
+        return out
 
     def _run_resident(
         self, module: torch.nn.Module, use: ExpertUse, hidden: torch.Tensor, weights: torch.Tensor, out: torch.Tensor

@@ -63,6 +63,7 @@ class ExpertStore:
         self.host_lru: collections.OrderedDict[ExpertKey, None] = collections.OrderedDict()
         self.bytes_per_expert = reader.compute_bytes_per_expert
         self.num_disk_reads = 0
+        self.stacked_layers: set[int] = set()  # layers whose experts all sit in one resident stack (pinned)
 
     def warm_host(self) -> int:
         """Fill the host cache in key order while it has room (what a fresh process would read first)."""
@@ -73,6 +74,28 @@ class ExpertStore:
             self._cache_on_host(key, self._read_disk(key)[0])
             num_read += 1
         return num_read
+
+    def stack_layers(self, modules: dict[int, torch.nn.Module]) -> None:
+        """When the device budget holds every expert: put each layer's experts into one [E, 2I, H] and one
+        [E, H, I] tensor on the device, held by the layer's experts module as its own parameters (so a
+        layer runs as one grouped matmul, as transformers' `grouped_mm` does), every expert resident as a
+        view into them and pinned there. Each expert is read from the checkpoint once, straight into place."""
+        for layer, module in modules.items():
+            keys = [key for key in self.entries if key[0] == layer]
+            first = self._read_home(keys[0], is_cached=False).weights
+            gate_up = torch.empty((len(keys), *first.gate_up.shape), dtype=first.gate_up.dtype, device=self.device)
+            down = torch.empty((len(keys), *first.down.shape), dtype=first.down.dtype, device=self.device)
+            for key in keys:
+                weights = first if key == keys[0] else self._read_home(key, is_cached=False).weights
+                gate_up[key[1]].copy_(weights.gate_up)
+                down[key[1]].copy_(weights.down)
+                if self.entries[key].host is not None:
+                    self._drop_host(key)
+                self.device_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
+                self.entries[key].device = ExpertWeights(gate_up[key[1]], down[key[1]])
+            module.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
+            module.down_proj = torch.nn.Parameter(down, requires_grad=False)
+            self.stacked_layers.add(layer)
 
     # --- queries -------------------------------------------------------------------------------
     def home(self, key: ExpertKey) -> Tier:
@@ -153,6 +176,8 @@ class ExpertStore:
         entry = self.entries[key]
         if entry.device is None:
             raise EngineError(f"expert {key} is not on device; cannot evict")
+        if key[0] in self.stacked_layers:
+            raise EngineError(f"expert {key} sits in its layer's resident stack (everything fits); it is pinned")
         if entry.ready is not None:  # never free memory an in-flight side-stream copy still writes
             entry.ready.synchronize()
             entry.ready = None

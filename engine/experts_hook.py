@@ -56,7 +56,7 @@ class ExpertUse:
     decision: Decision
 
 
-def _group_routing(
+def group_routing(
     owner: list[int], top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> dict[tuple[int, int], tuple[list[int], list[int], float]]:
     """(expert, request index) -> (token indices, top-k slots, max gate weight), in token order.
@@ -83,7 +83,7 @@ def plan_expert_uses(
     uses: list[ExpertUse] = []
     device = top_k_index.device
     for (expert_id, request_index), (tokens, slots, top) in sorted(
-        _group_routing(ctx.token_owner, top_k_index, top_k_weights).items()
+        group_routing(ctx.token_owner, top_k_index, top_k_weights).items()
     ):
         key = (layer, expert_id)
         if ctx.is_exact_baseline or store.is_on_device(key):

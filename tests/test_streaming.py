@@ -1,7 +1,8 @@
 """The engine at its checkpoint's own dtype, streaming experts from the safetensors files.
 
-- exact-only runs in bf16 are bitwise equal to transformers' eager experts loop (same kernels, same
-  order) on every architecture the loader accepts, at budgets that force loads from host and disk;
+- exact-only runs in bf16 are bitwise equal to transformers (same kernels, same order) on every
+  architecture the loader accepts: to its eager experts loop at budgets that force loads from host and
+  disk, and to its grouped_mm experts when everything fits (each layer's experts stacked on the device);
 - the model never holds routed experts; dense weights keep the checkpoint's dtype;
 - per-expert, fused and sharded layouts serve identical tokens; low-bit copies exist only once asked for;
 - on a CPU the device tier aliases the host cache (no expert is held twice).
@@ -37,9 +38,9 @@ def bf16_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, path
     return {arch: make_checkpoint(arch, root / arch, dtype=torch.bfloat16) for arch in ARCHITECTURES}
 
 
-def eager_reference(path: pathlib.Path) -> list[tuple[list[int], torch.Tensor]]:
-    """transformers' greedy generate() in bf16 with its eager experts loop: tokens and per-step logits."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, experts_implementation="eager").eval()
+def eager_reference(path: pathlib.Path, experts: str = "eager") -> list[tuple[list[int], torch.Tensor]]:
+    """transformers' greedy generate() in bf16 with its `experts` implementation: tokens and per-step logits."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, experts_implementation=experts).eval()
     model.generation_config.eos_token_id = None  # the engine stops only on stop_token_ids: never stop early
     out = []
     with torch.no_grad():
@@ -62,9 +63,9 @@ def serve(path: pathlib.Path, **knobs: int) -> Engine:
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_bf16_exact_only_is_bitwise_equal_to_transformers_eager(arch: str, bf16_checkpoints) -> None:
+def test_bf16_exact_only_is_bitwise_equal_to_transformers(arch: str, bf16_checkpoints) -> None:
     path = bf16_checkpoints[arch]
-    reference = eager_reference(path)
+    references = {"grouped_mm": eager_reference(path, "grouped_mm"), "eager": eager_reference(path)}
     probe = serve(path)
     assert probe.dtype == torch.bfloat16 and probe.kv_store.dtype == torch.bfloat16
     expert, block = probe.expert_store.bytes_per_expert, probe.kv_store.bytes_per_block
@@ -72,6 +73,8 @@ def test_bf16_exact_only_is_bitwise_equal_to_transformers_eager(arch: str, bf16_
     tight = {"device_budget_bytes": device, "host_budget_bytes": 4 * expert}
     for knobs in ({}, tight):
         engine = serve(path, **knobs)
+        assert bool(engine.expert_store.stacked_layers) is not bool(knobs)  # everything fits: stacked
+        reference = references["eager" if knobs else "grouped_mm"]
         outputs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_new_tokens=NEW_TOKENS))
         for out, (tokens, logits) in zip(outputs, reference, strict=True):
             assert out.output_token_ids == tokens, f"{arch} {knobs}: tokens differ"
@@ -82,12 +85,27 @@ def test_bf16_exact_only_is_bitwise_equal_to_transformers_eager(arch: str, bf16_
 
 
 def test_the_model_holds_no_experts_and_dense_weights_keep_their_dtype(bf16_checkpoints) -> None:
-    engine = serve(bf16_checkpoints["qwen3_moe"])
+    path = bf16_checkpoints["qwen3_moe"]
+    engine = serve(path, device_budget_bytes=serve(path).expert_store.bytes_per_expert * 40)
     params = dict(engine.runner.model.named_parameters())
     experts = {n: p for n, p in params.items() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     assert experts and all(p.numel() == 0 for p in experts.values())
     assert {p.dtype for n, p in params.items() if n not in experts} == {torch.bfloat16}
     assert not any(p.is_meta for p in params.values())
+
+
+def test_when_everything_fits_the_stacks_are_the_only_expert_copies(bf16_checkpoints) -> None:
+    engine = serve(bf16_checkpoints["qwen3_moe"])
+    store = engine.expert_store
+    modules = engine.loaded_experts
+    assert store.stacked_layers == set(modules) and not store.host_lru
+    for (layer, expert_id), entry in store.entries.items():
+        stack = modules[layer].gate_up_proj
+        assert entry.host is None and entry.device.gate_up.data_ptr() == stack[expert_id].data_ptr()
+    used = store.device_pool.used_bytes_by_kind[ObjectKind.EXPERT]
+    assert used == len(store.entries) * store.bytes_per_expert == sum(
+        m.gate_up_proj.nbytes + m.down_proj.nbytes for m in modules.values()
+    )
 
 
 def _reshard_fused(source: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:

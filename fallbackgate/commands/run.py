@@ -137,6 +137,7 @@ def _settings(args: argparse.Namespace) -> RunSettings:
         args.profile,
         args.preempt,
         dtype=args.dtype,
+        is_stacked_when_fits=not args.force,
     )
 
 

@@ -71,6 +71,7 @@ def run_settings(policy: Policy, args: argparse.Namespace) -> RunSettings:
         policy.hardware.profile,
         mem.preempt_mode,
         dtype=getattr(args, "dtype", None),
+        is_stacked_when_fits=not getattr(args, "force", None),
     )
 
 

@@ -36,6 +36,7 @@ class RunSettings:
     preempt_mode: str = "swap"
     max_num_batched_tokens: int = 256  # tokens per forward (prefill chunk size)
     dtype: str | None = None  # compute dtype override; None: the checkpoint's own
+    is_stacked_when_fits: bool = True  # False when tags are forced: they act on misses, which stacking removes
 
     def engine_config(self) -> EngineConfig:
         """The engine configuration these settings describe."""
@@ -55,6 +56,7 @@ class RunSettings:
             seed=self.seed,
             max_num_batched_tokens=self.max_num_batched_tokens,
             dtype=self.dtype,
+            is_stacked_when_fits=self.is_stacked_when_fits,
         )
 
 
