@@ -8,8 +8,10 @@ in bf16), measured in one run on this machine (root and the cgroup v1 memory con
 (b) accelerate's disk offload inside the same cgroup, given the same memory for weights;
 (c) the physical bound: expert-miss bytes per token, counted as Belady's MIN would at the engine's cache
     size on the engine's own expert trace, divided by the cold per-expert random read bandwidth;
-(d) the same checkpoint with everything in memory (no cgroup): the engine and transformers' generate(),
-    and the greedy tokens of (a) against the in-memory engine under identical scheduling.
+(d) the same checkpoint with everything in memory (no cgroup): the engine (each layer's experts stacked,
+    transformers' grouped_mm kernels) against transformers' generate(); and the greedy tokens of (a)
+    against the in-memory engine with experts kept one by one (the same kernels as (a): bf16 near-ties
+    flip between kernels) under identical scheduling.
 Every variant runs in its own process; ratios are computed from this one run.
 """
 
@@ -146,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         results["accelerate_cgroup"] = run_accelerate(args, scratch, cgroup)
         if not args.skip_in_memory:
             results["engine_in_memory"] = run_child("engine", args, [], None)
+            results["engine_in_memory_unstacked"] = run_child("engine", args, ["--no-stack"], None)
             results["generate_in_memory"] = run_child("generate", args, [], None)
     finally:
         cgroup.remove()
@@ -170,9 +173,11 @@ def summarise(results: dict[str, Any]) -> None:
     if acc.get("exit_status") == 0 and engine.get("exit_status") == 0:
         summary["engine_over_accelerate"] = engine["tokens_per_s"] / acc["tokens_per_s"]
         summary["accelerate_peak_cgroup_gib"] = acc["cgroup_peak_bytes"] / GIB
-    memory = results.get("engine_in_memory", {})
+    memory, unstacked = results.get("engine_in_memory", {}), results.get("engine_in_memory_unstacked", {})
+    if unstacked.get("exit_status") == 0 and engine.get("exit_status") == 0:
+        summary["tokens_equal_in_memory"] = unstacked["output_token_ids"] == engine["output_token_ids"]
     if memory.get("exit_status") == 0 and engine.get("exit_status") == 0:
-        summary["tokens_equal_in_memory"] = memory["output_token_ids"] == engine["output_token_ids"]
+        summary["tokens_equal_in_memory_stacked"] = memory["output_token_ids"] == engine["output_token_ids"]
         generate = results["generate_in_memory"]
         if generate.get("exit_status") == 0:
             summary["in_memory_engine_over_generate"] = memory["tokens_per_s"] / generate["tokens_per_s"]

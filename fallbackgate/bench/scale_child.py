@@ -54,7 +54,9 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         budgets["device_budget_bytes"] = int(args.device_budget_mb * MIB)
         budgets["host_budget_bytes"] = int(args.host_budget_mb * MIB)
     recorder = TraceRecorder(ExactLRUController())
-    config = EngineConfig(args.model, max_num_seqs=args.num_prompts, block_size=16, **budgets)
+    config = EngineConfig(
+        args.model, max_num_seqs=args.num_prompts, block_size=16, is_stacked_when_fits=not args.no_stack, **budgets
+    )
     engine = Engine(config, recorder)
     loaded_s = time.perf_counter() - started
     prompts = prompt_ids(args.model, args.num_prompts)
@@ -151,6 +153,7 @@ def main() -> None:
     p.add_argument("--layers-in-memory", type=int, default=0)
     p.add_argument("--num-reads", type=int, default=64)
     p.add_argument("--scratch", default=None, help="directory for accelerate's offload folder")
+    p.add_argument("--no-stack", action="store_true", help="everything in memory, but experts kept one by one")
     args = p.parse_args()
     torch.manual_seed(0)
     runners = {
