@@ -8,7 +8,6 @@ from collections.abc import Callable, Iterable
 import torch
 from tqdm.auto import tqdm
 
-from fallbackgate.engine import paged_attention
 from fallbackgate.engine.build import build_stores, fill_expert_tiers, probe_kv_shapes, resolve_device
 from fallbackgate.engine.config import DTYPES, EngineConfig
 from fallbackgate.engine.controller import Controller, EngineView
@@ -53,7 +52,6 @@ class Engine:
             self.expert_store, self.kv_store, controller, config.profile, hidden, int(first.intermediate_dim)
         )
         self.executor.view_factory = self.view
-        paged_attention.attach(model, self.executor)
         for layer, module in loaded.experts_by_layer.items():
             module._fg_executor, module._fg_layer = self.executor, layer
         heads = int(self.model_config.num_attention_heads)

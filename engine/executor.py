@@ -48,7 +48,6 @@ class Executor:
         self.used_kv_block_keys: list[KVBlockKey] = []  # off-device KV blocks read this step
         self.deferred_expert_keys: list[ExpertKey] = []  # experts deferred this step
         self.num_gather_bytes_held = 0  # device pool bytes of the current layer's gathered K/V
-        self.layer_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per request K, V of the current layer
 
     # --- experts -------------------------------------------------------------------------------
     def run_experts(
@@ -232,11 +231,10 @@ class Executor:
     def kv_update(
         self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this forward's K/V into the blocks and gather each request's full K/V for the paged
-        attention function (`layer_kv`, in packing order); returns this forward's own K/V unchanged.
+        """Write this forward's K/V into the blocks, return every request's full K/V packed along tokens.
 
-        Gathered copies are counted in the device pool (Scratch.KV_GATHER) until this layer's attention
-        is done: the next experts call, the next layer's update, or the end of the forward releases them.
+        The gathered copy is counted in the device pool (Scratch.KV_GATHER) until this layer's attention
+        is done: the next experts call, the next layer's update, or the end of the forward releases it.
         """
         batch = self.ctx.batch
         self.release_gather()
@@ -244,19 +242,22 @@ class Executor:
         self.ensure_room(num_bytes, f"layer {layer}'s gathered K/V")
         self.kv_store.device_pool.reserve(Scratch.KV_GATHER, num_bytes)
         self.num_gather_bytes_held = num_bytes
-        self.layer_kv = []
+        keys, values = [], []
         offset = 0
         for request_id, start, length in zip(batch.request_ids, batch.starts, batch.lengths, strict=True):
             new_k = key_states[0, :, offset : offset + length]
             new_v = value_states[0, :, offset : offset + length]
             self.kv_store.write(request_id, layer, start, new_k, new_v)
-            self.layer_kv.append(self.kv_store.gather(request_id, layer, start + length))
+            k, v = self.kv_store.gather(request_id, layer, start + length)
+            keys.append(k)
+            values.append(v)
             offset += length
-        return key_states, value_states
+        if len(keys) == 1:
+            return keys[0][None], values[0][None]
+        return torch.cat(keys, dim=1)[None], torch.cat(values, dim=1)[None]
 
     def release_gather(self) -> None:
-        """Give back the pool bytes of the last gathered K/V and drop the references to it."""
-        self.layer_kv = []
+        """Give back the pool bytes of the last gathered K/V (its tensors are no longer referenced)."""
         if self.num_gather_bytes_held:
             self.kv_store.device_pool.release(Scratch.KV_GATHER, self.num_gather_bytes_held)
             self.num_gather_bytes_held = 0
