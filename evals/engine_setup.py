@@ -73,6 +73,9 @@ def build_setup(
         policy = policy.model_copy(
             update={"memory": policy.memory.model_copy(update={"device_budget_mb": device_budget_mb})}
         )
+    # the baseline computes as the policy's exact path does: stacked grouped_mm experts only when the policy
+    # itself has no device budget (everything fits), else one expert at a time (same kernels, bitwise)
+    is_stacked = policy.memory.device_budget_mb is None and not force
     if exact_baseline:
         policy, policy_name, force = exact_counterpart(policy), f"exact-baseline({policy_name})", []
     if force and policy.controller.kind != "exact_lru":
@@ -89,6 +92,7 @@ def build_setup(
         preempt_mode=mem.preempt_mode,
         # a whole scoring window in one forward, as lm-eval's hf model computes it (same summation order)
         max_num_batched_tokens=chunk_tokens,
+        is_stacked_when_fits=is_stacked,
     )
     engine, controller = build_policy_engine(policy, settings, None, list(force or []))
     name = policy.controller.kind + (f" force={'|'.join(force)}" if force else "")
