@@ -66,6 +66,11 @@ class Engine:
         self.is_observe = False  # set by the policy layer for observe mode
         self.last_plan: StepPlan | None = None  # plan of the latest step, for recorders
 
+    @property
+    def dtype_name(self) -> str:
+        """The compute dtype as a config and the ledger spell it ("bfloat16")."""
+        return str(self.dtype).removeprefix("torch.")
+
     # --- requests ------------------------------------------------------------------------------
     def add_request(
         self,

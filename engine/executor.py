@@ -151,12 +151,11 @@ class Executor:
         self, uses: list[ExpertUse], fetch_tag: Tag, moved: int, tier: Tier | None, transfer_s: float, note: str
     ) -> None:
         """The first use carries the fetch (bytes, source, time); later uses reuse the fetched weights."""
-        for i, use in enumerate(uses):
-            served = fetch_tag if i == 0 else (Tag.RESIDENT if fetch_tag is Tag.EXACT_LOAD else fetch_tag)
-            if i == 0:
-                self._record(use, served, moved, tier if moved else None, transfer_s, note)
-            else:
-                self._record(use, served, 0, None, 0.0, "")
+        first, *rest = uses
+        self._record(first, fetch_tag, moved, tier if moved else None, transfer_s, note)
+        reused = Tag.RESIDENT if fetch_tag is Tag.EXACT_LOAD else fetch_tag
+        for use in rest:
+            self._record(use, reused, 0, None, 0.0, "")
 
     def _run_stacked(
         self,
@@ -265,9 +264,7 @@ class Executor:
     # --- room on device ------------------------------------------------------------------------
     def step_kv_keys(self) -> set[KVBlockKey]:
         """Every KV block of the requests in the current forward (they are read: never spilled now)."""
-        tables = self.kv_store.tables
-        request_ids = self.ctx.batch.request_ids if self.ctx is not None else []
-        return {b.key for rid in request_ids if rid in tables for blocks in tables[rid] for b in blocks}
+        return self.kv_store.block_keys(self.ctx.batch.request_ids if self.ctx is not None else [])
 
     def ensure_room(
         self, num_bytes: int, what: str, *, pinned_kv: set[KVBlockKey] | None = None, is_kv_evictable: bool = True

@@ -89,8 +89,6 @@ class ExpertStore:
                 weights = first if key == keys[0] else self._read_home(key, is_cached=False).weights
                 gate_up[key[1]].copy_(weights.gate_up)
                 down[key[1]].copy_(weights.down)
-                if self.entries[key].host is not None:
-                    self._drop_host(key)
                 self.device_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
                 self.entries[key].device = ExpertWeights(gate_up[key[1]], down[key[1]])
             module.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)

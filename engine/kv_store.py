@@ -64,6 +64,11 @@ class KVStore:
     def blocks(self, request_id: str, layer: int) -> list[KVBlock]:
         return self.tables[request_id][layer]
 
+    def block_keys(self, request_ids: list[str]) -> set[KVBlockKey]:
+        """Every block of every layer of these requests (those without a table have none)."""
+        tables = self.tables
+        return {b.key for rid in request_ids if rid in tables for blocks in tables[rid] for b in blocks}
+
     def device_blocks(self) -> list[KVBlock]:
         return [b for table in self.tables.values() for blocks in table for b in blocks if b.device is not None]
 

@@ -37,7 +37,7 @@ class ModelRunner:
     def resolve_kv(self, step_id: int, chosen: list[tuple[Sequence, int]], log: EventLog, is_observe: bool) -> None:
         """Stage or rebuild every off-device block the chosen requests read; run recompute passes."""
         kv = self.executor.kv_store
-        self.step_kv_keys = {b.key for seq, _ in chosen for blocks in kv.tables[seq.request_id] for b in blocks}
+        self.step_kv_keys = kv.block_keys([seq.request_id for seq, _ in chosen])
         for seq, _ in chosen:
             start = seq.num_computed_tokens
             rebuild_from: int | None = None

@@ -123,12 +123,17 @@ class Scheduler:
         """Whether `seq` can join this step with `num` tokens: its new KV blocks fit the device pool now,
         and the step's KV (blocks, the off-device blocks it stages, then one layer's gathered K/V) stays
         within the budget, leaving the expert floor free while experts run (the gather is released first)."""
-        need = self.kv_store.bytes_to_append(seq.request_id, num)
         pool = self.kv_store.device_pool
-        kv_after = pool.used_bytes_by_kind[ObjectKind.KV_BLOCK] + need + self._staged_bytes(seq)
+        kv_after = self._kv_after(seq, num)
         gathered = self._gathered_bytes(seq, num)
         kv_cap = pool.budget_bytes - self.expert_floor_bytes
+        need = self.kv_store.bytes_to_append(seq.request_id, num)
         return pool.can_reserve(need) and kv_after <= kv_cap and kv_after + gathered <= pool.budget_bytes
+
+    def _kv_after(self, seq: Sequence, num: int) -> int:
+        """Device KV bytes once `seq` joins with `num` tokens: blocks held, its new blocks, the step's staging."""
+        need = self.kv_store.bytes_to_append(seq.request_id, num)
+        return self.kv_store.device_pool.used_bytes_by_kind[ObjectKind.KV_BLOCK] + need + self._staged_bytes(seq)
 
     def _members(self, seq: Sequence, num: int) -> list[tuple[Sequence, int]]:
         return [(s, n) for s, n in self.chosen if s is not seq] + [(seq, num)]
@@ -145,9 +150,7 @@ class Scheduler:
         if self._fits(seq, num):
             return True
         need = self.kv_store.bytes_to_append(seq.request_id, num)
-        pool = self.kv_store.device_pool
-        kv_after = pool.used_bytes_by_kind[ObjectKind.KV_BLOCK] + need + self._staged_bytes(seq)
-        is_kv_only = kv_after > pool.budget_bytes - self.expert_floor_bytes
+        is_kv_only = self._kv_after(seq, num) > self.kv_store.device_pool.budget_bytes - self.expert_floor_bytes
         return self.make_room(need, self._pinned_tails(chosen, seq), lambda: self._fits(seq, num), is_kv_only)
 
     def _largest_fitting(self, seq: Sequence, num: int) -> int:
@@ -164,8 +167,7 @@ class Scheduler:
     def _pinned_tails(self, chosen: list[tuple[Sequence, int]], seq: Sequence) -> set[KVBlockKey]:
         """Blocks that must stay on device: every running tail, and every block of this step's requests
         (spilling one would only move its bytes from a slot to the step's staging scratch)."""
-        tables = self.kv_store.tables
-        pinned = {b.key for s, _ in [*chosen, (seq, 0)] for blocks in tables.get(s.request_id, []) for b in blocks}
+        pinned = self.kv_store.block_keys([s.request_id for s, _ in [*chosen, (seq, 0)]])
         size = self.config.block_size
         writing = {s.request_id: s.num_computed_tokens for s, _ in chosen}
         for other in self.running + [seq]:

@@ -103,8 +103,8 @@ class EvalRecorder:
             return self.verdict
         try:
             if self._floor is not None:
-                dtype = str(self.engine.dtype).removeprefix("torch.")
-                self.writer.record_control(self._floor, floor={"max_kl": self._floor, "dtype": dtype})
+                floor = {"max_kl": self._floor, "dtype": self.engine.dtype_name}
+                self.writer.record_control(self._floor, floor=floor)
             self.writer.finish_run(status=status)
             self.writer.close()
             if self.num_audited and status == "complete":

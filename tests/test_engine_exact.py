@@ -45,7 +45,8 @@ def reference(path: pathlib.Path, prompts: list[list[int]]) -> tuple[list[list[i
 
 def sizes(path: pathlib.Path) -> tuple[int, int, int, int]:
     """(bytes per expert, bytes per KV block of 4 tokens, num layers, top_k) of a checkpoint."""
-    engine = Engine(EngineConfig(str(path), block_size=4), ExactLRUController())
+    config = EngineConfig(str(path), block_size=4, host_budget_bytes=0, is_stacked_when_fits=False)
+    engine = Engine(config, ExactLRUController())  # sizes only: it reads no expert
     return (
         engine.expert_store.bytes_per_expert,
         engine.kv_store.bytes_per_block,

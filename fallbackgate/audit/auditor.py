@@ -24,12 +24,16 @@ def audit_output(engine: Engine, output: RequestOutput) -> tuple[list[PositionDi
     return audit(exact_rows(engine, output), output.output_logits, output.output_token_ids)
 
 
-def numeric_floor(engine: Engine, output: RequestOutput) -> float:
-    """Max KL between two exact computations of the same request (one prefill vs token by token)."""
+def control_diffs(engine: Engine, output: RequestOutput) -> tuple[list[PositionDiff], RequestDiffStats]:
+    """Diffs between two exact computations of the same request (one prefill vs token by token)."""
     one_pass = exact_rows(engine, output)
     chunked = exact_rows(engine, output, num_chunked=len(output.output_token_ids) - 1)
-    _, stats = audit(one_pass, chunked, output.output_token_ids)
-    return stats.max_kl
+    return audit(one_pass, chunked, output.output_token_ids)
+
+
+def numeric_floor(engine: Engine, output: RequestOutput) -> float:
+    """Max KL between two exact computations of the same request (one prefill vs token by token)."""
+    return control_diffs(engine, output)[1].max_kl
 
 
 NUM_FLOOR_REQUESTS = 3  # requests the exact-vs-exact control runs on (the largest of each statistic counts)
@@ -44,15 +48,13 @@ def floor_control(engine: Engine, outputs: list[RequestOutput]) -> dict[str, Any
     worst: dict[str, Any] = {"max_kl": 0.0, "mean_kl": 0.0, "p99_kl": 0.0, "max_abs_dlogit": 0.0, "top1_agreement": 1.0}
     chosen = outputs[:NUM_FLOOR_REQUESTS]
     for output in chosen:
-        one_pass = exact_rows(engine, output)
-        chunked = exact_rows(engine, output, num_chunked=len(output.output_token_ids) - 1)
-        diffs, stats = audit(one_pass, chunked, output.output_token_ids)
+        diffs, stats = control_diffs(engine, output)
         for key in ("max_kl", "mean_kl", "p99_kl"):
             worst[key] = max(worst[key], getattr(stats, key))
         worst["max_abs_dlogit"] = max([worst["max_abs_dlogit"], *(d.max_abs_dlogit for d in diffs)])
         worst["top1_agreement"] = min(worst["top1_agreement"], stats.top1_agreement)
     worst["num_requests"] = len(chosen)
-    worst["dtype"] = str(engine.dtype).removeprefix("torch.")
+    worst["dtype"] = engine.dtype_name
     return worst
 
 

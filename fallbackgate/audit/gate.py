@@ -41,8 +41,7 @@ KL_RESOLUTION = {"float32": 1e-10, "float16": 1e-7, "bfloat16": 1e-6}  # smalles
 # at the exact paths' own scale (bundled model, bf16, 6 requests × 32 tokens: cpu_execute bitwise equal to
 # exact_load, recompute max KL 5e-4 against exact-only up to 1.6e-2 and a floor of 5e-3).
 EQUIVALENT_FLOOR_MARGIN = {"float32": 1000.0, "float16": FLOOR_MARGIN, "bfloat16": FLOOR_MARGIN}
-EXACT_TOLERANCE_MIN = FLOOR_MARGIN * KL_RESOLUTION["float32"]  # float32 with a zero floor: 1e-9 nats
-EQUIVALENT_TOLERANCE = EXACT_TOLERANCE_MIN
+EQUIVALENT_TOLERANCE = FLOOR_MARGIN * KL_RESOLUTION["float32"]  # float32 with a zero floor: 1e-9 nats
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,10 +63,11 @@ class Floor:
         return cls(**fields)
 
 
-def tolerance(served: str, floor: Floor | float | None, dtype: str | None = None) -> float:
-    """Max KL allowed for a request served with exactness class ``served`` (inf for approximate)."""
+def tolerance(served: str, floor: Floor | float | None) -> float:
+    """Max KL allowed for a request served with exactness class ``served`` (inf for approximate); a bare
+    number is a float32 control's max KL."""
     if not isinstance(floor, Floor):
-        floor = Floor(max_kl=floor or 0.0, dtype=dtype or "float32")
+        floor = Floor(max_kl=floor or 0.0)
     exact = FLOOR_MARGIN * max(floor.max_kl, KL_RESOLUTION.get(floor.dtype, KL_RESOLUTION["float32"]))
     if served == "exact":
         return exact

@@ -70,7 +70,10 @@ def reference(model_dir: str, prompts: list[list[int]], new_tokens: int, device:
 
 def run_engine(args: argparse.Namespace, prompts: list[list[int]], device: torch.device) -> dict[str, Any]:
     """The engine at a tight budget: `--expert-fraction` of the experts plus every request's KV."""
-    probe = Engine(EngineConfig(args.model, device="cpu", block_size=16), ExactLRUController())
+    probe_config = EngineConfig(
+        args.model, host_budget_bytes=0, device="cpu", block_size=16, is_stacked_when_fits=False
+    )
+    probe = Engine(probe_config, ExactLRUController())  # sizes only: it reads no expert
     num_experts = len(probe.expert_store.entries)
     kv_bytes = sum(-(-(len(p) + args.new_tokens) // 16) for p in prompts) * probe.kv_store.num_layers
     budget = int(args.expert_fraction * num_experts) * probe.expert_store.bytes_per_expert

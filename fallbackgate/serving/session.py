@@ -133,5 +133,5 @@ def memory_summary(engine: Engine) -> dict[str, Any]:
         },
         "peak_host_pool_bytes": engine.kv_store.host_pool.peak_used_bytes,
         "num_expert_disk_reads": experts.num_disk_reads,
-        "dtype": str(engine.dtype).removeprefix("torch."),
+        "dtype": engine.dtype_name,
     }
