@@ -30,6 +30,7 @@ class ExpertMiss:
     num_bytes: int  # full-precision bytes of the expert
     is_lowbit_available: bool  # an int8/int4 copy exists
     is_device_room: bool  # the expert fits on device without evicting anything
+    dtype: str = ""  # compute dtype of the expert's weights ("bfloat16", ...), for its measured compute time
 
 
 @dataclasses.dataclass(slots=True)

@@ -40,6 +40,7 @@ class Executor:
     ) -> None:
         self.expert_store, self.kv_store, self.controller, self.profile = expert_store, kv_store, controller, profile
         self.flops_per_expert_token = 6.0 * hidden_size * intermediate_size
+        self.num_expert_params = 3 * hidden_size * intermediate_size
         self.hidden_size = hidden_size
         self.ctx: StepContext | None = None
         self.pending_modeled_s = 0.0  # spill traffic between forwards, charged to the next step
@@ -131,11 +132,11 @@ class Executor:
         x = hidden[token_idx]
         if tag is Tag.CPU_EXECUTE:
             y = expert_mlp(module, x.to("cpu"), fetched.weights).to(hidden.device)  # the model's dtype, on CPU
-            compute_s = self.profile.cpu_compute_s(self.flops_per_expert_token * len(token_idx))
+            compute_s = self._expert_s(len(token_idx), hidden, on_cpu=True)
             activations_s = self.profile.transfer_s(2 * x.numel() * x.element_size(), Tier.HOST)  # there and back
         else:
             y = expert_mlp(module, x, fetched.weights)
-            compute_s = self.profile.device_compute_s(self.flops_per_expert_token * len(token_idx))
+            compute_s = self._expert_s(len(token_idx), hidden, on_cpu=False)
             activations_s = 0.0
         out.index_add_(0, token_idx, (y * weights[token_idx, top_k_pos, None]).to(out.dtype))  # as eager does
         ctx.log.modeled_compute_s += compute_s
@@ -172,9 +173,7 @@ class Executor:
         for expert_id, request_index in group_routing(ctx.token_owner, top_k_index, top_k_weights):
             ctx.log.add(ctx.batch.request_ids[request_index], layer, ObjectKind.EXPERT, Tag.RESIDENT)
             ctx.used_expert_keys.append((layer, expert_id))
-        ctx.log.modeled_compute_s += self.profile.device_compute_s(
-            self.flops_per_expert_token * top_k_index.numel()
-        )
+        ctx.log.modeled_compute_s += self.profile.device_compute_s(self.flops_per_expert_token * top_k_index.numel())
         return out
 
     def _run_resident(
@@ -184,9 +183,15 @@ class Executor:
         ctx, token_idx = self.ctx, use.token_idx
         y = expert_mlp(module, hidden[token_idx], self.expert_store.device_weights(use.key))
         out.index_add_(0, token_idx, (y * weights[token_idx, use.top_k_pos, None]).to(out.dtype))
-        ctx.log.modeled_compute_s += self.profile.device_compute_s(self.flops_per_expert_token * len(token_idx))
+        ctx.log.modeled_compute_s += self._expert_s(len(token_idx), hidden, on_cpu=False)
         ctx.used_expert_keys.append(use.key)
         ctx.log.add(ctx.batch.request_ids[use.request_index], use.key[0], ObjectKind.EXPERT, Tag.RESIDENT)
+
+    def _expert_s(self, num_tokens: int, hidden: torch.Tensor, on_cpu: bool) -> float:
+        """Predicted (modeled) seconds of one expert call from the profile's measured curve."""
+        weight_bytes = self.num_expert_params * hidden.element_size()
+        dtype = str(hidden.dtype).removeprefix("torch.")
+        return self.profile.expert_s(num_tokens, weight_bytes, self.num_expert_params, on_cpu, dtype)
 
     def _record(self, use: ExpertUse, tag: Tag, moved: int, tier: Tier | None, modeled_s: float, note: str) -> None:
         ctx = self.ctx

@@ -102,6 +102,7 @@ def plan_expert_uses(
                     store.bytes_per_expert,
                     store.has_lowbit(key),
                     store.device_pool.can_reserve(store.bytes_per_expert),
+                    str(store.reader.compute_dtype).removeprefix("torch."),
                 )
             )
         token_idx = torch.tensor(tokens, device=device)

@@ -1,10 +1,46 @@
-"""Hardware profiles and the cost model that turns work and bytes into modeled seconds."""
+"""Hardware profiles: link bandwidths and compute rates of one machine, and the seconds they predict.
+
+A profile is either measured on this machine (``fallbackgate profile``; ``is_measured``) or a shipped
+what-if (``cpu-box``, ``pcie4-gpu-nvme``). Controllers predict with it; times shown to users are wall clock
+unless labelled modeled.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
 from fallbackgate.engine.tags import Tier
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class ExpertCurve:
+    """Measured expert-call time: a fixed cost plus weight bytes × seconds per byte at a token count
+    (piecewise linear between the measured counts, linear beyond the last)."""
+
+    call_s: float  # the smallest measured call
+    num_tokens: tuple[int, ...]  # measured token counts, ascending
+    s_per_byte: tuple[float, ...]  # seconds per weight byte beyond the fixed cost, at each count
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_tokens", tuple(int(n) for n in self.num_tokens))
+        object.__setattr__(self, "s_per_byte", tuple(float(r) for r in self.s_per_byte))
+        if not self.num_tokens or len(self.num_tokens) != len(self.s_per_byte):
+            raise ValueError("expert curve needs one seconds-per-byte figure per token count")
+
+    def predict_s(self, num_tokens: int, num_weight_bytes: int) -> float:
+        """Seconds of one call over `num_tokens` tokens with `num_weight_bytes` of weights."""
+        xs, ys = self.num_tokens, self.s_per_byte
+        if num_tokens <= xs[0] or len(xs) == 1:
+            rate = ys[0]
+        else:
+            i = next((j for j in range(1, len(xs)) if num_tokens <= xs[j]), len(xs) - 1)
+            rate = ys[i - 1] + (ys[i] - ys[i - 1]) * (num_tokens - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return self.call_s + max(rate, 0.0) * num_weight_bytes
+
+
+_MAY_BE_ZERO = frozenset(
+    {"link_latency_s", "device_bytes_per_s", "cpu_expert_bytes_per_s", "expert_call_s", "layer_overhead_s"}
+)
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -19,11 +55,26 @@ class HardwareProfile:
     device_flops: float  # sustained device FLOP/s for the model's matmuls
     cpu_expert_flops: float  # sustained CPU FLOP/s for cpu_execute experts
     link_latency_s: float = 10e-6  # fixed cost per transfer
+    device_bytes_per_s: float = 0.0  # weight bytes a device matmul streams per second (0: compute-bound only)
+    cpu_expert_bytes_per_s: float = 0.0  # weight bytes a CPU expert streams per second (0: compute-bound only)
+    expert_call_s: float = 0.0  # fixed cost of one expert call (kernel launches, Python)
+    layer_overhead_s: float = 0.0  # fixed cost of one decoder layer's dense part per step
+    is_measured: bool = False  # measured on this machine by `fallbackgate profile`, not a shipped what-if
+    measured_at: str = ""  # ISO time of the measurement
+    machine: str = ""  # the machine key the measurement belongs to
+    expert_curves: dict[str, ExpertCurve] = dataclasses.field(default_factory=dict)
+    # per "cpu/<dtype>" or "device/<dtype>": measured expert-call time by token count
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, float) and not value > 0 and field.name != "link_latency_s":
+            if field.name == "expert_curves":
+                curves = {k: v if isinstance(v, ExpertCurve) else ExpertCurve(**v) for k, v in value.items()}
+                object.__setattr__(self, "expert_curves", curves)
+            elif field.name in _MAY_BE_ZERO:
+                if not value >= 0:
+                    raise ValueError(f"hardware profile field {field.name} must be >= 0, got {value}")
+            elif isinstance(value, float) and not value > 0:
                 raise ValueError(f"hardware profile field {field.name} must be > 0, got {value}")
 
     def transfer_s(self, num_bytes: int, source: Tier, target: Tier = Tier.DEVICE) -> float:
@@ -50,6 +101,25 @@ class HardwareProfile:
     def cpu_compute_s(self, flops: float) -> float:
         """Modeled seconds for `flops` of CPU expert work."""
         return flops / self.cpu_expert_flops
+
+    def expert_s(self, num_tokens: int, num_weight_bytes: int, num_params: int, on_cpu: bool, dtype: str = "") -> float:
+        """Predicted seconds of one expert call over `num_tokens` tokens: the measured curve of the device
+        (or CPU) and dtype where the profile has one, else a roofline of the scalar rates (a fixed cost plus
+        the slower of streaming the weights and 2 FLOPs per parameter per token)."""
+        curve = self.expert_curves.get(f"{'cpu' if on_cpu else 'device'}/{dtype}")
+        if curve is not None:
+            return curve.predict_s(num_tokens, num_weight_bytes)
+        rate, bandwidth = (
+            (self.cpu_expert_flops, self.cpu_expert_bytes_per_s)
+            if on_cpu
+            else (self.device_flops, self.device_bytes_per_s)
+        )
+        streaming_s = num_weight_bytes / bandwidth if bandwidth > 0 else 0.0
+        return self.expert_call_s + max(streaming_s, 2.0 * num_params * num_tokens / rate)
+
+    def dense_step_s(self, num_layers: int, dense_flops: float) -> float:
+        """Predicted seconds of a step's dense part (attention, norms, router, head) over `num_layers`."""
+        return num_layers * self.layer_overhead_s + dense_flops / self.device_flops
 
 
 CPU_BOX = HardwareProfile(

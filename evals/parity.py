@@ -72,13 +72,23 @@ def prepare(config: ParityConfig) -> Prepared:
     return Prepared(config, policy, spec, include, model_dir)
 
 
-def judge(result: dict[str, Any], tol: TaskTolerance) -> list[dict[str, Any]]:
-    """Checks of one task's comparison against its tolerances (perplexity metrics use the ratio, not the drop)."""
+# Relative perplexity difference two exact computations of the same tokens may show in a dtype: rows batched
+# differently run through GEMMs of other shapes, whose summation order differs (observed: 1e-7 in fp32).
+PPL_NUMERIC_FLOOR = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 4e-3}
+
+
+def judge(result: dict[str, Any], tol: TaskTolerance, dtype: str = "float32") -> list[dict[str, Any]]:
+    """Checks of one task's comparison against its tolerances (perplexity metrics use the ratio, not the drop).
+
+    The perplexity limit is the tolerance times (1 + the dtype's numeric floor), so "exact" (ratio 1.0) means
+    equal up to summation order, not bit for bit across different batch shapes."""
     checks = []
     if result["ppl_ratio"] is None:
         checks.append(_check("score drop", result["drop"], tol.max_score_drop, "<="))
     else:
-        checks.append(_check("perplexity ratio", result["ppl_ratio"], tol.max_ppl_ratio, "<="))
+        floor = PPL_NUMERIC_FLOOR.get(dtype, PPL_NUMERIC_FLOOR["bfloat16"])
+        checks.append(_check("perplexity ratio", result["ppl_ratio"], tol.max_ppl_ratio * (1 + floor), "<="))
+        checks[-1]["numeric_floor"] = floor
     checks.append(_check("agreement", result["agreement"], tol.min_agreement, ">="))
     return checks
 
@@ -175,7 +185,7 @@ def run_parity(prepared: Prepared) -> dict[str, Any]:
             seed=cfg.seed,
         )
         tol = prepared.spec.for_task(task)
-        checks = judge(result, tol)
+        checks = judge(result, tol, setup.engine.dtype_name)
         result.update(
             task=task,
             tolerances=tol.model_dump(),

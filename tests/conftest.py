@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
 
 from tests.checkpoints import make_checkpoint
+
+# every test (and every command a test runs) predicts with one fixed profile, not this machine's measurement
+FIXED_PROFILE = pathlib.Path(__file__).parent / "data" / "fixed_profile.json"
+os.environ["FALLBACKGATE_PROFILE"] = str(FIXED_PROFILE)
 
 
 @pytest.fixture(scope="session")

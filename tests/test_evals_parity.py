@@ -11,7 +11,8 @@ import pathlib
 import pytest
 
 from fallbackgate.cli import main
-from fallbackgate.evals.parity import ParityConfig, prepare, run_parity
+from fallbackgate.evals.parity import ParityConfig, judge, prepare, run_parity
+from fallbackgate.evals.tolerances import TaskTolerance
 from tests.checkpoints import make_checkpoint
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -119,3 +120,14 @@ def test_adapter_on_exact_policy_matches_lm_eval_hf_model(ckpt: pathlib.Path, da
         assert math.isclose(ours, scores["hf"][key], rel_tol=1e-6), (key, ours, scores["hf"][key])
         if "acc" in key[1] or "exact_match" in key[1]:
             assert ours == scores["hf"][key], key
+
+
+def test_exact_perplexity_parity_allows_only_the_dtypes_numeric_floor() -> None:
+    exact = TaskTolerance(max_score_drop=0.0, min_agreement=1.0, max_ppl_ratio=1.0)
+    summation_order = {"ppl_ratio": 1.0000001, "drop": 0.0, "agreement": 1.0}  # seen between batch shapes
+    [ratio, _] = judge(summation_order, exact, "float32")
+    assert ratio["passed"] and ratio["numeric_floor"] == 1e-6
+    real_drift = {"ppl_ratio": 1.00001, "drop": 0.0, "agreement": 1.0}
+    assert not judge(real_drift, exact, "float32")[0]["passed"]
+    assert judge(real_drift, exact, "bfloat16")[0]["passed"]  # 16-bit sums differ by more
+    assert not judge({"ppl_ratio": 1.01, "drop": 0.0, "agreement": 1.0}, exact, "bfloat16")[0]["passed"]

@@ -28,6 +28,7 @@ from fallbackgate.policy.apply import (
     print_slips,
     run_settings,
 )
+from fallbackgate.profiling import MEASURED, PROFILE_NAMES
 from fallbackgate.serving.prompts import PromptsFileError, PromptSpec, load_prompts
 from fallbackgate.serving.recording import audit_and_judge, serve_recorded, start_run
 from fallbackgate.serving.report import print_report, to_json, write_json
@@ -69,7 +70,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together at most (default 8)")
     p.add_argument("--preempt", choices=("swap", "recompute"), default=None, help="what preemption does to KV")
-    p.add_argument("--profile", default=None, help="hardware profile: cpu-box (default) or pcie4-gpu-nvme")
+    p.add_argument(
+        "--profile",
+        choices=PROFILE_NAMES,
+        default=None,
+        help="hardware profile the controller predicts with: measured (default: this machine, `fallbackgate "
+        "profile`) or a shipped what-if (cpu-box, pcie4-gpu-nvme)",
+    )
     p.add_argument("--controller", choices=CONTROLLER_KINDS, default=None, help="controller (overrides the policy)")
     p.add_argument("--mode", choices=("observe", "enforce"), default=None, help="audit mode (overrides the policy)")
     p.add_argument(
@@ -87,7 +94,7 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-_DEFAULTS = {"block_size": 16, "max_num_seqs": 8, "preempt": "swap", "profile": "cpu-box", "audit_rate": 1.0}
+_DEFAULTS = {"block_size": 16, "max_num_seqs": 8, "preempt": "swap", "profile": MEASURED, "audit_rate": 1.0}
 
 
 def _fill_defaults(args: argparse.Namespace) -> None:
@@ -155,14 +162,21 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-def _serve(args: argparse.Namespace, specs: list[PromptSpec], engine: Engine, settings: RunSettings,
-           writer: LedgerWriter | None, policy: Any) -> int:
+def _serve(
+    args: argparse.Namespace,
+    specs: list[PromptSpec],
+    engine: Engine,
+    settings: RunSettings,
+    writer: LedgerWriter | None,
+    policy: Any,
+) -> int:
     if writer is None:
         outcome = run_prompts(engine, specs, settings, None, not args.quiet)
-        print_report(outcome, sys.stdout)
+        slos = class_slos(policy) if policy is not None else None
+        print_report(outcome, sys.stdout, slos)
         print_slips(engine.controller, sys.stdout)
         if args.json:
-            write_json(args.json, to_json(outcome, None))
+            write_json(args.json, to_json(outcome, None, slos=slos))
         return 0
     kind = policy.controller.kind if policy is not None else "exact_lru"
     run_id = start_run(
@@ -174,16 +188,16 @@ def _serve(args: argparse.Namespace, specs: list[PromptSpec], engine: Engine, se
         policy_name=pathlib.Path(args.policy).stem if policy is not None else None,
     )
     outcome = serve_recorded(engine, specs, settings, writer, not args.quiet)
-    print_report(outcome, sys.stdout)
+    slos = class_slos(policy) if policy is not None else None
+    print_report(outcome, sys.stdout, slos)
     print_slips(engine.controller, sys.stdout)
     budgets = class_budgets(policy) if policy is not None else None
-    slos = class_slos(policy) if policy is not None else None
     verdict, num_audited = audit_and_judge(
         engine, outcome, writer, budgets=budgets, slos=slos, audit_rate=args.audit_rate, seed=args.seed
     )
     _print_verdict(verdict, num_audited, len(outcome.outputs))
     if args.json:
-        write_json(args.json, to_json(outcome, run_id))
+        write_json(args.json, to_json(outcome, run_id, slos=slos))
     return 0 if verdict.passed else 1
 
 

@@ -1,9 +1,10 @@
 """The joint budget controller: one device budget for expert slots and KV blocks, one link per tier pair,
 per-request quality budgets.
 
-Per step it gives the link the step's deadline (the tightest TPOT target among the step's decoding
-requests; TTFT for prefill-only steps) and queues transfers in priority order: KV blocks with a
-full-precision copy (no cheaper exact way to read them), then expert misses — those of requests that
+Per step it gives the link and the CPU the step's deadline (the tightest TPOT target among the step's
+decoding requests, TTFT for prefill-only steps, less the profile's predicted dense time) and queues
+transfers in priority order: KV blocks with a full-precision copy (no cheaper exact way to read them), then
+expert misses — those of requests that
 cannot fall back first, through a reservation of the expected miss time. A miss that cannot arrive in
 time gets the cheapest fallback the request's class allows and whose predicted cost fits its remaining
 budget: cpu_execute (same math), expert_lowbit, expert_defer; a KV block with only a quantized copy is
@@ -30,6 +31,8 @@ from fallbackgate.engine.tags import Tag, Tier
 from fallbackgate.policy.budgets import BudgetBook, RequestBudget
 from fallbackgate.policy.schema import Policy, QualityBudget
 
+_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
 
 @dataclasses.dataclass(slots=True)
 class Slip:
@@ -55,6 +58,7 @@ class JointController(Controller):
         self.step_id, self.is_observe = -1, False
         self.loading: set[ExpertKey] = set()
         self.strict_reserve_s = 0.0
+        self.cpu_left_s = 0.0  # CPU time left in this step for cpu_execute experts
         self.kv_energy: dict[KVBlockKey, float] = {}
         self.slips: list[Slip] = []
         self.kv_store: KVStore | None = None  # the engine's KV store, read to size quantization errors
@@ -64,7 +68,9 @@ class JointController(Controller):
         self.link.profile, self.kv_store = view.profile, view.kv_store
         self.step_id, self.is_observe = plan.step_id, plan.is_observe
         self.loading.clear()
-        self.link.reset(self._deadline_s(plan, view))
+        deadline = self._deadline_s(plan, view)
+        self.link.reset(deadline)
+        self.cpu_left_s = deadline
         base = view.kv_store.num_layers * self.top_k
         for rid in plan.request_ids:
             self._budget(rid, view.request_classes.get(rid, "")).begin_step(
@@ -76,12 +82,15 @@ class JointController(Controller):
         self.strict_reserve_s = min(expected, max(0.0, self.link.left_s[Tier.HOST]))
 
     def _deadline_s(self, plan: StepPlan, view: EngineView) -> float:
+        """The step's link and CPU time: the tightest target of its requests less the step's fixed dense
+        time that the profile predicts (transfers and CPU experts must fit beside it)."""
         targets = []
         for rid in plan.request_ids:
             cls = self.policy.classes.get(view.request_classes.get(rid, ""))
             if cls is not None:
                 targets.append(cls.slo.tpot_ms if plan.num_tokens[rid] == 1 else cls.slo.ttft_ms)
-        return (min(targets) if targets else 0.0) / 1000.0
+        dense_s = view.profile.dense_step_s(view.kv_store.num_layers, 0.0)  # the fixed dense part of the step
+        return max((min(targets) if targets else 0.0) / 1000.0 - dense_s, 0.0)
 
     def _queue_kv(self, plan: StepPlan, view: EngineView) -> None:
         """KV blocks with a full copy must load exactly: queue them first; quantized ones at their size."""
@@ -123,6 +132,8 @@ class JointController(Controller):
                 budget.spend(tag, cost, True)
                 if tag is Tag.EXPERT_LOWBIT:
                     self.link.take(miss.num_bytes * self.cost.lowbit_bits // 32, Tier.HOST)
+                if tag is Tag.CPU_EXECUTE:  # the step's CPU experts run one after another: their times add up
+                    self.cpu_left_s -= self._cpu_s(miss)
                 return Decision(tag, cost, "deadline")
         reason = "slo slip: quality budget spent" if budget.is_spent else "slo slip: no allowed fallback fits"
         self.slips.append(Slip(self.step_id, miss.request_id, "expert", reason))
@@ -137,9 +148,8 @@ class JointController(Controller):
     def _expert_fallbacks(self, miss: ExpertMiss) -> list[tuple[Tag, float]]:
         """Fallbacks in order of preference: same math on the CPU when it beats the late load, then by cost."""
         options: list[tuple[Tag, float]] = []
-        profile = self.link.profile
-        cpu_s = miss.num_tokens * (miss.num_bytes / 2) / profile.cpu_expert_flops
-        if cpu_s < sum(self.link.legs(miss.num_bytes, miss.home).values()):
+        cpu_s = self._cpu_s(miss)
+        if cpu_s < sum(self.link.legs(miss.num_bytes, miss.home).values()) and cpu_s <= self.cpu_left_s:
             options.append((Tag.CPU_EXECUTE, 0.0))
         lowbit_bytes = miss.num_bytes * self.cost.lowbit_bits // 32
         if miss.is_lowbit_available and self.link.fits(lowbit_bytes, Tier.HOST):
@@ -148,6 +158,11 @@ class JointController(Controller):
             )
         options.append((Tag.EXPERT_DEFER, self.cost.expert_cost(Tag.EXPERT_DEFER, miss.layer, miss.max_gate_weight)))
         return options
+
+    def _cpu_s(self, miss: ExpertMiss) -> float:
+        """Predicted seconds of the miss's tokens through the expert on the CPU (the measured curve)."""
+        params = miss.num_bytes // _ELEMENT_BYTES.get(miss.dtype, 4)
+        return self.link.profile.expert_s(miss.num_tokens, miss.num_bytes, params, on_cpu=True, dtype=miss.dtype)
 
     def kv_action(self, miss: KVMiss) -> Decision:
         budget = self._budget(miss.request_id, miss.request_class)

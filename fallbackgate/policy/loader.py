@@ -13,8 +13,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from fallbackgate.engine.hardware import HardwareProfile, get_profile
+from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.policy.schema import Policy
+from fallbackgate.profiling.store import resolve_profile
 
 
 class PolicyError(ValueError):
@@ -100,7 +101,7 @@ def loads_policy(text: str, source: str = "<policy>") -> Policy:
 
 def hardware_profile(policy: Policy) -> HardwareProfile:
     """The policy's hardware profile: the named shipped profile with its overrides applied."""
-    base = get_profile(policy.hardware.profile)
+    base = resolve_profile(policy.hardware.profile)
     overrides = policy.hardware.overrides()
     if not overrides:
         return base

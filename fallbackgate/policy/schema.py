@@ -28,9 +28,10 @@ class _Strict(BaseModel):
 
 
 class HardwareSpec(_Strict):
-    """A shipped hardware profile, with any of its rates overridden."""
+    """The hardware profile the controller predicts with: ``measured`` (this machine, measured once and
+    cached; see ``fallbackgate profile``) or a shipped what-if, with any of its rates overridden."""
 
-    profile: Literal["cpu-box", "pcie4-gpu-nvme"] = "cpu-box"
+    profile: Literal["measured", "cpu-box", "pcie4-gpu-nvme"] = "measured"
     host_to_device_bytes_per_s: PositiveRate | None = None
     device_to_host_bytes_per_s: PositiveRate | None = None
     disk_to_host_bytes_per_s: PositiveRate | None = None

@@ -22,8 +22,34 @@ def tag_totals(outcome: RunOutcome) -> dict[str, dict[str, int]]:
     return totals
 
 
-def to_json(outcome: RunOutcome, run_id: int | None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The documented `--json` document (see README, "The --json format")."""
+def slo_attainment(outcome: RunOutcome, slos: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """Per class: requests meeting the class's TTFT and TPOT targets in measured wall clock, and the misses."""
+    out: dict[str, dict[str, Any]] = {}
+    for req in outcome.outputs:
+        slo = (slos or {}).get(req.request_class)
+        if not slo:
+            continue
+        targets = {"ttft_ms": slo.get("ttft_ms"), "tpot_ms": slo.get("tpot_ms")}
+        entry = out.setdefault(req.request_class, {**targets, "num_requests": 0, "num_met": 0, "missed": []})
+        is_ttft_ok = slo.get("ttft_ms") is None or req.ttft_s * 1e3 <= slo["ttft_ms"]
+        is_tpot_ok = slo.get("tpot_ms") is None or len(req.output_token_ids) < 2 or req.tpot_s * 1e3 <= slo["tpot_ms"]
+        entry["num_requests"] += 1
+        entry["num_met"] += int(is_ttft_ok and is_tpot_ok)
+        if not (is_ttft_ok and is_tpot_ok):
+            entry["missed"].append(req.request_id)
+    for entry in out.values():
+        entry["attainment"] = entry["num_met"] / entry["num_requests"]
+    return out
+
+
+def to_json(
+    outcome: RunOutcome,
+    run_id: int | None,
+    extra: dict[str, Any] | None = None,
+    slos: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The documented `--json` document (see README, "The --json format"). Times are measured wall clock;
+    ``modeled_*`` are what-if predictions of the run's hardware profile (``profile``)."""
     requests = []
     for spec, out, text in zip(outcome.specs, outcome.outputs, outcome.texts, strict=True):
         decode_s = out.finish_s - out.first_token_s
@@ -53,6 +79,8 @@ def to_json(outcome: RunOutcome, run_id: int | None, extra: dict[str, Any] | Non
         "wall_s": outcome.wall_s,
         "output_tokens_per_s": num_tokens / outcome.wall_s if outcome.wall_s > 0 else None,
         "modeled_s": sum(s.modeled_s for s in outcome.steps),
+        "profile": outcome.profile_name,
+        "slo_attainment": slo_attainment(outcome, slos),
         "memory": outcome.memory,
         **(extra or {}),
     }
@@ -62,11 +90,23 @@ def write_json(path: str | pathlib.Path, document: dict[str, Any]) -> None:
     pathlib.Path(path).write_text(json.dumps(document, indent=2, default=str) + "\n")
 
 
-def print_report(outcome: RunOutcome, out: TextIO) -> None:
-    """Per-request speeds (measured and modeled) and a table of tag counts and bytes."""
+def print_slo_attainment(outcome: RunOutcome, slos: dict[str, dict[str, Any]] | None, out: TextIO) -> None:
+    """One line per class with targets: requests meeting them in measured wall clock, and the misses."""
+    for name, entry in slo_attainment(outcome, slos).items():
+        missed = f"; missed: {', '.join(entry['missed'][:6])}" + (" ..." if len(entry["missed"]) > 6 else "")
+        out.write(
+            f"SLO (measured) class {name}: {entry['num_met']}/{entry['num_requests']} met TTFT <= {entry['ttft_ms']} ms"
+            f" and TPOT <= {entry['tpot_ms']} ms{missed if entry['missed'] else ''}\n"
+        )
+
+
+def print_report(outcome: RunOutcome, out: TextIO, slos: dict[str, dict[str, Any]] | None = None) -> None:
+    """Per-request speeds (measured wall clock, and the profile's modeled what-if), SLO attainment per class
+    (measured) and a table of tag counts and bytes."""
     out.write(
         f"\n{'request':<14} {'class':<10} {'tokens':>6} {'tok/s':>7} {'TTFT ms':>8} {'TPOT ms':>8} "
-        f"{'mTTFT ms':>9} {'mTPOT ms':>9}  text\n"
+        f"{'modeled':>9} {'modeled':>9}  text\n"
+        f"{'':<14} {'':<10} {'':>6} {'':>7} {'measured':>8} {'measured':>8} {'TTFT ms':>9} {'TPOT ms':>9}\n"
     )
     for out_req, text in zip(outcome.outputs, outcome.texts, strict=True):
         n = len(out_req.output_token_ids)
@@ -78,6 +118,8 @@ def print_report(outcome: RunOutcome, out: TextIO) -> None:
             f"{out_req.ttft_s * 1e3:8.1f} {out_req.tpot_s * 1e3:8.1f} {out_req.modeled_ttft_s * 1e3:9.3f} "
             f"{out_req.modeled_tpot_s * 1e3:9.3f}  {snippet}\n"
         )
+    out.write(f"(measured: wall clock; modeled: what-if of hardware profile {outcome.profile_name!r})\n")
+    print_slo_attainment(outcome, slos, out)
     mem = outcome.memory
     if mem:
         out.write(f"\ndevice budget {mem['device_budget_bytes'] / 2**20:.2f} MiB for expert slots, KV blocks and "

@@ -13,9 +13,9 @@ from fallbackgate.engine.config import MIB, EngineConfig
 from fallbackgate.engine.controller import Controller
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import CheckpointError
-from fallbackgate.engine.hardware import get_profile
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.profiling.store import resolve_profile
 from fallbackgate.serving.prompts import PromptSpec
 
 
@@ -32,7 +32,7 @@ class RunSettings:
     spill_dir: str | None = None
     block_size: int = 16
     max_num_seqs: int = 8
-    profile: str = "cpu-box"
+    profile: str = "measured"  # "measured" (this machine) or a shipped what-if profile name
     preempt_mode: str = "swap"
     max_num_batched_tokens: int = 256  # tokens per forward (prefill chunk size)
     dtype: str | None = None  # compute dtype override; None: the checkpoint's own
@@ -51,7 +51,7 @@ class RunSettings:
             spill_dir=self.spill_dir,
             block_size=self.block_size,
             max_num_seqs=self.max_num_seqs,
-            profile=get_profile(self.profile),
+            profile=resolve_profile(self.profile),
             preempt_mode=self.preempt_mode,
             seed=self.seed,
             max_num_batched_tokens=self.max_num_batched_tokens,
@@ -70,6 +70,7 @@ class RunOutcome:
     steps: list[StepResult]
     wall_s: float
     memory: dict[str, Any] = dataclasses.field(default_factory=dict)  # byte counts and dtype, `memory_summary`
+    profile_name: str = ""  # the hardware profile the run predicted (and modeled what-if times) with
 
 
 StepHook = Callable[[StepPlan, StepResult], None]
@@ -112,7 +113,8 @@ def run_prompts(
             bar.update(len(result.sampled_token_ids))
     outputs = [engine.finished[s.request_id] for s in specs]
     texts = [tokenizer.decode(o.output_token_ids, skip_special_tokens=True) for o in outputs]
-    return RunOutcome(specs, outputs, texts, steps, time.perf_counter() - started, memory_summary(engine))
+    wall_s = time.perf_counter() - started
+    return RunOutcome(specs, outputs, texts, steps, wall_s, memory_summary(engine), engine.config.profile.name)
 
 
 def memory_summary(engine: Engine) -> dict[str, Any]:

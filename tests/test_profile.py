@@ -1,0 +1,126 @@
+"""The measured hardware profile: the curve fit, the per-machine cache, the command, and the controller's
+use of measured CPU time (a step's cpu_execute experts add up against its deadline)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import pytest
+
+from fallbackgate.cli import main
+from fallbackgate.controllers import make_controller
+from fallbackgate.engine.controller import EngineView, ExpertMiss
+from fallbackgate.engine.hardware import CPU_BOX, ExpertCurve, HardwareProfile
+from fallbackgate.engine.messages import StepKind, StepPlan
+from fallbackgate.engine.tags import Tag, Tier
+from fallbackgate.policy.schema import SLO, Policy, QualityBudget, RequestClass
+from fallbackgate.profiling import store
+from fallbackgate.profiling.fit import curve_errors, fit_curve
+from fallbackgate.profiling.measure import ExpertTiming, measure_disk
+from tests.test_controllers import EXPERT_BYTES, FakeExperts, FakeKV
+
+
+def _timings(call_s: float, s_per_byte: dict[int, float]) -> list[ExpertTiming]:
+    out = []
+    for hidden, inter in ((64, 32), (512, 256)):
+        for tokens, rate in s_per_byte.items():
+            seconds = call_s + rate * 3 * hidden * inter * 4 if hidden == 512 else call_s
+            out.append(ExpertTiming("cpu", "float32", hidden, inter, tokens, seconds))
+    return out
+
+
+def test_curve_fit_recovers_the_rates_and_interpolates() -> None:
+    timings = _timings(20e-6, {1: 1e-10, 4: 2e-10, 16: 8e-10})
+    curve = fit_curve(timings)
+    assert curve.call_s == pytest.approx(20e-6)
+    assert curve.num_tokens == (1, 4, 16)
+    assert curve.s_per_byte == pytest.approx((1e-10, 2e-10, 8e-10))
+    big = [t for t in timings if t.hidden == 512]
+    assert curve_errors(curve, big) == pytest.approx([1.0, 1.0, 1.0])
+    # halfway between 4 and 16 tokens: halfway between the two rates
+    assert curve.predict_s(10, 1_000_000) == pytest.approx(20e-6 + 5e-10 * 1_000_000)
+    assert curve.predict_s(64, 1_000_000) == pytest.approx(20e-6 + 3.2e-9 * 1_000_000)  # beyond: the last slope
+
+
+def test_profile_predicts_from_its_curve_per_device_and_dtype() -> None:
+    curve = ExpertCurve(10e-6, (1, 64), (1e-10, 1e-9))
+    profile = dataclasses.replace(CPU_BOX, expert_curves={"cpu/bfloat16": curve})
+    assert profile.expert_s(1, 2_000_000, 1_000_000, on_cpu=True, dtype="bfloat16") == pytest.approx(210e-6)
+    # no curve for the device: the roofline of the scalar rates (2 FLOPs per parameter per token)
+    assert profile.expert_s(4, 2_000_000, 1_000_000, on_cpu=False, dtype="bfloat16") == pytest.approx(8e6 / 40e9)
+
+
+def test_profile_file_round_trips_and_bad_files_name_themselves(tmp_path: pathlib.Path) -> None:
+    curve = ExpertCurve(10e-6, (1, 64), (1e-10, 1e-9))
+    profile = dataclasses.replace(CPU_BOX, name="measured", is_measured=True, expert_curves={"cpu/float32": curve})
+    path = tmp_path / "p.json"
+    store.save_profile(path, profile, {"note": "raw"})
+    assert store.load_profile_file(path) == profile
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"\x00\xff not json")
+    with pytest.raises(store.ProfileFileError, match="bad.json"):
+        store.load_profile_file(bad)
+
+
+def test_measured_profile_is_measured_once_then_cached(tmp_path: pathlib.Path, monkeypatch) -> None:
+    monkeypatch.delenv(store.ENV_PROFILE, raising=False)
+    monkeypatch.setenv(store.ENV_CACHE, str(tmp_path))
+    calls = []
+
+    def fake_measure(quiet: bool = False) -> tuple[HardwareProfile, dict]:
+        calls.append(1)
+        return dataclasses.replace(CPU_BOX, name="measured", is_measured=True, machine=store.machine_key()), {}
+
+    monkeypatch.setattr("fallbackgate.profiling.run.measure_machine", fake_measure)
+    first = store.resolve_profile("measured")
+    second = store.resolve_profile("measured")
+    assert first == second and first.is_measured and len(calls) == 1
+    assert store.cache_path().parent.parent == tmp_path
+    store.measured_profile(refresh=True, quiet=True)
+    assert len(calls) == 2
+    assert store.resolve_profile("pcie4-gpu-nvme").name == "pcie4-gpu-nvme"  # shipped what-ifs stay by name
+
+
+def test_cold_disk_read_is_measured(tmp_path: pathlib.Path) -> None:
+    write_rate, read_rate = measure_disk(tmp_path, 32 * 1024 * 1024)
+    assert write_rate > 1e6 and read_rate > 1e6
+    assert not list(tmp_path.iterdir())  # the scratch file is gone
+
+
+def test_profile_command_prints_the_pinned_profile_and_checks_out(tmp_path: pathlib.Path, capsys) -> None:
+    assert main(["profile", "--json", "--out", str(tmp_path / "copy.json")]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["name"] == "tests-fixed"
+    assert store.load_profile_file(tmp_path / "copy.json").name == "tests-fixed"
+    with pytest.raises(SystemExit) as exc:
+        main(["profile", "--out", str(tmp_path / "missing" / "p.json")])
+    assert exc.value.code == 2
+    assert "--out" in capsys.readouterr().err
+
+
+def test_cpu_execute_time_adds_up_within_a_step() -> None:
+    """Each cpu_execute consumes its measured time from the step's CPU time; once the CPU is booked the
+    next late miss gets the next allowed fallback instead."""
+    curve = ExpertCurve(1e-3, (1,), (0.0,))  # one CPU expert call: 1 ms
+    profile = HardwareProfile("t", 1e8, 1e8, 1e8, 1e8, 1e12, 1e12, 0.0, expert_curves={"cpu/float32": curve})
+    budget = QualityBudget(
+        max_mean_kl=10.0,
+        max_p99_kl=10.0,
+        max_approx_fraction=1.0,
+        allowed_tags=["cpu_execute", "expert_defer"],
+        min_top1_agreement=0.0,
+    )
+    policy = Policy(classes={"c": RequestClass(slo=SLO(tpot_ms=2.5, ttft_ms=25), budget=budget)}, default_class="c")
+    controller = make_controller("joint", policy, top_k=2)
+    plan = StepPlan(1, StepKind.DECODE, ["r"], {"r": 1}, {"r": 8})
+    controller.on_step_start(plan, EngineView(FakeExperts(), FakeKV(), profile, {"r": "c"}, ["r"], [], [], []))
+    tags = [
+        controller.expert_action(
+            ExpertMiss(1, "r", "c", 0, e, 1, 0.1, Tier.HOST, EXPERT_BYTES, False, False, "float32")
+        ).tag
+        for e in range(4)
+    ]
+    # a 1 MiB load takes 10.5 ms on this link: too late; 2.5 ms of CPU time holds two 1 ms CPU experts
+    assert tags == [Tag.CPU_EXECUTE, Tag.CPU_EXECUTE, Tag.EXPERT_DEFER, Tag.EXPERT_DEFER]
