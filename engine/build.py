@@ -115,7 +115,9 @@ def build_stores(
         host_budget = 2 * num_experts_total * expert_bytes + 2 * kv_everything
     device_pool, host_pool = TierPool("device", device_budget), TierPool("host", host_budget)
     spill = SpillDir(config.spill_dir or tempfile.gettempdir())
-    expert_store = ExpertStore(loaded.reader, device_pool, host_pool, device, config.expert_lowbit_bits)
+    expert_store = ExpertStore(
+        loaded.reader, device_pool, host_pool, device, config.expert_lowbit_bits, config.num_io_threads
+    )
     kv_store = KVStore(
         shape.num_layers,
         shape.num_kv_heads,

@@ -31,6 +31,7 @@ class EngineConfig:
     seed: int = 0  # base seed for sampling
     dtype: str | None = None  # compute dtype override ("float32", "bfloat16", "float16"); None: the checkpoint's
     is_stacked_when_fits: bool = True  # no device budget: each layer's experts stacked on device (no misses at all)
+    num_io_threads: int = 2  # threads reading experts from disk ahead of use (0: every read on the compute thread)
 
     def __post_init__(self) -> None:
         for name in ("device_budget_bytes", "host_budget_bytes"):
@@ -51,5 +52,7 @@ class EngineConfig:
             raise ValueError(f"expert_lowbit_bits must be 0, 4 or 8, got {self.expert_lowbit_bits}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)} or None, got {self.dtype!r}")
+        if not 0 <= self.num_io_threads <= 64:
+            raise ValueError(f"num_io_threads must be 0..64, got {self.num_io_threads}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")

@@ -113,3 +113,8 @@ class Controller(abc.ABC):
     def on_step_end(self, view: EngineView) -> StepEndActions:
         """Called after each step; default: nothing to do."""
         return StepEndActions()
+
+    def choose_read_ahead(self, predicted: list[ExpertKey], view: EngineView) -> list[ExpertKey]:
+        """Which of the experts the next layer's router predicts (from this layer's hidden state) to read
+        from disk ahead of use, in order; default: all of them (the store stops when host room runs out)."""
+        return predicted

@@ -8,13 +8,14 @@ from collections.abc import Callable, Iterable
 import torch
 from tqdm.auto import tqdm
 
+from fallbackgate.engine import paged_attention
 from fallbackgate.engine.build import build_stores, fill_expert_tiers, probe_kv_shapes, resolve_device
 from fallbackgate.engine.config import DTYPES, EngineConfig
 from fallbackgate.engine.controller import Controller, EngineView
 from fallbackgate.engine.errors import PromptError
 from fallbackgate.engine.executor import Executor
 from fallbackgate.engine.kv_store import KVBlockKey, SpillMode
-from fallbackgate.engine.loader import load_checkpoint
+from fallbackgate.engine.loader import find_routers, load_checkpoint
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.engine.model_runner import ModelRunner
 from fallbackgate.engine.sampler import sample
@@ -52,6 +53,8 @@ class Engine:
             self.expert_store, self.kv_store, controller, config.profile, hidden, int(first.intermediate_dim)
         )
         self.executor.view_factory = self.view
+        self.executor.routers, self.executor.top_k = find_routers(model, loaded.experts_by_layer), loaded.top_k
+        paged_attention.attach(model, self.executor)
         for layer, module in loaded.experts_by_layer.items():
             module._fg_executor, module._fg_layer = self.executor, layer
         heads = int(self.model_config.num_attention_heads)
@@ -218,6 +221,7 @@ class Engine:
             finished,
             pool.used_bytes_by_kind[ObjectKind.EXPERT],
             pool.used_bytes_by_kind[ObjectKind.KV_BLOCK],
+            self.expert_store.read_ahead.end_step(),
         )
 
     def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor, now: float) -> bool:

@@ -49,6 +49,9 @@ class Executor:
         self.used_kv_block_keys: list[KVBlockKey] = []  # off-device KV blocks read this step
         self.deferred_expert_keys: list[ExpertKey] = []  # experts deferred this step
         self.num_gather_bytes_held = 0  # device pool bytes of the current layer's gathered K/V
+        self.routers: dict[int, torch.nn.Module] = {}  # decoder layer -> its router (read-ahead prediction)
+        self.top_k = 1  # experts per token
+        self.layer_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per request K, V of the current layer
 
     # --- experts -------------------------------------------------------------------------------
     def run_experts(
@@ -69,6 +72,8 @@ class Executor:
         if layer in self.expert_store.stacked_layers:
             return self._run_stacked(module, layer, hidden, top_k_index, top_k_weights)
         uses = plan_expert_uses(self, layer, top_k_index, top_k_weights)
+        if self.expert_store.is_disk_tiered and self.expert_store.read_ahead.has_threads:
+            self._start_reads(layer, hidden, uses)
         weights = renormalise_deferred(top_k_weights, uses, ctx.is_observe)
         out = torch.zeros_like(hidden)
         by_key: dict[ExpertKey, list[ExpertUse]] = {}
@@ -77,6 +82,21 @@ class Executor:
         for key, key_uses in by_key.items():
             self._run_expert(module, key, key_uses, hidden, weights, out)
         return out
+
+    def _start_reads(self, layer: int, hidden: torch.Tensor, uses: list[ExpertUse]) -> None:
+        """Start disk reads of this layer's misses (they proceed while earlier experts compute), then of the
+        experts the next layer's router picks for this layer's hidden state (pre-gating), as the controller
+        allows; those run while this layer computes."""
+        step_id, store = self.ctx.step_id, self.expert_store
+        needed = [u.key for u in uses if u.decision.tag in (Tag.EXACT_LOAD, Tag.CPU_EXECUTE)]
+        store.start_reads(list(dict.fromkeys(needed)), step_id, is_predicted=False)
+        router = self.routers.get(layer + 1)
+        if router is None:
+            return
+        logits = torch.nn.functional.linear(hidden.to(router.weight.dtype), router.weight)
+        ids = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices.unique().tolist()
+        predicted = [(layer + 1, e) for e in ids]
+        store.start_reads(self.controller.choose_read_ahead(predicted, self.view_factory()), step_id, True)
 
     def _run_expert(
         self,
@@ -235,10 +255,11 @@ class Executor:
     def kv_update(
         self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this forward's K/V into the blocks, return every request's full K/V packed along tokens.
+        """Write this forward's K/V into the blocks and gather each request's full K/V for the paged
+        attention function (`layer_kv`, in packing order); returns this forward's own K/V unchanged.
 
-        The gathered copy is counted in the device pool (Scratch.KV_GATHER) until this layer's attention
-        is done: the next experts call, the next layer's update, or the end of the forward releases it.
+        Gathered copies are counted in the device pool (Scratch.KV_GATHER) until this layer's attention
+        is done: the next experts call, the next layer's update, or the end of the forward releases them.
         """
         batch = self.ctx.batch
         self.release_gather()
@@ -246,22 +267,19 @@ class Executor:
         self.ensure_room(num_bytes, f"layer {layer}'s gathered K/V")
         self.kv_store.device_pool.reserve(Scratch.KV_GATHER, num_bytes)
         self.num_gather_bytes_held = num_bytes
-        keys, values = [], []
+        self.layer_kv = []
         offset = 0
         for request_id, start, length in zip(batch.request_ids, batch.starts, batch.lengths, strict=True):
             new_k = key_states[0, :, offset : offset + length]
             new_v = value_states[0, :, offset : offset + length]
             self.kv_store.write(request_id, layer, start, new_k, new_v)
-            k, v = self.kv_store.gather(request_id, layer, start + length)
-            keys.append(k)
-            values.append(v)
+            self.layer_kv.append(self.kv_store.gather(request_id, layer, start + length))
             offset += length
-        if len(keys) == 1:
-            return keys[0][None], values[0][None]
-        return torch.cat(keys, dim=1)[None], torch.cat(values, dim=1)[None]
+        return key_states, value_states
 
     def release_gather(self) -> None:
-        """Give back the pool bytes of the last gathered K/V (its tensors are no longer referenced)."""
+        """Give back the pool bytes of the last gathered K/V and drop the references to it."""
+        self.layer_kv = []
         if self.num_gather_bytes_held:
             self.kv_store.device_pool.release(Scratch.KV_GATHER, self.num_gather_bytes_held)
             self.num_gather_bytes_held = 0

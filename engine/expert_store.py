@@ -18,6 +18,7 @@ from fallbackgate.engine.device_pool import TierPool
 from fallbackgate.engine.errors import ChecksumError, EngineError
 from fallbackgate.engine.expert_reader import ExpertKey, ExpertReader
 from fallbackgate.engine.quant import Quantized, dequantize_rows, quantize, quantized_to
+from fallbackgate.engine.read_ahead import ReadAhead
 from fallbackgate.engine.tags import ObjectKind, Tier
 from fallbackgate.engine.weights import ExpertWeights
 
@@ -54,6 +55,7 @@ class ExpertStore:
         host_pool: TierPool,
         device: torch.device,
         lowbit_bits: int = 8,
+        num_io_threads: int = 0,
     ) -> None:
         self.reader, self.device_pool, self.host_pool, self.device = reader, device_pool, host_pool, device
         self.lowbit_bits = lowbit_bits
@@ -64,6 +66,8 @@ class ExpertStore:
         self.bytes_per_expert = reader.compute_bytes_per_expert
         self.num_disk_reads = 0
         self.stacked_layers: set[int] = set()  # layers whose experts all sit in one resident stack (pinned)
+        self.read_ahead = ReadAhead(self._verified_read, num_io_threads)
+        self.is_disk_tiered = False  # some expert's only copy is the checkpoint on disk
 
     def warm_host(self) -> int:
         """Fill the host cache in key order while it has room (what a fresh process would read first)."""
@@ -73,7 +77,41 @@ class ExpertStore:
                 break
             self._cache_on_host(key, self._read_disk(key)[0])
             num_read += 1
+        self.is_disk_tiered = num_read < len(self.entries)
+        self.read_ahead.end_step()  # warm-up reads are not a step's
         return num_read
+
+    def start_reads(self, keys: list[ExpertKey], step_id: int, is_predicted: bool) -> int:
+        """Start disk reads of those `keys` whose only copy is on disk, each into host-budget room reserved
+        now (the least recently used host copy makes way); returns how many started."""
+        if not self.read_ahead.has_threads:
+            return 0
+        num_started = 0
+        for key in keys:
+            entry = self.entries[key]
+            if entry.device is not None or entry.host is not None or self.read_ahead.is_in_flight(key):
+                continue
+            self._make_host_room()
+            if not self.host_pool.can_reserve(self.bytes_per_expert):
+                break
+            self.host_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
+            self.read_ahead.start(key, step_id, is_predicted)
+            num_started += 1
+        return num_started
+
+    def settle_reads(self, step_id: int) -> list[ExpertKey]:
+        """Reads started before `step_id` that nobody took become host-cache entries (their room was already
+        reserved); returns their keys, for the ledger."""
+        kept = []
+        for key, weights in self.read_ahead.finished_before(step_id):
+            entry = self.entries[key]
+            if weights is None or entry.host is not None or entry.device is not None:
+                self.host_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)
+                continue
+            entry.host = weights
+            self.host_lru[key] = None
+            kept.append(key)
+        return kept
 
     def stack_layers(self, modules: dict[int, torch.nn.Module]) -> None:
         """When the device budget holds every expert: put each layer's experts into one [E, 2I, H] and one
@@ -233,7 +271,15 @@ class ExpertStore:
         return Fetched(weights, Tier.DISK, self.bytes_per_expert, note)
 
     def _read_disk(self, key: ExpertKey) -> tuple[ExpertWeights, str]:
+        """The expert from the checkpoint: a read started ahead (waited for), else a read now."""
         self.num_disk_reads += 1
+        if self.read_ahead.is_in_flight(key):
+            self.host_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)  # the caller places the bytes
+            weights, note = self.read_ahead.take(key)
+            return weights, "; ".join(filter(None, ["read ahead", note]))
+        return self.read_ahead.demand_read(key)
+
+    def _verified_read(self, key: ExpertKey) -> tuple[ExpertWeights, str]:
         try:
             return self.reader.read(key), ""
         except ChecksumError as exc:  # one re-read clears a transient read fault; a changed file stays an error

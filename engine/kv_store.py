@@ -91,14 +91,12 @@ class KVStore:
         return num_off * self.bytes_per_block
 
     def gather_bytes(self, lengths: list[int]) -> int:
-        """Scratch bytes of one layer's `gather` for requests reading `lengths` positions, packed together."""
-        per_token = self.num_kv_heads * (self.key_dim + self.value_dim) * self.dtype.itemsize
+        """Scratch bytes of one layer's `gather` for requests reading `lengths` positions (a request whose
+        positions fit one block reads the block itself; longer ones get their blocks concatenated)."""
         num_bytes = 0
         for length in lengths:
             num_blocks = -(-length // self.block_size)
-            num_bytes += num_blocks * self.bytes_per_block if num_blocks > 1 else 0  # blocks concatenated
-        if len(lengths) > 1:
-            num_bytes += sum(lengths) * per_token  # keys and values packed along tokens
+            num_bytes += num_blocks * self.bytes_per_block if num_blocks > 1 else 0
         return num_bytes
 
     def can_append(self, request_id: str, num_new_tokens: int) -> bool:

@@ -94,6 +94,22 @@ def find_experts_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     return found
 
 
+def find_routers(model: torch.nn.Module, experts: dict[int, torch.nn.Module]) -> dict[int, torch.nn.Module]:
+    """Map decoder layer index -> its router: the experts module's sibling ``gate`` or ``router`` with a
+    [num_experts, hidden] weight (layers whose router has another form are left out)."""
+    parents = {module: name.rpartition(".")[0] for name, module in model.named_modules()}
+    found: dict[int, torch.nn.Module] = {}
+    for layer, module in experts.items():
+        parent = model.get_submodule(parents[module])
+        for attr in ("gate", "router"):
+            router = getattr(parent, attr, None)
+            weight = getattr(router, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == module.num_experts:
+                found[layer] = router
+                break
+    return found
+
+
 def _checkpoint_dtype(files: CheckpointFiles, sources: dict) -> torch.dtype:
     if not sources:
         raise CheckpointError(f"{files.path}: no routed-expert tensors (names like ...experts.0.gate_proj.weight)")

@@ -10,6 +10,7 @@ import enum
 
 import torch
 
+from fallbackgate.engine.read_ahead import TransferClock
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 
@@ -68,6 +69,7 @@ class StepResult:
     finished_ids: list[str] = dataclasses.field(default_factory=list)  # requests that ended this step
     num_device_bytes_expert: int = 0  # device bytes held by expert slots after the step
     num_device_bytes_kv: int = 0  # device bytes held by KV blocks after the step
+    transfer: TransferClock | None = None  # measured expert disk-read time of the step, hidden and exposed
 
 
 @dataclasses.dataclass(slots=True)

@@ -9,7 +9,7 @@ from fallbackgate.engine.controller import KVMiss
 from fallbackgate.engine.errors import ChecksumError, EngineError
 from fallbackgate.engine.executor import Executor
 from fallbackgate.engine.kv_store import KVBlock, Staged
-from fallbackgate.engine.paged_cache import PagedCache, packed_attention_mask
+from fallbackgate.engine.paged_cache import PagedCache
 from fallbackgate.engine.sequence import Sequence
 from fallbackgate.engine.step_context import EventLog, ForwardBatch, StepContext
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
@@ -129,7 +129,6 @@ class ModelRunner:
         ctx = StepContext(step_id, batch, log, is_observe=is_observe)
         self.executor.ctx = ctx
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(batch.starts, batch.lengths, strict=True)])
-        mask = packed_attention_mask(batch.starts, batch.lengths, self.device)
         input_ids = torch.tensor([token_ids], device=self.device)
         keep = torch.tensor(logits_rows or [len(token_ids) - 1], device=self.device)
         try:
@@ -137,7 +136,6 @@ class ModelRunner:
                 out = self.model(
                     input_ids=input_ids,
                     position_ids=positions[None].to(self.device),
-                    attention_mask=mask,
                     cache=self.cache,
                     use_cache=True,
                     logits_to_keep=keep,

@@ -49,13 +49,3 @@ class PagedCache(Cache):
 
     def __init__(self, executor: Executor, num_layers: int) -> None:
         super().__init__(layers=[PagedLayer(executor, i) for i in range(num_layers)])
-
-
-def packed_attention_mask(starts: list[int], lengths: list[int], device: torch.device) -> torch.Tensor:
-    """[1, 1, T, S] boolean mask: each token sees its own request's positions up to itself."""
-    q_owner = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
-    q_pos = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
-    kv_owner = torch.cat([torch.full((s + n,), i) for i, (s, n) in enumerate(zip(starts, lengths, strict=True))])
-    kv_pos = torch.cat([torch.arange(s + n) for s, n in zip(starts, lengths, strict=True)])
-    mask = (q_owner[:, None] == kv_owner[None, :]) & (kv_pos[None, :] <= q_pos[:, None])
-    return mask[None, None].to(device)

@@ -101,6 +101,11 @@ class Step(Base):
     modeled_s: Mapped[float] = mapped_column(Float, default=0.0)
     device_bytes_expert: Mapped[int] = mapped_column(BigInteger, default=0)
     device_bytes_kv: Mapped[int] = mapped_column(BigInteger, default=0)
+    transfer_s: Mapped[float | None] = mapped_column(Float)  # measured expert disk-read seconds of the step
+    transfer_exposed_s: Mapped[float | None] = mapped_column(Float)  # of which the compute thread waited for
+    num_predicted_reads: Mapped[int | None] = mapped_column(Integer)  # next-layer read-ahead reads started
+    num_predicted_used: Mapped[int | None] = mapped_column(Integer)  # needed reads a prediction had started
+    num_unpredicted_reads: Mapped[int | None] = mapped_column(Integer)  # needed reads no prediction started
 
 
 class EventRow(Base):

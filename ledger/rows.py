@@ -63,6 +63,21 @@ def plain(x: Any) -> Any:
     return x.item() if hasattr(x, "item") else x
 
 
+def _transfer_columns(result: StepResult) -> dict[str, Any]:
+    clock = result.transfer
+    if clock is None:
+        return dict.fromkeys(
+            ("transfer_s", "transfer_exposed_s", "num_predicted_reads", "num_predicted_used", "num_unpredicted_reads")
+        )
+    return {
+        "transfer_s": clock.transfer_s,
+        "transfer_exposed_s": clock.exposed_s,
+        "num_predicted_reads": clock.num_predicted,
+        "num_predicted_used": clock.num_predicted_used,
+        "num_unpredicted_reads": clock.num_unpredicted,
+    }
+
+
 def step_rows(
     run_id: int,
     plan: StepPlan,
@@ -83,6 +98,7 @@ def step_rows(
             "modeled_s": result.modeled_s,
             "device_bytes_expert": result.num_device_bytes_expert,
             "device_bytes_kv": result.num_device_bytes_kv,
+            **_transfer_columns(result),
         }
     )
     for rid in result.sampled_token_ids:

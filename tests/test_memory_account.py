@@ -43,14 +43,15 @@ def _instrument(engine: Engine, seen: dict[str, int]) -> None:
     kv_update, lowbit = executor.kv_update, store.lowbit_weights
 
     def checked_kv_update(layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
-        keys, values = kv_update(layer, key_states, value_states)
+        result = kv_update(layer, key_states, value_states)
         _check_kv(engine)
-        if executor.num_gather_bytes_held == 0:  # nothing reserved: attention must read the slots themselves
-            assert keys.untyped_storage().data_ptr() in _storages(engine)
-        else:
-            assert keys.nbytes + values.nbytes <= executor.num_gather_bytes_held
-            seen["gather"] += 1
-        return keys, values
+        slots = _storages(engine)
+        copies = [k for k, _ in executor.layer_kv if k.untyped_storage().data_ptr() not in slots]
+        for keys in (k for k, _ in executor.layer_kv if k.untyped_storage().data_ptr() in slots):
+            assert keys.shape[1] <= engine.kv_store.block_size  # read in place: one block, nothing gathered
+        assert sum(k.untyped_storage().nbytes() for k in copies) <= executor.num_gather_bytes_held  # K and V share
+        seen["gather"] += bool(copies)
+        return result
 
     def checked_lowbit(key):
         fetched = lowbit(key)

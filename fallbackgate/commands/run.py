@@ -77,6 +77,14 @@ def add_parser(subparsers: Any) -> None:
         help="hardware profile the controller predicts with: measured (default: this machine, `fallbackgate "
         "profile`) or a shipped what-if (cpu-box, pcie4-gpu-nvme)",
     )
+    p.add_argument(
+        "--io-threads",
+        type=int,
+        choices=range(0, 9),
+        default=2,
+        metavar="N",
+        help="threads reading experts from disk ahead of use, 0-8 (default 2; 0: every read on the compute thread)",
+    )
     p.add_argument("--controller", choices=CONTROLLER_KINDS, default=None, help="controller (overrides the policy)")
     p.add_argument("--mode", choices=("observe", "enforce"), default=None, help="audit mode (overrides the policy)")
     p.add_argument(
@@ -145,6 +153,7 @@ def _settings(args: argparse.Namespace) -> RunSettings:
         args.preempt,
         dtype=args.dtype,
         is_stacked_when_fits=not args.force,
+        num_io_threads=args.io_threads,
     )
 
 

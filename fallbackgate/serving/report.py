@@ -22,6 +22,28 @@ def tag_totals(outcome: RunOutcome) -> dict[str, dict[str, int]]:
     return totals
 
 
+def transfer_summary(outcome: RunOutcome) -> dict[str, Any]:
+    """Measured expert disk reads over the run: seconds in all, hidden under compute and exposed, and the
+    next-layer prediction's precision (started reads a layer used) and recall (needed reads it started)."""
+    clocks = [s.transfer for s in outcome.steps if s.transfer is not None]
+    total = sum(c.transfer_s for c in clocks)
+    exposed = sum(c.exposed_s for c in clocks)
+    predicted = sum(c.num_predicted for c in clocks)
+    used = sum(c.num_predicted_used for c in clocks)
+    unpredicted = sum(c.num_unpredicted for c in clocks)
+    return {
+        "read_s": total,
+        "hidden_s": max(total - exposed, 0.0),
+        "exposed_s": exposed,
+        "hidden_fraction": (total - exposed) / total if total > 0 else None,
+        "num_predicted": predicted,
+        "num_predicted_used": used,
+        "num_unpredicted": unpredicted,
+        "prefetch_precision": used / predicted if predicted else None,
+        "prefetch_recall": used / (used + unpredicted) if used + unpredicted else None,
+    }
+
+
 def slo_attainment(outcome: RunOutcome, slos: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
     """Per class: requests meeting the class's TTFT and TPOT targets in measured wall clock, and the misses."""
     out: dict[str, dict[str, Any]] = {}
@@ -81,6 +103,7 @@ def to_json(
         "modeled_s": sum(s.modeled_s for s in outcome.steps),
         "profile": outcome.profile_name,
         "slo_attainment": slo_attainment(outcome, slos),
+        "expert_reads": transfer_summary(outcome),
         "memory": outcome.memory,
         **(extra or {}),
     }
@@ -129,6 +152,19 @@ def print_report(outcome: RunOutcome, out: TextIO, slos: dict[str, dict[str, Any
         out.write(f"peak device pool {mem['peak_device_pool_bytes'] / 2**20:.2f} MiB (by kind, MiB: {peaks}); "
                   f"peak host tier {mem['peak_host_pool_bytes'] / 2**20:.2f} MiB of "
                   f"{mem['host_budget_bytes'] / 2**20:.2f}\n")
+    reads = transfer_summary(outcome)
+    if reads["read_s"] > 0:
+        share = f" ({reads['hidden_fraction']:.0%})" if reads["hidden_fraction"] is not None else ""
+        predicted = (
+            f"; next-layer read-ahead: {reads['num_predicted']} started, precision "
+            f"{reads['prefetch_precision']:.2f}, recall {reads['prefetch_recall']:.2f}"
+            if reads["prefetch_precision"] is not None
+            else ""
+        )
+        out.write(
+            f"expert disk reads (measured): {reads['read_s']:.2f} s, {reads['hidden_s']:.2f} s hidden under "
+            f"compute and other reads{share}, {reads['exposed_s']:.2f} s exposed{predicted}\n"
+        )
     out.write(f"\n{'tag':<14} {'exactness':<12} {'count':>10} {'MiB moved':>10}\n")
     for tag, total in tag_totals(outcome).items():
         if total["count"]:

@@ -1,0 +1,121 @@
+"""Expert reads from the checkpoint on I/O threads, ahead of their use, and the step's transfer clock.
+
+Mechanism only: the controller chooses what to read ahead (:meth:`Controller.choose_prefetch`); the store
+reserves host-budget room for each read before it starts, and a demand read of a key in flight waits for
+it rather than reading again. On 2 cores the torch compute threads keep running while an I/O thread
+sleeps in ``pread`` (``O_DIRECT`` reads are DMA; only the checksum costs CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from fallbackgate.engine.weights import ExpertWeights
+
+ExpertKey = tuple[int, int]
+Read = tuple[ExpertWeights, str]  # the weights and a note for the ledger (e.g. a cleared checksum fault)
+
+
+@dataclasses.dataclass(slots=True)
+class TransferClock:
+    """Disk-read time of one step: all of it, the part the compute thread waited for, and the reads."""
+
+    transfer_s: float = 0.0  # seconds of expert disk reads finished for this step (in whichever thread)
+    exposed_s: float = 0.0  # seconds the compute thread spent in or waiting for those reads
+    num_predicted: int = 0  # reads started for the next layer's predicted experts
+    num_predicted_used: int = 0  # reads a layer needed that a prediction had started (prefetch hits)
+    num_unpredicted: int = 0  # reads a layer needed that no prediction had started (prefetch misses)
+
+    @property
+    def hidden_s(self) -> float:
+        """Read time that overlapped compute."""
+        return max(self.transfer_s - self.exposed_s, 0.0)
+
+
+@dataclasses.dataclass(slots=True)
+class _Flight:
+    future: Future  # resolves to ((weights, note), seconds the read took)
+    step_id: int  # step that started it
+    is_predicted: bool  # started for a predicted next-layer expert (not for the current layer's own routing)
+
+
+class ReadAhead:
+    """A pool of I/O threads reading experts ahead of use; `take` hands a read over to its consumer."""
+
+    def __init__(self, read: Callable[[ExpertKey], Read], num_threads: int) -> None:
+        self.read = read
+        self.pool = ThreadPoolExecutor(num_threads, thread_name_prefix="fallbackgate-read") if num_threads else None
+        self.flights: dict[ExpertKey, _Flight] = {}
+        self.clock = TransferClock()
+        self.total = TransferClock()  # the whole run
+
+    def _timed(self, key: ExpertKey) -> tuple[Read, float]:
+        started = time.perf_counter()
+        got = self.read(key)
+        return got, time.perf_counter() - started
+
+    @property
+    def has_threads(self) -> bool:
+        return self.pool is not None
+
+    def is_in_flight(self, key: ExpertKey) -> bool:
+        return key in self.flights
+
+    def start(self, key: ExpertKey, step_id: int, is_predicted: bool) -> None:
+        """Start reading `key` (the caller has reserved its host room)."""
+        if self.pool is None:
+            raise RuntimeError("read-ahead has no I/O threads")
+        self.flights[key] = _Flight(self.pool.submit(self._timed, key), step_id, is_predicted)
+        self.clock.num_predicted += int(is_predicted)
+
+    def take(self, key: ExpertKey) -> Read:
+        """The weights of a read in flight, waiting for it if needed (the wait is exposed time); a read
+        that failed raises its error here, in the consumer's thread."""
+        flight = self.flights.pop(key)
+        started = time.perf_counter()
+        got, read_s = flight.future.result()
+        self.clock.exposed_s += time.perf_counter() - started
+        self.clock.transfer_s += read_s
+        if flight.is_predicted:
+            self.clock.num_predicted_used += 1
+        else:
+            self.clock.num_unpredicted += 1
+        return got
+
+    def demand_read(self, key: ExpertKey) -> Read:
+        """A read nothing started ahead: all of it is exposed."""
+        got, read_s = self._timed(key)
+        self.clock.transfer_s += read_s
+        self.clock.exposed_s += read_s
+        self.clock.num_unpredicted += 1
+        return got
+
+    def finished_before(self, step_id: int) -> list[tuple[ExpertKey, ExpertWeights | None]]:
+        """Reads started before `step_id`, finished and not taken: their results (None for a failed read),
+        removed. Reads still running stay in flight (nothing waits for them here)."""
+        out = []
+        for key in [k for k, f in self.flights.items() if f.step_id < step_id and f.future.done()]:
+            flight = self.flights.pop(key)
+            try:
+                (weights, _), read_s = flight.future.result()
+            except Exception:  # noqa: BLE001 - an unused read that failed is simply dropped
+                out.append((key, None))
+                continue
+            self.clock.transfer_s += read_s  # overlapped compute entirely: nothing waited for it
+            out.append((key, weights))
+        return out
+
+    def end_step(self) -> TransferClock:
+        """This step's clock, added to the run's total; a fresh clock for the next step."""
+        clock, self.clock = self.clock, TransferClock()
+        for field in dataclasses.fields(TransferClock):
+            setattr(self.total, field.name, getattr(self.total, field.name) + getattr(clock, field.name))
+        return clock
+
+    def close(self) -> None:
+        """Wait for reads in flight and stop the threads."""
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
