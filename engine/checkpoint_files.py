@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import errno
 import json
-import mmap
 import os
 import pathlib
+import threading
 import weakref
 from typing import Any
 
@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 
 from fallbackgate.engine.errors import CheckpointError
+from fallbackgate.engine.span_pool import SpanPool
 
 INDEX_FILE = "model.safetensors.index.json"
 DIRECT_ALIGN = 4096  # O_DIRECT offset, length and buffer alignment (the largest common logical block size)
@@ -40,6 +41,8 @@ class CheckpointFiles:
         self._handles: dict[pathlib.Path, Any] = {}
         self._ranges: dict[str, tuple[int, int]] = {}  # tensor -> (absolute offset, bytes) in its file
         self._fds: dict[pathlib.Path, tuple[int, bool]] = {}  # file -> (descriptor, opened with O_DIRECT)
+        self._fd_lock = threading.Lock()  # I/O threads open files too
+        self.spans = SpanPool()  # read buffers, recycled once no tensor views them
         weakref.finalize(self, _close_all, self._fds)
         index = path / INDEX_FILE
         files = self._files_from_index(index) if index.exists() else sorted(path.glob("*.safetensors"))
@@ -154,14 +157,14 @@ class CheckpointFiles:
     def _read_span(self, file: pathlib.Path, offset: int, num_bytes: int, name: str) -> torch.Tensor:
         """`num_bytes` at `offset` of `file` as a uint8 tensor over its own anonymous mapping.
 
-        Page-aligned, so O_DIRECT reads straight into it; and unmapped as soon as the last tensor over it
-        goes, so a cache that churns through experts returns their memory to the system at once (from
-        malloc's heap, 12.6 MB buffers freed in varying order grew the process past an 8 GiB cap).
+        Page-aligned, so O_DIRECT reads straight into it. Mappings are not malloc'd (12.6 MB buffers freed
+        in varying order grew the heap past an 8 GiB cap) but taken from a pool that recycles a mapping once
+        no tensor views it, and unmaps idle ones beyond a few (see :mod:`fallbackgate.engine.span_pool`).
         """
         fd, is_direct = self._descriptor(file)
         head = offset % DIRECT_ALIGN if is_direct else 0
         length = -(-(head + num_bytes) // DIRECT_ALIGN) * DIRECT_ALIGN if is_direct else num_bytes
-        mapping = mmap.mmap(-1, max(length, 1))
+        mapping = self.spans.get(length)
         try:
             got = os.preadv(fd, [memoryview(mapping)[:length]], offset - head) - head  # short only at EOF
         except OSError as exc:
@@ -175,6 +178,10 @@ class CheckpointFiles:
         return torch.frombuffer(mapping, dtype=torch.uint8)[head : head + num_bytes]  # keeps the mapping alive
 
     def _descriptor(self, file: pathlib.Path) -> tuple[int, bool]:
+        with self._fd_lock:
+            return self._open_descriptor(file)
+
+    def _open_descriptor(self, file: pathlib.Path) -> tuple[int, bool]:
         opened = self._fds.get(file)
         if opened is None:
             try:

@@ -72,7 +72,7 @@ class Executor:
         if layer in self.expert_store.stacked_layers:
             return self._run_stacked(module, layer, hidden, top_k_index, top_k_weights)
         uses = plan_expert_uses(self, layer, top_k_index, top_k_weights)
-        if self.expert_store.is_disk_tiered and self.expert_store.read_ahead.has_threads:
+        if self.expert_store.is_disk_tiered and self.expert_store.num_read_slots:
             self._start_reads(layer, hidden, uses)
         weights = renormalise_deferred(top_k_weights, uses, ctx.is_observe)
         out = torch.zeros_like(hidden)
@@ -84,19 +84,17 @@ class Executor:
         return out
 
     def _start_reads(self, layer: int, hidden: torch.Tensor, uses: list[ExpertUse]) -> None:
-        """Start disk reads of this layer's misses (they proceed while earlier experts compute), then of the
+        """Queue disk reads of this layer's misses (they proceed while earlier experts compute), then of the
         experts the next layer's router picks for this layer's hidden state (pre-gating), as the controller
         allows; those run while this layer computes."""
-        step_id, store = self.ctx.step_id, self.expert_store
         needed = [u.key for u in uses if u.decision.tag in (Tag.EXACT_LOAD, Tag.CPU_EXECUTE)]
-        store.start_reads(list(dict.fromkeys(needed)), step_id, is_predicted=False)
+        predicted: list[ExpertKey] = []
         router = self.routers.get(layer + 1)
-        if router is None:
-            return
-        logits = torch.nn.functional.linear(hidden.to(router.weight.dtype), router.weight)
-        ids = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices.unique().tolist()
-        predicted = [(layer + 1, e) for e in ids]
-        store.start_reads(self.controller.choose_read_ahead(predicted, self.view_factory()), step_id, True)
+        if router is not None:
+            logits = torch.nn.functional.linear(hidden.to(router.weight.dtype), router.weight)
+            ids = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices.unique().tolist()
+            predicted = self.controller.choose_read_ahead([(layer + 1, e) for e in ids], self.view_factory())
+        self.expert_store.queue_reads(list(dict.fromkeys(needed)), predicted, self.ctx.step_id)
 
     def _run_expert(
         self,

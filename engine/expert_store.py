@@ -24,6 +24,8 @@ from fallbackgate.engine.weights import ExpertWeights
 
 __all__ = ["ExpertKey", "ExpertStore", "ExpertWeights", "Fetched"]
 
+READ_SLOTS = 8  # experts read ahead at once at most
+
 DEQUANT_ROWS = 64  # rows dequantized at a time: bounds the fp32 working set of an expert_lowbit copy
 
 
@@ -68,12 +70,17 @@ class ExpertStore:
         self.stacked_layers: set[int] = set()  # layers whose experts all sit in one resident stack (pinned)
         self.read_ahead = ReadAhead(self._verified_read, num_io_threads)
         self.is_disk_tiered = False  # some expert's only copy is the checkpoint on disk
+        host_slots = host_pool.budget_bytes // max(1, self.bytes_per_expert)
+        # experts that may be read ahead at once; their host room is kept out of the cache's reach
+        self.num_read_slots = min(READ_SLOTS, max(1, host_slots // 4)) if num_io_threads and host_slots >= 2 else 0
+        self.pending_reads: list[tuple[ExpertKey, bool]] = []  # (key, is_predicted) waiting for a read slot
+        self.pending_step_id = 0
 
     def warm_host(self) -> int:
         """Fill the host cache in key order while it has room (what a fresh process would read first)."""
         num_read = 0
         for key in self.entries:
-            if not self.host_pool.can_reserve(self.bytes_per_expert):
+            if not self.host_pool.can_reserve(self.bytes_per_expert + self._read_slot_bytes()):
                 break
             self._cache_on_host(key, self._read_disk(key)[0])
             num_read += 1
@@ -81,23 +88,33 @@ class ExpertStore:
         self.read_ahead.end_step()  # warm-up reads are not a step's
         return num_read
 
-    def start_reads(self, keys: list[ExpertKey], step_id: int, is_predicted: bool) -> int:
-        """Start disk reads of those `keys` whose only copy is on disk, each into host-budget room reserved
-        now (the least recently used host copy makes way); returns how many started."""
-        if not self.read_ahead.has_threads:
-            return 0
-        num_started = 0
-        for key in keys:
-            entry = self.entries[key]
-            if entry.device is not None or entry.host is not None or self.read_ahead.is_in_flight(key):
+    def queue_reads(self, needed: list[ExpertKey], predicted: list[ExpertKey], step_id: int) -> None:
+        """Read ahead: the current layer's `needed` misses first, then the `predicted` experts of the next
+        layer, replacing what an earlier layer queued; reads start as read slots free up (see `_pump`)."""
+        if not self.num_read_slots:
+            return
+        queued = [(k, False) for k in needed] + [(k, True) for k in predicted if k not in set(needed)]
+        self.pending_reads = [(k, is_p) for k, is_p in dict(queued).items() if self._is_disk_only(k)]
+        self.pending_step_id = step_id
+        self._pump()
+
+    def _is_disk_only(self, key: ExpertKey) -> bool:
+        entry = self.entries[key]
+        return entry.device is None and entry.host is None and not self.read_ahead.is_in_flight(key)
+
+    def _pump(self) -> None:
+        """Start queued reads while a read slot is free: each holds its expert's host bytes, in room the host
+        cache leaves free for them (so a read ahead never evicts a cached expert)."""
+        while self.pending_reads and len(self.read_ahead.flights) < self.num_read_slots:
+            key, is_predicted = self.pending_reads.pop(0)
+            if not self._is_disk_only(key) or not self.host_pool.can_reserve(self.bytes_per_expert):
                 continue
-            self._make_host_room()
-            if not self.host_pool.can_reserve(self.bytes_per_expert):
-                break
             self.host_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
-            self.read_ahead.start(key, step_id, is_predicted)
-            num_started += 1
-        return num_started
+            self.read_ahead.start(key, self.pending_step_id, is_predicted)
+
+    def _read_slot_bytes(self) -> int:
+        """Host bytes the cache leaves free for read slots not in use."""
+        return max(0, self.num_read_slots - len(self.read_ahead.flights)) * self.bytes_per_expert
 
     def settle_reads(self, step_id: int) -> list[ExpertKey]:
         """Reads started before `step_id` that nobody took become host-cache entries (their room was already
@@ -221,7 +238,7 @@ class ExpertStore:
         self.device_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)
         if self.is_aliased:  # the bytes stay in RAM as the host cache's newest entry (one LRU over both)
             self._make_host_room()
-            if self.host_pool.can_reserve(self.bytes_per_expert):
+            if self.host_pool.can_reserve(self.bytes_per_expert + self._read_slot_bytes()):
                 self._cache_on_host(key, weights)
 
     def host_weights(self, key: ExpertKey) -> Fetched:
@@ -266,7 +283,7 @@ class ExpertStore:
         weights, note = self._read_disk(key)
         if is_cached:
             self._make_host_room()
-            if self.host_pool.can_reserve(self.bytes_per_expert):
+            if self.host_pool.can_reserve(self.bytes_per_expert + self._read_slot_bytes()):
                 self._cache_on_host(key, weights)
         return Fetched(weights, Tier.DISK, self.bytes_per_expert, note)
 
@@ -276,6 +293,7 @@ class ExpertStore:
         if self.read_ahead.is_in_flight(key):
             self.host_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)  # the caller places the bytes
             weights, note = self.read_ahead.take(key)
+            self._pump()
             return weights, "; ".join(filter(None, ["read ahead", note]))
         return self.read_ahead.demand_read(key)
 
@@ -298,5 +316,5 @@ class ExpertStore:
 
     def _make_host_room(self) -> None:
         """Evict the least recently used host copy when the cache is full (it can be read again)."""
-        if self.host_lru and not self.host_pool.can_reserve(self.bytes_per_expert):
+        if self.host_lru and not self.host_pool.can_reserve(self.bytes_per_expert + self._read_slot_bytes()):
             self._drop_host(next(iter(self.host_lru)))

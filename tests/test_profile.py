@@ -1,18 +1,22 @@
 """The measured hardware profile: the curve fit, the per-machine cache, the command, and the controller's
-use of measured CPU time (a step's cpu_execute experts add up against its deadline)."""
+use of measured time (a step's cpu_execute experts add up against its deadline; a late exact KV copy is
+arbitrated against the step's expert loads)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import pathlib
+import types
 
 import pytest
+import torch
 
 from fallbackgate.cli import main
 from fallbackgate.controllers import make_controller
-from fallbackgate.engine.controller import EngineView, ExpertMiss
+from fallbackgate.engine.controller import EngineView, ExpertMiss, KVMiss
 from fallbackgate.engine.hardware import CPU_BOX, ExpertCurve, HardwareProfile
+from fallbackgate.engine.kv_block import KVBlock
 from fallbackgate.engine.messages import StepKind, StepPlan
 from fallbackgate.engine.tags import Tag, Tier
 from fallbackgate.policy.schema import SLO, Policy, QualityBudget, RequestClass
@@ -124,3 +128,44 @@ def test_cpu_execute_time_adds_up_within_a_step() -> None:
     ]
     # a 1 MiB load takes 10.5 ms on this link: too late; 2.5 ms of CPU time holds two 1 ms CPU experts
     assert tags == [Tag.CPU_EXECUTE, Tag.CPU_EXECUTE, Tag.EXPERT_DEFER, Tag.EXPERT_DEFER]
+
+
+class _KVWithOneSpilledBlock(FakeKV):
+    """One request "r" whose layer-0 block 0 has only a host copy (off device)."""
+
+    def __init__(self) -> None:
+        self.block = KVBlock(("r", 0, 0), num_tokens=16, host=torch.zeros(1))
+
+    def blocks(self, request_id: str, layer: int) -> list:
+        return [self.block] if layer == 0 else []
+
+
+class _Store(FakeExperts):
+    entries = {(0, e): None for e in range(8)}
+    reader = types.SimpleNamespace(compute_dtype=torch.float32)
+
+
+def _arbitrated(allowed: list[str]) -> tuple[object, object]:
+    """A 1 ms TPOT target, a link on which the block's 64 KiB take 6.6 ms, a fast device: recompute of
+    the 32 tokens since the block is predicted well inside the deadline."""
+    budget = QualityBudget(max_mean_kl=1.0, max_p99_kl=1.0, max_approx_fraction=1.0, allowed_tags=allowed)
+    policy = Policy(classes={"c": RequestClass(slo=SLO(tpot_ms=1.0, ttft_ms=10), budget=budget)}, default_class="c")
+    controller = make_controller("joint", policy, top_k=2)
+    profile = HardwareProfile("t", 1e7, 1e7, 1e7, 1e7, 1e13, 1e13, 0.0, device_bytes_per_s=1e12)
+    plan = StepPlan(1, StepKind.DECODE, ["r"], {"r": 1}, {"r": 32})
+    kv = _KVWithOneSpilledBlock()
+    controller.on_step_start(plan, EngineView(_Store(), kv, profile, {"r": "c"}, ["r"], [], [], []))
+    decision = controller.kv_action(KVMiss(1, "r", "c", 0, 0, Tier.HOST, None, 0, kv.bytes_per_block))
+    return decision, controller.arbitrations
+
+
+def test_a_late_exact_kv_copy_is_recomputed_when_the_class_allows() -> None:
+    decision, [arbitration] = _arbitrated(["recompute"])
+    assert decision.tag is Tag.RECOMPUTE and arbitration.choice is Tag.RECOMPUTE
+    assert "exact copy late (6.554 ms of link" in decision.reason and "recompute predicted" in decision.reason
+
+
+def test_a_late_exact_kv_copy_loads_late_when_nothing_else_is_allowed() -> None:
+    decision, [arbitration] = _arbitrated([])
+    assert decision.tag is Tag.EXACT_LOAD
+    assert arbitration.choice is Tag.EXACT_LOAD and arbitration.reason.endswith("slo slip")

@@ -4,7 +4,8 @@
 A checkpoint larger than memory (e.g. ``python -m fallbackgate.synth --like olmoe-1b-7b --out DIR``, 13.5 GB
 in bf16), measured in one run on this machine (root and the cgroup v1 memory controller needed):
 
-(a) the engine inside a memory cgroup capped at ``--cgroup-mb`` (page cache included), streaming experts;
+(a) the engine inside a memory cgroup capped at ``--cgroup-mb`` (page cache included), streaming experts
+    with reads on I/O threads ahead of use, and again with every read on the compute thread;
 (b) accelerate's disk offload inside the same cgroup, given the same memory for weights;
 (c) the physical bound: expert-miss bytes per token, counted as Belady's MIN would at the engine's cache
     size on the engine's own expert trace, divided by the cold per-expert random read bandwidth;
@@ -126,6 +127,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--num-reads", type=int, default=64, help="random experts read for the bandwidth")
     p.add_argument("--scratch", default=None, help="directory for accelerate's offload folder (default: TMPDIR)")
+    p.add_argument("--skip-accelerate", action="store_true", help="skip (b), accelerate's disk offload")
     p.add_argument("--skip-in-memory", action="store_true", help="skip (d) when the machine cannot hold the model")
     return p.parse_args(argv)
 
@@ -145,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results["disk_read"] = run_child("diskread", args, ["--num-reads", str(args.num_reads)], cgroup)
         results["engine_cgroup"] = run_child("engine", args, budgets, cgroup)
-        results["accelerate_cgroup"] = run_accelerate(args, scratch, cgroup)
+        results["engine_cgroup_no_read_ahead"] = run_child("engine", args, [*budgets, "--io-threads", "0"], cgroup)
+        if not args.skip_accelerate:
+            results["accelerate_cgroup"] = run_accelerate(args, scratch, cgroup)
         if not args.skip_in_memory:
             results["engine_in_memory"] = run_child("engine", args, [], None)
             results["engine_in_memory_unstacked"] = run_child("engine", args, ["--no-stack"], None)
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def summarise(results: dict[str, Any]) -> None:
     """Add the ratios and checks, and print them."""
-    engine, acc = results["engine_cgroup"], results["accelerate_cgroup"]
+    engine, acc = results["engine_cgroup"], results.get("accelerate_cgroup", {})
     summary: dict[str, Any] = {}
     if engine.get("exit_status") == 0:
         results["bound"] = physical_bound(engine, results["disk_read"])
@@ -170,6 +174,12 @@ def summarise(results: dict[str, Any]) -> None:
         uses, reads = results["bound"]["num_expert_uses"], engine["num_expert_disk_reads"]
         summary["expert_hit_rate"] = 1 - reads / uses
         summary["expert_bytes_read_per_token"] = reads * engine["bytes_per_expert"] / engine["num_output_tokens"]
+        for key in ("hidden_fraction", "prefetch_precision", "prefetch_recall"):
+            summary[f"read_{key}"] = engine["expert_reads"][key]
+    serial = results.get("engine_cgroup_no_read_ahead", {})
+    if serial.get("exit_status") == 0 and engine.get("exit_status") == 0:
+        summary["read_ahead_speedup"] = engine["tokens_per_s"] / serial["tokens_per_s"]
+        summary["tokens_equal_without_read_ahead"] = serial["output_token_ids"] == engine["output_token_ids"]
     if acc.get("exit_status") == 0 and engine.get("exit_status") == 0:
         summary["engine_over_accelerate"] = engine["tokens_per_s"] / acc["tokens_per_s"]
         summary["accelerate_peak_cgroup_gib"] = acc["cgroup_peak_bytes"] / GIB

@@ -26,6 +26,7 @@ from fallbackgate.engine.checkpoint_files import CheckpointFiles
 from fallbackgate.engine.config import MIB, EngineConfig
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.expert_reader import map_experts, read_source
+from fallbackgate.engine.read_ahead import TransferClock
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.serving.prompts import BUILTIN_PROMPTS
 from fallbackgate.sweep.belady import TraceRecorder
@@ -55,7 +56,12 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         budgets["host_budget_bytes"] = int(args.host_budget_mb * MIB)
     recorder = TraceRecorder(ExactLRUController())
     config = EngineConfig(
-        args.model, max_num_seqs=args.num_prompts, block_size=16, is_stacked_when_fits=not args.no_stack, **budgets
+        args.model,
+        max_num_seqs=args.num_prompts,
+        block_size=16,
+        is_stacked_when_fits=not args.no_stack,
+        num_io_threads=args.io_threads,
+        **budgets,
     )
     engine = Engine(config, recorder)
     loaded_s = time.perf_counter() - started
@@ -82,6 +88,20 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         "peak_host_pool_bytes": store.host_pool.peak_used_bytes,
         "dense_bytes": engine.num_dense_bytes,
         "trace": [list(k) for k in recorder.trace],
+        "expert_reads": _reads(store.read_ahead.total),
+    }
+
+
+def _reads(total: TransferClock) -> dict[str, Any]:
+    """The run's measured expert-read clock: time, hidden share, and the next-layer prediction's quality."""
+    used, predicted, unpredicted = total.num_predicted_used, total.num_predicted, total.num_unpredicted
+    return {
+        "read_s": total.transfer_s,
+        "exposed_s": total.exposed_s,
+        "hidden_fraction": total.hidden_s / total.transfer_s if total.transfer_s else None,
+        "num_predicted": predicted,
+        "prefetch_precision": used / predicted if predicted else None,
+        "prefetch_recall": used / (used + unpredicted) if used + unpredicted else None,
     }
 
 
@@ -154,6 +174,7 @@ def main() -> None:
     p.add_argument("--num-reads", type=int, default=64)
     p.add_argument("--scratch", default=None, help="directory for accelerate's offload folder")
     p.add_argument("--no-stack", action="store_true", help="everything in memory, but experts kept one by one")
+    p.add_argument("--io-threads", type=int, default=2, help="engine threads reading experts ahead (0: none)")
     args = p.parse_args()
     torch.manual_seed(0)
     runners = {

@@ -30,11 +30,13 @@ def make_controller(
     cost_model: CostModel | None = None,
     top_k: int = 1,
     expert_fraction: float | None = None,
+    is_equivalent_allowed: bool = False,
 ) -> Controller:
     """Build the controller `kind` for `policy` (a default policy when None).
 
     `top_k` is the model's experts per token (the joint controller's lower bound on objects per step);
-    `expert_fraction` overrides the policy's static split share.
+    `expert_fraction` overrides the policy's static split share; `is_equivalent_allowed` lets the static
+    split and independent LRU baselines serve a late miss with the equivalent tags joint may use.
     """
     kind = ControllerKind(kind)
     policy = policy or Policy()
@@ -42,9 +44,9 @@ def make_controller(
         return JointController(policy, cost_model, top_k=top_k)
     if kind is ControllerKind.STATIC_SPLIT:
         fraction = expert_fraction if expert_fraction is not None else policy.controller.expert_fraction
-        return StaticSplitController(fraction)
+        return StaticSplitController(fraction, policy, is_equivalent_allowed)
     if kind is ControllerKind.INDEPENDENT_LRU:
-        return IndependentLRUController()
+        return IndependentLRUController(policy, is_equivalent_allowed)
     return ExactLRUController(kv_quant_bits=policy.controller.kv_quant_bits)
 
 

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from fallbackgate.controllers.link import LinkBudget
+from fallbackgate.controllers.timing import cpu_expert_s, step_deadline_s
 from fallbackgate.engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
 from fallbackgate.engine.expert_store import ExpertKey
+from fallbackgate.engine.hardware import CPU_BOX
 from fallbackgate.engine.kv_store import KVBlockKey, SpillMode
+from fallbackgate.engine.messages import StepPlan
 from fallbackgate.engine.tags import Tag
+from fallbackgate.policy.schema import Policy
 
 
 class Recency:
@@ -65,12 +70,40 @@ def full_block_keys(view: EngineView) -> set[KVBlockKey]:
 
 
 class ExactBaseline(Controller):
-    """Exact-only decisions shared by the baselines: load every miss at full precision."""
+    """Exact decisions shared by the baselines: load every miss at full precision.
 
-    def __init__(self) -> None:
+    With a `policy` and `is_equivalent_allowed`, a miss whose load cannot arrive before the step's deadline
+    runs on the CPU instead (``cpu_execute``: the same math) when its class allows that tag and the measured
+    profile predicts it faster, the step's CPU experts adding up as the joint controller counts them: the
+    same equivalent tags joint may use, so a comparison isolates placement."""
+
+    def __init__(self, policy: Policy | None = None, is_equivalent_allowed: bool = False) -> None:
         self.recency = Recency()
+        self.policy = policy
+        self.is_equivalent_allowed = is_equivalent_allowed and policy is not None
+        self.link = LinkBudget(CPU_BOX)
+        self.cpu_left_s = 0.0
+
+    def on_step_start(self, plan: StepPlan, view: EngineView) -> None:
+        if self.is_equivalent_allowed and self.policy is not None:
+            self.link.profile = view.profile
+            deadline = step_deadline_s(self.policy, plan, view)
+            self.link.reset(deadline)
+            self.cpu_left_s = deadline
 
     def expert_action(self, miss: ExpertMiss) -> Decision:
+        if not self.is_equivalent_allowed or self.policy is None:
+            return Decision(Tag.EXACT_LOAD)
+        if self.link.fits(miss.num_bytes, miss.home):
+            self.link.take(miss.num_bytes, miss.home)
+            return Decision(Tag.EXACT_LOAD)
+        cls = self.policy.classes.get(miss.request_class)
+        cpu_s = cpu_expert_s(self.link.profile, miss)
+        is_allowed = cls is not None and "cpu_execute" in cls.budget.allowed_tags
+        if is_allowed and cpu_s < sum(self.link.legs(miss.num_bytes, miss.home).values()) and cpu_s <= self.cpu_left_s:
+            self.cpu_left_s -= cpu_s
+            return Decision(Tag.CPU_EXECUTE, reason="deadline: same math on the CPU")
+        self.link.take(miss.num_bytes, miss.home)
         return Decision(Tag.EXACT_LOAD)
 
     def kv_action(self, miss: KVMiss) -> Decision:

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from fallbackgate.controllers.arbitration import Arbitration, arbitrate
 from fallbackgate.controllers.base import Recency, take_victims
 from fallbackgate.controllers.cost import CostModel, lowbit_error_energy, quant_error_energy
 from fallbackgate.controllers.joint_memory import rebalance
 from fallbackgate.controllers.link import LinkBudget
+from fallbackgate.controllers.timing import cpu_expert_s, step_deadline_s
 from fallbackgate.controllers.values import ValueModel
 from fallbackgate.engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
 from fallbackgate.engine.expert_store import ExpertKey
@@ -30,8 +32,6 @@ from fallbackgate.engine.messages import StepPlan
 from fallbackgate.engine.tags import Tag, Tier
 from fallbackgate.policy.budgets import BudgetBook, RequestBudget
 from fallbackgate.policy.schema import Policy, QualityBudget
-
-_ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclasses.dataclass(slots=True)
@@ -62,13 +62,15 @@ class JointController(Controller):
         self.kv_energy: dict[KVBlockKey, float] = {}
         self.slips: list[Slip] = []
         self.kv_store: KVStore | None = None  # the engine's KV store, read to size quantization errors
+        self.kv_plan: dict[KVBlockKey, Decision] = {}  # late exact KV copies served otherwise this step
+        self.arbitrations: list[Arbitration] = []  # every late exact KV copy and what was served
 
     # --- per step --------------------------------------------------------------------------------
     def on_step_start(self, plan: StepPlan, view: EngineView) -> None:
         self.link.profile, self.kv_store = view.profile, view.kv_store
         self.step_id, self.is_observe = plan.step_id, plan.is_observe
         self.loading.clear()
-        deadline = self._deadline_s(plan, view)
+        deadline = step_deadline_s(self.policy, plan, view)
         self.link.reset(deadline)
         self.cpu_left_s = deadline
         base = view.kv_store.num_layers * self.top_k
@@ -81,28 +83,20 @@ class JointController(Controller):
         expected = sum(p * self._load_s(view, k) for k, p in self.values.expected_misses(view)) if must else 0.0
         self.strict_reserve_s = min(expected, max(0.0, self.link.left_s[Tier.HOST]))
 
-    def _deadline_s(self, plan: StepPlan, view: EngineView) -> float:
-        """The step's link and CPU time: the tightest target of its requests less the step's fixed dense
-        time that the profile predicts (transfers and CPU experts must fit beside it)."""
-        targets = []
-        for rid in plan.request_ids:
-            cls = self.policy.classes.get(view.request_classes.get(rid, ""))
-            if cls is not None:
-                targets.append(cls.slo.tpot_ms if plan.num_tokens[rid] == 1 else cls.slo.ttft_ms)
-        dense_s = view.profile.dense_step_s(view.kv_store.num_layers, 0.0)  # the fixed dense part of the step
-        return max((min(targets) if targets else 0.0) / 1000.0 - dense_s, 0.0)
-
     def _queue_kv(self, plan: StepPlan, view: EngineView) -> None:
-        """KV blocks with a full copy must load exactly: queue them first; quantized ones at their size."""
+        """KV blocks with a full copy queue first; one that would arrive late is arbitrated (see
+        :mod:`fallbackgate.controllers.arbitration`) against the step's expert loads."""
         kv = view.kv_store
+        self.kv_plan.clear()
         for rid in plan.request_ids:
             start = plan.start_positions[rid]
+            budget = self._budget(rid, view.request_classes.get(rid, ""))
             for layer in range(kv.num_layers):
                 for block in kv.blocks(rid, layer)[: start // kv.block_size]:
-                    if block.device is not None:
-                        continue
-                    if block.has_exact_copy:
-                        self.link.take(kv.bytes_per_block, Tier.HOST if block.host is not None else Tier.DISK)
+                    if block.device is None and block.has_exact_copy:
+                        decided = arbitrate(self, block, budget, start, view)
+                        if decided is not None:
+                            self.arbitrations.append(decided)
 
     def _load_s(self, view: EngineView, key: ExpertKey) -> float:
         return sum(self.link.legs(view.expert_store.bytes_per_expert, view.expert_store.home(key)).values())
@@ -133,7 +127,7 @@ class JointController(Controller):
                 if tag is Tag.EXPERT_LOWBIT:
                     self.link.take(miss.num_bytes * self.cost.lowbit_bits // 32, Tier.HOST)
                 if tag is Tag.CPU_EXECUTE:  # the step's CPU experts run one after another: their times add up
-                    self.cpu_left_s -= self._cpu_s(miss)
+                    self.cpu_left_s -= cpu_expert_s(self.link.profile, miss)
                 return Decision(tag, cost, "deadline")
         reason = "slo slip: quality budget spent" if budget.is_spent else "slo slip: no allowed fallback fits"
         self.slips.append(Slip(self.step_id, miss.request_id, "expert", reason))
@@ -148,7 +142,7 @@ class JointController(Controller):
     def _expert_fallbacks(self, miss: ExpertMiss) -> list[tuple[Tag, float]]:
         """Fallbacks in order of preference: same math on the CPU when it beats the late load, then by cost."""
         options: list[tuple[Tag, float]] = []
-        cpu_s = self._cpu_s(miss)
+        cpu_s = cpu_expert_s(self.link.profile, miss)
         if cpu_s < sum(self.link.legs(miss.num_bytes, miss.home).values()) and cpu_s <= self.cpu_left_s:
             options.append((Tag.CPU_EXECUTE, 0.0))
         lowbit_bytes = miss.num_bytes * self.cost.lowbit_bits // 32
@@ -159,13 +153,12 @@ class JointController(Controller):
         options.append((Tag.EXPERT_DEFER, self.cost.expert_cost(Tag.EXPERT_DEFER, miss.layer, miss.max_gate_weight)))
         return options
 
-    def _cpu_s(self, miss: ExpertMiss) -> float:
-        """Predicted seconds of the miss's tokens through the expert on the CPU (the measured curve)."""
-        params = miss.num_bytes // _ELEMENT_BYTES.get(miss.dtype, 4)
-        return self.link.profile.expert_s(miss.num_tokens, miss.num_bytes, params, on_cpu=True, dtype=miss.dtype)
-
     def kv_action(self, miss: KVMiss) -> Decision:
         budget = self._budget(miss.request_id, miss.request_class)
+        planned = self.kv_plan.pop((miss.request_id, miss.layer, miss.block_index), None)
+        if planned is not None and not self.is_observe:
+            budget.spend(planned.tag, planned.predicted_cost, False)
+            return planned
         if miss.exact_tier is not None:
             budget.spend(Tag.EXACT_LOAD, 0.0, False)
             if self.link.left_s.get(Tier.HOST, 0.0) < 0:

@@ -7,6 +7,7 @@ from fallbackgate.engine.controller import EngineView, StepEndActions, Victim
 from fallbackgate.engine.expert_store import ExpertKey
 from fallbackgate.engine.kv_store import KVBlockKey
 from fallbackgate.engine.tags import ObjectKind
+from fallbackgate.policy.schema import Policy
 
 
 class StaticSplitController(ExactBaseline):
@@ -16,8 +17,10 @@ class StaticSplitController(ExactBaseline):
     blocks above the KV share go next (LRU, requests not running first); then the LRU of either side.
     """
 
-    def __init__(self, expert_fraction: float = 0.5) -> None:
-        super().__init__()
+    def __init__(
+        self, expert_fraction: float = 0.5, policy: Policy | None = None, is_equivalent_allowed: bool = False
+    ) -> None:
+        super().__init__(policy, is_equivalent_allowed)
         if not 0.0 < expert_fraction < 1.0:
             raise ValueError(f"expert_fraction must be in (0, 1), got {expert_fraction}")
         self.expert_fraction = expert_fraction

@@ -156,3 +156,7 @@ def print_slips(controller: Controller, out: TextIO) -> None:
         print(
             f"\nSLO slips (deadline missed to keep a quality budget or class): {len(slips)} {dict(reasons)}", file=out
         )
+    arbitrations = getattr(controller, "arbitrations", [])
+    if arbitrations:
+        choices = Counter(a.choice.value for a in arbitrations)
+        print(f"late exact KV copies arbitrated against expert loads: {len(arbitrations)} {dict(choices)}", file=out)

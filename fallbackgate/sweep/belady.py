@@ -86,6 +86,9 @@ class TraceRecorder(Controller):
     def on_step_start(self, plan: StepPlan, view: EngineView) -> None:
         self.inner.on_step_start(plan, view)
 
+    def choose_read_ahead(self, predicted: list[ExpertKey], view: EngineView) -> list[ExpertKey]:
+        return self.inner.choose_read_ahead(predicted, view)
+
     def on_step_end(self, view: EngineView) -> StepEndActions:
         """Record the step's expert uses (in use order), then let the wrapped controller act."""
         self.trace.extend(view.used_expert_keys)
