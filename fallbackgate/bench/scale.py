@@ -127,6 +127,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--num-reads", type=int, default=64, help="random experts read for the bandwidth")
     p.add_argument("--scratch", default=None, help="directory for accelerate's offload folder (default: TMPDIR)")
+    p.add_argument("--io-threads", type=int, default=2, help="engine threads reading experts ahead in (a)")
     p.add_argument("--skip-accelerate", action="store_true", help="skip (b), accelerate's disk offload")
     p.add_argument("--skip-in-memory", action="store_true", help="skip (d) when the machine cannot hold the model")
     return p.parse_args(argv)
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"model": args.model, "cgroup_bytes": args.cgroup_mb << 20, "args": vars(args)}
     try:
         results["disk_read"] = run_child("diskread", args, ["--num-reads", str(args.num_reads)], cgroup)
-        results["engine_cgroup"] = run_child("engine", args, budgets, cgroup)
+        results["engine_cgroup"] = run_child("engine", args, [*budgets, "--io-threads", str(args.io_threads)], cgroup)
         results["engine_cgroup_no_read_ahead"] = run_child("engine", args, [*budgets, "--io-threads", "0"], cgroup)
         if not args.skip_accelerate:
             results["accelerate_cgroup"] = run_accelerate(args, scratch, cgroup)

@@ -174,7 +174,7 @@ def main() -> None:
     p.add_argument("--num-reads", type=int, default=64)
     p.add_argument("--scratch", default=None, help="directory for accelerate's offload folder")
     p.add_argument("--no-stack", action="store_true", help="everything in memory, but experts kept one by one")
-    p.add_argument("--io-threads", type=int, default=2, help="engine threads reading experts ahead (0: none)")
+    p.add_argument("--io-threads", type=int, default=None, help="engine threads reading experts ahead (0: none)")
     args = p.parse_args()
     torch.manual_seed(0)
     runners = {

@@ -81,9 +81,10 @@ def add_parser(subparsers: Any) -> None:
         "--io-threads",
         type=int,
         choices=range(0, 9),
-        default=2,
+        default=None,
         metavar="N",
-        help="threads reading experts from disk ahead of use, 0-8 (default 2; 0: every read on the compute thread)",
+        help="threads reading experts from disk ahead of use, 0-8 (default: 2, or 0 on a CPU-only machine with "
+        "2 cores, where they measured slower; 0: every read on the compute thread)",
     )
     p.add_argument("--controller", choices=CONTROLLER_KINDS, default=None, help="controller (overrides the policy)")
     p.add_argument("--mode", choices=("observe", "enforce"), default=None, help="audit mode (overrides the policy)")

@@ -72,7 +72,7 @@ def run_settings(policy: Policy, args: argparse.Namespace) -> RunSettings:
         mem.preempt_mode,
         dtype=getattr(args, "dtype", None),
         is_stacked_when_fits=not getattr(args, "force", None),
-        num_io_threads=getattr(args, "io_threads", 2),
+        num_io_threads=getattr(args, "io_threads", None),
     )
 
 

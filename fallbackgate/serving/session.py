@@ -37,7 +37,7 @@ class RunSettings:
     max_num_batched_tokens: int = 256  # tokens per forward (prefill chunk size)
     dtype: str | None = None  # compute dtype override; None: the checkpoint's own
     is_stacked_when_fits: bool = True  # False when tags are forced: they act on misses, which stacking removes
-    num_io_threads: int = 2  # threads reading experts from disk ahead of use (0: reads on the compute thread)
+    num_io_threads: int | None = None  # threads reading experts ahead of use (None: the engine's default)
 
     def engine_config(self) -> EngineConfig:
         """The engine configuration these settings describe."""
