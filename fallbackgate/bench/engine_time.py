@@ -50,8 +50,8 @@ def _engine(model: str, num_seqs: int, max_len: int, **knobs: Any) -> Engine:
 
 def decode_step_s(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:
     """Median wall time of the steps in which every request decodes one token."""
-    for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens), request_id=f"p{i}")
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_new_tokens=new_tokens), request_id=f"p{len(engine.sequences)}")
     times = []
     while engine.has_unfinished():
         result = engine.step()
@@ -63,18 +63,24 @@ def decode_step_s(engine: Engine, prompts: list[list[int]], new_tokens: int) -> 
 def scaling(model: str, vocab: int) -> dict[str, Any]:
     points = []
     for context in CONTEXTS:
-        engine = _engine(model, max(BATCHES), context + 16)
-        for batch in BATCHES:
+        for batch in BATCHES:  # one prefill step for the whole batch, then every request decodes together
+            engine = _engine(model, batch, context + 16, max_num_batched_tokens=batch * (context + 1))
             step_s = decode_step_s(engine, _prompts(vocab, batch, context, seed=batch), 6)
             points.append({"batch": batch, "context": context, "kv_tokens": batch * context, "step_s": step_s})
             print(f"  batch {batch:2d} context {context:4d}: decode step {step_s * 1e3:8.1f} ms", flush=True)
-    xs, ys = [p["kv_tokens"] for p in points], [p["step_s"] for p in points]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-    fitted = [my + slope * (x - mx) for x in xs]
-    residual = sum((y - f) ** 2 for y, f in zip(ys, fitted, strict=True))
-    r2 = 1 - residual / sum((y - my) ** 2 for y in ys)
-    return {"points": points, "s_per_kv_token": slope, "intercept_s": my - slope * mx, "r2": r2}
+    return {"points": points, **fit_step_time(points)}
+
+
+def fit_step_time(points: list[dict[str, Any]]) -> dict[str, float]:
+    """Least squares ``step_s = fixed + per_request · batch + per_kv_token · kv_tokens``, with R²."""
+    design = torch.tensor([[1.0, p["batch"], p["kv_tokens"]] for p in points], dtype=torch.float64)
+    target = torch.tensor([[p["step_s"]] for p in points], dtype=torch.float64)
+    coef = torch.linalg.lstsq(design, target).solution[:, 0]
+    fitted = (design @ coef).tolist()
+    ys = target[:, 0].tolist()
+    mean = statistics.fmean(ys)
+    r2 = 1 - sum((y - f) ** 2 for y, f in zip(ys, fitted, strict=True)) / sum((y - mean) ** 2 for y in ys)
+    return {"fixed_s": coef[0].item(), "s_per_request": coef[1].item(), "s_per_kv_token": coef[2].item(), "r2": r2}
 
 
 def _timed_engine(model: str, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
@@ -183,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"model": args.model}
     print("scaling (decode step vs total KV):", flush=True)
     result["scaling"] = scaling(args.model, vocab)
-    print(f"  {result['scaling']['s_per_kv_token'] * 1e9:.1f} ns per KV token, R² {result['scaling']['r2']:.3f}")
+    fit = result["scaling"]
+    print(
+        f"  step = {fit['fixed_s'] * 1e3:.1f} ms + {fit['s_per_request'] * 1e3:.2f} ms/request + "
+        f"{fit['s_per_kv_token'] * 1e9:.0f} ns/KV token (R² {fit['r2']:.3f})"
+    )
     result["continuous_batching"] = continuous_batching(args.model, vocab)
     result["batch_one"] = batch_one(args.model, vocab)
     result["read_ahead"] = read_ahead(args.budget_model or args.model, vocab)
