@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from fallbackgate.controllers.arbitration import Arbitration, arbitrate
-from fallbackgate.controllers.base import Recency, take_victims
+from fallbackgate.controllers.base import Recency
 from fallbackgate.controllers.cost import CostModel, lowbit_error_energy, quant_error_energy
 from fallbackgate.controllers.joint_memory import rebalance
 from fallbackgate.controllers.link import LinkBudget
@@ -199,18 +199,27 @@ class JointController(Controller):
     def choose_victims(
         self, num_bytes: int, view: EngineView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
     ) -> list[Victim]:
-        """Everything on device, lowest value per byte first."""
+        """Everything on device, lowest value per byte first (values per request and per home tier are
+        computed once per call: this runs on every miss that needs room)."""
         running = set(view.running_ids)
         ranked: list[tuple[float, Victim]] = [
-            (self.values.expert_value(k, view), Victim(expert_key=k)) for k in view.expert_store.device_keys()
+            (self.values.expert_value(k, view), Victim(expert_key=k))
+            for k in view.expert_store.device_keys()
+            if k not in pinned_experts
         ]
+        per_request: dict[str, tuple[SpillMode, float]] = {}
         for block in view.kv_store.device_blocks():
-            mode = self.spill_mode(block.key[0], view)
-            fraction = 1.0 if mode is SpillMode.HOST_FULL else self.kv_bits / 32
-            value = self.values.kv_value(block.key, view, running, fraction)
+            if block.key in pinned_kv:
+                continue
+            rid = block.key[0]
+            if rid not in per_request:
+                mode = self.spill_mode(rid, view)
+                fraction = 1.0 if mode is SpillMode.HOST_FULL else self.kv_bits / 32
+                per_request[rid] = (mode, self.values.kv_value(block.key, view, running, fraction))
+            mode, value = per_request[rid]
             ranked.append((value, Victim(kv_block_key=block.key, spill_mode=mode)))
         ranked.sort(key=lambda item: item[0])
-        return take_victims([v for _, v in ranked], view, pinned_experts, pinned_kv)
+        return [v for _, v in ranked]
 
     def on_step_end(self, view: EngineView) -> StepEndActions:
         self.values.update(view)

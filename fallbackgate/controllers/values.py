@@ -38,9 +38,12 @@ class ValueModel:
 
     def expert_value(self, key: ExpertKey, view: EngineView) -> float:
         """Seconds saved per step per byte by keeping `key` on device."""
+        freq = self.freq.get(key, 0.0)
+        if not freq:
+            return 0.0
         store = view.expert_store
         seconds = view.profile.transfer_s(store.bytes_per_expert, store.home(key))
-        return self.freq.get(key, 0.0) * seconds / store.bytes_per_expert
+        return freq * seconds / store.bytes_per_expert
 
     def kv_value(self, key: KVBlockKey, view: EngineView, running: set[str], reload_fraction: float = 1.0) -> float:
         """Seconds saved per step per byte by keeping KV block `key` on device (0 when its request is idle)."""
