@@ -5,7 +5,8 @@ A checkpoint larger than memory (e.g. ``python -m fallbackgate.synth --like olmo
 in bf16), measured in one run on this machine (root and the cgroup v1 memory controller needed):
 
 (a) the engine inside a memory cgroup capped at ``--cgroup-mb`` (page cache included), streaming experts
-    with reads on I/O threads ahead of use, and again with every read on the compute thread;
+    with the engine's default I/O threads, and again with the other choice (reads ahead on 2 I/O threads,
+    or every read on the compute thread), for the read-ahead ratio;
 (b) accelerate's disk offload inside the same cgroup, given the same memory for weights;
 (c) the physical bound: expert-miss bytes per token, counted as Belady's MIN would at the engine's cache
     size on the engine's own expert trace, divided by the cold per-expert random read bandwidth;
@@ -28,6 +29,7 @@ import tempfile
 from typing import Any
 
 from fallbackgate.bench.scale_child import drop_page_cache
+from fallbackgate.engine.config import default_io_threads
 from fallbackgate.sweep.belady import belady_misses, lru_misses
 
 CGROUP_ROOT = pathlib.Path("/sys/fs/cgroup/memory")
@@ -127,7 +129,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--num-reads", type=int, default=64, help="random experts read for the bandwidth")
     p.add_argument("--scratch", default=None, help="directory for accelerate's offload folder (default: TMPDIR)")
-    p.add_argument("--io-threads", type=int, default=2, help="engine threads reading experts ahead in (a)")
+    p.add_argument("--io-threads", type=int, default=None, help="engine threads reading experts ahead in (a)")
     p.add_argument("--skip-accelerate", action="store_true", help="skip (b), accelerate's disk offload")
     p.add_argument("--skip-in-memory", action="store_true", help="skip (d) when the machine cannot hold the model")
     return p.parse_args(argv)
@@ -147,8 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"model": args.model, "cgroup_bytes": args.cgroup_mb << 20, "args": vars(args)}
     try:
         results["disk_read"] = run_child("diskread", args, ["--num-reads", str(args.num_reads)], cgroup)
-        results["engine_cgroup"] = run_child("engine", args, [*budgets, "--io-threads", str(args.io_threads)], cgroup)
-        results["engine_cgroup_no_read_ahead"] = run_child("engine", args, [*budgets, "--io-threads", "0"], cgroup)
+        threads = args.io_threads if args.io_threads is not None else default_io_threads()
+        results["io_threads"] = threads
+        results["engine_cgroup"] = run_child("engine", args, [*budgets, "--io-threads", str(threads)], cgroup)
+        other = ["--io-threads", "0" if threads else "2"]  # the other choice, for the read-ahead ratio
+        results["engine_cgroup_other_io"] = run_child("engine", args, [*budgets, *other], cgroup)
         if not args.skip_accelerate:
             results["accelerate_cgroup"] = run_accelerate(args, scratch, cgroup)
         if not args.skip_in_memory:
@@ -175,12 +180,14 @@ def summarise(results: dict[str, Any]) -> None:
         uses, reads = results["bound"]["num_expert_uses"], engine["num_expert_disk_reads"]
         summary["expert_hit_rate"] = 1 - reads / uses
         summary["expert_bytes_read_per_token"] = reads * engine["bytes_per_expert"] / engine["num_output_tokens"]
+    other = results.get("engine_cgroup_other_io", {})
+    if other.get("exit_status") == 0 and engine.get("exit_status") == 0:
+        with_threads, without = (engine, other) if results["io_threads"] else (other, engine)
+        summary["read_ahead_speedup"] = with_threads["tokens_per_s"] / without["tokens_per_s"]
+        summary["tokens_equal_with_and_without_read_ahead"] = other["output_token_ids"] == engine["output_token_ids"]
+        summary["read_ahead_tokens_per_s"] = with_threads["tokens_per_s"]
         for key in ("hidden_fraction", "prefetch_precision", "prefetch_recall"):
-            summary[f"read_{key}"] = engine["expert_reads"][key]
-    serial = results.get("engine_cgroup_no_read_ahead", {})
-    if serial.get("exit_status") == 0 and engine.get("exit_status") == 0:
-        summary["read_ahead_speedup"] = engine["tokens_per_s"] / serial["tokens_per_s"]
-        summary["tokens_equal_without_read_ahead"] = serial["output_token_ids"] == engine["output_token_ids"]
+            summary[f"read_ahead_{key}"] = with_threads["expert_reads"][key]
     if acc.get("exit_status") == 0 and engine.get("exit_status") == 0:
         summary["engine_over_accelerate"] = engine["tokens_per_s"] / acc["tokens_per_s"]
         summary["accelerate_peak_cgroup_gib"] = acc["cgroup_peak_bytes"] / GIB
