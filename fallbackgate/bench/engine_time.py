@@ -1,9 +1,9 @@
 """python -m fallbackgate.bench.engine_time --model DIR [--budget-model DIR] --json bench-engine-time.json
 
-Engine time on a real-shaped checkpoint (e.g. ``python -m fallbackgate.synth --like olmoe-1b-7b --layers 2``),
+Engine time on a real-shaped checkpoint (e.g. ``python -m fallbackgate.synth --like olmoe-1b-7b --num-layers 2``),
 everything measured in one run on this machine, variants interleaved, ratios printed:
 
-- scaling: decode step time for batch 1/4/16 × context 256/1024/4064, with a least-squares line against the
+- scaling: decode step time for batch 1/4/16 × context 256/1024/4064, with a least-squares fit over batch and the
   total KV tokens (attention per request: the cost grows linearly in total KV, not in batch²);
 - continuous batching: the engine against transformers' own ``generate_batch`` (``paged|sdpa``), everything
   in memory, 8 prompts;
