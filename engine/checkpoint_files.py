@@ -170,8 +170,10 @@ class CheckpointFiles:
         except OSError as exc:
             if not is_direct or exc.errno != errno.EINVAL:
                 raise
-            os.close(fd)
-            self._fds[file] = (os.open(file, os.O_RDONLY), False)  # the file system refused O_DIRECT
+            with self._fd_lock:  # the file system refused O_DIRECT: one thread swaps the descriptor
+                if self._fds.get(file) == (fd, True):
+                    os.close(fd)
+                    self._fds[file] = (os.open(file, os.O_RDONLY), False)
             return self._read_span(file, offset, num_bytes, name)
         if got < num_bytes:
             raise CheckpointError(f"{file}: tensor {name} is cut short (file truncated after it was opened?)")

@@ -103,6 +103,11 @@ class Engine:
         self.sequences[request_id] = seq
         return request_id
 
+    def close(self) -> None:
+        """Stop the expert read threads and release the host room of reads in flight (the engine serves no
+        more afterwards)."""
+        self.expert_store.close()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -98,6 +98,13 @@ class ExpertStore:
         self.pending_step_id = step_id
         self._pump()
 
+    def close(self) -> None:
+        """Stop the read threads and give back the host room of reads nobody took."""
+        self.read_ahead.close()
+        self.host_pool.release(ObjectKind.EXPERT, len(self.read_ahead.flights) * self.bytes_per_expert)
+        self.read_ahead.flights.clear()
+        self.pending_reads.clear()
+
     def _is_disk_only(self, key: ExpertKey) -> bool:
         entry = self.entries[key]
         return entry.device is None and entry.host is None and not self.read_ahead.is_in_flight(key)
@@ -122,8 +129,9 @@ class ExpertStore:
         kept = []
         for key, weights in self.read_ahead.finished_before(step_id):
             entry = self.entries[key]
-            if weights is None or entry.host is not None or entry.device is not None:
-                self.host_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)
+            is_room_kept = self.host_pool.free_bytes >= self._read_slot_bytes() + self.bytes_per_expert
+            if weights is None or entry.host is not None or entry.device is not None or not is_room_kept:
+                self.host_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)  # dropped: slots stay free
                 continue
             entry.host = weights
             self.host_lru[key] = None
@@ -316,5 +324,5 @@ class ExpertStore:
 
     def _make_host_room(self) -> None:
         """Evict the least recently used host copy when the cache is full (it can be read again)."""
-        if self.host_lru and not self.host_pool.can_reserve(self.bytes_per_expert + self._read_slot_bytes()):
+        while self.host_lru and not self.host_pool.can_reserve(self.bytes_per_expert + self._read_slot_bytes()):
             self._drop_host(next(iter(self.host_lru)))

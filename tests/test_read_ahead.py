@@ -88,3 +88,14 @@ def test_run_reports_and_records_the_transfer_clock(checkpoint: pathlib.Path, tm
     assert sum(r[0] for r in rows) == pytest.approx(reads["read_s"])
     assert sum(r[1] for r in rows) == reads["num_predicted"]
     assert sum(r[2] for r in rows) == reads["num_unpredicted"]
+
+
+def test_close_gives_back_the_host_room_of_reads_in_flight(checkpoint: pathlib.Path) -> None:
+    engine = _engine(checkpoint, 2)
+    store = engine.expert_store
+    disk_only = [k for k, e in store.entries.items() if e.host is None and e.device is None]
+    store.queue_reads(disk_only[: store.num_read_slots], [], step_id=1)
+    assert store.read_ahead.flights
+    engine.close()
+    assert not store.read_ahead.flights
+    assert store.host_pool.used_bytes_by_kind[ObjectKind.EXPERT] == _host_bytes_held(engine)

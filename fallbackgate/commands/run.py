@@ -170,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
     except EngineError as exc:  # e.g. a prompt too long for the model: the run is marked failed
         print(f"fallbackgate run: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        engine.close()
 
 
 def _serve(

@@ -60,10 +60,11 @@ def arbitrate(
     late = f"exact copy late ({load_ms:.3f} ms of link, {left_ms:.3f} ms left)"
     options: list[tuple[float, Tag, float]] = []  # (predicted seconds, tag, predicted nats)
     tags = budget.limits.allowed_tags
-    if "recompute" in tags:
+    if "recompute" in tags:  # one rebuild pass per request covers all its late blocks: charged once
+        is_charged = block.key[0] in ctrl.recomputing
         seconds = recompute_s(link.profile, view, max(1, start - block.key[2] * kv.block_size), ctrl.top_k)
-        if seconds <= ctrl.cpu_left_s:
-            options.append((seconds, Tag.RECOMPUTE, 0.0))
+        if is_charged or seconds <= ctrl.cpu_left_s:
+            options.append((0.0 if is_charged else seconds, Tag.RECOMPUTE, 0.0))
     quant = block.host_q or block.disk_q
     if quant is not None and "kv_dequant" in tags:
         quant_source = Tier.HOST if block.host_q is not None else Tier.DISK
@@ -77,7 +78,9 @@ def arbitrate(
     seconds, tag, cost = min(options, key=lambda o: (o[0], o[2]))
     if tag is Tag.RECOMPUTE:
         ctrl.cpu_left_s -= seconds
+        ctrl.recomputing.add(block.key[0])
     else:
         link.take(quant.num_bytes, Tier.HOST if block.host_q is not None else Tier.DISK)
+    budget.spend(tag, cost, False)  # spent when planned, so the next late block sees what is left
     ctrl.kv_plan[block.key] = Decision(tag, cost, f"{late}; {tag.value} predicted {1e3 * seconds:.3f} ms")
     return Arbitration(ctrl.step_id, block.key, tag, ctrl.kv_plan[block.key].reason)

@@ -64,6 +64,7 @@ class JointController(Controller):
         self.kv_store: KVStore | None = None  # the engine's KV store, read to size quantization errors
         self.kv_plan: dict[KVBlockKey, Decision] = {}  # late exact KV copies served otherwise this step
         self.arbitrations: list[Arbitration] = []  # every late exact KV copy and what was served
+        self.recomputing: set[str] = set()  # requests whose rebuild pass this step is already charged
 
     # --- per step --------------------------------------------------------------------------------
     def on_step_start(self, plan: StepPlan, view: EngineView) -> None:
@@ -88,12 +89,17 @@ class JointController(Controller):
         :mod:`fallbackgate.controllers.arbitration`) against the step's expert loads."""
         kv = view.kv_store
         self.kv_plan.clear()
+        self.recomputing.clear()
         for rid in plan.request_ids:
             start = plan.start_positions[rid]
             budget = self._budget(rid, view.request_classes.get(rid, ""))
             for layer in range(kv.num_layers):
                 for block in kv.blocks(rid, layer)[: start // kv.block_size]:
                     if block.device is None and block.has_exact_copy:
+                        if self.is_observe:  # observe serves exact copies: queue them, decide nothing
+                            source = Tier.HOST if block.host is not None else Tier.DISK
+                            self.link.take(kv.bytes_per_block, source)
+                            continue
                         decided = arbitrate(self, block, budget, start, view)
                         if decided is not None:
                             self.arbitrations.append(decided)
@@ -156,8 +162,7 @@ class JointController(Controller):
     def kv_action(self, miss: KVMiss) -> Decision:
         budget = self._budget(miss.request_id, miss.request_class)
         planned = self.kv_plan.pop((miss.request_id, miss.layer, miss.block_index), None)
-        if planned is not None and not self.is_observe:
-            budget.spend(planned.tag, planned.predicted_cost, False)
+        if planned is not None:  # budget already spent by the arbitration that planned it
             return planned
         if miss.exact_tier is not None:
             budget.spend(Tag.EXACT_LOAD, 0.0, False)

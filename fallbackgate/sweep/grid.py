@@ -200,6 +200,7 @@ def run_cell(cfg: SweepConfig, ref: Reference, ledger: Ledger, kind: str, cell: 
     metrics.update(belady_metrics(engine.controller.trace, ref.bytes_per_expert, expert_budget, device))
     metrics["slips"] = float(len(getattr(engine.controller, "slips", [])))
     metrics.update(audit_and_record(engine, outcome, writer, cfg))
+    engine.close()
     return {"controller": kind, "run_id": run_id, **cell, "metrics": metrics}
 
 
