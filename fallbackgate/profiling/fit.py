@@ -79,13 +79,14 @@ def build_profile(
     dtype: str,
     decode_step_s: float,
     num_layers: int,
+    num_moe_layers: int,
     bundled_expert_s: float,
 ) -> HardwareProfile:
     """The measured profile; its scalar expert rates are `dtype`'s. `links` holds the four measured link
-    rates by field name; a decoder layer's fixed dense cost is the bundled model's batch-1 decode step per
-    layer less its two routed experts."""
+    rates by field name; a decoder layer's fixed dense cost is the bundled model's batch-1 decode step less
+    the two routed experts of each MoE layer, per layer."""
     cpu, device = rooflines[f"cpu/{dtype}"], rooflines[f"device/{dtype}"]
-    layer_s = max(decode_step_s / num_layers - 2 * bundled_expert_s, 0.0)
+    layer_s = max((decode_step_s - 2 * num_moe_layers * bundled_expert_s) / num_layers, 0.0)
     return HardwareProfile(
         name="measured",
         host_to_device_bytes_per_s=links["host_to_device_bytes_per_s"],

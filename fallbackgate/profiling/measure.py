@@ -132,8 +132,9 @@ def measure_experts(
     return out
 
 
-def measure_decode_step(device: torch.device, num_steps: int = 20) -> tuple[float, int]:
-    """(median seconds of one batch-1 decode step of the bundled model through transformers, its layers)."""
+def measure_decode_step(device: torch.device, num_steps: int = 20) -> tuple[float, int, int]:
+    """(median seconds of one batch-1 decode step of the bundled model through transformers, its layers, its
+    layers with routed experts)."""
     import transformers
 
     from fallbackgate.tinymoe import CHECKPOINT_DIR
@@ -147,4 +148,5 @@ def measure_decode_step(device: torch.device, num_steps: int = 20) -> tuple[floa
     with torch.inference_mode():
         model(input_ids=torch.ones(1, 16, dtype=torch.long, device=device), cache=cache, use_cache=True)
         seconds = _median_s(lambda: model(input_ids=token, cache=cache, use_cache=True), num_steps, sync)
-    return seconds, int(model.config.num_hidden_layers)
+    num_layers = int(model.config.num_hidden_layers)
+    return seconds, num_layers, num_layers - len(getattr(model.config, "mlp_only_layers", None) or [])

@@ -44,7 +44,7 @@ def measure_machine(
     if device.type != "cpu":
         device_timings = measure_experts(device, dtype) + measure_experts(device, torch.float32)
     bar.update()
-    decode_s, num_layers = measure_decode_step(device)
+    decode_s, num_layers, num_moe_layers = measure_decode_step(device)
     bar.update()
     bar.close()
     timings = cpu_timings + device_timings
@@ -63,7 +63,9 @@ def measure_machine(
         "host_to_disk_bytes_per_s": write_rate,
     }
     name = str(dtype).removeprefix("torch.")
-    profile = build_profile(machine_key(), links, fits, curves, name, decode_s, num_layers, bundled[0].seconds)
+    profile = build_profile(
+        machine_key(), links, fits, curves, name, decode_s, num_layers, num_moe_layers, bundled[0].seconds
+    )
     errors = {
         key: {"roofline": fit_errors(fits[key], group), "curve": curve_errors(curves[key], group)}
         for key, group in groups.items()
