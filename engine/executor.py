@@ -39,7 +39,6 @@ class Executor:
         intermediate_size: int,
     ) -> None:
         self.expert_store, self.kv_store, self.controller, self.profile = expert_store, kv_store, controller, profile
-        self.flops_per_expert_token = 6.0 * hidden_size * intermediate_size
         self.num_expert_params = 3 * hidden_size * intermediate_size
         self.hidden_size = hidden_size
         self.ctx: StepContext | None = None
@@ -188,10 +187,14 @@ class Executor:
         transformers' `grouped_mm` experts path; each (expert, request) use is recorded `resident`."""
         ctx = self.ctx
         out = grouped_mm_experts_forward(module, hidden, top_k_index, top_k_weights)
+        experts: set[int] = set()
         for expert_id, request_index in group_routing(ctx.token_owner, top_k_index, top_k_weights):
             ctx.log.add(ctx.batch.request_ids[request_index], layer, ObjectKind.EXPERT, Tag.RESIDENT)
             ctx.used_expert_keys.append((layer, expert_id))
-        ctx.log.modeled_compute_s += self.profile.device_compute_s(self.flops_per_expert_token * top_k_index.numel())
+            experts.add(expert_id)
+        if experts:  # modeled as the per-expert path is: one call per expert used, its tokens spread evenly
+            per_expert = max(1, top_k_index.numel() // len(experts))
+            ctx.log.modeled_compute_s += len(experts) * self._expert_s(per_expert, hidden, on_cpu=False)
         return out
 
     def _run_resident(

@@ -75,6 +75,7 @@ class ExpertStore:
         self.num_read_slots = min(READ_SLOTS, max(1, host_slots // 4)) if num_io_threads and host_slots >= 2 else 0
         self.pending_reads: list[tuple[ExpertKey, bool]] = []  # (key, is_predicted) waiting for a read slot
         self.pending_step_id = 0
+        self.read_ahead_cached: set[ExpertKey] = set()  # host copies read ahead and not used yet: from disk
 
     def warm_host(self) -> int:
         """Fill the host cache in key order while it has room (what a fresh process would read first)."""
@@ -123,10 +124,10 @@ class ExpertStore:
         """Host bytes the cache leaves free for read slots not in use."""
         return max(0, self.num_read_slots - len(self.read_ahead.flights)) * self.bytes_per_expert
 
-    def settle_reads(self, step_id: int) -> list[ExpertKey]:
+    def settle_reads(self, step_id: int) -> None:
         """Reads started before `step_id` that nobody took become host-cache entries (their room was already
-        reserved); returns their keys, for the ledger."""
-        kept = []
+        reserved). Their first use reports the disk as its source, so the bytes are credited to the request
+        that consumes them; one evicted unused is counted only in the transfer clock."""
         for key, weights in self.read_ahead.finished_before(step_id):
             entry = self.entries[key]
             is_room_kept = self.host_pool.free_bytes >= self._read_slot_bytes() + self.bytes_per_expert
@@ -135,8 +136,7 @@ class ExpertStore:
                 continue
             entry.host = weights
             self.host_lru[key] = None
-            kept.append(key)
-        return kept
+            self.read_ahead_cached.add(key)
 
     def stack_layers(self, modules: dict[int, torch.nn.Module]) -> None:
         """When the device budget holds every expert: put each layer's experts into one [E, 2I, H] and one
@@ -287,6 +287,9 @@ class ExpertStore:
         entry = self.entries[key]
         if entry.host is not None:
             self.host_lru.move_to_end(key)
+            if key in self.read_ahead_cached:  # read from the checkpoint ahead, in an earlier step
+                self.read_ahead_cached.discard(key)
+                return Fetched(entry.host, Tier.DISK, self.bytes_per_expert, "read ahead in an earlier step")
             return Fetched(entry.host, Tier.HOST, self.bytes_per_expert)
         weights, note = self._read_disk(key)
         if is_cached:
@@ -318,6 +321,7 @@ class ExpertStore:
         self.host_lru[key] = None
 
     def _drop_host(self, key: ExpertKey) -> None:
+        self.read_ahead_cached.discard(key)
         self.entries[key].host = None
         del self.host_lru[key]
         self.host_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)

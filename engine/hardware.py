@@ -98,10 +98,6 @@ class HardwareProfile:
         """Modeled seconds for `flops` of device work."""
         return flops / self.device_flops
 
-    def cpu_compute_s(self, flops: float) -> float:
-        """Modeled seconds for `flops` of CPU expert work."""
-        return flops / self.cpu_expert_flops
-
     def expert_s(self, num_tokens: int, num_weight_bytes: int, num_params: int, on_cpu: bool, dtype: str = "") -> float:
         """Predicted seconds of one expert call over `num_tokens` tokens: the measured curve of the device
         (or CPU) and dtype where the profile has one, else a roofline of the scalar rates (a fixed cost plus

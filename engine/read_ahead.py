@@ -1,9 +1,9 @@
 """Expert reads from the checkpoint on I/O threads, ahead of their use, and the step's transfer clock.
 
-Mechanism only: the controller chooses what to read ahead (:meth:`Controller.choose_prefetch`); the store
-reserves host-budget room for each read before it starts, and a demand read of a key in flight waits for
-it rather than reading again. On 2 cores the torch compute threads keep running while an I/O thread
-sleeps in ``pread`` (``O_DIRECT`` reads are DMA; only the checksum costs CPU).
+Mechanism only: the controller chooses what to read ahead (:meth:`Controller.choose_read_ahead`); the
+store reserves host-budget room for each read before it starts, and a demand read of a key in flight waits
+for it rather than reading again. On a 2-core CPU machine the I/O threads take CPU from torch's compute
+threads (measured: more than the reads they hide), so the engine defaults to none there.
 """
 
 from __future__ import annotations
@@ -34,6 +34,27 @@ class TransferClock:
         """Read time that overlapped compute."""
         return max(self.transfer_s - self.exposed_s, 0.0)
 
+    def add(self, other: TransferClock) -> None:
+        """Add `other`'s figures to these."""
+        for field in dataclasses.fields(TransferClock):
+            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
+
+    def summary(self) -> dict[str, float | int | None]:
+        """Read time in all, hidden and exposed, and the next-layer prediction's precision (started reads a
+        layer used) and recall (needed reads it had started); None where there is nothing to divide."""
+        used, predicted, unpredicted = self.num_predicted_used, self.num_predicted, self.num_unpredicted
+        return {
+            "read_s": self.transfer_s,
+            "hidden_s": self.hidden_s,
+            "exposed_s": self.exposed_s,
+            "hidden_fraction": self.hidden_s / self.transfer_s if self.transfer_s > 0 else None,
+            "num_predicted": predicted,
+            "num_predicted_used": used,
+            "num_unpredicted": unpredicted,
+            "prefetch_precision": used / predicted if predicted else None,
+            "prefetch_recall": used / (used + unpredicted) if used + unpredicted else None,
+        }
+
 
 @dataclasses.dataclass(slots=True)
 class _Flight:
@@ -56,10 +77,6 @@ class ReadAhead:
         started = time.perf_counter()
         got = self.read(key)
         return got, time.perf_counter() - started
-
-    @property
-    def has_threads(self) -> bool:
-        return self.pool is not None
 
     def is_in_flight(self, key: ExpertKey) -> bool:
         return key in self.flights
@@ -113,8 +130,7 @@ class ReadAhead:
     def end_step(self) -> TransferClock:
         """This step's clock, added to the run's total; a fresh clock for the next step."""
         clock, self.clock = self.clock, TransferClock()
-        for field in dataclasses.fields(TransferClock):
-            setattr(self.total, field.name, getattr(self.total, field.name) + getattr(clock, field.name))
+        self.total.add(clock)
         return clock
 
     def close(self) -> None:

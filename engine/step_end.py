@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from fallbackgate.engine.step_context import EventLog
-from fallbackgate.engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.engine.tags import ObjectKind, Tag
 
 if TYPE_CHECKING:
     from fallbackgate.engine.engine import Engine
@@ -42,16 +42,7 @@ def apply_step_end(engine: Engine, log: EventLog) -> None:
             fetched.source_tier,
             note="prefetch after defer",
         )
-    for key in experts.settle_reads(log.step_id + 1):
-        log.add(
-            ENGINE_REQUEST_ID,
-            key[0],
-            ObjectKind.EXPERT,
-            Tag.EXACT_LOAD,
-            bytes_moved=experts.bytes_per_expert,
-            source_tier=Tier.DISK,
-            note="read ahead, not used this step: kept in the host cache",
-        )
+    experts.settle_reads(log.step_id + 1)  # unused reads ahead join the host cache; their first use credits them
     kv.clear_scratch()
     executor.used_expert_keys.clear()
     executor.used_kv_block_keys.clear()

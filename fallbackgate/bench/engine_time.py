@@ -154,17 +154,12 @@ def read_ahead(model: str, vocab: int) -> dict[str, Any]:
         started = time.perf_counter()
         outputs = engine.generate(prompts, SamplingParams(max_new_tokens=new))
         wall = time.perf_counter() - started
-        clock = engine.expert_store.read_ahead.total
         out[f"io_threads_{threads}"] = {
             "tokens_per_s": len(prompts) * new / wall,
-            "read_s": clock.transfer_s,
-            "exposed_s": clock.exposed_s,
-            "hidden_fraction": clock.hidden_s / clock.transfer_s if clock.transfer_s else None,
-            "num_predicted": clock.num_predicted,
-            "prefetch_precision": clock.num_predicted_used / clock.num_predicted if clock.num_predicted else None,
-            "prefetch_recall": clock.num_predicted_used / max(1, clock.num_predicted_used + clock.num_unpredicted),
+            **engine.expert_store.read_ahead.total.summary(),
             "output_token_ids": [o.output_token_ids for o in outputs],
         }
+        engine.close()
     on, off = out["io_threads_2"], out["io_threads_0"]
     out["speedup"] = on["tokens_per_s"] / off["tokens_per_s"]
     out["tokens_equal"] = on["output_token_ids"] == off["output_token_ids"]

@@ -26,7 +26,6 @@ from fallbackgate.engine.checkpoint_files import CheckpointFiles
 from fallbackgate.engine.config import MIB, EngineConfig
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.expert_reader import map_experts, read_source
-from fallbackgate.engine.read_ahead import TransferClock
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.serving.prompts import BUILTIN_PROMPTS
 from fallbackgate.sweep.belady import TraceRecorder
@@ -88,20 +87,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         "peak_host_pool_bytes": store.host_pool.peak_used_bytes,
         "dense_bytes": engine.num_dense_bytes,
         "trace": [list(k) for k in recorder.trace],
-        "expert_reads": _reads(store.read_ahead.total),
-    }
-
-
-def _reads(total: TransferClock) -> dict[str, Any]:
-    """The run's measured expert-read clock: time, hidden share, and the next-layer prediction's quality."""
-    used, predicted, unpredicted = total.num_predicted_used, total.num_predicted, total.num_unpredicted
-    return {
-        "read_s": total.transfer_s,
-        "exposed_s": total.exposed_s,
-        "hidden_fraction": total.hidden_s / total.transfer_s if total.transfer_s else None,
-        "num_predicted": predicted,
-        "prefetch_precision": used / predicted if predicted else None,
-        "prefetch_recall": used / (used + unpredicted) if used + unpredicted else None,
+        "expert_reads": store.read_ahead.total.summary(),
     }
 
 

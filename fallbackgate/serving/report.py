@@ -6,6 +6,7 @@ import json
 import pathlib
 from typing import Any, TextIO
 
+from fallbackgate.engine.read_ahead import TransferClock
 from fallbackgate.engine.tags import TAG_EXACTNESS, Tag
 from fallbackgate.serving.session import RunOutcome
 
@@ -23,25 +24,12 @@ def tag_totals(outcome: RunOutcome) -> dict[str, dict[str, int]]:
 
 
 def transfer_summary(outcome: RunOutcome) -> dict[str, Any]:
-    """Measured expert disk reads over the run: seconds in all, hidden under compute and exposed, and the
-    next-layer prediction's precision (started reads a layer used) and recall (needed reads it started)."""
-    clocks = [s.transfer for s in outcome.steps if s.transfer is not None]
-    total = sum(c.transfer_s for c in clocks)
-    exposed = sum(c.exposed_s for c in clocks)
-    predicted = sum(c.num_predicted for c in clocks)
-    used = sum(c.num_predicted_used for c in clocks)
-    unpredicted = sum(c.num_unpredicted for c in clocks)
-    return {
-        "read_s": total,
-        "hidden_s": max(total - exposed, 0.0),
-        "exposed_s": exposed,
-        "hidden_fraction": (total - exposed) / total if total > 0 else None,
-        "num_predicted": predicted,
-        "num_predicted_used": used,
-        "num_unpredicted": unpredicted,
-        "prefetch_precision": used / predicted if predicted else None,
-        "prefetch_recall": used / (used + unpredicted) if used + unpredicted else None,
-    }
+    """Measured expert disk reads over the run (see :meth:`TransferClock.summary`)."""
+    total = TransferClock()
+    for step in outcome.steps:
+        if step.transfer is not None:
+            total.add(step.transfer)
+    return total.summary()
 
 
 def slo_attainment(outcome: RunOutcome, slos: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
