@@ -66,6 +66,8 @@ class Executor:
         if ctx is None:
             raise EngineError("experts called outside an engine step")
         self.release_gather()  # attention of this layer is done: its gathered K/V is garbage
+        if ctx.replay is not None:
+            return ctx.replay.experts(module, layer, hidden, top_k_index, top_k_weights)
         if ctx.is_exact_baseline:
             return self._exact_experts(module, layer, hidden, top_k_index, top_k_weights)
         if layer in self.expert_store.stacked_layers:
@@ -232,6 +234,8 @@ class Executor:
             predicted_cost=cost,
             modeled_s=modeled_s,
             note=note,
+            object_id=use.key[1] if tag.is_approximate else None,
+            bits=self.expert_store.lowbit_bits if tag is Tag.EXPERT_LOWBIT else 0,
         )
 
     def _exact_experts(

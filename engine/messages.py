@@ -38,6 +38,10 @@ class Event:
     predicted_cost: float = 0.0  # predicted quality cost in nats (approximate tags only; set by controller)
     modeled_s: float = 0.0  # modeled time of this action from the hardware profile, seconds
     note: str = ""  # free text, e.g. "checksum mismatch on disk page; recovered from host"
+    object_ids: list[int] = dataclasses.field(default_factory=list)  # expert ids or KV block indices, for
+    # approximate and rebuild actions (what the replay baseline repeats); empty for exact ones
+    bits: int = 0  # precision of the low-bit copy served (expert_lowbit, kv_dequant); 0 otherwise
+    is_rebuild: bool = False  # done inside a KV rebuild pass (a recompute forward before the step's own)
 
 
 @dataclasses.dataclass(slots=True)

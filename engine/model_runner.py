@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import Cache
 
 from fallbackgate.engine.controller import KVMiss
 from fallbackgate.engine.errors import ChecksumError, EngineError
@@ -11,7 +12,7 @@ from fallbackgate.engine.executor import Executor
 from fallbackgate.engine.kv_store import KVBlock, Staged
 from fallbackgate.engine.paged_cache import PagedCache
 from fallbackgate.engine.sequence import Sequence
-from fallbackgate.engine.step_context import EventLog, ForwardBatch, StepContext
+from fallbackgate.engine.step_context import EventLog, ForwardBatch, ReplayHooks, StepContext
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 
@@ -90,6 +91,8 @@ class ModelRunner:
             staged.source_tier,
             predicted_cost=cost,
             note=note,
+            object_id=block.key[2] if staged.tag is not Tag.EXACT_LOAD else None,
+            bits=quant.bits if staged.tag is Tag.KV_DEQUANT and quant else 0,
         )
         self.executor.used_kv_block_keys.append(block.key)
         return staged.tag
@@ -105,7 +108,11 @@ class ModelRunner:
         batch = ForwardBatch(
             [seq.request_id], [begin], [end - begin], torch.zeros(end - begin, dtype=torch.long), [seq.request_class]
         )
-        self.forward(step_id, batch, token_ids, [], log, is_observe=is_observe)
+        log.is_rebuild_pass = True
+        try:
+            self.forward(step_id, batch, token_ids, [], log, is_observe=is_observe)
+        finally:
+            log.is_rebuild_pass = False
 
     def _stage(self, block: KVBlock, tag: Tag) -> Staged:
         """Stage `block` after making device room for it (never by spilling this step's blocks)."""
@@ -149,6 +156,28 @@ class ModelRunner:
         log.modeled_compute_s += self.executor.profile.device_compute_s(
             self.dense_flops_per_token * len(token_ids) + self.attn_flops_per_pair * pairs
         )
+        return out.logits[0].float()
+
+    def replay_forward(
+        self, hooks: ReplayHooks, cache: Cache, token_ids: list[int], start: int, logits_rows: list[int]
+    ) -> torch.Tensor:
+        """One audit replay forward of one request's tokens at positions start..: `hooks` supply the experts
+        and attention, `cache` the K/V; fp32 logits at `logits_rows` (nothing recorded, no store touched)."""
+        n = len(token_ids)
+        batch = ForwardBatch(["replay"], [start], [n], torch.zeros(n, dtype=torch.long), ["replay"])
+        self.executor.ctx = StepContext(-1, batch, EventLog(-1), replay=hooks)
+        keep = torch.tensor(logits_rows or [n - 1], device=self.device)
+        try:
+            with torch.inference_mode():
+                out = self.model(
+                    input_ids=torch.tensor([token_ids], device=self.device),
+                    position_ids=torch.arange(start, start + n, device=self.device)[None],
+                    cache=cache,
+                    use_cache=True,
+                    logits_to_keep=keep,
+                )
+        finally:
+            self.executor.ctx = None
         return out.logits[0].float()
 
     def exact_logits(self, token_ids: list[int], num_chunked: int = 0) -> torch.Tensor:

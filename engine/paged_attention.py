@@ -37,6 +37,8 @@ def paged_attention_forward(
     ctx = executor.ctx if executor is not None else None
     if ctx is None or ctx.is_exact_baseline:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if ctx.replay is not None:
+        return ctx.replay.attend(module, query, key, value, **kwargs), None
     outputs, offset = [], 0
     layer_kv = executor.layer_kv
     for (keys, values), start, length in zip(layer_kv, ctx.batch.starts, ctx.batch.lengths, strict=True):

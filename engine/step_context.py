@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Protocol
 
 import torch
 
@@ -10,7 +11,7 @@ from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.messages import Event
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
-_EventKey = tuple[str, int, ObjectKind, Tag, Tier | None, str]
+_EventKey = tuple[str, int, ObjectKind, Tag, Tier | None, str, int, bool]
 
 
 @dataclasses.dataclass(slots=True)
@@ -32,6 +33,7 @@ class EventLog:
         self._events: dict[_EventKey, Event] = {}
         self.modeled_transfer_s = 0.0  # serialised link time of this step
         self.modeled_compute_s = 0.0  # device + CPU compute time of this step
+        self.is_rebuild_pass = False  # set by the runner around a KV rebuild forward
 
     def add(
         self,
@@ -46,13 +48,28 @@ class EventLog:
         predicted_cost: float = 0.0,
         modeled_s: float = 0.0,
         note: str = "",
+        object_id: int | None = None,
+        bits: int = 0,
     ) -> None:
-        """Record `count` objects served with `tag`."""
-        key = (request_id, layer, kind, tag, source_tier, note)
+        """Record `count` objects served with `tag` (`object_id`: which expert or block, kept for replay)."""
+        key = (request_id, layer, kind, tag, source_tier, note, bits, self.is_rebuild_pass)
         event = self._events.get(key)
         if event is None:
-            event = Event(self.step_id, request_id, layer, kind, tag, 0, source_tier=source_tier, note=note)
+            event = Event(
+                self.step_id,
+                request_id,
+                layer,
+                kind,
+                tag,
+                0,
+                source_tier=source_tier,
+                note=note,
+                bits=bits,
+                is_rebuild=self.is_rebuild_pass,
+            )
             self._events[key] = event
+        if object_id is not None:
+            event.object_ids.append(object_id)
         event.count += count
         event.bytes_moved += bytes_moved
         event.predicted_cost += predicted_cost
@@ -70,6 +87,8 @@ class EventLog:
         *,
         predicted_cost: float = 0.0,
         note: str = "",
+        object_id: int | None = None,
+        bits: int = 0,
     ) -> None:
         """Record an action that moved `bytes_moved` from `source_tier`, charging its link time to the step."""
         modeled = profile.transfer_s(bytes_moved, source_tier) if source_tier is not None else 0.0
@@ -84,10 +103,33 @@ class EventLog:
             predicted_cost=predicted_cost,
             modeled_s=modeled,
             note=note,
+            object_id=object_id,
+            bits=bits,
         )
 
     def events(self) -> list[Event]:
         return list(self._events.values())
+
+
+class ReplayHooks(Protocol):
+    """What a replay pass (the audit's recomputation of a served request) supplies instead of the stores."""
+
+    def experts(
+        self,
+        module: torch.nn.Module,
+        layer: int,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """The routed experts' output for the forward's tokens."""
+        ...
+
+    def attend(
+        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
+        """Attention output [1, T, H, Dv] of the forward's queries over the K/V its cache returned."""
+        ...
 
 
 @dataclasses.dataclass(slots=True)
@@ -99,6 +141,7 @@ class StepContext:
     log: EventLog  # where actions are recorded
     is_observe: bool = False  # decide and record, but serve exact
     is_exact_baseline: bool = False  # audit pass: exact weights, nothing recorded
+    replay: ReplayHooks | None = None  # audit replay pass: experts and attention come from the replay
     used_expert_keys: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     deferred_expert_keys: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     token_owner: list[int] = dataclasses.field(default_factory=list)  # batch.token_owner as a list

@@ -61,6 +61,7 @@ class Run(Base):
     memory: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))  # budgets, peaks, dense bytes
     numeric_floor: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))  # the control's stats
     note: Mapped[str | None] = mapped_column(Text)
+    forced_tags: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True))  # tags --force turned on
     __table_args__ = (Index("ix_runs_started_at", "started_at"),)
 
 
@@ -84,6 +85,7 @@ class Request(Base):
     modeled_tpot_s: Mapped[float | None] = mapped_column(Float)
     verdict: Mapped[str | None] = mapped_column(String(16))  # "pass", "fail" or None before the gate
     tag_counts: Mapped[dict[str, int] | None] = mapped_column(JSON(none_as_null=True))
+    token_ids: Mapped[list[int] | None] = mapped_column(JSON(none_as_null=True))  # prompt then output tokens
     __table_args__ = (Index("ux_requests_run_request", "run_id", "request_id", unique=True),)
 
 
@@ -106,6 +108,21 @@ class Step(Base):
     num_predicted_reads: Mapped[int | None] = mapped_column(Integer)  # next-layer read-ahead reads started
     num_predicted_used: Mapped[int | None] = mapped_column(Integer)  # needed reads a prediction had started
     num_unpredicted_reads: Mapped[int | None] = mapped_column(Integer)  # needed reads no prediction started
+    num_events: Mapped[int | None] = mapped_column(Integer)  # event rows the engine produced for the step
+
+
+class StepRequest(Base):
+    """What one step did for one request: the positions it computed and the events it produced."""
+
+    __tablename__ = "step_requests"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    step_id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    start_position: Mapped[int] = mapped_column(Integer)  # first position the step's own forward computed
+    num_tokens: Mapped[int] = mapped_column(Integer)  # positions it computed (prefill chunk, or 1)
+    is_sampled: Mapped[bool] = mapped_column(Boolean)  # the step sampled an output token for the request
+    num_events: Mapped[int] = mapped_column(Integer)  # event rows the engine produced for the request
+    num_objects: Mapped[int] = mapped_column(Integer)  # objects those events cover (sum of their counts)
 
 
 class EventRow(Base):
@@ -128,6 +145,9 @@ class EventRow(Base):
     predicted_cost: Mapped[float] = mapped_column(Float, default=0.0)
     modeled_s: Mapped[float] = mapped_column(Float, default=0.0)
     note: Mapped[str] = mapped_column(Text, default="")
+    object_ids: Mapped[str | None] = mapped_column(Text)  # "3,7": expert ids or KV block indices (replayed)
+    bits: Mapped[int | None] = mapped_column(Integer)  # precision of a low-bit copy (expert_lowbit, kv_dequant)
+    is_rebuild: Mapped[bool | None] = mapped_column(Boolean)  # done in a KV rebuild pass before the step's forward
     __table_args__ = (
         Index("ix_events_run_tag", "run_id", "tag"),
         Index("ix_events_run_request_step", "run_id", "request_id", "step_id"),
@@ -169,6 +189,10 @@ class RequestStatRow(Base):
     rms_delta_p: Mapped[float] = mapped_column(Float)
     ppl_ratio: Mapped[float] = mapped_column(Float)
     first_divergence: Mapped[int | None] = mapped_column(Integer)  # first top-1 disagreement position
+    replay_max_kl: Mapped[float | None] = mapped_column(Float)  # served vs its replay: correctness, not cost
+    replay_mean_kl: Mapped[float | None] = mapped_column(Float)
+    replay_max_position: Mapped[int | None] = mapped_column(Integer)  # output position of replay_max_kl
+    replay_top1_agreement: Mapped[float | None] = mapped_column(Float)
 
 
 class VerdictRow(Base):
@@ -184,6 +208,8 @@ class VerdictRow(Base):
     first_divergence_step: Mapped[int | None] = mapped_column(Integer)
     first_divergence_layer: Mapped[int | None] = mapped_column(Integer)
     first_divergence_tags: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True))
+    quality_passed: Mapped[bool | None] = mapped_column(Boolean)  # against the exact baseline and budget
+    correctness_passed: Mapped[bool | None] = mapped_column(Boolean)  # against the replay (None: not replayed)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     __table_args__ = (Index("ix_verdicts_run_request", "run_id", "request_id"),)
 

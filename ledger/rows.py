@@ -10,7 +10,7 @@ from sqlalchemy import Table
 
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.engine.tags import TAG_EXACTNESS
-from fallbackgate.ledger.models import EventRow, PositionDiffRow, RequestStatRow, Step
+from fallbackgate.ledger.models import EventRow, PositionDiffRow, RequestStatRow, Step, StepRequest
 
 Rows = dict[Table, list[Any]]
 """Pending rows per table: dicts, or tuples in EVENT_COLUMNS order for the events table."""
@@ -34,6 +34,9 @@ EVENT_COLUMNS: tuple[str, ...] = (
     "predicted_cost",
     "modeled_s",
     "note",
+    "object_ids",
+    "bits",
+    "is_rebuild",
 )
 """Column order of the event tuples that :func:`step_rows` produces."""
 DIFF_FIELDS: tuple[str, ...] = (
@@ -49,7 +52,9 @@ DIFF_FIELDS: tuple[str, ...] = (
     "exact_top2_gap",
 )
 STAT_FIELDS: tuple[str, ...] = tuple(
-    c.name for c in RequestStatRow.__table__.columns if c.name not in ("run_id", "request_id")
+    c.name
+    for c in RequestStatRow.__table__.columns
+    if c.name not in ("run_id", "request_id") and not c.name.startswith("replay_")
 )
 
 
@@ -98,11 +103,13 @@ def step_rows(
             "modeled_s": result.modeled_s,
             "device_bytes_expert": result.num_device_bytes_expert,
             "device_bytes_kv": result.num_device_bytes_kv,
+            "num_events": len(result.events),
             **_transfer_columns(result),
         }
     )
     for rid in result.sampled_token_ids:
         sample_steps.setdefault((run_id, rid), []).append(plan.step_id)
+    rows.setdefault(StepRequest.__table__, []).extend(_step_request_rows(run_id, plan, result))
     events = rows.setdefault(EventRow.__table__, [])
     exactness = EXACTNESS.get
     for e in result.events:  # tuples in EVENT_COLUMNS order; getattr(_value_) is the cheap enum -> str
@@ -122,9 +129,34 @@ def step_rows(
                 e.predicted_cost,
                 e.modeled_s,
                 e.note,
+                ",".join(map(str, e.object_ids)) if e.object_ids else None,
+                e.bits or None,
+                e.is_rebuild or None,
             )
         )
-    return 1 + len(result.events)
+    return 1 + len(plan.request_ids) + len(result.events)
+
+
+def _step_request_rows(run_id: int, plan: StepPlan, result: StepResult) -> list[dict[str, Any]]:
+    """Per request of the step: the positions it computed, whether it sampled, its event and object counts."""
+    num_events: dict[str, int] = {}
+    num_objects: dict[str, int] = {}
+    for e in result.events:
+        num_events[e.request_id] = num_events.get(e.request_id, 0) + 1
+        num_objects[e.request_id] = num_objects.get(e.request_id, 0) + e.count
+    return [
+        {
+            "run_id": run_id,
+            "step_id": plan.step_id,
+            "request_id": rid,
+            "start_position": plan.start_positions[rid],
+            "num_tokens": plan.num_tokens[rid],
+            "is_sampled": rid in result.sampled_token_ids,
+            "num_events": num_events.get(rid, 0),
+            "num_objects": num_objects.get(rid, 0),
+        }
+        for rid in plan.request_ids
+    ]
 
 
 def request_row(
@@ -151,6 +183,7 @@ def request_row(
         "modeled_tpot_s": out.modeled_tpot_s,
         "verdict": None,
         "tag_counts": {str(value(k)): int(v) for k, v in out.tag_counts.items()},
+        "token_ids": [int(t) for t in (*out.prompt_token_ids, *out.output_token_ids)],
     }
 
 

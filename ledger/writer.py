@@ -21,7 +21,16 @@ from sqlalchemy import delete, insert, update
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger.db import Ledger, LedgerError, begin_write
-from fallbackgate.ledger.models import RUN_STATUSES, Calibration, EventRow, Request, Run, VerdictRow, utcnow
+from fallbackgate.ledger.models import (
+    RUN_STATUSES,
+    Calibration,
+    EventRow,
+    Request,
+    RequestStatRow,
+    Run,
+    VerdictRow,
+    utcnow,
+)
 from fallbackgate.ledger.rows import value
 from fallbackgate.ledger.writer_thread import FLUSH, Op, WriterThread
 
@@ -63,6 +72,7 @@ class LedgerWriter:
         controller: str | None = None,
         mode: str | None = None,
         note: str | None = None,
+        forced_tags: Sequence[str] | None = None,
     ) -> int:
         """Insert a run row with status "running" (synchronously) and make it the current run."""
         self._check()
@@ -77,6 +87,7 @@ class LedgerWriter:
             "controller": controller,
             "mode": mode,
             "note": note,
+            "forced_tags": list(forced_tags) if forced_tags else None,
         }
         with begin_write(self.ledger.engine) as conn:
             run_id = conn.execute(insert(Run.__table__).returning(Run.__table__.c.id), row).scalar_one()
@@ -144,9 +155,12 @@ class LedgerWriter:
         step: int | None = None,
         layer: int | None = None,
         tags: Sequence[str] | None = None,
+        quality_passed: bool | None = None,
+        correctness_passed: bool | None = None,
         run_id: int | None = None,
     ) -> None:
-        """Record a gate verdict for a request (or the run when ``request_id`` is None)."""
+        """Record a gate verdict for a request (or the run when ``request_id`` is None); a request's verdict
+        may carry its two halves: quality (exact baseline, budget) and correctness (replay)."""
         row = {
             "run_id": self._run(run_id),
             "request_id": request_id,
@@ -156,6 +170,8 @@ class LedgerWriter:
             "first_divergence_step": step,
             "first_divergence_layer": layer,
             "first_divergence_tags": list(tags) if tags is not None else None,
+            "quality_passed": quality_passed,
+            "correctness_passed": correctness_passed,
             "created_at": utcnow(),
         }
         self._put(("rows", VerdictRow.__table__, [row]))
@@ -167,6 +183,15 @@ class LedgerWriter:
                 .values(verdict="pass" if passed else "fail")
             )
             self._put(("op", lambda conn: conn.execute(stmt)))
+
+    def record_replay(self, request_id: str, stats: Mapping[str, Any], *, run_id: int | None = None) -> None:
+        """Record a request's served-vs-replay statistics (``replay_*`` columns of its request_stats row,
+        which :meth:`record_diffs` must have queued before)."""
+        tbl = RequestStatRow.__table__
+        rid = self._run(run_id)
+        values = {f"replay_{k}": v for k, v in stats.items()}
+        stmt = update(tbl).where(tbl.c.run_id == rid, tbl.c.request_id == request_id).values(**values)
+        self._put(("op", lambda conn: conn.execute(stmt)))
 
     def record_control(
         self, numeric_floor_kl: float, *, floor: dict[str, Any] | None = None, run_id: int | None = None

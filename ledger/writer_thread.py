@@ -16,12 +16,21 @@ from sqlalchemy import Connection, Table
 
 from fallbackgate.ledger.bulk import insert_rows
 from fallbackgate.ledger.db import Ledger, LedgerError, begin_write
-from fallbackgate.ledger.models import Calibration, EventRow, PositionDiffRow, Request, RequestStatRow, Step, VerdictRow
+from fallbackgate.ledger.models import (
+    Calibration,
+    EventRow,
+    PositionDiffRow,
+    Request,
+    RequestStatRow,
+    Step,
+    StepRequest,
+    VerdictRow,
+)
 from fallbackgate.ledger.rows import EVENT_COLUMNS, Rows, diff_rows, request_row, step_rows
 
 _TABLE_ORDER: tuple[Table, ...] = tuple(
     m.__table__  # type: ignore[misc]
-    for m in (Step, EventRow, Request, PositionDiffRow, RequestStatRow, VerdictRow, Calibration)
+    for m in (Step, StepRequest, EventRow, Request, PositionDiffRow, RequestStatRow, VerdictRow, Calibration)
 )
 FLUSH = object()  # queue marker: write what is pending, then mark the queue's items done
 STOP = object()  # queue marker: write what is pending and end the thread

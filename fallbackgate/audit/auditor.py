@@ -7,9 +7,12 @@ from typing import Any
 
 import torch
 
+from fallbackgate.audit.replay import replay_logits
+from fallbackgate.audit.replay_trace import TraceError, load_trace
 from fallbackgate.audit.stats import PositionDiff, RequestDiffStats, audit
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.messages import RequestOutput
+from fallbackgate.ledger.db import Ledger
 
 
 def exact_rows(engine: Engine, output: RequestOutput, num_chunked: int = 0) -> torch.Tensor:
@@ -22,6 +25,30 @@ def exact_rows(engine: Engine, output: RequestOutput, num_chunked: int = 0) -> t
 def audit_output(engine: Engine, output: RequestOutput) -> tuple[list[PositionDiff], RequestDiffStats]:
     """Diffs of one request's engine logits against its exact baseline."""
     return audit(exact_rows(engine, output), output.output_logits, output.output_token_ids)
+
+
+def replay_stats(engine: Engine, ledger: Ledger, run_id: int, output: RequestOutput) -> dict[str, Any]:
+    """Served logits against the replay of the request's ledger trace: ``max_kl``, ``mean_kl``,
+    ``max_position`` (where the max is) and ``top1_agreement``; a trace the replay cannot follow (rows
+    missing or contradicting the served tokens) gives an infinite ``max_kl`` and its ``error``."""
+    try:
+        replayed = replay_logits(engine, load_trace(ledger, run_id, output.request_id))
+    except TraceError as exc:
+        return {
+            "max_kl": float("inf"),
+            "mean_kl": float("inf"),
+            "max_position": None,
+            "top1_agreement": 0.0,
+            "error": str(exc),
+        }
+    diffs, stats = audit(replayed, output.output_logits, output.output_token_ids)
+    worst = max(diffs, key=lambda d: d.kl)
+    return {
+        "max_kl": stats.max_kl,
+        "mean_kl": stats.mean_kl,
+        "max_position": worst.position,
+        "top1_agreement": stats.top1_agreement,
+    }
 
 
 def control_diffs(engine: Engine, output: RequestOutput) -> tuple[list[PositionDiff], RequestDiffStats]:

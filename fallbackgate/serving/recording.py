@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import transformers
 
-from fallbackgate.audit.auditor import audit_output, choose_audited, floor_control
+from fallbackgate.audit.auditor import audit_output, choose_audited, floor_control, replay_stats
 from fallbackgate.audit.gate import RunVerdict, evaluate_run, record_verdicts
 from fallbackgate.engine.engine import Engine
 from fallbackgate.ledger.db import Ledger, open_ledger
@@ -123,6 +123,11 @@ def _record_and_audit(engine: Engine, outcome: RunOutcome, writer: LedgerWriter,
     for output in audited:
         diffs, stats = audit_output(engine, output)
         writer.record_diffs(output.request_id, diffs, stats)
+    writer.flush()  # the replay reads each request's trace back from the ledger
+    for output in audited:
+        replay = replay_stats(engine, writer.ledger, writer.run_id, output)
+        replay.pop("error", None)
+        writer.record_replay(output.request_id, replay)
     floor = floor_control(engine, audited)
     writer.record_control(floor["max_kl"], floor=floor)
     writer.record_memory(outcome.memory)

@@ -1,0 +1,256 @@
+"""The replay baseline: a served request recomputed with its recorded approximate actions repeated exactly.
+
+The exact baseline measures what approximation *cost*; the replay checks that the engine did what its
+ledger says. Each audited request is recomputed teacher-forced, forward by forward as it was served
+(consecutive steps that read KV as written run as one forward), with
+
+- experts read from the checkpoint files through the checksummed reader (never the store's copies);
+- the same experts deferred per step, layer and request, their gate weights renormalised to the old sum;
+- the same low-bit copies: the file's weights quantized and dequantized with the engine's codec and bits;
+- each query position reading the KV version it really read: blocks a step read dequantized are
+  quantized and dequantized from the replay's own K/V with the recorded bits; blocks a step rebuilt are
+  recomputed by a rebuild pass with that pass's own expert actions; a re-prefill restarts from its start;
+- its own attention: per-request SDPA over its own K/V with an explicit causal mask.
+
+Served logits that differ from the replay's beyond the numeric floor are a correctness bug, whatever the
+quality budget allows.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from fallbackgate.audit.replay_trace import ExpertActions, KVActions, ReplayTrace, Segment, TraceError
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.expert_store import DEQUANT_ROWS, ExpertWeights
+from fallbackgate.engine.experts_hook import expert_mlp
+from fallbackgate.engine.kv_codec import dequantize_kv, quantize_kv
+from fallbackgate.engine.quant import dequantize_rows, quantize, quantized_to
+
+MAX_CACHED_EXPERTS = 64  # file-read experts kept between the replay's forwards (bounded memory)
+
+
+class _ReplayLayer(CacheLayerMixin):
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, replayer: Replayer, layer: int) -> None:
+        super().__init__()
+        self.replayer, self.layer, self.is_initialized = replayer, layer, True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to allocate."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.replayer.kv_update(self.layer, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.replayer.start + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.replayer.start
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class Replayer:
+    """Recomputes one request from its :class:`ReplayTrace` on an engine's model (no store is touched)."""
+
+    def __init__(self, engine: Engine, trace: ReplayTrace) -> None:
+        self.engine, self.trace = engine, trace
+        self.reader = engine.expert_store.reader
+        self.block_size, self.key_dim = engine.config.block_size, engine.kv_store.key_dim
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> [1, H, L, Dk] as written
+        self.values: dict[int, torch.Tensor] = {}
+        self.cache = Cache(layers=[_ReplayLayer(self, i) for i in range(engine.kv_store.num_layers)])
+        self._weights: OrderedDict[tuple[int, int, int], ExpertWeights] = OrderedDict()
+        # the current forward
+        self.start = 0
+        self.token_steps: list[int] = []
+        self.is_rebuild = False
+        self.kv_actions = KVActions()
+
+    # --- driving ---------------------------------------------------------------------------------
+    def run(self) -> torch.Tensor:
+        """fp32 logits [num_output_tokens, vocab] that produced each output token, as served."""
+        rows: list[torch.Tensor] = []
+        stretch: list[Segment] = []
+        length = 0
+        for seg in self.trace.segments:
+            if seg.start > length:
+                raise TraceError(
+                    f"request {self.trace.request_id}: step {seg.step_id} starts at position {seg.start} but "
+                    f"only {length} were computed before it (step rows missing?)"
+                )
+            if seg.start < length or not self.trace.is_plain(seg.step_id):
+                rows += self._forward(stretch)
+                stretch = []
+                self._crop(seg.start)
+            if self.trace.is_plain(seg.step_id):
+                stretch.append(seg)
+            else:
+                self._rebuild(seg)
+                rows += self._forward([seg])
+            length = seg.start + seg.num_tokens
+        rows += self._forward(stretch)
+        if len(rows) != self.trace.num_output_tokens:
+            raise TraceError(
+                f"request {self.trace.request_id}: {len(rows)} sampling steps recorded for "
+                f"{self.trace.num_output_tokens} output tokens"
+            )
+        return torch.stack(rows)
+
+    def _forward(self, segments: list[Segment]) -> list[torch.Tensor]:
+        """One forward over consecutive segments; the logits of those that sampled."""
+        if not segments:
+            return []
+        self.start, self.is_rebuild = segments[0].start, False
+        self.kv_actions = self.trace.kv.get(segments[0].step_id, KVActions()) if len(segments) == 1 else KVActions()
+        self.token_steps = [s.step_id for s in segments for _ in range(s.num_tokens)]
+        keep = [s.start + s.num_tokens - 1 - self.start for s in segments if s.is_sampled]
+        end = segments[-1].start + segments[-1].num_tokens
+        tokens = self.trace.token_ids[self.start : end]
+        logits = self.engine.runner.replay_forward(self, self.cache, tokens, self.start, keep)
+        return list(logits[: len(keep)]) if keep else []
+
+    def _rebuild(self, seg: Segment) -> None:
+        """The step's KV rebuild pass: positions from its first rebuilt block up to the step's start."""
+        rebuilt = self.trace.kv[seg.step_id].rebuilt
+        if not rebuilt:
+            return
+        begin = min(min(blocks) for blocks in rebuilt.values()) * self.block_size
+        self.start, self.is_rebuild = begin, True
+        self.kv_actions = self.trace.kv[seg.step_id]
+        self.token_steps = [seg.step_id] * (seg.start - begin)
+        self.engine.runner.replay_forward(self, self.cache, self.trace.token_ids[begin : seg.start], begin, [])
+
+    def _crop(self, length: int) -> None:
+        for layer in self.keys:
+            self.keys[layer] = self.keys[layer][:, :, :length]
+            self.values[layer] = self.values[layer][:, :, :length]
+
+    # --- the cache --------------------------------------------------------------------------------
+    def kv_update(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this forward's K/V as the engine's blocks take it; return what its queries read."""
+        start, n = self.start, keys.shape[2]
+        old_k, old_v = self.keys.get(layer), self.values.get(layer)
+        if self.is_rebuild:  # only the blocks the step rebuilt take the new K/V
+            assert old_k is not None and old_v is not None
+            new_k, new_v = old_k.clone(), old_v.clone()
+            for block in self.kv_actions.rebuilt.get(layer, ()):
+                lo, hi = block * self.block_size, (block + 1) * self.block_size
+                new_k[:, :, lo:hi] = keys[:, :, lo - start : hi - start]
+                new_v[:, :, lo:hi] = values[:, :, lo - start : hi - start]
+        elif old_k is None or old_v is None:
+            new_k, new_v = keys, values
+        else:
+            new_k, new_v = torch.cat([old_k, keys], dim=2), torch.cat([old_v, values], dim=2)
+        self.keys[layer], self.values[layer] = new_k, new_v
+        read_k, read_v = new_k[:, :, : start + n], new_v[:, :, : start + n]
+        dequantized = self.kv_actions.dequantized.get(layer)
+        if dequantized:
+            read_k, read_v = read_k.clone(), read_v.clone()
+            for block, bits in dequantized.items():
+                lo, hi = block * self.block_size, (block + 1) * self.block_size
+                packed = torch.cat([read_k[0, :, lo:hi], read_v[0, :, lo:hi]], dim=-1)
+                both = dequantize_kv(quantize_kv(packed, bits, self.key_dim)).to(packed.dtype)
+                read_k[0, :, lo:hi], read_v[0, :, lo:hi] = both[..., : self.key_dim], both[..., self.key_dim :]
+        return read_k, read_v
+
+    # --- hooks the model calls --------------------------------------------------------------------
+    def attend(
+        self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any
+    ) -> torch.Tensor:
+        """SDPA of this forward's queries (positions start..) over keys 0..start+n, key ≤ query allowed."""
+        n, length = query.shape[2], key.shape[2]
+        query_pos = torch.arange(self.start, self.start + n, device=query.device)
+        allowed = torch.arange(length, device=query.device)[None, :] <= query_pos[:, None]
+        if hasattr(module, "expand_kv"):
+            key, value = module.expand_kv(key, value)
+        kwargs.pop("is_causal", None)
+        out, _ = sdpa_attention_forward(module, query, key, value, allowed[None, None], **kwargs)
+        return out
+
+    def experts(
+        self,
+        module: torch.nn.Module,
+        layer: int,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """Routed experts with each token's recorded actions: deferred (renormalised), low-bit, else exact."""
+        bits = self._token_bits(layer, top_k_index)  # -1 deferred, 0 exact, else low-bit bits
+        weights = top_k_weights
+        deferred = bits < 0
+        if bool(deferred.any()):
+            kept = torch.where(deferred, torch.zeros_like(top_k_weights), top_k_weights)
+            old_sum, new_sum = top_k_weights.sum(-1, keepdim=True), kept.sum(-1, keepdim=True)
+            scale = torch.where(new_sum > 0, old_sum / new_sum.clamp_min(1e-30), torch.zeros_like(new_sum))
+            rows = deferred.any(-1, keepdim=True)
+            weights = torch.where(rows, kept * scale, top_k_weights)
+        out = torch.zeros_like(hidden)
+        for expert_id in torch.unique(top_k_index).tolist():
+            for precision in torch.unique(bits[top_k_index == expert_id]).tolist():
+                if precision < 0:
+                    continue
+                token_idx, slot = torch.where((top_k_index == expert_id) & (bits == precision))
+                y = expert_mlp(module, hidden[token_idx], self._expert(layer, int(expert_id), int(precision)))
+                out.index_add_(0, token_idx, (y * weights[token_idx, slot, None]).to(out.dtype))
+        return out
+
+    def _token_bits(self, layer: int, top_k_index: torch.Tensor) -> torch.Tensor:
+        bits = torch.zeros_like(top_k_index)
+        by_step: dict[int, ExpertActions] = {}
+        for step in set(self.token_steps):
+            actions = self.trace.experts.get((step, self.is_rebuild))
+            if actions is not None and (layer in actions.deferred or layer in actions.lowbit):
+                by_step[step] = actions
+        if not by_step:
+            return bits
+        experts = top_k_index.tolist()
+        for token, step in enumerate(self.token_steps):
+            actions = by_step.get(step)
+            if actions is None:
+                continue
+            deferred, lowbit = actions.deferred.get(layer, set()), actions.lowbit.get(layer, {})
+            for slot, expert_id in enumerate(experts[token]):
+                if expert_id in deferred:
+                    bits[token, slot] = -1
+                elif expert_id in lowbit:
+                    bits[token, slot] = lowbit[expert_id]
+        return bits
+
+    def _expert(self, layer: int, expert_id: int, bits: int) -> ExpertWeights:
+        """The expert's weights from the checkpoint files (verified), low-bit round-tripped when `bits`."""
+        key = (layer, expert_id, bits)
+        if key in self._weights:
+            self._weights.move_to_end(key)
+            return self._weights[key]
+        full = self.reader.read((layer, expert_id))
+        device = self.engine.device
+        if bits:
+            dtype = full.gate_up.dtype
+            parts = (quantize(full.gate_up, bits, axis=1), quantize(full.down, bits, axis=1))
+            weights = ExpertWeights(*(dequantize_rows(quantized_to(p, device), dtype, DEQUANT_ROWS) for p in parts))
+        else:
+            weights = ExpertWeights(full.gate_up.to(device), full.down.to(device))
+        self._weights[key] = weights
+        if len(self._weights) > MAX_CACHED_EXPERTS:
+            self._weights.popitem(last=False)
+        return weights
+
+
+def replay_logits(engine: Engine, trace: ReplayTrace) -> torch.Tensor:
+    """The replay's logits [num_output_tokens, vocab] for one request (see the module docstring)."""
+    return Replayer(engine, trace).run()

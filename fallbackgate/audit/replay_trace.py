@@ -1,0 +1,95 @@
+"""What the replay baseline repeats for one request, read back from the ledger.
+
+The trace is built from ledger rows only (``step_requests`` and the events that name their objects), never
+from engine state: a writer that dropped a step or an approximate event makes the replay diverge from what
+was served, which is how the replay also checks the ledger.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fallbackgate.ledger import audit_queries
+from fallbackgate.ledger.db import Ledger
+
+
+class TraceError(ValueError):
+    """The ledger's rows for a request cannot describe what was served (missing or contradictory steps)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Segment:
+    """One step's own forward for the request."""
+
+    step_id: int  # engine step
+    start: int  # first position it computed
+    num_tokens: int  # positions it computed
+    is_sampled: bool  # its last position produced an output token
+
+
+@dataclasses.dataclass(slots=True)
+class ExpertActions:
+    """Approximate expert actions of one forward (a step's own, or its KV rebuild pass), per layer."""
+
+    deferred: dict[int, set[int]] = dataclasses.field(default_factory=dict)  # layer -> deferred expert ids
+    lowbit: dict[int, dict[int, int]] = dataclasses.field(default_factory=dict)  # layer -> expert id -> bits
+
+
+@dataclasses.dataclass(slots=True)
+class KVActions:
+    """KV blocks a step read in another version than the one its positions wrote, per layer."""
+
+    dequantized: dict[int, dict[int, int]] = dataclasses.field(default_factory=dict)  # layer -> block -> bits
+    rebuilt: dict[int, set[int]] = dataclasses.field(default_factory=dict)  # layer -> blocks rebuilt first
+
+
+@dataclasses.dataclass(slots=True)
+class ReplayTrace:
+    """Everything needed to recompute one request as it was served."""
+
+    request_id: str
+    token_ids: list[int]  # prompt then output tokens
+    num_prompt_tokens: int
+    segments: list[Segment]  # in step order
+    experts: dict[tuple[int, bool], ExpertActions]  # (step, is rebuild pass) -> actions
+    kv: dict[int, KVActions]  # step -> KV versions read
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def is_plain(self, step_id: int) -> bool:
+        """True when the step read every KV block in the version its positions wrote."""
+        kv = self.kv.get(step_id)
+        return kv is None or (not kv.dequantized and not kv.rebuilt)
+
+
+def _ids(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def load_trace(ledger: Ledger, run_id: int, request_id: str) -> ReplayTrace:
+    """The request's replay trace; TraceError when its tokens or step rows are missing."""
+    tokens = audit_queries.request_tokens(ledger, run_id, request_id)
+    if tokens is None:
+        raise TraceError(f"request {request_id}: no token ids recorded")
+    rows = audit_queries.step_requests(ledger, run_id, request_id)
+    if not rows:
+        raise TraceError(f"request {request_id}: no step rows recorded")
+    segments = [Segment(r["step_id"], r["start_position"], r["num_tokens"], bool(r["is_sampled"])) for r in rows]
+    trace = ReplayTrace(request_id, tokens[0], tokens[1], segments, {}, {})
+    for e in audit_queries.replay_events(ledger, run_id, request_id):
+        ids, step, layer = _ids(e["object_ids"]), e["step_id"], e["layer"]
+        if e["object_kind"] == "expert":
+            actions = trace.experts.setdefault((step, bool(e["is_rebuild"])), ExpertActions())
+            if e["tag"] == "expert_defer":
+                actions.deferred.setdefault(layer, set()).update(ids)
+            elif e["tag"] == "expert_lowbit":
+                actions.lowbit.setdefault(layer, {}).update(dict.fromkeys(ids, int(e["bits"] or 0)))
+        else:
+            kv = trace.kv.setdefault(step, KVActions())
+            if e["tag"] == "kv_dequant":
+                kv.dequantized.setdefault(layer, {}).update(dict.fromkeys(ids, int(e["bits"] or 0)))
+            elif e["tag"] == "recompute":
+                kv.rebuilt.setdefault(layer, set()).update(ids)
+    return trace

@@ -1,0 +1,63 @@
+"""Audit power: what the replay baseline needs and what completeness is checked against.
+
+events.object_ids / bits / is_rebuild (which experts or KV blocks an approximate or rebuild action covered,
+at what precision, in which pass), steps.num_events, the step_requests table (positions each step computed
+per request, whether it sampled, its event and object counts), requests.token_ids, runs.forced_tags,
+request_stats.replay_* (served logits against the replay), verdicts.quality_passed / correctness_passed
+
+Revision ID: 0005
+Revises: 0004
+Create Date: 2026-12-01 11:00:00
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision: str = "0005"
+down_revision: str | None = "0004"
+branch_labels: str | None = None
+depends_on: str | None = None
+
+COLUMNS: dict[str, tuple[tuple[str, sa.types.TypeEngine], ...]] = {
+    "events": (("object_ids", sa.Text()), ("bits", sa.Integer()), ("is_rebuild", sa.Boolean())),
+    "steps": (("num_events", sa.Integer()),),
+    "requests": (("token_ids", sa.JSON(none_as_null=True)),),
+    "runs": (("forced_tags", sa.JSON(none_as_null=True)),),
+    "request_stats": (
+        ("replay_max_kl", sa.Float()),
+        ("replay_mean_kl", sa.Float()),
+        ("replay_max_position", sa.Integer()),
+        ("replay_top1_agreement", sa.Float()),
+    ),
+    "verdicts": (("quality_passed", sa.Boolean()), ("correctness_passed", sa.Boolean())),
+}
+
+
+def upgrade() -> None:
+    """Apply this revision."""
+    for table, columns in COLUMNS.items():
+        with op.batch_alter_table(table) as batch:
+            for name, kind in columns:
+                batch.add_column(sa.Column(name, kind, nullable=True))
+    op.create_table(
+        "step_requests",
+        sa.Column("run_id", sa.Integer(), sa.ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+        sa.Column("step_id", sa.Integer(), primary_key=True, autoincrement=False),
+        sa.Column("request_id", sa.String(128), primary_key=True),
+        sa.Column("start_position", sa.Integer(), nullable=False),
+        sa.Column("num_tokens", sa.Integer(), nullable=False),
+        sa.Column("is_sampled", sa.Boolean(), nullable=False),
+        sa.Column("num_events", sa.Integer(), nullable=False),
+        sa.Column("num_objects", sa.Integer(), nullable=False),
+    )
+
+
+def downgrade() -> None:
+    """Revert this revision."""
+    op.drop_table("step_requests")
+    for table, columns in reversed(COLUMNS.items()):
+        with op.batch_alter_table(table) as batch:
+            for name, _ in reversed(columns):
+                batch.drop_column(name)
