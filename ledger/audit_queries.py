@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import func, select
 
 from fallbackgate.ledger.db import Ledger
-from fallbackgate.ledger.models import EventRow, Request, Step, StepRequest
+from fallbackgate.ledger.models import EventRow, PositionDiffRow, Request, Step, StepRequest
 from fallbackgate.ledger.queries import _all
 
 
@@ -104,3 +104,19 @@ def moved_bytes(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
         .order_by(EventRow.step_id)
     )
     return _all(ledger, stmt)
+
+
+def steps_referenced_but_absent(ledger: Ledger, run_id: int) -> list[int]:
+    """Step ids that position diffs say sampled a token but that have no step row."""
+    recorded = select(Step.step_id).where(Step.run_id == run_id)
+    stmt = (
+        select(PositionDiffRow.step_id)
+        .where(
+            PositionDiffRow.run_id == run_id,
+            PositionDiffRow.step_id.is_not(None),
+            PositionDiffRow.step_id.not_in(recorded.scalar_subquery()),
+        )
+        .distinct()
+        .order_by(PositionDiffRow.step_id)
+    )
+    return [r["step_id"] for r in _all(ledger, stmt)]

@@ -171,6 +171,7 @@ class PositionDiffRow(Base):
     logp_exact: Mapped[float] = mapped_column(Float)
     logp_engine: Mapped[float] = mapped_column(Float)
     exact_top2_gap: Mapped[float | None] = mapped_column(Float)  # exact top-1 minus top-2 logit: a near-tie if small
+    replay_kl: Mapped[float | None] = mapped_column(Float)  # KL(replay ‖ served): nonzero beyond noise is a bug
 
 
 class RequestStatRow(Base):

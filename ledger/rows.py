@@ -50,6 +50,7 @@ DIFF_FIELDS: tuple[str, ...] = (
     "logp_exact",
     "logp_engine",
     "exact_top2_gap",
+    "replay_kl",
 )
 STAT_FIELDS: tuple[str, ...] = tuple(
     c.name
@@ -204,7 +205,7 @@ def diff_rows(
     tracked = sample_steps.pop((run_id, request_id), [])
     out = rows.setdefault(PositionDiffRow.__table__, [])
     for d in diffs:
-        row = {f: plain(getattr(d, f)) for f in DIFF_FIELDS}
+        row = {f: plain(getattr(d, f, None)) for f in DIFF_FIELDS}
         pos = row["position"]
         if step_ids is not None:
             row["step_id"] = step_ids[pos]

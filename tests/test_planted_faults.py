@@ -95,7 +95,8 @@ def test_wrong_dequant_scale(model: pathlib.Path, tmp_path: pathlib.Path, monkey
     recorded = _judge(engine, tmp_path, {"default": KV_BUDGET})
     culprit = _culprit(recorded.verdict)
     assert FAULT_STEP in _steps_with(recorded, Tag.KV_DEQUANT)
-    assert not culprit.correctness_bug and "mean KL" in culprit.reason
+    assert "mean KL" in culprit.reason and not culprit.quality_passed  # it also costs quality ...
+    assert culprit.is_replay_bug and culprit.correctness_passed is False  # ... but it is a bug: the replay says so
     assert culprit.step == FAULT_STEP and "kv_dequant" in culprit.tags, culprit
 
 

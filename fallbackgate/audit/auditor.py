@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -27,28 +28,39 @@ def audit_output(engine: Engine, output: RequestOutput) -> tuple[list[PositionDi
     return audit(exact_rows(engine, output), output.output_logits, output.output_token_ids)
 
 
-def replay_stats(engine: Engine, ledger: Ledger, run_id: int, output: RequestOutput) -> dict[str, Any]:
-    """Served logits against the replay of the request's ledger trace: ``max_kl``, ``mean_kl``,
-    ``max_position`` (where the max is) and ``top1_agreement``; a trace the replay cannot follow (rows
-    missing or contradicting the served tokens) gives an infinite ``max_kl`` and its ``error``."""
+def replay_diffs(
+    engine: Engine, ledger: Ledger, run_id: int, output: RequestOutput
+) -> tuple[list[float] | None, dict[str, Any]]:
+    """Served logits against the replay of the request's ledger trace: KL(replay ‖ served) per output
+    position, and ``max_kl``, ``mean_kl``, ``max_position``, ``top1_agreement``. A trace the replay cannot
+    follow (rows missing, or contradicting the served tokens) gives no positions, an infinite ``max_kl``
+    and the ``error``."""
     try:
         replayed = replay_logits(engine, load_trace(ledger, run_id, output.request_id))
     except TraceError as exc:
-        return {
-            "max_kl": float("inf"),
-            "mean_kl": float("inf"),
-            "max_position": None,
-            "top1_agreement": 0.0,
-            "error": str(exc),
-        }
+        inf = float("inf")
+        return None, {"max_kl": inf, "mean_kl": inf, "max_position": None, "top1_agreement": 0.0, "error": str(exc)}
     diffs, stats = audit(replayed, output.output_logits, output.output_token_ids)
     worst = max(diffs, key=lambda d: d.kl)
-    return {
+    summary = {
         "max_kl": stats.max_kl,
         "mean_kl": stats.mean_kl,
         "max_position": worst.position,
         "top1_agreement": stats.top1_agreement,
     }
+    return [d.kl for d in diffs], summary
+
+
+def audit_with_replay(
+    engine: Engine, ledger: Ledger, run_id: int, output: RequestOutput
+) -> tuple[list[PositionDiff], RequestDiffStats, dict[str, Any]]:
+    """Both baselines for one request: diffs against the exact baseline carrying each position's replay KL,
+    their summary, and the replay's summary (see :func:`replay_diffs`)."""
+    diffs, stats = audit_output(engine, output)
+    replay_kls, replay = replay_diffs(engine, ledger, run_id, output)
+    if replay_kls is not None:
+        diffs = [dataclasses.replace(d, replay_kl=k) for d, k in zip(diffs, replay_kls, strict=True)]
+    return diffs, stats, replay
 
 
 def control_diffs(engine: Engine, output: RequestOutput) -> tuple[list[PositionDiff], RequestDiffStats]:

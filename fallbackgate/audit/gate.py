@@ -28,6 +28,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from fallbackgate.audit.completeness import check_completeness
 from fallbackgate.audit.stats import top1_outside_ties
 from fallbackgate.engine.tags import TAG_EXACTNESS, Exactness, Tag
 from fallbackgate.ledger import queries
@@ -85,6 +86,9 @@ class RequestVerdict:
     served: str  # strongest exactness class it was served with: exact, equivalent or approximate
     reasons: list[str] = dataclasses.field(default_factory=list)
     correctness_bug: bool = False
+    is_replay_bug: bool = False  # the served logits differ from the replay of the recorded actions
+    quality_passed: bool = True  # against the exact baseline: quality budget and allowed tags
+    correctness_passed: bool | None = None  # exact tolerance, replay and completeness (None: not audited)
     position: int | None = None  # first diverging output position
     step: int | None = None  # step that produced that position
     layer: int | None = None  # lowest layer with a non-exact tag on that step
@@ -106,6 +110,7 @@ class RunVerdict:
     status: str
     reasons: list[str]
     requests: list[RequestVerdict]
+    missing_step_ids: list[int] = dataclasses.field(default_factory=list)  # steps whose ledger rows are incomplete
 
 
 def served_class(objects_by_class: Mapping[str, int]) -> str:
@@ -123,35 +128,67 @@ def judge_request(
     objects_by_class: Mapping[str, int],
     objects_by_tag: Mapping[str, int],
     floor: Floor | float | None,
+    replay: Mapping[str, Any] | None = None,
+    incomplete: list[str] | None = None,
 ) -> RequestVerdict:
-    """Judge one request from its diff statistics (None when not audited), budget, tag counts and the
-    run's floor (a bare number: the control's max KL, float32). ``stats["top1_outside_ties"]``, when
-    present, is the top-1 agreement the budget is checked on."""
+    """Judge one request from its diff statistics (None when not audited), budget, tag counts, the run's
+    floor (a bare number: the control's max KL, float32), its replay statistics (``max_kl``,
+    ``max_position``; None when not replayed) and what completeness found missing for it.
+    ``stats["top1_outside_ties"]``, when present, is the top-1 agreement the budget is checked on.
+
+    Two halves: quality (the budget and allowed tags, against the exact baseline) and correctness (exact
+    tolerance for exact- and equivalent-served requests, the replay for every request, completeness)."""
     floor = floor if isinstance(floor, Floor) else Floor(max_kl=floor or 0.0)
     served = served_class(objects_by_class)
     v = RequestVerdict(request_id, True, served, stats=dict(stats) if stats is not None else None)
     budget = budget or {}
+    quality: list[str] = []
+    correctness: list[str] = []
     if stats is not None:
-        _check_kl_budget(v, stats, budget, floor)
+        quality += _kl_budget_reasons(stats, budget, floor)
         tol = tolerance(served, floor)
         if stats["max_kl"] > tol:
-            v.correctness_bug = True
-            v.reasons.insert(
-                0,
-                f"correctness bug: served {served}-only but max KL {stats['max_kl']:.3g} > {tol:.3g}",
+            correctness.append(f"correctness bug: served {served}-only but max KL {stats['max_kl']:.3g} > {tol:.3g}")
+    if replay is not None and replay.get("max_kl") is not None:
+        tol = replay_tolerance(served, floor)
+        if replay["max_kl"] > tol:
+            v.is_replay_bug = True
+            where = f" at output position {replay['max_position']}" if replay.get("max_position") is not None else ""
+            correctness.append(
+                f"correctness bug vs replay: served logits differ from the replay of its recorded actions by "
+                f"max KL {replay['max_kl']:.3g}{where} > {tol:.3g}"
             )
+    quality += _tag_reasons(budget, objects_by_class, objects_by_tag)
+    v.correctness_bug = bool(correctness)
+    correctness += incomplete or []
+    v.reasons = correctness + quality
+    v.quality_passed = not quality
+    v.correctness_passed = not correctness if (stats is not None or replay is not None or incomplete) else None
+    v.passed = not v.reasons
+    return v
+
+
+def _tag_reasons(
+    budget: Mapping[str, Any], objects_by_class: Mapping[str, int], objects_by_tag: Mapping[str, int]
+) -> list[str]:
+    reasons = []
     total = sum(objects_by_class.values())
     approx = objects_by_class.get("approximate", 0)
     limit = budget.get("max_approx_fraction")
     if limit is not None and total and approx / total > limit:
-        v.reasons.append(f"approximate fraction {approx / total:.3g} > {limit:g}")
+        reasons.append(f"approximate fraction {approx / total:.3g} > {limit:g}")
     allowed = budget.get("allowed_tags")
     if allowed is not None:
         used = sorted(t for t, n in objects_by_tag.items() if n > 0 and _is_approximate(t) and t not in allowed)
         if used:
-            v.reasons.append(f"tags not allowed: {', '.join(used)}")
-    v.passed = not v.reasons
-    return v
+            reasons.append(f"tags not allowed: {', '.join(used)}")
+    return reasons
+
+
+def replay_tolerance(served: str, floor: Floor) -> float:
+    """Max KL allowed between served logits and their replay: the exact tolerance when everything served
+    was exact, else the equivalent one (the replay runs other kernel shapes than the packed serving)."""
+    return tolerance("exact" if served == "exact" else "equivalent", floor)
 
 
 def _is_approximate(tag: str) -> bool:
@@ -161,7 +198,8 @@ def _is_approximate(tag: str) -> bool:
         return True  # an unknown tag is never assumed exact
 
 
-def _check_kl_budget(v: RequestVerdict, stats: Mapping[str, Any], budget: Mapping[str, Any], floor: Floor) -> None:
+def _kl_budget_reasons(stats: Mapping[str, Any], budget: Mapping[str, Any], floor: Floor) -> list[str]:
+    reasons = []
     checks = (
         ("max_mean_kl", "mean_kl", "mean KL", FLOOR_MARGIN * floor.mean_kl),
         ("max_p99_kl", "p99_kl", "p99 KL", FLOOR_MARGIN * floor.p99_kl),
@@ -170,12 +208,13 @@ def _check_kl_budget(v: RequestVerdict, stats: Mapping[str, Any], budget: Mappin
         limit = budget.get(key)
         if limit is not None and stats[stat] > limit + allowance:
             extra = f" + floor allowance {allowance:.3g}" if allowance else ""
-            v.reasons.append(f"{label} {stats[stat]:.3g} > budget {limit:g}{extra}")
+            reasons.append(f"{label} {stats[stat]:.3g} > budget {limit:g}{extra}")
     limit = budget.get("min_top1_agreement")
     top1 = stats.get("top1_outside_ties", stats["top1_agreement"])
     if limit is not None and top1 < limit:
         ties = " (near-ties not counted)" if "top1_outside_ties" in stats else ""
-        v.reasons.append(f"top-1 agreement {top1:.3g}{ties} < budget {limit:g}")
+        reasons.append(f"top-1 agreement {top1:.3g}{ties} < budget {limit:g}")
+    return reasons
 
 
 def _locate(ledger: Ledger, run_id: int, v: RequestVerdict, floor: Floor) -> None:
@@ -183,8 +222,13 @@ def _locate(ledger: Ledger, run_id: int, v: RequestVerdict, floor: Floor) -> Non
     diffs = queries.position_diffs(ledger, run_id, v.request_id)
     if not diffs:
         return
-    tol = tolerance(v.served, floor)
-    first = next((d for d in diffs if d["kl"] > tol), None) if v.correctness_bug else None
+    first = None
+    if v.is_replay_bug:
+        tol = replay_tolerance(v.served, floor)
+        first = next((d for d in diffs if d["replay_kl"] is not None and d["replay_kl"] > tol), None)
+    elif v.correctness_bug:
+        tol = tolerance(v.served, floor)
+        first = next((d for d in diffs if d["kl"] > tol), None)
     first = first or next((d for d in diffs if not d["top1_agree"]), None)
     first = first or max(diffs, key=lambda d: d["kl"])
     v.position, v.step = first["position"], first["step_id"]
@@ -216,22 +260,33 @@ def evaluate_run(ledger: Ledger, run_id: int) -> RunVerdict:
         "top1_agreement",
         "first_divergence",
     )
-    for req in queries.request_summaries(ledger, run_id):
+    requests = queries.request_summaries(ledger, run_id)
+    completeness = check_completeness(ledger, run, requests)
+    for req in requests:
         rid = req["request_id"]
         stats = {k: req[k] for k in stat_keys} if req["num_positions"] is not None else None
         if stats is not None and tie_margin > 0:
             stats["top1_outside_ties"] = top1_outside_ties(queries.position_diffs(ledger, run_id, rid), tie_margin)
-        v = judge_request(rid, stats, req["budget"], by_class.get(rid, {}), by_tag.get(rid, {}), floor)
+        replay = {"max_kl": req["replay_max_kl"], "max_position": req["replay_max_position"]}
+        v = judge_request(
+            rid,
+            stats,
+            req["budget"],
+            by_class.get(rid, {}),
+            by_tag.get(rid, {}),
+            floor,
+            replay=replay if req["replay_max_kl"] is not None else None,
+            incomplete=completeness.request_reasons.get(rid),
+        )
         if not v.passed:
             _locate(ledger, run_id, v, floor)
         verdicts.append(v)
-    reasons = []
-    if run["status"] != "complete":
-        reasons.append(f"run is {run['status']}")
+    reasons = [f"run is {run['status']}"] if run["status"] != "complete" else []
+    reasons += completeness.reasons
     failed = [v.request_id for v in verdicts if not v.passed]
     if failed:
         reasons.append(f"{len(failed)} of {len(verdicts)} requests failed: {', '.join(failed[:10])}")
-    return RunVerdict(run_id, not reasons, run["status"], reasons, verdicts)
+    return RunVerdict(run_id, not reasons, run["status"], reasons, verdicts, completeness.missing_step_ids)
 
 
 def record_verdicts(writer: LedgerWriter, verdict: RunVerdict) -> None:
@@ -245,6 +300,8 @@ def record_verdicts(writer: LedgerWriter, verdict: RunVerdict) -> None:
             step=v.step,
             layer=v.layer,
             tags=v.tags,
+            quality_passed=v.quality_passed,
+            correctness_passed=v.correctness_passed,
             run_id=verdict.run_id,
         )
     writer.record_verdict(None, verdict.passed, "; ".join(verdict.reasons) or "ok", run_id=verdict.run_id)

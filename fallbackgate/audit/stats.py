@@ -48,6 +48,7 @@ class PositionDiff:
     logp_exact: float  # log p_exact(token)
     logp_engine: float  # log p_engine(token)
     exact_top2_gap: float | None = None  # exact top-1 minus top-2 logit (None: unknown, or a one-entry vocabulary)
+    replay_kl: float | None = None  # KL(replay ‖ engine) at this position (None: not replayed)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

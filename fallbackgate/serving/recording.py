@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import transformers
 
-from fallbackgate.audit.auditor import audit_output, choose_audited, floor_control, replay_stats
+from fallbackgate.audit.auditor import audit_with_replay, choose_audited, floor_control
 from fallbackgate.audit.gate import RunVerdict, evaluate_run, record_verdicts
 from fallbackgate.engine.engine import Engine
 from fallbackgate.ledger.db import Ledger, open_ledger
@@ -72,6 +72,7 @@ def start_run(
         versions=versions(),
         mode="observe" if engine.is_observe else "enforce",
         note=note,
+        forced_tags=sorted(getattr(t, "value", str(t)) for t in getattr(engine.controller, "force", ())),
     )
 
 
@@ -120,12 +121,10 @@ def _record_and_audit(engine: Engine, outcome: RunOutcome, writer: LedgerWriter,
             output, prompt=spec.prompt, budget=budgets.get(spec.request_class), slo=slos.get(spec.request_class)
         )
     audited = choose_audited(outcome.outputs, audit_rate, seed)
-    for output in audited:
-        diffs, stats = audit_output(engine, output)
-        writer.record_diffs(output.request_id, diffs, stats)
     writer.flush()  # the replay reads each request's trace back from the ledger
     for output in audited:
-        replay = replay_stats(engine, writer.ledger, writer.run_id, output)
+        diffs, stats, replay = audit_with_replay(engine, writer.ledger, writer.run_id, output)
+        writer.record_diffs(output.request_id, diffs, stats)
         replay.pop("error", None)
         writer.record_replay(output.request_id, replay)
     floor = floor_control(engine, audited)

@@ -7,13 +7,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from fallbackgate.engine.config import MIB, EngineConfig
 from fallbackgate.engine.controller import Controller
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import CheckpointError
+from fallbackgate.engine.kv_codec import quantize_kv
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
+from fallbackgate.engine.quant import quantize
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.profiling.store import resolve_profile
 from fallbackgate.serving.prompts import PromptSpec
@@ -138,4 +141,24 @@ def memory_summary(engine: Engine) -> dict[str, Any]:
         "peak_host_pool_bytes": engine.kv_store.host_pool.peak_used_bytes,
         "num_expert_disk_reads": experts.num_disk_reads,
         "dtype": engine.dtype_name,
+        "block_size": engine.config.block_size,
+        "object_bytes": object_bytes(engine),
+    }
+
+
+def object_bytes(engine: Engine) -> dict[str, Any]:
+    """Bytes one object moves with each tag: a full expert, its low-bit copy per bits, a KV block and its
+    quantized copy per bits (what the gate checks each event's bytes against)."""
+    experts, kv = engine.expert_store, engine.kv_store
+    sample = experts.reader.read(next(iter(experts.entries)))
+    block = torch.zeros(kv.block_shape, dtype=kv.dtype)
+    lowbit = {}
+    if experts.lowbit_bits:
+        bits = experts.lowbit_bits
+        lowbit[str(bits)] = sum(quantize(t, bits, axis=1).num_bytes for t in (sample.gate_up, sample.down))
+    return {
+        "expert": experts.bytes_per_expert,
+        "expert_lowbit": lowbit,
+        "kv_block": kv.bytes_per_block,
+        "kv_dequant": {str(bits): quantize_kv(block, bits, kv.key_dim).num_bytes for bits in (8, 4)},
     }

@@ -3,7 +3,8 @@
 events.object_ids / bits / is_rebuild (which experts or KV blocks an approximate or rebuild action covered,
 at what precision, in which pass), steps.num_events, the step_requests table (positions each step computed
 per request, whether it sampled, its event and object counts), requests.token_ids, runs.forced_tags,
-request_stats.replay_* (served logits against the replay), verdicts.quality_passed / correctness_passed
+request_stats.replay_* and position_diffs.replay_kl (served logits against the replay),
+verdicts.quality_passed / correctness_passed
 
 Revision ID: 0005
 Revises: 0004
@@ -31,6 +32,7 @@ COLUMNS: dict[str, tuple[tuple[str, sa.types.TypeEngine], ...]] = {
         ("replay_max_position", sa.Integer()),
         ("replay_top1_agreement", sa.Float()),
     ),
+    "position_diffs": (("replay_kl", sa.Float()),),
     "verdicts": (("quality_passed", sa.Boolean()), ("correctness_passed", sa.Boolean())),
 }
 

@@ -1,0 +1,153 @@
+"""Completeness: a run passes only when its ledger holds everything the engine said it did.
+
+Checked against what the engine counted itself, never against the rows alone:
+
+- a run with no requests never passes;
+- per step: the event rows found against the step row's ``num_events``, and a row for every step that
+  sampled an audited token;
+- per step × request: event rows and objects found against the ``step_requests`` row;
+- per request: objects per tag found against the engine's own ``tag_counts``;
+- every tag ``--force`` turned on produced events;
+- bytes per tag: bytes moved are whole objects of the size the tag implies (a full expert for ``exact_load``
+  and ``cpu_execute``, a low-bit copy for ``expert_lowbit``, a KV block, a quantized KV block for
+  ``kv_dequant``); a mismatch names the tag whose size the bytes do fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from fallbackgate.ledger import audit_queries, queries
+from fallbackgate.ledger.db import Ledger
+
+MAX_LISTED = 10  # step ids named in one reason
+
+
+@dataclasses.dataclass
+class Completeness:
+    """What is missing or inconsistent in a run's ledger."""
+
+    reasons: list[str] = dataclasses.field(default_factory=list)  # run-level reasons
+    missing_step_ids: list[int] = dataclasses.field(default_factory=list)  # steps with missing or extra rows
+    request_reasons: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # request id -> reasons
+
+    @property
+    def is_complete(self) -> bool:
+        return not self.reasons and not self.request_reasons
+
+
+def _listed(ids: list[int]) -> str:
+    more = f" and {len(ids) - MAX_LISTED} more" if len(ids) > MAX_LISTED else ""
+    return ", ".join(map(str, ids[:MAX_LISTED])) + more
+
+
+def check_completeness(ledger: Ledger, run: Mapping[str, Any], requests: list[dict[str, Any]]) -> Completeness:
+    """Reconcile the run's rows with the engine's own counts (see the module docstring)."""
+    out = Completeness()
+    run_id = int(run["id"])
+    if not requests:
+        out.reasons.append("run has no requests: nothing was served, so nothing can pass")
+    _check_steps(ledger, run_id, out)
+    _check_requests(ledger, run_id, requests, out)
+    by_tag = {r["tag"]: r["objects"] for r in queries.run_tag_counts(ledger, run_id)}
+    for tag in run.get("forced_tags") or []:
+        if not by_tag.get(tag):
+            out.reasons.append(f"forced tag {tag} produced no events: the run did not exercise it")
+    out.reasons += check_object_bytes(ledger, run_id, (run.get("memory") or {}).get("object_bytes"))
+    return out
+
+
+def _check_steps(ledger: Ledger, run_id: int, out: Completeness) -> None:
+    counts = audit_queries.step_event_counts(ledger, run_id)
+    known = [c for c in counts if c["expected"] is not None]
+    short = [c for c in known if c["found"] != c["expected"]]
+    if short:
+        expected, found = sum(c["expected"] for c in short), sum(c["found"] for c in short)
+        ids = [c["step_id"] for c in short]
+        out.missing_step_ids += ids
+        out.reasons.append(
+            f"ledger incomplete: event rows of steps {_listed(ids)} do not match the engine's count "
+            f"(expected {expected}, found {found})"
+        )
+    absent = audit_queries.steps_referenced_but_absent(ledger, run_id)
+    if absent:
+        out.missing_step_ids += absent
+        out.reasons.append(f"ledger incomplete: no rows for steps {_listed(absent)}, which sampled audited tokens")
+    rows = audit_queries.step_request_counts(ledger, run_id)
+    bad = [r for r in rows if (r["found_events"], r["found_objects"]) != (r["num_events"], r["num_objects"])]
+    for r in bad:
+        out.request_reasons.setdefault(r["request_id"], []).append(
+            f"ledger incomplete at step {r['step_id']}: {r['found_events']} of {r['num_events']} event rows, "
+            f"{r['found_objects']} of {r['num_objects']} objects"
+        )
+    out.missing_step_ids = sorted(set(out.missing_step_ids) | {r["step_id"] for r in bad})
+
+
+def _check_requests(ledger: Ledger, run_id: int, requests: list[dict[str, Any]], out: Completeness) -> None:
+    found = queries.request_tags(ledger, run_id)
+    for req in requests:
+        engine_counts = {t: n for t, n in (req.get("tag_counts") or {}).items() if n}
+        if not engine_counts:  # not counted (a synthetic request); an engine request always has objects
+            continue
+        ledger_counts = {t: n for t, n in found.get(req["request_id"], {}).items() if n}
+        if ledger_counts != engine_counts:
+            diff = {
+                t: f"{ledger_counts.get(t, 0)} of {engine_counts.get(t, 0)}"
+                for t in sorted(set(engine_counts) | set(ledger_counts))
+                if ledger_counts.get(t, 0) != engine_counts.get(t, 0)
+            }
+            out.request_reasons.setdefault(req["request_id"], []).append(
+                "ledger incomplete: objects per tag in the ledger against the engine's count: "
+                + ", ".join(f"{t} {v}" for t, v in diff.items())
+            )
+
+
+def _sizes(object_bytes: Mapping[str, Any]) -> dict[tuple[str, str, int], int]:
+    """(object kind, tag, bits) -> bytes of one object moved with that tag."""
+    sizes = {}
+    expert, block = int(object_bytes["expert"]), int(object_bytes["kv_block"])
+    for tag in ("exact_load", "cpu_execute"):
+        sizes[("expert", tag, 0)] = expert
+    sizes[("kv_block", "exact_load", 0)] = block
+    for bits, n in (object_bytes.get("expert_lowbit") or {}).items():
+        sizes[("expert", "expert_lowbit", int(bits))] = int(n)
+    for bits, n in (object_bytes.get("kv_dequant") or {}).items():
+        sizes[("kv_block", "kv_dequant", int(bits))] = int(n)
+    return sizes
+
+
+def _fits(num_bytes: int, num_objects: int, size: int, extra: int | None) -> bool:
+    """Whether `num_bytes` is 1..num_objects objects of `size` (plus any whole `extra`-byte reads)."""
+    for count in range(1, num_objects + 1):
+        rest = num_bytes - count * size
+        if rest == 0 or (extra and rest > 0 and rest % extra == 0):
+            return True
+    return False
+
+
+def check_object_bytes(ledger: Ledger, run_id: int, object_bytes: Mapping[str, Any] | None) -> list[str]:
+    """Reasons for every step × request × layer whose bytes do not fit its tag's object size."""
+    if not object_bytes:
+        return []
+    sizes = _sizes(object_bytes)
+    reasons = []
+    for r in audit_queries.moved_bytes(ledger, run_id):
+        kind, tag, bits = r["object_kind"], r["tag"], int(r["bits"] or 0)
+        size = sizes.get((kind, tag, bits))
+        extra = sizes[("expert", "exact_load", 0)] if tag == "expert_lowbit" else None  # a disk read, then quantized
+        if size is not None and _fits(int(r["bytes_moved"]), int(r["objects"]), size, extra):
+            continue
+        fitting = [
+            f"{t}{f' int{b}' if b else ''} ({n} B each)"
+            for (k, t, b), n in sizes.items()
+            if k == kind and t != tag and _fits(int(r["bytes_moved"]), int(r["objects"]), n, None)
+        ]
+        hint = f"; the bytes fit {', '.join(fitting)}" if fitting else ""
+        expected = f"{size} B each" if size is not None else "no known size"
+        reasons.append(
+            f"mislabelled tag at step {r['step_id']} (request {r['request_id']}, layer {r['layer']}): {tag} moved "
+            f"{r['bytes_moved']} B for {r['objects']} {kind} object(s), {expected}{hint}"
+        )
+    return reasons
