@@ -279,6 +279,9 @@ class Executor:
             new_v = value_states[0, :, offset : offset + length]
             self.kv_store.write(request_id, layer, start, new_k, new_v)
             self.layer_kv.append(self.kv_store.gather(request_id, layer, start + length))
+            num_resident = self.kv_store.num_device_blocks(request_id, layer, start + length)
+            if num_resident:  # staged blocks were recorded when staged; these are read where they live
+                self.ctx.log.add(request_id, layer, ObjectKind.KV_BLOCK, Tag.RESIDENT, count=num_resident)
             offset += length
         return key_states, value_states
 

@@ -165,6 +165,10 @@ class KVStore:
         both = torch.cat(parts, dim=1)[:, :length] if len(parts) > 1 else parts[0][:, :length]
         return both[..., : self.key_dim], both[..., self.key_dim :]
 
+    def num_device_blocks(self, request_id: str, layer: int, length: int) -> int:
+        """How many of the blocks holding positions 0..length of the request's layer are on device."""
+        return sum(1 for b in self.tables[request_id][layer][: -(-length // self.block_size)] if b.device is not None)
+
     # --- staging (the fallbacks) ---------------------------------------------------------------
     def stage(self, block: KVBlock, tag: Tag) -> Staged:
         """Make an off-device block readable for this step with `tag`'s computation.

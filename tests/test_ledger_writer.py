@@ -29,7 +29,7 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 def test_round_trip(url: str) -> None:
     ledger = open_ledger(url)
     steps = [synthetic_step(i, ["a", "b"], num_layers=3, events_per_layer=2) for i in range(5)]
-    out = synthetic_output("a", num_output=5, vocab=16)
+    out = synthetic_output("a", num_output=5, vocab=16, tag_counts={"resident": 10, "exact_load": 2})
     with LedgerWriter(ledger, flush_interval_s=0.05) as w:
         run_id = w.start_run(
             policy="x: 1",

@@ -97,7 +97,7 @@ def test_wrong_dequant_scale(model: pathlib.Path, tmp_path: pathlib.Path, monkey
     assert FAULT_STEP in _steps_with(recorded, Tag.KV_DEQUANT)
     assert "mean KL" in culprit.reason and not culprit.quality_passed  # it also costs quality ...
     assert culprit.is_replay_bug and culprit.correctness_passed is False  # ... but it is a bug: the replay says so
-    assert culprit.step == FAULT_STEP and "kv_dequant" in culprit.tags, culprit
+    assert culprit.step == FAULT_STEP and "kv_block:kv_dequant" in culprit.tags, culprit
 
 
 @pytest.mark.parametrize("dtype", [None, "bfloat16"])  # bf16: caught above a ~1e-4 floor, not a fixed 1e-9
@@ -156,7 +156,7 @@ def test_position_offset_after_recompute(
     culprit = _culprit(recorded.verdict)
     assert shifted_at and set(shifted_at) == {FAULT_STEP}
     assert culprit.correctness_bug and culprit.served == "equivalent", culprit
-    assert culprit.step == FAULT_STEP and "recompute" in culprit.tags, culprit
+    assert culprit.step == FAULT_STEP and "kv_block:recompute" in culprit.tags, culprit
 
 
 def _run_bf16_cpu_execute(model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> RecordedRun:

@@ -51,7 +51,9 @@ def check_completeness(ledger: Ledger, run: Mapping[str, Any], requests: list[di
         out.reasons.append("run has no requests: nothing was served, so nothing can pass")
     _check_steps(ledger, run_id, out)
     _check_requests(ledger, run_id, requests, out)
-    by_tag = {r["tag"]: r["objects"] for r in queries.run_tag_counts(ledger, run_id)}
+    by_tag: dict[str, int] = {}
+    for r in queries.run_tag_counts(ledger, run_id):
+        by_tag[r["tag"]] = by_tag.get(r["tag"], 0) + int(r["objects"] or 0)
     for tag in run.get("forced_tags") or []:
         if not by_tag.get(tag):
             out.reasons.append(f"forced tag {tag} produced no events: the run did not exercise it")

@@ -92,7 +92,7 @@ class RequestVerdict:
     position: int | None = None  # first diverging output position
     step: int | None = None  # step that produced that position
     layer: int | None = None  # lowest layer with a non-exact tag on that step
-    tags: list[str] = dataclasses.field(default_factory=list)  # tags on that step for this request
+    tags: list[str] = dataclasses.field(default_factory=list)  # tags on that step for this request (KV: "kv_block:…")
     stats: dict[str, Any] | None = None
 
     @property
@@ -235,7 +235,7 @@ def _locate(ledger: Ledger, run_id: int, v: RequestVerdict, floor: Floor) -> Non
     if v.step is None:
         return
     events = queries.request_events(ledger, run_id, v.request_id, step_id=v.step)
-    v.tags = sorted({e["tag"] for e in events})
+    v.tags = sorted({e["tag"] if e["object_kind"] == "expert" else f"kv_block:{e['tag']}" for e in events})
     non_exact = [e["layer"] for e in events if e["exactness"] != "exact"]
     layers = non_exact or [e["layer"] for e in events]
     v.layer = min(layers) if layers else None
