@@ -1,4 +1,5 @@
-"""Exact-only runs on random checkpoints, prompts and tight budgets pass the gate: no false alarms."""
+"""No false alarms: exact-only runs on random checkpoints, prompts and tight budgets pass the gate, and runs
+with forced approximate tags pass its correctness half (their replay matches what was served)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,18 @@ from tests.test_engine_exact import one_request_budget, sizes
 WORDS = "once upon a time the quick brown fox jumps over lazy dog princess lived in castle".split()
 
 
-def _exact_only_run(seed: int, root: pathlib.Path) -> RecordedRun:
-    """An exact-only run on a fresh random checkpoint and prompts, at a tight budget picked by the seed."""
+APPROXIMATE = (
+    ("expert_defer",),
+    ("expert_lowbit",),
+    ("kv_dequant",),
+    ("kv_dequant", "recompute"),
+    ("expert_defer", "kv_dequant"),
+)
+
+
+def _exact_only_run(seed: int, root: pathlib.Path, force: tuple[str, ...] = ()) -> RecordedRun:
+    """A run on a fresh random checkpoint and prompts, at a tight budget picked by the seed; exact-only
+    unless `force` turns tags on."""
     gen = torch.Generator().manual_seed(seed)
     arch = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3")[seed % 4]
     path = make_checkpoint(arch, root / f"ck-{seed}", seed=seed)
@@ -30,7 +41,10 @@ def _exact_only_run(seed: int, root: pathlib.Path) -> RecordedRun:
         {"device_budget_bytes": minimum + 3 * layers * block, "host_budget_bytes": 6 * expert},
         {"device_budget_bytes": 3 * expert + 6 * layers * block, "preempt_mode": "recompute"},
     ][seed % 3]
-    engine = Engine(EngineConfig(str(path), block_size=4, max_num_seqs=3, seed=seed, **knobs), ExactLRUController())
+    if force:  # room for a dequantized low-bit copy and a staged block beside the tight budget
+        knobs["device_budget_bytes"] += 2 * expert + layers * block
+    config = EngineConfig(str(path), block_size=4, max_num_seqs=3, seed=seed, **knobs)
+    engine = Engine(config, ExactLRUController(force))
     prompts = [
         " ".join(WORDS[i] for i in torch.randint(len(WORDS), (int(n),), generator=gen).tolist())
         for n in torch.randint(1, 9, (3,), generator=gen)
@@ -47,12 +61,28 @@ def _assert_no_false_alarm(seed: int, root: pathlib.Path) -> None:
     assert all(v.stats["max_kl"] < 1e-9 for v in recorded.verdict.requests), seed
 
 
+def _assert_replay_matches(seed: int, root: pathlib.Path) -> None:
+    force = APPROXIMATE[seed % len(APPROXIMATE)]
+    recorded = _exact_only_run(seed, root, force)
+    tags = {t for o in recorded.outcome.outputs for t in o.tag_counts}
+    assert set(force) & tags, (seed, force, tags)
+    for v in recorded.verdict.requests:
+        assert v.correctness_passed and not v.reasons, (seed, force, v)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_exact_only_runs_pass_the_gate(seed: int, tmp_path: pathlib.Path) -> None:
     _assert_no_false_alarm(seed, tmp_path)
 
 
+@pytest.mark.parametrize("seed", [0, 3])
+def test_approximate_runs_match_their_replay(seed: int, tmp_path: pathlib.Path) -> None:
+    _assert_replay_matches(seed, tmp_path)
+
+
 @pytest.mark.slow
-def test_exact_only_runs_pass_the_gate_over_ten_seeds(tmp_path: pathlib.Path) -> None:
-    for seed in range(10):
+def test_no_false_alarm_over_forty_seeded_configurations(tmp_path: pathlib.Path) -> None:
+    for seed in range(40):  # 4 architectures x 3 budgets, exact-only ...
         _assert_no_false_alarm(seed, tmp_path)
+    for seed in range(40):  # ... and with each forced approximate tag set: the replay agrees
+        _assert_replay_matches(seed, tmp_path / "approximate")

@@ -171,12 +171,11 @@ class Replayer:
     def attend(
         self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any
     ) -> torch.Tensor:
-        """SDPA of this forward's queries (positions start..) over keys 0..start+n, key ≤ query allowed."""
+        """SDPA of this forward's queries (positions start..) over keys 0..start+n, key ≤ query allowed (MLA
+        modules expand their cached latents before calling attention)."""
         n, length = query.shape[2], key.shape[2]
         query_pos = torch.arange(self.start, self.start + n, device=query.device)
         allowed = torch.arange(length, device=query.device)[None, :] <= query_pos[:, None]
-        if hasattr(module, "expand_kv"):
-            key, value = module.expand_kv(key, value)
         kwargs.pop("is_causal", None)
         out, _ = sdpa_attention_forward(module, query, key, value, allowed[None, None], **kwargs)
         return out
