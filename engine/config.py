@@ -42,6 +42,7 @@ class EngineConfig:
     dtype: str | None = None  # compute dtype override ("float32", "bfloat16", "float16"); None: the checkpoint's
     is_stacked_when_fits: bool = True  # no device budget: each layer's experts stacked on device (no misses at all)
     num_io_threads: int | None = None  # threads reading experts ahead of use; None: `default_io_threads()`
+    num_verified_copies_per_step: int = 1  # expert copies checked against the checkpoint after each step
 
     def __post_init__(self) -> None:
         for name in ("device_budget_bytes", "host_budget_bytes"):
@@ -66,5 +67,7 @@ class EngineConfig:
             self.num_io_threads = default_io_threads()
         if not 0 <= self.num_io_threads <= 64:
             raise ValueError(f"num_io_threads must be 0..64, got {self.num_io_threads}")
+        if not 0 <= self.num_verified_copies_per_step <= 1024:
+            raise ValueError(f"num_verified_copies_per_step must be 0..1024, got {self.num_verified_copies_per_step}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")

@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable
 
 import torch
+import xxhash
 from transformers import PreTrainedModel
 
 from fallbackgate.engine.checkpoint_files import CheckpointFiles
@@ -49,11 +50,12 @@ def _target_dtype(model: PreTrainedModel, name: str, tensor: torch.Tensor, compu
     return next((dtype for pattern, dtype in plan.items() if pattern in name), compute)
 
 
-def load_dense_weights(model: PreTrainedModel, files: CheckpointFiles, compute: torch.dtype) -> int:
-    """Load every non-expert tensor of `files` into `model`; returns the dense bytes loaded."""
+def load_dense_weights(model: PreTrainedModel, files: CheckpointFiles, compute: torch.dtype) -> dict[str, str]:
+    """Load every non-expert tensor of `files` into `model`; returns the xxh3-64 of each as assigned (model
+    name -> digest of its bytes after the dtype cast), which audits check the live weights against."""
     rename = _renamer(str(model.config.model_type))
     expected = {n: p for n, p in model.named_parameters(remove_duplicate=False)} | dict(model.named_buffers())
-    num_bytes = 0
+    digests: dict[str, str] = {}
     for source in files.names():
         if is_expert_tensor(source):
             continue
@@ -72,14 +74,19 @@ def load_dense_weights(model: PreTrainedModel, files: CheckpointFiles, compute: 
             module._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
         else:
             module._buffers[leaf] = tensor
-        num_bytes += tensor.numel() * tensor.element_size()
+        digests[name] = tensor_digest(tensor)
     _recompute_non_persistent_buffers(model)
     if getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
     missing = [n for n, p in model.named_parameters() if p.is_meta] + [n for n, b in model.named_buffers() if b.is_meta]
     if missing:
         raise CheckpointError(f"{files.path}: tensor(s) missing from the checkpoint: {', '.join(missing[:5])}")
-    return num_bytes
+    return digests
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """xxh3-64 (hex) of a tensor's bytes in its dtype."""
+    return xxhash.xxh3_64(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy()).hexdigest()
 
 
 def _recompute_non_persistent_buffers(model: PreTrainedModel) -> None:

@@ -14,9 +14,10 @@ from fallbackgate.engine.config import DTYPES, EngineConfig
 from fallbackgate.engine.controller import Controller, EngineView
 from fallbackgate.engine.errors import PromptError
 from fallbackgate.engine.executor import Executor
+from fallbackgate.engine.integrity import CopyVerifier, verify_dense
 from fallbackgate.engine.kv_store import KVBlockKey, SpillMode
 from fallbackgate.engine.loader import find_routers, load_checkpoint
-from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
+from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult, Verification
 from fallbackgate.engine.model_runner import ModelRunner
 from fallbackgate.engine.sampler import sample
 from fallbackgate.engine.scheduler import Scheduler
@@ -47,6 +48,10 @@ class Engine:
         model = loaded.model.to(self.device)
         fill_expert_tiers(config, loaded, self.expert_store)
         self.loaded_experts = loaded.experts_by_layer  # decoder layer -> routed-experts module
+        self.dense_digests = loaded.dense_digests  # what an audit checks the live dense weights against
+        self.verifier = CopyVerifier(
+            self.expert_store, loaded.checkpoint_dtype, config.num_verified_copies_per_step, config.seed
+        )
         hidden = int(self.model_config.hidden_size)
         first = next(iter(loaded.experts_by_layer.values()))
         self.executor = Executor(
@@ -228,6 +233,7 @@ class Engine:
             pool.used_bytes_by_kind[ObjectKind.EXPERT],
             pool.used_bytes_by_kind[ObjectKind.KV_BLOCK],
             self.expert_store.read_ahead.end_step(),
+            self.verifier.verify_step(plan.step_id),
         )
 
     def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor, now: float) -> bool:
@@ -317,6 +323,10 @@ class Engine:
                 result = self.step()
                 bar.update(len(result.sampled_token_ids))
         return [self.finished[i] for i in ids]
+
+    def verify_dense(self) -> list[Verification]:
+        """Check every dense weight against the digest of what the loader read from the checkpoint."""
+        return verify_dense(self.runner.model, self.dense_digests)
 
     def exact_logits(self, token_ids: list[int], num_chunked: int = 0) -> torch.Tensor:
         """Exact-baseline logits [len, vocab] for a token sequence (the audit's teacher-forced pass)."""

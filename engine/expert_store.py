@@ -249,6 +249,24 @@ class ExpertStore:
             if self.host_pool.can_reserve(self.bytes_per_expert + self._read_slot_bytes()):
                 self._cache_on_host(key, weights)
 
+    def discard_copy(self, key: ExpertKey, tier: Tier) -> bool:
+        """Drop a copy found corrupt without caching it anywhere (the next use reads the checkpoint); False
+        for a copy pinned in its layer's resident stack."""
+        entry = self.entries[key]
+        if tier is Tier.HOST and entry.host is not None:
+            self._drop_host(key)
+            return True
+        if tier is Tier.DEVICE and entry.device is not None:
+            if key[0] in self.stacked_layers:
+                return False
+            if entry.ready is not None:
+                entry.ready.synchronize()
+                entry.ready = None
+            entry.device = None
+            self.device_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)
+            return True
+        return False
+
     def host_weights(self, key: ExpertKey) -> Fetched:
         """Full-precision weights in host memory for cpu_execute (read from the checkpoint when not cached)."""
         entry = self.entries[key]

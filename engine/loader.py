@@ -45,6 +45,7 @@ class LoadedCheckpoint:
     reader: ExpertReader  # one expert at a time from the checkpoint files, checked against the manifest
     dtype: torch.dtype  # compute dtype (the checkpoint's unless overridden)
     checkpoint_dtype: torch.dtype  # dtype of the routed experts in the files
+    dense_digests: dict[str, str]  # dense weight name -> xxh3-64 of the bytes the loader assigned
 
 
 def _read_config(path: pathlib.Path) -> dict:
@@ -151,7 +152,7 @@ def load_checkpoint(
     for module in experts.values():
         for name in ("gate_up_proj", "down_proj"):
             setattr(module, name, torch.nn.Parameter(torch.empty(0, dtype=compute), requires_grad=False))
-    load_dense_weights(model, files, compute)
+    dense_digests = load_dense_weights(model, files, compute)
     reader = ExpertReader(files, compute)
     first = next(iter(experts.values()))
     expected = {(layer, e) for layer in experts for e in range(int(first.num_experts))}
@@ -164,4 +165,6 @@ def load_checkpoint(
     elif is_tokenizer_required:
         raise CheckpointError(f"{path}: no tokenizer files (tokenizer.json) next to the weights")
     top_k, num_experts = _top_k(model.config), int(first.num_experts)
-    return LoadedCheckpoint(path, model, tokenizer, experts, top_k, num_experts, reader, compute, checkpoint_dtype)
+    return LoadedCheckpoint(
+        path, model, tokenizer, experts, top_k, num_experts, reader, compute, checkpoint_dtype, dense_digests
+    )

@@ -44,6 +44,18 @@ class Event:
     is_rebuild: bool = False  # done inside a KV rebuild pass (a recompute forward before the step's own)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Verification:
+    """One in-memory weight copy checked against the checkpoint."""
+
+    step_id: int | None  # step after which it was checked (None: before an audit)
+    object_kind: str  # "expert" or "dense"
+    name: str  # "layer:expert" or the dense weight's name
+    tier: Tier | None  # where the checked copy lives (None for dense weights)
+    passed: bool  # bytes equal to the checkpoint's
+    note: str = ""  # what was wrong and what was done about it
+
+
 @dataclasses.dataclass(slots=True)
 class StepPlan:
     """What the scheduler decided to run in one step."""
@@ -74,6 +86,7 @@ class StepResult:
     num_device_bytes_expert: int = 0  # device bytes held by expert slots after the step
     num_device_bytes_kv: int = 0  # device bytes held by KV blocks after the step
     transfer: TransferClock | None = None  # measured expert disk-read time of the step, hidden and exposed
+    verifications: list[Verification] = dataclasses.field(default_factory=list)  # sampled copies checked
 
 
 @dataclasses.dataclass(slots=True)

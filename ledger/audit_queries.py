@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import func, select
 
 from fallbackgate.ledger.db import Ledger
-from fallbackgate.ledger.models import EventRow, PositionDiffRow, Request, Step, StepRequest
+from fallbackgate.ledger.models import EventRow, PositionDiffRow, Request, Step, StepRequest, VerificationRow
 from fallbackgate.ledger.queries import _all
 
 
@@ -120,3 +120,19 @@ def steps_referenced_but_absent(ledger: Ledger, run_id: int) -> list[int]:
         .order_by(PositionDiffRow.step_id)
     )
     return [r["step_id"] for r in _all(ledger, stmt)]
+
+
+def failed_verifications(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
+    """Weight copies of the run that did not match the checkpoint, in check order."""
+    stmt = (
+        select(VerificationRow.__table__)
+        .where(VerificationRow.run_id == run_id, VerificationRow.passed.is_(False))
+        .order_by(VerificationRow.id)
+    )
+    return _all(ledger, stmt)
+
+
+def num_verifications(ledger: Ledger, run_id: int) -> int:
+    """How many weight copies of the run were checked against the checkpoint."""
+    with ledger.engine.connect() as conn:
+        return int(conn.execute(select(func.count()).where(VerificationRow.run_id == run_id)).scalar_one())

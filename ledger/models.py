@@ -215,6 +215,21 @@ class VerdictRow(Base):
     __table_args__ = (Index("ix_verdicts_run_request", "run_id", "request_id"),)
 
 
+class VerificationRow(Base):
+    """An in-memory weight copy checked against the checkpoint (sampled expert copies, dense weights)."""
+
+    __tablename__ = "verifications"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = _run_fk()
+    step_id: Mapped[int | None] = mapped_column(Integer)  # step after which it was checked (None: at audit)
+    object_kind: Mapped[str] = mapped_column(String(16))  # "expert" or "dense"
+    name: Mapped[str] = mapped_column(Text)  # "layer:expert" or the dense weight's name
+    tier: Mapped[str | None] = mapped_column(String(16))  # where the copy lives
+    passed: Mapped[bool] = mapped_column(Boolean)
+    note: Mapped[str] = mapped_column(Text, default="")
+    __table_args__ = (Index("ix_verifications_run", "run_id", "passed"),)
+
+
 class Calibration(Base):
     """A fitted scale of the quality-cost predictor for one tag and layer."""
 

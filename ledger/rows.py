@@ -10,7 +10,7 @@ from sqlalchemy import Table
 
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.engine.tags import TAG_EXACTNESS
-from fallbackgate.ledger.models import EventRow, PositionDiffRow, RequestStatRow, Step, StepRequest
+from fallbackgate.ledger.models import EventRow, PositionDiffRow, RequestStatRow, Step, StepRequest, VerificationRow
 
 Rows = dict[Table, list[Any]]
 """Pending rows per table: dicts, or tuples in EVENT_COLUMNS order for the events table."""
@@ -111,6 +111,8 @@ def step_rows(
     for rid in result.sampled_token_ids:
         sample_steps.setdefault((run_id, rid), []).append(plan.step_id)
     rows.setdefault(StepRequest.__table__, []).extend(_step_request_rows(run_id, plan, result))
+    if result.verifications:
+        rows.setdefault(VerificationRow.__table__, []).extend(verification_rows(run_id, result.verifications))
     events = rows.setdefault(EventRow.__table__, [])
     exactness = EXACTNESS.get
     for e in result.events:  # tuples in EVENT_COLUMNS order; getattr(_value_) is the cheap enum -> str
@@ -136,6 +138,22 @@ def step_rows(
             )
         )
     return 1 + len(plan.request_ids) + len(result.events)
+
+
+def verification_rows(run_id: int, verifications: Sequence[Any]) -> list[dict[str, Any]]:
+    """Rows of weight copies checked against the checkpoint (engine ``Verification`` objects)."""
+    return [
+        {
+            "run_id": run_id,
+            "step_id": v.step_id,
+            "object_kind": v.object_kind,
+            "name": v.name,
+            "tier": value(v.tier),
+            "passed": v.passed,
+            "note": v.note,
+        }
+        for v in verifications
+    ]
 
 
 def _step_request_rows(run_id: int, plan: StepPlan, result: StepResult) -> list[dict[str, Any]]:

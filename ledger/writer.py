@@ -29,9 +29,10 @@ from fallbackgate.ledger.models import (
     RequestStatRow,
     Run,
     VerdictRow,
+    VerificationRow,
     utcnow,
 )
-from fallbackgate.ledger.rows import value
+from fallbackgate.ledger.rows import value, verification_rows
 from fallbackgate.ledger.writer_thread import FLUSH, Op, WriterThread
 
 
@@ -192,6 +193,10 @@ class LedgerWriter:
         values = {f"replay_{k}": v for k, v in stats.items()}
         stmt = update(tbl).where(tbl.c.run_id == rid, tbl.c.request_id == request_id).values(**values)
         self._put(("op", lambda conn: conn.execute(stmt)))
+
+    def record_verifications(self, verifications: Sequence[Any], *, run_id: int | None = None) -> None:
+        """Record weight copies checked against the checkpoint outside a step (dense weights at audit)."""
+        self._put(("rows", VerificationRow.__table__, verification_rows(self._run(run_id), verifications)))
 
     def record_control(
         self, numeric_floor_kl: float, *, floor: dict[str, Any] | None = None, run_id: int | None = None

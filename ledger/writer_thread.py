@@ -25,12 +25,23 @@ from fallbackgate.ledger.models import (
     Step,
     StepRequest,
     VerdictRow,
+    VerificationRow,
 )
 from fallbackgate.ledger.rows import EVENT_COLUMNS, Rows, diff_rows, request_row, step_rows
 
 _TABLE_ORDER: tuple[Table, ...] = tuple(
     m.__table__  # type: ignore[misc]
-    for m in (Step, StepRequest, EventRow, Request, PositionDiffRow, RequestStatRow, VerdictRow, Calibration)
+    for m in (
+        Step,
+        StepRequest,
+        EventRow,
+        VerificationRow,
+        Request,
+        PositionDiffRow,
+        RequestStatRow,
+        VerdictRow,
+        Calibration,
+    )
 )
 FLUSH = object()  # queue marker: write what is pending, then mark the queue's items done
 STOP = object()  # queue marker: write what is pending and end the thread

@@ -170,3 +170,37 @@ def test_kv_block_read_from_the_wrong_block(
     assert swapped
     assert culprit.correctness_bug and culprit.served == "exact", culprit
     assert culprit.step == FAULT_STEP and "kv_block:resident" in culprit.tags, culprit
+
+
+def test_copy_verification_finds_a_corrupted_host_copy_and_discards_it(
+    model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = _engine(model, num_verified_copies_per_step=1024)  # check every copy after every step
+    store, on_step_start, corrupted = engine.expert_store, engine.controller.on_step_start, []
+
+    def corrupt_one_host_copy(plan, view) -> None:
+        if plan.step_id == FAULT_STEP:
+            key = next(k for k, e in store.entries.items() if e.host is not None and not store.is_on_device(k))
+            _corrupt_in_place(store.entries[key].host)
+            corrupted.append(key)
+        on_step_start(plan, view)
+
+    monkeypatch.setattr(engine.controller, "on_step_start", corrupt_one_host_copy)
+    recorded = _judge(engine, tmp_path)
+    (key,) = corrupted
+    failed = [v for s in recorded.outcome.steps for v in s.verifications if not v.passed]
+    assert [(v.step_id, v.name, v.tier.value) for v in failed] == [(FAULT_STEP, f"{key[0]}:{key[1]}", "host")]
+    assert "discarded" in failed[0].note  # the next use read the checkpoint again
+    expected = f"weight copy corrupt: expert {key[0]}:{key[1]} (host copy)"
+    assert not recorded.verdict.passed and any(r.startswith(expected) for r in recorded.verdict.reasons)
+    checked = sum(len(s.verifications) for s in recorded.outcome.steps)
+    assert checked > len(recorded.outcome.steps)  # many copies per step, all but one passed
+
+
+def test_dense_weight_corrupted_after_load(model: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    engine = _engine(model)
+    name, weight = next((n, p) for n, p in engine.runner.model.named_parameters() if "q_proj" in n)
+    weight.data.view(-1)[::7] *= -1  # a stray write into a shared weight: serving and baselines both see it
+    recorded = _judge(engine, tmp_path)
+    assert not recorded.verdict.passed
+    assert any(f"dense weight {name} failed its check" in r for r in recorded.verdict.reasons), recorded.verdict.reasons

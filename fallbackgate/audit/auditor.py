@@ -10,7 +10,7 @@ import torch
 
 from fallbackgate.audit.replay import replay_logits
 from fallbackgate.audit.replay_trace import TraceError, load_trace
-from fallbackgate.audit.stats import PositionDiff, RequestDiffStats, audit
+from fallbackgate.audit.stats import PositionDiff, RequestDiffStats, audit, percentile
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.messages import RequestOutput
 from fallbackgate.ledger.db import Ledger
@@ -81,20 +81,37 @@ NUM_FLOOR_REQUESTS = 3  # requests the exact-vs-exact control runs on (the large
 def floor_control(engine: Engine, outputs: list[RequestOutput]) -> dict[str, Any]:
     """The exact-vs-exact control on up to NUM_FLOOR_REQUESTS requests, in the engine's dtype: one prefill
     pass against token-by-token decoding of the same tokens. Returns the worst of each statistic
-    (``max_kl``, ``mean_kl``, ``p99_kl``, ``max_abs_dlogit``, lowest ``top1_agreement``), how many requests
-    it ran on and the ``dtype``: what exact computation itself differs by, which the gate's tolerances
-    and budgets are measured against."""
+    (``max_kl``, ``mean_kl``, ``p99_kl``, ``max_abs_dlogit``, lowest ``top1_agreement``), the distribution
+    of per-position KL pooled over all its requests and positions (``position_kl``: p50, p99, max), how many
+    requests it ran on and the ``dtype``: what exact computation itself differs by, which the gate's
+    tolerances and budgets are measured against."""
     worst: dict[str, Any] = {"max_kl": 0.0, "mean_kl": 0.0, "p99_kl": 0.0, "max_abs_dlogit": 0.0, "top1_agreement": 1.0}
     chosen = outputs[:NUM_FLOOR_REQUESTS]
+    pooled: list[float] = []
     for output in chosen:
         diffs, stats = control_diffs(engine, output)
+        pooled += [d.kl for d in diffs]
         for key in ("max_kl", "mean_kl", "p99_kl"):
             worst[key] = max(worst[key], getattr(stats, key))
         worst["max_abs_dlogit"] = max([worst["max_abs_dlogit"], *(d.max_abs_dlogit for d in diffs)])
         worst["top1_agreement"] = min(worst["top1_agreement"], stats.top1_agreement)
     worst["num_requests"] = len(chosen)
     worst["dtype"] = engine.dtype_name
+    worst["position_kl"] = kl_distribution(pooled)
     return worst
+
+
+def kl_distribution(kls: list[float]) -> dict[str, float | int]:
+    """p50, p99 and max of per-position KLs pooled over requests, and how many positions they cover."""
+    if not kls:
+        return {"p50": 0.0, "p99": 0.0, "max": 0.0, "num_positions": 0}
+    ordered = sorted(kls)
+    return {
+        "p50": percentile(ordered, 0.5),
+        "p99": percentile(ordered, 0.99),
+        "max": ordered[-1],
+        "num_positions": len(ordered),
+    }
 
 
 def choose_audited(outputs: list[RequestOutput], sample_rate: float, seed: int) -> list[RequestOutput]:

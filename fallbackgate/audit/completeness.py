@@ -8,6 +8,7 @@ Checked against what the engine counted itself, never against the rows alone:
 - per step × request: event rows and objects found against the ``step_requests`` row;
 - per request: objects per tag found against the engine's own ``tag_counts``;
 - every tag ``--force`` turned on produced events;
+- every weight copy checked against the checkpoint (sampled expert copies, dense weights) matched;
 - bytes per tag: bytes moved are whole objects of the size the tag implies (a full expert for ``exact_load``
   and ``cpu_execute``, a low-bit copy for ``expert_lowbit``, a KV block, a quantized KV block for
   ``kv_dequant``); a mismatch names the tag whose size the bytes do fit.
@@ -58,7 +59,14 @@ def check_completeness(ledger: Ledger, run: Mapping[str, Any], requests: list[di
         if not by_tag.get(tag):
             out.reasons.append(f"forced tag {tag} produced no events: the run did not exercise it")
     out.reasons += check_object_bytes(ledger, run_id, (run.get("memory") or {}).get("object_bytes"))
+    out.reasons += [_verification_reason(v) for v in audit_queries.failed_verifications(ledger, run_id)]
     return out
+
+
+def _verification_reason(v: Mapping[str, Any]) -> str:
+    where = f" after step {v['step_id']}" if v["step_id"] is not None else " at audit"
+    what = f"expert {v['name']} ({v['tier']} copy)" if v["object_kind"] == "expert" else f"dense weight {v['name']}"
+    return f"weight copy corrupt: {what} failed its check against the checkpoint{where}: {v['note']}"
 
 
 def _check_steps(ledger: Ledger, run_id: int, out: Completeness) -> None:

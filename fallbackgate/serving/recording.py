@@ -121,6 +121,7 @@ def _record_and_audit(engine: Engine, outcome: RunOutcome, writer: LedgerWriter,
             output, prompt=spec.prompt, budget=budgets.get(spec.request_class), slo=slos.get(spec.request_class)
         )
     audited = choose_audited(outcome.outputs, audit_rate, seed)
+    writer.record_verifications(engine.verify_dense())  # the baselines compute with these dense weights
     writer.flush()  # the replay reads each request's trace back from the ledger
     for output in audited:
         diffs, stats, replay = audit_with_replay(engine, writer.ledger, writer.run_id, output)

@@ -4,7 +4,8 @@ events.object_ids / bits / is_rebuild (which experts or KV blocks an approximate
 at what precision, in which pass), steps.num_events, the step_requests table (positions each step computed
 per request, whether it sampled, its event and object counts), requests.token_ids, runs.forced_tags,
 request_stats.replay_* and position_diffs.replay_kl (served logits against the replay),
-verdicts.quality_passed / correctness_passed
+verdicts.quality_passed / correctness_passed, and the verifications table (weight copies checked against the
+checkpoint)
 
 Revision ID: 0005
 Revises: 0004
@@ -55,9 +56,24 @@ def upgrade() -> None:
         sa.Column("num_objects", sa.Integer(), nullable=False),
     )
 
+    op.create_table(
+        "verifications",
+        sa.Column("id", sa.Integer(), primary_key=True, autoincrement=True),
+        sa.Column("run_id", sa.Integer(), sa.ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+        sa.Column("step_id", sa.Integer(), nullable=True),
+        sa.Column("object_kind", sa.String(16), nullable=False),
+        sa.Column("name", sa.Text(), nullable=False),
+        sa.Column("tier", sa.String(16), nullable=True),
+        sa.Column("passed", sa.Boolean(), nullable=False),
+        sa.Column("note", sa.Text(), nullable=False),
+    )
+    op.create_index("ix_verifications_run", "verifications", ["run_id", "passed"])
+
 
 def downgrade() -> None:
     """Revert this revision."""
+    op.drop_index("ix_verifications_run", table_name="verifications")
+    op.drop_table("verifications")
     op.drop_table("step_requests")
     for table, columns in reversed(COLUMNS.items()):
         with op.batch_alter_table(table) as batch:
