@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -327,6 +327,10 @@ class Engine:
     def verify_dense(self) -> list[Verification]:
         """Check every dense weight against the digest of what the loader read from the checkpoint."""
         return verify_dense(self.runner.model, self.dense_digests)
+
+    def exact_chunks(self, token_ids: list[int], first: int, chunk: int) -> Iterator[torch.Tensor]:
+        """Exact-baseline logits at positions first.. as [<= chunk, vocab] chunks (bounded audit memory)."""
+        return self.runner.exact_chunks(token_ids, first, chunk)
 
     def exact_logits(self, token_ids: list[int], num_chunked: int = 0) -> torch.Tensor:
         """Exact-baseline logits [len, vocab] for a token sequence (the audit's teacher-forced pass)."""

@@ -7,10 +7,11 @@ from collections.abc import Callable
 import torch
 from transformers.integrations.moe import grouped_mm_experts_forward
 
+from fallbackgate.engine.audit_weights import AuditWeights
 from fallbackgate.engine.controller import Controller, EngineView
 from fallbackgate.engine.device_pool import Scratch
 from fallbackgate.engine.errors import BudgetError, EngineError
-from fallbackgate.engine.expert_store import ExpertKey, ExpertStore, ExpertWeights
+from fallbackgate.engine.expert_store import ExpertKey, ExpertStore
 from fallbackgate.engine.experts_hook import (
     ExpertUse,
     expert_mlp,
@@ -51,6 +52,7 @@ class Executor:
         self.routers: dict[int, torch.nn.Module] = {}  # decoder layer -> its router (read-ahead prediction)
         self.top_k = 1  # experts per token
         self.layer_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per request K, V of the current layer
+        self.audit_weights = AuditWeights(expert_store.reader)  # the baselines' own verified expert copies
 
     # --- experts -------------------------------------------------------------------------------
     def run_experts(
@@ -249,9 +251,7 @@ class Executor:
         out = torch.zeros_like(hidden)
         for expert_id in torch.unique(top_k_index).tolist():
             token_idx, pos = torch.where(top_k_index == expert_id)
-            key = (layer, int(expert_id))
-            home = self.expert_store.reader.read(key)  # from the checkpoint files, checked against the manifest
-            weights = ExpertWeights(home.gate_up.to(hidden.device), home.down.to(hidden.device))
+            weights = self.audit_weights.get((layer, int(expert_id)), hidden.device)
             y = expert_mlp(module, hidden[token_idx], weights)
             out.index_add_(0, token_idx, (y * top_k_weights[token_idx, pos, None]).to(out.dtype))
         return out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache
@@ -179,6 +181,29 @@ class ModelRunner:
         finally:
             self.executor.ctx = None
         return out.logits[0].float()
+
+    def exact_chunks(self, token_ids: list[int], first: int, chunk: int) -> Iterator[torch.Tensor]:
+        """Exact baseline logits at positions first.. of `token_ids`, as [<= chunk, vocab] fp32 chunks: one
+        pass over the tokens before `first`, then `chunk` positions per pass on transformers' own cache, so
+        at most `chunk` full-vocabulary rows exist at once. Experts are read and checked as in
+        :meth:`exact_logits`."""
+        ids = torch.tensor([token_ids], device=self.device)
+        batch = ForwardBatch(["audit"], [0], [len(token_ids)], torch.zeros(len(token_ids), dtype=torch.long), ["audit"])
+        reader = self.executor.expert_store.reader
+        cache = DynamicCache(config=self.model.config)
+        for start in range(0, len(token_ids), chunk) if first == 0 else [0, *range(first, len(token_ids), chunk)]:
+            stop = first if start == 0 and first > 0 else min(start + chunk, len(token_ids))
+            self.executor.ctx = StepContext(-1, batch, EventLog(-1), is_exact_baseline=True)
+            was_verified, reader.is_checksum_verified = reader.is_checksum_verified, True
+            try:
+                with torch.inference_mode():
+                    keep = 1 if stop <= first else 0  # 0: every position of the pass
+                    logits = self.model(input_ids=ids[:, start:stop], cache=cache, use_cache=True, logits_to_keep=keep)
+            finally:
+                self.executor.ctx = None
+                reader.is_checksum_verified = was_verified
+            if stop > first:
+                yield logits.logits[0].float()
 
     def exact_logits(self, token_ids: list[int], num_chunked: int = 0) -> torch.Tensor:
         """Exact baseline: every expert at full precision, teacher-forced, transformers' own cache.

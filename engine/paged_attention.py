@@ -6,7 +6,8 @@ alone: no mask across requests (transformers builds none for an attention implem
 function for), no copy of every request's K/V into one tensor, cost linear in the total KV. Each request
 sees exactly what a single-sequence forward would: no mask when it starts at position 0 (causal) or
 decodes one token, else a causal mask offset by its cached length. Outside an engine step (the exact
-baseline, the shape probe) it is plain SDPA attention over the given K/V. Attention modules that expand
+baseline, the shape probe) it is plain SDPA attention over the given K/V, causal and offset by the cached
+length when a chunk follows cached positions. Attention modules that expand
 cached latents after the cache read (MLA's ``expand_kv``) expand each request's latents here.
 """
 
@@ -36,6 +37,10 @@ def paged_attention_forward(
     executor: Executor | None = getattr(module, "_fg_executor", None)
     ctx = executor.ctx if executor is not None else None
     if ctx is None or ctx.is_exact_baseline:
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if attention_mask is None and 1 < q_len < kv_len:  # a chunk after cached positions: causal, offset
+            offset = kv_len - q_len
+            attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(offset)[None, None]
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if ctx.replay is not None:
         return ctx.replay.attend(module, query, key, value, **kwargs), None

@@ -4,43 +4,65 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from fallbackgate.audit.replay import replay_logits
 from fallbackgate.audit.replay_trace import TraceError, load_trace
-from fallbackgate.audit.stats import PositionDiff, RequestDiffStats, audit, percentile
+from fallbackgate.audit.stats import PositionDiff, RequestDiffStats, percentile, position_diffs, request_stats
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.messages import RequestOutput
 from fallbackgate.ledger.db import Ledger
 
+AUDIT_CHUNK = 32  # output positions whose full-vocabulary logits the audit holds at once
+ServedRows = Callable[[int, int], torch.Tensor]  # (start, stop) -> served logits of those output positions
 
-def exact_rows(engine: Engine, output: RequestOutput, num_chunked: int = 0) -> torch.Tensor:
-    """Exact logits at every generated position: one teacher-forced pass over prompt + output."""
-    tokens = output.prompt_token_ids + output.output_token_ids[:-1]
-    logits = engine.exact_logits(tokens, num_chunked)
-    return logits[len(output.prompt_token_ids) - 1 :]
+
+def in_memory(output: RequestOutput) -> ServedRows:
+    """Served rows from a finished request still in memory."""
+    return lambda start, stop: output.output_logits[start:stop]
+
+
+def exact_diffs(
+    engine: Engine, prompt_ids: list[int], output_ids: list[int], served: ServedRows, chunk: int = AUDIT_CHUNK
+) -> list[PositionDiff]:
+    """Per-position diffs of served logits against the exact baseline, streamed `chunk` positions at a time."""
+    tokens = list(prompt_ids) + list(output_ids[:-1])
+    diffs: list[PositionDiff] = []
+    start = 0
+    for exact in engine.exact_chunks(tokens, len(prompt_ids) - 1, chunk):
+        stop = start + exact.shape[0]
+        diffs += position_diffs(exact, served(start, stop), output_ids[start:stop], first_position=start)
+        start = stop
+    return diffs
 
 
 def audit_output(engine: Engine, output: RequestOutput) -> tuple[list[PositionDiff], RequestDiffStats]:
     """Diffs of one request's engine logits against its exact baseline."""
-    return audit(exact_rows(engine, output), output.output_logits, output.output_token_ids)
+    diffs = exact_diffs(engine, output.prompt_token_ids, output.output_token_ids, in_memory(output))
+    return diffs, request_stats(diffs)
 
 
 def replay_diffs(
-    engine: Engine, ledger: Ledger, run_id: int, output: RequestOutput
+    engine: Engine, ledger: Ledger, run_id: int, request_id: str, served: ServedRows, chunk: int = AUDIT_CHUNK
 ) -> tuple[list[float] | None, dict[str, Any]]:
-    """Served logits against the replay of the request's ledger trace: KL(replay ‖ served) per output
-    position, and ``max_kl``, ``mean_kl``, ``max_position``, ``top1_agreement``. A trace the replay cannot
-    follow (rows missing, or contradicting the served tokens) gives no positions, an infinite ``max_kl``
-    and the ``error``."""
+    """Served logits against the replay of the request's ledger trace, streamed: KL(replay ‖ served) per
+    output position, and ``max_kl``, ``mean_kl``, ``max_position``, ``top1_agreement``. A trace the replay
+    cannot follow (rows missing, or contradicting the served tokens) gives no positions, an infinite
+    ``max_kl`` and the ``error``."""
+    diffs: list[PositionDiff] = []
     try:
-        replayed = replay_logits(engine, load_trace(ledger, run_id, output.request_id))
+        trace = load_trace(ledger, run_id, request_id)
+        output_ids = trace.token_ids[trace.num_prompt_tokens :]
+        for replayed in replay_logits(engine, trace, chunk):
+            start, stop = len(diffs), len(diffs) + replayed.shape[0]
+            diffs += position_diffs(replayed, served(start, stop), output_ids[start:stop], first_position=start)
     except TraceError as exc:
         inf = float("inf")
         return None, {"max_kl": inf, "mean_kl": inf, "max_position": None, "top1_agreement": 0.0, "error": str(exc)}
-    diffs, stats = audit(replayed, output.output_logits, output.output_token_ids)
+    stats = request_stats(diffs)
     worst = max(diffs, key=lambda d: d.kl)
     summary = {
         "max_kl": stats.max_kl,
@@ -56,49 +78,104 @@ def audit_with_replay(
 ) -> tuple[list[PositionDiff], RequestDiffStats, dict[str, Any]]:
     """Both baselines for one request: diffs against the exact baseline carrying each position's replay KL,
     their summary, and the replay's summary (see :func:`replay_diffs`)."""
-    diffs, stats = audit_output(engine, output)
-    replay_kls, replay = replay_diffs(engine, ledger, run_id, output)
+    return audit_request(
+        engine, ledger, run_id, output.request_id, output.prompt_token_ids, output.output_token_ids, in_memory(output)
+    )
+
+
+def audit_request(
+    engine: Engine,
+    ledger: Ledger,
+    run_id: int,
+    request_id: str,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    served: ServedRows,
+) -> tuple[list[PositionDiff], RequestDiffStats, dict[str, Any]]:
+    """Both baselines for one recorded request whose served logits `served` yields (from memory, or from
+    the ledger for an audit worker)."""
+    diffs = exact_diffs(engine, prompt_ids, output_ids, served)
+    stats = request_stats(diffs)
+    replay_kls, replay = replay_diffs(engine, ledger, run_id, request_id, served)
     if replay_kls is not None:
         diffs = [dataclasses.replace(d, replay_kl=k) for d, k in zip(diffs, replay_kls, strict=True)]
     return diffs, stats, replay
 
 
-def control_diffs(engine: Engine, output: RequestOutput) -> tuple[list[PositionDiff], RequestDiffStats]:
-    """Diffs between two exact computations of the same request (one prefill vs token by token)."""
-    one_pass = exact_rows(engine, output)
-    chunked = exact_rows(engine, output, num_chunked=len(output.output_token_ids) - 1)
-    return audit(one_pass, chunked, output.output_token_ids)
+def control_diffs(
+    engine: Engine, output: RequestOutput, max_positions: int | None = None
+) -> tuple[list[PositionDiff], RequestDiffStats]:
+    """Diffs between two exact computations of the same request: the baseline's (a prompt pass, then
+    AUDIT_CHUNK positions per pass) against token-by-token decoding, streamed chunk by chunk; the first
+    `max_positions` output positions only, when given."""
+    tokens = output.prompt_token_ids + output.output_token_ids[:-1]
+    if max_positions is not None:
+        tokens = tokens[: len(output.prompt_token_ids) - 1 + max_positions]
+    first = len(output.prompt_token_ids) - 1
+    stepwise = engine.exact_chunks(tokens, first, 1)
+    diffs: list[PositionDiff] = []
+    for baseline in engine.exact_chunks(tokens, first, AUDIT_CHUNK):
+        decoded = torch.cat([next(stepwise) for _ in range(baseline.shape[0])])
+        start = len(diffs)
+        ids = output.output_token_ids[start : start + baseline.shape[0]]
+        diffs += position_diffs(baseline, decoded, ids, first_position=start)
+    return diffs, request_stats(diffs)
 
 
 def numeric_floor(engine: Engine, output: RequestOutput) -> float:
-    """Max KL between two exact computations of the same request (one prefill vs token by token)."""
+    """Max KL between two exact computations of the same request (see :func:`control_diffs`)."""
     return control_diffs(engine, output)[1].max_kl
 
 
-NUM_FLOOR_REQUESTS = 3  # requests the exact-vs-exact control runs on (the largest of each statistic counts)
+NUM_FLOOR_REQUESTS = 3  # requests the exact-vs-exact control runs on up front (the largest of each statistic counts)
 
 
-def floor_control(engine: Engine, outputs: list[RequestOutput]) -> dict[str, Any]:
-    """The exact-vs-exact control on up to NUM_FLOOR_REQUESTS requests, in the engine's dtype: one prefill
-    pass against token-by-token decoding of the same tokens. Returns the worst of each statistic
-    (``max_kl``, ``mean_kl``, ``p99_kl``, ``max_abs_dlogit``, lowest ``top1_agreement``), the distribution
-    of per-position KL pooled over all its requests and positions (``position_kl``: p50, p99, max), how many
-    requests it ran on and the ``dtype``: what exact computation itself differs by, which the gate's
-    tolerances and budgets are measured against."""
-    worst: dict[str, Any] = {"max_kl": 0.0, "mean_kl": 0.0, "p99_kl": 0.0, "max_abs_dlogit": 0.0, "top1_agreement": 1.0}
-    chosen = outputs[:NUM_FLOOR_REQUESTS]
-    pooled: list[float] = []
-    for output in chosen:
-        diffs, stats = control_diffs(engine, output)
-        pooled += [d.kl for d in diffs]
+class FloorControl:
+    """The exact-vs-exact control's statistics, accumulated over the requests it ran on."""
+
+    def __init__(self, dtype: str) -> None:
+        self.dtype = dtype
+        self.worst: dict[str, Any] = {
+            "max_kl": 0.0,
+            "mean_kl": 0.0,
+            "p99_kl": 0.0,
+            "max_abs_dlogit": 0.0,
+            "top1_agreement": 1.0,
+        }
+        self.pooled: list[float] = []
+        self.request_ids: list[str] = []
+
+    def add(self, request_id: str, diffs: list[PositionDiff], stats: RequestDiffStats) -> None:
+        """Fold one request's control diffs in."""
+        self.request_ids.append(request_id)
+        self.pooled += [d.kl for d in diffs]
         for key in ("max_kl", "mean_kl", "p99_kl"):
-            worst[key] = max(worst[key], getattr(stats, key))
-        worst["max_abs_dlogit"] = max([worst["max_abs_dlogit"], *(d.max_abs_dlogit for d in diffs)])
-        worst["top1_agreement"] = min(worst["top1_agreement"], stats.top1_agreement)
-    worst["num_requests"] = len(chosen)
-    worst["dtype"] = engine.dtype_name
-    worst["position_kl"] = kl_distribution(pooled)
-    return worst
+            self.worst[key] = max(self.worst[key], getattr(stats, key))
+        self.worst["max_abs_dlogit"] = max([self.worst["max_abs_dlogit"], *(d.max_abs_dlogit for d in diffs)])
+        self.worst["top1_agreement"] = min(self.worst["top1_agreement"], stats.top1_agreement)
+
+    def summary(self) -> dict[str, Any]:
+        """The worst of each statistic, the pooled per-position distribution, the requests and dtype."""
+        return {
+            **self.worst,
+            "num_requests": len(self.request_ids),
+            "request_ids": list(self.request_ids),
+            "dtype": self.dtype,
+            "position_kl": kl_distribution(self.pooled),
+        }
+
+
+def floor_control(engine: Engine, outputs: list[RequestOutput], max_positions: int | None = None) -> dict[str, Any]:
+    """The exact-vs-exact control on up to NUM_FLOOR_REQUESTS requests, in the engine's dtype: the
+    baseline's own passes against token-by-token decoding of the same tokens (:func:`control_diffs`).
+    Returns the worst of each statistic (``max_kl``, ``mean_kl``, ``p99_kl``, ``max_abs_dlogit``, lowest
+    ``top1_agreement``), the distribution of per-position KL pooled over all its requests and positions
+    (``position_kl``: p50, p99, max), which requests it ran on and the ``dtype``: what exact computation
+    itself differs by, which the gate's tolerances and budgets are measured against."""
+    control = FloorControl(engine.dtype_name)
+    for output in outputs[:NUM_FLOOR_REQUESTS]:
+        control.add(output.request_id, *control_diffs(engine, output, max_positions))
+    return control.summary()
 
 
 def kl_distribution(kls: list[float]) -> dict[str, float | int]:

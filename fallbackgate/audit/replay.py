@@ -2,7 +2,7 @@
 
 The exact baseline measures what approximation *cost*; the replay checks that the engine did what its
 ledger says. Each audited request is recomputed teacher-forced, forward by forward as it was served
-(consecutive steps that read KV as written run as one forward), with
+(consecutive steps that read the same KV versions run as one forward), with
 
 - experts read from the checkpoint files through the checksummed reader (never the store's copies);
 - the same experts deferred per step, layer and request, their gate weights renormalised to the old sum;
@@ -19,6 +19,7 @@ quality budget allows.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from fallbackgate.engine.experts_hook import expert_mlp
 from fallbackgate.engine.kv_codec import dequantize_kv, quantize_kv
 from fallbackgate.engine.quant import dequantize_rows, quantize, quantized_to
 
-MAX_CACHED_EXPERTS = 64  # file-read experts kept between the replay's forwards (bounded memory)
+MAX_CACHED_EXPERTS = 64  # low-bit round-tripped experts kept between the replay's forwards (bounded memory)
 
 
 class _ReplayLayer(CacheLayerMixin):
@@ -66,60 +67,71 @@ class Replayer:
 
     def __init__(self, engine: Engine, trace: ReplayTrace) -> None:
         self.engine, self.trace = engine, trace
-        self.reader = engine.expert_store.reader
         self.block_size, self.key_dim = engine.config.block_size, engine.kv_store.key_dim
         self.keys: dict[int, torch.Tensor] = {}  # layer -> [1, H, L, Dk] as written
         self.values: dict[int, torch.Tensor] = {}
         self.cache = Cache(layers=[_ReplayLayer(self, i) for i in range(engine.kv_store.num_layers)])
-        self._weights: OrderedDict[tuple[int, int, int], ExpertWeights] = OrderedDict()
+        self._lowbit: OrderedDict[tuple[int, int, int], ExpertWeights] = OrderedDict()  # round-tripped copies
         # the current forward
         self.start = 0
         self.token_steps: list[int] = []
         self.is_rebuild = False
         self.kv_actions = KVActions()
+        self.num_rows = 0  # output rows produced so far
 
     # --- driving ---------------------------------------------------------------------------------
-    def run(self) -> torch.Tensor:
-        """fp32 logits [num_output_tokens, vocab] that produced each output token, as served."""
-        rows: list[torch.Tensor] = []
+    def run(self, max_rows: int = 32) -> Iterator[torch.Tensor]:
+        """fp32 logits that produced each output token, as served: [<= max_rows, vocab] chunks in output
+        order (the full-vocabulary rows held at once stay bounded)."""
         stretch: list[Segment] = []
-        length = 0
+        length, self.num_rows = 0, 0
         for seg in self.trace.segments:
             if seg.start > length:
                 raise TraceError(
                     f"request {self.trace.request_id}: step {seg.step_id} starts at position {seg.start} but "
                     f"only {length} were computed before it (step rows missing?)"
                 )
-            if seg.start < length or not self.trace.is_plain(seg.step_id):
-                rows += self._forward(stretch)
+            is_full = sum(s.is_sampled for s in stretch) >= max_rows
+            reads = self.trace.kv_reads(seg.step_id)
+            is_same_reads = bool(stretch) and reads == self.trace.kv_reads(stretch[0].step_id)
+            is_rebuilt = self.trace.is_rebuilt(seg.step_id)
+            if seg.start < length or is_rebuilt or is_full or (stretch and not is_same_reads):
+                yield from self._forward(stretch)
                 stretch = []
                 self._crop(seg.start)
-            if self.trace.is_plain(seg.step_id):
-                stretch.append(seg)
-            else:
+            if is_rebuilt:
                 self._rebuild(seg)
-                rows += self._forward([seg])
+            stretch.append(seg)
             length = seg.start + seg.num_tokens
-        rows += self._forward(stretch)
-        if len(rows) != self.trace.num_output_tokens:
+        yield from self._forward(stretch)
+        if self.num_rows != self.trace.num_output_tokens:
             raise TraceError(
-                f"request {self.trace.request_id}: {len(rows)} sampling steps recorded for "
+                f"request {self.trace.request_id}: {self.num_rows} sampling steps recorded for "
                 f"{self.trace.num_output_tokens} output tokens"
             )
-        return torch.stack(rows)
 
-    def _forward(self, segments: list[Segment]) -> list[torch.Tensor]:
-        """One forward over consecutive segments; the logits of those that sampled."""
+    def _forward(self, segments: list[Segment]) -> Iterator[torch.Tensor]:
+        """One forward over consecutive segments; yields the logits of those that sampled (if any)."""
         if not segments:
-            return []
+            return
         self.start, self.is_rebuild = segments[0].start, False
-        self.kv_actions = self.trace.kv.get(segments[0].step_id, KVActions()) if len(segments) == 1 else KVActions()
+        kv = self.trace.kv.get(segments[0].step_id, KVActions())  # every segment here reads the same versions
+        self.kv_actions = KVActions(dequantized=kv.dequantized)
         self.token_steps = [s.step_id for s in segments for _ in range(s.num_tokens)]
         keep = [s.start + s.num_tokens - 1 - self.start for s in segments if s.is_sampled]
+        for offset, row in enumerate(keep):
+            expected = self.trace.num_prompt_tokens - 1 + self.num_rows + offset
+            if self.start + row != expected:
+                raise TraceError(
+                    f"request {self.trace.request_id}: a step sampled at position {self.start + row}, but output "
+                    f"token {self.num_rows + offset} was sampled at position {expected}"
+                )
         end = segments[-1].start + segments[-1].num_tokens
         tokens = self.trace.token_ids[self.start : end]
         logits = self.engine.runner.replay_forward(self, self.cache, tokens, self.start, keep)
-        return list(logits[: len(keep)]) if keep else []
+        self.num_rows += len(keep)
+        if keep:
+            yield logits[: len(keep)]
 
     def _rebuild(self, seg: Segment) -> None:
         """The step's KV rebuild pass: positions from its first rebuilt block up to the step's start."""
@@ -232,24 +244,22 @@ class Replayer:
 
     def _expert(self, layer: int, expert_id: int, bits: int) -> ExpertWeights:
         """The expert's weights from the checkpoint files (verified), low-bit round-tripped when `bits`."""
-        key = (layer, expert_id, bits)
-        if key in self._weights:
-            self._weights.move_to_end(key)
-            return self._weights[key]
-        full = self.reader.read((layer, expert_id))
         device = self.engine.device
-        if bits:
-            dtype = full.gate_up.dtype
+        full = self.engine.executor.audit_weights.get((layer, expert_id), device)
+        if not bits:
+            return full
+        key = (layer, expert_id, bits)
+        if key not in self._lowbit:
             parts = (quantize(full.gate_up, bits, axis=1), quantize(full.down, bits, axis=1))
-            weights = ExpertWeights(*(dequantize_rows(quantized_to(p, device), dtype, DEQUANT_ROWS) for p in parts))
-        else:
-            weights = ExpertWeights(full.gate_up.to(device), full.down.to(device))
-        self._weights[key] = weights
-        if len(self._weights) > MAX_CACHED_EXPERTS:
-            self._weights.popitem(last=False)
-        return weights
+            dtype = full.gate_up.dtype
+            rows = (dequantize_rows(quantized_to(p, device), dtype, DEQUANT_ROWS) for p in parts)
+            self._lowbit[key] = ExpertWeights(*rows)
+            if len(self._lowbit) > MAX_CACHED_EXPERTS:
+                self._lowbit.popitem(last=False)
+        return self._lowbit[key]
 
 
-def replay_logits(engine: Engine, trace: ReplayTrace) -> torch.Tensor:
-    """The replay's logits [num_output_tokens, vocab] for one request (see the module docstring)."""
-    return Replayer(engine, trace).run()
+def replay_logits(engine: Engine, trace: ReplayTrace, max_rows: int = 32) -> Iterator[torch.Tensor]:
+    """The replay's logits for one request's output tokens, in order, as [<= max_rows, vocab] chunks (see
+    the module docstring)."""
+    return Replayer(engine, trace).run(max_rows)

@@ -58,10 +58,18 @@ class ReplayTrace:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
-    def is_plain(self, step_id: int) -> bool:
-        """True when the step read every KV block in the version its positions wrote."""
+    def is_rebuilt(self, step_id: int) -> bool:
+        """True when the step rebuilt KV blocks before its own forward."""
         kv = self.kv.get(step_id)
-        return kv is None or (not kv.dequantized and not kv.rebuilt)
+        return kv is not None and bool(kv.rebuilt)
+
+    def kv_reads(self, step_id: int) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
+        """What the step's queries read dequantized, as a comparable value: consecutive steps with equal
+        reads can be replayed in one forward."""
+        kv = self.kv.get(step_id)
+        if kv is None:
+            return ()
+        return tuple(sorted((layer, tuple(sorted(blocks.items()))) for layer, blocks in kv.dequantized.items()))
 
 
 def _ids(text: str) -> list[int]:

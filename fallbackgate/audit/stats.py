@@ -71,8 +71,10 @@ def position_diffs(
     exact_logits: torch.Tensor,
     engine_logits: torch.Tensor,
     token_ids: torch.Tensor | list[int],
+    first_position: int = 0,
 ) -> list[PositionDiff]:
-    """Per-position diff statistics from ``[N, V]`` exact and engine logits and ``[N]`` emitted tokens."""
+    """Per-position diff statistics from ``[N, V]`` exact and engine logits and ``[N]`` emitted tokens (the
+    first row at output position ``first_position``)."""
     exact = exact_logits.detach().to("cpu", torch.float64)
     engine = engine_logits.detach().to("cpu", torch.float64)
     if exact.shape != engine.shape or exact.dim() != 2:
@@ -96,7 +98,7 @@ def position_diffs(
     gaps = (top2[:, 0] - top2[:, 1]).tolist() if top2.shape[1] > 1 else [None] * top2.shape[0]
     return [
         PositionDiff(
-            position=i,
+            position=first_position + i,
             token_id=int(tokens[i]),
             kl=float(kl[i]),
             top1_agree=bool(top_e[i] == top_q[i]),

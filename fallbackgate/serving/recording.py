@@ -13,8 +13,9 @@ from typing import Any
 import torch
 import transformers
 
-from fallbackgate.audit.auditor import audit_with_replay, choose_audited, floor_control
+from fallbackgate.audit.auditor import choose_audited
 from fallbackgate.audit.gate import RunVerdict, evaluate_run, record_verdicts
+from fallbackgate.audit.run_audit import audit_outputs
 from fallbackgate.engine.engine import Engine
 from fallbackgate.ledger.db import Ledger, open_ledger
 from fallbackgate.ledger.writer import LedgerWriter
@@ -123,12 +124,11 @@ def _record_and_audit(engine: Engine, outcome: RunOutcome, writer: LedgerWriter,
     audited = choose_audited(outcome.outputs, audit_rate, seed)
     writer.record_verifications(engine.verify_dense())  # the baselines compute with these dense weights
     writer.flush()  # the replay reads each request's trace back from the ledger
-    for output in audited:
-        diffs, stats, replay = audit_with_replay(engine, writer.ledger, writer.run_id, output)
-        writer.record_diffs(output.request_id, diffs, stats)
-        replay.pop("error", None)
-        writer.record_replay(output.request_id, replay)
-    floor = floor_control(engine, audited)
+    results, floor = audit_outputs(engine, writer.ledger, writer.run_id, audited)
+    for result in results:
+        writer.record_diffs(result.request_id, result.diffs, result.stats)
+        if result.replay is not None:
+            writer.record_replay(result.request_id, {k: v for k, v in result.replay.items() if k != "error"})
     writer.record_control(floor["max_kl"], floor=floor)
     writer.record_memory(outcome.memory)
     writer.finish_run(status="complete")

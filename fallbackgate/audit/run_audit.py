@@ -1,0 +1,74 @@
+"""Auditing a run's sampled requests: the floor first, then each request against its baselines.
+
+1. The exact-vs-exact control runs on the first few audited requests (their first FLOOR_POSITIONS output
+   positions): the run's numeric floor.
+2. Each audited request is compared with the exact baseline. Requests with an approximate tag are also
+   replayed (their recorded actions repeated from the ledger); for exact- and equivalent-only requests the
+   replay would be the exact baseline again, so their correctness is judged against it directly.
+3. An exact- or equivalent-only request whose KL exceeds the tolerance of the floor so far gets its own
+   control over every position, folded into the floor: the floor grows only with measured exact-vs-exact
+   differences (bf16 rounding is heavy-tailed across prompts), never with what was served. A real bug
+   leaves its request's own control small and still fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fallbackgate.audit.auditor import (
+    NUM_FLOOR_REQUESTS,
+    FloorControl,
+    audit_output,
+    audit_with_replay,
+    control_diffs,
+)
+from fallbackgate.audit.gate import Floor, served_class, tolerance
+from fallbackgate.audit.stats import PositionDiff, RequestDiffStats
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.messages import RequestOutput
+from fallbackgate.engine.tags import TAG_EXACTNESS, Tag
+from fallbackgate.ledger.db import Ledger
+
+FLOOR_POSITIONS = 16  # output positions of each up-front control request
+
+
+@dataclasses.dataclass(slots=True)
+class AuditedRequest:
+    """One audited request's diffs and summaries."""
+
+    request_id: str
+    diffs: list[PositionDiff]  # per position, against the exact baseline (with replay KL when replayed)
+    stats: RequestDiffStats  # summary against the exact baseline
+    replay: dict[str, Any] | None  # summary against the replay (None: exact or equivalent only)
+
+
+def objects_by_class(output: RequestOutput) -> dict[str, int]:
+    """Objects the engine served the request with, per exactness class."""
+    out: dict[str, int] = {}
+    for tag, count in output.tag_counts.items():
+        cls = TAG_EXACTNESS[Tag(tag)].value
+        out[cls] = out.get(cls, 0) + count
+    return out
+
+
+def audit_outputs(
+    engine: Engine, ledger: Ledger, run_id: int, audited: list[RequestOutput]
+) -> tuple[list[AuditedRequest], dict[str, Any]]:
+    """Audit `audited` (their steps and requests already in `ledger`); returns each request's diffs and the
+    run's floor statistics (see the module docstring)."""
+    control = FloorControl(engine.dtype_name)
+    for output in audited[:NUM_FLOOR_REQUESTS]:
+        control.add(output.request_id, *control_diffs(engine, output, FLOOR_POSITIONS))
+    results = []
+    for output in audited:
+        served = served_class(objects_by_class(output))
+        if served == "approximate":
+            results.append(AuditedRequest(output.request_id, *audit_with_replay(engine, ledger, run_id, output)))
+            continue
+        diffs, stats = audit_output(engine, output)
+        floor = Floor.of_run({"numeric_floor": control.summary()})
+        if stats.max_kl > tolerance(served, floor):
+            control.add(output.request_id, *control_diffs(engine, output))
+        results.append(AuditedRequest(output.request_id, diffs, stats, None))
+    return results, control.summary()
