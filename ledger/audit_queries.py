@@ -11,7 +11,15 @@ from typing import Any
 from sqlalchemy import func, select
 
 from fallbackgate.ledger.db import Ledger
-from fallbackgate.ledger.models import EventRow, PositionDiffRow, Request, Step, StepRequest, VerificationRow
+from fallbackgate.ledger.models import (
+    AuditTask,
+    EventRow,
+    PositionDiffRow,
+    Request,
+    Step,
+    StepRequest,
+    VerificationRow,
+)
 from fallbackgate.ledger.queries import _all
 
 
@@ -136,3 +144,12 @@ def num_verifications(ledger: Ledger, run_id: int) -> int:
     """How many weight copies of the run were checked against the checkpoint."""
     with ledger.engine.connect() as conn:
         return int(conn.execute(select(func.count()).where(VerificationRow.run_id == run_id)).scalar_one())
+
+
+def num_pending_audits(ledger: Ledger, run_id: int) -> int:
+    """Deferred request audits of the run not done yet (the run's own task excluded)."""
+    stmt = select(func.count()).where(
+        AuditTask.run_id == run_id, AuditTask.request_id != "*run*", AuditTask.state != "done"
+    )
+    with ledger.engine.connect() as conn:
+        return int(conn.execute(stmt).scalar_one())

@@ -20,6 +20,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Text,
 )
@@ -228,6 +229,31 @@ class VerificationRow(Base):
     passed: Mapped[bool] = mapped_column(Boolean)
     note: Mapped[str] = mapped_column(Text, default="")
     __table_args__ = (Index("ix_verifications_run", "run_id", "passed"),)
+
+
+class ServedLogitsRow(Base):
+    """The served logits of one output position of a request left for an audit worker (float32 bytes)."""
+
+    __tablename__ = "served_logits"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    position: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    logits: Mapped[bytes] = mapped_column(LargeBinary)  # [vocab] float32, little-endian
+
+
+class AuditTask(Base):
+    """One unit of deferred audit work: a request, or (request_id RUN_TASK) the run's floor and verdict."""
+
+    __tablename__ = "audit_tasks"
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    state: Mapped[str] = mapped_column(String(16), default="pending")  # pending, claimed or done
+    fencing_token: Mapped[int] = mapped_column(Integer, default=0)  # bumped by every claim
+    lease_expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    worker: Mapped[str | None] = mapped_column(String(128))  # host:pid of the latest claimant
+    num_attempts: Mapped[int] = mapped_column(Integer, default=0)
+    done_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    __table_args__ = (Index("ix_audit_tasks_state", "state", "run_id"),)
 
 
 class Calibration(Base):

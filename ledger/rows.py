@@ -10,7 +10,15 @@ from sqlalchemy import Table
 
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.engine.tags import TAG_EXACTNESS
-from fallbackgate.ledger.models import EventRow, PositionDiffRow, RequestStatRow, Step, StepRequest, VerificationRow
+from fallbackgate.ledger.models import (
+    EventRow,
+    PositionDiffRow,
+    RequestStatRow,
+    Step,
+    StepRequest,
+    VerificationRow,
+    utcnow,
+)
 
 Rows = dict[Table, list[Any]]
 """Pending rows per table: dicts, or tuples in EVENT_COLUMNS order for the events table."""
@@ -138,6 +146,35 @@ def step_rows(
             )
         )
     return 1 + len(plan.request_ids) + len(result.events)
+
+
+def verdict_row(
+    run_id: int,
+    request_id: str | None,
+    passed: bool,
+    reason: str,
+    *,
+    position: int | None = None,
+    step: int | None = None,
+    layer: int | None = None,
+    tags: Sequence[str] | None = None,
+    quality_passed: bool | None = None,
+    correctness_passed: bool | None = None,
+) -> dict[str, Any]:
+    """A verdicts-table row: a request's verdict (or the run's when ``request_id`` is None)."""
+    return {
+        "run_id": run_id,
+        "request_id": request_id,
+        "passed": bool(passed),
+        "reason": reason,
+        "first_divergence_position": position,
+        "first_divergence_step": step,
+        "first_divergence_layer": layer,
+        "first_divergence_tags": list(tags) if tags is not None else None,
+        "quality_passed": quality_passed,
+        "correctness_passed": correctness_passed,
+        "created_at": utcnow(),
+    }
 
 
 def verification_rows(run_id: int, verifications: Sequence[Any]) -> list[dict[str, Any]]:

@@ -20,6 +20,7 @@ from sqlalchemy import delete, insert, update
 
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.engine.tags import Tag
+from fallbackgate.ledger.audit_queue import add_tasks, served_rows
 from fallbackgate.ledger.db import Ledger, LedgerError, begin_write
 from fallbackgate.ledger.models import (
     RUN_STATUSES,
@@ -28,11 +29,12 @@ from fallbackgate.ledger.models import (
     Request,
     RequestStatRow,
     Run,
+    ServedLogitsRow,
     VerdictRow,
     VerificationRow,
     utcnow,
 )
-from fallbackgate.ledger.rows import value, verification_rows
+from fallbackgate.ledger.rows import value, verdict_row, verification_rows
 from fallbackgate.ledger.writer_thread import FLUSH, Op, WriterThread
 
 
@@ -162,19 +164,18 @@ class LedgerWriter:
     ) -> None:
         """Record a gate verdict for a request (or the run when ``request_id`` is None); a request's verdict
         may carry its two halves: quality (exact baseline, budget) and correctness (replay)."""
-        row = {
-            "run_id": self._run(run_id),
-            "request_id": request_id,
-            "passed": bool(passed),
-            "reason": reason,
-            "first_divergence_position": position,
-            "first_divergence_step": step,
-            "first_divergence_layer": layer,
-            "first_divergence_tags": list(tags) if tags is not None else None,
-            "quality_passed": quality_passed,
-            "correctness_passed": correctness_passed,
-            "created_at": utcnow(),
-        }
+        row = verdict_row(
+            self._run(run_id),
+            request_id,
+            passed,
+            reason,
+            position=position,
+            step=step,
+            layer=layer,
+            tags=tags,
+            quality_passed=quality_passed,
+            correctness_passed=correctness_passed,
+        )
         self._put(("rows", VerdictRow.__table__, [row]))
         if request_id is not None:
             tbl = Request.__table__
@@ -197,6 +198,14 @@ class LedgerWriter:
     def record_verifications(self, verifications: Sequence[Any], *, run_id: int | None = None) -> None:
         """Record weight copies checked against the checkpoint outside a step (dense weights at audit)."""
         self._put(("rows", VerificationRow.__table__, verification_rows(self._run(run_id), verifications)))
+
+    def queue_audits(self, outputs: Sequence[RequestOutput], *, run_id: int | None = None) -> None:
+        """Leave these requests to audit workers: their served logits, one task each and the run's task."""
+        rid = self._run(run_id)
+        for output in outputs:
+            self._put(("rows", ServedLogitsRow.__table__, served_rows(rid, output.request_id, output.output_logits)))
+        request_ids = [o.request_id for o in outputs]
+        self._put(("op", lambda conn: add_tasks(conn, rid, request_ids)))
 
     def record_control(
         self, numeric_floor_kl: float, *, floor: dict[str, Any] | None = None, run_id: int | None = None

@@ -22,6 +22,7 @@ from fallbackgate.ledger.models import (
     PositionDiffRow,
     Request,
     RequestStatRow,
+    ServedLogitsRow,
     Step,
     StepRequest,
     VerdictRow,
@@ -39,6 +40,7 @@ _TABLE_ORDER: tuple[Table, ...] = tuple(
         Request,
         PositionDiffRow,
         RequestStatRow,
+        ServedLogitsRow,
         VerdictRow,
         Calibration,
     )

@@ -91,11 +91,14 @@ def audit_request(
     prompt_ids: list[int],
     output_ids: list[int],
     served: ServedRows,
-) -> tuple[list[PositionDiff], RequestDiffStats, dict[str, Any]]:
+    is_replayed: bool = True,
+) -> tuple[list[PositionDiff], RequestDiffStats, dict[str, Any] | None]:
     """Both baselines for one recorded request whose served logits `served` yields (from memory, or from
-    the ledger for an audit worker)."""
+    the ledger for an audit worker); the replay only when `is_replayed` (None in its place otherwise)."""
     diffs = exact_diffs(engine, prompt_ids, output_ids, served)
     stats = request_stats(diffs)
+    if not is_replayed:
+        return diffs, stats, None
     replay_kls, replay = replay_diffs(engine, ledger, run_id, request_id, served)
     if replay_kls is not None:
         diffs = [dataclasses.replace(d, replay_kl=k) for d, k in zip(diffs, replay_kls, strict=True)]
@@ -103,28 +106,28 @@ def audit_request(
 
 
 def control_diffs(
-    engine: Engine, output: RequestOutput, max_positions: int | None = None
+    engine: Engine, prompt_ids: list[int], output_ids: list[int], max_positions: int | None = None
 ) -> tuple[list[PositionDiff], RequestDiffStats]:
-    """Diffs between two exact computations of the same request: the baseline's (a prompt pass, then
+    """Diffs between two exact computations of the same tokens: the baseline's (a prompt pass, then
     AUDIT_CHUNK positions per pass) against token-by-token decoding, streamed chunk by chunk; the first
     `max_positions` output positions only, when given."""
-    tokens = output.prompt_token_ids + output.output_token_ids[:-1]
+    tokens = list(prompt_ids) + list(output_ids[:-1])
     if max_positions is not None:
-        tokens = tokens[: len(output.prompt_token_ids) - 1 + max_positions]
-    first = len(output.prompt_token_ids) - 1
+        tokens = tokens[: len(prompt_ids) - 1 + max_positions]
+    first = len(prompt_ids) - 1
     stepwise = engine.exact_chunks(tokens, first, 1)
     diffs: list[PositionDiff] = []
     for baseline in engine.exact_chunks(tokens, first, AUDIT_CHUNK):
         decoded = torch.cat([next(stepwise) for _ in range(baseline.shape[0])])
         start = len(diffs)
-        ids = output.output_token_ids[start : start + baseline.shape[0]]
+        ids = output_ids[start : start + baseline.shape[0]]
         diffs += position_diffs(baseline, decoded, ids, first_position=start)
     return diffs, request_stats(diffs)
 
 
 def numeric_floor(engine: Engine, output: RequestOutput) -> float:
     """Max KL between two exact computations of the same request (see :func:`control_diffs`)."""
-    return control_diffs(engine, output)[1].max_kl
+    return control_diffs(engine, output.prompt_token_ids, output.output_token_ids)[1].max_kl
 
 
 NUM_FLOOR_REQUESTS = 3  # requests the exact-vs-exact control runs on up front (the largest of each statistic counts)
@@ -174,7 +177,8 @@ def floor_control(engine: Engine, outputs: list[RequestOutput], max_positions: i
     itself differs by, which the gate's tolerances and budgets are measured against."""
     control = FloorControl(engine.dtype_name)
     for output in outputs[:NUM_FLOOR_REQUESTS]:
-        control.add(output.request_id, *control_diffs(engine, output, max_positions))
+        diffs, stats = control_diffs(engine, output.prompt_token_ids, output.output_token_ids, max_positions)
+        control.add(output.request_id, diffs, stats)
     return control.summary()
 
 

@@ -60,6 +60,9 @@ def check_completeness(ledger: Ledger, run: Mapping[str, Any], requests: list[di
             out.reasons.append(f"forced tag {tag} produced no events: the run did not exercise it")
     out.reasons += check_object_bytes(ledger, run_id, (run.get("memory") or {}).get("object_bytes"))
     out.reasons += [_verification_reason(v) for v in audit_queries.failed_verifications(ledger, run_id)]
+    pending = audit_queries.num_pending_audits(ledger, run_id)
+    if pending:
+        out.reasons.append(f"audit pending: {pending} request(s) not audited yet (run `fallbackgate audit`)")
     return out
 
 

@@ -33,7 +33,6 @@ from fallbackgate.audit.stats import top1_outside_ties
 from fallbackgate.engine.tags import TAG_EXACTNESS, Exactness, Tag
 from fallbackgate.ledger import queries
 from fallbackgate.ledger.db import Ledger, LedgerError
-from fallbackgate.ledger.writer import LedgerWriter
 
 FLOOR_MARGIN = 10.0
 TIE_MARGIN = 2.0  # near-tie: exact top-2 gap within this many × the control's largest logit difference
@@ -287,21 +286,3 @@ def evaluate_run(ledger: Ledger, run_id: int) -> RunVerdict:
     if failed:
         reasons.append(f"{len(failed)} of {len(verdicts)} requests failed: {', '.join(failed[:10])}")
     return RunVerdict(run_id, not reasons, run["status"], reasons, verdicts, completeness.missing_step_ids)
-
-
-def record_verdicts(writer: LedgerWriter, verdict: RunVerdict) -> None:
-    """Write every request's verdict and the run's verdict into the ledger (queued on `writer`)."""
-    for v in verdict.requests:
-        writer.record_verdict(
-            v.request_id,
-            v.passed,
-            v.reason,
-            position=v.position,
-            step=v.step,
-            layer=v.layer,
-            tags=v.tags,
-            quality_passed=v.quality_passed,
-            correctness_passed=v.correctness_passed,
-            run_id=verdict.run_id,
-        )
-    writer.record_verdict(None, verdict.passed, "; ".join(verdict.reasons) or "ok", run_id=verdict.run_id)

@@ -52,23 +52,44 @@ def objects_by_class(output: RequestOutput) -> dict[str, int]:
     return out
 
 
+def initial_floor(engine: Engine, requests: list[tuple[str, list[int], list[int]]]) -> FloorControl:
+    """The control on the first NUM_FLOOR_REQUESTS (request id, prompt ids, output ids), FLOOR_POSITIONS
+    output positions each."""
+    control = FloorControl(engine.dtype_name)
+    for request_id, prompt_ids, output_ids in requests[:NUM_FLOOR_REQUESTS]:
+        control.add(request_id, *control_diffs(engine, prompt_ids, output_ids, FLOOR_POSITIONS))
+    return control
+
+
+def widen_floor(
+    engine: Engine,
+    control: FloorControl,
+    request: tuple[str, list[int], list[int]],
+    served: str,
+    max_kl: float,
+) -> None:
+    """Fold the request's own full control into the floor when it was served exact or equivalent only
+    and its KL against the exact baseline exceeds the tolerance of the floor so far."""
+    floor = Floor.of_run({"numeric_floor": control.summary()})
+    if served != "approximate" and max_kl > tolerance(served, floor):
+        request_id, prompt_ids, output_ids = request
+        control.add(request_id, *control_diffs(engine, prompt_ids, output_ids))
+
+
 def audit_outputs(
     engine: Engine, ledger: Ledger, run_id: int, audited: list[RequestOutput]
 ) -> tuple[list[AuditedRequest], dict[str, Any]]:
     """Audit `audited` (their steps and requests already in `ledger`); returns each request's diffs and the
     run's floor statistics (see the module docstring)."""
-    control = FloorControl(engine.dtype_name)
-    for output in audited[:NUM_FLOOR_REQUESTS]:
-        control.add(output.request_id, *control_diffs(engine, output, FLOOR_POSITIONS))
+    requests = [(o.request_id, o.prompt_token_ids, o.output_token_ids) for o in audited]
+    control = initial_floor(engine, requests)
     results = []
-    for output in audited:
+    for output, request in zip(audited, requests, strict=True):
         served = served_class(objects_by_class(output))
         if served == "approximate":
             results.append(AuditedRequest(output.request_id, *audit_with_replay(engine, ledger, run_id, output)))
             continue
         diffs, stats = audit_output(engine, output)
-        floor = Floor.of_run({"numeric_floor": control.summary()})
-        if stats.max_kl > tolerance(served, floor):
-            control.add(output.request_id, *control_diffs(engine, output))
+        widen_floor(engine, control, request, served, stats.max_kl)
         results.append(AuditedRequest(output.request_id, diffs, stats, None))
     return results, control.summary()

@@ -10,7 +10,8 @@ import argparse
 import sys
 from typing import Any, TextIO
 
-from fallbackgate.audit.gate import RunVerdict, evaluate_run, record_verdicts
+from fallbackgate.audit.gate import RunVerdict, evaluate_run
+from fallbackgate.audit.verdicts import record_verdicts
 from fallbackgate.ledger import queries
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
 from fallbackgate.ledger.writer import LedgerWriter

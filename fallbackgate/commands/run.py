@@ -98,6 +98,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--ledger", default=None, help=f"ledger URL (default: ${ENV_VAR}, else {DEFAULT_LEDGER})")
     p.add_argument("--no-ledger", action="store_true", help="record nothing (no audit, no gate)")
     p.add_argument("--audit-rate", type=float, default=None, help="fraction of requests audited (default 1)")
+    p.add_argument(
+        "--audit",
+        choices=("inline", "deferred"),
+        default="inline",
+        help="inline (default): audit and judge before exiting; deferred: leave the sample's served logits and "
+        "audit tasks in the ledger for `fallbackgate audit` workers and exit after serving",
+    )
     p.add_argument("--json", default=None, help="write the run's results as JSON to this path")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -204,13 +211,27 @@ def _serve(
     print_report(outcome, sys.stdout, slos)
     print_slips(engine.controller, sys.stdout)
     budgets = class_budgets(policy) if policy is not None else None
+    is_deferred = args.audit == "deferred"
     verdict, num_audited = audit_and_judge(
-        engine, outcome, writer, budgets=budgets, slos=slos, audit_rate=args.audit_rate, seed=args.seed
+        engine,
+        outcome,
+        writer,
+        budgets=budgets,
+        slos=slos,
+        audit_rate=args.audit_rate,
+        seed=args.seed,
+        is_deferred=is_deferred,
     )
-    _print_verdict(verdict, num_audited, len(outcome.outputs))
+    if verdict is None:
+        print(
+            f"\nrun {run_id}: audit deferred: {num_audited} request(s) queued in the ledger; judge them with "
+            f"`fallbackgate audit --ledger {writer.ledger.display_url}`"
+        )
+    else:
+        _print_verdict(verdict, num_audited, len(outcome.outputs))
     if args.json:
         write_json(args.json, to_json(outcome, run_id, slos=slos))
-    return 0 if verdict.passed else 1
+    return 0 if verdict is None or verdict.passed else 1
 
 
 def _print_verdict(verdict: RunVerdict, num_audited: int, num_requests: int) -> None:

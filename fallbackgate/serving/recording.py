@@ -14,8 +14,9 @@ import torch
 import transformers
 
 from fallbackgate.audit.auditor import choose_audited
-from fallbackgate.audit.gate import RunVerdict, evaluate_run, record_verdicts
+from fallbackgate.audit.gate import RunVerdict, evaluate_run
 from fallbackgate.audit.run_audit import audit_outputs
+from fallbackgate.audit.verdicts import record_verdicts
 from fallbackgate.engine.engine import Engine
 from fallbackgate.ledger.db import Ledger, open_ledger
 from fallbackgate.ledger.writer import LedgerWriter
@@ -98,17 +99,22 @@ def audit_and_judge(
     audit_rate: float = 1.0,
     seed: int = 0,
     slos: Budgets | None = None,
-) -> tuple[RunVerdict, int]:
+    is_deferred: bool = False,
+) -> tuple[RunVerdict | None, int]:
     """Record requests (with their class's SLO and budget), audit a sample, record the numeric-floor control,
     finish the run, judge it, record the verdicts and close the writer; returns the verdict and the number
-    audited."""
+    audited. Deferred: leave the sample's served logits and audit tasks in the ledger for ``fallbackgate
+    audit`` workers instead, finish the run and return no verdict."""
     budgets, slos = budgets or {}, slos or {}
     try:
-        audited = _record_and_audit(engine, outcome, writer, budgets, slos, audit_rate, seed)
+        audited = _record_and_audit(engine, outcome, writer, budgets, slos, audit_rate, seed, is_deferred)
     except BaseException:
         writer.finish_run(status="failed")
         writer.close()
         raise
+    if is_deferred:
+        writer.close()
+        return None, len(audited)
     verdict = evaluate_run(writer.ledger, writer.run_id)
     record_verdicts(writer, verdict)
     writer.close()
@@ -116,13 +122,18 @@ def audit_and_judge(
 
 
 def _record_and_audit(engine: Engine, outcome: RunOutcome, writer: LedgerWriter, budgets: Budgets, slos: Budgets,
-                      audit_rate: float, seed: int) -> list[Any]:
+                      audit_rate: float, seed: int, is_deferred: bool = False) -> list[Any]:
     for spec, output in zip(outcome.specs, outcome.outputs, strict=True):
         writer.record_request(
             output, prompt=spec.prompt, budget=budgets.get(spec.request_class), slo=slos.get(spec.request_class)
         )
     audited = choose_audited(outcome.outputs, audit_rate, seed)
     writer.record_verifications(engine.verify_dense())  # the baselines compute with these dense weights
+    if is_deferred:
+        writer.queue_audits(audited)
+        writer.record_memory(outcome.memory)
+        writer.finish_run(status="complete")
+        return audited
     writer.flush()  # the replay reads each request's trace back from the ledger
     results, floor = audit_outputs(engine, writer.ledger, writer.run_id, audited)
     for result in results:

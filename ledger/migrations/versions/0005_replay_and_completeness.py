@@ -5,7 +5,7 @@ at what precision, in which pass), steps.num_events, the step_requests table (po
 per request, whether it sampled, its event and object counts), requests.token_ids, runs.forced_tags,
 request_stats.replay_* and position_diffs.replay_kl (served logits against the replay),
 verdicts.quality_passed / correctness_passed, and the verifications table (weight copies checked against the
-checkpoint)
+checkpoint), served_logits and audit_tasks (the deferred audit queue)
 
 Revision ID: 0005
 Revises: 0004
@@ -68,10 +68,37 @@ def upgrade() -> None:
         sa.Column("note", sa.Text(), nullable=False),
     )
     op.create_index("ix_verifications_run", "verifications", ["run_id", "passed"])
+    _create_audit_queue()
+
+
+def _create_audit_queue() -> None:
+    run_fk = sa.ForeignKey("runs.id", ondelete="CASCADE")
+    op.create_table(
+        "served_logits",
+        sa.Column("run_id", sa.Integer(), run_fk, primary_key=True),
+        sa.Column("request_id", sa.String(128), primary_key=True),
+        sa.Column("position", sa.Integer(), primary_key=True, autoincrement=False),
+        sa.Column("logits", sa.LargeBinary(), nullable=False),
+    )
+    op.create_table(
+        "audit_tasks",
+        sa.Column("run_id", sa.Integer(), sa.ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+        sa.Column("request_id", sa.String(128), primary_key=True),
+        sa.Column("state", sa.String(16), nullable=False),
+        sa.Column("fencing_token", sa.Integer(), nullable=False),
+        sa.Column("lease_expires_at", sa.DateTime(timezone=True), nullable=True),
+        sa.Column("worker", sa.String(128), nullable=True),
+        sa.Column("num_attempts", sa.Integer(), nullable=False),
+        sa.Column("done_at", sa.DateTime(timezone=True), nullable=True),
+    )
+    op.create_index("ix_audit_tasks_state", "audit_tasks", ["state", "run_id"])
 
 
 def downgrade() -> None:
     """Revert this revision."""
+    op.drop_index("ix_audit_tasks_state", table_name="audit_tasks")
+    op.drop_table("audit_tasks")
+    op.drop_table("served_logits")
     op.drop_index("ix_verifications_run", table_name="verifications")
     op.drop_table("verifications")
     op.drop_table("step_requests")

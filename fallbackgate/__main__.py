@@ -1,0 +1,5 @@
+"""``python -m fallbackgate …``: the same command line as the ``fallbackgate`` script."""
+
+from fallbackgate.cli import main
+
+raise SystemExit(main())

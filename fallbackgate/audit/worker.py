@@ -1,0 +1,186 @@
+"""An audit worker: claims deferred audit tasks from a ledger and does them (see ``ledger.audit_queue``).
+
+A request task runs both baselines against the served logits the serving process left in the ledger and
+writes the request's diffs; the run task (claimable once every request task of the run is done) runs the
+floor control, judges the run and writes its verdicts. Results are written only while the worker's claim
+is current; a heartbeat thread renews the lease while a task runs. The model is loaded once per (model,
+dtype, block size) with no expert in memory: the baselines read experts from the checkpoint files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from sqlalchemy import Connection, update
+
+from fallbackgate.audit.auditor import audit_request
+from fallbackgate.audit.gate import evaluate_run, served_class
+from fallbackgate.audit.run_audit import initial_floor, widen_floor
+from fallbackgate.audit.verdicts import write_verdicts
+from fallbackgate.controllers.exact_lru import ExactLRUController
+from fallbackgate.engine.config import EngineConfig
+from fallbackgate.engine.engine import Engine
+from fallbackgate.ledger import audit_queries, audit_queue, queries
+from fallbackgate.ledger.audit_queue import Claim, LeaseLost
+from fallbackgate.ledger.bulk import insert_rows
+from fallbackgate.ledger.db import Ledger, begin_write
+from fallbackgate.ledger.models import RequestStatRow, Run
+from fallbackgate.ledger.rows import Rows, diff_rows
+
+POLL_S = 0.5  # wait between claims while other workers hold the remaining tasks
+
+
+def worker_name() -> str:
+    """host:pid, recorded on every task this process claims."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclasses.dataclass(slots=True)
+class WorkerStats:
+    """What one worker did."""
+
+    num_requests: int = 0  # request tasks completed
+    num_runs: int = 0  # runs judged
+    num_lost: int = 0  # tasks whose lease another worker took over before this one finished
+
+
+class _Heartbeat:
+    """Renews a claim's lease every third of it until stopped; remembers a lost lease."""
+
+    def __init__(self, ledger: Ledger, held: Claim, lease_s: float) -> None:
+        self.ledger, self.held, self.lease_s = ledger, held, lease_s
+        self.stop = threading.Event()
+        self.lost: LeaseLost | None = None
+        self.thread = threading.Thread(target=self._loop, name="audit-lease", daemon=True)
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.lease_s / 3):
+            try:
+                audit_queue.renew(self.ledger, self.held, self.lease_s)
+            except LeaseLost as exc:
+                self.lost = exc
+                return
+
+    def __enter__(self) -> _Heartbeat:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+class AuditWorker:
+    """Claims and does audit tasks until none is left (or `max_tasks` are done)."""
+
+    def __init__(self, ledger: Ledger, lease_s: float = 60.0, run_id: int | None = None) -> None:
+        self.ledger, self.lease_s, self.run_id = ledger, lease_s, run_id
+        self.name = worker_name()
+        self.engines: dict[tuple[str, str | None, int], Engine] = {}
+        self.stats = WorkerStats()
+
+    def run(self, max_tasks: int | None = None) -> WorkerStats:
+        """Work until every task (of the run, when one was named) is done."""
+        num_done = 0
+        while max_tasks is None or num_done < max_tasks:
+            held = audit_queue.claim(self.ledger, self.name, self.lease_s, self.run_id)
+            if held is None:
+                counts = audit_queue.task_counts(self.ledger, self.run_id)
+                if not counts.get("pending") and not counts.get("claimed"):
+                    break
+                time.sleep(POLL_S)  # the rest is held by others (or waits for their leases to expire)
+                continue
+            try:
+                with _Heartbeat(self.ledger, held, self.lease_s):
+                    self.do(held)
+            except LeaseLost:
+                self.stats.num_lost += 1
+            num_done += 1
+        return self.stats
+
+    def do(self, held: Claim) -> None:
+        """Do one claimed task."""
+        engine = self.engine_for(held.run_id)
+        if held.request_id == audit_queue.RUN_TASK:
+            self._judge_run(engine, held)
+            self.stats.num_runs += 1
+        else:
+            self._audit_request(engine, held)
+            self.stats.num_requests += 1
+
+    def engine_for(self, run_id: int) -> Engine:
+        """The audit engine for a run's model, dtype and block size (experts stay in the files)."""
+        run = queries.get_run(self.ledger, run_id)
+        memory = (run or {}).get("memory") or {}
+        key = (str(run["model_path"]), memory.get("dtype"), int(memory.get("block_size", 16)))
+        if key not in self.engines:
+            config = EngineConfig(
+                key[0],
+                dtype=key[1],
+                block_size=key[2],
+                host_budget_bytes=0,
+                is_stacked_when_fits=False,
+                num_io_threads=0,
+                num_verified_copies_per_step=0,
+            )
+            self.engines[key] = Engine(config, ExactLRUController())
+        return self.engines[key]
+
+    def _audit_request(self, engine: Engine, held: Claim) -> None:
+        run_id, request_id = held.run_id, held.request_id
+        found = audit_queries.request_tokens(self.ledger, run_id, request_id)
+        if found is None:
+            raise LookupError(f"run {run_id}: request {request_id} has no token ids recorded")
+        token_ids, num_prompt = found
+        served_rows = audit_queue.read_served(self.ledger, run_id, request_id)
+        served = served_class(queries.request_exactness(self.ledger, run_id).get(request_id, {}))
+        prompt_ids, output_ids = token_ids[:num_prompt], token_ids[num_prompt:]
+        diffs, stats, replay = audit_request(
+            engine, self.ledger, run_id, request_id, prompt_ids, output_ids, served_rows, served == "approximate"
+        )
+        steps = audit_queries.step_requests(self.ledger, run_id, request_id)
+        step_ids = [r["step_id"] for r in steps if r["is_sampled"]]
+        rows: Rows = {}
+        diff_rows(run_id, request_id, diffs, stats, step_ids if len(step_ids) == len(diffs) else None, rows, {})
+        if replay is not None:
+            kept = ("max_kl", "mean_kl", "max_position", "top1_agreement")
+            rows[RequestStatRow.__table__][0].update({f"replay_{k}": v for k, v in replay.items() if k in kept})
+        audit_queue.complete(self.ledger, held, lambda conn: _insert(conn, rows))
+
+    def _judge_run(self, engine: Engine, held: Claim) -> None:
+        run_id = held.run_id
+        summaries = [r for r in queries.request_summaries(self.ledger, run_id) if r["num_positions"] is not None]
+        requests = []
+        for r in summaries:
+            token_ids, num_prompt = audit_queries.request_tokens(self.ledger, run_id, r["request_id"]) or ([], 0)
+            requests.append((r["request_id"], token_ids[:num_prompt], token_ids[num_prompt:]))
+        control = initial_floor(engine, requests)
+        by_class = queries.request_exactness(self.ledger, run_id)
+        for request, summary in zip(requests, summaries, strict=True):
+            widen_floor(engine, control, request, served_class(by_class.get(request[0], {})), summary["max_kl"])
+        floor = control.summary()
+        with begin_write(self.ledger.engine) as conn:  # the floor, under the claim (a taken-over run redoes it)
+            audit_queue.check_held(conn, held)
+            values = {"numeric_floor_kl": floor["max_kl"], "numeric_floor": floor}
+            conn.execute(update(Run).where(Run.id == run_id).values(**values))
+        verdict = evaluate_run(self.ledger, run_id)
+        audit_queue.complete(self.ledger, held, lambda conn: write_verdicts(conn, verdict))
+
+
+def _insert(conn: Connection, rows: Rows) -> None:
+    for table, table_rows in rows.items():
+        insert_rows(conn, table, table_rows, ())
+
+
+def audit_loop(url: str, lease_s: float, run_id: int | None, max_tasks: int | None) -> dict[str, Any]:
+    """Open the ledger at `url` and work (what one ``fallbackgate audit`` process does)."""
+    from fallbackgate.ledger.db import open_ledger
+
+    with open_ledger(url) as ledger:
+        stats = AuditWorker(ledger, lease_s, run_id).run(max_tasks)
+    return dataclasses.asdict(stats)
