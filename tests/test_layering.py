@@ -70,7 +70,7 @@ def _imports(path: pathlib.Path) -> set[str]:
 
 
 def _layer(module: str) -> str:
-    if module.startswith(("fallbackgate.commands", "fallbackgate.cli", "fallbackgate.bench")):  # the top layer
+    if module.startswith(("fallbackgate.commands", "fallbackgate.cli", "fallbackgate.bench", "fallbackgate.__main__")):
         return "fallbackgate.cli"
     for sub in ("engine", "ledger", "evals", "dashboard"):
         if module == f"fallbackgate.{sub}" or module.startswith(f"fallbackgate.{sub}."):
