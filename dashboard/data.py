@@ -138,7 +138,8 @@ def request_detail(url: str, run_id: int, request_id: str) -> dict[str, Any] | N
         ),
         "positions": _frame(
             queries.position_diffs(ledger, run_id, request_id),
-            ["position", "step_id", "token_id", "kl", "top1_agree", "delta_p", "logp_exact", "logp_engine"],
+            ["position", "step_id", "token_id", "kl", "replay_kl", "top1_agree", "delta_p", "logp_exact"]
+            + ["logp_engine"],
         ),
         "timeline": _frame(
             request_queries.request_step_timeline(ledger, run_id, request_id),

@@ -86,12 +86,23 @@ def _metrics(d: dict[str, Any]) -> None:
     cols[4].metric("First divergence", "none" if fd is None else f"position {fd}")
     cols[5].metric("Verdict", s.get("verdict") or "not recorded")
     v = d["verdict"]
+    halves = st.columns(3)
+    halves[0].metric("Quality (vs exact baseline)", _half(v, "quality_passed"))
+    halves[1].metric("Correctness (vs replay)", _half(v, "correctness_passed"))
+    replay = s.get("replay_max_kl")
+    halves[2].metric("Max KL served vs replay", "not replayed (exact only)" if replay is None else f"{replay:.3e}")
     if v is not None and not v["passed"]:
         st.warning(
             f"Gate failed: {v['reason']} — first divergence at position {v['first_divergence_position']}, "
             f"step {v['first_divergence_step']}, layer {v['first_divergence_layer']}, "
             f"tags {', '.join(v['first_divergence_tags'] or [])}"
         )
+
+
+def _half(verdict: dict[str, Any] | None, key: str) -> str:
+    """A verdict half as a word: pass, fail, or not judged."""
+    value = None if verdict is None else verdict.get(key)
+    return "not judged" if value is None else ("pass" if value else "FAIL")
 
 
 def _kl_chart(pos: pd.DataFrame, first: int | None) -> alt.LayerChart:

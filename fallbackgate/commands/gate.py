@@ -1,5 +1,8 @@
 """``fallbackgate gate --ledger URL [--run ID] [--record]``: print the verdict table of a run.
 
+Each request shows both halves of its verdict: quality (its statistics against the exact baseline, within
+its budget) and correctness (exact tolerance, the replay of its recorded actions, a complete ledger).
+
 Exit status: 0 when the run passes, 1 when it fails, 2 for a ledger that cannot be opened or a run
 that does not exist.
 """
@@ -36,13 +39,21 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
+def _word(passed: bool | None) -> str:
+    return "-" if passed is None else ("pass" if passed else "FAIL")
+
+
 def print_table(verdict: RunVerdict, out: TextIO | None = None) -> None:
     """Print one line per request and a run line (to stdout by default)."""
     out = out or sys.stdout
-    head = f"{'request':<24} {'served':<11} {'mean KL':>9} {'p99 KL':>9} {'max KL':>9} {'top1':>6} verdict"
+    head = (
+        f"{'request':<24} {'served':<11} {'mean KL':>9} {'p99 KL':>9} {'max KL':>9} {'top1':>6} "
+        f"{'quality':>7} {'correct':>7} verdict"
+    )
     print(head, file=out)
     for v in verdict.requests:
         s = v.stats or {}
+        halves = f"{_word(v.quality_passed if s else None):>7} {_word(v.correctness_passed):>7}"
         where = (
             ""
             if v.passed or v.step is None
@@ -50,7 +61,7 @@ def print_table(verdict: RunVerdict, out: TextIO | None = None) -> None:
         )
         print(
             f"{v.request_id:<24} {v.served:<11} {_fmt(s.get('mean_kl')):>9} {_fmt(s.get('p99_kl')):>9} "
-            f"{_fmt(s.get('max_kl')):>9} {_fmt(s.get('top1_agreement')):>6} "
+            f"{_fmt(s.get('max_kl')):>9} {_fmt(s.get('top1_agreement')):>6} {halves} "
             f"{'PASS' if v.passed else 'FAIL'} {v.reason}{where}",
             file=out,
         )
