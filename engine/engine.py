@@ -211,9 +211,8 @@ class Engine:
         modeled = log.modeled_transfer_s + log.modeled_compute_s
         self.modeled_clock_s += modeled
         now = time.perf_counter()
-        for event in events:  # resident KV reads are accounted per step, not as objects served
-            is_kv_read = event.object_kind is ObjectKind.KV_BLOCK and event.tag is Tag.RESIDENT
-            if event.request_id in self.sequences and not is_kv_read:
+        for event in events:
+            if event.request_id in self.sequences:
                 counts = self.sequences[event.request_id].tag_counts
                 counts[event.tag.value] = counts.get(event.tag.value, 0) + event.count
         for request_id, token in sampled.items():
@@ -234,6 +233,7 @@ class Engine:
             pool.used_bytes_by_kind[ObjectKind.KV_BLOCK],
             self.expert_store.read_ahead.end_step(),
             self.verifier.verify_step(plan.step_id),
+            log.kv_resident_reads,
         )
 
     def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor, now: float) -> bool:

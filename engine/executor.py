@@ -281,7 +281,7 @@ class Executor:
             self.layer_kv.append(self.kv_store.gather(request_id, layer, start + length))
             num_resident = self.kv_store.num_device_blocks(request_id, layer, start + length)
             if num_resident:  # staged blocks were recorded when staged; these are read where they live
-                self.ctx.log.add(request_id, layer, ObjectKind.KV_BLOCK, Tag.RESIDENT, count=num_resident)
+                self.ctx.log.add_kv_reads(request_id, layer, num_resident)
             offset += length
         return key_states, value_states
 

@@ -87,6 +87,8 @@ class StepResult:
     num_device_bytes_kv: int = 0  # device bytes held by KV blocks after the step
     transfer: TransferClock | None = None  # measured expert disk-read time of the step, hidden and exposed
     verifications: list[Verification] = dataclasses.field(default_factory=list)  # sampled copies checked
+    kv_resident_reads: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)  # request -> layer
+    # -> KV blocks read on device (off-device reads are events: exact_load, kv_dequant, recompute)
 
 
 @dataclasses.dataclass(slots=True)

@@ -34,6 +34,7 @@ class EventLog:
         self.modeled_transfer_s = 0.0  # serialised link time of this step
         self.modeled_compute_s = 0.0  # device + CPU compute time of this step
         self.is_rebuild_pass = False  # set by the runner around a KV rebuild forward
+        self.kv_resident_reads: dict[str, dict[int, int]] = {}  # request -> layer -> device KV blocks read
 
     def add(
         self,
@@ -106,6 +107,11 @@ class EventLog:
             object_id=object_id,
             bits=bits,
         )
+
+    def add_kv_reads(self, request_id: str, layer: int, count: int) -> None:
+        """Record `count` KV blocks read where they live on device (counted, not one event each)."""
+        by_layer = self.kv_resident_reads.setdefault(request_id, {})
+        by_layer[layer] = by_layer.get(layer, 0) + count
 
     def events(self) -> list[Event]:
         return list(self._events.values())

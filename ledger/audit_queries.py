@@ -13,6 +13,7 @@ from sqlalchemy import func, select
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.models import (
     AuditTask,
+    EventObjectsRow,
     EventRow,
     PositionDiffRow,
     Request,
@@ -35,12 +36,9 @@ def step_requests(ledger: Ledger, run_id: int, request_id: str) -> list[dict[str
 
 def replay_events(ledger: Ledger, run_id: int, request_id: str) -> list[dict[str, Any]]:
     """One request's events that name their objects: what the replay baseline repeats."""
-    cols = (EventRow.step_id, EventRow.layer, EventRow.object_kind, EventRow.tag, EventRow.object_ids, EventRow.bits)
-    stmt = (
-        select(*cols, EventRow.is_rebuild)
-        .where(EventRow.run_id == run_id, EventRow.request_id == request_id, EventRow.object_ids.is_not(None))
-        .order_by(EventRow.step_id, EventRow.layer)
-    )
+    o = EventObjectsRow
+    cols = (o.step_id, o.layer, o.object_kind, o.tag, o.object_ids, o.bits, o.is_rebuild)
+    stmt = select(*cols).where(o.run_id == run_id, o.request_id == request_id).order_by(o.step_id, o.layer)
     return _all(ledger, stmt)
 
 
@@ -103,8 +101,8 @@ def step_request_counts(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
 
 
 def moved_bytes(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
-    """Events that moved bytes, aggregated per step × request × layer × kind × tag × precision."""
-    keys = (EventRow.step_id, EventRow.request_id, EventRow.layer, EventRow.object_kind, EventRow.tag, EventRow.bits)
+    """Events that moved bytes, aggregated per step × request × layer × kind × tag."""
+    keys = (EventRow.step_id, EventRow.request_id, EventRow.layer, EventRow.object_kind, EventRow.tag)
     stmt = (
         select(*keys, func.sum(EventRow.count).label("objects"), func.sum(EventRow.bytes_moved).label("bytes_moved"))
         .where(EventRow.run_id == run_id, EventRow.bytes_moved > 0)
@@ -153,3 +151,13 @@ def num_pending_audits(ledger: Ledger, run_id: int) -> int:
     )
     with ledger.engine.connect() as conn:
         return int(conn.execute(stmt).scalar_one())
+
+
+def kv_resident_reads(ledger: Ledger, run_id: int, request_id: str, step_id: int) -> list[int]:
+    """KV blocks the request read on device at the step, per layer from 0 (empty when none)."""
+    stmt = select(StepRequest.kv_resident_reads).where(
+        StepRequest.run_id == run_id, StepRequest.request_id == request_id, StepRequest.step_id == step_id
+    )
+    rows = _all(ledger, stmt)
+    text = rows[0]["kv_resident_reads"] if rows else None
+    return [int(x) for x in text.split(",")] if text else []

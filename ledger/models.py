@@ -110,6 +110,7 @@ class Step(Base):
     num_predicted_used: Mapped[int | None] = mapped_column(Integer)  # needed reads a prediction had started
     num_unpredicted_reads: Mapped[int | None] = mapped_column(Integer)  # needed reads no prediction started
     num_events: Mapped[int | None] = mapped_column(Integer)  # event rows the engine produced for the step
+    num_verified: Mapped[int | None] = mapped_column(Integer)  # copies checked after it (failures: verifications)
 
 
 class StepRequest(Base):
@@ -124,6 +125,7 @@ class StepRequest(Base):
     is_sampled: Mapped[bool] = mapped_column(Boolean)  # the step sampled an output token for the request
     num_events: Mapped[int] = mapped_column(Integer)  # event rows the engine produced for the request
     num_objects: Mapped[int] = mapped_column(Integer)  # objects those events cover (sum of their counts)
+    kv_resident_reads: Mapped[str | None] = mapped_column(Text)  # "3,3,2": KV blocks read on device, per layer
 
 
 class EventRow(Base):
@@ -146,13 +148,29 @@ class EventRow(Base):
     predicted_cost: Mapped[float] = mapped_column(Float, default=0.0)
     modeled_s: Mapped[float] = mapped_column(Float, default=0.0)
     note: Mapped[str] = mapped_column(Text, default="")
-    object_ids: Mapped[str | None] = mapped_column(Text)  # "3,7": expert ids or KV block indices (replayed)
-    bits: Mapped[int | None] = mapped_column(Integer)  # precision of a low-bit copy (expert_lowbit, kv_dequant)
-    is_rebuild: Mapped[bool | None] = mapped_column(Boolean)  # done in a KV rebuild pass before the step's forward
     __table_args__ = (
         Index("ix_events_run_tag", "run_id", "tag"),
         Index("ix_events_run_request_step", "run_id", "request_id", "step_id"),
     )
+
+
+class EventObjectsRow(Base):
+    """Which objects an approximate or rebuild event covered, at what precision, in which pass: what the
+    replay baseline repeats. Kept beside the events (most events name no objects) so the bulk table stays
+    narrow."""
+
+    __tablename__ = "event_objects"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(Integer, nullable=False)  # no foreign key, as for events
+    step_id: Mapped[int] = mapped_column(Integer)
+    request_id: Mapped[str] = mapped_column(String(128))
+    layer: Mapped[int] = mapped_column(Integer)
+    object_kind: Mapped[str] = mapped_column(String(16))
+    tag: Mapped[str] = mapped_column(String(32))
+    bits: Mapped[int] = mapped_column(Integer)  # precision of a low-bit copy (expert_lowbit, kv_dequant); 0 otherwise
+    is_rebuild: Mapped[bool] = mapped_column(Boolean)  # done in a KV rebuild pass before the step's own forward
+    object_ids: Mapped[str] = mapped_column(Text)  # "3,7": expert ids or KV block indices
+    __table_args__ = (Index("ix_event_objects_run_request", "run_id", "request_id", "step_id"),)
 
 
 class PositionDiffRow(Base):

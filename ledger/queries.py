@@ -114,15 +114,10 @@ def request_summaries(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
     return _all(ledger, stmt)
 
 
-SERVED = ~((EventRow.object_kind == "kv_block") & (EventRow.tag == "resident"))
-"""Events of objects served: resident KV reads are recorded per step for completeness, not counted here."""
-
-
 def request_exactness(ledger: Ledger, run_id: int) -> dict[str, dict[str, int]]:
-    """request id -> {exactness class -> objects served}, from the events (observe steps excluded for
-    approximate)."""
+    """request id -> {exactness class -> objects}, from the events (observe steps excluded for approximate)."""
     observe = select(Step.step_id).where(Step.run_id == run_id, Step.is_observe.is_(True))
-    applied = SERVED & ((EventRow.exactness != "approximate") | EventRow.step_id.not_in(observe.scalar_subquery()))
+    applied = (EventRow.exactness != "approximate") | EventRow.step_id.not_in(observe.scalar_subquery())
     stmt = (
         select(
             EventRow.request_id,
@@ -139,10 +134,10 @@ def request_exactness(ledger: Ledger, run_id: int) -> dict[str, dict[str, int]]:
 
 
 def request_tags(ledger: Ledger, run_id: int) -> dict[str, dict[str, int]]:
-    """request id -> {tag -> objects served} over the whole run (resident KV reads not counted)."""
+    """request id -> {tag -> objects} over the whole run."""
     stmt = (
         select(EventRow.request_id, EventRow.tag, func.sum(EventRow.count).label("objects"))
-        .where(EventRow.run_id == run_id, SERVED)
+        .where(EventRow.run_id == run_id)
         .group_by(EventRow.request_id, EventRow.tag)
     )
     out: dict[str, dict[str, int]] = {}

@@ -9,8 +9,10 @@ from typing import Any
 from sqlalchemy import Table
 
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
+from fallbackgate.engine.read_ahead import TransferClock
 from fallbackgate.engine.tags import TAG_EXACTNESS
 from fallbackgate.ledger.models import (
+    EventObjectsRow,
     EventRow,
     PositionDiffRow,
     RequestStatRow,
@@ -21,7 +23,7 @@ from fallbackgate.ledger.models import (
 )
 
 Rows = dict[Table, list[Any]]
-"""Pending rows per table: dicts, or tuples in EVENT_COLUMNS order for the events table."""
+"""Pending rows per table: dicts, or tuples in TUPLE_COLUMNS order for the events and step_requests tables."""
 SampleSteps = dict[tuple[int, str], list[int]]
 """(run id, request id) -> ids of the steps that sampled a token for the request, in order."""
 
@@ -42,11 +44,59 @@ EVENT_COLUMNS: tuple[str, ...] = (
     "predicted_cost",
     "modeled_s",
     "note",
-    "object_ids",
-    "bits",
-    "is_rebuild",
 )
 """Column order of the event tuples that :func:`step_rows` produces."""
+STEP_COLUMNS: tuple[str, ...] = (
+    "run_id",
+    "step_id",
+    "kind",
+    "num_requests",
+    "num_tokens",
+    "is_observe",
+    "wall_s",
+    "modeled_s",
+    "device_bytes_expert",
+    "device_bytes_kv",
+    "num_events",
+    "num_verified",
+    "transfer_s",
+    "transfer_exposed_s",
+    "num_predicted_reads",
+    "num_predicted_used",
+    "num_unpredicted_reads",
+)
+"""Column order of the step tuples that :func:`step_rows` produces."""
+STEP_REQUEST_COLUMNS: tuple[str, ...] = (
+    "run_id",
+    "step_id",
+    "request_id",
+    "start_position",
+    "num_tokens",
+    "is_sampled",
+    "num_events",
+    "num_objects",
+    "kv_resident_reads",
+)
+"""Column order of the step_requests tuples that :func:`step_rows` produces."""
+EVENT_OBJECT_COLUMNS: tuple[str, ...] = (
+    "run_id",
+    "step_id",
+    "request_id",
+    "layer",
+    "object_kind",
+    "tag",
+    "bits",
+    "is_rebuild",
+    "object_ids",
+)
+"""Column order of the event_objects tuples that :func:`step_rows` produces."""
+TUPLE_COLUMNS: dict[Table, tuple[str, ...]] = {
+    Step.__table__: STEP_COLUMNS,  # type: ignore[dict-item]
+    EventRow.__table__: EVENT_COLUMNS,  # type: ignore[dict-item]
+    StepRequest.__table__: STEP_REQUEST_COLUMNS,  # type: ignore[dict-item]
+    EventObjectsRow.__table__: EVENT_OBJECT_COLUMNS,  # type: ignore[dict-item]
+}
+"""Tables whose pending rows are tuples (the bulk fast path), with their column order."""
 DIFF_FIELDS: tuple[str, ...] = (
     "position",
     "token_id",
@@ -77,19 +127,15 @@ def plain(x: Any) -> Any:
     return x.item() if hasattr(x, "item") else x
 
 
-def _transfer_columns(result: StepResult) -> dict[str, Any]:
-    clock = result.transfer
-    if clock is None:
-        return dict.fromkeys(
-            ("transfer_s", "transfer_exposed_s", "num_predicted_reads", "num_predicted_used", "num_unpredicted_reads")
-        )
-    return {
-        "transfer_s": clock.transfer_s,
-        "transfer_exposed_s": clock.exposed_s,
-        "num_predicted_reads": clock.num_predicted,
-        "num_predicted_used": clock.num_predicted_used,
-        "num_unpredicted_reads": clock.num_unpredicted,
-    }
+def _transfer_values(clock: TransferClock) -> tuple[Any, ...]:
+    """The step's measured expert disk reads, in the order STEP_COLUMNS ends with."""
+    return (
+        clock.transfer_s,
+        clock.exposed_s,
+        clock.num_predicted,
+        clock.num_predicted_used,
+        clock.num_unpredicted,
+    )
 
 
 def step_rows(
@@ -100,28 +146,32 @@ def step_rows(
     sample_steps: SampleSteps,
 ) -> int:
     """Append the step row and its event rows to ``rows``; return the number of rows added."""
+    clock = result.transfer
     rows.setdefault(Step.__table__, []).append(
-        {
-            "run_id": run_id,
-            "step_id": plan.step_id,
-            "kind": value(plan.kind),
-            "num_requests": len(plan.request_ids),
-            "num_tokens": sum(plan.num_tokens.values()),
-            "is_observe": plan.is_observe,
-            "wall_s": result.wall_s,
-            "modeled_s": result.modeled_s,
-            "device_bytes_expert": result.num_device_bytes_expert,
-            "device_bytes_kv": result.num_device_bytes_kv,
-            "num_events": len(result.events),
-            **_transfer_columns(result),
-        }
+        (
+            run_id,
+            plan.step_id,
+            getattr(plan.kind, "_value_", plan.kind),
+            len(plan.request_ids),
+            sum(plan.num_tokens.values()),
+            plan.is_observe,
+            result.wall_s,
+            result.modeled_s,
+            result.num_device_bytes_expert,
+            result.num_device_bytes_kv,
+            len(result.events),
+            len(result.verifications),
+            *(_transfer_values(clock) if clock is not None else (None,) * 5),
+        )
     )
     for rid in result.sampled_token_ids:
         sample_steps.setdefault((run_id, rid), []).append(plan.step_id)
     rows.setdefault(StepRequest.__table__, []).extend(_step_request_rows(run_id, plan, result))
-    if result.verifications:
-        rows.setdefault(VerificationRow.__table__, []).extend(verification_rows(run_id, result.verifications))
+    failed = [v for v in result.verifications if not v.passed]  # passing checks are counted on the step row
+    if failed:
+        rows.setdefault(VerificationRow.__table__, []).extend(verification_rows(run_id, failed))
     events = rows.setdefault(EventRow.__table__, [])
+    objects = rows.setdefault(EventObjectsRow.__table__, [])
     exactness = EXACTNESS.get
     for e in result.events:  # tuples in EVENT_COLUMNS order; getattr(_value_) is the cheap enum -> str
         tag = getattr(e.tag, "_value_", e.tag)
@@ -140,11 +190,22 @@ def step_rows(
                 e.predicted_cost,
                 e.modeled_s,
                 e.note,
-                ",".join(map(str, e.object_ids)) if e.object_ids else None,
-                e.bits or None,
-                e.is_rebuild or None,
             )
         )
+        if e.object_ids:
+            objects.append(
+                (
+                    run_id,
+                    e.step_id,
+                    e.request_id,
+                    e.layer,
+                    getattr(e.object_kind, "_value_", e.object_kind),
+                    tag,
+                    e.bits,
+                    e.is_rebuild,
+                    ",".join(map(str, e.object_ids)),
+                )
+            )
     return 1 + len(plan.request_ids) + len(result.events)
 
 
@@ -193,26 +254,36 @@ def verification_rows(run_id: int, verifications: Sequence[Any]) -> list[dict[st
     ]
 
 
-def _step_request_rows(run_id: int, plan: StepPlan, result: StepResult) -> list[dict[str, Any]]:
-    """Per request of the step: the positions it computed, whether it sampled, its event and object counts."""
+def _step_request_rows(run_id: int, plan: StepPlan, result: StepResult) -> list[tuple[Any, ...]]:
+    """Per request of the step, in STEP_REQUEST_COLUMNS order: the positions it computed, whether it
+    sampled, its event and object counts."""
     num_events: dict[str, int] = {}
     num_objects: dict[str, int] = {}
     for e in result.events:
         num_events[e.request_id] = num_events.get(e.request_id, 0) + 1
         num_objects[e.request_id] = num_objects.get(e.request_id, 0) + e.count
+    sampled, kv_reads = result.sampled_token_ids, result.kv_resident_reads
     return [
-        {
-            "run_id": run_id,
-            "step_id": plan.step_id,
-            "request_id": rid,
-            "start_position": plan.start_positions[rid],
-            "num_tokens": plan.num_tokens[rid],
-            "is_sampled": rid in result.sampled_token_ids,
-            "num_events": num_events.get(rid, 0),
-            "num_objects": num_objects.get(rid, 0),
-        }
+        (
+            run_id,
+            plan.step_id,
+            rid,
+            plan.start_positions[rid],
+            plan.num_tokens[rid],
+            rid in sampled,
+            num_events.get(rid, 0),
+            num_objects.get(rid, 0),
+            _per_layer(kv_reads.get(rid)),
+        )
         for rid in plan.request_ids
     ]
+
+
+def _per_layer(counts: dict[int, int] | None) -> str | None:
+    """ "3,3,0,2": a count per layer from 0 (None when there are none)."""
+    if not counts:
+        return None
+    return ",".join(str(counts.get(layer, 0)) for layer in range(max(counts) + 1))
 
 
 def request_row(

@@ -18,6 +18,7 @@ from fallbackgate.ledger.bulk import insert_rows
 from fallbackgate.ledger.db import Ledger, LedgerError, begin_write
 from fallbackgate.ledger.models import (
     Calibration,
+    EventObjectsRow,
     EventRow,
     PositionDiffRow,
     Request,
@@ -28,7 +29,7 @@ from fallbackgate.ledger.models import (
     VerdictRow,
     VerificationRow,
 )
-from fallbackgate.ledger.rows import EVENT_COLUMNS, Rows, diff_rows, request_row, step_rows
+from fallbackgate.ledger.rows import TUPLE_COLUMNS, Rows, diff_rows, request_row, step_rows
 
 _TABLE_ORDER: tuple[Table, ...] = tuple(
     m.__table__  # type: ignore[misc]
@@ -36,6 +37,7 @@ _TABLE_ORDER: tuple[Table, ...] = tuple(
         Step,
         StepRequest,
         EventRow,
+        EventObjectsRow,
         VerificationRow,
         Request,
         PositionDiffRow,
@@ -135,8 +137,7 @@ class WriterThread:
         try:
             with begin_write(self.ledger.engine) as conn:
                 for table in _TABLE_ORDER:
-                    cols = EVENT_COLUMNS if table is EventRow.__table__ else ()
-                    insert_rows(conn, table, rows.get(table, ()), cols)
+                    insert_rows(conn, table, rows.get(table, ()), TUPLE_COLUMNS.get(table, ()))
                 for op in ops:
                     op(conn)
         except Exception as exc:  # noqa: BLE001 - surfaced to the caller on its next call

@@ -131,12 +131,16 @@ def _sizes(object_bytes: Mapping[str, Any]) -> dict[tuple[str, str, int], int]:
     return sizes
 
 
-def _fits(num_bytes: int, num_objects: int, size: int, extra: int | None) -> bool:
-    """Whether `num_bytes` is 1..num_objects objects of `size` (plus any whole `extra`-byte reads)."""
+def _fits(num_bytes: int, num_objects: int, sizes: list[int], extra: int | None) -> bool:
+    """Whether `num_bytes` is 1..num_objects objects, each of one of `sizes` (at most two distinct sizes: a
+    KV block quantized to int8 or int4), plus any whole `extra`-byte reads (a low-bit copy made from a disk
+    read moves the full expert too)."""
+    first, second = sizes[0], sizes[1] if len(sizes) > 1 else None
     for count in range(1, num_objects + 1):
-        rest = num_bytes - count * size
-        if rest == 0 or (extra and rest > 0 and rest % extra == 0):
-            return True
+        for num_second in range(count + 1 if second else 1):
+            rest = num_bytes - (count - num_second) * first - num_second * (second or 0)
+            if rest == 0 or (extra and rest > 0 and rest % extra == 0):
+                return True
     return False
 
 
@@ -144,23 +148,25 @@ def check_object_bytes(ledger: Ledger, run_id: int, object_bytes: Mapping[str, A
     """Reasons for every step × request × layer whose bytes do not fit its tag's object size."""
     if not object_bytes:
         return []
-    sizes = _sizes(object_bytes)
+    by_tag: dict[tuple[str, str], list[int]] = {}
+    for (kind, tag, _), n in _sizes(object_bytes).items():
+        by_tag.setdefault((kind, tag), []).append(n)
     reasons = []
     for r in audit_queries.moved_bytes(ledger, run_id):
-        kind, tag, bits = r["object_kind"], r["tag"], int(r["bits"] or 0)
-        size = sizes.get((kind, tag, bits))
-        extra = sizes[("expert", "exact_load", 0)] if tag == "expert_lowbit" else None  # a disk read, then quantized
-        if size is not None and _fits(int(r["bytes_moved"]), int(r["objects"]), size, extra):
+        kind, tag, num_bytes, num_objects = r["object_kind"], r["tag"], int(r["bytes_moved"]), int(r["objects"])
+        sizes = by_tag.get((kind, tag))
+        extra = by_tag[("expert", "exact_load")][0] if tag == "expert_lowbit" else None  # disk read, then quantized
+        if sizes and _fits(num_bytes, num_objects, sizes, extra):
             continue
         fitting = [
-            f"{t}{f' int{b}' if b else ''} ({n} B each)"
-            for (k, t, b), n in sizes.items()
-            if k == kind and t != tag and _fits(int(r["bytes_moved"]), int(r["objects"]), n, None)
+            f"{t} ({' or '.join(map(str, ns))} B each)"
+            for (k, t), ns in by_tag.items()
+            if k == kind and t != tag and _fits(num_bytes, num_objects, ns, None)
         ]
         hint = f"; the bytes fit {', '.join(fitting)}" if fitting else ""
-        expected = f"{size} B each" if size is not None else "no known size"
+        expected = f"{' or '.join(map(str, sizes))} B each" if sizes else "no known size"
         reasons.append(
             f"mislabelled tag at step {r['step_id']} (request {r['request_id']}, layer {r['layer']}): {tag} moved "
-            f"{r['bytes_moved']} B for {r['objects']} {kind} object(s), {expected}{hint}"
+            f"{num_bytes} B for {num_objects} {kind} object(s), {expected}{hint}"
         )
     return reasons

@@ -31,7 +31,7 @@ from typing import Any
 from fallbackgate.audit.completeness import check_completeness
 from fallbackgate.audit.stats import top1_outside_ties
 from fallbackgate.engine.tags import TAG_EXACTNESS, Exactness, Tag
-from fallbackgate.ledger import queries
+from fallbackgate.ledger import audit_queries, queries
 from fallbackgate.ledger.db import Ledger, LedgerError
 
 FLOOR_MARGIN = 10.0
@@ -234,9 +234,11 @@ def _locate(ledger: Ledger, run_id: int, v: RequestVerdict, floor: Floor) -> Non
     if v.step is None:
         return
     events = queries.request_events(ledger, run_id, v.request_id, step_id=v.step)
-    v.tags = sorted({e["tag"] if e["object_kind"] == "expert" else f"kv_block:{e['tag']}" for e in events})
+    tags = {e["tag"] if e["object_kind"] == "expert" else f"kv_block:{e['tag']}" for e in events}
+    kv_reads = audit_queries.kv_resident_reads(ledger, run_id, v.request_id, v.step)
+    v.tags = sorted(tags | ({"kv_block:resident"} if any(kv_reads) else set()))
     non_exact = [e["layer"] for e in events if e["exactness"] != "exact"]
-    layers = non_exact or [e["layer"] for e in events]
+    layers = non_exact or [e["layer"] for e in events] + [layer for layer, n in enumerate(kv_reads) if n]
     v.layer = min(layers) if layers else None
 
 

@@ -1,8 +1,9 @@
 """Audit power: what the replay baseline needs and what completeness is checked against.
 
-events.object_ids / bits / is_rebuild (which experts or KV blocks an approximate or rebuild action covered,
-at what precision, in which pass), steps.num_events, the step_requests table (positions each step computed
-per request, whether it sampled, its event and object counts), requests.token_ids, runs.forced_tags,
+event_objects (which experts or KV blocks an approximate or rebuild event covered, at what precision, in
+which pass), steps.num_events / num_verified, the step_requests table (positions each step computed
+per request, whether it sampled, its event and object counts, the KV blocks it read on device per layer),
+requests.token_ids, runs.forced_tags,
 request_stats.replay_* and position_diffs.replay_kl (served logits against the replay),
 verdicts.quality_passed / correctness_passed, and the verifications table (weight copies checked against the
 checkpoint), served_logits and audit_tasks (the deferred audit queue)
@@ -23,8 +24,7 @@ branch_labels: str | None = None
 depends_on: str | None = None
 
 COLUMNS: dict[str, tuple[tuple[str, sa.types.TypeEngine], ...]] = {
-    "events": (("object_ids", sa.Text()), ("bits", sa.Integer()), ("is_rebuild", sa.Boolean())),
-    "steps": (("num_events", sa.Integer()),),
+    "steps": (("num_events", sa.Integer()), ("num_verified", sa.Integer())),
     "requests": (("token_ids", sa.JSON(none_as_null=True)),),
     "runs": (("forced_tags", sa.JSON(none_as_null=True)),),
     "request_stats": (
@@ -54,6 +54,7 @@ def upgrade() -> None:
         sa.Column("is_sampled", sa.Boolean(), nullable=False),
         sa.Column("num_events", sa.Integer(), nullable=False),
         sa.Column("num_objects", sa.Integer(), nullable=False),
+        sa.Column("kv_resident_reads", sa.Text(), nullable=True),
     )
 
     op.create_table(
@@ -69,6 +70,20 @@ def upgrade() -> None:
     )
     op.create_index("ix_verifications_run", "verifications", ["run_id", "passed"])
     _create_audit_queue()
+    op.create_table(
+        "event_objects",
+        sa.Column("id", sa.Integer(), primary_key=True, autoincrement=True),
+        sa.Column("run_id", sa.Integer(), nullable=False),
+        sa.Column("step_id", sa.Integer(), nullable=False),
+        sa.Column("request_id", sa.String(128), nullable=False),
+        sa.Column("layer", sa.Integer(), nullable=False),
+        sa.Column("object_kind", sa.String(16), nullable=False),
+        sa.Column("tag", sa.String(32), nullable=False),
+        sa.Column("bits", sa.Integer(), nullable=False),
+        sa.Column("is_rebuild", sa.Boolean(), nullable=False),
+        sa.Column("object_ids", sa.Text(), nullable=False),
+    )
+    op.create_index("ix_event_objects_run_request", "event_objects", ["run_id", "request_id", "step_id"])
 
 
 def _create_audit_queue() -> None:
@@ -96,6 +111,8 @@ def _create_audit_queue() -> None:
 
 def downgrade() -> None:
     """Revert this revision."""
+    op.drop_index("ix_event_objects_run_request", table_name="event_objects")
+    op.drop_table("event_objects")
     op.drop_index("ix_audit_tasks_state", table_name="audit_tasks")
     op.drop_table("audit_tasks")
     op.drop_table("served_logits")
