@@ -43,6 +43,7 @@ class EngineConfig:
     is_stacked_when_fits: bool = True  # no device budget: each layer's experts stacked on device (no misses at all)
     num_io_threads: int | None = None  # threads reading experts ahead of use; None: `default_io_threads()`
     num_verified_copies_per_step: int = 1  # expert copies checked against the checkpoint after each step
+    audit_cache_bytes: int = 256 * MIB  # the audit's own verified expert copies (outside the budgets)
 
     def __post_init__(self) -> None:
         for name in ("device_budget_bytes", "host_budget_bytes"):
@@ -69,5 +70,7 @@ class EngineConfig:
             raise ValueError(f"num_io_threads must be 0..64, got {self.num_io_threads}")
         if not 0 <= self.num_verified_copies_per_step <= 1024:
             raise ValueError(f"num_verified_copies_per_step must be 0..1024, got {self.num_verified_copies_per_step}")
+        if self.audit_cache_bytes < 0:
+            raise ValueError(f"audit_cache_bytes must be >= 0, got {self.audit_cache_bytes}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")

@@ -58,6 +58,7 @@ class Engine:
             self.expert_store, self.kv_store, controller, config.profile, hidden, int(first.intermediate_dim)
         )
         self.executor.view_factory = self.view
+        self.executor.audit_weights.max_bytes = config.audit_cache_bytes
         self.executor.routers, self.executor.top_k = find_routers(model, loaded.experts_by_layer), loaded.top_k
         paged_attention.attach(model, self.executor)
         for layer, module in loaded.experts_by_layer.items():
@@ -327,6 +328,15 @@ class Engine:
     def verify_dense(self) -> list[Verification]:
         """Check every dense weight against the digest of what the loader read from the checkpoint."""
         return verify_dense(self.runner.model, self.dense_digests)
+
+    def exact_hidden(self, sequences: list[list[int]]) -> torch.Tensor:
+        """Exact-baseline final hidden states [B, L, H] of several sequences in one batched pass."""
+        pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
+        return self.runner.exact_hidden(sequences, pad if pad is not None else 0)
+
+    def exact_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of exact-baseline hidden states [N, H]."""
+        return self.runner.exact_head(hidden)
 
     def exact_chunks(self, token_ids: list[int], first: int, chunk: int) -> Iterator[torch.Tensor]:
         """Exact-baseline logits at positions first.. as [<= chunk, vocab] chunks (bounded audit memory)."""

@@ -53,6 +53,7 @@ class Executor:
         self.top_k = 1  # experts per token
         self.layer_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per request K, V of the current layer
         self.audit_weights = AuditWeights(expert_store.reader)  # the baselines' own verified expert copies
+        # (the engine sets its size from EngineConfig.audit_cache_bytes)
 
     # --- experts -------------------------------------------------------------------------------
     def run_experts(

@@ -182,6 +182,29 @@ class ModelRunner:
             self.executor.ctx = None
         return out.logits[0].float()
 
+    def exact_hidden(self, sequences: list[list[int]], pad_id: int = 0) -> torch.Tensor:
+        """Exact baseline for several token sequences in one batched pass: final hidden states [B, L, H]
+        (after the model's last norm), sequences right-padded to the longest (causal attention keeps padding
+        out of every real position). Each routed expert is read once per layer for the whole batch, from
+        the checkpoint files through the audit's own verified cache. Logits come from :meth:`exact_head`."""
+        length = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+        for row, tokens in enumerate(sequences):
+            ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        num = ids.numel()
+        batch = ForwardBatch(["audit"], [0], [num], torch.zeros(num, dtype=torch.long), ["audit"])
+        self.executor.ctx = StepContext(-1, batch, EventLog(-1), is_exact_baseline=True)
+        try:
+            with torch.inference_mode():
+                return self.model.get_decoder()(input_ids=ids.to(self.device), use_cache=False).last_hidden_state
+        finally:
+            self.executor.ctx = None
+
+    def exact_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final hidden states [N, H] (the model's own output layer)."""
+        with torch.inference_mode():
+            return self.model.get_output_embeddings()(hidden).float()
+
     def exact_chunks(self, token_ids: list[int], first: int, chunk: int) -> Iterator[torch.Tensor]:
         """Exact baseline logits at positions first.. of `token_ids`, as [<= chunk, vocab] fp32 chunks: one
         pass over the tokens before `first`, then `chunk` positions per pass on transformers' own cache, so

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from fallbackgate.audit.baseline import Baseline
 from fallbackgate.audit.replay import replay_logits
 from fallbackgate.audit.replay_trace import TraceError, load_trace
 from fallbackgate.audit.stats import PositionDiff, RequestDiffStats, percentile, position_diffs, request_stats
@@ -26,22 +27,20 @@ def in_memory(output: RequestOutput) -> ServedRows:
 
 
 def exact_diffs(
-    engine: Engine, prompt_ids: list[int], output_ids: list[int], served: ServedRows, chunk: int = AUDIT_CHUNK
+    output_ids: list[int], baseline: ServedRows, served: ServedRows, chunk: int = AUDIT_CHUNK
 ) -> list[PositionDiff]:
-    """Per-position diffs of served logits against the exact baseline, streamed `chunk` positions at a time."""
-    tokens = list(prompt_ids) + list(output_ids[:-1])
+    """Per-position diffs of served logits against the exact baseline, `chunk` positions at a time."""
     diffs: list[PositionDiff] = []
-    start = 0
-    for exact in engine.exact_chunks(tokens, len(prompt_ids) - 1, chunk):
-        stop = start + exact.shape[0]
-        diffs += position_diffs(exact, served(start, stop), output_ids[start:stop], first_position=start)
-        start = stop
+    for start in range(0, len(output_ids), chunk):
+        stop = min(start + chunk, len(output_ids))
+        diffs += position_diffs(baseline(start, stop), served(start, stop), output_ids[start:stop], start)
     return diffs
 
 
 def audit_output(engine: Engine, output: RequestOutput) -> tuple[list[PositionDiff], RequestDiffStats]:
     """Diffs of one request's engine logits against its exact baseline."""
-    diffs = exact_diffs(engine, output.prompt_token_ids, output.output_token_ids, in_memory(output))
+    baseline = Baseline(engine, [(output.prompt_token_ids, output.output_token_ids)]).of(0)
+    diffs = exact_diffs(output.output_token_ids, baseline, in_memory(output))
     return diffs, request_stats(diffs)
 
 
@@ -92,10 +91,13 @@ def audit_request(
     output_ids: list[int],
     served: ServedRows,
     is_replayed: bool = True,
+    baseline: ServedRows | None = None,
 ) -> tuple[list[PositionDiff], RequestDiffStats, dict[str, Any] | None]:
     """Both baselines for one recorded request whose served logits `served` yields (from memory, or from
-    the ledger for an audit worker); the replay only when `is_replayed` (None in its place otherwise)."""
-    diffs = exact_diffs(engine, prompt_ids, output_ids, served)
+    the ledger for an audit worker); the replay only when `is_replayed` (None in its place otherwise).
+    `baseline`: the request's rows of a batched exact baseline (default: a pass of its own)."""
+    baseline = baseline or Baseline(engine, [(prompt_ids, output_ids)]).of(0)
+    diffs = exact_diffs(output_ids, baseline, served)
     stats = request_stats(diffs)
     if not is_replayed:
         return diffs, stats, None
@@ -106,22 +108,24 @@ def audit_request(
 
 
 def control_diffs(
-    engine: Engine, prompt_ids: list[int], output_ids: list[int], max_positions: int | None = None
+    engine: Engine,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    baseline: ServedRows | None = None,
+    max_positions: int | None = None,
 ) -> tuple[list[PositionDiff], RequestDiffStats]:
-    """Diffs between two exact computations of the same tokens: the baseline's (a prompt pass, then
-    AUDIT_CHUNK positions per pass) against token-by-token decoding, streamed chunk by chunk; the first
-    `max_positions` output positions only, when given."""
-    tokens = list(prompt_ids) + list(output_ids[:-1])
-    if max_positions is not None:
-        tokens = tokens[: len(prompt_ids) - 1 + max_positions]
-    first = len(prompt_ids) - 1
-    stepwise = engine.exact_chunks(tokens, first, 1)
+    """Diffs between two exact computations of the same tokens: the baseline's `baseline` rows (default: a
+    batched pass of its own) against token-by-token decoding; the first `max_positions` output positions
+    only, when given."""
+    num = len(output_ids) if max_positions is None else min(max_positions, len(output_ids))
+    baseline = baseline or Baseline(engine, [(prompt_ids, output_ids)]).of(0)
+    tokens = list(prompt_ids) + list(output_ids[: num - 1])
+    stepwise = engine.exact_chunks(tokens, len(prompt_ids) - 1, 1)
     diffs: list[PositionDiff] = []
-    for baseline in engine.exact_chunks(tokens, first, AUDIT_CHUNK):
-        decoded = torch.cat([next(stepwise) for _ in range(baseline.shape[0])])
-        start = len(diffs)
-        ids = output_ids[start : start + baseline.shape[0]]
-        diffs += position_diffs(baseline, decoded, ids, first_position=start)
+    for start in range(0, num, AUDIT_CHUNK):
+        stop = min(start + AUDIT_CHUNK, num)
+        decoded = torch.cat([next(stepwise) for _ in range(stop - start)])
+        diffs += position_diffs(baseline(start, stop), decoded, output_ids[start:stop], start)
     return diffs, request_stats(diffs)
 
 
@@ -177,7 +181,8 @@ def floor_control(engine: Engine, outputs: list[RequestOutput], max_positions: i
     itself differs by, which the gate's tolerances and budgets are measured against."""
     control = FloorControl(engine.dtype_name)
     for output in outputs[:NUM_FLOOR_REQUESTS]:
-        diffs, stats = control_diffs(engine, output.prompt_token_ids, output.output_token_ids, max_positions)
+        ids = (output.prompt_token_ids, output.output_token_ids)
+        diffs, stats = control_diffs(engine, *ids, max_positions=max_positions)
         control.add(output.request_id, diffs, stats)
     return control.summary()
 

@@ -19,10 +19,12 @@ from typing import Any
 from fallbackgate.audit.auditor import (
     NUM_FLOOR_REQUESTS,
     FloorControl,
-    audit_output,
-    audit_with_replay,
+    ServedRows,
+    audit_request,
     control_diffs,
+    in_memory,
 )
+from fallbackgate.audit.baseline import Baseline
 from fallbackgate.audit.gate import Floor, served_class, tolerance
 from fallbackgate.audit.stats import PositionDiff, RequestDiffStats
 from fallbackgate.engine.engine import Engine
@@ -52,12 +54,17 @@ def objects_by_class(output: RequestOutput) -> dict[str, int]:
     return out
 
 
-def initial_floor(engine: Engine, requests: list[tuple[str, list[int], list[int]]]) -> FloorControl:
+def initial_floor(
+    engine: Engine, requests: list[tuple[str, list[int], list[int]]], baseline: Baseline | None = None
+) -> FloorControl:
     """The control on the first NUM_FLOOR_REQUESTS (request id, prompt ids, output ids), FLOOR_POSITIONS
-    output positions each."""
+    output positions each, against `baseline` (the batched baseline of `requests`; default: one of its own)."""
+    chosen = requests[:NUM_FLOOR_REQUESTS]
+    baseline = baseline or Baseline(engine, [(p, o) for _, p, o in chosen])
     control = FloorControl(engine.dtype_name)
-    for request_id, prompt_ids, output_ids in requests[:NUM_FLOOR_REQUESTS]:
-        control.add(request_id, *control_diffs(engine, prompt_ids, output_ids, FLOOR_POSITIONS))
+    for index, (request_id, prompt_ids, output_ids) in enumerate(chosen):
+        diffs, stats = control_diffs(engine, prompt_ids, output_ids, baseline.of(index), FLOOR_POSITIONS)
+        control.add(request_id, diffs, stats)
     return control
 
 
@@ -67,13 +74,14 @@ def widen_floor(
     request: tuple[str, list[int], list[int]],
     served: str,
     max_kl: float,
+    baseline: ServedRows | None = None,
 ) -> None:
-    """Fold the request's own full control into the floor when it was served exact or equivalent only
-    and its KL against the exact baseline exceeds the tolerance of the floor so far."""
+    """Fold the request's own full control (against its `baseline` rows) into the floor when it was served
+    exact or equivalent only and its KL against the exact baseline exceeds the tolerance of the floor so far."""
     floor = Floor.of_run({"numeric_floor": control.summary()})
     if served != "approximate" and max_kl > tolerance(served, floor):
         request_id, prompt_ids, output_ids = request
-        control.add(request_id, *control_diffs(engine, prompt_ids, output_ids))
+        control.add(request_id, *control_diffs(engine, prompt_ids, output_ids, baseline))
 
 
 def audit_outputs(
@@ -82,14 +90,16 @@ def audit_outputs(
     """Audit `audited` (their steps and requests already in `ledger`); returns each request's diffs and the
     run's floor statistics (see the module docstring)."""
     requests = [(o.request_id, o.prompt_token_ids, o.output_token_ids) for o in audited]
-    control = initial_floor(engine, requests)
+    baseline = Baseline(engine, [(p, o) for _, p, o in requests])
+    control = initial_floor(engine, requests, baseline)
     results = []
-    for output, request in zip(audited, requests, strict=True):
+    for index, (output, request) in enumerate(zip(audited, requests, strict=True)):
         served = served_class(objects_by_class(output))
-        if served == "approximate":
-            results.append(AuditedRequest(output.request_id, *audit_with_replay(engine, ledger, run_id, output)))
-            continue
-        diffs, stats = audit_output(engine, output)
-        widen_floor(engine, control, request, served, stats.max_kl)
-        results.append(AuditedRequest(output.request_id, diffs, stats, None))
+        rows = baseline.of(index)
+        ids = (output.prompt_token_ids, output.output_token_ids)
+        diffs, stats, replay = audit_request(
+            engine, ledger, run_id, output.request_id, *ids, in_memory(output), served == "approximate", rows
+        )
+        widen_floor(engine, control, request, served, stats.max_kl, rows)
+        results.append(AuditedRequest(output.request_id, diffs, stats, replay))
     return results, control.summary()

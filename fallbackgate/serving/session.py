@@ -41,6 +41,7 @@ class RunSettings:
     dtype: str | None = None  # compute dtype override; None: the checkpoint's own
     is_stacked_when_fits: bool = True  # False when tags are forced: they act on misses, which stacking removes
     num_io_threads: int | None = None  # threads reading experts ahead of use (None: the engine's default)
+    audit_cache_mb: float = 256.0  # the audit's own verified expert copies, outside the budgets
 
     def engine_config(self) -> EngineConfig:
         """The engine configuration these settings describe."""
@@ -62,6 +63,7 @@ class RunSettings:
             dtype=self.dtype,
             is_stacked_when_fits=self.is_stacked_when_fits,
             num_io_threads=self.num_io_threads,
+            audit_cache_bytes=int(self.audit_cache_mb * MIB),
         )
 
 
