@@ -3,31 +3,32 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 from tqdm.auto import tqdm
 
 from fallbackgate.engine import paged_attention
+from fallbackgate.engine.audit_access import AuditAccess
 from fallbackgate.engine.build import build_stores, fill_expert_tiers, probe_kv_shapes, resolve_device
 from fallbackgate.engine.config import DTYPES, EngineConfig
 from fallbackgate.engine.controller import Controller, EngineView
 from fallbackgate.engine.errors import PromptError
 from fallbackgate.engine.executor import Executor
-from fallbackgate.engine.integrity import CopyVerifier, verify_dense
+from fallbackgate.engine.integrity import CopyVerifier
 from fallbackgate.engine.kv_store import KVBlockKey, SpillMode
 from fallbackgate.engine.loader import find_routers, load_checkpoint
-from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult, Verification
+from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.engine.model_runner import ModelRunner
 from fallbackgate.engine.sampler import sample
 from fallbackgate.engine.scheduler import Scheduler
 from fallbackgate.engine.sequence import SamplingParams, Sequence, check_prompt
-from fallbackgate.engine.step_context import EventLog, ForwardBatch
+from fallbackgate.engine.step_context import EventLog, ForwardBatch, log_rebuilt
 from fallbackgate.engine.step_end import apply_step_end
 from fallbackgate.engine.tags import ObjectKind, Tag
 
 
-class Engine:
+class Engine(AuditAccess):
     """A joint-offload MoE engine over a transformers checkpoint; the controller decides every fallback."""
 
     def __init__(self, config: EngineConfig, controller: Controller) -> None:
@@ -162,7 +163,14 @@ class Engine:
                 rows.append(len(token_ids) - 1)
             kept = seq.scored_positions
             scored += [(seq, p, offset + p - start) for p in range(max(start, kept.start), min(start + num, kept.stop))]
-            self._log_rebuilt(seq, start, num, log)
+            log_rebuilt(
+                log,
+                seq.request_id,
+                start,
+                min(start + num, seq.num_recompute_tokens),
+                self.config.block_size,
+                self.kv_store.num_layers,
+            )
         batch = ForwardBatch(
             [s.request_id for s, _ in chosen],
             [s.num_computed_tokens for s, _ in chosen],
@@ -178,23 +186,6 @@ class Engine:
         for i, (seq, position, _) in enumerate(scored, start=len(rows)):
             seq.prompt_logits[position] = logits[i].detach().cpu()
         return logits[: len(rows)]
-
-    def _log_rebuilt(self, seq: Sequence, start: int, num: int, log: EventLog) -> None:
-        """Blocks re-filled by a re-prefill after a drop-preemption are recompute, not prefill."""
-        end = min(start + num, seq.num_recompute_tokens)
-        if end <= start:
-            return
-        size = self.config.block_size
-        num_blocks = (end - 1) // size - start // size + 1
-        for layer in range(self.kv_store.num_layers):
-            log.add(
-                seq.request_id,
-                layer,
-                ObjectKind.KV_BLOCK,
-                Tag.RECOMPUTE,
-                count=num_blocks,
-                note="re-prefill after drop preemption",
-            )
 
     def _finish_step(
         self, plan: StepPlan, chosen: list[tuple[Sequence, int]], logits: torch.Tensor, log: EventLog, started: float
@@ -266,17 +257,8 @@ class Engine:
             tpot,
             dict(seq.tag_counts),
             seq.num_preemptions,
-            self._prompt_logits(seq),
+            seq.pop_prompt_logits(),
         )
-
-    @staticmethod
-    def _prompt_logits(seq: Sequence) -> torch.Tensor | None:
-        """The kept prefill logits in position order (then released from the sequence)."""
-        if not seq.num_scored_tokens:
-            return None
-        stacked = torch.stack([seq.prompt_logits[p] for p in seq.scored_positions])
-        seq.prompt_logits = {}
-        return stacked
 
     # --- memory pressure -----------------------------------------------------------------------
     def _make_room_for_kv(
@@ -324,24 +306,3 @@ class Engine:
                 result = self.step()
                 bar.update(len(result.sampled_token_ids))
         return [self.finished[i] for i in ids]
-
-    def verify_dense(self) -> list[Verification]:
-        """Check every dense weight against the digest of what the loader read from the checkpoint."""
-        return verify_dense(self.runner.model, self.dense_digests)
-
-    def exact_hidden(self, sequences: list[list[int]]) -> torch.Tensor:
-        """Exact-baseline final hidden states [B, L, H] of several sequences in one batched pass."""
-        pad = self.tokenizer.pad_token_id if self.tokenizer is not None else None
-        return self.runner.exact_hidden(sequences, pad if pad is not None else 0)
-
-    def exact_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of exact-baseline hidden states [N, H]."""
-        return self.runner.exact_head(hidden)
-
-    def exact_chunks(self, token_ids: list[int], first: int, chunk: int) -> Iterator[torch.Tensor]:
-        """Exact-baseline logits at positions first.. as [<= chunk, vocab] chunks (bounded audit memory)."""
-        return self.runner.exact_chunks(token_ids, first, chunk)
-
-    def exact_logits(self, token_ids: list[int], num_chunked: int = 0) -> torch.Tensor:
-        """Exact-baseline logits [len, vocab] for a token sequence (the audit's teacher-forced pass)."""
-        return self.runner.exact_logits(token_ids, num_chunked)

@@ -70,6 +70,14 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def pop_prompt_logits(self) -> torch.Tensor | None:
+        """The kept prefill logits [num_scored_tokens, vocab] in position order, released from the sequence."""
+        if not self.num_scored_tokens:
+            return None
+        stacked = torch.stack([self.prompt_logits[p] for p in self.scored_positions])
+        self.prompt_logits = {}
+        return stacked
+
     @property
     def scored_positions(self) -> range:
         """Prompt positions whose prefill logits are kept: the last `num_scored_tokens` (the last one predicts

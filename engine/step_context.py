@@ -154,3 +154,20 @@ class StepContext:
 
     def __post_init__(self) -> None:
         self.token_owner = self.batch.token_owner.tolist()
+
+
+def log_rebuilt(log: EventLog, request_id: str, start: int, end: int, block_size: int, num_layers: int) -> None:
+    """Record positions start..end re-filled by a re-prefill after a drop preemption: their blocks are
+    `recompute`, not prefill."""
+    if end <= start:
+        return
+    num_blocks = (end - 1) // block_size - start // block_size + 1
+    for layer in range(num_layers):
+        log.add(
+            request_id,
+            layer,
+            ObjectKind.KV_BLOCK,
+            Tag.RECOMPUTE,
+            count=num_blocks,
+            note="re-prefill after drop preemption",
+        )
