@@ -21,6 +21,7 @@ from sqlalchemy import delete, insert, update
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger.audit_queue import add_tasks, served_rows
+from fallbackgate.ledger.audit_rows import verdict_row
 from fallbackgate.ledger.db import Ledger, LedgerError, begin_write
 from fallbackgate.ledger.models import (
     RUN_STATUSES,
@@ -34,7 +35,7 @@ from fallbackgate.ledger.models import (
     VerificationRow,
     utcnow,
 )
-from fallbackgate.ledger.rows import value, verdict_row, verification_rows
+from fallbackgate.ledger.rows import value, verification_rows
 from fallbackgate.ledger.writer_thread import FLUSH, Op, WriterThread
 
 

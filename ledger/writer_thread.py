@@ -14,6 +14,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Table
 
+from fallbackgate.ledger.audit_rows import diff_rows
 from fallbackgate.ledger.bulk import insert_rows
 from fallbackgate.ledger.db import Ledger, LedgerError, begin_write
 from fallbackgate.ledger.models import (
@@ -29,7 +30,7 @@ from fallbackgate.ledger.models import (
     VerdictRow,
     VerificationRow,
 )
-from fallbackgate.ledger.rows import TUPLE_COLUMNS, Rows, diff_rows, request_row, step_rows
+from fallbackgate.ledger.rows import TUPLE_COLUMNS, Rows, request_row, step_rows
 
 _TABLE_ORDER: tuple[Table, ...] = tuple(
     m.__table__  # type: ignore[misc]

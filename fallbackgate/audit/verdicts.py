@@ -5,8 +5,8 @@ from __future__ import annotations
 from sqlalchemy import Connection, insert, update
 
 from fallbackgate.audit.gate import RunVerdict
+from fallbackgate.ledger.audit_rows import verdict_row
 from fallbackgate.ledger.models import Request, VerdictRow
-from fallbackgate.ledger.rows import verdict_row
 from fallbackgate.ledger.writer import LedgerWriter
 
 

@@ -27,10 +27,11 @@ from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
 from fallbackgate.ledger import audit_queries, audit_queue, queries
 from fallbackgate.ledger.audit_queue import Claim, LeaseLost
+from fallbackgate.ledger.audit_rows import diff_rows
 from fallbackgate.ledger.bulk import insert_rows
 from fallbackgate.ledger.db import Ledger, begin_write
 from fallbackgate.ledger.models import RequestStatRow, Run
-from fallbackgate.ledger.rows import Rows, diff_rows
+from fallbackgate.ledger.rows import Rows
 
 POLL_S = 0.5  # wait between claims while other workers hold the remaining tasks
 
