@@ -5,14 +5,26 @@ from __future__ import annotations
 import argparse
 import sys
 
-from fallbackgate.commands import audit, calibrate, dashboard, gate, parity, policy, profile, run, sweep, verify
+from fallbackgate.commands import (
+    audit,
+    calibrate,
+    dashboard,
+    gate,
+    parity,
+    policy,
+    profile,
+    run,
+    serve,
+    sweep,
+    verify,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
     parser = argparse.ArgumentParser(prog="fallbackgate", description="Honest MoE inference under memory pressure.")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module in (run, gate, audit, dashboard, policy, parity, calibrate, sweep, verify, profile):
+    for module in (run, serve, gate, audit, dashboard, policy, parity, calibrate, sweep, verify, profile):
         module.add_parser(subparsers)
     return parser
 

@@ -40,13 +40,15 @@ class Claim:
     worker: str
 
 
-def add_tasks(conn: Connection, run_id: int, request_ids: Sequence[str]) -> None:
-    """Queue one task per request and the run's own task (inside the caller's transaction)."""
+def add_tasks(conn: Connection, run_id: int, request_ids: Sequence[str], with_run_task: bool = True) -> None:
+    """Queue one task per request and (unless the run goes on serving) the run's own task, inside the
+    caller's transaction."""
+    ids = [*request_ids, RUN_TASK] if with_run_task else list(request_ids)
     rows = [
-        {"run_id": run_id, "request_id": rid, "state": "pending", "fencing_token": 0, "num_attempts": 0}
-        for rid in [*request_ids, RUN_TASK]
+        {"run_id": run_id, "request_id": rid, "state": "pending", "fencing_token": 0, "num_attempts": 0} for rid in ids
     ]
-    conn.execute(insert(AuditTask.__table__), rows)
+    if rows:
+        conn.execute(insert(AuditTask.__table__), rows)
 
 
 def served_rows(run_id: int, request_id: str, logits: torch.Tensor) -> list[dict[str, object]]:

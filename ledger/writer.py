@@ -200,13 +200,16 @@ class LedgerWriter:
         """Record weight copies checked against the checkpoint outside a step (dense weights at audit)."""
         self._put(("rows", VerificationRow.__table__, verification_rows(self._run(run_id), verifications)))
 
-    def queue_audits(self, outputs: Sequence[RequestOutput], *, run_id: int | None = None) -> None:
-        """Leave these requests to audit workers: their served logits, one task each and the run's task."""
+    def queue_audits(
+        self, outputs: Sequence[RequestOutput], *, with_run_task: bool = True, run_id: int | None = None
+    ) -> None:
+        """Leave these requests to audit workers: their served logits, one task each and, unless the run
+        goes on serving (a server adds it when it stops), the run's task."""
         rid = self._run(run_id)
         for output in outputs:
             self._put(("rows", ServedLogitsRow.__table__, served_rows(rid, output.request_id, output.output_logits)))
         request_ids = [o.request_id for o in outputs]
-        self._put(("op", lambda conn: add_tasks(conn, rid, request_ids)))
+        self._put(("op", lambda conn: add_tasks(conn, rid, request_ids, with_run_task)))
 
     def record_control(
         self, numeric_floor_kl: float, *, floor: dict[str, Any] | None = None, run_id: int | None = None

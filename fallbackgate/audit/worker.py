@@ -85,14 +85,16 @@ class AuditWorker:
         self.engines: dict[tuple[str, str | None, int], Engine] = {}
         self.stats = WorkerStats()
 
-    def run(self, max_tasks: int | None = None) -> WorkerStats:
-        """Work until every task (of the run, when one was named) is done."""
+    def run(self, max_tasks: int | None = None, follow: bool = False) -> WorkerStats:
+        """Work until every task (of the run, when one was named) is done; with `follow`, also until the
+        named run has finished serving (a server keeps adding tasks)."""
         num_done = 0
         while max_tasks is None or num_done < max_tasks:
             held = audit_queue.claim(self.ledger, self.name, self.lease_s, self.run_id)
             if held is None:
                 counts = audit_queue.task_counts(self.ledger, self.run_id)
-                if not counts.get("pending") and not counts.get("claimed"):
+                is_serving = follow and self._is_serving()
+                if not counts.get("pending") and not counts.get("claimed") and not is_serving:
                     break
                 time.sleep(POLL_S)  # the rest is held by others (or waits for their leases to expire)
                 continue
@@ -103,6 +105,10 @@ class AuditWorker:
                 self.stats.num_lost += 1
             num_done += 1
         return self.stats
+
+    def _is_serving(self) -> bool:
+        run = queries.get_run(self.ledger, self.run_id) if self.run_id is not None else None
+        return run is not None and run["status"] == "incomplete" and run.get("finished_at") is None
 
     def do(self, held: Claim) -> None:
         """Do one claimed task."""
@@ -178,10 +184,12 @@ def _insert(conn: Connection, rows: Rows) -> None:
         insert_rows(conn, table, table_rows, ())
 
 
-def audit_loop(url: str, lease_s: float, run_id: int | None, max_tasks: int | None) -> dict[str, Any]:
+def audit_loop(
+    url: str, lease_s: float, run_id: int | None, max_tasks: int | None, follow: bool = False
+) -> dict[str, Any]:
     """Open the ledger at `url` and work (what one ``fallbackgate audit`` process does)."""
     from fallbackgate.ledger.db import open_ledger
 
     with open_ledger(url) as ledger:
-        stats = AuditWorker(ledger, lease_s, run_id).run(max_tasks)
+        stats = AuditWorker(ledger, lease_s, run_id).run(max_tasks, follow)
     return dataclasses.asdict(stats)

@@ -36,6 +36,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--lease-s", type=float, default=60.0, help="seconds a claim holds without renewal (default 60)")
     p.add_argument("--run", type=int, default=None, help="only this run's tasks (default: every run's)")
     p.add_argument("--max-tasks", type=int, default=None, help="stop after this many tasks per worker")
+    p.add_argument("--follow", action="store_true", help="with --run: keep working until that run stops serving")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
+    p.add_argument("--nice", type=int, default=0, help="lower the workers' CPU priority by this much (0-19)")
     p.set_defaults(func=run)
 
 
@@ -46,11 +49,21 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--lease-s must be 1..86400 seconds, got {args.lease_s}")
     if args.max_tasks is not None and args.max_tasks < 1:
         raise ValueError(f"--max-tasks must be >= 1, got {args.max_tasks}")
+    if args.follow and args.run is None:
+        raise ValueError("--follow needs --run: the run whose serving it follows")
+    if args.threads is not None and not 1 <= args.threads <= 256:
+        raise ValueError(f"--threads must be 1..256, got {args.threads}")
+    if not 0 <= args.nice <= 19:
+        raise ValueError(f"--nice must be 0..19, got {args.nice}")
 
 
-def _worker(url: str, lease_s: float, run_id: int | None, max_tasks: int | None, threads: int) -> dict[str, Any]:
+def _worker(
+    url: str, lease_s: float, run_id: int | None, max_tasks: int | None, threads: int, follow: bool, nice: int
+) -> dict[str, Any]:
     torch.set_num_threads(threads)
-    return audit_loop(url, lease_s, run_id, max_tasks)
+    if nice:
+        os.nice(nice)
+    return audit_loop(url, lease_s, run_id, max_tasks, follow)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,8 +88,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"audit: {before.get('pending', 0)} pending, {before.get('claimed', 0)} claimed, {before.get('done', 0)} done"
     )
-    threads = max(1, (os.cpu_count() or 1) // args.workers)
-    jobs = [(url, args.lease_s, args.run, args.max_tasks, threads)] * args.workers
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.workers)
+    jobs = [(url, args.lease_s, args.run, args.max_tasks, threads, args.follow, args.nice)] * args.workers
     if args.workers == 1:
         results = [_worker(*jobs[0])]
     else:

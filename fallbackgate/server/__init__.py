@@ -1,0 +1,1 @@
+"""``fallbackgate serve``: an OpenAI-compatible HTTP server over one engine loop, with Prometheus metrics."""
