@@ -23,7 +23,7 @@ import pytest
 from fallbackgate.ledger import queries
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.policy import loader
-from tests.pg_fixture import free_port
+from tests.pg_fixture import free_port, pg_server_fixture, pg_url_fixture  # noqa: F401 - fixtures
 
 POLICY = pathlib.Path(loader.__file__).parents[1] / "policies" / "two_classes.yaml"
 MODEL = "checkpoint"  # the bundled model's directory name, as /v1/models lists it
@@ -195,3 +195,77 @@ def test_concurrent_load_then_sigterm_leaves_every_request_in_the_ledger(tmp_pat
         steps = queries.run_tag_counts(led, run["id"])
     assert len(requests) == 48 and all(sum(tags[r["request_id"]].values()) > 0 for r in requests)
     assert {r["request_class"] for r in requests} == {"strict", "best-effort"} and steps
+
+
+@pytest.mark.slow
+def test_load_of_200_requests_with_audits_on_and_off(tmp_path: pathlib.Path) -> None:
+    for workers in ("0", "1"):
+        ledger = str(tmp_path / f"audit-workers-{workers}.sqlite")
+        srv = Server(ledger, "--audit-workers", workers)
+        latencies = _load(srv, 200, 16)
+        print(f"serve latency, {workers} background audit worker(s):", _percentiles(latencies))
+        out = srv.stop()
+        assert "0 request(s) interrupted" in out and "Traceback" not in out, out
+        with open_ledger(ledger) as led:
+            (run,) = queries.list_runs(led)
+            requests = queries.request_summaries(led, run["id"])
+            tags = queries.request_tags(led, run["id"])
+            verdicts = queries.verdicts(led, run["id"])
+        assert run["status"] == "complete" and len(requests) == 200, run
+        assert all(sum(tags[r["request_id"]].values()) > 0 for r in requests)
+        if workers == "1":  # the worker audited the sample and judged the run once serving stopped
+            assert any(v["request_id"] is None for v in verdicts), verdicts
+            assert sum(r["num_positions"] is not None for r in requests) >= 1
+
+
+@pytest.mark.slow
+def test_sigkill_mid_load_leaves_a_consistent_ledger(tmp_path: pathlib.Path) -> None:
+    import sqlite3
+
+    ledger = tmp_path / "kill.sqlite"
+    srv = Server(str(ledger), "--audit-workers", "0")
+    client = srv.client(timeout=60)
+    finished: list[str] = []
+
+    def one(i: int) -> None:
+        try:
+            finished.append(client.completions.create(model=MODEL, prompt=f"Request {i}", max_tokens=12).id)
+        except openai.APIError:
+            pass
+
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(one, i) for i in range(200)]
+        while len(finished) < 40:
+            time.sleep(0.05)
+        srv.proc.kill()
+        srv.proc.wait(timeout=30)
+        concurrent.futures.wait(futures)
+    con = sqlite3.connect(ledger)
+    assert con.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    assert con.execute("SELECT status FROM runs").fetchall() == [("running",)]
+    recorded = {r for (r,) in con.execute("SELECT request_id FROM requests")}
+    assert recorded  # requests the writer committed before the kill (the last flush interval may be lost)
+    missing = con.execute(
+        "SELECT count(*) FROM requests r WHERE NOT EXISTS (SELECT 1 FROM events e WHERE e.run_id = r.run_id "
+        "AND e.request_id = r.request_id)"
+    ).fetchone()
+    assert missing == (0,)  # a recorded request's events are committed before (or with) it
+    with open_ledger(str(ledger)) as led:
+        assert queries.list_runs(led)[0]["status"] == "incomplete"
+
+
+@pytest.mark.slow
+def test_two_servers_share_one_postgresql_ledger(pg_url: str) -> None:
+    servers = [Server(pg_url, "--audit-workers", "0") for _ in range(2)]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        latencies = list(pool.map(lambda s: _load(s, 60, 8), servers))
+    for srv, lat in zip(servers, latencies, strict=True):
+        print("serve latency (one of two servers):", _percentiles(lat))
+        assert "Traceback" not in srv.stop()
+    with open_ledger(pg_url) as led:
+        runs = queries.list_runs(led)
+        assert len(runs) == 2 and {r["status"] for r in runs} == {"complete"}
+        for run in runs:
+            requests = queries.request_summaries(led, run["id"])
+            tags = queries.request_tags(led, run["id"])
+            assert len(requests) == 60 and all(sum(tags[r["request_id"]].values()) > 0 for r in requests)
