@@ -11,6 +11,7 @@ from fallbackgate.commands import (
     dashboard,
     gate,
     parity,
+    plan,
     policy,
     profile,
     run,
@@ -24,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
     parser = argparse.ArgumentParser(prog="fallbackgate", description="Honest MoE inference under memory pressure.")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module in (run, serve, gate, audit, dashboard, policy, parity, calibrate, sweep, verify, profile):
+    for module in (run, serve, plan, gate, audit, dashboard, policy, parity, calibrate, sweep, verify, profile):
         module.add_parser(subparsers)
     return parser
 

@@ -1,0 +1,69 @@
+"""`fallbackgate plan`: fit, memory split and predictions from config and safetensors headers only."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from fallbackgate.cli import main
+from fallbackgate.engine.hardware import CPU_BOX
+from fallbackgate.planning.plan import Workload, make_plan
+from fallbackgate.planning.shape import model_shape
+from fallbackgate.tinymoe import CHECKPOINT_DIR
+from tests.checkpoints import make_checkpoint
+from tests.test_engine_exact import sizes
+
+
+def test_shape_from_headers_matches_the_engine_s_accounting(tmp_path: pathlib.Path) -> None:
+    path = make_checkpoint("qwen3_moe", tmp_path / "m", seed=0)
+    expert, block, layers, top_k = sizes(path)
+    shape = model_shape(path)
+    assert (shape.expert_bytes, shape.num_moe_layers, shape.top_k) == (expert, layers, top_k)
+    assert shape.kv_bytes_per_token * 4 == block  # one 4-token block of one layer, as the engine sizes it
+    bundled = model_shape(CHECKPOINT_DIR)
+    assert (bundled.num_layers, bundled.num_moe_layers, bundled.num_experts, bundled.top_k) == (5, 4, 16, 2)
+
+
+def test_fit_split_and_monotone_predictions() -> None:
+    shape = model_shape(CHECKPOINT_DIR)
+    everything = make_plan(shape, CPU_BOX, Workload(64, 4, None, None))
+    assert everything.fits and everything.hit_rate == 1.0 and everything.num_expert_slots == shape.num_experts_total
+    floor = shape.top_k * shape.expert_bytes
+    tight = make_plan(shape, CPU_BOX, Workload(64, 4, everything.kv_bytes + floor + shape.expert_bytes, 0))
+    assert tight.fits and tight.num_expert_slots == shape.top_k + 1 and tight.hit_rate < 1.0
+    assert tight.tpot_ms > everything.tpot_ms  # misses cost transfers
+    too_small = make_plan(shape, CPU_BOX, Workload(64, 4, everything.kv_bytes + floor // 2, 0))
+    assert not too_small.fits and "floor" in too_small.reason
+    longer = make_plan(shape, CPU_BOX, Workload(1024, 4, None, None))
+    assert longer.kv_bytes > everything.kv_bytes and longer.ttft_ms > everything.ttft_ms
+
+
+def test_classes_get_the_fallback_their_slo_needs() -> None:
+    shape = model_shape(CHECKPOINT_DIR)
+    kv = make_plan(shape, CPU_BOX, Workload(64, 4, None, None)).kv_bytes
+    w = Workload(64, 4, kv + (shape.top_k + 1) * shape.expert_bytes, 0)
+    exact = make_plan(shape, CPU_BOX, w).tpot_ms
+    classes = {
+        "loose": {"slo": {"tpot_ms": 10 * exact}, "budget": {}},
+        "tight": {"slo": {"tpot_ms": 0.9 * exact}, "budget": {"max_mean_kl": 0.1}},
+        "exact-only": {"slo": {"tpot_ms": 0.001}, "budget": {"allowed_tags": []}},
+    }
+    plan = make_plan(shape, CPU_BOX, w, classes)
+    by = {c.name: c for c in plan.classes}
+    assert by["loose"].is_met_exactly and by["loose"].fallback is None
+    assert by["tight"].is_met and by["tight"].fallback is not None and by["tight"].predicted_tpot_ms <= 0.9 * exact
+    assert not by["exact-only"].is_met and by["exact-only"].fallback == "cpu_execute"  # no approximate tag allowed
+
+
+def test_plan_command(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--context", "64", "--concurrency", "4", "--json", str(out)]) == 0
+    assert "fits" in capsys.readouterr().out and json.loads(out.read_text())["fits"] is True
+    assert main(["plan", "--context", "64", "--concurrency", "4", "--device-budget-mb", "0.5"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert main(["plan", "--context", "0", "--concurrency", "4"]) == 2
+    assert "--context must be >= 1" in capsys.readouterr().err
+    assert main(["plan", "--model", str(tmp_path), "--context", "8", "--concurrency", "1"]) == 2
+    assert "no config.json" in capsys.readouterr().err
