@@ -2,50 +2,39 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import Connection, insert, update
 
-from fallbackgate.audit.gate import RunVerdict
+from fallbackgate.audit.gate import RequestVerdict, RunVerdict
 from fallbackgate.ledger.audit_rows import verdict_row
 from fallbackgate.ledger.models import Request, VerdictRow
 from fallbackgate.ledger.writer import LedgerWriter
 
 
+def _located(v: RequestVerdict) -> dict[str, Any]:
+    """Where a request's verdict locates its failure, and its two halves, as verdict-row keywords."""
+    return {
+        "position": v.position,
+        "step": v.step,
+        "layer": v.layer,
+        "tags": v.tags,
+        "quality_passed": v.quality_passed,
+        "correctness_passed": v.correctness_passed,
+    }
+
+
 def record_verdicts(writer: LedgerWriter, verdict: RunVerdict) -> None:
     """Write every request's verdict and the run's verdict into the ledger (queued on `writer`)."""
     for v in verdict.requests:
-        writer.record_verdict(
-            v.request_id,
-            v.passed,
-            v.reason,
-            position=v.position,
-            step=v.step,
-            layer=v.layer,
-            tags=v.tags,
-            quality_passed=v.quality_passed,
-            correctness_passed=v.correctness_passed,
-            run_id=verdict.run_id,
-        )
+        writer.record_verdict(v.request_id, v.passed, v.reason, **_located(v), run_id=verdict.run_id)
     writer.record_verdict(None, verdict.passed, "; ".join(verdict.reasons) or "ok", run_id=verdict.run_id)
 
 
 def write_verdicts(conn: Connection, verdict: RunVerdict) -> None:
     """Insert every request's verdict and the run's, and mark each request pass/fail, inside `conn`'s
     transaction (what an audit worker commits together with its task)."""
-    rows = [
-        verdict_row(
-            verdict.run_id,
-            v.request_id,
-            v.passed,
-            v.reason,
-            position=v.position,
-            step=v.step,
-            layer=v.layer,
-            tags=v.tags,
-            quality_passed=v.quality_passed,
-            correctness_passed=v.correctness_passed,
-        )
-        for v in verdict.requests
-    ]
+    rows = [verdict_row(verdict.run_id, v.request_id, v.passed, v.reason, **_located(v)) for v in verdict.requests]
     rows.append(verdict_row(verdict.run_id, None, verdict.passed, "; ".join(verdict.reasons) or "ok"))
     conn.execute(insert(VerdictRow.__table__), rows)
     table = Request.__table__

@@ -5,9 +5,11 @@
 budget and a host budget in MB; "-" for none) the six built-in prompts are planned (prompt length, context
 and concurrency as they will be served), then served on an exact engine: measured mean TTFT and TPOT
 (wall clock) and the expert hit rate (resident expert uses / all expert uses, from the events) against the
-plan's. Default configurations: the bundled model with everything fitting, and a real-shaped OLMoE
-checkpoint (``python -m fallbackgate.synth --like olmoe-1b-7b --num-layers 4 --out /work/ckpt/olmoe-4``)
-under two budgets. Prints each ratio, writes JSON; the target is within 25 %.
+plan's, each configuration's routing concentration fitted from the *other* configurations' recorded runs
+(what ``fallbackgate plan --ledger`` does). Default configurations: the bundled model with everything
+fitting, and a real-shaped OLMoE checkpoint (``python -m fallbackgate.synth --like olmoe-1b-7b
+--num-layers 4 --out /work/ckpt/olmoe-4``) under three budgets. Prints each ratio, writes JSON; the target
+is within 25 %.
 """
 
 from __future__ import annotations
@@ -17,19 +19,29 @@ import json
 import pathlib
 import statistics
 import sys
+import tempfile
 from typing import Any
 
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import MIB
 from fallbackgate.engine.tags import ObjectKind, Tag
+from fallbackgate.ledger.db import Ledger, open_ledger
+from fallbackgate.ledger.writer import LedgerWriter
+from fallbackgate.planning.history import routing_exponent
 from fallbackgate.planning.plan import Workload, make_plan
 from fallbackgate.planning.shape import model_shape
 from fallbackgate.profiling.store import resolve_profile
 from fallbackgate.serving.prompts import BUILTIN_PROMPTS, PromptSpec
-from fallbackgate.serving.session import RunSettings, build_engine, run_prompts
+from fallbackgate.serving.recording import start_run
+from fallbackgate.serving.session import RunSettings, build_engine, memory_summary, run_prompts
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
-DEFAULT_CONFIGS = (f"{CHECKPOINT_DIR}:-:-", "/work/ckpt/olmoe-4:1024:1024", "/work/ckpt/olmoe-4:2048:4096")
+DEFAULT_CONFIGS = (
+    f"{CHECKPOINT_DIR}:-:-",
+    "/work/ckpt/olmoe-4:1024:1024",
+    "/work/ckpt/olmoe-4:1536:2048",
+    "/work/ckpt/olmoe-4:2048:4096",
+)
 TARGET = 0.25
 
 
@@ -37,28 +49,23 @@ def _mb(text: str) -> float | None:
     return None if text == "-" else float(text)
 
 
-def check(config: str, max_new_tokens: int) -> dict[str, Any]:
-    """Plan, then serve and measure one configuration."""
+def measure(config: str, max_new_tokens: int, ledger: Ledger) -> dict[str, Any]:
+    """Serve the built-in prompts on one configuration (after a warm-up pass), recording to `ledger`."""
     model, device_mb, host_mb = config.rsplit(":", 2)
     settings = RunSettings(
         model, max_new_tokens=max_new_tokens, device_budget_mb=_mb(device_mb), host_budget_mb=_mb(host_mb)
     )
     engine = build_engine(settings, ExactLRUController())
-    prompt_lens = [len(engine.tokenizer.encode(p)) for p in BUILTIN_PROMPTS]
-    prompt = round(statistics.mean(prompt_lens))
-    to_bytes = lambda mb: None if mb is None else int(mb * MIB)  # noqa: E731
-    workload = Workload(
-        prompt + max_new_tokens // 2,
-        len(BUILTIN_PROMPTS),
-        to_bytes(_mb(device_mb)),
-        to_bytes(_mb(host_mb)),
-        settings.block_size,
-        prompt_tokens=prompt,
-    )
-    plan = make_plan(model_shape(model), engine.config.profile, workload)
     specs = [PromptSpec(text, f"plan-{i}") for i, text in enumerate(BUILTIN_PROMPTS)]
     run_prompts(engine, specs, settings, None, False)  # warm-up: caches filled as a serving process has them
-    outcome = run_prompts(engine, [PromptSpec(s.prompt, s.request_id + "b") for s in specs], settings, None, True)
+    writer = LedgerWriter(ledger)
+    run_id = start_run(writer, engine, note=f"bench_plan_check {config}")
+    outcome = run_prompts(
+        engine, [PromptSpec(s.prompt, s.request_id + "b") for s in specs], settings, writer.record_step, True
+    )
+    writer.record_memory(memory_summary(engine))
+    writer.finish_run(status="complete")
+    writer.close()
     engine.close()
     hits = uses = 0
     for step in outcome.steps:
@@ -66,20 +73,31 @@ def check(config: str, max_new_tokens: int) -> dict[str, Any]:
             if e.object_kind is ObjectKind.EXPERT:
                 uses += e.count
                 hits += e.count if e.tag is Tag.RESIDENT else 0
-    measured = {
+    return {
+        "run_id": run_id,
+        "prompt_tokens": round(statistics.mean(len(o.prompt_token_ids) for o in outcome.outputs)),
         "ttft_ms": 1e3 * statistics.mean(o.ttft_s for o in outcome.outputs),
         "tpot_ms": 1e3 * statistics.mean(o.tpot_s for o in outcome.outputs),
         "hit_rate": hits / uses if uses else 1.0,
     }
-    predicted = {"ttft_ms": plan.ttft_ms, "tpot_ms": plan.tpot_ms, "hit_rate": plan.hit_rate}
-    errors = {k: abs(predicted[k] - measured[k]) / measured[k] if measured[k] else 0.0 for k in measured}
-    return {
-        "config": config,
-        "predicted": predicted,
-        "measured": measured,
-        "relative_error": errors,
-        "within_target": all(e <= TARGET for e in errors.values()),
-    }
+
+
+def predict(config: str, max_new_tokens: int, prompt: int, ledger: Ledger, own_run: int) -> dict[str, Any]:
+    """The plan for one configuration, its routing fitted from the other configurations' recorded runs."""
+    model, device_mb, host_mb = config.rsplit(":", 2)
+    shape = model_shape(model)
+    alpha = routing_exponent(ledger, shape, exclude_run_ids={own_run})
+    to_bytes = lambda mb: None if mb is None else int(mb * MIB)  # noqa: E731
+    workload = Workload(
+        prompt + max_new_tokens // 2,
+        len(BUILTIN_PROMPTS),
+        to_bytes(_mb(device_mb)),
+        to_bytes(_mb(host_mb)),
+        prompt_tokens=prompt,
+        routing_exponent=alpha or 1.0,
+    )
+    plan = make_plan(shape, resolve_profile("measured"), workload)
+    return {"ttft_ms": plan.ttft_ms, "tpot_ms": plan.tpot_ms, "hit_rate": plan.hit_rate, "routing_exponent": alpha}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,14 +110,24 @@ def main(argv: list[str] | None = None) -> int:
     configs = args.config or [c for c in DEFAULT_CONFIGS if pathlib.Path(c.rsplit(":", 2)[0]).exists()]
     resolve_profile("measured")  # measure this machine first if it has no profile yet (not inside a timing)
     results = []
-    for config in configs:
-        r = check(config, args.max_new_tokens)
-        results.append(r)
-        cells = ", ".join(
-            f"{k} {r['predicted'][k]:.3g} vs {r['measured'][k]:.3g} ({100 * r['relative_error'][k]:.0f} %)"
-            for k in r["measured"]
-        )
-        print(f"{config}: predicted vs measured: {cells}")
+    with tempfile.TemporaryDirectory() as scratch, open_ledger(str(pathlib.Path(scratch) / "plan.sqlite")) as ledger:
+        measured = {config: measure(config, args.max_new_tokens, ledger) for config in configs}
+        for config, m in measured.items():
+            p = predict(config, args.max_new_tokens, m["prompt_tokens"], ledger, m["run_id"])
+            keys = ("ttft_ms", "tpot_ms", "hit_rate")
+            errors = {k: abs(p[k] - m[k]) / m[k] if m[k] else 0.0 for k in keys}
+            results.append(
+                {
+                    "config": config,
+                    "predicted": p,
+                    "measured": m,
+                    "relative_error": errors,
+                    "within_target": all(e <= TARGET for e in errors.values()),
+                }
+            )
+            cells = ", ".join(f"{k} {p[k]:.3g} vs {m[k]:.3g} ({100 * errors[k]:.0f} %)" for k in keys)
+            alpha = "uniform" if p["routing_exponent"] is None else f"{p['routing_exponent']:.2f} from the other runs"
+            print(f"{config}: routing {alpha}; predicted vs measured: {cells}")
     pathlib.Path(args.json).write_text(json.dumps({"target": TARGET, "results": results}, indent=2) + "\n")
     return 0
 

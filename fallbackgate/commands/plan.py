@@ -19,6 +19,8 @@ from typing import Any
 
 from fallbackgate.engine.config import MIB
 from fallbackgate.engine.errors import EngineError
+from fallbackgate.ledger.db import LedgerError, open_ledger
+from fallbackgate.planning.history import routing_exponent
 from fallbackgate.planning.plan import Plan, Workload, make_plan
 from fallbackgate.planning.shape import model_shape
 from fallbackgate.policy.apply import class_budgets, class_slos
@@ -40,6 +42,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--policy", default=None, help="policy YAML: its classes' SLOs and budgets are planned for")
     p.add_argument("--profile", choices=PROFILE_NAMES, default=MEASURED, help="hardware profile (default: measured)")
+    p.add_argument("--ledger", default=None, help="fit the model's routing concentration from its recorded runs here")
     p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
     p.set_defaults(func=run)
 
@@ -79,6 +82,18 @@ def run(args: argparse.Namespace) -> int:
     if policy is not None:
         budgets, slos = class_budgets(policy), class_slos(policy)
         classes = {name: {"budget": budgets[name], "slo": slos[name]} for name in policy.classes}
+    if args.ledger:
+        try:
+            with open_ledger(args.ledger, read_only=True) as ledger:
+                alpha = routing_exponent(ledger, shape)
+        except LedgerError as exc:
+            print(f"fallbackgate plan: error: {exc}", file=sys.stderr)
+            return 2
+        workload.routing_exponent = alpha if alpha is not None else 1.0
+        print(
+            f"routing: exponent {workload.routing_exponent:.2f} "
+            + ("from recorded runs" if alpha else "(uniform: no recorded run)")
+        )
     plan = make_plan(shape, profile, workload, classes)
     _print(plan, shape.name, profile.name)
     if args.json:

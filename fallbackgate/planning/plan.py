@@ -6,8 +6,9 @@ of `concurrency` requests of `context` tokens each:
 - **fit**: dense weights stay resident outside the budget; the device budget must hold the expert floor
   (top-k experts) plus the KV of every request (blocks of `block_size` tokens per layer) plus one layer's
   gathered K/V; what is left becomes expert slots (all experts: everything fits);
-- **hit rate**: with uniform routing an expert is on device with probability slots / experts; a use hits
-  when its expert was, or when another request loaded it earlier in the same step;
+- **hit rate**: an expert is on device at a step's start with probability (slots / experts) ** alpha
+  (alpha 1: uniform routing; fitted from the model's recorded runs when a ledger is given, see
+  ``history.py``); a use hits when its expert was, or when another request loaded it earlier in the step;
 - **TPOT** (one decode step, every request one token): the dense part (the profile's per-layer cost and
   matmul rate), per MoE layer the unique experts the batch routes to (E·(1−(1−k/E)^B)) computed with the
   measured expert curve, and the misses among them moved from their home (host cache, else disk);
@@ -44,6 +45,7 @@ class Workload:
     block_size: int = 16
     lowbit_bits: int = 8
     prompt_tokens: int | None = None  # of the context (default: half of it)
+    routing_exponent: float = 1.0  # hit = (slots / experts) ** this (1: uniform; fitted from recorded runs)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -153,7 +155,7 @@ def make_plan(
             f"{max(slots_bytes, 0)} B left for experts (the floor is {floor} B, top-{shape.top_k} experts)"
         )
     slots = max(0, min(total, slots_bytes // shape.expert_bytes))
-    hit = slots / total if total else 1.0  # an expert is on device when a step starts
+    hit = (slots / total) ** w.routing_exponent if total else 1.0  # an expert is on device when a step starts
     picks = w.concurrency * shape.top_k  # (expert, request) uses per layer and decode step
     use_hit = 1.0 - _unique(shape, w.concurrency) * (1.0 - hit) / picks  # later uses in a step reuse a load
     tpot = _step_s(shape, profile, w, w.concurrency, hit, None, int(slots))
