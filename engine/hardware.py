@@ -39,7 +39,15 @@ class ExpertCurve:
 
 
 _MAY_BE_ZERO = frozenset(
-    {"link_latency_s", "device_bytes_per_s", "cpu_expert_bytes_per_s", "expert_call_s", "layer_overhead_s"}
+    {
+        "link_latency_s",
+        "device_bytes_per_s",
+        "cpu_expert_bytes_per_s",
+        "expert_call_s",
+        "layer_overhead_s",
+        "step_overhead_s",
+        "request_overhead_s",
+    }
 )
 
 
@@ -59,6 +67,8 @@ class HardwareProfile:
     cpu_expert_bytes_per_s: float = 0.0  # weight bytes a CPU expert streams per second (0: compute-bound only)
     expert_call_s: float = 0.0  # fixed cost of one expert call (kernel launches, Python)
     layer_overhead_s: float = 0.0  # fixed cost of one decoder layer's dense part per step
+    step_overhead_s: float = 0.0  # the engine's own fixed cost per step (scheduling, events), beyond the model's
+    request_overhead_s: float = 0.0  # the engine's cost per request in a step (attention call, sampling)
     is_measured: bool = False  # measured on this machine by `fallbackgate profile`, not a shipped what-if
     measured_at: str = ""  # ISO time of the measurement
     machine: str = ""  # the machine key the measurement belongs to

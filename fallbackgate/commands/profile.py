@@ -55,6 +55,8 @@ def describe(profile: HardwareProfile) -> str:
         ("CPU expert FLOP rate", f"{profile.cpu_expert_flops / 1e9:8.1f} GFLOP/s"),
         ("expert call, fixed", f"{profile.expert_call_s * 1e6:8.1f} µs"),
         ("decoder layer, fixed dense part", f"{profile.layer_overhead_s * 1e6:8.1f} µs"),
+        ("engine, fixed per step", f"{profile.step_overhead_s * 1e6:8.1f} µs"),
+        ("engine, per request in a step", f"{profile.request_overhead_s * 1e6:8.1f} µs"),
     ]
     head = f"profile {profile.name}" + (f" (measured {profile.measured_at})" if profile.is_measured else " (what-if)")
     return head + "\n" + "\n".join(f"  {name:34s}{value}" for name, value in rows)

@@ -121,6 +121,8 @@ def _step_s(
     per_expert = max(1, round(num_tokens * shape.top_k / max(unique, 1e-9)))
     call = profile.expert_s(per_expert, shape.expert_bytes, shape.num_params_per_expert, False, shape.dtype)
     misses = unique * (1.0 - hit)
+    if num_tokens > w.concurrency:  # a prefill needing more distinct experts than there are slots misses the rest
+        misses = max(misses, unique - slots / max(1, shape.num_moe_layers))
     hits = unique - misses
     if tag is None:
         miss = call + _miss_s(shape, profile, w, shape.expert_bytes, slots)
@@ -131,7 +133,8 @@ def _step_s(
         miss = call + _miss_s(shape, profile, w, lowbit, slots)
     else:  # expert_defer: the miss is skipped
         miss = 0.0
-    return dense + shape.num_moe_layers * (hits * call + misses * miss)
+    engine = profile.step_overhead_s + w.concurrency * profile.request_overhead_s
+    return engine + dense + shape.num_moe_layers * (hits * call + misses * miss)
 
 
 def make_plan(

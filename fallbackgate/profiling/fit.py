@@ -81,12 +81,22 @@ def build_profile(
     num_layers: int,
     num_moe_layers: int,
     bundled_expert_s: float,
+    engine_steps: tuple[float, float, int, int, int] | None = None,
 ) -> HardwareProfile:
     """The measured profile; its scalar expert rates are `dtype`'s. `links` holds the four measured link
     rates by field name; a decoder layer's fixed dense cost is the bundled model's batch-1 decode step less
-    the two routed experts of each MoE layer, per layer."""
+    the two routed experts of each MoE layer, per layer. `engine_steps` (the engine's decode step at batch 1
+    and 6, see ``measure_engine_steps``) gives the engine's own cost per step and per request."""
     cpu, device = rooflines[f"cpu/{dtype}"], rooflines[f"device/{dtype}"]
     layer_s = max((decode_step_s - 2 * num_moe_layers * bundled_expert_s) / num_layers, 0.0)
+    step_s = request_s = 0.0
+    if engine_steps is not None:  # the engine at batch 1 and B against the model's own batch-1 step
+        one, many, moe_layers, experts, top_k = engine_steps
+        batch = 6
+        unique = [experts * (1 - (1 - top_k / experts) ** n) for n in (1, batch)]
+        extra_experts_s = moe_layers * (unique[1] - unique[0]) * bundled_expert_s
+        step_s = max(one - decode_step_s, 0.0)
+        request_s = max((many - one - extra_experts_s) / (batch - 1), 0.0)
     return HardwareProfile(
         name="measured",
         host_to_device_bytes_per_s=links["host_to_device_bytes_per_s"],
@@ -100,6 +110,8 @@ def build_profile(
         cpu_expert_bytes_per_s=cpu.bytes_per_s,
         expert_call_s=device.call_s,
         layer_overhead_s=layer_s,
+        step_overhead_s=step_s,
+        request_overhead_s=request_s,
         is_measured=True,
         measured_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         machine=machine,

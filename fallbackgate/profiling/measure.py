@@ -150,3 +150,35 @@ def measure_decode_step(device: torch.device, num_steps: int = 20) -> tuple[floa
         seconds = _median_s(lambda: model(input_ids=token, cache=cache, use_cache=True), num_steps, sync)
     num_layers = int(model.config.num_hidden_layers)
     return seconds, num_layers, num_layers - len(getattr(model.config, "mlp_only_layers", None) or [])
+
+
+def measure_engine_steps(
+    device: torch.device, batch: int = 6, num_steps: int = 12
+) -> tuple[float, float, int, int, int]:
+    """(median seconds of the engine's decode step on the bundled model at batch 1, at `batch`, the model's
+    MoE layers, routed experts per layer, experts per token): what the engine adds around the model's own
+    forward (scheduling, per-request attention, sampling, events) shows up against
+    :func:`measure_decode_step`."""
+    from fallbackgate.controllers.exact_lru import ExactLRUController
+    from fallbackgate.engine.config import EngineConfig
+    from fallbackgate.engine.engine import Engine
+    from fallbackgate.engine.sequence import SamplingParams
+    from fallbackgate.tinymoe import CHECKPOINT_DIR
+
+    config = EngineConfig(str(CHECKPOINT_DIR), device="cuda" if device.type == "cuda" else "cpu", num_io_threads=0)
+    engine = Engine(config, ExactLRUController())
+    medians = []
+    for num in (1, batch):
+        for i in range(num):
+            engine.add_request(list(range(1, 17)), SamplingParams(max_new_tokens=num_steps + 2), f"probe-{num}-{i}")
+        engine.step()  # the prefill
+        times = []
+        while engine.has_unfinished():
+            started = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - started)
+        medians.append(statistics.median(times))
+    engine.close()
+    first = next(iter(engine.loaded_experts.values()))
+    top_k = int(getattr(engine.model_config, "num_experts_per_tok", 1))
+    return medians[0], medians[1], len(engine.loaded_experts), int(first.num_experts), top_k

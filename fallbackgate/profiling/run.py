@@ -19,6 +19,7 @@ from fallbackgate.profiling.measure import (
     measure_copies,
     measure_decode_step,
     measure_disk,
+    measure_engine_steps,
     measure_experts,
 )
 
@@ -45,6 +46,7 @@ def measure_machine(
         device_timings = measure_experts(device, dtype) + measure_experts(device, torch.float32)
     bar.update()
     decode_s, num_layers, num_moe_layers = measure_decode_step(device)
+    engine_steps = measure_engine_steps(device)
     bar.update()
     bar.close()
     timings = cpu_timings + device_timings
@@ -64,7 +66,16 @@ def measure_machine(
     }
     name = str(dtype).removeprefix("torch.")
     profile = build_profile(
-        machine_key(), links, fits, curves, name, decode_s, num_layers, num_moe_layers, bundled[0].seconds
+        machine_key(),
+        links,
+        fits,
+        curves,
+        name,
+        decode_s,
+        num_layers,
+        num_moe_layers,
+        bundled[0].seconds,
+        engine_steps,
     )
     errors = {
         key: {"roofline": fit_errors(fits[key], group), "curve": curve_errors(curves[key], group)}
@@ -76,6 +87,7 @@ def measure_machine(
         "disk_bytes": DISK_BYTES,
         "copy_bytes": COPY_BYTES,
         "decode_step_s": decode_s,
+        "engine_decode_step_s": {"batch_1": engine_steps[0], "batch_6": engine_steps[1]},
         "num_layers": num_layers,
         "expert_timings": [dataclasses.asdict(t) for t in timings],
         "fit_errors": errors,
