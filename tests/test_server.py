@@ -24,6 +24,7 @@ from fallbackgate.ledger import queries
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.policy import loader
 from tests.pg_fixture import free_port, pg_server_fixture, pg_url_fixture  # noqa: F401 - fixtures
+from tests.test_dashboard import open_page
 
 POLICY = pathlib.Path(loader.__file__).parents[1] / "policies" / "two_classes.yaml"
 MODEL = "checkpoint"  # the bundled model's directory name, as /v1/models lists it
@@ -179,7 +180,9 @@ def _percentiles(latencies: list[float]) -> str:
     return f"p50 {1e3 * q[49]:.0f} ms, p99 {1e3 * q[98]:.0f} ms over {len(latencies)} requests"
 
 
-def test_concurrent_load_then_sigterm_leaves_every_request_in_the_ledger(tmp_path: pathlib.Path) -> None:
+def test_concurrent_load_then_sigterm_leaves_every_request_in_the_ledger(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ledger = str(tmp_path / "load.sqlite")
     srv = Server(ledger)
     latencies = _load(srv, 48, 16)
@@ -195,6 +198,9 @@ def test_concurrent_load_then_sigterm_leaves_every_request_in_the_ledger(tmp_pat
         steps = queries.run_tag_counts(led, run["id"])
     assert len(requests) == 48 and all(sum(tags[r["request_id"]].values()) > 0 for r in requests)
     assert {r["request_class"] for r in requests} == {"strict", "best-effort"} and steps
+    at = open_page(pathlib.Path(ledger), "overview", monkeypatch)  # the dashboard shows it like any run
+    shown = {m.label: m.value for m in at.metric}
+    assert shown["Runs"] == "1" and shown["Requests"] == "48", shown
 
 
 @pytest.mark.slow
