@@ -187,6 +187,11 @@ def test_concurrent_load_then_sigterm_leaves_every_request_in_the_ledger(
     srv = Server(ledger)
     latencies = _load(srv, 48, 16)
     print("serve latency:", _percentiles(latencies))
+    deadline = time.monotonic() + 60  # the background worker audits while the server idles
+    while "fallbackgate_audited_kl_nats_count" not in (text := httpx.get(f"{srv.base}/metrics").text):
+        assert time.monotonic() < deadline, "no audit reached /metrics"
+        time.sleep(0.5)
+    assert 'statistic="max"' in text
     out = srv.stop()
     # uvicorn re-raises the signal once shut down: the process ends by SIGTERM, after a clean drain
     assert srv.proc.returncode == -signal.SIGTERM and "0 request(s) interrupted" in out and "Traceback" not in out, out

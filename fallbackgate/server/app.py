@@ -79,6 +79,9 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        if service.writer is not None and info.run_id is not None:  # audits the background workers finished
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, service.metrics.poll_audits, service.writer.ledger, info.run_id)
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions", response_model=None)
