@@ -15,53 +15,23 @@ metric's own units, sign-corrected so a drop is positive for lower-is-better met
 ``min_agreement`` bounds the fraction of items whose per-item result is the same; ``max_ppl_ratio``
 bounds PPL(policy) / PPL(exact) for perplexity tasks. Fields left out of a task inherit ``default``.
 
-The policy schema (``fallbackgate.policy``) forbids unknown keys; while it has no ``parity`` field, the
-section is split off here and validated by :class:`ParitySpec`, and the rest by the policy schema.
+The section is part of the policy schema (``fallbackgate.policy.schema.ParitySpec``), so ``fallbackgate
+policy check`` validates it like every other section; this module reads it for parity runs.
 """
 
 from __future__ import annotations
 
 import pathlib
-from typing import Annotated, Any
+from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from fallbackgate.policy import Policy, PolicyError, parse_policy
 from fallbackgate.policy.loader import format_errors
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class TaskTolerance(_Strict):
-    """Tolerances of one task; None inherits the parity section's default."""
-
-    max_score_drop: Annotated[float, Field(ge=0)] | None = None
-    min_agreement: Annotated[float, Field(ge=0, le=1)] | None = None
-    max_ppl_ratio: Annotated[float, Field(ge=1)] | None = None
-
-
-class ParitySpec(_Strict):
-    """The ``parity`` section of a policy file."""
-
-    default: TaskTolerance = Field(
-        default_factory=lambda: TaskTolerance(max_score_drop=0.0, min_agreement=1.0, max_ppl_ratio=1.0)
-    )
-    tasks: dict[str, TaskTolerance] = Field(default_factory=dict)
-    confidence: Annotated[float, Field(gt=0, lt=1)] = 0.95
-    bootstrap_samples: Annotated[int, Field(ge=100, le=100_000)] = 2000
-
-    def for_task(self, task: str) -> TaskTolerance:
-        """The task's tolerances with the default filled in (unset defaults mean exact parity)."""
-        own = self.tasks.get(task, TaskTolerance())
-        exact = {"max_score_drop": 0.0, "min_agreement": 1.0, "max_ppl_ratio": 1.0}
-        merged = {
-            k: v if v is not None else (getattr(self.default, k) if getattr(self.default, k) is not None else exact[k])
-            for k, v in own.model_dump().items()
-        }
-        return TaskTolerance(**merged)
+__all__ = ["ParitySpec", "TaskTolerance", "load_parity_policy", "parse_parity_policy"]
+from fallbackgate.policy.schema import ParitySpec, TaskTolerance
 
 
 def parse_parity_policy(data: Any, source: str) -> tuple[Policy, ParitySpec]:

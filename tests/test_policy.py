@@ -77,6 +77,18 @@ def test_shipped_policies_load() -> None:
     assert load_policy(POLICIES / "balanced.yaml").audit.mode == "observe"
 
 
+def test_every_shipped_policy_file_passes_policy_check(capsys) -> None:
+    from fallbackgate.cli import main
+
+    files = sorted(POLICIES.glob("*.yaml")) + sorted((POLICIES.parents[1] / "evals" / "policies").glob("*.yaml"))
+    assert len(files) == 5
+    for path in files:
+        assert main(["policy", "check", str(path)]) == 0, capsys.readouterr().err
+    parity = load_policy(POLICIES.parents[1] / "evals" / "policies" / "ci_kv_int4.yaml").parity
+    assert parity is not None and parity.default.min_agreement == 0.75  # one schema: the parity section included
+    assert parity.for_task("fg_rolling_ppl").min_agreement == 0.0
+
+
 def test_enough_malformed_cases() -> None:
     assert len(MALFORMED) >= 30
     assert len({text for text, _, _ in MALFORMED}) == len(MALFORMED)

@@ -138,6 +138,35 @@ class RequestClass(_Strict):
     description: str = ""
 
 
+class TaskTolerance(_Strict):
+    """Tolerances of one task; None inherits the parity section's default."""
+
+    max_score_drop: Annotated[float, Field(ge=0)] | None = None
+    min_agreement: Annotated[float, Field(ge=0, le=1)] | None = None
+    max_ppl_ratio: Annotated[float, Field(ge=1)] | None = None
+
+
+class ParitySpec(_Strict):
+    """The ``parity`` section of a policy file."""
+
+    default: TaskTolerance = Field(
+        default_factory=lambda: TaskTolerance(max_score_drop=0.0, min_agreement=1.0, max_ppl_ratio=1.0)
+    )
+    tasks: dict[str, TaskTolerance] = Field(default_factory=dict)
+    confidence: Annotated[float, Field(gt=0, lt=1)] = 0.95
+    bootstrap_samples: Annotated[int, Field(ge=100, le=100_000)] = 2000
+
+    def for_task(self, task: str) -> TaskTolerance:
+        """The task's tolerances with the default filled in (unset defaults mean exact parity)."""
+        own = self.tasks.get(task, TaskTolerance())
+        exact = {"max_score_drop": 0.0, "min_agreement": 1.0, "max_ppl_ratio": 1.0}
+        merged = {
+            k: v if v is not None else (getattr(self.default, k) if getattr(self.default, k) is not None else exact[k])
+            for k, v in own.model_dump().items()
+        }
+        return TaskTolerance(**merged)
+
+
 class Policy(_Strict):
     """A whole policy file."""
 
@@ -150,6 +179,7 @@ class Policy(_Strict):
     ledger: LedgerSpec = Field(default_factory=LedgerSpec)
     classes: dict[str, RequestClass] = Field(default_factory=lambda: {"default": RequestClass()}, min_length=1)
     default_class: str = "default"
+    parity: ParitySpec | None = None  # lm-eval parity tolerances (`fallbackgate parity`); None: exact parity
 
     @field_validator("classes")
     @classmethod
