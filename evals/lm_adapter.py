@@ -6,8 +6,9 @@ From Python::
     results = lm_eval.simple_evaluate(model=lm, tasks=[...], task_manager=TaskManager(include_path=...))
     verdict = lm.finish()
 
-From a command: ``lm_eval --model fallbackgate --model_args pretrained=DIR,policy=FILE,ledger=URL ...``
-(after ``import evals.lm_adapter`` registers it; ``fallbackgate parity`` does this for you).
+From a command: ``fallbackgate lm-eval --model_args pretrained=DIR,policy=FILE,ledger=URL --tasks fg_cloze``
+(lm-eval's own CLI with this model registered and the shipped tasks on the include path), or
+``simple_evaluate(model="fallbackgate", ...)`` after ``import fallbackgate`` (which registers it lazily).
 
 Tokenisation, truncation, rolling windows and stop-sequence handling mirror lm-eval's own ``hf`` model,
 so on the exact policy the two give the same scores. Log-likelihoods come from the engine's prefill logits
@@ -38,6 +39,8 @@ from fallbackgate.evals.recorder import EvalRecorder
 class FallbackgateLM(TemplateLM):
     """An lm-eval model backed by a fallbackgate engine under a policy (the exact baseline when none)."""
 
+    instances: list[FallbackgateLM] = []  # every model made in this process, in order
+
     def __init__(
         self,
         pretrained: str | None = None,
@@ -60,6 +63,7 @@ class FallbackgateLM(TemplateLM):
         ledger (default: the policy's, else $FALLBACKGATE_LEDGER); `batch_size`: requests in flight at once;
         `force`: fallback tags forced on an exact_lru policy (testing); `setup`: a prebuilt engine setup."""
         super().__init__()
+        FallbackgateLM.instances.append(self)  # `fallbackgate lm-eval` finishes and reports them after lm-eval
         forced = force.split("|") if isinstance(force, str) else list(force or [])
         self.setup = setup or build_setup(
             pretrained, policy, device_budget_mb, forced, bool(exact_baseline), chunk_tokens=int(chunk_tokens or 4096)

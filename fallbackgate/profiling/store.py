@@ -28,9 +28,14 @@ class ProfileFileError(ValueError):
     """A profile JSON file that cannot be read; the message names the file."""
 
 
+def cache_dir() -> pathlib.Path:
+    """fallbackgate's cache directory ($FALLBACKGATE_CACHE_DIR, else ~/.cache/fallbackgate)."""
+    return pathlib.Path(os.environ.get(ENV_CACHE) or pathlib.Path.home() / ".cache" / "fallbackgate")
+
+
 def cache_path() -> pathlib.Path:
     """This machine's cached profile file."""
-    root = pathlib.Path(os.environ.get(ENV_CACHE) or pathlib.Path.home() / ".cache" / "fallbackgate")
+    root = cache_dir()
     digest = hashlib.sha1(machine_key().encode()).hexdigest()[:12]
     return root / "profiles" / f"{digest}.json"
 
