@@ -110,6 +110,7 @@ class RunVerdict:
     reasons: list[str]
     requests: list[RequestVerdict]
     missing_step_ids: list[int] = dataclasses.field(default_factory=list)  # steps whose ledger rows are incomplete
+    floor: Floor | None = None  # the exact-vs-exact control the run was judged against
 
 
 def served_class(objects_by_class: Mapping[str, int]) -> str:
@@ -287,4 +288,4 @@ def evaluate_run(ledger: Ledger, run_id: int) -> RunVerdict:
     failed = [v.request_id for v in verdicts if not v.passed]
     if failed:
         reasons.append(f"{len(failed)} of {len(verdicts)} requests failed: {', '.join(failed[:10])}")
-    return RunVerdict(run_id, not reasons, run["status"], reasons, verdicts, completeness.missing_step_ids)
+    return RunVerdict(run_id, not reasons, run["status"], reasons, verdicts, completeness.missing_step_ids, floor)

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, TextIO
+from typing import Any
 
 from fallbackgate.audit.gate import RunVerdict, evaluate_run
+from fallbackgate.audit.table import print_table
 from fallbackgate.audit.verdicts import record_verdicts
 from fallbackgate.ledger import queries
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
@@ -33,43 +34,6 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--run", type=int, default=None, help="run id (default: the newest run)")
     p.add_argument("--record", action="store_true", help="also write the verdicts into the ledger")
     p.set_defaults(func=run)
-
-
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3g}"
-
-
-def _word(passed: bool | None) -> str:
-    return "-" if passed is None else ("pass" if passed else "FAIL")
-
-
-def print_table(verdict: RunVerdict, out: TextIO | None = None) -> None:
-    """Print one line per request and a run line (to stdout by default)."""
-    out = out or sys.stdout
-    head = (
-        f"{'request':<24} {'served':<11} {'mean KL':>9} {'p99 KL':>9} {'max KL':>9} {'top1':>6} "
-        f"{'quality':>7} {'correct':>7} verdict"
-    )
-    print(head, file=out)
-    for v in verdict.requests:
-        s = v.stats or {}
-        halves = f"{_word(v.quality_passed if s else None):>7} {_word(v.correctness_passed):>7}"
-        where = (
-            ""
-            if v.passed or v.step is None
-            else f" [pos {v.position}, step {v.step}, layer {v.layer}, tags {','.join(v.tags)}]"
-        )
-        print(
-            f"{v.request_id:<24} {v.served:<11} {_fmt(s.get('mean_kl')):>9} {_fmt(s.get('p99_kl')):>9} "
-            f"{_fmt(s.get('max_kl')):>9} {_fmt(s.get('top1_agreement')):>6} {halves} "
-            f"{'PASS' if v.passed else 'FAIL'} {v.reason}{where}",
-            file=out,
-        )
-    result = "PASS" if verdict.passed else "FAIL: " + "; ".join(verdict.reasons)
-    print(
-        f"run {verdict.run_id} ({verdict.status}, {len(verdict.requests)} requests): {result}",
-        file=out,
-    )
 
 
 def _record(url: str | None, verdict: RunVerdict) -> None:

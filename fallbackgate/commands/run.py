@@ -10,7 +10,6 @@ import pathlib
 import sys
 from typing import Any
 
-from fallbackgate.audit.gate import RunVerdict
 from fallbackgate.controllers.exact_lru import FORCEABLE_TAGS, ExactLRUController
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import EngineError
@@ -33,6 +32,7 @@ from fallbackgate.serving.prompts import PromptsFileError, PromptSpec, load_prom
 from fallbackgate.serving.recording import audit_and_judge, serve_recorded, start_run
 from fallbackgate.serving.report import print_report, to_json, write_json
 from fallbackgate.serving.session import RunSettings, build_engine, run_prompts
+from fallbackgate.serving.summary import print_slo_misses, print_summary
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 
@@ -133,6 +133,13 @@ def _setup(args: argparse.Namespace) -> tuple[list[PromptSpec], Engine, RunSetti
         writer = None if args.no_ledger else LedgerWriter(open_ledger(args.ledger))
         return specs, engine, settings, writer, None
     policy = policy_from_args(args)
+    if args.force and policy.controller.kind != "exact_lru":
+        print(
+            f"fallbackgate run: warning: --force {' '.join(args.force)} is ignored: the policy's controller is "
+            f"{policy.controller.kind}; forced tags act only with exact_lru",
+            file=sys.stderr,
+        )
+        args.force = []
     args.audit_rate = policy.audit.sample_rate
     specs = check_classes(policy, specs)
     settings = run_settings(policy, args)
@@ -194,6 +201,7 @@ def _serve(
         slos = class_slos(policy) if policy is not None else None
         print_report(outcome, sys.stdout, slos)
         print_slips(engine.controller, sys.stdout)
+        print_slo_misses(outcome, slos, sys.stdout)
         if args.json:
             write_json(args.json, to_json(outcome, None, slos=slos))
         return 0
@@ -228,19 +236,7 @@ def _serve(
             f"`fallbackgate audit --ledger {writer.ledger.display_url}`"
         )
     else:
-        _print_verdict(verdict, num_audited, len(outcome.outputs))
+        print_summary(outcome, verdict, num_audited, slos, writer.ledger.display_url, sys.stdout)
     if args.json:
         write_json(args.json, to_json(outcome, run_id, slos=slos))
     return 0 if verdict is None or verdict.passed else 1
-
-
-def _print_verdict(verdict: RunVerdict, num_audited: int, num_requests: int) -> None:
-    print(
-        f"\nrun {verdict.run_id}: {'PASS' if verdict.passed else 'FAIL'} "
-        f"({num_audited} of {num_requests} requests audited)"
-    )
-    for reason in verdict.reasons:
-        print(f"  {reason}")
-    for request in verdict.requests:
-        if not request.passed:
-            print(f"  {request.request_id}: {request.reason}")
