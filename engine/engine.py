@@ -97,10 +97,7 @@ class Engine(AuditAccess):
         """
         params = params or SamplingParams()
         request_id = request_id or f"req-{len(self.sequences)}"
-        if request_id in self.sequences:
-            raise PromptError(f"request id {request_id!r} is already in use")
-        limit = min(self.config.max_model_len, int(getattr(self.model_config, "max_position_embeddings", 1 << 30)))
-        check_prompt(request_id, prompt_token_ids, params, limit, int(self.model_config.vocab_size), num_scored_tokens)
+        self.check_request(prompt_token_ids, params, request_id, num_scored_tokens)
         seq = Sequence(request_id, list(prompt_token_ids), params, request_class)
         seq.num_scored_tokens = num_scored_tokens
         seq.modeled_arrival_s = self.modeled_clock_s
@@ -110,10 +107,20 @@ class Engine(AuditAccess):
         self.sequences[request_id] = seq
         return request_id
 
+    def check_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, num_scored_tokens: int = 0
+    ) -> None:
+        """Raise PromptError for a request this engine would refuse (callers check before recording)."""
+        if request_id in self.sequences:
+            raise PromptError(f"request id {request_id!r} is already in use")
+        limit = min(self.config.max_model_len, int(getattr(self.model_config, "max_position_embeddings", 1 << 30)))
+        check_prompt(request_id, prompt_token_ids, params, limit, int(self.model_config.vocab_size), num_scored_tokens)
+
     def close(self) -> None:
-        """Stop the expert read threads and release the host room of reads in flight (the engine serves no
-        more afterwards)."""
+        """Stop the expert read threads, release the host room of reads in flight and remove the spill
+        directory (the engine serves no more afterwards)."""
         self.expert_store.close()
+        self.kv_store.spill.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

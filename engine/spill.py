@@ -46,8 +46,12 @@ class SpillDir:
             probe.unlink()
         except OSError as exc:
             raise EngineError(f"spill directory {parent} is not writable: {exc}") from exc
-        weakref.finalize(self, shutil.rmtree, self.root, ignore_errors=True)
+        self._finalizer = weakref.finalize(self, shutil.rmtree, self.root, ignore_errors=True)
         self.is_checksum_verified = True  # tests turn this off to plant a fault
+
+    def close(self) -> None:
+        """Remove the directory and everything spilled into it now (the engine is done with it)."""
+        self._finalizer()
 
     def write(self, name: str, tensor: torch.Tensor) -> SpillRecord:
         """Write `tensor` to `<root>/<name>.bin` and return its record."""

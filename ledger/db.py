@@ -138,6 +138,16 @@ def _check_sqlite_path(path: Path, read_only: bool) -> None:
         raise LedgerError(f"ledger {path} is read-only (file or its directory not writable); open it read-only")
 
 
+def _check_path_kind(path: Path) -> None:
+    """An existing path is a SQLite file (checked before any engine touches it)."""
+    if path.is_dir():
+        raise LedgerError(f"ledger path {path} is a directory, not a SQLite file")
+    with path.open("rb") as fh:
+        head = fh.read(len(_SQLITE_MAGIC))
+    if head and head != _SQLITE_MAGIC:
+        raise LedgerError(f"ledger {path} is not a SQLite database")
+
+
 def _sqlite_engine(url: URL, path: Path | None, read_only: bool) -> Engine:
     kwargs: dict[str, Any] = {}
     if path is None:
@@ -197,7 +207,8 @@ def _check_revision(engine: Engine, display: str, read_only: bool) -> None:
     head = script.get_current_head()
     with engine.connect() as conn:
         current = MigrationContext.configure(conn).get_current_revision()
-        has_runs = current is None and inspect(conn).has_table("runs")
+        tables = inspect(conn).get_table_names() if current is None else []
+        has_runs = "runs" in tables
     if current is not None and current not in known:
         raise LedgerError(
             f"ledger {display} has schema revision {current!r}, newer than this fallbackgate knows "
@@ -205,6 +216,9 @@ def _check_revision(engine: Engine, display: str, read_only: bool) -> None:
         )
     if current is None and (read_only or has_runs):
         raise LedgerError(f"{display} is not a fallbackgate ledger (no schema revision recorded)")
+    if current is None and tables:  # another application's database: never write our schema into it
+        shown = ", ".join(sorted(tables)[:5])
+        raise LedgerError(f"{display} is not a fallbackgate ledger: it holds other tables ({shown}); use a new file")
     if read_only and current != head:
         raise LedgerError(
             f"ledger {display} has old schema revision {current!r} (newest: {head!r}); open it once for "
@@ -232,8 +246,9 @@ def upgrade(engine: Engine) -> None:
         command.upgrade(cfg, "head")
 
 
-def open_ledger(url: str | None = None, *, read_only: bool = False) -> Ledger:
-    """Open the ledger at ``url`` (see :func:`resolve_url`), upgrading its schema unless ``read_only``.
+def open_ledger(url: str | None = None, *, read_only: bool = False, must_exist: bool = False) -> Ledger:
+    """Open the ledger at ``url`` (see :func:`resolve_url`), upgrading its schema unless ``read_only``;
+    ``must_exist``: refuse to create a new SQLite file (commands that only read or add to existing runs).
 
     Raises :class:`LedgerError` for a malformed URL, an unreachable server, a schema newer than this
     code, a read-only file opened for writing, or a file that is not a ledger; nothing is created then.
@@ -242,6 +257,17 @@ def open_ledger(url: str | None = None, *, read_only: bool = False) -> Ledger:
     display = sa_url.render_as_string(hide_password=True)
     path = _sqlite_file(sa_url) if sa_url.get_backend_name() == "sqlite" else None
     existed = path is not None and path.exists()
+    if must_exist and path is not None and not existed:
+        raise LedgerError(f"no ledger at {path} (the file does not exist)")
+    if existed and not read_only:  # look before writing anything (even a journal-mode change)
+        _check_path_kind(path)
+        probe = _sqlite_engine(sa_url, path, read_only=True)
+        try:
+            _check_revision(probe, display, read_only=False)
+        except (DBAPIError, SQLAlchemyError) as exc:
+            raise LedgerError(f"cannot open ledger {display}: {_first_line(exc)}") from None
+        finally:
+            probe.dispose()
     engine = _make_engine(sa_url, read_only)
     try:
         _check_revision(engine, display, read_only)

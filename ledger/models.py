@@ -26,8 +26,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-RUN_STATUSES: tuple[str, ...] = ("running", "complete", "failed", "incomplete")
-"""Stored run statuses. A run whose process died stays "running"; queries report it "incomplete"."""
+RUN_STATUSES: tuple[str, ...] = ("running", "complete", "failed", "incomplete", "interrupted")
+"""Stored run statuses. A run whose process died stays "running"; queries report it "incomplete". A run
+stopped by SIGINT or SIGTERM is "interrupted" (what it recorded until then is flushed)."""
 
 
 def utcnow() -> dt.datetime:

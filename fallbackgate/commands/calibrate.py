@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"fallbackgate calibrate: error: --quantile must be in (0, 1], got {args.quantile}", file=sys.stderr)
         return 2
     try:
-        ledger = open_ledger(args.ledger)
+        ledger = open_ledger(args.ledger, must_exist=True)
     except LedgerError as exc:
         print(f"fallbackgate calibrate: error: {exc}", file=sys.stderr)
         return 2

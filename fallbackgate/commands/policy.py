@@ -10,6 +10,7 @@ import json
 import sys
 from typing import Any
 
+from fallbackgate.commands.checks import check_output_path
 from fallbackgate.policy import Policy, PolicyError, json_schema, load_policy
 
 
@@ -29,6 +30,11 @@ def run_schema(args: argparse.Namespace) -> int:
     """Print (or write) the JSON Schema."""
     text = json.dumps(json_schema(), indent=2, sort_keys=True) + "\n"
     if args.output:
+        try:
+            check_output_path(args.output, "--output")
+        except ValueError as exc:
+            print(f"fallbackgate policy schema: error: {exc}", file=sys.stderr)
+            return 2
         with open(args.output, "w") as f:
             f.write(text)
     else:

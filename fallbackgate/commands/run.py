@@ -6,13 +6,16 @@ Exit status: 0 when the gate passes, 1 when it fails, 2 for bad input (model, pr
 from __future__ import annotations
 
 import argparse
+import math
 import pathlib
 import sys
 from typing import Any
 
+from fallbackgate.commands.checks import check_output_path
 from fallbackgate.controllers.exact_lru import FORCEABLE_TAGS, ExactLRUController
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import EngineError
+from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
 from fallbackgate.ledger.writer import LedgerWriter
@@ -121,8 +124,32 @@ def _fill_defaults(args: argparse.Namespace) -> None:
     args.model = args.model or str(CHECKPOINT_DIR)
 
 
+MAX_NEW_TOKENS = 1 << 20
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad flags before anything is built or written; the message names the flag and value."""
+    if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        raise ValueError(f"--max-new-tokens must be 1..{MAX_NEW_TOKENS}, got {args.max_new_tokens}")
+    if not (math.isfinite(args.temperature) and 0.0 <= args.temperature <= 100.0):
+        raise ValueError(f"--temperature must be a number in [0, 100], got {args.temperature}")
+    if not 0 <= args.seed < 1 << 63:
+        raise ValueError(f"--seed must be 0..2^63-1, got {args.seed}")
+    for flag in ("device_budget_mb", "host_budget_mb", "audit_rate"):
+        value = getattr(args, flag)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {value}")
+    for flag in ("block_size", "max_num_seqs"):
+        value = getattr(args, flag)
+        if value is not None and not 1 <= value <= 1 << 16:
+            raise ValueError(f"--{flag.replace('_', '-')} must be 1..65536, got {value}")
+    if args.json:
+        check_output_path(args.json, "--json")
+
+
 def _setup(args: argparse.Namespace) -> tuple[list[PromptSpec], Engine, RunSettings, LedgerWriter | None, Any]:
     """Prompts, engine, settings, writer and policy (None without --policy)."""
+    check_args(args)
     specs = load_prompts(args.prompts)
     if getattr(args, "policy", None) is None:
         _fill_defaults(args)
@@ -172,12 +199,27 @@ def _settings(args: argparse.Namespace) -> RunSettings:
     )
 
 
+def _check_requests(engine: Engine, specs: list[PromptSpec], settings: RunSettings) -> None:
+    """Every prompt fits the model (length, tokens) before the run row is written."""
+    for spec in specs:
+        params = SamplingParams(max_new_tokens=spec.max_new_tokens or settings.max_new_tokens)
+        engine.check_request(engine.tokenizer.encode(spec.prompt), params, spec.request_id)
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``fallbackgate run``."""
     try:
         specs, engine, settings, writer, policy = _setup(args)
     except (PromptsFileError, EngineError, LedgerError, ValueError) as exc:
         print(f"fallbackgate run: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        _check_requests(engine, specs, settings)
+    except EngineError as exc:
+        print(f"fallbackgate run: error: {exc}", file=sys.stderr)
+        if writer is not None:
+            writer.close()
+        engine.close()
         return 2
     try:
         return _serve(args, specs, engine, settings, writer, policy)

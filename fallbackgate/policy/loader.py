@@ -83,9 +83,19 @@ def parse_policy(data: Any, source: str = "<policy>") -> Policy:
 def load_policy(path: str | pathlib.Path) -> Policy:
     """Read and validate a YAML policy file."""
     path = pathlib.Path(path)
+    if path.is_dir():
+        raise PolicyError(str(path), ["(file): is a directory, not a policy file"])
     if not path.is_file():
         raise PolicyError(str(path), ["(file): does not exist"])
-    return loads_policy(path.read_text(), str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise PolicyError(
+            str(path), [f"(file): not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start})"]
+        ) from None
+    except OSError as exc:
+        raise PolicyError(str(path), [f"(file): cannot be read ({exc.strerror})"]) from None
+    return loads_policy(text, str(path))
 
 
 def loads_policy(text: str, source: str = "<policy>") -> Policy:

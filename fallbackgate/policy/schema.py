@@ -24,7 +24,7 @@ FallbackTag = Literal["cpu_execute", "expert_defer", "expert_lowbit", "kv_dequan
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False, validate_default=True)
+    model_config = ConfigDict(extra="forbid", strict=False, validate_default=True, allow_inf_nan=False)
 
 
 class HardwareSpec(_Strict):

@@ -35,11 +35,22 @@ def load_prompts(path: str | pathlib.Path | None) -> list[PromptSpec]:
     if path is None:
         return [PromptSpec(text, f"builtin-{i}") for i, text in enumerate(BUILTIN_PROMPTS)]
     path = pathlib.Path(path)
+    if path.is_dir():
+        raise PromptsFileError(f"prompts file {path} is a directory, not a JSONL file")
     if not path.is_file():
         raise PromptsFileError(f"prompts file {path} does not exist")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        line = exc.object[: exc.start].count(b"\n") + 1
+        raise PromptsFileError(
+            f"prompts file {path}:{line}: not UTF-8 text (byte {exc.object[exc.start]:#04x})"
+        ) from None
+    except OSError as exc:
+        raise PromptsFileError(f"prompts file {path} cannot be read ({exc.strerror})") from None
     specs: list[PromptSpec] = []
     seen: set[str] = set()
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         specs.append(_parse_line(path, number, line, seen))

@@ -84,8 +84,8 @@ def serve_recorded(
     """Serve ``specs``, recording every step; a run that raises is marked failed before re-raising."""
     try:
         return run_prompts(engine, specs, settings, writer.record_step, progress)
-    except BaseException:
-        writer.finish_run(status="failed")
+    except BaseException as exc:
+        writer.finish_run(status="interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
         writer.close()
         raise
 
@@ -108,8 +108,8 @@ def audit_and_judge(
     budgets, slos = budgets or {}, slos or {}
     try:
         audited = _record_and_audit(engine, outcome, writer, budgets, slos, audit_rate, seed, is_deferred)
-    except BaseException:
-        writer.finish_run(status="failed")
+    except BaseException as exc:
+        writer.finish_run(status="interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
         writer.close()
         raise
     if is_deferred:

@@ -1,0 +1,132 @@
+"""Bad input gets exit 2, a message naming the file, flag or field and the value, no traceback, and nothing
+written: a table of cases run in-process through the CLI (each checks that no run row was written)."""
+
+from __future__ import annotations
+
+import pathlib
+import sqlite3
+
+import pytest
+
+from fallbackgate.cli import main
+
+# (argv after the command's own name, needle the message must contain); {d} is a scratch directory
+RUN_CASES = [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be 1.."),
+    (["--max-new-tokens", "-3"], "got -3"),
+    (["--max-new-tokens", "2000000"], "got 2000000"),
+    (["--temperature", "-1"], "--temperature must be a number in [0, 100], got -1.0"),
+    (["--temperature", "nan"], "--temperature"),
+    (["--temperature", "inf"], "--temperature"),
+    (["--temperature", "101"], "got 101.0"),
+    (["--seed", "-1"], "--seed must be 0..2^63-1, got -1"),
+    (["--seed", str(2**64)], "--seed"),
+    (["--device-budget-mb", "inf"], "--device-budget-mb must be a finite number >= 0, got inf"),
+    (["--device-budget-mb", "nan"], "--device-budget-mb"),
+    (["--device-budget-mb", "-1"], "got -1.0"),
+    (["--host-budget-mb", "inf"], "--host-budget-mb"),
+    (["--host-budget-mb", "-5"], "--host-budget-mb"),
+    (["--audit-rate", "nan"], "--audit-rate"),
+    (["--audit-rate", "-0.1"], "--audit-rate"),
+    (["--audit-rate", "1.5"], "--audit-rate"),
+    (["--block-size", "0"], "--block-size must be 1..65536, got 0"),
+    (["--block-size", "3"], "block_size must be a power of two"),
+    (["--max-num-seqs", "0"], "--max-num-seqs"),
+    (["--json", "{d}/missing/out.json"], "directory {d}/missing does not exist"),
+    (["--json", "{d}"], "is a directory"),
+    (["--prompts", "{d}"], "is a directory, not a JSONL file"),
+    (["--prompts", "{d}/nope.jsonl"], "prompts file {d}/nope.jsonl does not exist"),
+    (["--prompts", "{d}/latin1.jsonl"], "latin1.jsonl:2: not UTF-8 text (byte 0xff)"),
+    (["--prompts", "{d}/notjson.jsonl"], "notjson.jsonl:1: not valid JSON"),
+    (["--prompts", "{d}/empty.jsonl"], "no prompts"),
+    (["--prompts", "{d}/noprompt.jsonl"], "noprompt.jsonl:1"),
+    (["--policy", "{d}"], "is a directory, not a policy file"),
+    (["--policy", "{d}/nope.yaml"], "does not exist"),
+    (["--policy", "{d}/binary.yaml"], "binary.yaml"),
+    (["--policy", "{d}/inf.yaml"], "memory.device_budget_mb: got inf"),
+    (["--policy", "{d}/nan.yaml"], "memory.device_budget_mb: got nan"),
+    (["--policy", "{d}/unknown.yaml"], "frobnicate"),
+    (["--ledger", "{d}/foreign.sqlite"], "is not a fallbackgate ledger: it holds other tables (foo)"),
+    (["--ledger", "{d}"], "is a directory"),
+    (["--ledger", "{d}/text.sqlite"], "is not a SQLite database"),
+    (["--ledger", "{d}/missing/l.sqlite"], "does not exist"),
+    (["--model", "{d}/nope"], "{d}/nope"),
+    (["--model", "{d}/text.sqlite"], "is a file, not a checkpoint directory"),
+    (["--max-new-tokens", "5000"], "exceeds the model length limit"),
+    (["--prompts", "{d}/long.jsonl"], "exceeds the model length limit"),
+]
+OTHER_CASES = [
+    (["policy", "check", "{d}/binary.yaml"], "binary.yaml"),
+    (["policy", "check", "{d}"], "is a directory"),
+    (["policy", "schema", "--output", "{d}/missing/s.json"], "--output {d}/missing/s.json: directory"),
+    (["calibrate", "--ledger", "{d}/typo.sqlite"], "no ledger at {d}/typo.sqlite"),
+    (["gate", "--ledger", "{d}/typo.sqlite"], "typo.sqlite"),
+    (["gate", "--ledger", "{d}/foreign.sqlite"], "not a fallbackgate ledger"),
+    (["audit", "--workers", "0", "--ledger", "{d}/l.sqlite"], "--workers must be 1.."),
+    (["audit", "--lease-s", "0", "--ledger", "{d}/l.sqlite"], "--lease-s"),
+    (["audit", "--follow", "--ledger", "{d}/l.sqlite"], "--follow needs --run"),
+    (["audit", "--nice", "40", "--ledger", "{d}/l.sqlite"], "--nice must be 0..19"),
+    (["serve", "--port", "0"], "--port must be 1..65535, got 0"),
+    (["serve", "--audit-rate", "2"], "--audit-rate"),
+    (["serve", "--grace-s", "-1"], "--grace-s"),
+    (["serve", "--policy", "{d}/binary.yaml"], "binary.yaml"),
+    (["plan", "--context", "0", "--concurrency", "1"], "--context must be >= 1, got 0"),
+    (["plan", "--context", "8", "--concurrency", "0"], "--concurrency must be >= 1, got 0"),
+    (["plan", "--context", "8", "--concurrency", "1", "--device-budget-mb", "inf"], "--device-budget-mb"),
+    (["plan", "--context", "8", "--concurrency", "1", "--prompt-tokens", "9"], "--prompt-tokens must be 1..--context"),
+    (["plan", "--context", "8", "--concurrency", "1", "--model", "{d}"], "no config.json"),
+]
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    d = tmp_path_factory.mktemp("bad")
+    (d / "latin1.jsonl").write_bytes(b'{"prompt": "fine"}\n{"prompt": "caf\xff"}\n')
+    (d / "notjson.jsonl").write_text("{prompt: nope}\n")
+    (d / "empty.jsonl").write_text("\n\n")
+    (d / "noprompt.jsonl").write_text('{"id": "x"}\n')
+    (d / "long.jsonl").write_text('{"prompt": "' + "word " * 3000 + '"}\n')
+    (d / "binary.yaml").write_bytes(bytes(range(256)))
+    (d / "inf.yaml").write_text("version: 1\nmemory: {device_budget_mb: .inf}\n")
+    (d / "nan.yaml").write_text("version: 1\nmemory: {device_budget_mb: .nan}\n")
+    (d / "unknown.yaml").write_text("version: 1\nfrobnicate: 1\n")
+    (d / "text.sqlite").write_text("not a database\n")
+    con = sqlite3.connect(d / "foreign.sqlite")
+    con.execute("CREATE TABLE foo (x)")
+    con.commit()
+    con.close()
+    return d
+
+
+def _check(argv: list[str], needle: str, d: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fill = [a.replace("{d}", str(d)) for a in argv]
+    foreign = (d / "foreign.sqlite").read_bytes()
+    assert main(fill) == 2, fill
+    err = capsys.readouterr().err
+    assert needle.replace("{d}", str(d)) in err, err
+    assert "Traceback" not in err
+    assert (d / "foreign.sqlite").read_bytes() == foreign  # an unrelated database is never written
+
+
+@pytest.mark.parametrize(("argv", "needle"), RUN_CASES, ids=[" ".join(a) for a, _ in RUN_CASES])
+def test_run_refuses_bad_input_before_writing(
+    argv: list[str], needle: str, scratch: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ledger = scratch / "l.sqlite"
+    has_ledger = "--ledger" in argv
+    _check(["run", "--quiet", *([] if has_ledger else ["--ledger", str(ledger)]), *argv], needle, scratch, capsys)
+    if ledger.exists():  # the file may hold the schema, never a run row
+        with sqlite3.connect(ledger) as con:
+            assert con.execute("SELECT count(*) FROM runs").fetchone() == (0,)
+
+
+@pytest.mark.parametrize(("argv", "needle"), OTHER_CASES, ids=[" ".join(a) for a, _ in OTHER_CASES])
+def test_other_commands_refuse_bad_input(
+    argv: list[str], needle: str, scratch: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _check(argv, needle, scratch, capsys)
+    assert not (scratch / "typo.sqlite").exists()
+
+
+def test_enough_cases() -> None:
+    assert len(RUN_CASES) + len(OTHER_CASES) >= 60
