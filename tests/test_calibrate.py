@@ -66,4 +66,5 @@ def test_calibrate_from_a_real_run(checkpoint_factory, tmp_path: pathlib.Path, c
 
 
 def test_calibrate_with_nothing_to_fit(tmp_path: pathlib.Path) -> None:
+    open_ledger(str(tmp_path / "empty.sqlite")).close()  # an empty ledger (calibrate never creates one)
     assert main(["calibrate", "--ledger", f"sqlite:///{tmp_path / 'empty.sqlite'}"]) == 1

@@ -193,10 +193,8 @@ def test_concurrent_load_then_sigterm_leaves_every_request_in_the_ledger(
         time.sleep(0.5)
     assert 'statistic="max"' in text
     out = srv.stop()
-    # after a clean drain the command exits 128 + SIGTERM, as a signal-stopped command does
-    assert (
-        srv.proc.returncode == 128 + signal.SIGTERM and "0 request(s) interrupted" in out and "Traceback" not in out
-    ), out
+    # SIGTERM is how a server is told to stop: after a clean drain it exits 0
+    assert srv.proc.returncode == 0 and "0 request(s) interrupted" in out and "Traceback" not in out, out
     with open_ledger(ledger) as led:
         (run,) = queries.list_runs(led)
         assert run["status"] == "complete"
