@@ -54,6 +54,8 @@ RUN_CASES = [
     (["--model", "{d}/text.sqlite"], "is a file, not a checkpoint directory"),
     (["--max-new-tokens", "5000"], "exceeds the model length limit"),
     (["--prompts", "{d}/long.jsonl"], "exceeds the model length limit"),
+    (["--prompts", "{d}/longid.jsonl"], "field 'id' must be 1..128 characters, got 129"),
+    (["--prompts", "{d}/longclass.jsonl"], "field 'class' must be a string of 1..64 characters"),
 ]
 OTHER_CASES = [
     (["policy", "check", "{d}/binary.yaml"], "binary.yaml"),
@@ -86,6 +88,8 @@ def scratch(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     (d / "empty.jsonl").write_text("\n\n")
     (d / "noprompt.jsonl").write_text('{"id": "x"}\n')
     (d / "long.jsonl").write_text('{"prompt": "' + "word " * 3000 + '"}\n')
+    (d / "longid.jsonl").write_text('{"prompt": "hi", "id": "' + "x" * 129 + '"}\n')
+    (d / "longclass.jsonl").write_text('{"prompt": "hi", "class": "' + "c" * 65 + '"}\n')
     (d / "binary.yaml").write_bytes(bytes(range(256)))
     (d / "inf.yaml").write_text("version: 1\nmemory: {device_budget_mb: .inf}\n")
     (d / "nan.yaml").write_text("version: 1\nmemory: {device_budget_mb: .nan}\n")

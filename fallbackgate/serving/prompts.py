@@ -26,6 +26,10 @@ class PromptSpec:
     max_new_tokens: int | None = None  # overrides --max-new-tokens
 
 
+MAX_ID_CHARS = 128  # requests.request_id is VARCHAR(128)
+MAX_CLASS_CHARS = 64  # requests.request_class is VARCHAR(64)
+
+
 class PromptsFileError(ValueError):
     """A prompts file that cannot be used; the message names the file, line and field."""
 
@@ -74,12 +78,17 @@ def _parse_line(path: pathlib.Path, number: int, line: str, seen: set[str]) -> P
     if not isinstance(prompt, str) or not prompt.strip():
         raise PromptsFileError(f"{where}: field 'prompt' must be a non-empty string, got {prompt!r}")
     request_id = str(item.get("id", f"prompt-{number}"))
+    if not 1 <= len(request_id) <= MAX_ID_CHARS:  # the ledger's limit, on every backend
+        raise PromptsFileError(f"{where}: field 'id' must be 1..{MAX_ID_CHARS} characters, got {len(request_id)}")
     if request_id in seen:
         raise PromptsFileError(f"{where}: field 'id' value {request_id!r} is used twice")
     seen.add(request_id)
     request_class = item.get("class", "default")
-    if not isinstance(request_class, str) or not request_class:
-        raise PromptsFileError(f"{where}: field 'class' must be a non-empty string, got {request_class!r}")
+    if not isinstance(request_class, str) or not 1 <= len(request_class) <= MAX_CLASS_CHARS:
+        raise PromptsFileError(
+            f"{where}: field 'class' must be a string of 1..{MAX_CLASS_CHARS} characters, "
+            f"got {str(request_class)[:80]!r}"
+        )
     max_new = item.get("max_new_tokens")
     if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1):
         raise PromptsFileError(f"{where}: field 'max_new_tokens' must be a positive integer, got {max_new!r}")
