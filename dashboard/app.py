@@ -14,6 +14,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from fallbackgate.dashboard import data, filters
 from fallbackgate.dashboard.views import calibration, drift, drilldown, overview, sweep
+from fallbackgate.ledger.db import display_url
 
 PAGES: dict[str, tuple[str, Callable[..., None]]] = {
     "overview": ("Overview", overview.render),
@@ -53,8 +54,8 @@ def main() -> None:
         st.error(f"Cannot open the ledger: {exc}")
     except SQLAlchemyError as exc:
         first = str(getattr(exc, "orig", None) or exc).strip().splitlines()
-        st.error(f"Cannot read the ledger {url}: {first[0] if first else type(exc).__name__}")
-    st.sidebar.caption(f"ledger (read-only): {url}")
+        st.error(f"Cannot read the ledger {display_url(url)}: {first[0] if first else type(exc).__name__}")
+    st.sidebar.caption(f"ledger (read-only): {display_url(url)}")
 
 
 main()

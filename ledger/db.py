@@ -77,6 +77,14 @@ def resolve_url(url: str | None) -> str:
     return os.environ.get(ENV_VAR) or DEFAULT_LEDGER
 
 
+def display_url(raw: str) -> str:
+    """A ledger URL as it may be shown or logged: any password replaced by ***."""
+    try:
+        return parse_url(raw).render_as_string(hide_password=True)
+    except LedgerError:
+        return re.sub(r"(//[^/:@]*:)[^@/]*@", r"\1***@", raw)
+
+
 def parse_url(raw: str) -> URL:
     """Turn a URL or bare file path into a SQLAlchemy URL; raise LedgerError when malformed."""
     raw = raw.strip()

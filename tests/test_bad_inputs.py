@@ -134,3 +134,19 @@ def test_other_commands_refuse_bad_input(
 
 def test_enough_cases() -> None:
     assert len(RUN_CASES) + len(OTHER_CASES) >= 60
+
+
+def test_passwords_never_shown(monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamlit.testing.v1 import AppTest
+
+    from fallbackgate.ledger.db import display_url
+    from tests.test_dashboard import APP
+
+    url = "postgresql+psycopg://fg:s3cret-pw@127.0.0.1:1/ledger"  # nothing listens on port 1
+    assert display_url(url) == "postgresql+psycopg://fg:***@127.0.0.1:1/ledger"
+    assert "s3cret" not in display_url("postgresql://fg:s3cret-pw@host/db?x=[")  # unparsable: still hidden
+    monkeypatch.setenv("FALLBACKGATE_LEDGER", url)
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.run()
+    shown = " ".join(str(e.value) for e in [*at.error, *at.caption, *at.markdown, *at.info])
+    assert "Cannot open the ledger" in shown and "s3cret" not in shown, shown

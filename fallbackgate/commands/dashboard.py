@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR
+from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, display_url
 from fallbackgate.resources import package_dir
 
 APP = package_dir("fallbackgate.dashboard") / "app.py"
@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"fallbackgate dashboard: error: dashboard app not found at {APP}", file=sys.stderr)
         return 2
     env = dashboard_env(args.ledger)
-    print(f"fallbackgate dashboard: http://{args.address}:{args.port} (ledger {env.get(ENV_VAR, DEFAULT_LEDGER)})")
+    shown = display_url(env.get(ENV_VAR, DEFAULT_LEDGER))  # never a password on stdout
+    print(f"fallbackgate dashboard: http://{args.address}:{args.port} (ledger {shown})")
     try:
         return subprocess.call(streamlit_command(args.port, args.address), env=env)
     except KeyboardInterrupt:
