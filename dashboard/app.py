@@ -1,8 +1,8 @@
 """The fallbackgate dashboard (Streamlit): ``fallbackgate dashboard --ledger URL`` or
 ``FALLBACKGATE_LEDGER=URL streamlit run dashboard/app.py``. Reads the ledger read-only.
 
-Pages (sidebar, or ``?page=overview|drift|request|calibration|sweep``): Overview, Drift, Request
-drill-down, Calibration, Budget sweep.
+Pages (sidebar, or ``?page=overview|pareto|drift|request|calibration|sweep``): Overview, Quality vs speed
+(measured TPOT against audited KL), Drift, Request drill-down, Calibration, Budget sweep.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import streamlit as st
 from sqlalchemy.exc import SQLAlchemyError
 
 from fallbackgate.dashboard import data, filters
-from fallbackgate.dashboard.views import calibration, drift, drilldown, overview, sweep
+from fallbackgate.dashboard.views import calibration, drift, drilldown, overview, pareto, sweep
 from fallbackgate.ledger.db import display_url
 
 PAGES: dict[str, tuple[str, Callable[..., None]]] = {
     "overview": ("Overview", overview.render),
+    "pareto": ("Quality vs speed", pareto.render),
     "drift": ("Drift", drift.render),
     "request": ("Request drill-down", drilldown.render),
     "calibration": ("Calibration", calibration.render),

@@ -63,3 +63,44 @@ def tag_heatmap(grid: pd.DataFrame) -> alt.Chart:
         )
         .properties(height=alt.Step(18))
     )
+
+
+def pareto_chart(df: pd.DataFrame) -> alt.LayerChart:
+    """Measured TPOT (ms, log) against audited mean KL (nats, log) per run × class, coloured by policy and
+    shaped by class, with each class's TPOT SLO (vertical) and mean-KL budget (horizontal) as dashed rules."""
+    tooltip = [
+        "run_id:O",
+        "policy:N",
+        "request_class:N",
+        alt.Tooltip("tpot_ms:Q", format=".1f"),
+        alt.Tooltip("mean_kl:Q", format=".3g"),
+        "requests:Q",
+        "audited:Q",
+    ]
+    points = (
+        alt.Chart(df)
+        .mark_point(filled=True, size=90)
+        .encode(
+            x=alt.X("tpot_ms:Q", title="measured TPOT (ms, log)", scale=alt.Scale(type="log")),
+            y=alt.Y("kl_shown:Q", title="audited mean KL (nats, log; exact at 1e-12)", scale=alt.Scale(type="log")),
+            color=alt.Color("policy:N", title="policy"),
+            shape=alt.Shape("request_class:N", title="class"),
+            tooltip=tooltip,
+        )
+    )
+    slo = df.dropna(subset=["tpot_slo_ms"]).drop_duplicates(["request_class", "tpot_slo_ms"])
+    slo = slo[slo["tpot_slo_ms"] <= 10 * df["tpot_ms"].max()]  # a far-off SLO would flatten the points
+    budget = df.dropna(subset=["budget_mean_kl"]).drop_duplicates(["request_class", "budget_mean_kl"])
+    slo_rules = (
+        alt.Chart(slo)
+        .mark_rule(strokeDash=[4, 4], color="#666")
+        .encode(x="tpot_slo_ms:Q", tooltip=["request_class:N", alt.Tooltip("tpot_slo_ms:Q", title="TPOT SLO (ms)")])
+    )
+    budget_rules = (
+        alt.Chart(budget)
+        .mark_rule(strokeDash=[2, 6], color="#666")
+        .encode(
+            y="budget_mean_kl:Q", tooltip=["request_class:N", alt.Tooltip("budget_mean_kl:Q", title="mean-KL budget")]
+        )
+    )
+    return alt.layer(points, slo_rules, budget_rules).resolve_scale(x="shared", y="shared")

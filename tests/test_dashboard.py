@@ -243,3 +243,20 @@ def test_budget_sweep_heatmaps_per_controller(db: Path, monkeypatch: pytest.Monk
     assert spec["facet"]["column"]["field"] == "controller"
     at.selectbox(key="sweep_metric").set_value("slo").run()
     assert charts(at)[0]["spec"]["layer"][0]["encoding"]["color"]["field"] == "slo"
+
+
+def test_pareto_page_plots_measured_tpot_against_audited_kl(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_page(db, "pareto", monkeypatch)
+    rows = sql(
+        db,
+        "SELECT r.run_id, r.request_class, AVG(r.tpot_s), AVG(s.mean_kl) FROM requests r LEFT JOIN request_stats s "
+        "ON s.run_id = r.run_id AND s.request_id = r.request_id GROUP BY 1, 2",
+    )
+    assert metrics(at)["Run × class points"] == str(len(rows))
+    (points, *_) = chart_rows(at, 0)
+    got = {(int(p.run_id), p.request_class): (p.tpot_ms, p.mean_kl) for p in points.itertuples()}
+    for run_id, cls, tpot_s, mean_kl in rows:
+        assert got[(run_id, cls)][0] == pytest.approx(1e3 * tpot_s)
+        assert got[(run_id, cls)][1] == pytest.approx(mean_kl)
+    spec = json.dumps(charts(at)[0])
+    assert '"type": "log"' in spec and "measured TPOT (ms, log)" in spec
