@@ -84,7 +84,16 @@ def load_sweep(ledger: Ledger | None, setting: str | None = None) -> tuple[pd.Da
     return (pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()), problems
 
 
+PREFERRED_METRICS = ("tpot_mean_ms", "mean_kl", "slo_attainment", "tokens_per_s")  # shown first, in this order
+
+
 def metric_columns(df: pd.DataFrame) -> list[str]:
-    """Numeric columns other than the two budgets: what a heatmap can colour by."""
-    skip = {"expert_budget", "kv_budget"}
-    return [c for c in df.columns if c not in skip and pd.api.types.is_numeric_dtype(df[c])]
+    """Numeric columns a heatmap can colour by (not the budgets, run ids or seeds), the most telling first."""
+    skip = {"expert_budget", "kv_budget", "seed"}
+    numeric = [
+        c
+        for c in df.columns
+        if c not in skip and not c.endswith("_id") and pd.api.types.is_numeric_dtype(df[c])
+    ]
+    first = [m for m in PREFERRED_METRICS if m in numeric]
+    return first + [c for c in numeric if c not in first]

@@ -27,17 +27,38 @@ TABLE = {
     "verdict": "verdict",
 }
 TINY_KL = 1e-18  # KL of 0 has no place on a log axis; drawn at this value
+FAIL_COLOUR = "#d1495b"  # gate failures only: no policy series uses it
+POLICY_COLOURS = ("#4c78a8", "#54a24b", "#f58518", "#72b7b2", "#b279a2", "#9d755d", "#bab0ac", "#eeca3b")
+
+
+def _time_x() -> alt.X:
+    """Run start time on a UTC axis with 24-hour labels, padded so the newest point is not clipped."""
+    axis = alt.Axis(format="%m-%d %H:%M", labelAngle=-30, title="run started (UTC, 24 h)")
+    return alt.X("started_at:T", axis=axis, scale=alt.Scale(type="utc", padding=24))
+
+
+def _policy_colour() -> alt.Color:
+    return alt.Color("policy:N", title="policy", scale=alt.Scale(range=list(POLICY_COLOURS)))
 
 
 def _kl_chart(df: pd.DataFrame) -> alt.LayerChart:
     long = df.melt(id_vars=["run_id", "started_at", "policy"], value_vars=["mean_kl", "p99_kl"], var_name="statistic")
     long["value"] = long["value"].clip(lower=TINY_KL)
-    x = alt.X("started_at:T", title="run started (UTC)")
-    y = alt.Y("value:Q", scale=alt.Scale(type="log"), title="KL (nats)")
+    long["statistic"] = long["statistic"].map({"mean_kl": "mean KL", "p99_kl": "p99 KL"})
+    x = _time_x()
+    y = alt.Y("value:Q", scale=alt.Scale(type="log"), title="KL against the exact baseline (nats, log)")
+    stat = alt.Shape("statistic:N", title="statistic", scale=alt.Scale(range=["circle", "square"]))
     lines = (
         alt.Chart(long)
-        .mark_line(point=True)
-        .encode(x=x, y=y, color=alt.Color("policy:N"), strokeDash="statistic:N", tooltip=list(long.columns))
+        .mark_line(point=alt.OverlayMarkDef(size=60, filled=True))
+        .encode(
+            x=x,
+            y=y,
+            color=_policy_colour(),
+            strokeDash=alt.StrokeDash("statistic:N", title="statistic"),
+            shape=stat,
+            tooltip=list(long.columns),
+        )
     )
     floor = df.dropna(subset=["numeric_floor_kl"]).assign(floor=lambda d: d["numeric_floor_kl"].clip(lower=TINY_KL))
     floor_line = (
@@ -48,7 +69,7 @@ def _kl_chart(df: pd.DataFrame) -> alt.LayerChart:
     fails = df[df["verdict"] == "fail"].assign(value=lambda d: d["mean_kl"].clip(lower=TINY_KL))
     alerts = (
         alt.Chart(fails)
-        .mark_point(shape="triangle-up", size=220, color="#d1495b", filled=True)
+        .mark_point(shape="triangle-up", size=220, color=FAIL_COLOUR, filled=True)
         .encode(x=x, y=alt.Y("value:Q"), tooltip=["run_id:O", "policy:N", "verdict:N", "mean_kl:Q"])
     )
     return alt.layer(lines, floor_line, alerts)
@@ -56,13 +77,14 @@ def _kl_chart(df: pd.DataFrame) -> alt.LayerChart:
 
 def _agreement_chart(df: pd.DataFrame) -> alt.Chart:
     long = df.melt(id_vars=["run_id", "started_at", "policy"], value_vars=["top1_agreement", "ppl_ratio"])
+    long["variable"] = long["variable"].map({"top1_agreement": "top-1 agreement", "ppl_ratio": "PPL ratio"})
     return (
         alt.Chart(long)
         .mark_line(point=True)
         .encode(
-            x=alt.X("started_at:T", title="run started (UTC)"),
+            x=_time_x(),
             y=alt.Y("value:Q", scale=alt.Scale(zero=False), title=None),
-            color="policy:N",
+            color=_policy_colour(),
             row=alt.Row("variable:N", title=None),
             tooltip=list(long.columns),
         )
@@ -87,7 +109,14 @@ def render(url: str, f: RunFilter) -> None:
     cols[4].metric("Gate failures", int((df["verdict"] == "fail").sum()))
     st.subheader("KL against the exact baseline")
     st.altair_chart(_kl_chart(df), width="stretch")
-    st.caption("Dashed gray: numeric floor (max KL of each run's exact-vs-exact control). Red triangles: gate failed.")
+    st.caption(
+        "Circles: mean KL, squares: p99 KL. Dashed gray: numeric floor (max KL of each run's exact-vs-exact "
+        "control). Red triangles (a colour no policy uses): the gate failed."
+    )
     st.subheader("Top-1 agreement and perplexity ratio")
     st.altair_chart(_agreement_chart(df), width="stretch")
+    st.caption(
+        "PPL ratio = PPL(engine) / PPL(exact) over the tokens the engine emitted. Both score the engine's own "
+        "tokens, so a broken run that emits tokens it finds likely can show a ratio below 1: read it with the KL."
+    )
     st.dataframe(df[list(TABLE)], column_config=TABLE, hide_index=True, key="drift_runs")

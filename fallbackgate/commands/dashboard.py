@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import pathlib
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,8 @@ from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, display_url
 from fallbackgate.resources import package_dir
 
 APP = package_dir("fallbackgate.dashboard") / "app.py"
+SHIPPED_SWEEP = package_dir("fallbackgate") / "sweep_results" / "sweep.json"
+ENV_SWEEP = "FALLBACKGATE_SWEEP_JSON"  # what the app reads (fallbackgate.dashboard.sweep_data.ENV_SWEEP)
 DEFAULT_ADDRESS = "127.0.0.1"
 DEFAULT_PORT = 8501
 
@@ -30,6 +33,12 @@ def add_parser(subparsers: Any) -> None:
         "--ledger", default=None, help=f"ledger URL or SQLite path (default: ${ENV_VAR}, else {DEFAULT_LEDGER})"
     )
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
+    p.add_argument(
+        "--sweep",
+        default=None,
+        help=f"budget-sweep results (a JSON file or a directory of them) for the sweep page (default: the shipped "
+        f"results, {SHIPPED_SWEEP})",
+    )
     p.add_argument(
         "--address", default=DEFAULT_ADDRESS, help=f"address to bind (default {DEFAULT_ADDRESS}: this machine only)"
     )
@@ -72,6 +81,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"fallbackgate dashboard: error: dashboard app not found at {APP}", file=sys.stderr)
         return 2
     env = dashboard_env(args.ledger)
+    sweep = args.sweep or env.get(ENV_SWEEP) or str(SHIPPED_SWEEP)
+    if not pathlib.Path(sweep).exists():
+        print(f"fallbackgate dashboard: error: --sweep {sweep}: no such file or directory", file=sys.stderr)
+        return 2
+    env[ENV_SWEEP] = sweep
     shown = display_url(env.get(ENV_VAR, DEFAULT_LEDGER))  # never a password on stdout
     print(f"fallbackgate dashboard: http://{args.address}:{args.port} (ledger {shown})")
     try:
