@@ -65,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     import fallbackgate  # noqa: F401 - registers the model with lm-eval
     from fallbackgate.evals.lm_adapter import FallbackgateLM
 
+    first = len(FallbackgateLM.instances)  # models made before (tests, notebooks) are not this run's
     argv, sys.argv = sys.argv, ["lm_eval", *_with_defaults(rest)]
     try:
         status = cli_evaluate()
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         sys.argv = argv
     reports = []
-    for lm in FallbackgateLM.instances:
+    for lm in FallbackgateLM.instances[first:]:
         run_id, verdict = lm.run_id, lm.finish()
         reports.append(
             {
