@@ -163,14 +163,15 @@ def test_request_drilldown_numbers(db: Path, monkeypatch: pytest.MonkeyPatch) ->
         f"Gate failed: {reason} — first divergence at position {pos}, step {step}, layer {layer}, "
         f"tags {', '.join(json.loads(tags))}"
     ]
-    budget = frame(at, "within").set_index("limit")
-    assert budget.loc["max_mean_kl", "budget"] == BUDGET["max_mean_kl"]
-    assert budget.loc["max_mean_kl", "measured"] == pytest.approx(mean_kl)
-    assert budget.loc["max_mean_kl", "remaining"] == pytest.approx(BUDGET["max_mean_kl"] - mean_kl)
-    assert not budget.loc["max_mean_kl", "within"]
+    budget = frame(at, "spent of limit").set_index("statistic")  # formatted for people: 3 digits, %, pass/FAIL
+    assert budget.loc["mean KL", "budget"] == f"{BUDGET['max_mean_kl']:.3g}"
+    assert budget.loc["mean KL", "measured"] == f"{mean_kl:.3g}"
+    assert budget.loc["mean KL", "remaining"] == f"{BUDGET['max_mean_kl'] - mean_kl:.3g}"
+    assert budget.loc["mean KL", "spent of limit"] == f"{100 * mean_kl / BUDGET['max_mean_kl']:.0f} %"
+    assert budget.loc["mean KL", "verdict"] == "FAIL"
     by_class = dict(sql(db, "SELECT exactness, SUM(count) FROM events WHERE run_id=2 AND request_id='a' GROUP BY 1"))
     frac = by_class.get("approximate", 0) / sum(by_class.values())
-    assert budget.loc["max_approx_fraction", "measured"] == pytest.approx(frac)
+    assert budget.loc["approximate fraction", "measured"] == f"{frac:.3g}"
     cells = sql(
         db,
         "SELECT COUNT(*) FROM (SELECT DISTINCT step_id, layer, object_kind FROM events "

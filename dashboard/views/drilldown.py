@@ -75,6 +75,29 @@ def budget_table(summary: dict[str, Any], by_class: dict[str, int]) -> pd.DataFr
     return pd.DataFrame(rows, columns=["limit", "statistic", "budget", "measured", "spent", "remaining", "within"])
 
 
+def _spent_text(spent: float | None) -> str:
+    if spent is None or pd.isna(spent):
+        return "—"
+    return "over (limit 0)" if spent == float("inf") else f"{100 * spent:.0f} %"
+
+
+def budget_display(table: pd.DataFrame) -> Any:
+    """The budget table as people read it: numbers at 3 significant digits, spent as a percentage of the
+    limit, and a pass/fail column in colour (no raw floats, "Infinity" or unticked boxes)."""
+    shown = pd.DataFrame(
+        {
+            "statistic": table["statistic"],
+            "budget": table["budget"].map(lambda v: f"{v:.3g}"),
+            "measured": table["measured"].map(lambda v: f"{v:.3g}"),
+            "spent of limit": table["spent"].map(_spent_text),
+            "remaining": table["remaining"].map(lambda v: f"{v:.3g}"),
+            "verdict": table["within"].map(lambda ok: "pass" if ok else "FAIL"),
+        }
+    )
+    colour = {"pass": "color: #2e7d32; font-weight: 600", "FAIL": "color: #c62828; font-weight: 600"}
+    return shown.style.map(lambda v: colour.get(v, ""), subset=["verdict"])
+
+
 def _metrics(d: dict[str, Any]) -> None:
     s = d["summary"]
     fd = s.get("first_divergence")
@@ -176,7 +199,7 @@ def render(url: str, f: RunFilter) -> None:
     if table.empty:
         st.info("No quality budget was recorded for this request.")
     else:
-        st.dataframe(table, hide_index=True, key="dd_budget")
+        st.dataframe(budget_display(table), hide_index=True, key="dd_budget")
     tl = d["timeline"]
     st.metric("Predicted cost spent (approximate tags)", f"{tl['predicted_cost'].sum() if not tl.empty else 0.0:.4g}")
     st.subheader("KL per output position")
