@@ -69,6 +69,7 @@ def test_overview_numbers(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     df = frame(at, "objects_exact").set_index("run_id")
     assert list(df.index) == [2, 1]  # newest first
     assert df.loc[1, "verdict"] == "pass" and df.loc[2, "verdict"] == "fail"
+    assert df.loc[2, "link"] == "./?page=request&run=2"  # each run opens its drill-down
     for run_id in (1, 2):
         for cls in ("exact", "equivalent", "approximate"):
             assert df.loc[run_id, f"objects_{cls}"] == counts.get((run_id, cls), 0)
@@ -102,6 +103,10 @@ def test_overview_filters_by_request_class(db: Path, monkeypatch: pytest.MonkeyP
     at.multiselect(key="f_class").set_value([]).run()
     (first,) = sql(db, "SELECT date(MIN(started_at)) FROM runs")[0]
     day = dt.date.fromisoformat(first)
+    assert at.query_params["range"] in ("all", ["all"])  # the view is in the URL
+    at.radio(key="f_range").set_value("24h").run()
+    assert metrics(at)["Runs"] == "2" and at.query_params["range"] in ("24h", ["24h"])  # both started just now
+    at.radio(key="f_range").set_value("dates").run()
     at.date_input(key="f_since").set_value(day).run()
     at.date_input(key="f_until").set_value(day + dt.timedelta(days=1)).run()
     assert metrics(at)["Runs"] == "2"  # both bounds inclusive of whole days
@@ -111,7 +116,12 @@ def test_overview_filters_by_request_class(db: Path, monkeypatch: pytest.MonkeyP
     at.multiselect(key="f_policy").set_value(["no-such-policy"]).run()
     assert [i.value for i in at.info] == ["No runs match the filters."]
     at.multiselect(key="f_policy").set_value(["exact_lru"]).run()
-    assert metrics(at)["Runs"] == "2"
+    assert metrics(at)["Runs"] == "2" and at.query_params["policy"] in ("exact_lru", ["exact_lru"])
+
+
+def test_filters_come_from_the_url(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_page(db, "overview", monkeypatch, **{"class": "chat"})
+    assert at.multiselect(key="f_class").value == ["chat"] and metrics(at)["Requests"] == "2"
 
 
 def test_drift_numbers(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:

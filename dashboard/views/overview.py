@@ -8,6 +8,7 @@ from fallbackgate.dashboard import charts, data
 from fallbackgate.ledger.dashboard_queries import RunFilter
 
 COLUMNS = {
+    "link": st.column_config.LinkColumn("open", display_text="drill-down", help="the run's requests, step by step"),
     "run_id": st.column_config.NumberColumn("run"),
     "started_at": st.column_config.DatetimeColumn("started (UTC)"),
     "policy": "policy",
@@ -39,6 +40,7 @@ def render(url: str, f: RunFilter) -> None:
     cols[1].metric("Gate failures", failed)
     cols[2].metric("Requests", int(df["requests"].sum()))
     cols[3].metric("Approximate objects", int(df["objects_approximate"].sum()))
+    df = df.assign(link=[f"./?page=request&run={run_id}" for run_id in df["run_id"]])
     st.dataframe(df[list(COLUMNS)], column_config=COLUMNS, hide_index=True, key="overview_runs")
     st.caption(
         "SLO attainment: share of requests with an SLO whose TTFT and TPOT met it; verdict: the newest "
