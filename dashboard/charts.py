@@ -49,19 +49,25 @@ def tag_bars(df: pd.DataFrame) -> alt.Chart:
     )
 
 
+MAX_HEATMAP_WIDTH = 900  # pixels: a long request's steps share this width instead of overflowing the page
+
+
 def tag_heatmap(grid: pd.DataFrame) -> alt.Chart:
-    """Step × layer cells coloured by the least exact tag used there, one row per object kind."""
+    """Step × layer cells coloured by the least exact tag used there, one row per object kind; steps on a
+    quantitative axis squeezed into MAX_HEATMAP_WIDTH pixels however long the request is."""
+    num_steps = max(1, grid["step_id"].nunique()) if not grid.empty else 1
+    width = min(MAX_HEATMAP_WIDTH, 18 * num_steps)
     return (
         alt.Chart(grid)
         .mark_rect()
         .encode(
-            x=alt.X("step_id:O", title="step"),
+            x=alt.X("step_id:O", title="step", axis=alt.Axis(labelOverlap="greedy", labelAngle=0)),
             y=alt.Y("layer:O", title="layer"),
             color=alt.Color("tag:N", scale=tag_scale(), title="least exact tag"),
             row=alt.Row("object_kind:N", title=None),
             tooltip=["step_id", "layer", "object_kind", "tag", "exactness", "objects", "cell_objects", "cell_tags"],
         )
-        .properties(height=alt.Step(18))
+        .properties(height=alt.Step(18), width=width)
     )
 
 
