@@ -58,7 +58,12 @@ class SpillDir:
         data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
         crcs = tuple(zlib.crc32(data[i : i + PAGE_BYTES]) for i in range(0, len(data), PAGE_BYTES))
         path = self.root / f"{name}.bin"
-        path.write_bytes(data)
+        try:
+            path.write_bytes(data)
+        except OSError as exc:  # a full disk or a vanished directory: say which, never a bare traceback
+            path.unlink(missing_ok=True)
+            where = f"spill directory {self.root.parent}"
+            raise EngineError(f"{where}: cannot write {len(data)} B ({exc.strerror})") from None
         return SpillRecord(path=path, dtype=tensor.dtype, shape=tuple(tensor.shape), page_crcs=crcs)
 
     def read(self, record: SpillRecord) -> torch.Tensor:

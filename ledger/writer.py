@@ -253,6 +253,20 @@ class LedgerWriter:
         self._put(("op", self._run_update(rid, status=status, finished_at=utcnow())))
         self.flush()
 
+    def mark_run_now(self, status: str, run_id: int | None = None) -> bool:
+        """Set the run's status directly, bypassing the queue (after a failed write): False when even this
+        is refused (a full disk), and the run stays "running" (reported incomplete)."""
+        if status not in RUN_STATUSES or status == "running":
+            raise ValueError(f"finish status must be one of complete/failed/incomplete/interrupted, not {status!r}")
+        try:
+            table = Run.__table__
+            stmt = update(table).where(table.c.id == self._run(run_id)).values(status=status, finished_at=utcnow())
+            with begin_write(self.ledger.engine) as conn:
+                conn.execute(stmt)
+        except Exception:  # noqa: BLE001 - the database refuses: nothing more can be recorded
+            return False
+        return True
+
     def flush(self) -> None:
         """Block until everything recorded so far is committed."""
         self._put(FLUSH)

@@ -150,3 +150,70 @@ def test_passwords_never_shown(monkeypatch: pytest.MonkeyPatch) -> None:
     at.run()
     shown = " ".join(str(e.value) for e in [*at.error, *at.caption, *at.markdown, *at.info])
     assert "Cannot open the ledger" in shown and "s3cret" not in shown, shown
+
+
+def _run_forcing_disk_spills(tmp_path: pathlib.Path, ledger: pathlib.Path) -> list[str]:
+    return [
+        "run",
+        "--quiet",
+        "--spill-dir",
+        str(tmp_path / "spill"),
+        "--device-budget-mb",
+        "3",
+        "--host-budget-mb",
+        "0.01",
+        "--force",
+        "kv_dequant",
+        "--max-new-tokens",
+        "64",
+        "--ledger",
+        str(ledger),
+    ]
+
+
+def test_full_spill_disk_fails_the_run_cleanly(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import errno
+
+    (tmp_path / "spill").mkdir()
+    write_bytes = pathlib.Path.write_bytes
+
+    def full(self: pathlib.Path, data: bytes) -> int:
+        if "fallbackgate-spill-" in str(self) and not self.name.startswith("."):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_bytes(self, data)
+
+    monkeypatch.setattr(pathlib.Path, "write_bytes", full)
+    ledger = tmp_path / "l.sqlite"
+    assert main(_run_forcing_disk_spills(tmp_path, ledger)) == 2
+    err = capsys.readouterr().err
+    assert f"spill directory {tmp_path / 'spill'}: cannot write" in err and "No space left" in err
+    assert "Traceback" not in err
+    with sqlite3.connect(ledger) as con:
+        assert con.execute("SELECT status FROM runs").fetchall() == [("failed",)]
+    assert list((tmp_path / "spill").iterdir()) == []  # the spill directory went with the engine
+
+
+def test_ledger_write_failure_marks_the_run_failed(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sqlalchemy.exc import OperationalError
+
+    from fallbackgate.ledger import writer_thread
+
+    insert_rows, calls = writer_thread.insert_rows, []
+
+    def disk_full_once(conn, table, rows, columns) -> None:
+        calls.append(table.name)
+        if table.name == "events" and calls.count("events") == 2:
+            raise OperationalError("INSERT", {}, Exception("database or disk is full"))
+        insert_rows(conn, table, rows, columns)
+
+    monkeypatch.setattr(writer_thread, "insert_rows", disk_full_once)
+    ledger = tmp_path / "l.sqlite"
+    assert main(["run", "--quiet", "--max-new-tokens", "64", "--ledger", str(ledger)]) == 1
+    err = capsys.readouterr().err
+    assert "ledger writer failed" in err and "disk is full" in err and "Traceback" not in err
+    with sqlite3.connect(ledger) as con:
+        assert con.execute("SELECT status FROM runs").fetchall() == [("failed",)]  # marked where the db allows

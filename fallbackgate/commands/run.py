@@ -223,9 +223,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         return _serve(args, specs, engine, settings, writer, policy)
-    except EngineError as exc:  # e.g. a prompt too long for the model: the run is marked failed
+    except EngineError as exc:  # e.g. a full spill directory: the run is marked failed
         print(f"fallbackgate run: error: {exc}", file=sys.stderr)
         return 2
+    except LedgerError as exc:  # e.g. the ledger's disk filled up: marked failed where the database still allows
+        print(f"fallbackgate run: error: {exc}", file=sys.stderr)
+        return 1
     finally:
         engine.close()
 

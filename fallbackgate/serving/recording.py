@@ -18,7 +18,7 @@ from fallbackgate.audit.gate import RunVerdict, evaluate_run
 from fallbackgate.audit.run_audit import audit_outputs
 from fallbackgate.audit.verdicts import record_verdicts
 from fallbackgate.engine.engine import Engine
-from fallbackgate.ledger.db import Ledger, open_ledger
+from fallbackgate.ledger.db import Ledger, LedgerError, open_ledger
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.serving.prompts import PromptSpec
 from fallbackgate.serving.session import RunOutcome, RunSettings, run_prompts
@@ -85,9 +85,22 @@ def serve_recorded(
     try:
         return run_prompts(engine, specs, settings, writer.record_step, progress)
     except BaseException as exc:
-        writer.finish_run(status="interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
-        writer.close()
+        _mark_failed(writer, "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
         raise
+
+
+def _mark_failed(writer: LedgerWriter, status: str) -> None:
+    """Mark the run `status` and close the writer, as far as the database still allows (a full disk may
+    refuse even that: the run then stays "running", which queries report as incomplete, never PASS)."""
+    try:
+        writer.finish_run(status=status)
+    except LedgerError:  # the queue holds a failed write: try the status alone, directly
+        writer.mark_run_now(status)
+    finally:
+        try:
+            writer.close()
+        except LedgerError:
+            pass
 
 
 def audit_and_judge(
@@ -109,8 +122,7 @@ def audit_and_judge(
     try:
         audited = _record_and_audit(engine, outcome, writer, budgets, slos, audit_rate, seed, is_deferred)
     except BaseException as exc:
-        writer.finish_run(status="interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
-        writer.close()
+        _mark_failed(writer, "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
         raise
     if is_deferred:
         writer.close()
