@@ -155,28 +155,13 @@ class LedgerWriter:
         passed: bool,
         reason: str = "",
         *,
-        position: int | None = None,
-        step: int | None = None,
-        layer: int | None = None,
-        tags: Sequence[str] | None = None,
-        quality_passed: bool | None = None,
-        correctness_passed: bool | None = None,
         run_id: int | None = None,
+        **located: Any,
     ) -> None:
-        """Record a gate verdict for a request (or the run when ``request_id`` is None); a request's verdict
-        may carry its two halves: quality (exact baseline, budget) and correctness (replay)."""
-        row = verdict_row(
-            self._run(run_id),
-            request_id,
-            passed,
-            reason,
-            position=position,
-            step=step,
-            layer=layer,
-            tags=tags,
-            quality_passed=quality_passed,
-            correctness_passed=correctness_passed,
-        )
+        """Record a gate verdict for a request (or the run when ``request_id`` is None); ``located`` are the
+        keywords of :func:`~fallbackgate.ledger.audit_rows.verdict_row` (position, step, layer, tags, and
+        the two halves: quality_passed, correctness_passed)."""
+        row = verdict_row(self._run(run_id), request_id, passed, reason, **located)
         self._put(("rows", VerdictRow.__table__, [row]))
         if request_id is not None:
             tbl = Request.__table__
