@@ -1,8 +1,9 @@
 """The fallbackgate dashboard (Streamlit): ``fallbackgate dashboard --ledger URL`` or
 ``FALLBACKGATE_LEDGER=URL streamlit run dashboard/app.py``. Reads the ledger read-only.
 
-Pages (sidebar, or ``?page=overview|pareto|drift|request|calibration|sweep``): Overview, Quality vs speed
-(measured TPOT against audited KL), Drift, Request drill-down, Calibration, Budget sweep.
+Pages (sidebar, or ``?page=overview|pareto|compare|drift|request|calibration|sweep``): Overview, Quality
+vs speed (measured TPOT against audited KL), Compare runs (``&a=ID&b=ID``), Drift, Request drill-down,
+Calibration, Budget sweep.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import streamlit as st
 from sqlalchemy.exc import SQLAlchemyError
 
 from fallbackgate.dashboard import data, filters
-from fallbackgate.dashboard.views import calibration, drift, drilldown, overview, pareto, sweep
+from fallbackgate.dashboard.views import calibration, compare, drift, drilldown, overview, pareto, sweep
 from fallbackgate.ledger.db import display_url
 
+REFRESH_S = 15  # the data layer's cache lifetime too
 PAGES: dict[str, tuple[str, Callable[..., None]]] = {
     "overview": ("Overview", overview.render),
     "pareto": ("Quality vs speed", pareto.render),
+    "compare": ("Compare runs", compare.render),
     "drift": ("Drift", drift.render),
     "request": ("Request drill-down", drilldown.render),
     "calibration": ("Calibration", calibration.render),
@@ -50,7 +53,14 @@ def main() -> None:
             st.info(f"The ledger {ledger.display_url} has no runs yet. Record one: `fallbackgate run --ledger URL`.")
             return
         run_filter = filters.sidebar_filters(url)
-        PAGES[slug][1](url, run_filter)
+        is_live = st.sidebar.toggle(
+            f"Auto-refresh every {REFRESH_S} s", value=st.query_params.get("refresh") == "1", key="auto_refresh"
+        )
+        st.query_params["refresh"] = "1" if is_live else "0"
+        if is_live:  # re-run just the page on a timer; cached queries expire as often
+            st.fragment(run_every=REFRESH_S)(PAGES[slug][1])(url, run_filter)
+        else:
+            PAGES[slug][1](url, run_filter)
     except data.LedgerError as exc:
         st.error(f"Cannot open the ledger: {exc}")
     except SQLAlchemyError as exc:

@@ -271,3 +271,20 @@ def test_pareto_page_plots_measured_tpot_against_audited_kl(db: Path, monkeypatc
         assert got[(run_id, cls)][1] == pytest.approx(mean_kl)
     spec = json.dumps(charts(at)[0])
     assert '"type": "log"' in spec and "measured TPOT (ms, log)" in spec
+
+
+def test_compare_page_shows_two_runs_side_by_side(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_page(db, "compare", monkeypatch, a="1", b="2")
+    table = frame(at, "B − A").set_index("")
+    assert list(table.columns[:2]) == ["run 1", "run 2"]
+    assert table.loc["verdict", "run 1"] == "pass" and table.loc["verdict", "run 2"] == "fail"
+    (kl2,) = sql(db, "SELECT AVG(mean_kl) FROM request_stats WHERE run_id = 2")[0]
+    assert float(table.loc["mean KL against exact (nats)", "run 2"]) == pytest.approx(kl2, rel=1e-2)
+    assert len(charts(at)) == 1
+
+
+def test_auto_refresh_is_a_url_toggle(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    at = open_page(db, "overview", monkeypatch, refresh="1")
+    assert at.toggle(key="auto_refresh").value is True and metrics(at)["Runs"] == "2"
+    at.toggle(key="auto_refresh").set_value(False).run()
+    assert not at.exception and at.query_params["refresh"] in ("0", ["0"])

@@ -40,7 +40,7 @@ CHROMIUM_FLAGS = (
     "--window-size=1400,1800",
     "--remote-debugging-port=0",
 )
-PAGES = {"overview": 2, "pareto": 1, "drift": 2, "request": 3, "calibration": 2, "sweep": 1}  # page -> charts it draws
+PAGES = {"overview": 2, "pareto": 1, "compare": 1, "drift": 2, "request": 3, "calibration": 2, "sweep": 1}
 STATE_JS = """(() => {
   const charts = [...document.querySelectorAll('[data-testid="stVegaLiteChart"]')];
   const drawn = charts.filter(
