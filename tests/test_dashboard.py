@@ -147,6 +147,7 @@ def test_drift_numbers(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     kl_chart = chart_rows(at, 0)
     alerts = [d for d in kl_chart if "value" in d and "verdict" in d and len(d) == 1]
     assert alerts and list(alerts[0]["run_id"]) == [2]  # one alert marker, on the failed run
+    assert list(alerts[0]["link"]) == ["./?page=request&run=2"]  # which opens its drill-down
     floors = [d for d in kl_chart if "floor" in d]
     assert floors and sorted(floors[0]["run_id"]) == [1, 2]
 

@@ -66,11 +66,19 @@ def _kl_chart(df: pd.DataFrame) -> alt.LayerChart:
         .mark_line(color="gray", strokeDash=[2, 2])
         .encode(x=x, y=alt.Y("floor:Q"), tooltip=["run_id:O", "numeric_floor_kl:Q"])
     )
-    fails = df[df["verdict"] == "fail"].assign(value=lambda d: d["mean_kl"].clip(lower=TINY_KL))
+    fails = df[df["verdict"] == "fail"].assign(
+        value=lambda d: d["mean_kl"].clip(lower=TINY_KL),
+        link=lambda d: "./?page=request&run=" + d["run_id"].astype(str),
+    )
     alerts = (
         alt.Chart(fails)
-        .mark_point(shape="triangle-up", size=220, color=FAIL_COLOUR, filled=True)
-        .encode(x=x, y=alt.Y("value:Q"), tooltip=["run_id:O", "policy:N", "verdict:N", "mean_kl:Q"])
+        .mark_point(shape="triangle-up", size=220, color=FAIL_COLOUR, filled=True, cursor="pointer")
+        .encode(
+            x=x,
+            y=alt.Y("value:Q"),
+            href="link:N",  # a failure marker opens the run's drill-down
+            tooltip=["run_id:O", "policy:N", "verdict:N", "mean_kl:Q"],
+        )
     )
     return alt.layer(lines, floor_line, alerts)
 
@@ -111,7 +119,7 @@ def render(url: str, f: RunFilter) -> None:
     st.altair_chart(_kl_chart(df), width="stretch")
     st.caption(
         "Circles: mean KL, squares: p99 KL. Dashed gray: numeric floor (max KL of each run's exact-vs-exact "
-        "control). Red triangles (a colour no policy uses): the gate failed."
+        "control). Red triangles (a colour no policy uses): the gate failed; click one for the run's drill-down."
     )
     st.subheader("Top-1 agreement and perplexity ratio")
     st.altair_chart(_agreement_chart(df), width="stretch")
