@@ -252,7 +252,7 @@ def test_budget_sweep_heatmaps_per_controller(db: Path, monkeypatch: pytest.Monk
     df = frame(at, "source")
     assert len(df) == 8 and sorted(df["mean_kl"]) == pytest.approx([i * 0.01 for i in range(8)])
     spec = charts(at)[0]
-    assert spec["facet"]["column"]["field"] == "controller"
+    assert spec["facet"]["field"] == "controller" and spec["columns"] == 2  # panels wrap, never clipped
     at.selectbox(key="sweep_metric").set_value("slo").run()
     assert charts(at)[0]["spec"]["layer"][0]["encoding"]["color"]["field"] == "slo"
 

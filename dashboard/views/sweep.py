@@ -10,6 +10,27 @@ from fallbackgate.dashboard import sweep_data
 from fallbackgate.ledger.dashboard_queries import RunFilter
 from fallbackgate.ledger.db import Ledger
 
+LABELS = {
+    "tpot_mean_ms": "TPOT, mean (ms, measured)",
+    "tpot_p99_ms": "TPOT, p99 (ms, measured)",
+    "ttft_mean_ms": "TTFT, mean (ms, measured)",
+    "mean_kl": "mean KL against exact (nats)",
+    "p99_kl": "p99 KL against exact (nats)",
+    "slo_attainment": "SLO attainment (measured)",
+    "tokens_per_s": "tokens per second (measured)",
+}
+
+
+def label(metric: str) -> str:
+    """A metric's name as people read it (units where the name says them)."""
+    if metric in LABELS:
+        return LABELS[metric]
+    text = metric.replace("_", " ")
+    for suffix, unit in ((" ms", " (ms)"), (" s", " (s)"), (" bytes", " (bytes)")):
+        if text.endswith(suffix):
+            return text[: -len(suffix)] + unit
+    return text
+
 
 def heatmap(df: pd.DataFrame, metric: str) -> alt.Chart:
     """Expert budget × KV budget cells coloured (and labelled) by ``metric``, one panel per controller."""
@@ -19,10 +40,11 @@ def heatmap(df: pd.DataFrame, metric: str) -> alt.Chart:
         x=alt.X("expert_budget:O", title=f"expert budget{unit}"),
         y=alt.Y("kv_budget:O", title=f"KV budget{unit}", sort="descending"),
     )
-    cells = base.mark_rect().encode(color=alt.Color(f"{metric}:Q", title=metric), tooltip=list(df.columns))
+    legend = alt.Legend(orient="bottom", title=label(metric))
+    cells = base.mark_rect().encode(color=alt.Color(f"{metric}:Q", legend=legend), tooltip=list(df.columns))
     text = base.mark_text(fontSize=11).encode(text=alt.Text(f"{metric}:Q", format=".3g"))
     layered = alt.layer(cells, text, data=df).properties(width=alt.Step(64), height=alt.Step(40))
-    return layered.facet(column=alt.Column("controller:N", title="controller"))
+    return layered.facet(facet=alt.Facet("controller:N", title="controller"), columns=2)  # wraps: never clipped
 
 
 def render(url: str, f: RunFilter, ledger: Ledger | None = None) -> None:
@@ -41,7 +63,7 @@ def render(url: str, f: RunFilter, ledger: Ledger | None = None) -> None:
     if not metrics:
         st.warning("The sweep results hold no numeric metric to draw.")
         return
-    metric = st.selectbox("Metric", metrics, key="sweep_metric")
+    metric = st.selectbox("Metric", metrics, key="sweep_metric", format_func=label)
     controllers = sorted(df["controller"].astype(str).unique())
     st.metric("Controllers", len(controllers))
     st.altair_chart(heatmap(df, metric), width="content")
