@@ -163,7 +163,7 @@ def test_request_drilldown_numbers(db: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert m["Mean KL"] == f"{mean_kl:.3e}" and m["p99 KL"] == f"{p99:.3e}" and m["PPL ratio"] == f"{ppl:.5f}"
     assert m["Top-1 agreement"] == f"{top1:.4f}" and m["Verdict"] == "fail"
     assert m["First divergence"] == ("none" if first is None else f"position {first}")
-    assert m["TTFT measured"] == f"{ttft:.4g} s" and m["TTFT modeled"] == f"{mttft:.4g} s"
+    assert m["TTFT measured"] == f"{1e3 * ttft:.4g} ms" and m["TTFT modeled"] == f"{1e3 * mttft:.4g} ms"
     reason, pos, step, layer, tags = sql(
         db,
         "SELECT reason, first_divergence_position, first_divergence_step, first_divergence_layer, "
@@ -199,7 +199,7 @@ def test_request_drilldown_numbers(db: Path, monkeypatch: pytest.MonkeyPatch) ->
         "(SELECT step_id FROM events WHERE run_id = 2 AND request_id = 'a')",
     )[0][0]
     timeline = chart_rows(at, 2)[0]
-    assert timeline[timeline["time"] == "measured"]["value"].max() == pytest.approx(steps)
+    assert timeline[timeline["time"] == "measured"]["value"].max() == pytest.approx(1e3 * steps)  # in ms
 
 
 def test_request_drilldown_of_an_exact_request_has_no_divergence(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -207,9 +207,9 @@ def test_request_drilldown_of_an_exact_request_has_no_divergence(db: Path, monke
     m = metrics(at)
     assert m["First divergence"] == "none" and m["Verdict"] == "pass" and m["Top-1 agreement"] == "1.0000"
     assert "No quality budget was recorded for this request." in [i.value for i in at.info]
-    assert "SLO targets: TTFT 0.001 s, TPOT 0.001 s" in [c.value for c in at.caption]  # request b's SLO in seconds
+    assert "SLO targets: TTFT 1 ms, TPOT 1 ms" in [c.value for c in at.caption]  # request b's SLO, given in seconds
     at = open_page(db, "request", monkeypatch, run="1", request="a")
-    assert "SLO targets: TTFT 1e+04 s, TPOT 1e+04 s" in [c.value for c in at.caption]  # given in ms
+    assert "SLO targets: TTFT 1e+07 ms, TPOT 1e+07 ms" in [c.value for c in at.caption]  # given in ms
 
 
 def test_calibration_numbers(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:

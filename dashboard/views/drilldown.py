@@ -157,17 +157,19 @@ def slo_targets(slo: dict[str, Any] | None) -> dict[str, float]:
 def _slo_chart(tl: pd.DataFrame, slo: dict[str, Any] | None) -> alt.LayerChart:
     long = tl.melt(id_vars=["step_id", "kind"], value_vars=["cum_wall_s", "cum_modeled_s"], var_name="time")
     long["time"] = long["time"].map({"cum_wall_s": "measured", "cum_modeled_s": "modeled"})
+    long["value"] = 1e3 * long["value"]  # ms, as every time shown to people
     chart = (
         alt.Chart(long)
         .mark_line(point=True)
         .encode(
             x=alt.X("step_id:Q", title="step"),
-            y=alt.Y("value:Q", title="elapsed seconds (steps of this request)"),
+            y=alt.Y("value:Q", title="elapsed ms (steps of this request)"),
             color=alt.Color("time:N", title=None),
             tooltip=["step_id", "kind", "time", "value"],
         )
     )
     ttft = slo_targets(slo).get("ttft_s")
+    ttft = None if ttft is None else 1e3 * ttft
     on_chart = ttft is not None and ttft <= 2 * float(long["value"].max() or 0.0)  # else it flattens the lines
     rows = [{"label": "TTFT target", "value": ttft}] if on_chart else []
     rules = pd.DataFrame(rows, columns=["label", "value"])
@@ -215,10 +217,11 @@ def render(url: str, f: RunFilter) -> None:
         ("TTFT measured", "TTFT modeled", "TPOT measured", "TPOT modeled"),
         strict=True,
     ):
-        col.metric(label, "—" if s.get(key) is None else f"{s[key]:.4g} s")
+        col.metric(label, "—" if s.get(key) is None else f"{1e3 * s[key]:.4g} ms")
     targets = slo_targets(s.get("slo"))
     st.caption(
-        "SLO targets: " + (", ".join(f"{k.removesuffix('_s').upper()} {v:.4g} s" for k, v in targets.items()) or "none")
+        "SLO targets: "
+        + (", ".join(f"{k.removesuffix('_s').upper()} {1e3 * v:.4g} ms" for k, v in targets.items()) or "none")
     )
     if not tl.empty:
         st.altair_chart(_slo_chart(tl, s.get("slo")), width="stretch")
