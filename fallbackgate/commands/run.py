@@ -17,7 +17,7 @@ from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import EngineError
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import Tag
-from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
+from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError, open_ledger
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy import CONTROLLER_KINDS
 from fallbackgate.policy.apply import (
@@ -157,8 +157,7 @@ def _setup(args: argparse.Namespace) -> tuple[list[PromptSpec], Engine, RunSetti
             raise ValueError(f"--audit-rate must be in (0, 1], got {args.audit_rate}")
         settings = _settings(args)
         engine = build_engine(settings, ExactLRUController(force=[Tag(t) for t in args.force]))
-        writer = None if args.no_ledger else LedgerWriter(open_ledger(args.ledger))
-        return specs, engine, settings, writer, None
+        return specs, engine, settings, _open_after_checks(engine, specs, settings, args.ledger, args), None
     policy = policy_from_args(args)
     if args.force and policy.controller.kind != "exact_lru":
         print(
@@ -170,14 +169,36 @@ def _setup(args: argparse.Namespace) -> tuple[list[PromptSpec], Engine, RunSetti
     args.audit_rate = policy.audit.sample_rate
     specs = check_classes(policy, specs)
     settings = run_settings(policy, args)
-    writer = None if args.no_ledger else LedgerWriter(open_ledger(policy.ledger.url))
+    costs = None if args.no_ledger else _existing_ledger(policy.ledger.url)  # its calibrations, read only
     try:
-        engine, _ = build_policy_engine(policy, settings, writer.ledger if writer else None, args.force)
+        engine, _ = build_policy_engine(policy, settings, costs, args.force)
+    finally:
+        if costs is not None:
+            costs.close()
+    return specs, engine, settings, _open_after_checks(engine, specs, settings, policy.ledger.url, args), policy
+
+
+def _existing_ledger(url: str | None) -> Ledger | None:
+    """The ledger at `url` opened read-only when it exists with the current schema (for the policy's
+    calibrated costs); None otherwise (a new ledger holds no calibration)."""
+    try:
+        return open_ledger(url, read_only=True)
+    except LedgerError as exc:
+        if "old schema revision" in str(exc):  # an existing ledger from an older fallbackgate: upgrade it now
+            return open_ledger(url)
+        return None
+
+
+def _open_after_checks(
+    engine: Engine, specs: list[PromptSpec], settings: RunSettings, url: str | None, args: argparse.Namespace
+) -> LedgerWriter | None:
+    """Check every request against the model, then open the ledger (nothing is written before)."""
+    try:
+        _check_requests(engine, specs, settings)
+        return None if args.no_ledger else LedgerWriter(open_ledger(url))
     except BaseException:
-        if writer is not None:
-            writer.close()
+        engine.close()
         raise
-    return specs, engine, settings, writer, policy
 
 
 def _settings(args: argparse.Namespace) -> RunSettings:
@@ -212,14 +233,6 @@ def run(args: argparse.Namespace) -> int:
         specs, engine, settings, writer, policy = _setup(args)
     except (PromptsFileError, EngineError, LedgerError, ValueError) as exc:
         print(f"fallbackgate run: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        _check_requests(engine, specs, settings)
-    except EngineError as exc:
-        print(f"fallbackgate run: error: {exc}", file=sys.stderr)
-        if writer is not None:
-            writer.close()
-        engine.close()
         return 2
     try:
         return _serve(args, specs, engine, settings, writer, policy)
