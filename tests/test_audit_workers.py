@@ -124,10 +124,11 @@ def test_three_workers_on_postgresql_one_killed(model: pathlib.Path, pg_url: str
     run_id = _serve_deferred(model, pg_url, num_requests)
     cmd = [sys.executable, "-m", "fallbackgate", "audit", "--ledger", pg_url, "--lease-s", "2"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(3)]
-    victim = procs[0]
+    start = lambda: subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # noqa: E731
+    victim = start()  # starts first, so it holds claims before the others can take every task
     with open_ledger(pg_url) as ledger:
         held_by_victim = _freeze_holding_a_claim(ledger, victim)
+        procs = [victim, start(), start()]
         os.kill(victim.pid, signal.SIGKILL)  # dies holding the claim; its lease must expire
         victim.wait(timeout=30)
         for proc in procs[1:]:
@@ -155,23 +156,24 @@ def test_three_workers_on_postgresql_one_killed(model: pathlib.Path, pg_url: str
     assert len(workers) >= 2, workers  # the survivors shared the work
 
 
+def _claimed_by(ledger, proc: subprocess.Popen) -> list[str]:
+    with ledger.engine.connect() as conn:
+        stmt = select(AuditTask.request_id).where(AuditTask.state == "claimed", AuditTask.worker.like(f"%:{proc.pid}"))
+        return list(conn.execute(stmt).scalars())
+
+
 def _freeze_holding_a_claim(ledger, proc: subprocess.Popen) -> str:
-    """Stop `proc` at a moment it holds a claimed task; return that task's request id."""
+    """Stop `proc` at a moment it holds a claimed task; return that task's request id. It runs freely until
+    it is seen holding one, then is stopped and the claim confirmed (else it goes on and we look again)."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        os.kill(proc.pid, signal.SIGSTOP)
-        with ledger.engine.connect() as conn:
-            held = (
-                conn.execute(
-                    select(AuditTask.request_id).where(
-                        AuditTask.state == "claimed", AuditTask.worker.like(f"%:{proc.pid}")
-                    )
-                )
-                .scalars()
-                .all()
-            )
-        if held:
-            return held[0]
-        os.kill(proc.pid, signal.SIGCONT)
-        time.sleep(0.05)
+        if proc.poll() is not None:
+            raise AssertionError(f"the worker exited: {proc.stdout.read().decode()}")
+        if _claimed_by(ledger, proc):
+            os.kill(proc.pid, signal.SIGSTOP)
+            held = _claimed_by(ledger, proc)
+            if held:
+                return held[0]
+            os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.02)
     raise AssertionError("the worker never held a claim")
