@@ -42,8 +42,3 @@ class AuditWeights:
             _, dropped = self._cache.popitem(last=False)
             self.num_bytes -= dropped.num_bytes
         return weights
-
-    def clear(self) -> None:
-        """Drop every cached copy (the serving path may need the memory back)."""
-        self._cache.clear()
-        self.num_bytes = 0

@@ -138,12 +138,6 @@ def failed_verifications(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
     return _all(ledger, stmt)
 
 
-def num_verifications(ledger: Ledger, run_id: int) -> int:
-    """How many weight copies of the run were checked against the checkpoint."""
-    with ledger.engine.connect() as conn:
-        return int(conn.execute(select(func.count()).where(VerificationRow.run_id == run_id)).scalar_one())
-
-
 def num_pending_audits(ledger: Ledger, run_id: int) -> int:
     """Deferred request audits of the run not done yet (the run's own task excluded)."""
     stmt = select(func.count()).where(

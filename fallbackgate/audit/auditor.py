@@ -72,16 +72,6 @@ def replay_diffs(
     return [d.kl for d in diffs], summary
 
 
-def audit_with_replay(
-    engine: Engine, ledger: Ledger, run_id: int, output: RequestOutput
-) -> tuple[list[PositionDiff], RequestDiffStats, dict[str, Any]]:
-    """Both baselines for one request: diffs against the exact baseline carrying each position's replay KL,
-    their summary, and the replay's summary (see :func:`replay_diffs`)."""
-    return audit_request(
-        engine, ledger, run_id, output.request_id, output.prompt_token_ids, output.output_token_ids, in_memory(output)
-    )
-
-
 def audit_request(
     engine: Engine,
     ledger: Ledger,

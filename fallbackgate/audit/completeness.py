@@ -34,10 +34,6 @@ class Completeness:
     missing_step_ids: list[int] = dataclasses.field(default_factory=list)  # steps with missing or extra rows
     request_reasons: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # request id -> reasons
 
-    @property
-    def is_complete(self) -> bool:
-        return not self.reasons and not self.request_reasons
-
 
 def _listed(ids: list[int]) -> str:
     more = f" and {len(ids) - MAX_LISTED} more" if len(ids) > MAX_LISTED else ""
