@@ -8,9 +8,9 @@ from __future__ import annotations
 import abc
 import dataclasses
 
-from fallbackgate.engine.expert_store import ExpertKey, ExpertStore
+from fallbackgate.engine.experts.store import ExpertKey, ExpertStore
 from fallbackgate.engine.hardware import HardwareProfile
-from fallbackgate.engine.kv_store import KVBlockKey, KVStore, SpillMode
+from fallbackgate.engine.kv.store import KVBlockKey, KVStore, SpillMode
 from fallbackgate.engine.messages import StepPlan
 from fallbackgate.engine.tags import Tag, Tier
 

@@ -8,18 +8,18 @@ from collections.abc import Callable, Iterable
 import torch
 from tqdm.auto import tqdm
 
-from fallbackgate.engine import paged_attention
-from fallbackgate.engine.audit_access import AuditAccess
-from fallbackgate.engine.build import build_stores, fill_expert_tiers, probe_kv_shapes, resolve_device
+from fallbackgate.engine.baseline.access import AuditAccess
 from fallbackgate.engine.config import DTYPES, EngineConfig
 from fallbackgate.engine.controller import Controller, EngineView
 from fallbackgate.engine.errors import PromptError
-from fallbackgate.engine.executor import Executor
-from fallbackgate.engine.integrity import CopyVerifier
-from fallbackgate.engine.kv_store import KVBlockKey, SpillMode
-from fallbackgate.engine.loader import find_routers, load_checkpoint
+from fallbackgate.engine.experts.executor import Executor
+from fallbackgate.engine.experts.integrity import CopyVerifier
+from fallbackgate.engine.kv import paged_attention
+from fallbackgate.engine.kv.store import KVBlockKey, SpillMode
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
-from fallbackgate.engine.model_runner import ModelRunner
+from fallbackgate.engine.model.build import build_stores, fill_expert_tiers, probe_kv_shapes, resolve_device
+from fallbackgate.engine.model.loader import find_routers, load_checkpoint
+from fallbackgate.engine.model.runner import ModelRunner
 from fallbackgate.engine.sampler import sample
 from fallbackgate.engine.scheduler import Scheduler
 from fallbackgate.engine.sequence import SamplingParams, Sequence, check_prompt

@@ -10,7 +10,7 @@ import enum
 
 import torch
 
-from fallbackgate.engine.read_ahead import TransferClock
+from fallbackgate.engine.experts.read_ahead import TransferClock
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.errors import BudgetError
-from fallbackgate.engine.kv_store import KVBlockKey, KVStore, Staged
+from fallbackgate.engine.kv.store import KVBlockKey, KVStore, Staged
 from fallbackgate.engine.messages import StepKind, StepPlan
 from fallbackgate.engine.sequence import Sequence, SequenceStatus
 from fallbackgate.engine.tags import ObjectKind

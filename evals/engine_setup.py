@@ -11,10 +11,10 @@ import dataclasses
 import pathlib
 from typing import Any
 
+from fallbackgate.batch.session import RunSettings
 from fallbackgate.engine.engine import Engine
 from fallbackgate.policy import Policy
 from fallbackgate.policy.apply import build_policy_engine, class_budgets
-from fallbackgate.serving.session import RunSettings
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 SCORING_BATCH_TOKENS = 4096  # at least the longest window (prompt + continuation) the adapter scores

@@ -29,7 +29,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from fallbackgate.audit.gate import RunVerdict
 from fallbackgate.engine.engine import Engine
-from fallbackgate.engine.scoring import Submission, run_requests, score
+from fallbackgate.engine.model.scoring import Submission, run_requests, score
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.evals.engine_setup import EngineSetup, build_setup
 from fallbackgate.evals.recorder import EvalRecorder

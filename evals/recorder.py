@@ -15,11 +15,11 @@ from typing import Any
 from fallbackgate.audit.auditor import audit_output, numeric_floor
 from fallbackgate.audit.gate import RunVerdict, evaluate_run
 from fallbackgate.audit.stats import PositionDiff, RequestDiffStats, audit
+from fallbackgate.batch.recording import versions
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.ledger.db import Ledger, open_ledger
 from fallbackgate.ledger.writer import LedgerWriter
-from fallbackgate.serving.recording import versions
 
 
 def scored_targets(output: RequestOutput) -> list[int]:

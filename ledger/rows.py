@@ -8,8 +8,8 @@ from typing import Any
 
 from sqlalchemy import Table
 
+from fallbackgate.engine.experts.read_ahead import TransferClock
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
-from fallbackgate.engine.read_ahead import TransferClock
 from fallbackgate.engine.tags import TAG_EXACTNESS
 from fallbackgate.ledger.models import (
     EventObjectsRow,

@@ -17,10 +17,10 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from fallbackgate.engine.checkpoint_files import CheckpointFiles
-from fallbackgate.engine.expert_reader import map_experts, weights_digest, write_manifest
-from fallbackgate.engine.loader import find_experts_modules
-from fallbackgate.engine.weights import ExpertWeights
+from fallbackgate.engine.experts.reader import map_experts, weights_digest, write_manifest
+from fallbackgate.engine.experts.weights import ExpertWeights
+from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
+from fallbackgate.engine.model.loader import find_experts_modules
 
 VOCAB = 320
 ARCHITECTURES = ("qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "deepseek_v2")

@@ -17,6 +17,8 @@ import pytest
 from sqlalchemy import func, select
 
 from fallbackgate.audit.worker import AuditWorker
+from fallbackgate.batch.recording import audit_and_judge, record_and_judge, serve_recorded, start_run
+from fallbackgate.batch.session import RunSettings
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
@@ -25,8 +27,6 @@ from fallbackgate.ledger.audit_queue import LeaseLost
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.ledger.models import AuditTask, PositionDiffRow, RequestStatRow, VerdictRow
 from fallbackgate.ledger.writer import LedgerWriter
-from fallbackgate.serving.recording import audit_and_judge, record_and_judge, serve_recorded, start_run
-from fallbackgate.serving.session import RunSettings
 from tests.checkpoints import make_checkpoint
 from tests.pg_fixture import pg_server_fixture, pg_url_fixture  # noqa: F401 - fixtures
 from tests.test_engine_exact import sizes
@@ -57,7 +57,7 @@ def _serve_deferred(model: pathlib.Path, url: str, num_requests: int, force: tup
     with open_ledger(url) as ledger:
         writer = LedgerWriter(ledger)
         run_id = start_run(writer, engine)
-        from fallbackgate.serving.recording import as_specs
+        from fallbackgate.batch.recording import as_specs
 
         outcome = serve_recorded(engine, as_specs(_prompts(num_requests)), settings, writer)
         verdict, num_audited = audit_and_judge(engine, outcome, writer, is_deferred=True)

@@ -6,6 +6,8 @@ import pathlib
 
 import pytest
 
+from fallbackgate.batch.recording import record_and_judge
+from fallbackgate.batch.session import RunSettings
 from fallbackgate.cli import main
 from fallbackgate.commands.calibrate import fit, weighted_quantile
 from fallbackgate.controllers import make_controller
@@ -15,8 +17,6 @@ from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.policy.schema import SLO, Policy, QualityBudget, RequestClass
-from fallbackgate.serving.recording import record_and_judge
-from fallbackgate.serving.session import RunSettings
 from tests.test_controllers_engine import SLOW
 from tests.test_engine_exact import sizes
 
@@ -50,7 +50,7 @@ def test_calibrate_from_a_real_run(checkpoint_factory, tmp_path: pathlib.Path, c
         ),
         make_controller("joint", policy, top_k=top_k),
     )
-    from fallbackgate.serving.prompts import PromptSpec
+    from fallbackgate.batch.prompts import PromptSpec
 
     specs = [PromptSpec(f"the quick brown fox {i}", f"p{i}", "be") for i in range(3)]
     url = f"sqlite:///{tmp_path / 'ledger.sqlite'}"

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from fallbackgate import cli
-from fallbackgate.engine.checkpoint_files import INDEX_FILE
-from fallbackgate.engine.expert_reader import MANIFEST_FILE
+from fallbackgate.engine.experts.reader import MANIFEST_FILE
+from fallbackgate.engine.model.checkpoint_files import INDEX_FILE
 from fallbackgate.synth import __main__ as synth
 from fallbackgate.synth.shapes import PUBLISHED
 from fallbackgate.synth.writer import build_config, planned_tensors, total_bytes, write_checkpoint

@@ -14,8 +14,8 @@ from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import CheckpointError, ChecksumError
+from fallbackgate.engine.kv.spill import PAGE_BYTES, SpillDir
 from fallbackgate.engine.sequence import SamplingParams
-from fallbackgate.engine.spill import PAGE_BYTES, SpillDir
 from fallbackgate.engine.tags import Tag, Tier
 from tests.checkpoints import make_checkpoint
 from tests.test_engine_exact import NEW_TOKENS, _prompts, reference, sizes
@@ -134,7 +134,7 @@ def test_loader_errors_say_what_was_found(tmp_path: pathlib.Path, checkpoint_fac
 
 def test_kv_block_keeps_full_and_quantized_copies(tmp_path: pathlib.Path) -> None:
     from fallbackgate.engine.device_pool import TierPool
-    from fallbackgate.engine.kv_store import KVStore, SpillMode
+    from fallbackgate.engine.kv.store import KVStore, SpillMode
 
     device, host = TierPool("device", 1 << 20), TierPool("host", 1 << 20)
     kv = KVStore(1, 2, 8, 8, 4, device, host, SpillDir(tmp_path), torch.device("cpu"))
@@ -157,7 +157,7 @@ def test_kv_block_keeps_full_and_quantized_copies(tmp_path: pathlib.Path) -> Non
 def test_restored_tail_block_never_comes_back_stale(tmp_path: pathlib.Path) -> None:
     """Swap out a partial tail, bring it back, append, swap out again: the second copy has the new token."""
     from fallbackgate.engine.device_pool import TierPool
-    from fallbackgate.engine.kv_store import KVStore, SpillMode
+    from fallbackgate.engine.kv.store import KVStore, SpillMode
 
     device, host = TierPool("device", 1 << 20), TierPool("host", 1 << 20)
     kv = KVStore(1, 1, 2, 2, 4, device, host, SpillDir(tmp_path), torch.device("cpu"))

@@ -14,7 +14,7 @@ from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import PromptError
-from fallbackgate.engine.scoring import score
+from fallbackgate.engine.model.scoring import score
 from fallbackgate.evals.parity_report import failure_lines, to_markdown
 from fallbackgate.evals.parity_stats import TaskItems, aggregate, compare, mcnemar
 from fallbackgate.evals.tolerances import load_parity_policy

@@ -27,7 +27,8 @@ ALLOWED = {
     "fallbackgate.ledger": {"fallbackgate.engine"},
     "fallbackgate.dashboard": {"fallbackgate.ledger"},
     "fallbackgate": {"fallbackgate.ledger", "fallbackgate.engine"},
-    "fallbackgate.cli": {"fallbackgate", "fallbackgate.ledger", "fallbackgate.engine", "fallbackgate.evals"},
+    "fallbackgate.cli": {"fallbackgate", "fallbackgate.ledger", "fallbackgate.engine", "fallbackgate.evals"}
+    | {"fallbackgate.dashboard"},
     "fallbackgate.evals": {"fallbackgate", "fallbackgate.ledger", "fallbackgate.engine"},
 }
 

@@ -2,7 +2,7 @@
 
 Every fault is planted with monkeypatch for one run, at (or from) a chosen step, on a random checkpoint
 whose budget forces the faulted path; the run is recorded to a SQLite ledger and judged exactly as
-``fallbackgate run`` does (:func:`fallbackgate.serving.recording.record_and_judge`). Exact-only runs over many
+``fallbackgate run`` does (:func:`fallbackgate.batch.recording.record_and_judge`). Exact-only runs over many
 seeds pass the same gate (no false alarms): tests/test_no_false_alarm.py.
 """
 
@@ -17,17 +17,17 @@ import pytest
 import torch
 
 from fallbackgate.audit.gate import EQUIVALENT_TOLERANCE, RequestVerdict, RunVerdict
+from fallbackgate.batch.recording import RecordedRun, record_and_judge
+from fallbackgate.batch.session import RunSettings
 from fallbackgate.controllers.exact_lru import ExactLRUController
-from fallbackgate.engine import kv_codec
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
-from fallbackgate.engine.expert_store import ExpertKey, ExpertStore, ExpertWeights, Fetched
-from fallbackgate.engine.model_runner import ModelRunner
+from fallbackgate.engine.experts.store import ExpertKey, ExpertStore, ExpertWeights, Fetched
+from fallbackgate.engine.kv import codec as kv_codec
+from fallbackgate.engine.model.runner import ModelRunner
 from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger import queries
 from fallbackgate.ledger.db import open_ledger
-from fallbackgate.serving.recording import RecordedRun, record_and_judge
-from fallbackgate.serving.session import RunSettings
 from tests.checkpoints import make_checkpoint
 from tests.test_engine_exact import sizes
 

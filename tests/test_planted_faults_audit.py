@@ -13,7 +13,7 @@ import pathlib
 import pytest
 
 from fallbackgate.audit.gate import RequestVerdict
-from fallbackgate.engine.expert_store import ExpertKey, ExpertStore, ExpertWeights, Fetched
+from fallbackgate.engine.experts.store import ExpertKey, ExpertStore, ExpertWeights, Fetched
 from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger import writer_thread
 from fallbackgate.ledger.models import EventRow

@@ -16,7 +16,7 @@ from fallbackgate.cli import main
 from fallbackgate.controllers import make_controller
 from fallbackgate.engine.controller import EngineView, ExpertMiss, KVMiss
 from fallbackgate.engine.hardware import CPU_BOX, ExpertCurve, HardwareProfile
-from fallbackgate.engine.kv_block import KVBlock
+from fallbackgate.engine.kv.block import KVBlock
 from fallbackgate.engine.messages import StepKind, StepPlan
 from fallbackgate.engine.tags import Tag, Tier
 from fallbackgate.policy.schema import SLO, Policy, QualityBudget, RequestClass

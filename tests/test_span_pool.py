@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fallbackgate.engine.span_pool import GRANULE, SpanPool
+from fallbackgate.engine.experts.span_pool import GRANULE, SpanPool
 
 
 def test_a_mapping_is_reused_only_after_its_last_view_is_gone() -> None:

@@ -20,10 +20,10 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from fallbackgate.controllers.exact_lru import ExactLRUController
-from fallbackgate.engine.checkpoint_files import INDEX_FILE
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
-from fallbackgate.engine.expert_reader import MANIFEST_FILE, build_manifest
+from fallbackgate.engine.experts.reader import MANIFEST_FILE, build_manifest
+from fallbackgate.engine.model.checkpoint_files import INDEX_FILE
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import ObjectKind, Tag
 from tests.checkpoints import ARCHITECTURES, make_checkpoint

@@ -28,10 +28,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fallbackgate.audit.replay_trace import ExpertActions, KVActions, ReplayTrace, Segment, TraceError
 from fallbackgate.engine.engine import Engine
-from fallbackgate.engine.expert_store import DEQUANT_ROWS, ExpertWeights
-from fallbackgate.engine.experts_hook import expert_mlp
-from fallbackgate.engine.kv_codec import dequantize_kv, quantize_kv
-from fallbackgate.engine.quant import dequantize_rows, quantize, quantized_to
+from fallbackgate.engine.experts.hook import expert_mlp
+from fallbackgate.engine.experts.quant import dequantize_rows, quantize, quantized_to
+from fallbackgate.engine.experts.store import DEQUANT_ROWS, ExpertWeights
+from fallbackgate.engine.kv.codec import dequantize_kv, quantize_kv
 
 MAX_CACHED_EXPERTS = 64  # low-bit round-tripped experts kept between the replay's forwards (bounded memory)
 

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 
 from fallbackgate.audit.run_audit import audit_outputs
+from fallbackgate.batch.prompts import BUILTIN_PROMPTS, PromptSpec
+from fallbackgate.batch.recording import start_run
+from fallbackgate.batch.session import RunSettings, build_engine, run_prompts
 from fallbackgate.controllers.exact_lru import FORCEABLE_TAGS, ExactLRUController
 from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.ledger.writer import LedgerWriter
-from fallbackgate.serving.prompts import BUILTIN_PROMPTS, PromptSpec
-from fallbackgate.serving.recording import start_run
-from fallbackgate.serving.session import RunSettings, build_engine, run_prompts
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 GOAL = 0.3  # audit seconds per second of the request's own serving time

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from fallbackgate.batch.prompts import BUILTIN_PROMPTS
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.sequence import SamplingParams
-from fallbackgate.serving.prompts import BUILTIN_PROMPTS
 
 MIB = 1 << 20
 

@@ -32,14 +32,14 @@ import torch
 
 from fallbackgate.audit.auditor import audit_request, floor_control, in_memory
 from fallbackgate.audit.run_audit import FLOOR_POSITIONS
+from fallbackgate.batch.prompts import BUILTIN_PROMPTS, PromptSpec
+from fallbackgate.batch.recording import start_run
+from fallbackgate.batch.session import RunOutcome, RunSettings, build_engine, run_prompts
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.messages import StepPlan, StepResult
 from fallbackgate.ledger.db import Ledger, open_ledger
 from fallbackgate.ledger.writer import LedgerWriter
-from fallbackgate.serving.prompts import BUILTIN_PROMPTS, PromptSpec
-from fallbackgate.serving.recording import start_run
-from fallbackgate.serving.session import RunOutcome, RunSettings, build_engine, run_prompts
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 OVERHEAD_GOAL = 0.03

@@ -22,6 +22,9 @@ import sys
 import tempfile
 from typing import Any
 
+from fallbackgate.batch.prompts import BUILTIN_PROMPTS, PromptSpec
+from fallbackgate.batch.recording import start_run
+from fallbackgate.batch.session import RunSettings, build_engine, memory_summary, run_prompts
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import MIB
 from fallbackgate.engine.tags import ObjectKind, Tag
@@ -31,9 +34,6 @@ from fallbackgate.planning.history import routing_exponent
 from fallbackgate.planning.plan import Workload, make_plan
 from fallbackgate.planning.shape import model_shape
 from fallbackgate.profiling.store import resolve_profile
-from fallbackgate.serving.prompts import BUILTIN_PROMPTS, PromptSpec
-from fallbackgate.serving.recording import start_run
-from fallbackgate.serving.session import RunSettings, build_engine, memory_summary, run_prompts
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 DEFAULT_CONFIGS = (

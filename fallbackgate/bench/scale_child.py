@@ -21,13 +21,13 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from fallbackgate.batch.prompts import BUILTIN_PROMPTS
 from fallbackgate.controllers.exact_lru import ExactLRUController
-from fallbackgate.engine.checkpoint_files import CheckpointFiles
 from fallbackgate.engine.config import MIB, EngineConfig
 from fallbackgate.engine.engine import Engine
-from fallbackgate.engine.expert_reader import map_experts, read_source
+from fallbackgate.engine.experts.reader import map_experts, read_source
+from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
 from fallbackgate.engine.sequence import SamplingParams
-from fallbackgate.serving.prompts import BUILTIN_PROMPTS
 from fallbackgate.sweep.belady import TraceRecorder
 
 

@@ -11,6 +11,11 @@ import pathlib
 import sys
 from typing import Any
 
+from fallbackgate.batch.prompts import PromptsFileError, PromptSpec, load_prompts
+from fallbackgate.batch.recording import audit_and_judge, serve_recorded, start_run
+from fallbackgate.batch.report import print_report, to_json, write_json
+from fallbackgate.batch.session import RunSettings, build_engine, run_prompts
+from fallbackgate.batch.summary import print_slo_misses, print_summary
 from fallbackgate.commands.checks import check_output_path
 from fallbackgate.controllers.exact_lru import FORCEABLE_TAGS, ExactLRUController
 from fallbackgate.engine.engine import Engine
@@ -31,11 +36,6 @@ from fallbackgate.policy.apply import (
     run_settings,
 )
 from fallbackgate.profiling import MEASURED, PROFILE_NAMES
-from fallbackgate.serving.prompts import PromptsFileError, PromptSpec, load_prompts
-from fallbackgate.serving.recording import audit_and_judge, serve_recorded, start_run
-from fallbackgate.serving.report import print_report, to_json, write_json
-from fallbackgate.serving.session import RunSettings, build_engine, run_prompts
-from fallbackgate.serving.summary import print_slo_misses, print_summary
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 

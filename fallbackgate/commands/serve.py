@@ -20,6 +20,9 @@ import subprocess
 import sys
 from typing import Any
 
+from fallbackgate.batch.prompts import PromptsFileError
+from fallbackgate.batch.recording import start_run
+from fallbackgate.batch.session import RunSettings, build_engine, memory_summary
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.errors import EngineError
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
@@ -33,9 +36,6 @@ from fallbackgate.policy.apply import (
     run_settings,
 )
 from fallbackgate.policy.loader import load_policy
-from fallbackgate.serving.prompts import PromptsFileError
-from fallbackgate.serving.recording import start_run
-from fallbackgate.serving.session import RunSettings, build_engine, memory_summary
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 
@@ -99,9 +99,9 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``fallbackgate serve``."""
     import uvicorn
 
-    from fallbackgate.server.app import ServerInfo, build_app
-    from fallbackgate.server.metrics import ServerMetrics
-    from fallbackgate.server.service import EngineService
+    from fallbackgate.api_server.app import ServerInfo, build_app
+    from fallbackgate.api_server.metrics import ServerMetrics
+    from fallbackgate.api_server.service import EngineService
 
     try:
         _check(args)

@@ -15,9 +15,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from fallbackgate.engine.checkpoint_files import CheckpointFiles
 from fallbackgate.engine.errors import CheckpointError
-from fallbackgate.engine.expert_reader import build_manifest, map_experts, read_manifest, read_source, weights_digest
+from fallbackgate.engine.experts.reader import build_manifest, map_experts, read_manifest, read_source, weights_digest
+from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
 
 
 def add_parser(subparsers: Any) -> None:

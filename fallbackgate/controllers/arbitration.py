@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 from fallbackgate.engine.controller import Decision, EngineView
 from fallbackgate.engine.hardware import HardwareProfile
-from fallbackgate.engine.kv_block import KVBlock
-from fallbackgate.engine.kv_store import KVBlockKey
+from fallbackgate.engine.kv.block import KVBlock
+from fallbackgate.engine.kv.store import KVBlockKey
 from fallbackgate.engine.tags import Tag, Tier
 
 if TYPE_CHECKING:

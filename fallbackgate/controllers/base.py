@@ -7,9 +7,9 @@ from collections import OrderedDict
 from fallbackgate.controllers.link import LinkBudget
 from fallbackgate.controllers.timing import cpu_expert_s, step_deadline_s
 from fallbackgate.engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
-from fallbackgate.engine.expert_store import ExpertKey
+from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.hardware import CPU_BOX
-from fallbackgate.engine.kv_store import KVBlockKey, SpillMode
+from fallbackgate.engine.kv.store import KVBlockKey, SpillMode
 from fallbackgate.engine.messages import StepPlan
 from fallbackgate.engine.tags import Tag
 from fallbackgate.policy.schema import Policy

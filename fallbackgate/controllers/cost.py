@@ -19,7 +19,7 @@ import dataclasses
 import torch
 from sqlalchemy import select
 
-from fallbackgate.engine.kv_codec import QuantKV, dequantize_kv, quantize_kv
+from fallbackgate.engine.kv.codec import QuantKV, dequantize_kv, quantize_kv
 from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.models import Calibration

@@ -6,8 +6,8 @@ from collections.abc import Iterable
 
 from fallbackgate.controllers.base import Recency, full_block_keys, take_victims
 from fallbackgate.engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
-from fallbackgate.engine.expert_store import ExpertKey
-from fallbackgate.engine.kv_store import KVBlockKey, SpillMode
+from fallbackgate.engine.experts.store import ExpertKey
+from fallbackgate.engine.kv.store import KVBlockKey, SpillMode
 from fallbackgate.engine.tags import Tag
 
 FORCEABLE_TAGS = frozenset({Tag.CPU_EXECUTE, Tag.EXPERT_DEFER, Tag.EXPERT_LOWBIT, Tag.KV_DEQUANT, Tag.RECOMPUTE})

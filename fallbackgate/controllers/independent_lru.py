@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fallbackgate.controllers.base import ExactBaseline, take_victims
 from fallbackgate.engine.controller import EngineView, Victim
-from fallbackgate.engine.expert_store import ExpertKey
-from fallbackgate.engine.kv_store import KVBlockKey
+from fallbackgate.engine.experts.store import ExpertKey
+from fallbackgate.engine.kv.store import KVBlockKey
 
 
 class IndependentLRUController(ExactBaseline):

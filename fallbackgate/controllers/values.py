@@ -9,8 +9,8 @@ Values are seconds saved per step per byte, so both sides compare in one unit.
 from __future__ import annotations
 
 from fallbackgate.engine.controller import EngineView
-from fallbackgate.engine.expert_store import ExpertKey
-from fallbackgate.engine.kv_store import KVBlockKey
+from fallbackgate.engine.experts.store import ExpertKey
+from fallbackgate.engine.kv.store import KVBlockKey
 from fallbackgate.engine.tags import Tier
 
 

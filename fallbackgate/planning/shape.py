@@ -7,9 +7,9 @@ import json
 import math
 import pathlib
 
-from fallbackgate.engine.checkpoint_files import CheckpointFiles
 from fallbackgate.engine.errors import CheckpointError
-from fallbackgate.engine.expert_reader import is_expert_tensor, map_experts
+from fallbackgate.engine.experts.reader import is_expert_tensor, map_experts
+from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -12,6 +12,8 @@ from pydantic import ValidationError
 from sqlalchemy import make_url
 from sqlalchemy.exc import ArgumentError
 
+from fallbackgate.batch.prompts import PromptsFileError, PromptSpec
+from fallbackgate.batch.session import RunSettings
 from fallbackgate.controllers import ControllerKind, JointController, make_controller
 from fallbackgate.controllers.cost import CostModel, load_calibration
 from fallbackgate.engine.controller import Controller
@@ -20,8 +22,6 @@ from fallbackgate.engine.errors import CheckpointError
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.policy.loader import PolicyError, format_errors, hardware_profile, load_policy
 from fallbackgate.policy.schema import Policy
-from fallbackgate.serving.prompts import PromptsFileError, PromptSpec
-from fallbackgate.serving.session import RunSettings
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 # command-line flag (argparse dest) -> (policy section, field); a flag given on the command line wins

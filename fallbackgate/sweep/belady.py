@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from fallbackgate.engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
-from fallbackgate.engine.expert_store import ExpertKey
-from fallbackgate.engine.kv_store import KVBlockKey
+from fallbackgate.engine.experts.store import ExpertKey
+from fallbackgate.engine.kv.store import KVBlockKey
 from fallbackgate.engine.messages import StepPlan
 
 

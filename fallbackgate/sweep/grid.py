@@ -23,6 +23,9 @@ from tqdm.auto import tqdm
 
 from fallbackgate.audit.auditor import audit_output, floor_control
 from fallbackgate.audit.gate import evaluate_run
+from fallbackgate.batch.prompts import PromptSpec
+from fallbackgate.batch.recording import serve_recorded, versions
+from fallbackgate.batch.session import RunOutcome, RunSettings, run_prompts
 from fallbackgate.controllers import make_controller
 from fallbackgate.controllers.cost import CostModel, load_calibration
 from fallbackgate.engine.config import MIB, EngineConfig
@@ -32,9 +35,6 @@ from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.loader import hardware_profile
 from fallbackgate.policy.schema import Policy
-from fallbackgate.serving.prompts import PromptSpec
-from fallbackgate.serving.recording import serve_recorded, versions
-from fallbackgate.serving.session import RunOutcome, RunSettings, run_prompts
 from fallbackgate.sweep.belady import TraceRecorder, belady_misses, lru_misses
 from fallbackgate.sweep.metrics import headline, quality_metrics, slo_metrics, tag_mix, timing_metrics
 from fallbackgate.sweep.workload import WorkloadSpec, build_workload

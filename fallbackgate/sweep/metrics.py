@@ -10,8 +10,8 @@ from typing import Any
 
 from fallbackgate.audit.gate import RunVerdict
 from fallbackgate.audit.stats import RequestDiffStats
+from fallbackgate.batch.session import RunOutcome
 from fallbackgate.policy.schema import Policy
-from fallbackgate.serving.session import RunOutcome
 
 EXACT_CONTROLLERS = ("exact_lru", "independent_lru", "static_split")
 

@@ -14,9 +14,9 @@ import pathlib
 import random
 from typing import Any
 
+from fallbackgate.batch.prompts import PromptSpec
 from fallbackgate.policy.schema import Policy
 from fallbackgate.resources import package_dir
-from fallbackgate.serving.prompts import PromptSpec
 
 PASSAGES = package_dir("fallbackgate.evals") / "data" / "rolling_ppl.jsonl"
 STRICT, BEST_EFFORT = "strict", "best-effort"

@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from fallbackgate.engine.checkpoint_files import INDEX_FILE, CheckpointFiles
-from fallbackgate.engine.expert_reader import map_experts, weights_digest, write_manifest
-from fallbackgate.engine.loader import find_experts_modules
-from fallbackgate.engine.weights import ExpertWeights
+from fallbackgate.engine.experts.reader import map_experts, weights_digest, write_manifest
+from fallbackgate.engine.experts.weights import ExpertWeights
+from fallbackgate.engine.model.checkpoint_files import INDEX_FILE, CheckpointFiles
+from fallbackgate.engine.model.loader import find_experts_modules
 
 INIT_STD = 0.02
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

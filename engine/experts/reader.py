@@ -1,0 +1,228 @@
+"""Routed experts read one at a time from the checkpoint's own safetensors files: the disk tier.
+
+An expert's matrices are found by name, in either layout transformers reads:
+
+- per expert (as checkpoints are published and ``save_pretrained`` writes them):
+  ``….layers.L.<mlp>.experts.E.{gate_proj,up_proj,down_proj}.weight`` or Mixtral's ``w1``/``w3``/``w2``;
+- fused: ``….layers.L.<mlp>.experts.gate_up_proj`` ``[E, 2I, H]`` and ``….experts.down_proj`` ``[E, H, I]``,
+  read one expert's rows with ``get_slice``.
+
+Integrity: a manifest (``fallbackgate-manifest.json`` beside the weights) records, per expert, the tensors
+it maps to and an xxh3-64 of its bytes (gate_up then down, in the checkpoint's dtype). It is written by
+``fallbackgate.synth`` from the tensors it generated, or by ``fallbackgate verify --model DIR``; every disk
+read is checked against it, so a wrongly mapped tensor or a changed file is caught, not certified.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+from collections.abc import Callable
+
+import torch
+import xxhash
+
+from fallbackgate.engine.errors import CheckpointError, ChecksumError
+from fallbackgate.engine.experts.weights import ExpertWeights
+from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
+
+ExpertKey = tuple[int, int]  # (layer, expert_id)
+MANIFEST_FILE = "fallbackgate-manifest.json"
+MANIFEST_VERSION = 1
+_PER_EXPERT = re.compile(
+    r"^(?P<prefix>.*\.layers\.(?P<layer>\d+)\..*)\.experts\.(?P<expert>\d+)\."
+    r"(?P<role>gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
+)
+_FUSED = re.compile(r"^(?P<prefix>.*\.layers\.(?P<layer>\d+)\..*)\.experts\.(?P<role>gate_up_proj|down_proj)$")
+_ROLE = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class ExpertSource:
+    """Where one expert's bytes are: (tensor name, row of a fused tensor or None) per part, in byte order."""
+
+    parts: tuple[tuple[str, int | None], ...]  # (gate, up, down) per expert, or (gate_up, down) fused
+
+
+def is_expert_tensor(name: str) -> bool:
+    """True for a routed expert's tensor (either layout); shared experts and routers are dense."""
+    return bool(_PER_EXPERT.match(name) or _FUSED.match(name))
+
+
+def map_experts(files: CheckpointFiles) -> dict[ExpertKey, ExpertSource]:
+    """Every routed expert of the checkpoint and the tensors that hold it."""
+    per_expert: dict[ExpertKey, dict[str, str]] = {}
+    fused: dict[int, dict[str, str]] = {}
+    for name in files.names():
+        if match := _PER_EXPERT.match(name):
+            key = (int(match["layer"]), int(match["expert"]))
+            per_expert.setdefault(key, {})[_ROLE.get(match["role"], match["role"])] = name
+        elif match := _FUSED.match(name):
+            fused.setdefault(int(match["layer"]), {})[match["role"]] = name
+    sources: dict[ExpertKey, ExpertSource] = {}
+    for key, roles in per_expert.items():
+        missing = {"gate_proj", "up_proj", "down_proj"} - set(roles)
+        if missing:
+            raise CheckpointError(f"{files.path}: expert {key} lacks tensor(s) {sorted(missing)} (has {roles})")
+        sources[key] = ExpertSource(tuple((roles[r], None) for r in ("gate_proj", "up_proj", "down_proj")))
+    for layer, roles in fused.items():
+        if set(roles) != {"gate_up_proj", "down_proj"}:
+            raise CheckpointError(f"{files.path}: layer {layer} has fused expert tensors {sorted(roles.values())}")
+        num_experts = files.shape(roles["gate_up_proj"])[0]
+        for expert_id in range(num_experts):
+            parts = ((roles["gate_up_proj"], expert_id), (roles["down_proj"], expert_id))
+            sources[(layer, expert_id)] = ExpertSource(parts)
+    return sources
+
+
+def weights_digest(weights: ExpertWeights) -> str:
+    """xxh3-64 (hex) of an expert's bytes: gate_up then down, in their dtype."""
+    digest = xxhash.xxh3_64()
+    for tensor in (weights.gate_up, weights.down):
+        digest.update(tensor.detach().contiguous().view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def _key_text(key: ExpertKey) -> str:
+    return f"{key[0]}:{key[1]}"
+
+
+def write_manifest(path: pathlib.Path, digests: dict[ExpertKey, str], sources: dict[ExpertKey, ExpertSource]) -> None:
+    """Write the manifest: per expert its tensors and xxh3-64 digest."""
+    experts = {
+        _key_text(key): {"parts": [list(p) for p in sources[key].parts], "xxh3_64": digests[key]}
+        for key in sorted(digests)
+    }
+    body = {"format_version": MANIFEST_VERSION, "hash": "xxh3_64", "experts": experts}
+    tmp = path / (MANIFEST_FILE + ".tmp")
+    tmp.write_text(json.dumps(body, indent=0))
+    tmp.replace(path / MANIFEST_FILE)
+
+
+def read_manifest(path: pathlib.Path) -> dict[ExpertKey, tuple[ExpertSource, str]]:
+    """The manifest's experts; a clear error when it is missing or malformed."""
+    file = path / MANIFEST_FILE
+    if not file.exists():
+        raise CheckpointError(
+            f"{path}: no {MANIFEST_FILE} (per-expert checksums); create it with `fallbackgate verify --model {path}`"
+        )
+    try:
+        body = json.loads(file.read_text())
+        if body.get("format_version") != MANIFEST_VERSION or body.get("hash") != "xxh3_64":
+            raise ValueError(f"format_version {body.get('format_version')!r}, hash {body.get('hash')!r}")
+        out = {}
+        for text, entry in body["experts"].items():
+            layer, expert = (int(x) for x in text.split(":"))
+            parts = tuple((str(n), None if i is None else int(i)) for n, i in entry["parts"])
+            out[(layer, expert)] = (ExpertSource(parts), str(entry["xxh3_64"]))
+        return out
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"{file}: not a fallbackgate manifest: {exc}") from exc
+
+
+def read_source(files: CheckpointFiles, source: ExpertSource) -> ExpertWeights:
+    """One expert's matrices as stored ([2I, H] and [H, I]), unverified, in fresh memory this process owns
+    (read with pread, never a view of a file mapping that a later in-place write could change). Separate
+    gate and up tensors that lie back to back in the file become one [2I, H] view without a copy."""
+    shapes = [files.shape(name)[1:] if index is not None else files.shape(name) for name, index in source.parts]
+    dtype = files.dtype(source.parts[0][0])
+    raw = files.read_parts(list(source.parts))
+    down = raw[-1].view(dtype).view(shapes[-1])
+    if len(source.parts) == 2:
+        return ExpertWeights(raw[0].view(dtype).view(shapes[0]), down)
+    gate, up = raw[0], raw[1]
+    rows = (shapes[0][0] + shapes[1][0], *shapes[0][1:])
+    if gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr() and (
+        gate.storage_offset() + gate.numel() == up.storage_offset()
+    ):
+        gate_up = gate.as_strided((gate.numel() + up.numel(),), (1,))  # up follows gate in the same buffer
+    else:
+        gate_up = torch.cat([gate, up])
+    return ExpertWeights(gate_up.view(dtype).view(rows), down)
+
+
+def build_manifest(path: pathlib.Path, on_expert: Callable[[], None] | None = None) -> int:
+    """Map every expert of the checkpoint at `path` to its tensors, hash its bytes, write the manifest.
+
+    Returns the number of experts. `on_expert` is called after each one (a progress bar).
+    """
+    files = CheckpointFiles(path)
+    sources = map_experts(files)
+    if not sources:
+        raise CheckpointError(f"{path}: no routed-expert tensors found (names like ...experts.0.gate_proj.weight)")
+    digests = {}
+    for key in sorted(sources):
+        digests[key] = weights_digest(read_source(files, sources[key]))
+        if on_expert is not None:
+            on_expert()
+    write_manifest(path, digests, sources)
+    return len(digests)
+
+
+class ExpertReader:
+    """Reads one expert at a time from the checkpoint files and checks it against the manifest."""
+
+    def __init__(self, files: CheckpointFiles, compute_dtype: torch.dtype) -> None:
+        self.files, self.compute_dtype = files, compute_dtype
+        self.sources = map_experts(files)
+        manifest = read_manifest(files.path)
+        self.digests: dict[ExpertKey, str] = {}
+        for key, source in self.sources.items():
+            if key not in manifest:
+                raise CheckpointError(f"{files.path / MANIFEST_FILE}: no entry for expert {key}; rerun verify")
+            listed, digest = manifest[key]
+            if listed != source:
+                raise CheckpointError(
+                    f"{files.path / MANIFEST_FILE}: expert {key} maps to {listed.parts} there, {source.parts} here"
+                )
+            self.digests[key] = digest
+        self.is_checksum_verified = True  # tests turn this off to plant a fault
+
+    def read_raw(self, key: ExpertKey) -> ExpertWeights:
+        """The expert's matrices in the checkpoint's dtype, unverified ([2I, H] and [H, I])."""
+        return read_source(self.files, self.sources[key])
+
+    def read(self, key: ExpertKey) -> ExpertWeights:
+        """Read, verify against the manifest, and cast to the compute dtype."""
+        weights = self.read_raw(key)
+        if self.is_checksum_verified and weights_digest(weights) != self.digests[key]:
+            names = ", ".join(name for name, _ in self.sources[key].parts)
+            raise ChecksumError(f"expert {key}: bytes of {names} do not match the manifest's xxh3-64")
+        if weights.gate_up.dtype != self.compute_dtype:
+            weights = ExpertWeights(weights.gate_up.to(self.compute_dtype), weights.down.to(self.compute_dtype))
+        return weights
+
+    @property
+    def num_params_per_expert(self) -> int:
+        """Parameters of one expert (all experts of a checkpoint have the same shapes)."""
+        key = next(iter(self.sources))
+        return sum(_num_elements(self.files, name, index) for name, index in self.sources[key].parts)
+
+    @property
+    def checkpoint_bytes_per_expert(self) -> int:
+        """Bytes one expert occupies in the checkpoint files."""
+        key = next(iter(self.sources))
+        return self.num_params_per_expert * self.files.element_size(self.sources[key].parts[0][0])
+
+    def max_rows_numel(self, num_rows: int) -> int:
+        """Elements in `num_rows` rows (or all rows, when fewer) of the larger of one expert's two
+        matrices ([2I, H] gate_up and [H, I] down)."""
+        key = next(iter(self.sources))
+        shapes = [self.files.shape(n)[1:] if i is not None else self.files.shape(n) for n, i in self.sources[key].parts]
+        matrices = [(shapes[0][0] + shapes[1][0], shapes[0][1]), shapes[2]] if len(shapes) == 3 else shapes
+        return max(min(num_rows, rows) * cols for rows, cols in matrices)
+
+    @property
+    def compute_bytes_per_expert(self) -> int:
+        """Bytes one expert occupies in memory, in the compute dtype."""
+        return self.num_params_per_expert * self.compute_dtype.itemsize
+
+
+def _num_elements(files: CheckpointFiles, name: str, index: int | None) -> int:
+    shape = files.shape(name)[1:] if index is not None else files.shape(name)
+    size = 1
+    for dim in shape:
+        size *= dim
+    return size

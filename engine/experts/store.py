@@ -1,0 +1,350 @@
+"""Tiered expert store: the checkpoint's files are every expert's disk tier; host memory is a bounded
+cache of full-precision copies; the device tier holds the experts a step computes with.
+
+On a CPU-only machine the device tier aliases host memory: placing an expert moves its host copy into
+the device budget (no second copy), and evicting it hands the bytes back to the host cache when that has
+room. Low-bit copies are made the first time a controller asks for one and kept while the host budget
+allows. Mechanism only: callers decide what to place and what to evict.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import torch
+
+from fallbackgate.engine.device_pool import TierPool
+from fallbackgate.engine.errors import ChecksumError, EngineError
+from fallbackgate.engine.experts.quant import Quantized, dequantize_rows, quantize, quantized_to
+from fallbackgate.engine.experts.read_ahead import ReadAhead
+from fallbackgate.engine.experts.reader import ExpertKey, ExpertReader
+from fallbackgate.engine.experts.weights import ExpertWeights
+from fallbackgate.engine.tags import ObjectKind, Tier
+
+__all__ = ["ExpertKey", "ExpertStore", "ExpertWeights", "Fetched"]
+
+READ_SLOTS = 8  # experts read ahead at once at most
+
+DEQUANT_ROWS = 64  # rows dequantized at a time: bounds the fp32 working set of an expert_lowbit copy
+
+
+@dataclasses.dataclass(slots=True)
+class Fetched:
+    """Weights handed to a caller, with what it cost to get them."""
+
+    weights: ExpertWeights  # ready to compute with
+    source_tier: Tier | None  # where bytes came from (None: nothing moved)
+    bytes_moved: int  # bytes read over a link
+    note: str = ""  # e.g. a checksum failure that a re-read cleared
+
+
+@dataclasses.dataclass(slots=True)
+class _Entry:
+    host: ExpertWeights | None = None  # full-precision copy in the host cache (host pool)
+    device: ExpertWeights | None = None  # device copy (device pool); on CPU the former host tensors
+    lowbit: tuple[Quantized, Quantized] | None = None  # int8/int4 copy in host memory, made on demand
+    ready: torch.cuda.Event | None = None  # CUDA: set when an async (side-stream) copy completes
+
+
+class ExpertStore:
+    """Every routed expert of the model, read from the checkpoint; the modules keep no expert weights."""
+
+    def __init__(
+        self,
+        reader: ExpertReader,
+        device_pool: TierPool,
+        host_pool: TierPool,
+        device: torch.device,
+        lowbit_bits: int = 8,
+        num_io_threads: int = 0,
+    ) -> None:
+        self.reader, self.device_pool, self.host_pool, self.device = reader, device_pool, host_pool, device
+        self.lowbit_bits = lowbit_bits
+        self.is_aliased = device.type == "cpu"  # one RAM: the device tier is host memory under another budget
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # prefetch side stream
+        self.entries: dict[ExpertKey, _Entry] = {key: _Entry() for key in sorted(reader.sources)}
+        self.host_lru: collections.OrderedDict[ExpertKey, None] = collections.OrderedDict()
+        self.bytes_per_expert = reader.compute_bytes_per_expert
+        self.num_disk_reads = 0
+        self.stacked_layers: set[int] = set()  # layers whose experts all sit in one resident stack (pinned)
+        self.read_ahead = ReadAhead(self._verified_read, num_io_threads)
+        self.is_disk_tiered = False  # some expert's only copy is the checkpoint on disk
+        host_slots = host_pool.budget_bytes // max(1, self.bytes_per_expert)
+        # experts that may be read ahead at once; their host room is kept out of the cache's reach
+        self.num_read_slots = min(READ_SLOTS, max(1, host_slots // 4)) if num_io_threads and host_slots >= 2 else 0
+        self.pending_reads: list[tuple[ExpertKey, bool]] = []  # (key, is_predicted) waiting for a read slot
+        self.pending_step_id = 0
+        self.read_ahead_cached: set[ExpertKey] = set()  # host copies read ahead and not used yet: from disk
+
+    def warm_host(self) -> int:
+        """Fill the host cache in key order while it has room (what a fresh process would read first)."""
+        num_read = 0
+        for key in self.entries:
+            if not self.host_pool.can_reserve(self.bytes_per_expert + self._read_slot_bytes()):
+                break
+            self._cache_on_host(key, self._read_disk(key)[0])
+            num_read += 1
+        self.is_disk_tiered = num_read < len(self.entries)
+        self.read_ahead.end_step()  # warm-up reads are not a step's
+        return num_read
+
+    def queue_reads(self, needed: list[ExpertKey], predicted: list[ExpertKey], step_id: int) -> None:
+        """Read ahead: the current layer's `needed` misses first, then the `predicted` experts of the next
+        layer, replacing what an earlier layer queued; reads start as read slots free up (see `_pump`)."""
+        if not self.num_read_slots:
+            return
+        queued = [(k, False) for k in needed] + [(k, True) for k in predicted if k not in set(needed)]
+        self.pending_reads = [(k, is_p) for k, is_p in dict(queued).items() if self._is_disk_only(k)]
+        self.pending_step_id = step_id
+        self._pump()
+
+    def close(self) -> None:
+        """Stop the read threads and give back the host room of reads nobody took."""
+        self.read_ahead.close()
+        self.host_pool.release(ObjectKind.EXPERT, len(self.read_ahead.flights) * self.bytes_per_expert)
+        self.read_ahead.flights.clear()
+        self.pending_reads.clear()
+
+    def _is_disk_only(self, key: ExpertKey) -> bool:
+        entry = self.entries[key]
+        return entry.device is None and entry.host is None and not self.read_ahead.is_in_flight(key)
+
+    def _pump(self) -> None:
+        """Start queued reads while a read slot is free: each holds its expert's host bytes, in room the host
+        cache leaves free for them (so a read ahead never evicts a cached expert)."""
+        while self.pending_reads and len(self.read_ahead.flights) < self.num_read_slots:
+            key, is_predicted = self.pending_reads.pop(0)
+            if not self._is_disk_only(key) or not self.host_pool.can_reserve(self.bytes_per_expert):
+                continue
+            self.host_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
+            self.read_ahead.start(key, self.pending_step_id, is_predicted)
+
+    def _read_slot_bytes(self) -> int:
+        """Host bytes the cache leaves free for read slots not in use."""
+        return max(0, self.num_read_slots - len(self.read_ahead.flights)) * self.bytes_per_expert
+
+    def settle_reads(self, step_id: int) -> None:
+        """Reads started before `step_id` that nobody took become host-cache entries (their room was already
+        reserved). Their first use reports the disk as its source, so the bytes are credited to the request
+        that consumes them; one evicted unused is counted only in the transfer clock."""
+        for key, weights in self.read_ahead.finished_before(step_id):
+            entry = self.entries[key]
+            is_room_kept = self.host_pool.free_bytes >= self._read_slot_bytes() + self.bytes_per_expert
+            if weights is None or entry.host is not None or entry.device is not None or not is_room_kept:
+                self.host_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)  # dropped: slots stay free
+                continue
+            entry.host = weights
+            self.host_lru[key] = None
+            self.read_ahead_cached.add(key)
+
+    def stack_layers(self, modules: dict[int, torch.nn.Module]) -> None:
+        """When the device budget holds every expert: put each layer's experts into one [E, 2I, H] and one
+        [E, H, I] tensor on the device, held by the layer's experts module as its own parameters (so a
+        layer runs as one grouped matmul, as transformers' `grouped_mm` does), every expert resident as a
+        view into them and pinned there. Each expert is read from the checkpoint once, straight into place."""
+        for layer, module in modules.items():
+            keys = [key for key in self.entries if key[0] == layer]
+            first = self._read_home(keys[0], is_cached=False).weights
+            gate_up = torch.empty((len(keys), *first.gate_up.shape), dtype=first.gate_up.dtype, device=self.device)
+            down = torch.empty((len(keys), *first.down.shape), dtype=first.down.dtype, device=self.device)
+            for key in keys:
+                weights = first if key == keys[0] else self._read_home(key, is_cached=False).weights
+                gate_up[key[1]].copy_(weights.gate_up)
+                down[key[1]].copy_(weights.down)
+                self.device_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
+                self.entries[key].device = ExpertWeights(gate_up[key[1]], down[key[1]])
+            module.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
+            module.down_proj = torch.nn.Parameter(down, requires_grad=False)
+            self.stacked_layers.add(layer)
+
+    # --- queries -------------------------------------------------------------------------------
+    def home(self, key: ExpertKey) -> Tier:
+        """Where a full-precision copy comes from: the host cache, or the checkpoint on disk."""
+        entry = self.entries[key]
+        return Tier.HOST if entry.host is not None or (self.is_aliased and entry.device is not None) else Tier.DISK
+
+    def is_on_device(self, key: ExpertKey) -> bool:
+        return self.entries[key].device is not None
+
+    def has_lowbit(self, key: ExpertKey) -> bool:
+        """True when a low-bit copy exists or can be made (it is made on first use)."""
+        return self.lowbit_bits > 0
+
+    def device_keys(self) -> list[ExpertKey]:
+        return [key for key, entry in self.entries.items() if entry.device is not None]
+
+    def device_weights(self, key: ExpertKey) -> ExpertWeights:
+        entry = self.entries[key]
+        if entry.device is None:
+            raise EngineError(f"expert {key} used as resident but it is not on device")
+        if entry.ready is not None:  # a prefetch on the copy stream: compute waits for it, not the host
+            compute = torch.cuda.current_stream()
+            compute.wait_event(entry.ready)
+            entry.ready = None
+            # The copy stream allocated these tensors: without this, freeing them on eviction would let the
+            # copy stream reuse the memory for the next load while compute kernels still read it.
+            entry.device.gate_up.record_stream(compute)
+            entry.device.down.record_stream(compute)
+        return entry.device
+
+    @property
+    def lowbit_scratch_bytes(self) -> int:
+        """Device bytes an expert_lowbit computation holds at its peak: the codes (one byte each on device)
+        with fp32 scales and zero points per 32 values, the weights in the compute dtype, and the fp32
+        working set of `dequantize_rows` (two buffers of DEQUANT_ROWS rows). Counted in the device pool
+        as Scratch.EXPERT_DEQUANT while the expert runs."""
+        numel = self.bytes_per_expert // self.reader.compute_dtype.itemsize
+        return numel + numel // 32 * 8 + self.bytes_per_expert + 2 * 4 * self.reader.max_rows_numel(DEQUANT_ROWS)
+
+    # --- mechanism -----------------------------------------------------------------------------
+    def can_place(self, key: ExpertKey) -> bool:
+        """True when `key` is on device already or its bytes fit in the device budget now."""
+        return self.is_on_device(key) or self.device_pool.can_reserve(self.bytes_per_expert)
+
+    def place(self, key: ExpertKey, is_async: bool = False) -> Fetched:
+        """Bring `key` to device at full precision (exact_load).
+
+        On CUDA with `is_async`, the copy runs on a side stream and overlaps compute; the first use waits
+        for it on the GPU (see `device_weights`).
+        """
+        entry = self.entries[key]
+        if entry.device is not None:
+            return Fetched(self.device_weights(key), None, 0)
+        fetched = self._read_home(key, is_cached=not self.is_aliased)
+        self.device_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
+        if self.is_aliased:
+            if entry.host is not None:  # the host copy moves under the device budget
+                self._drop_host(key)
+            entry.device = fetched.weights
+        elif is_async and self.copy_stream is not None:
+            with torch.cuda.stream(self.copy_stream):
+                entry.device = self._copy_to_device(fetched.weights)
+                entry.ready = torch.cuda.Event()
+                entry.ready.record(self.copy_stream)
+        else:
+            entry.device = self._copy_to_device(fetched.weights)
+        return Fetched(entry.device, fetched.source_tier, self.bytes_per_expert, fetched.note)
+
+    def _copy_to_device(self, weights: ExpertWeights) -> ExpertWeights:
+        return ExpertWeights(
+            weights.gate_up.to(self.device, copy=True, non_blocking=True),
+            weights.down.to(self.device, copy=True, non_blocking=True),
+        )
+
+    def evict(self, key: ExpertKey) -> None:
+        """Drop the device copy of `key`; on CPU its bytes become the host cache's most recent entry."""
+        entry = self.entries[key]
+        if entry.device is None:
+            raise EngineError(f"expert {key} is not on device; cannot evict")
+        if key[0] in self.stacked_layers:
+            raise EngineError(f"expert {key} sits in its layer's resident stack (everything fits); it is pinned")
+        if entry.ready is not None:  # never free memory an in-flight side-stream copy still writes
+            entry.ready.synchronize()
+            entry.ready = None
+        weights, entry.device = entry.device, None
+        self.device_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)
+        if self.is_aliased:  # the bytes stay in RAM as the host cache's newest entry (one LRU over both)
+            self._make_host_room()
+            if self.host_pool.can_reserve(self.bytes_per_expert + self._read_slot_bytes()):
+                self._cache_on_host(key, weights)
+
+    def discard_copy(self, key: ExpertKey, tier: Tier) -> bool:
+        """Drop a copy found corrupt without caching it anywhere (the next use reads the checkpoint); False
+        for a copy pinned in its layer's resident stack."""
+        entry = self.entries[key]
+        if tier is Tier.HOST and entry.host is not None:
+            self._drop_host(key)
+            return True
+        if tier is Tier.DEVICE and entry.device is not None:
+            if key[0] in self.stacked_layers:
+                return False
+            if entry.ready is not None:
+                entry.ready.synchronize()
+                entry.ready = None
+            entry.device = None
+            self.device_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)
+            return True
+        return False
+
+    def host_weights(self, key: ExpertKey) -> Fetched:
+        """Full-precision weights in host memory for cpu_execute (read from the checkpoint when not cached)."""
+        entry = self.entries[key]
+        if self.is_aliased and entry.device is not None:
+            return Fetched(entry.device, None, 0)
+        return self._read_home(key, is_cached=True)
+
+    def lowbit_weights(self, key: ExpertKey) -> Fetched:
+        """Dequantized low-bit copy (made now if it does not exist); bytes moved are the low-bit bytes."""
+        entry, source, moved, note = self.entries[key], Tier.HOST, 0, ""
+        if entry.lowbit is None:
+            full = entry.device if self.is_aliased and entry.device is not None else None
+            if full is None:
+                fetched = self._read_home(key, is_cached=False)
+                full, note = fetched.weights, fetched.note
+                if fetched.source_tier is Tier.DISK:
+                    source, moved = Tier.DISK, fetched.bytes_moved
+            low = (quantize(full.gate_up, self.lowbit_bits, axis=1), quantize(full.down, self.lowbit_bits, axis=1))
+            low_bytes = low[0].num_bytes + low[1].num_bytes
+            while self.host_lru and not self.host_pool.can_reserve(low_bytes):  # full copies can be re-read
+                self._drop_host(next(iter(self.host_lru)))
+            if self.host_pool.can_reserve(low_bytes):
+                self.host_pool.reserve(ObjectKind.EXPERT, low_bytes)
+                entry.lowbit = low
+        else:
+            low = entry.lowbit
+        dtype = self.reader.compute_dtype
+        weights = ExpertWeights(  # the low-bit bytes cross the link; dequantized where the expert runs
+            dequantize_rows(quantized_to(low[0], self.device), dtype, DEQUANT_ROWS),
+            dequantize_rows(quantized_to(low[1], self.device), dtype, DEQUANT_ROWS),
+        )
+        return Fetched(weights, source, moved + low[0].num_bytes + low[1].num_bytes, note)
+
+    # --- host cache and disk -------------------------------------------------------------------
+    def _read_home(self, key: ExpertKey, is_cached: bool) -> Fetched:
+        entry = self.entries[key]
+        if entry.host is not None:
+            self.host_lru.move_to_end(key)
+            if key in self.read_ahead_cached:  # read from the checkpoint ahead, in an earlier step
+                self.read_ahead_cached.discard(key)
+                return Fetched(entry.host, Tier.DISK, self.bytes_per_expert, "read ahead in an earlier step")
+            return Fetched(entry.host, Tier.HOST, self.bytes_per_expert)
+        weights, note = self._read_disk(key)
+        if is_cached:
+            self._make_host_room()
+            if self.host_pool.can_reserve(self.bytes_per_expert + self._read_slot_bytes()):
+                self._cache_on_host(key, weights)
+        return Fetched(weights, Tier.DISK, self.bytes_per_expert, note)
+
+    def _read_disk(self, key: ExpertKey) -> tuple[ExpertWeights, str]:
+        """The expert from the checkpoint: a read started ahead (waited for), else a read now."""
+        self.num_disk_reads += 1
+        if self.read_ahead.is_in_flight(key):
+            self.host_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)  # the caller places the bytes
+            weights, note = self.read_ahead.take(key)
+            self._pump()
+            return weights, "; ".join(filter(None, ["read ahead", note]))
+        return self.read_ahead.demand_read(key)
+
+    def _verified_read(self, key: ExpertKey) -> tuple[ExpertWeights, str]:
+        try:
+            return self.reader.read(key), ""
+        except ChecksumError as exc:  # one re-read clears a transient read fault; a changed file stays an error
+            weights = self.reader.read(key)
+            return weights, f"checksum failure ({exc}); a re-read from the checkpoint matched the manifest"
+
+    def _cache_on_host(self, key: ExpertKey, weights: ExpertWeights) -> None:
+        self.host_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
+        self.entries[key].host = weights
+        self.host_lru[key] = None
+
+    def _drop_host(self, key: ExpertKey) -> None:
+        self.read_ahead_cached.discard(key)
+        self.entries[key].host = None
+        del self.host_lru[key]
+        self.host_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)
+
+    def _make_host_room(self) -> None:
+        """Evict the least recently used host copy when the cache is full (it can be read again)."""
+        while self.host_lru and not self.host_pool.can_reserve(self.bytes_per_expert + self._read_slot_bytes()):
+            self._drop_host(next(iter(self.host_lru)))

@@ -1,0 +1,60 @@
+"""A KV block, its copies, and the ways a block leaves the device or comes back for one step."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+from fallbackgate.engine.kv.codec import QuantKV
+from fallbackgate.engine.kv.spill import SpillRecord
+from fallbackgate.engine.tags import Tag, Tier
+
+KVBlockKey = tuple[str, int, int]  # (request_id, layer, block_index)
+
+
+class SpillMode(str, enum.Enum):
+    """Where and in which precision a block's copy is written when it leaves device."""
+
+    HOST_FULL = "host_full"
+    HOST_INT8 = "host_int8"
+    HOST_INT4 = "host_int4"
+    DISK_FULL = "disk_full"
+    DISK_INT8 = "disk_int8"
+    HOST_FULL_AND_INT8 = "host_full_and_int8"  # both copies: the reader may choose exact_load or kv_dequant
+    HOST_FULL_AND_INT4 = "host_full_and_int4"
+    DROP = "drop"  # no copy kept: the block must be rebuilt by recompute
+
+
+@dataclasses.dataclass(slots=True)
+class KVBlock:
+    """One layer's K and V for `block_size` tokens of one request, and where its copies are."""
+
+    key: KVBlockKey
+    num_tokens: int = 0  # filled positions
+    device: torch.Tensor | None = None  # [kv_heads, block_size, key_dim + value_dim] fp32
+    host: torch.Tensor | None = None  # full-precision host copy
+    host_q: QuantKV | None = None  # quantized host copy
+    disk: SpillRecord | None = None  # full-precision disk copy
+    disk_q: QuantKV | None = None  # quantized disk copy (records inside)
+
+    @property
+    def has_exact_copy(self) -> bool:
+        return self.device is not None or self.host is not None or self.disk is not None
+
+    @property
+    def has_quant_copy(self) -> bool:
+        return self.host_q is not None or self.disk_q is not None
+
+
+@dataclasses.dataclass(slots=True)
+class Staged:
+    """A block made usable for one step without a device slot."""
+
+    tensor: torch.Tensor  # values attention will read
+    tag: Tag  # exact_load, kv_dequant or recompute
+    source_tier: Tier | None  # where bytes came from
+    bytes_moved: int  # bytes read over a link
+    note: str = ""
+    key: KVBlockKey | None = None  # the block this was staged for

@@ -1,0 +1,70 @@
+"""Quantized KV block copies (KIVI layout: keys per channel, values per token) and their disk form."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from fallbackgate.engine.experts.quant import Quantized, dequantize, quantize, quantized_to
+from fallbackgate.engine.kv.spill import SpillDir, SpillRecord
+
+
+@dataclasses.dataclass(slots=True)
+class QuantKV:
+    """A block's K and V quantized; `records` is set when the copy lives on disk."""
+
+    keys: Quantized | None  # None while on disk
+    values: Quantized | None
+    bits: int
+    nbytes: int  # storage bytes of codes + scales + zero points
+    records: tuple[SpillRecord, ...] = ()  # disk files: k codes/scales/zeros, v codes/scales/zeros
+    meta: tuple[tuple[int, int, int], ...] = ()  # (bits, axis, group_size) for keys and values on disk
+
+    @property
+    def num_bytes(self) -> int:
+        return self.nbytes
+
+
+def quantize_kv(block: torch.Tensor, bits: int, key_dim: int) -> QuantKV:
+    """Quantize a [kv_heads, block_size, key_dim + value_dim] block: K per channel, V per token."""
+    block_size, value_dim = block.shape[1], block.shape[2] - key_dim
+    keys = quantize(block[..., :key_dim], bits, axis=1, group_size=block_size)  # groups over tokens: per channel
+    values = quantize(block[..., key_dim:], bits, axis=2, group_size=min(32, value_dim))  # over channels: per token
+    return QuantKV(keys, values, bits, keys.num_bytes + values.num_bytes)
+
+
+def dequantize_kv(quant: QuantKV) -> torch.Tensor:
+    """Back to a [kv_heads, block_size, key_dim + value_dim] fp32 block."""
+    assert quant.keys is not None and quant.values is not None
+    return torch.cat([dequantize(quant.keys), dequantize(quant.values)], dim=-1)
+
+
+def write_quant(spill: SpillDir, name: str, quant: QuantKV) -> QuantKV:
+    """Put a quantized block on disk; the returned copy holds only records."""
+    records: list[SpillRecord] = []
+    meta = []
+    for label, part in (("k", quant.keys), ("v", quant.values)):
+        assert part is not None
+        records += [
+            spill.write(f"{name}-{label}c", part.codes),
+            spill.write(f"{name}-{label}s", part.scales),
+            spill.write(f"{name}-{label}z", part.zeros),
+        ]
+        meta.append((part.bits, part.axis, part.group_size))
+    return QuantKV(None, None, quant.bits, quant.nbytes, tuple(records), tuple(meta))
+
+
+def read_quant(spill: SpillDir, quant: QuantKV) -> QuantKV:
+    """Read a disk-resident quantized block back (checksums verified)."""
+    parts = []
+    for i, (bits, axis, group_size) in enumerate(quant.meta):
+        codes, scales, zeros = (spill.read(r) for r in quant.records[3 * i : 3 * i + 3])
+        parts.append(Quantized(codes, scales, zeros, bits, axis, group_size))
+    return QuantKV(parts[0], parts[1], quant.bits, quant.nbytes)
+
+
+def quant_to(quant: QuantKV, device: torch.device) -> QuantKV:
+    """The same quantized block with codes, scales and zero points on `device`."""
+    assert quant.keys is not None and quant.values is not None
+    return QuantKV(quantized_to(quant.keys, device), quantized_to(quant.values, device), quant.bits, quant.nbytes)

@@ -1,0 +1,51 @@
+"""transformers Cache over the engine's paged KV store, so the model's own attention reads engine K/V."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+if TYPE_CHECKING:
+    from fallbackgate.engine.experts.executor import Executor
+
+
+class PagedLayer(CacheLayerMixin):
+    """One decoder layer's view of the paged store for the current packed forward."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, executor: Executor, layer: int) -> None:
+        super().__init__()
+        self.executor = executor
+        self.layer = layer
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to allocate: blocks are allocated by the engine before the forward."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this forward's K/V and return every packed request's K/V (prefix + new)."""
+        return self.executor.kv_update(self.layer, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        batch = self.executor.ctx.batch
+        return sum(s + n for s, n in zip(batch.starts, batch.lengths, strict=True)), 0
+
+    def get_seq_length(self) -> int:
+        batch = self.executor.ctx.batch
+        return max(batch.starts) if batch.starts else 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class PagedCache(Cache):
+    """A Cache whose layers write to and read from the engine's block tables."""
+
+    def __init__(self, executor: Executor, num_layers: int) -> None:
+        super().__init__(layers=[PagedLayer(executor, i) for i in range(num_layers)])

@@ -1,0 +1,318 @@
+"""Paged, tiered KV store: per-request block tables of fixed-size blocks (block_size tokens × one layer).
+
+A block's copies may live on device (full precision), on host (full and/or int8/int4 quantized,
+keys per channel and values per token as in KIVI) and on disk (same choices). Blocks needed by a step
+that are not on device are staged into per-step scratch (exact_load, kv_dequant) or rebuilt (recompute).
+Every device byte is counted in the device pool: blocks as KV_BLOCK, staged blocks (and a dequantization's
+working set while it runs) as Scratch.KV_STAGED. Mechanism only: callers decide what to spill, where, and
+how to bring it back, and make room before staging.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fallbackgate.engine.device_pool import Scratch, TierPool
+from fallbackgate.engine.errors import ChecksumError, EngineError
+from fallbackgate.engine.kv.block import KVBlock, KVBlockKey, SpillMode, Staged
+from fallbackgate.engine.kv.codec import dequantize_kv, quant_to, quantize_kv, read_quant, write_quant
+from fallbackgate.engine.kv.spill import SpillDir
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
+
+__all__ = ["KVBlock", "KVBlockKey", "KVStore", "SpillMode", "Staged"]
+
+class KVStore:
+    """Block tables for all live requests; byte-accurate device and host accounting."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        key_dim: int,
+        value_dim: int,
+        block_size: int,
+        device_pool: TierPool,
+        host_pool: TierPool,
+        spill: SpillDir,
+        device: torch.device,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.num_layers, self.num_kv_heads, self.block_size = num_layers, num_kv_heads, block_size
+        self.dtype = dtype  # the model's: K and V are stored as attention produced them
+        self.key_dim, self.value_dim = key_dim, value_dim
+        self.device_pool, self.host_pool, self.spill, self.device = device_pool, host_pool, spill, device
+        self.block_shape = (num_kv_heads, block_size, key_dim + value_dim)  # K and V side by side per token
+        self.bytes_per_block = num_kv_heads * block_size * (key_dim + value_dim) * dtype.itemsize
+        self.tables: dict[str, list[list[KVBlock]]] = {}  # request -> layer -> blocks
+        self.num_tokens: dict[str, int] = {}
+        self.scratch: dict[KVBlockKey, Staged] = {}
+
+    # --- block tables --------------------------------------------------------------------------
+    def add_sequence(self, request_id: str) -> None:
+        self.tables[request_id] = [[] for _ in range(self.num_layers)]
+        self.num_tokens[request_id] = 0
+
+    def free_sequence(self, request_id: str) -> None:
+        """Release every copy of every block of a request."""
+        for blocks in self.tables.pop(request_id, []):
+            for block in blocks:
+                self._drop_copies(block, keep_device=False)
+        self.num_tokens.pop(request_id, None)
+        for key in [k for k in self.scratch if k[0] == request_id]:
+            self._drop_scratch(key)
+
+    def blocks(self, request_id: str, layer: int) -> list[KVBlock]:
+        return self.tables[request_id][layer]
+
+    def block_keys(self, request_ids: list[str]) -> set[KVBlockKey]:
+        """Every block of every layer of these requests (those without a table have none)."""
+        tables = self.tables
+        return {b.key for rid in request_ids if rid in tables for blocks in tables[rid] for b in blocks}
+
+    def device_blocks(self) -> list[KVBlock]:
+        return [b for table in self.tables.values() for blocks in table for b in blocks if b.device is not None]
+
+    def bytes_to_append(self, request_id: str, num_new_tokens: int) -> int:
+        """Device bytes needed to append `num_new_tokens` (new blocks plus an off-device partial tail)."""
+        used = self.num_tokens[request_id]
+        num_blocks = -(-(used + num_new_tokens) // self.block_size)
+        first_written = used // self.block_size
+        num_needed = 0
+        for layer_blocks in self.tables[request_id]:
+            for index in range(first_written, num_blocks):
+                if index >= len(layer_blocks) or layer_blocks[index].device is None:
+                    num_needed += 1
+        return num_needed * self.bytes_per_block
+
+    def bytes_to_stage(self, request_id: str, num_read_tokens: int) -> int:
+        """Scratch bytes to stage the off-device full blocks among the first `num_read_tokens` positions."""
+        num_full = num_read_tokens // self.block_size
+        num_off = sum(1 for blocks in self.tables.get(request_id, []) for b in blocks[:num_full] if b.device is None)
+        return num_off * self.bytes_per_block
+
+    def gather_bytes(self, lengths: list[int]) -> int:
+        """Scratch bytes of one layer's `gather` for requests reading `lengths` positions (a request whose
+        positions fit one block reads the block itself; longer ones get their blocks concatenated)."""
+        num_bytes = 0
+        for length in lengths:
+            num_blocks = -(-length // self.block_size)
+            num_bytes += num_blocks * self.bytes_per_block if num_blocks > 1 else 0
+        return num_bytes
+
+    def can_append(self, request_id: str, num_new_tokens: int) -> bool:
+        return self.device_pool.can_reserve(self.bytes_to_append(request_id, num_new_tokens))
+
+    def append(self, request_id: str, num_new_tokens: int) -> list[Staged]:
+        """Make device room for the next tokens: new zeroed blocks, and the partial tail brought back."""
+        used = self.num_tokens[request_id]
+        num_blocks = -(-(used + num_new_tokens) // self.block_size)
+        restored: list[Staged] = []
+        for layer, layer_blocks in enumerate(self.tables[request_id]):
+            for index in range(used // self.block_size, num_blocks):
+                if index >= len(layer_blocks):
+                    layer_blocks.append(KVBlock((request_id, layer, index)))
+                block = layer_blocks[index]
+                if block.device is None:
+                    staged = self._stage_exact(block) if block.num_tokens else None  # loaded into its slot
+                    if staged:
+                        staged.key = block.key
+                    self._reserve_device(block, staged.tensor if staged else None)
+                    self._drop_copies(block, keep_device=True)  # new tokens land on device: older copies go stale
+                    if staged:
+                        restored.append(staged)
+        self.num_tokens[request_id] = used + num_new_tokens
+        return restored
+
+    def _reserve_device(self, block: KVBlock, values: torch.Tensor | None) -> None:
+        self.device_pool.reserve(ObjectKind.KV_BLOCK, self.bytes_per_block)
+        if values is None:
+            block.device = torch.zeros(self.block_shape, device=self.device, dtype=self.dtype)
+        else:  # a freshly loaded or staged tensor that nothing else holds: it becomes the slot
+            block.device = values
+
+    # --- reads and writes during a forward -----------------------------------------------------
+    def write(self, request_id: str, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write K [kv_heads, n, key_dim] and V [kv_heads, n, value_dim] for positions start.. ."""
+        blocks = self.tables[request_id][layer]
+        pos, end = start, start + keys.shape[1]
+        while pos < end:
+            index, offset = divmod(pos, self.block_size)
+            take = min(self.block_size - offset, end - pos)
+            block = blocks[index]
+            staged = self.scratch.get(block.key)
+            if staged is not None and staged.tag is Tag.RECOMPUTE and block.device is None:
+                target = staged.tensor  # a dropped block being rebuilt
+            elif block.device is not None and offset >= block.num_tokens:
+                target = block.device  # append-only: new positions of a device block
+            else:
+                pos += take  # an existing copy already holds these positions
+                continue
+            target[:, offset : offset + take, : self.key_dim] = keys[:, pos - start : pos - start + take]
+            target[:, offset : offset + take, self.key_dim :] = values[:, pos - start : pos - start + take]
+            block.num_tokens = max(block.num_tokens, offset + take)
+            pos += take
+
+    def gather(self, request_id: str, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K [kv_heads, length, key_dim] and V [kv_heads, length, value_dim], from device or scratch."""
+        parts = []
+        for block in self.tables[request_id][layer][: -(-length // self.block_size)]:
+            if block.device is not None:
+                parts.append(block.device)
+            elif block.key in self.scratch:
+                parts.append(self.scratch[block.key].tensor)
+            else:
+                raise EngineError(f"KV block {block.key} read but neither on device nor staged")
+        both = torch.cat(parts, dim=1)[:, :length] if len(parts) > 1 else parts[0][:, :length]
+        return both[..., : self.key_dim], both[..., self.key_dim :]
+
+    def num_device_blocks(self, request_id: str, layer: int, length: int) -> int:
+        """How many of the blocks holding positions 0..length of the request's layer are on device."""
+        return sum(1 for b in self.tables[request_id][layer][: -(-length // self.block_size)] if b.device is not None)
+
+    # --- staging (the fallbacks) ---------------------------------------------------------------
+    def stage(self, block: KVBlock, tag: Tag) -> Staged:
+        """Make an off-device block readable for this step with `tag`'s computation.
+
+        The staged block holds `bytes_per_block` of the device pool (Scratch.KV_STAGED) until the step ends
+        or it is promoted; the caller makes room first (`stage_bytes`).
+        """
+        self.device_pool.reserve(Scratch.KV_STAGED, self.bytes_per_block)
+        try:
+            staged = self._stage_tensor(block, tag)
+        except BaseException:
+            self.device_pool.release(Scratch.KV_STAGED, self.bytes_per_block)
+            raise
+        staged.key = block.key
+        self.scratch[block.key] = staged
+        return staged
+
+    def stage_bytes(self, block: KVBlock, tag: Tag) -> int:
+        """Device bytes staging `block` with `tag` needs at its peak (the block, plus a dequantization's
+        working set: the quantized bytes on device and the fp32 block they expand to)."""
+        if tag is not Tag.KV_DEQUANT:
+            return self.bytes_per_block
+        quant = block.host_q or block.disk_q
+        fp32_bytes = self.bytes_per_block // self.dtype.itemsize * 4
+        return self.bytes_per_block + (quant.num_bytes if quant else 0) + fp32_bytes
+
+    def _stage_tensor(self, block: KVBlock, tag: Tag) -> Staged:
+        if tag is Tag.EXACT_LOAD:
+            staged = self._stage_exact(block)
+        elif tag is Tag.KV_DEQUANT:
+            staged = self._stage_dequant(block)
+        elif tag is Tag.RECOMPUTE:
+            staged = Staged(torch.zeros(self.block_shape, device=self.device, dtype=self.dtype), Tag.RECOMPUTE, None, 0)
+        else:
+            raise EngineError(f"{tag.value} is not a KV fallback")
+        return staged
+
+    def _stage_exact(self, block: KVBlock) -> Staged:
+        if block.host is not None:
+            return Staged(block.host.to(self.device, copy=True), Tag.EXACT_LOAD, Tier.HOST, self.bytes_per_block)
+        if block.disk is None:
+            raise EngineError(f"KV block {block.key} has no full-precision copy to load")
+        try:
+            tensor = self.spill.read(block.disk)
+        except ChecksumError:
+            self.spill.delete(block.disk)
+            block.disk = None
+            raise
+        return Staged(tensor.to(self.device), Tag.EXACT_LOAD, Tier.DISK, self.bytes_per_block)
+
+    def _stage_dequant(self, block: KVBlock) -> Staged:
+        if block.host_q is not None:
+            quant, tier = block.host_q, Tier.HOST
+        elif block.disk_q is not None:
+            quant, tier = read_quant(self.spill, block.disk_q), Tier.DISK
+        else:
+            raise EngineError(f"KV block {block.key} has no quantized copy")
+        working = self.stage_bytes(block, Tag.KV_DEQUANT) - self.bytes_per_block
+        with self.device_pool.held(Scratch.KV_STAGED, working):  # only quantized bytes cross the link
+            tensor = dequantize_kv(quant_to(quant, self.device)).to(self.dtype)
+        return Staged(tensor, Tag.KV_DEQUANT, tier, quant.num_bytes)
+
+    def promote(self, block: KVBlock) -> bool:
+        """Move an exactly staged block into a device slot if it fits; dequantized blocks never are."""
+        staged = self.scratch.get(block.key)
+        if staged is None or staged.tag is Tag.KV_DEQUANT or block.device is not None:
+            return False
+        self._drop_scratch(block.key)  # the staged tensor becomes the slot: its bytes change kind
+        self._reserve_device(block, staged.tensor)
+        return True
+
+    def clear_scratch(self) -> None:
+        for key in list(self.scratch):
+            self._drop_scratch(key)
+
+    def _drop_scratch(self, key: KVBlockKey) -> None:
+        del self.scratch[key]
+        self.device_pool.release(Scratch.KV_STAGED, self.bytes_per_block)
+
+    def held_device_bytes(self) -> dict[str, int]:
+        """Bytes of the device tensors this store really holds (blocks and staged scratch), by pool kind."""
+        blocks = sum(b.device.nbytes for t in self.tables.values() for bs in t for b in bs if b.device is not None)
+        staged = sum(s.tensor.nbytes for s in self.scratch.values())
+        return {ObjectKind.KV_BLOCK.value: blocks, Scratch.KV_STAGED.value: staged}
+
+    # --- spilling ------------------------------------------------------------------------------
+    def spill_block(self, block: KVBlock, mode: SpillMode) -> int:
+        """Write a copy per `mode`, then free the device slot. Returns bytes written."""
+        if block.device is None:
+            raise EngineError(f"KV block {block.key} is not on device")
+        written = self._write_copy(block, mode)
+        block.device = None
+        self.device_pool.release(ObjectKind.KV_BLOCK, self.bytes_per_block)
+        return written
+
+    def _write_copy(self, block: KVBlock, mode: SpillMode) -> int:
+        if mode in (SpillMode.HOST_FULL_AND_INT8, SpillMode.HOST_FULL_AND_INT4):
+            quant_mode = SpillMode.HOST_INT8 if mode is SpillMode.HOST_FULL_AND_INT8 else SpillMode.HOST_INT4
+            return self._write_copy(block, SpillMode.HOST_FULL) + self._write_copy(block, quant_mode)
+        tensor = block.device.cpu()
+        if mode is SpillMode.HOST_FULL and block.host is None:
+            self.host_pool.reserve(ObjectKind.KV_BLOCK, self.bytes_per_block)
+            block.host = tensor.pin_memory() if self.device.type == "cuda" else tensor.clone()
+            return self.bytes_per_block
+        if mode in (SpillMode.HOST_INT8, SpillMode.HOST_INT4) and block.host_q is None:
+            quant = quantize_kv(tensor, 8 if mode is SpillMode.HOST_INT8 else 4, self.key_dim)
+            self.host_pool.reserve(ObjectKind.KV_BLOCK, quant.num_bytes)
+            block.host_q = quant
+            return quant.num_bytes
+        if mode is SpillMode.DISK_FULL and block.disk is None:
+            block.disk = self.spill.write("kv-" + "-".join(map(str, block.key)), tensor)
+            return self.bytes_per_block
+        if mode is SpillMode.DISK_INT8 and block.disk_q is None:
+            block.disk_q = write_quant(
+                self.spill, "kvq-" + "-".join(map(str, block.key)), quantize_kv(tensor, 8, self.key_dim)
+            )
+            return block.disk_q.num_bytes
+        return 0
+
+    def spill_cost_fits_host(self, mode: SpillMode) -> bool:
+        """Whether a host copy in `mode` fits the host budget now."""
+        if mode is SpillMode.HOST_FULL:
+            return self.host_pool.can_reserve(self.bytes_per_block)
+        quant_bytes = self.bytes_per_block // 4 + 1024
+        if mode in (SpillMode.HOST_INT8, SpillMode.HOST_INT4):
+            return self.host_pool.can_reserve(quant_bytes)
+        if mode in (SpillMode.HOST_FULL_AND_INT8, SpillMode.HOST_FULL_AND_INT4):
+            return self.host_pool.can_reserve(self.bytes_per_block + quant_bytes)
+        return True
+
+    def _drop_copies(self, block: KVBlock, keep_device: bool) -> None:
+        if block.device is not None and not keep_device:
+            block.device = None
+            self.device_pool.release(ObjectKind.KV_BLOCK, self.bytes_per_block)
+        if block.host is not None:
+            self.host_pool.release(ObjectKind.KV_BLOCK, self.bytes_per_block)
+            block.host = None
+        if block.host_q is not None:
+            self.host_pool.release(ObjectKind.KV_BLOCK, block.host_q.num_bytes)
+            block.host_q = None
+        if block.disk is not None:
+            self.spill.delete(block.disk)
+            block.disk = None
+        if block.disk_q is not None:
+            for record in block.disk_q.records:
+                self.spill.delete(record)
+            block.disk_q = None

@@ -1,0 +1,133 @@
+"""Builds the engine's parts from a checkpoint: shapes probe, pools, stores, minimum budget."""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+
+import torch
+from transformers import DynamicCache
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+from fallbackgate.engine.config import EngineConfig
+from fallbackgate.engine.device_pool import TierPool
+from fallbackgate.engine.errors import BudgetError, CheckpointError
+from fallbackgate.engine.experts.store import ExpertStore
+from fallbackgate.engine.kv.spill import SpillDir
+from fallbackgate.engine.kv.store import KVStore
+from fallbackgate.engine.model.loader import LoadedCheckpoint
+
+MIB = 1024 * 1024
+PROBE_IMPLEMENTATION = "fallbackgate_shape_probe"
+
+
+@dataclasses.dataclass(slots=True)
+class KVShape:
+    """What one token's cache entry looks like in every layer."""
+
+    num_layers: int
+    num_kv_heads: int
+    key_dim: int
+    value_dim: int
+
+
+def _no_experts(
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    return torch.zeros_like(hidden_states)
+
+
+def probe_kv_shapes(loaded: LoadedCheckpoint) -> KVShape:
+    """Run one token through the dense weights (experts contribute zeros) and read what attention cached.
+
+    The geometry comes from the K/V tensors attention really produced, not from the config (MLA-style
+    attention expands K/V to every head); no routed expert is read.
+    """
+    model = loaded.model
+    ALL_EXPERTS_FUNCTIONS.register(PROBE_IMPLEMENTATION, _no_experts)
+    saved = model.config._experts_implementation
+    model.config._experts_implementation = PROBE_IMPLEMENTATION
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([[0]]), cache=DynamicCache(config=model.config), use_cache=True)
+    except Exception as exc:  # an attention or cache layout the engine cannot page
+        raise CheckpointError(f"{loaded.path}: the engine cannot serve this architecture's attention: {exc}") from exc
+    finally:
+        model.config._experts_implementation = saved
+    layers = out.cache.layers
+    shapes = {(layer.keys.shape[1], layer.keys.shape[-1], layer.values.shape[-1]) for layer in layers}
+    if len(shapes) != 1 or any(getattr(layer, "is_sliding", False) for layer in layers):
+        raise CheckpointError(f"{loaded.path}: layers with different or sliding-window caches are not supported yet")
+    heads, key_dim, value_dim = shapes.pop()
+    return KVShape(len(layers), int(heads), int(key_dim), int(value_dim))
+
+
+def can_stack(modules: dict[int, torch.nn.Module]) -> bool:
+    """Whether every experts module computes as transformers' grouped_mm path expects of stacked weights:
+    gated, [E, out, in] layout, no biases, no post-expert norm."""
+    return all(
+        getattr(m, "has_gate", False)
+        and not getattr(m, "is_transposed", False)
+        and not getattr(m, "has_bias", False)
+        and not getattr(m, "has_post_expert_norm", False)
+        for m in modules.values()
+    )
+
+
+def fill_expert_tiers(config: EngineConfig, loaded: LoadedCheckpoint, store: ExpertStore) -> None:
+    """Everything fits (no device budget given): stack each layer's experts on the device; otherwise warm
+    the host cache the way a fresh process would fill it."""
+    if config.device_budget_bytes is None and config.is_stacked_when_fits and can_stack(loaded.experts_by_layer):
+        store.stack_layers(loaded.experts_by_layer)
+    else:
+        store.warm_host()
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def build_stores(
+    config: EngineConfig, loaded: LoadedCheckpoint, shape: KVShape, device: torch.device
+) -> tuple[ExpertStore, KVStore, int]:
+    """Pools, the expert store (experts leave the modules) and the KV store; returns the expert floor."""
+    expert_bytes = loaded.reader.compute_bytes_per_expert
+    block_bytes = shape.num_kv_heads * config.block_size * (shape.key_dim + shape.value_dim) * loaded.dtype.itemsize
+    num_experts_total = len(loaded.reader.sources)
+    kv_everything = (
+        shape.num_layers * config.max_num_seqs * (config.max_model_len // config.block_size + 1) * block_bytes
+    )
+    device_budget = config.device_budget_bytes
+    if device_budget is None:  # every expert, every block, and one layer's gathered K/V (blocks, then packed)
+        device_budget = num_experts_total * expert_bytes + kv_everything + 2 * kv_everything // shape.num_layers
+    expert_floor = loaded.top_k * expert_bytes
+    minimum = expert_floor + shape.num_layers * block_bytes
+    if device_budget < minimum:
+        raise BudgetError(
+            f"device budget {device_budget / MIB:.3f} MiB cannot make progress: the minimum is {minimum / MIB:.3f} MiB "
+            f"({loaded.top_k} experts × {expert_bytes} B for one layer's top-k, plus one {block_bytes} B KV block "
+            f"per layer × {shape.num_layers} layers for one running request)"
+        )
+    host_budget = config.host_budget_bytes
+    if host_budget is None:  # every expert cached once, its low-bit copy, and KV copies
+        host_budget = 2 * num_experts_total * expert_bytes + 2 * kv_everything
+    device_pool, host_pool = TierPool("device", device_budget), TierPool("host", host_budget)
+    spill = SpillDir(config.spill_dir or tempfile.gettempdir())
+    expert_store = ExpertStore(
+        loaded.reader, device_pool, host_pool, device, config.expert_lowbit_bits, config.num_io_threads
+    )
+    kv_store = KVStore(
+        shape.num_layers,
+        shape.num_kv_heads,
+        shape.key_dim,
+        shape.value_dim,
+        config.block_size,
+        device_pool,
+        host_pool,
+        spill,
+        device,
+        loaded.dtype,
+    )
+    return expert_store, kv_store, expert_floor

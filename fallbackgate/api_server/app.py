@@ -1,0 +1,197 @@
+"""The FastAPI app of ``fallbackgate serve``: OpenAI-compatible routes over one :class:`EngineService`.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` for server-sent
+events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Errors are OpenAI-shaped
+JSON (``{"error": {"message", "type", "param", "code"}}``); an unknown quality class is a 400 that lists
+the classes. Every response carries the request's ledger id, class and tag counts in ``fallbackgate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from fallbackgate.api_server.protocol import (
+    DEFAULT_CHAT_TEMPLATE,
+    DEFAULT_MAX_TOKENS,
+    ChatRequest,
+    CompletionRequest,
+    chunk_body,
+    completion_body,
+    error_body,
+    new_id,
+)
+from fallbackgate.api_server.service import EngineService, Submission, Unavailable
+from fallbackgate.engine.sequence import SamplingParams
+
+CLASS_HEADER = "X-Fallbackgate-Class"
+
+
+class ApiError(Exception):
+    """An error the client gets as OpenAI-shaped JSON."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+@dataclasses.dataclass(slots=True)
+class ServerInfo:
+    """What the routes need besides the service."""
+
+    model_name: str  # the id /v1/models lists and requests must name
+    run_id: int | None  # the ledger run of this server start (None without a ledger)
+    default_class: str  # a request naming no class gets this one
+    on_shutdown: Callable[[], None]  # drains the engine and closes the run
+
+
+def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
+    """The app; its lifespan starts the engine loop and, at shutdown, drains it and closes the run."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        service.start()
+        yield
+        await asyncio.get_running_loop().run_in_executor(None, info.on_shutdown)
+
+    app = FastAPI(title="fallbackgate", lifespan=lifespan)
+    _errors(app)
+    tokenizer = service.engine.tokenizer
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        body = {"status": "ok" if service.is_alive else "failed", "model": info.model_name, "run_id": info.run_id}
+        return JSONResponse(body, status_code=200 if service.is_alive else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": info.model_name, "object": "model", "owned_by": "fallbackgate"}]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if service.writer is not None and info.run_id is not None:  # audits the background workers finished
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, service.metrics.poll_audits, service.writer.ledger, info.run_id)
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _serve(body, body.prompt, tokenizer.encode(body.prompt), False, request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        messages = [m.model_dump() for m in body.messages]
+        template = getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+        text = tokenizer.apply_chat_template(
+            messages, chat_template=template, add_generation_prompt=True, tokenize=False
+        )
+        return await _serve(body, text, tokenizer.encode(text), True, request)
+
+    async def _serve(body: Any, text: str, token_ids: list[int], is_chat: bool, request: Request) -> Response:
+        if body.model != info.model_name:
+            raise ApiError(
+                404,
+                f"model {body.model!r} is not served here; /v1/models lists {info.model_name!r}",
+                "model",
+                "model_not_found",
+            )
+        request_class = _class_of(body, request)
+        max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
+        stop = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
+        params = SamplingParams(
+            max_new_tokens=max_tokens, temperature=body.temperature, seed=body.seed, stop_token_ids=stop
+        )
+        rid = new_id("chatcmpl" if is_chat else "cmpl")
+        queue: asyncio.Queue = asyncio.Queue()
+        sub = Submission(rid, token_ids, params, request_class, text, asyncio.get_running_loop(), queue)
+        try:
+            service.submit(sub)
+        except Unavailable as exc:
+            raise ApiError(503, str(exc), code="unavailable") from None
+        if body.stream:
+            return StreamingResponse(_stream(sub, body.model, is_chat), media_type="text/event-stream")
+        while True:
+            item = await queue.get()
+            if item[0] == "error":
+                raise ApiError(400 if "interrupted" not in item[1] else 503, item[1])
+            if item[0] == "done":
+                output, finish = item[1], item[2]
+                content = tokenizer.decode(output.output_token_ids, skip_special_tokens=True)
+                extra = _extra(output, info.run_id)
+                num = (len(output.prompt_token_ids), len(output.output_token_ids))
+                return JSONResponse(completion_body(rid, body.model, content, finish, extra, *num, is_chat))
+
+    def _class_of(body: Any, request: Request) -> str:
+        named = body.fallbackgate.request_class if body.fallbackgate is not None else None
+        named = named or request.headers.get(CLASS_HEADER) or info.default_class
+        if named not in service.classes:
+            classes = ", ".join(sorted(service.classes))
+            raise ApiError(
+                400,
+                f"unknown quality class {named!r}; the classes are: {classes}",
+                "fallbackgate.class",
+                "unknown_class",
+            )
+        return named
+
+    async def _stream(sub: Submission, model: str, is_chat: bool) -> AsyncIterator[str]:
+        ids: list[int] = []
+        sent = ""
+        while True:
+            item = await sub.queue.get()
+            if item[0] == "error":
+                yield f"data: {json.dumps(error_body(item[1]))}\n\n"
+                break
+            ids = list(item[1].output_token_ids) if item[0] == "done" else [*ids, item[1]]
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            delta, sent = (text[len(sent) :], text) if text.startswith(sent) else ("", sent)
+            if item[0] == "done":
+                if delta:
+                    yield f"data: {json.dumps(chunk_body(sub.request_id, model, delta, None, is_chat))}\n\n"
+                final = chunk_body(sub.request_id, model, "", item[2], is_chat, _extra(item[1], info.run_id))
+                yield f"data: {json.dumps(final)}\n\n"
+                break
+            if delta:
+                yield f"data: {json.dumps(chunk_body(sub.request_id, model, delta, None, is_chat))}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+def _extra(output: Any, run_id: int | None) -> dict[str, Any]:
+    return {
+        "request_id": output.request_id,
+        "run_id": run_id,
+        "class": output.request_class,
+        "tag_counts": dict(output.tag_counts),
+        "ttft_s": output.ttft_s,
+        "tpot_s": output.tpot_s,
+    }
+
+
+def _errors(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        return JSONResponse(error_body(exc.message, kind, exc.param, exc.code), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+        return JSONResponse(error_body(message, param=where, code="invalid_value"), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(exc.detail), code=str(exc.status_code)), status_code=exc.status_code)

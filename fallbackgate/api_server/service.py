@@ -1,0 +1,172 @@
+"""One engine loop serving many HTTP requests: continuous batching, recording, deferred audits.
+
+HTTP handlers submit requests from the event loop; a single thread owns the engine: it admits new
+requests between steps (so concurrent requests share every forward), records each step and finished
+request to the ledger (one run per server start), leaves a sampled request's audit to the background
+audit worker (served logits and a task in the ledger, never an audit on the serving path) and hands
+sampled tokens back to each handler's asyncio queue. Draining stops admissions, lets in-flight requests
+finish for a grace period, then ends the rest as interrupted and marks the run incomplete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from fallbackgate.api_server.metrics import ServerMetrics
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.errors import EngineError
+from fallbackgate.engine.messages import RequestOutput
+from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.ledger.writer import LedgerWriter
+
+
+class Unavailable(RuntimeError):
+    """The server is draining or its engine loop has stopped."""
+
+
+@dataclasses.dataclass(slots=True)
+class Submission:
+    """One HTTP request handed to the engine loop."""
+
+    request_id: str  # the ledger's request id
+    token_ids: list[int]  # tokenised prompt
+    params: SamplingParams  # max tokens, temperature, seed, stop ids
+    request_class: str  # a class of the policy
+    prompt: str  # the text as received (recorded)
+    loop: asyncio.AbstractEventLoop  # the handler's event loop
+    queue: asyncio.Queue  # ("token", id) | ("done", RequestOutput, finish reason) | ("error", message)
+
+
+class EngineService:
+    """Owns the engine and its loop thread (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        writer: LedgerWriter | None,
+        metrics: ServerMetrics,
+        *,
+        classes: Mapping[str, Mapping[str, Any]],
+        audit_rate: float,
+        seed: int = 0,
+    ) -> None:
+        self.engine, self.writer, self.metrics = engine, writer, metrics
+        self.classes = classes  # class -> {"slo": ..., "budget": ...}
+        self.audit_rate, self.rng = audit_rate, random.Random(seed)
+        self._inbox: list[Submission] = []
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()
+        self._pending: dict[str, Submission] = {}
+        self._is_draining = False
+        self._deadline: float | None = None
+        self.num_audits_queued = 0
+        self.num_interrupted = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="fallbackgate-engine", daemon=True)
+
+    @property
+    def is_alive(self) -> bool:
+        """True while the loop thread runs and has not failed."""
+        return self._thread.is_alive() and self.error is None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, submission: Submission) -> None:
+        """Queue a request for the loop (Unavailable while draining or after a failure)."""
+        with self._lock:
+            if self._is_draining:
+                raise Unavailable("the server is shutting down")
+            if not self.is_alive:
+                raise Unavailable(f"the engine loop has stopped: {self.error}")
+            self._inbox.append(submission)
+        self._wakeup.set()
+
+    def drain(self, grace_s: float) -> str:
+        """Stop admitting, let in-flight requests finish for `grace_s`, end the rest; returns the run status
+        ("complete", "incomplete" when requests were interrupted, "failed" after an engine error)."""
+        with self._lock:
+            self._is_draining = True
+            self._deadline = time.monotonic() + grace_s
+        self._wakeup.set()
+        self._thread.join()
+        if self.error is not None:
+            return "failed"
+        return "incomplete" if self.num_interrupted else "complete"
+
+    # --- the loop thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                self._admit()
+                if self._deadline is not None and time.monotonic() > self._deadline:
+                    self._interrupt_all()
+                    return
+                if not self.engine.has_unfinished():
+                    if self._is_draining:
+                        return
+                    self._wakeup.wait(0.05)
+                    self._wakeup.clear()
+                    continue
+                self._step()
+        except BaseException as exc:  # noqa: BLE001 - every waiting handler gets the error; the run is failed
+            self.error = exc
+            for sub in list(self._pending.values()):
+                self._push(sub, ("error", f"engine failed: {exc}"))
+            self._pending.clear()
+
+    def _admit(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for sub in inbox:
+            try:
+                self.engine.add_request(sub.token_ids, sub.params, sub.request_id, sub.request_class)
+            except (EngineError, ValueError) as exc:
+                self._push(sub, ("error", str(exc)))
+                continue
+            self._pending[sub.request_id] = sub
+            self.metrics.in_flight.inc()
+
+    def _step(self) -> None:
+        result = self.engine.step()
+        plan = self.engine.last_plan
+        if self.writer is not None and plan is not None:
+            self.writer.record_step(plan, result)
+        classes = {rid: sub.request_class for rid, sub in self._pending.items()}
+        self.metrics.on_step(result, self.engine, classes)
+        for rid, token in result.sampled_token_ids.items():
+            if rid in self._pending and rid not in result.finished_ids:
+                self._push(self._pending[rid], ("token", token))
+        for rid in result.finished_ids:
+            output = self.engine.finished.pop(rid)
+            sub = self._pending.pop(rid)
+            self._finish(sub, output)
+
+    def _finish(self, sub: Submission, output: RequestOutput) -> None:
+        cls = self.classes.get(sub.request_class, {})
+        if self.writer is not None:
+            self.writer.record_request(output, prompt=sub.prompt, slo=cls.get("slo"), budget=cls.get("budget"))
+            if self.rng.random() < self.audit_rate:
+                self.writer.queue_audits([output], with_run_task=False)
+                self.num_audits_queued += 1
+        self.metrics.in_flight.dec()
+        self.metrics.on_finish(output, cls.get("slo"), "ok")
+        is_stop = bool(output.output_token_ids) and output.output_token_ids[-1] in sub.params.stop_token_ids
+        self._push(sub, ("done", output, "stop" if is_stop else "length"))
+
+    def _interrupt_all(self) -> None:
+        for sub in list(self._pending.values()):
+            self._push(sub, ("error", "interrupted: the server shut down before this request finished"))
+            self.num_interrupted += 1
+            self.metrics.requests.labels(sub.request_class, "interrupted").inc()
+        self._pending.clear()
+
+    @staticmethod
+    def _push(sub: Submission, item: tuple[Any, ...]) -> None:
+        sub.loop.call_soon_threadsafe(sub.queue.put_nowait, item)

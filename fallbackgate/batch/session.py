@@ -1,0 +1,166 @@
+"""Build an engine from user settings and run a batch of prompts through it, with a progress bar."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from fallbackgate.batch.prompts import PromptSpec
+from fallbackgate.engine.config import MIB, EngineConfig
+from fallbackgate.engine.controller import Controller
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.errors import CheckpointError
+from fallbackgate.engine.experts.quant import quantize
+from fallbackgate.engine.kv.codec import quantize_kv
+from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
+from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.profiling.store import resolve_profile
+
+
+@dataclasses.dataclass(slots=True)
+class RunSettings:
+    """What a user chose on the command line or in a policy file."""
+
+    model_dir: str
+    max_new_tokens: int = 32
+    seed: int = 0
+    temperature: float = 0.0
+    device_budget_mb: float | None = None
+    host_budget_mb: float | None = None
+    spill_dir: str | None = None
+    block_size: int = 16
+    max_num_seqs: int = 8
+    profile: str = "measured"  # "measured" (this machine) or a shipped what-if profile name
+    preempt_mode: str = "swap"
+    max_num_batched_tokens: int = 256  # tokens per forward (prefill chunk size)
+    dtype: str | None = None  # compute dtype override; None: the checkpoint's own
+    is_stacked_when_fits: bool = True  # False when tags are forced: they act on misses, which stacking removes
+    num_io_threads: int | None = None  # threads reading experts ahead of use (None: the engine's default)
+    audit_cache_mb: float = 256.0  # the audit's own verified expert copies, outside the budgets
+
+    def engine_config(self) -> EngineConfig:
+        """The engine configuration these settings describe."""
+
+        def to_bytes(mb: float | None) -> int | None:
+            return None if mb is None else int(mb * MIB)
+
+        return EngineConfig(
+            self.model_dir,
+            device_budget_bytes=to_bytes(self.device_budget_mb),
+            host_budget_bytes=to_bytes(self.host_budget_mb),
+            spill_dir=self.spill_dir,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            profile=resolve_profile(self.profile),
+            preempt_mode=self.preempt_mode,
+            seed=self.seed,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            dtype=self.dtype,
+            is_stacked_when_fits=self.is_stacked_when_fits,
+            num_io_threads=self.num_io_threads,
+            audit_cache_bytes=int(self.audit_cache_mb * MIB),
+        )
+
+
+@dataclasses.dataclass(slots=True)
+class RunOutcome:
+    """Everything a run produced, in prompt order."""
+
+    specs: list[PromptSpec]
+    outputs: list[RequestOutput]
+    texts: list[str]
+    steps: list[StepResult]
+    wall_s: float
+    memory: dict[str, Any] = dataclasses.field(default_factory=dict)  # byte counts and dtype, `memory_summary`
+    profile_name: str = ""  # the hardware profile the run predicted (and modeled what-if times) with
+
+
+StepHook = Callable[[StepPlan, StepResult], None]
+
+
+def build_engine(settings: RunSettings, controller: Controller) -> Engine:
+    """Load the model and build the engine; a model without a tokenizer is refused for text prompts."""
+    engine = Engine(settings.engine_config(), controller)
+    if engine.tokenizer is None:
+        raise CheckpointError(f"{settings.model_dir}: no tokenizer files next to the weights; text prompts need one")
+    return engine
+
+
+def run_prompts(
+    engine: Engine,
+    specs: list[PromptSpec],
+    settings: RunSettings,
+    on_step: StepHook | None = None,
+    is_progress_shown: bool = True,
+) -> RunOutcome:
+    """Submit every prompt, step the engine until all finish, decode the outputs."""
+    tokenizer = engine.tokenizer
+    stop_ids = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
+    for spec in specs:
+        params = SamplingParams(
+            max_new_tokens=spec.max_new_tokens or settings.max_new_tokens,
+            temperature=settings.temperature,
+            stop_token_ids=stop_ids,
+        )
+        engine.add_request(tokenizer.encode(spec.prompt), params, spec.request_id, spec.request_class)
+    total = sum(engine.sequences[s.request_id].params.max_new_tokens for s in specs)
+    steps: list[StepResult] = []
+    started = time.perf_counter()
+    with tqdm(total=total, disable=not is_progress_shown, unit="tok", desc="decoding") as bar:
+        while engine.has_unfinished():
+            result = engine.step()
+            steps.append(result)
+            if on_step is not None:
+                on_step(engine.last_plan, result)
+            bar.update(len(result.sampled_token_ids))
+    outputs = [engine.finished[s.request_id] for s in specs]
+    texts = [tokenizer.decode(o.output_token_ids, skip_special_tokens=True) for o in outputs]
+    wall_s = time.perf_counter() - started
+    return RunOutcome(specs, outputs, texts, steps, wall_s, memory_summary(engine), engine.config.profile.name)
+
+
+def memory_summary(engine: Engine) -> dict[str, Any]:
+    """What the device budget counts (expert slots, KV blocks, staged and gathered KV, dequantized expert
+    scratch; peaks in total and by kind) and what stays resident outside it (dense weights)."""
+    experts = engine.expert_store
+    return {
+        "device_budget_bytes": engine.kv_store.device_pool.budget_bytes,
+        "host_budget_bytes": engine.kv_store.host_pool.budget_bytes,
+        "dense_bytes": engine.num_dense_bytes,
+        "expert_bytes_total": experts.bytes_per_expert * len(experts.entries),
+        "bytes_per_expert": experts.bytes_per_expert,
+        "bytes_per_kv_block": engine.kv_store.bytes_per_block,
+        "num_experts_on_disk": sum(1 for key in experts.entries if experts.home(key).value == "disk"),
+        "peak_device_pool_bytes": engine.kv_store.device_pool.peak_used_bytes,
+        "peak_device_pool_bytes_by_kind": {
+            kind.value: peak for kind, peak in engine.kv_store.device_pool.peak_bytes_by_kind.items()
+        },
+        "peak_host_pool_bytes": engine.kv_store.host_pool.peak_used_bytes,
+        "num_expert_disk_reads": experts.num_disk_reads,
+        "dtype": engine.dtype_name,
+        "block_size": engine.config.block_size,
+        "object_bytes": object_bytes(engine),
+    }
+
+
+def object_bytes(engine: Engine) -> dict[str, Any]:
+    """Bytes one object moves with each tag: a full expert, its low-bit copy per bits, a KV block and its
+    quantized copy per bits (what the gate checks each event's bytes against)."""
+    experts, kv = engine.expert_store, engine.kv_store
+    sample = experts.reader.read(next(iter(experts.entries)))
+    block = torch.zeros(kv.block_shape, dtype=kv.dtype)
+    lowbit = {}
+    if experts.lowbit_bits:
+        bits = experts.lowbit_bits
+        lowbit[str(bits)] = sum(quantize(t, bits, axis=1).num_bytes for t in (sample.gate_up, sample.down))
+    return {
+        "expert": experts.bytes_per_expert,
+        "expert_lowbit": lowbit,
+        "kv_block": kv.bytes_per_block,
+        "kv_dequant": {str(bits): quantize_kv(block, bits, kv.key_dim).num_bytes for bits in (8, 4)},
+    }

@@ -1,0 +1,50 @@
+"""The end of ``fallbackgate run``'s output: SLO misses, the gate's table, totals and where to look next."""
+
+from __future__ import annotations
+
+from typing import Any, TextIO
+
+from fallbackgate.audit.gate import RunVerdict
+from fallbackgate.audit.table import print_table
+from fallbackgate.batch.report import slo_attainment
+from fallbackgate.batch.session import RunOutcome
+
+
+def print_slo_misses(outcome: RunOutcome, slos: dict[str, dict[str, Any]] | None, out: TextIO) -> None:
+    """Per class with an SLO: how many requests met it, and each miss with its measured and target times."""
+    by_id = {o.request_id: o for o in outcome.outputs}
+    for name, entry in sorted(slo_attainment(outcome, slos).items()):
+        targets = f"TTFT <= {entry['ttft_ms']:g} ms, TPOT <= {entry['tpot_ms']:g} ms"
+        print(f"SLO {name}: {entry['num_met']} of {entry['num_requests']} requests met {targets} (measured)", file=out)
+        for rid in entry["missed"][:10]:
+            o = by_id[rid]
+            print(f"  missed {rid}: TTFT {1e3 * o.ttft_s:.1f} ms, TPOT {1e3 * o.tpot_s:.1f} ms", file=out)
+        if len(entry["missed"]) > 10:
+            print(f"  ... and {len(entry['missed']) - 10} more", file=out)
+
+
+def print_summary(
+    outcome: RunOutcome,
+    verdict: RunVerdict,
+    num_audited: int,
+    slos: dict[str, dict[str, Any]] | None,
+    ledger_url: str,
+    out: TextIO,
+) -> None:
+    """SLO misses, the gate's table (on PASS too), wall time and tokens/s, the ledger and the next commands."""
+    print(file=out)
+    print_slo_misses(outcome, slos, out)
+    print_table(verdict, out)
+    num_tokens = sum(len(o.output_token_ids) for o in outcome.outputs)
+    rate = num_tokens / outcome.wall_s if outcome.wall_s > 0 else 0.0
+    print(
+        f"run {verdict.run_id}: {'PASS' if verdict.passed else 'FAIL'} ({num_audited} of {len(outcome.outputs)} "
+        f"requests audited); {num_tokens} tokens in {outcome.wall_s:.2f} s wall = {rate:.1f} tokens/s",
+        file=out,
+    )
+    print(f"ledger: {ledger_url}", file=out)
+    print(
+        f"look closer: fallbackgate gate --ledger {ledger_url} --run {verdict.run_id}  |  "
+        f"fallbackgate dashboard --ledger {ledger_url}",
+        file=out,
+    )
