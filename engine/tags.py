@@ -26,7 +26,7 @@ class Tag(str, enum.Enum):
 
     @property
     def exactness(self) -> Exactness:
-        """The exactness class this tag declares."""
+        """The exactness this tag declares."""
         return TAG_EXACTNESS[self]
 
     @property
@@ -48,6 +48,10 @@ EXPERT_TAGS: frozenset[Tag] = frozenset(
     {Tag.RESIDENT, Tag.EXACT_LOAD, Tag.CPU_EXECUTE, Tag.EXPERT_DEFER, Tag.EXPERT_LOWBIT}
 )
 KV_TAGS: frozenset[Tag] = frozenset({Tag.RESIDENT, Tag.EXACT_LOAD, Tag.KV_DEQUANT, Tag.RECOMPUTE})
+NON_EXACT_TAGS: tuple[Tag, ...] = tuple(t for t in Tag if t.exactness is not Exactness.EXACT)
+"""The tags a quality budget must allow before a controller may use them, in enum order."""
+TAGS_BY_EXACTNESS: tuple[Tag, ...] = tuple(t for e in Exactness for t in Tag if t.exactness is e)
+"""Every tag, exact first and approximate last (enum order within one exactness): the order reports show."""
 
 
 class ObjectKind(str, enum.Enum):

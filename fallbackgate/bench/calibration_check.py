@@ -28,6 +28,7 @@ from transformers import AutoTokenizer
 
 from fallbackgate.audit.gate import evaluate_run
 from fallbackgate.commands import calibrate
+from fallbackgate.engine.tags import NON_EXACT_TAGS, Tag
 from fallbackgate.ledger.db import Ledger, open_ledger
 from fallbackgate.policy.schema import Policy
 from fallbackgate.sweep.grid import SweepConfig, grid_cells, reference_run, run_cell
@@ -43,10 +44,7 @@ def check_policy(tpot_ms: float = 0.05) -> Policy:
     data = default_policy(tpot_ms=(1.0, tpot_ms)).model_dump()
     data["default_class"] = BEST_EFFORT
     data["classes"][BEST_EFFORT]["budget"]["allowed_tags"] = [
-        "expert_defer",
-        "expert_lowbit",
-        "kv_dequant",
-        "recompute",
+        t.value for t in NON_EXACT_TAGS if t is not Tag.CPU_EXECUTE
     ]
     return Policy.model_validate(data)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from fallbackgate.controllers.base import Recency, full_block_keys, take_victims
+from fallbackgate.controllers.registry import ControllerKind, register_controller
 from fallbackgate.engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
 from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.kv.store import KVBlockKey, SpillMode
@@ -13,6 +14,9 @@ from fallbackgate.engine.tags import Tag
 FORCEABLE_TAGS = frozenset({Tag.CPU_EXECUTE, Tag.EXPERT_DEFER, Tag.EXPERT_LOWBIT, Tag.KV_DEQUANT, Tag.RECOMPUTE})
 
 
+@register_controller(
+    ControllerKind.EXACT_LRU, lambda cls, policy, o: cls(kv_quant_bits=policy.controller.kv_quant_bits)
+)
 class ExactLRUController(Controller):
     """Loads every miss exactly; evicts the least recently used expert, then the oldest KV block.
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from fallbackgate.controllers.base import ExactBaseline, take_victims
+from fallbackgate.controllers.registry import ControllerKind, register_controller
 from fallbackgate.engine.controller import EngineView, Victim
 from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.kv.store import KVBlockKey
 
 
+@register_controller(ControllerKind.INDEPENDENT_LRU, lambda cls, policy, o: cls(policy, o.is_equivalent_allowed))
 class IndependentLRUController(ExactBaseline):
     """Exact-only. KV growth evicts the LRU KV blocks (requests not running first) before touching experts;
     expert loads evict the LRU experts. No value comparison between the two sides."""

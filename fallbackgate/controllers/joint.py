@@ -22,6 +22,7 @@ from fallbackgate.controllers.base import Recency
 from fallbackgate.controllers.cost import CostModel, lowbit_error_energy, quant_error_energy
 from fallbackgate.controllers.joint_memory import rebalance
 from fallbackgate.controllers.link import LinkBudget
+from fallbackgate.controllers.registry import ControllerKind, register_controller
 from fallbackgate.controllers.timing import cpu_expert_s, step_deadline_s
 from fallbackgate.controllers.values import ValueModel
 from fallbackgate.engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
@@ -44,6 +45,7 @@ class Slip:
     reason: str
 
 
+@register_controller(ControllerKind.JOINT, lambda cls, policy, o: cls(policy, o.cost_model, top_k=o.top_k))
 class JointController(Controller):
     """Joint expert/KV placement, link-time scheduling and budgeted fallbacks (see the module docstring)."""
 

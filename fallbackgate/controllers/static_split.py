@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fallbackgate.controllers.base import ExactBaseline, take_victims
+from fallbackgate.controllers.registry import ControllerKind, register_controller
 from fallbackgate.engine.controller import EngineView, StepEndActions, Victim
 from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.kv.store import KVBlockKey
@@ -10,6 +11,9 @@ from fallbackgate.engine.tags import ObjectKind
 from fallbackgate.policy.schema import Policy
 
 
+@register_controller(
+    ControllerKind.STATIC_SPLIT, lambda cls, policy, o: cls(o.expert_fraction, policy, o.is_equivalent_allowed)
+)
 class StaticSplitController(ExactBaseline):
     """Exact-only; experts may hold at most `expert_fraction` of the device budget, KV the rest.
 

@@ -7,20 +7,42 @@ budget. Quality limits are in the auditor's units: KL(exact ‖ engine) in nats 
 
 from __future__ import annotations
 
+import enum
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-FALLBACK_TAGS: tuple[str, ...] = ("cpu_execute", "expert_defer", "expert_lowbit", "kv_dequant", "recompute")
-CONTROLLER_KINDS: tuple[str, ...] = ("joint", "static_split", "independent_lru", "exact_lru")
-PROFILE_NAMES: tuple[str, ...] = ("cpu-box", "pcie4-gpu-nvme")
+from fallbackgate.engine.tags import NON_EXACT_TAGS
+from fallbackgate.profiling.store import MEASURED, PROFILE_NAMES
+
+
+class ControllerKind(str, enum.Enum):
+    """The controllers a policy may name (each registered in :mod:`fallbackgate.controllers.registry`)."""
+
+    JOINT = "joint"  # one device budget, link-time scheduling, budgeted fallbacks
+    STATIC_SPLIT = "static_split"  # fixed expert / KV shares, LRU in each, exact only
+    INDEPENDENT_LRU = "independent_lru"  # two LRU caches competing for one budget, exact only
+    EXACT_LRU = "exact_lru"  # mixtral-offloading style: experts evicted first, exact only
+
+
+FALLBACK_TAGS: tuple[str, ...] = tuple(t.value for t in NON_EXACT_TAGS)
+"""The tag names a class's ``allowed_tags`` may list: every tag that is not exact."""
+CONTROLLER_KINDS: tuple[str, ...] = tuple(k.value for k in ControllerKind)
 _CLASS_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
+
+
+def _one_of(names: tuple[str, ...]) -> Any:
+    """A ``Literal`` of `names`, in their order (the order the JSON Schema lists them in)."""
+    return Literal[names]
+
 
 PositiveRate = Annotated[float, Field(gt=0, description="bytes/s or FLOP/s, > 0")]
 Milliseconds = Annotated[float, Field(gt=0, description="milliseconds, > 0")]
 Nats = Annotated[float, Field(ge=0, description="KL divergence in nats, >= 0")]
-FallbackTag = Literal["cpu_execute", "expert_defer", "expert_lowbit", "kv_dequant", "recompute"]
+FallbackTag = _one_of(FALLBACK_TAGS)
+ControllerKindName = _one_of(CONTROLLER_KINDS)
+ProfileName = _one_of(PROFILE_NAMES)
 
 
 class _Strict(BaseModel):
@@ -31,7 +53,7 @@ class HardwareSpec(_Strict):
     """The hardware profile the controller predicts with: ``measured`` (this machine, measured once and
     cached; see ``fallbackgate profile``) or a shipped what-if, with any of its rates overridden."""
 
-    profile: Literal["measured", "cpu-box", "pcie4-gpu-nvme"] = "measured"
+    profile: ProfileName = MEASURED
     host_to_device_bytes_per_s: PositiveRate | None = None
     device_to_host_bytes_per_s: PositiveRate | None = None
     disk_to_host_bytes_per_s: PositiveRate | None = None
@@ -66,7 +88,7 @@ class MemorySpec(_Strict):
 class ControllerSpec(_Strict):
     """Which controller decides, and its knobs."""
 
-    kind: Literal["joint", "static_split", "independent_lru", "exact_lru"] = "joint"
+    kind: ControllerKindName = ControllerKind.JOINT.value
     expert_fraction: Annotated[float, Field(gt=0, lt=1)] = 0.5  # static_split: device share of expert slots
     routing_decay: Annotated[float, Field(gt=0, lt=1)] = 0.9  # joint: per-step decay of routing frequency
     kv_quant_bits: Literal[4, 8] = 8  # bits of quantized KV copies

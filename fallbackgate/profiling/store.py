@@ -21,7 +21,8 @@ from fallbackgate.profiling.machine import machine_key
 MEASURED = "measured"
 ENV_PROFILE = "FALLBACKGATE_PROFILE"  # a profile JSON file that stands in for the measurement
 ENV_CACHE = "FALLBACKGATE_CACHE_DIR"
-PROFILE_NAMES = (MEASURED, *PROFILES)
+PROFILE_NAMES: tuple[str, ...] = (MEASURED, *PROFILES)
+"""Every profile name a policy or the command line may use: ``measured``, then the shipped what-ifs."""
 
 
 class ProfileFileError(ValueError):

@@ -26,7 +26,7 @@ from fallbackgate.audit.gate import evaluate_run
 from fallbackgate.batch.prompts import PromptSpec
 from fallbackgate.batch.recording import serve_recorded, versions
 from fallbackgate.batch.session import RunOutcome, RunSettings, run_prompts
-from fallbackgate.controllers import make_controller
+from fallbackgate.controllers import make_controller, registered_kinds
 from fallbackgate.controllers.cost import CostModel, load_calibration
 from fallbackgate.engine.config import MIB, EngineConfig
 from fallbackgate.engine.engine import Engine
@@ -39,7 +39,7 @@ from fallbackgate.sweep.belady import TraceRecorder, belady_misses, lru_misses
 from fallbackgate.sweep.metrics import headline, quality_metrics, slo_metrics, tag_mix, timing_metrics
 from fallbackgate.sweep.workload import WorkloadSpec, build_workload
 
-CONTROLLERS: tuple[str, ...] = ("joint", "static_split", "independent_lru", "exact_lru")
+CONTROLLERS: tuple[str, ...] = tuple(k.value for k in registered_kinds())
 
 
 @dataclasses.dataclass(slots=True)

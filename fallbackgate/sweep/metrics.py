@@ -11,9 +11,11 @@ from typing import Any
 from fallbackgate.audit.gate import RunVerdict
 from fallbackgate.audit.stats import RequestDiffStats
 from fallbackgate.batch.session import RunOutcome
-from fallbackgate.policy.schema import Policy
+from fallbackgate.engine.tags import Tag
+from fallbackgate.policy.schema import ControllerKind, Policy
 
-EXACT_CONTROLLERS = ("exact_lru", "independent_lru", "static_split")
+EXACT_CONTROLLERS = (ControllerKind.EXACT_LRU, ControllerKind.INDEPENDENT_LRU, ControllerKind.STATIC_SPLIT)
+"""The exact-only controllers whose trace Belady's MIN is computed on, first found first."""
 
 
 def _p99(values: Sequence[float]) -> float:
@@ -74,7 +76,7 @@ def tag_mix(outcome: RunOutcome) -> dict[str, float]:
     for out in outcome.outputs:
         counts.update(out.tag_counts)
     total = sum(counts.values()) or 1
-    tags = ("exact_load", "cpu_execute", "expert_defer", "expert_lowbit", "kv_dequant", "recompute")
+    tags = [t.value for t in Tag if t is not Tag.RESIDENT]
     return {f"tag_{t}": counts.get(t, 0) / total for t in tags}
 
 
@@ -93,7 +95,7 @@ def quality_metrics(stats: Sequence[RequestDiffStats], verdict: RunVerdict) -> d
     }
 
 
-def _at(points: list[dict[str, Any]], controller: str, expert_frac: float) -> dict[str, Any] | None:
+def _at(points: list[dict[str, Any]], controller: ControllerKind, expert_frac: float) -> dict[str, Any] | None:
     """The grid point of ``controller`` at ``expert_frac`` with the smallest KV fraction."""
     found = [
         p
@@ -106,7 +108,7 @@ def _at(points: list[dict[str, Any]], controller: str, expert_frac: float) -> di
 def headline(points: list[dict[str, Any]], expert_frac: float) -> dict[str, Any]:
     """Joint's exact expert bytes over Belady's MIN and joint's measured TPOT against the best static split
     (by measured TPOT; the modeled what-if's gain is reported beside it)."""
-    joint = _at(points, "joint", expert_frac)
+    joint = _at(points, ControllerKind.JOINT, expert_frac)
     if joint is None:
         return {"note": f"no joint run at expert fraction {expert_frac}"}
     m = joint["metrics"]
@@ -123,7 +125,8 @@ def headline(points: list[dict[str, Any]], expert_frac: float) -> dict[str, Any]
     statics = [
         p
         for p in points
-        if p["controller"] == "static_split" and abs(p["device_budget_mb"] - joint["device_budget_mb"]) < 1e-6
+        if p["controller"] == ControllerKind.STATIC_SPLIT
+        and abs(p["device_budget_mb"] - joint["device_budget_mb"]) < 1e-6
     ]
     if statics:
         best = min(statics, key=lambda p: p["metrics"]["tpot_mean_ms"])

@@ -15,7 +15,9 @@ import random
 from typing import Any
 
 from fallbackgate.batch.prompts import PromptSpec
-from fallbackgate.policy.schema import Policy
+from fallbackgate.engine.tags import NON_EXACT_TAGS, Exactness
+from fallbackgate.policy.schema import FALLBACK_TAGS, ControllerKind, Policy
+from fallbackgate.profiling.store import MEASURED
 from fallbackgate.resources import package_dir
 
 PASSAGES = package_dir("fallbackgate.evals") / "data" / "rolling_ppl.jsonl"
@@ -80,25 +82,25 @@ def build_workload(spec: WorkloadSpec, tokenizer: Any) -> list[PromptSpec]:
 def default_policy(
     tpot_ms: tuple[float, float] = (15.0, 10.0),
     ttft_ms: tuple[float, float] = (200.0, 100.0),
-    profile: str = "measured",
+    profile: str = MEASURED,
 ) -> Policy:
-    """The sweep's two classes: ``strict`` (exact-class tags only: cpu_execute and recompute) and
+    """The sweep's two classes: ``strict`` (exact and equivalent tags only: cpu_execute and recompute) and
     ``best-effort`` (every fallback, small quality budget). ``tpot_ms`` / ``ttft_ms`` are the (strict,
     best-effort) targets in measured wall clock: a decode step of the bundled model with 8 requests takes
     7-9 ms on the 2-core machine this was built on. The controller predicts with ``profile`` (this
     machine's measured one by default; ``pcie4-gpu-nvme`` is the what-if the sweep used before)."""
-    fallbacks = ["cpu_execute", "expert_defer", "expert_lowbit", "kv_dequant", "recompute"]
+    equivalent = [t.value for t in NON_EXACT_TAGS if t.exactness is Exactness.EQUIVALENT]
     return Policy.model_validate(
         {
             "hardware": {"profile": profile},
             "memory": {"block_size": 16, "max_num_seqs": 8},
-            "controller": {"kind": "joint", "kv_quant_bits": 8, "expert_lowbit_bits": 8},
+            "controller": {"kind": ControllerKind.JOINT.value, "kv_quant_bits": 8, "expert_lowbit_bits": 8},
             "audit": {"mode": "enforce"},
             "default_class": STRICT,
             "classes": {
                 STRICT: {
                     "slo": {"ttft_ms": ttft_ms[0], "tpot_ms": tpot_ms[0]},
-                    "budget": {"allowed_tags": ["cpu_execute", "recompute"]},
+                    "budget": {"allowed_tags": equivalent},
                 },
                 BEST_EFFORT: {
                     "slo": {"ttft_ms": ttft_ms[1], "tpot_ms": tpot_ms[1]},
@@ -107,7 +109,7 @@ def default_policy(
                         "max_p99_kl": 0.3,
                         "min_top1_agreement": 0.85,
                         "max_approx_fraction": 0.3,
-                        "allowed_tags": fallbacks,
+                        "allowed_tags": list(FALLBACK_TAGS),
                     },
                 },
             },
