@@ -1,19 +1,19 @@
-"""Altair chart builders shared by the pages; colours follow the exactness classes and tag names."""
+"""Altair chart builders shared by the pages; colours follow the exactness names and tag names."""
 
 from __future__ import annotations
 
 import altair as alt
 import pandas as pd
 
-from fallbackgate.dashboard.data import EXACTNESS_CLASSES, TAG_ORDER
+from fallbackgate.dashboard.data import EXACTNESS_NAMES, TAG_ORDER
 
-CLASS_COLOURS = ("#4c9a2a", "#e0a526", "#d1495b")  # exact, equivalent, approximate
+EXACTNESS_COLOURS = ("#4c9a2a", "#e0a526", "#d1495b")  # exact, equivalent, approximate
 TAG_COLOURS = ("#4c9a2a", "#8fc46a", "#e0a526", "#f2cf74", "#d1495b", "#a4243b", "#6a4c93")
 
 
-def class_scale() -> alt.Scale:
-    """Colour scale over the exactness classes."""
-    return alt.Scale(domain=list(EXACTNESS_CLASSES), range=list(CLASS_COLOURS))
+def exactness_scale() -> alt.Scale:
+    """Colour scale over the exactness names."""
+    return alt.Scale(domain=list(EXACTNESS_NAMES), range=list(EXACTNESS_COLOURS))
 
 
 def tag_scale() -> alt.Scale:
@@ -22,14 +22,14 @@ def tag_scale() -> alt.Scale:
 
 
 def exactness_bars(df: pd.DataFrame) -> alt.Chart:
-    """Stacked bars: objects per run by exactness class (``df`` has run_id, exactness, objects)."""
+    """Stacked bars: objects per run by exactness (``df`` has run_id, exactness, objects)."""
     return (
         alt.Chart(df)
         .mark_bar()
         .encode(
             x=alt.X("run_id:O", title="run"),
             y=alt.Y("objects:Q", stack="normalize", title="share of objects"),
-            color=alt.Color("exactness:N", scale=class_scale(), title="exactness class"),
+            color=alt.Color("exactness:N", scale=exactness_scale(), title="exactness"),
             tooltip=["run_id", "exactness", "objects"],
         )
     )

@@ -13,22 +13,13 @@ import pandas as pd
 import streamlit as st
 from sqlalchemy import event
 
-from fallbackgate.ledger import dashboard_queries, pareto_queries, queries, request_queries
+from fallbackgate.ledger import dashboard_queries, pareto_queries, queries, request_queries, vocabulary
 from fallbackgate.ledger.dashboard_queries import RunFilter
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError, open_ledger
 
 CACHE_TTL_S = 15
-EXACTNESS_CLASSES = queries.EXACTNESS_CLASSES
-TAG_ORDER: tuple[str, ...] = (
-    "resident",
-    "exact_load",
-    "cpu_execute",
-    "recompute",
-    "expert_defer",
-    "expert_lowbit",
-    "kv_dequant",
-)
-"""Tag names exactly as the engine writes them, exact first, approximate last."""
+EXACTNESS_NAMES = vocabulary.EXACTNESS_NAMES
+TAG_ORDER = vocabulary.TAG_NAMES
 
 __all__ = ["LedgerError", "RunFilter", "ledger_url", "connect"]
 
@@ -76,19 +67,19 @@ def has_runs(url: str) -> bool:
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def overview(url: str, f: RunFilter) -> pd.DataFrame:
-    """One row per run: policy, model, verdict, SLO attainment, objects and share per exactness class."""
+    """One row per run: policy, model, verdict, SLO attainment, objects and share per exactness."""
     df = _frame(dashboard_queries.overview_runs(connect(url), f, objects=False))
     if df.empty:
         return df
-    # per-class objects from the (cached) per-tag sums: one pass over the events serves both
+    # objects per exactness from the (cached) per-tag sums: one pass over the events serves both
     mix = tag_mix(url, f).pivot_table(index="run_id", columns="exactness", values="objects", aggfunc="sum")
-    mix = mix.reindex(columns=list(EXACTNESS_CLASSES), fill_value=0).add_prefix("objects_")
+    mix = mix.reindex(columns=list(EXACTNESS_NAMES), fill_value=0).add_prefix("objects_")
     df = df.join(mix, on="run_id")
-    for c in EXACTNESS_CLASSES:
-        df[f"objects_{c}"] = df[f"objects_{c}"].fillna(0).astype(int)
-    total = sum(df[f"objects_{c}"] for c in EXACTNESS_CLASSES)
-    for c in EXACTNESS_CLASSES:
-        df[f"share_{c}"] = (df[f"objects_{c}"] / total.where(total > 0)).astype(float)
+    for e in EXACTNESS_NAMES:
+        df[f"objects_{e}"] = df[f"objects_{e}"].fillna(0).astype(int)
+    total = sum(df[f"objects_{e}"] for e in EXACTNESS_NAMES)
+    for e in EXACTNESS_NAMES:
+        df[f"share_{e}"] = (df[f"objects_{e}"] / total.where(total > 0)).astype(float)
     return df
 
 
@@ -100,7 +91,7 @@ def run_ids(url: str, f: RunFilter) -> list[int]:
 
 @st.cache_data(ttl=CACHE_TTL_S, show_spinner=False)
 def tag_mix(url: str, f: RunFilter) -> pd.DataFrame:
-    """Objects per run × tag × exactness class."""
+    """Objects per run × tag × exactness."""
     return _frame(dashboard_queries.tag_mix(connect(url), f), ["run_id", "tag", "exactness", "objects"])
 
 
@@ -146,7 +137,7 @@ def request_detail(url: str, run_id: int, request_id: str) -> dict[str, Any] | N
             ["step_id", "kind", "is_observe", "wall_s", "modeled_s", "cum_wall_s", "cum_modeled_s"]
             + ["predicted_cost", "cum_predicted_cost"],
         ),
-        "exactness": request_queries.request_objects_by_class(ledger, run_id, request_id),
+        "exactness": request_queries.request_objects_by_exactness(ledger, run_id, request_id),
     }
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from sqlalchemy import Float, Select, case, cast, func, select, true, tuple_
 
+from fallbackgate.engine.tags import Exactness
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.models import (
     Calibration,
@@ -17,7 +18,8 @@ from fallbackgate.ledger.models import (
     Run,
     VerdictRow,
 )
-from fallbackgate.ledger.queries import EXACTNESS_CLASSES, _all, reported_status
+from fallbackgate.ledger.queries import _all, reported_status
+from fallbackgate.ledger.vocabulary import EXACTNESS_NAMES
 
 # --- dashboard read queries (issue 7): filters are bound parameters, aggregation stays in SQL ---
 
@@ -115,12 +117,12 @@ def _run_verdicts() -> Any:
 
 
 def overview_runs(ledger: Ledger, f: RunFilter, limit: int = 500, objects: bool = True) -> list[dict[str, Any]]:
-    """Runs passing ``f``, newest first: policy, model, verdict, SLO counts, objects per exactness class.
+    """Runs passing ``f``, newest first: policy, model, verdict, SLO counts, objects per exactness.
 
     SLO targets come from each request's ``slo`` (``ttft_s``/``tpot_s`` or ``ttft_ms``/``tpot_ms``); a
     request meets its SLO when its TTFT and TPOT are within the targets it has. With a class filter,
     only requests (and their events) of those classes count. ``objects=False`` leaves out the
-    per-class object counts (no pass over the events; :func:`tag_mix` has them per tag).
+    per-exactness object counts (no pass over the events; :func:`tag_mix` has them per tag).
     """
     ids = _run_ids(f).scalar_subquery()
     req_where = [Request.run_id.in_(ids)]
@@ -152,11 +154,11 @@ def overview_runs(ledger: Ledger, f: RunFilter, limit: int = 500, objects: bool 
     if objects:
         per_tag = _tag_mix(f).subquery()
         mix = [
-            func.sum(case((per_tag.c.exactness == cls, per_tag.c.objects), else_=0)).label(f"objects_{cls}")
-            for cls in EXACTNESS_CLASSES
+            func.sum(case((per_tag.c.exactness == e, per_tag.c.objects), else_=0)).label(f"objects_{e}")
+            for e in EXACTNESS_NAMES
         ]
         ev = select(per_tag.c.run_id, *mix).group_by(per_tag.c.run_id).subquery()
-        cols = [func.coalesce(ev.c[f"objects_{c}"], 0).label(f"objects_{c}") for c in EXACTNESS_CLASSES]
+        cols = [func.coalesce(ev.c[f"objects_{e}"], 0).label(f"objects_{e}") for e in EXACTNESS_NAMES]
         stmt = stmt.add_columns(*cols).outerjoin(ev, ev.c.run_id == Run.id)
     rows = _all(ledger, stmt)
     for r in rows:
@@ -165,13 +167,13 @@ def overview_runs(ledger: Ledger, f: RunFilter, limit: int = 500, objects: bool 
 
 
 def tag_mix(ledger: Ledger, f: RunFilter) -> list[dict[str, Any]]:
-    """Objects per run, tag and exactness class over the runs (and request classes) of ``f``."""
+    """Objects per run, tag and exactness over the runs (and request classes) of ``f``."""
     return _all(ledger, _tag_mix(f).order_by("run_id", "tag"))
 
 
 def _tag_mix(f: RunFilter) -> Select[Any]:
     # grouped by (run_id, tag) only, the order of ix_events_run_tag: no temporary B-tree on 1M events;
-    # a tag's exactness class is fixed, so max() just carries it along
+    # a tag's exactness is fixed, so max() just carries it along
     return (
         select(
             EventRow.run_id,
@@ -288,7 +290,7 @@ def calibration_summary(ledger: Ledger, f: RunFilter) -> list[dict[str, Any]]:
             & (EventRow.request_id == measured.c.request_id)
             & (EventRow.step_id == measured.c.step_id),
         )
-        .where(EventRow.exactness == "approximate")
+        .where(EventRow.exactness == Exactness.APPROXIMATE.value)
         .group_by(measured.c.run_id, measured.c.request_id, measured.c.step_id, EventRow.tag, EventRow.layer)
         .subquery()
     )

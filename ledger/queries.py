@@ -11,6 +11,7 @@ from typing import Any
 
 from sqlalchemy import Select, case, func, select
 
+from fallbackgate.engine.tags import Exactness
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.models import (
     EventRow,
@@ -21,8 +22,7 @@ from fallbackgate.ledger.models import (
     Step,
     VerdictRow,
 )
-
-EXACTNESS_CLASSES: tuple[str, ...] = ("exact", "equivalent", "approximate")
+from fallbackgate.ledger.vocabulary import EXACTNESS_NAMES
 
 
 def _all(ledger: Ledger, stmt: Select[Any]) -> list[dict[str, Any]]:
@@ -51,10 +51,10 @@ def latest_run_id(ledger: Ledger) -> int | None:
 
 
 def list_runs(ledger: Ledger, limit: int = 100) -> list[dict[str, Any]]:
-    """Newest runs first, each with its object counts per exactness class (``objects_exact``, ...)."""
+    """Newest runs first, each with its object counts per exactness (``objects_exact``, ...)."""
     mix = [
-        func.coalesce(func.sum(case((EventRow.exactness == cls, EventRow.count), else_=0)), 0).label(f"objects_{cls}")
-        for cls in EXACTNESS_CLASSES
+        func.coalesce(func.sum(case((EventRow.exactness == e, EventRow.count), else_=0)), 0).label(f"objects_{e}")
+        for e in EXACTNESS_NAMES
     ]
     events = select(EventRow.run_id, *mix).group_by(EventRow.run_id).subquery()
     stmt = (
@@ -66,7 +66,7 @@ def list_runs(ledger: Ledger, limit: int = 100) -> list[dict[str, Any]]:
             Run.model_path,
             Run.controller,
             Run.mode,
-            *[func.coalesce(events.c[f"objects_{c}"], 0).label(f"objects_{c}") for c in EXACTNESS_CLASSES],
+            *[func.coalesce(events.c[f"objects_{e}"], 0).label(f"objects_{e}") for e in EXACTNESS_NAMES],
         )
         .outerjoin(events, events.c.run_id == Run.id)
         .order_by(Run.started_at.desc(), Run.id.desc())
@@ -115,9 +115,9 @@ def request_summaries(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
 
 
 def request_exactness(ledger: Ledger, run_id: int) -> dict[str, dict[str, int]]:
-    """request id -> {exactness class -> objects}, from the events (observe steps excluded for approximate)."""
+    """request id -> {exactness -> objects}, from the events (observe steps excluded for approximate)."""
     observe = select(Step.step_id).where(Step.run_id == run_id, Step.is_observe.is_(True))
-    applied = (EventRow.exactness != "approximate") | EventRow.step_id.not_in(observe.scalar_subquery())
+    applied = (EventRow.exactness != Exactness.APPROXIMATE.value) | EventRow.step_id.not_in(observe.scalar_subquery())
     stmt = (
         select(
             EventRow.request_id,
@@ -217,7 +217,7 @@ def calibration_pairs(ledger: Ledger, run_id: int | None = None, tag: str | None
             EventRow.layer,
             func.sum(EventRow.predicted_cost).label("predicted"),
         )
-        .where(EventRow.exactness == "approximate")
+        .where(EventRow.exactness == Exactness.APPROXIMATE.value)
         .group_by(
             EventRow.run_id,
             EventRow.request_id,

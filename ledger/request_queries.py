@@ -6,6 +6,7 @@ from typing import Any
 
 from sqlalchemy import BigInteger, case, cast, func, select
 
+from fallbackgate.engine.tags import Exactness
 from fallbackgate.ledger.dashboard_queries import _float
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.models import (
@@ -26,7 +27,8 @@ def run_request_ids(ledger: Ledger, run_id: int, request_classes: tuple[str, ...
 
 
 def _severity() -> Any:
-    return case((EventRow.exactness == "approximate", 2), (EventRow.exactness == "equivalent", 1), else_=0)
+    approximate, equivalent = Exactness.APPROXIMATE.value, Exactness.EQUIVALENT.value
+    return case((EventRow.exactness == approximate, 2), (EventRow.exactness == equivalent, 1), else_=0)
 
 
 def request_tag_grid(ledger: Ledger, run_id: int, request_id: str) -> list[dict[str, Any]]:
@@ -69,9 +71,9 @@ def request_step_timeline(ledger: Ledger, run_id: int, request_id: str) -> list[
     ev = (
         select(
             EventRow.step_id,
-            _float(func.sum(case((EventRow.exactness == "approximate", EventRow.predicted_cost), else_=0.0))).label(
-                "predicted_cost"
-            ),
+            _float(
+                func.sum(case((EventRow.exactness == Exactness.APPROXIMATE.value, EventRow.predicted_cost), else_=0.0))
+            ).label("predicted_cost"),
         )
         .where(EventRow.run_id == run_id, EventRow.request_id == request_id)
         .group_by(EventRow.step_id)
@@ -109,11 +111,11 @@ def request_verdict(ledger: Ledger, run_id: int, request_id: str) -> dict[str, A
     return rows[0] if rows else None
 
 
-def request_objects_by_class(ledger: Ledger, run_id: int, request_id: str) -> dict[str, int]:
-    """One request's objects per exactness class (approximate tags of observe steps excluded, as in
+def request_objects_by_exactness(ledger: Ledger, run_id: int, request_id: str) -> dict[str, int]:
+    """One request's objects per exactness (approximate tags of observe steps excluded, as in
     :func:`request_exactness`)."""
     observe = select(Step.step_id).where(Step.run_id == run_id, Step.is_observe.is_(True))
-    applied = (EventRow.exactness != "approximate") | EventRow.step_id.not_in(observe.scalar_subquery())
+    applied = (EventRow.exactness != Exactness.APPROXIMATE.value) | EventRow.step_id.not_in(observe.scalar_subquery())
     stmt = (
         select(EventRow.exactness, func.sum(EventRow.count).label("objects"))
         .where(EventRow.run_id == run_id, EventRow.request_id == request_id, applied)

@@ -10,7 +10,7 @@ from sqlalchemy import Table
 
 from fallbackgate.engine.experts.read_ahead import TransferClock
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
-from fallbackgate.engine.tags import TAG_EXACTNESS
+from fallbackgate.engine.tags import Exactness
 from fallbackgate.ledger.models import (
     EventObjectsRow,
     EventRow,
@@ -18,15 +18,13 @@ from fallbackgate.ledger.models import (
     StepRequest,
     VerificationRow,
 )
+from fallbackgate.ledger.vocabulary import EXACTNESS
 
 Rows = dict[Table, list[Any]]
 """Pending rows per table: dicts, or tuples in TUPLE_COLUMNS order for the events and step_requests tables."""
 SampleSteps = dict[tuple[int, str], list[int]]
 """(run id, request id) -> ids of the steps that sampled a token for the request, in order."""
 
-EXACTNESS: dict[str, str] = {t.value: c.value for t, c in TAG_EXACTNESS.items()}
-"""Tag name -> exactness class name: the ledger's vocabulary for readers that do not import the engine."""
-EXACT_TAG_NAMES: tuple[str, ...] = tuple(t for t, c in EXACTNESS.items() if c == "exact")
 EVENT_COLUMNS: tuple[str, ...] = (
     "run_id",
     "step_id",
@@ -149,7 +147,7 @@ def step_rows(
         rows.setdefault(VerificationRow.__table__, []).extend(verification_rows(run_id, failed))
     events = rows.setdefault(EventRow.__table__, [])
     objects = rows.setdefault(EventObjectsRow.__table__, [])
-    exactness = EXACTNESS.get
+    exactness, unknown = EXACTNESS.get, Exactness.APPROXIMATE.value  # an unknown tag is never assumed exact
     for e in result.events:  # tuples in EVENT_COLUMNS order; getattr(_value_) is the cheap enum -> str
         tag = getattr(e.tag, "_value_", e.tag)
         events.append(
@@ -160,7 +158,7 @@ def step_rows(
                 e.layer,
                 getattr(e.object_kind, "_value_", e.object_kind),
                 tag,
-                exactness(tag, "approximate"),
+                exactness(tag, unknown),
                 e.count,
                 e.bytes_moved,
                 getattr(e.source_tier, "_value_", e.source_tier),

@@ -49,10 +49,10 @@ def _pick_request(url: str, run_id: int, f: RunFilter) -> str | None:
     return st.selectbox("Request", options, index=index, key="dd_request", accept_new_options=True)
 
 
-def budget_table(summary: dict[str, Any], by_class: dict[str, int]) -> pd.DataFrame:
+def budget_table(summary: dict[str, Any], by_exactness: dict[str, int]) -> pd.DataFrame:
     """Each limit of the request's quality budget with the measured value, spent share and remaining."""
-    total = sum(by_class.values())
-    measured = dict(summary, approx_fraction=(by_class.get("approximate", 0) / total) if total else 0.0)
+    total = sum(by_exactness.values())
+    measured = dict(summary, approx_fraction=(by_exactness.get("approximate", 0) / total) if total else 0.0)
     rows = []
     for key, stat, label, larger_worse in BUDGET_CHECKS:
         limit = (summary.get("budget") or {}).get(key)

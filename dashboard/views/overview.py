@@ -1,4 +1,4 @@
-"""Overview: runs with policy, model, verdict, SLO attainment and tag mix by exactness class."""
+"""Overview: runs with policy, model, verdict, SLO attainment and tag mix by exactness."""
 
 from __future__ import annotations
 
@@ -48,13 +48,13 @@ def render(url: str, f: RunFilter) -> None:
     )
     mix = df.melt(
         id_vars=["run_id"],
-        value_vars=[f"objects_{c}" for c in data.EXACTNESS_CLASSES],
+        value_vars=[f"objects_{e}" for e in data.EXACTNESS_NAMES],
         var_name="exactness",
         value_name="objects",
     )
     mix["exactness"] = mix["exactness"].str.removeprefix("objects_")
     left, right = st.columns(2)
-    left.subheader("Tag mix by exactness class")
+    left.subheader("Tag mix by exactness")
     left.altair_chart(charts.exactness_bars(mix), width="stretch")
     right.subheader("Objects per tag")
     right.altair_chart(charts.tag_bars(data.tag_mix(url, f)), width="stretch")

@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from fallbackgate.ledger.db import ENV_VAR, open_ledger
-from fallbackgate.ledger.rows import EXACT_TAG_NAMES
 from fallbackgate.ledger.synthetic import synthetic_output, synthetic_step
+from fallbackgate.ledger.vocabulary import EXACT_TAG_NAMES
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.resources import package_dir
 

@@ -14,6 +14,8 @@ import statistics
 
 from sqlalchemy import func, select
 
+from fallbackgate.engine.messages import StepKind
+from fallbackgate.engine.tags import ObjectKind, Tag
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.models import EventRow, Run, Step
 from fallbackgate.planning.shape import ModelShape
@@ -35,24 +37,24 @@ def routing_exponent(ledger: Ledger, shape: ModelShape, exclude_run_ids: set[int
             if run.id in exclude_run_ids or pathlib.Path(str(run.model_path)).name != shape.name:
                 continue
             total = memory.get("expert_bytes_total") or 0
-            peak = (memory.get("peak_device_pool_bytes_by_kind") or {}).get("expert", 0)
+            peak = (memory.get("peak_device_pool_bytes_by_kind") or {}).get(ObjectKind.EXPERT.value, 0)
             fraction = peak / total if total else 1.0
             uses = dict(
                 conn.execute(
                     select(EventRow.tag, func.sum(EventRow.count))
-                    .where(EventRow.run_id == run.id, EventRow.object_kind == "expert")
+                    .where(EventRow.run_id == run.id, EventRow.object_kind == ObjectKind.EXPERT.value)
                     .group_by(EventRow.tag)
                 ).all()
             )
             batch = conn.execute(
-                select(func.avg(Step.num_requests)).where(Step.run_id == run.id, Step.kind == "decode")
+                select(func.avg(Step.num_requests)).where(Step.run_id == run.id, Step.kind == StepKind.DECODE.value)
             ).scalar()
             num_uses = sum(int(n) for n in uses.values())
             if not num_uses or not batch or not 0.0 < fraction < 1.0:
                 continue
             picks = float(batch) * shape.top_k
             unique = shape.num_experts * (1.0 - (1.0 - min(1.0, shape.top_k / shape.num_experts)) ** float(batch))
-            hit = step_start_hit(int(uses.get("resident", 0)) / num_uses, unique, picks)
+            hit = step_start_hit(int(uses.get(Tag.RESIDENT.value, 0)) / num_uses, unique, picks)
             if 0.0 < hit < 1.0:
                 alphas.append(math.log(hit) / math.log(fraction))
     return statistics.mean(alphas) if alphas else None
