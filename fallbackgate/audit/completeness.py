@@ -20,10 +20,13 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from fallbackgate.engine.tags import ObjectKind, Tag
 from fallbackgate.ledger import audit_queries, queries
 from fallbackgate.ledger.db import Ledger
 
 MAX_LISTED = 10  # step ids named in one reason
+
+_EXPERT, _KV_BLOCK = ObjectKind.EXPERT.value, ObjectKind.KV_BLOCK.value
 
 
 @dataclasses.dataclass
@@ -64,7 +67,7 @@ def check_completeness(ledger: Ledger, run: Mapping[str, Any], requests: list[di
 
 def _verification_reason(v: Mapping[str, Any]) -> str:
     where = f" after step {v['step_id']}" if v["step_id"] is not None else " at audit"
-    what = f"expert {v['name']} ({v['tier']} copy)" if v["object_kind"] == "expert" else f"dense weight {v['name']}"
+    what = f"expert {v['name']} ({v['tier']} copy)" if v["object_kind"] == _EXPERT else f"dense weight {v['name']}"
     return f"weight copy corrupt: {what} failed its check against the checkpoint{where}: {v['note']}"
 
 
@@ -116,14 +119,14 @@ def _check_requests(ledger: Ledger, run_id: int, requests: list[dict[str, Any]],
 def _sizes(object_bytes: Mapping[str, Any]) -> dict[tuple[str, str, int], int]:
     """(object kind, tag, bits) -> bytes of one object moved with that tag."""
     sizes = {}
-    expert, block = int(object_bytes["expert"]), int(object_bytes["kv_block"])
-    for tag in ("exact_load", "cpu_execute"):
-        sizes[("expert", tag, 0)] = expert
-    sizes[("kv_block", "exact_load", 0)] = block
-    for bits, n in (object_bytes.get("expert_lowbit") or {}).items():
-        sizes[("expert", "expert_lowbit", int(bits))] = int(n)
-    for bits, n in (object_bytes.get("kv_dequant") or {}).items():
-        sizes[("kv_block", "kv_dequant", int(bits))] = int(n)
+    expert, block = int(object_bytes[_EXPERT]), int(object_bytes[_KV_BLOCK])
+    for tag in (Tag.EXACT_LOAD, Tag.CPU_EXECUTE):
+        sizes[(_EXPERT, tag.value, 0)] = expert
+    sizes[(_KV_BLOCK, Tag.EXACT_LOAD.value, 0)] = block
+    for bits, n in (object_bytes.get(Tag.EXPERT_LOWBIT.value) or {}).items():
+        sizes[(_EXPERT, Tag.EXPERT_LOWBIT.value, int(bits))] = int(n)
+    for bits, n in (object_bytes.get(Tag.KV_DEQUANT.value) or {}).items():
+        sizes[(_KV_BLOCK, Tag.KV_DEQUANT.value, int(bits))] = int(n)
     return sizes
 
 
@@ -151,7 +154,8 @@ def check_object_bytes(ledger: Ledger, run_id: int, object_bytes: Mapping[str, A
     for r in audit_queries.moved_bytes(ledger, run_id):
         kind, tag, num_bytes, num_objects = r["object_kind"], r["tag"], int(r["bytes_moved"]), int(r["objects"])
         sizes = by_tag.get((kind, tag))
-        extra = by_tag[("expert", "exact_load")][0] if tag == "expert_lowbit" else None  # disk read, then quantized
+        lowbit_read = by_tag[(_EXPERT, Tag.EXACT_LOAD.value)][0]  # a low-bit copy made from a disk read
+        extra = lowbit_read if tag == Tag.EXPERT_LOWBIT.value else None
         if sizes and _fits(num_bytes, num_objects, sizes, extra):
             continue
         fitting = [

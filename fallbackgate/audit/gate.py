@@ -4,7 +4,7 @@ Everything is measured against the run's exact-vs-exact control (``runs.numeric_
 pass against token-by-token decoding of the same tokens, in the run's dtype, on a few requests): what
 exact computation itself differs by. A request fails when
 
-- it was served only through exact- and equivalent-class tags and its max KL exceeds the tolerance — a
+- it was served only through exact and equivalent tags and its max KL exceeds the tolerance — a
   correctness bug, not a trade-off. Exact tags: ``FLOOR_MARGIN × max(floor max KL, KL_RESOLUTION[dtype])``;
   with equivalent tags (``cpu_execute``, ``recompute``): at least ``EQUIVALENT_FLOOR_MARGIN[dtype] ×``
   the floor. In float32 the floor is ~1e-14 nats on CPU, so the resolution sets the tolerance (1e-9); in
@@ -30,7 +30,7 @@ from typing import Any
 
 from fallbackgate.audit.completeness import check_completeness
 from fallbackgate.audit.stats import top1_outside_ties
-from fallbackgate.engine.tags import TAG_EXACTNESS, Exactness, Tag
+from fallbackgate.engine.tags import TAG_EXACTNESS, Exactness, ObjectKind, Tag
 from fallbackgate.ledger import audit_queries, queries
 from fallbackgate.ledger.db import Ledger, LedgerError
 
@@ -63,15 +63,16 @@ class Floor:
         return cls(**fields)
 
 
-def tolerance(served: str, floor: Floor | float | None) -> float:
-    """Max KL allowed for a request served with exactness class ``served`` (inf for approximate); a bare
+def tolerance(served: Exactness | str, floor: Floor | float | None) -> float:
+    """Max KL allowed for a request served with exactness ``served`` (inf for approximate); a bare
     number is a float32 control's max KL."""
+    served = Exactness(served)
     if not isinstance(floor, Floor):
         floor = Floor(max_kl=floor or 0.0)
     exact = FLOOR_MARGIN * max(floor.max_kl, KL_RESOLUTION.get(floor.dtype, KL_RESOLUTION["float32"]))
-    if served == "exact":
+    if served is Exactness.EXACT:
         return exact
-    if served == "equivalent":
+    if served is Exactness.EQUIVALENT:
         return max(EQUIVALENT_FLOOR_MARGIN.get(floor.dtype, 1000.0) * floor.max_kl, exact)
     return float("inf")
 
@@ -82,7 +83,7 @@ class RequestVerdict:
 
     request_id: str
     passed: bool
-    served: str  # strongest exactness class it was served with: exact, equivalent or approximate
+    served: Exactness  # the least exact of the tags it was served with
     reasons: list[str] = dataclasses.field(default_factory=list)
     correctness_bug: bool = False
     is_replay_bug: bool = False  # the served logits differ from the replay of the recorded actions
@@ -113,19 +114,17 @@ class RunVerdict:
     floor: Floor | None = None  # the exact-vs-exact control the run was judged against
 
 
-def served_class(objects_by_class: Mapping[str, int]) -> str:
-    """The least exact class with any objects served (exact when there were no events)."""
-    for cls in ("approximate", "equivalent"):
-        if objects_by_class.get(cls, 0) > 0:
-            return cls
-    return "exact"
+def served_exactness(objects_by_exactness: Mapping[str, int]) -> Exactness:
+    """The least exact exactness with any objects served (exact when there were no events)."""
+    served = (e for e in reversed(Exactness) if objects_by_exactness.get(e.value, 0) > 0)
+    return next(served, Exactness.EXACT)
 
 
 def judge_request(
     request_id: str,
     stats: Mapping[str, Any] | None,
     budget: Mapping[str, Any] | None,
-    objects_by_class: Mapping[str, int],
+    objects_by_exactness: Mapping[str, int],
     objects_by_tag: Mapping[str, int],
     floor: Floor | float | None,
     replay: Mapping[str, Any] | None = None,
@@ -139,7 +138,7 @@ def judge_request(
     Two halves: quality (the budget and allowed tags, against the exact baseline) and correctness (exact
     tolerance for exact- and equivalent-served requests, the replay for every request, completeness)."""
     floor = floor if isinstance(floor, Floor) else Floor(max_kl=floor or 0.0)
-    served = served_class(objects_by_class)
+    served = served_exactness(objects_by_exactness)
     v = RequestVerdict(request_id, True, served, stats=dict(stats) if stats is not None else None)
     budget = budget or {}
     quality: list[str] = []
@@ -148,7 +147,9 @@ def judge_request(
         quality += _kl_budget_reasons(stats, budget, floor)
         tol = tolerance(served, floor)
         if stats["max_kl"] > tol:
-            correctness.append(f"correctness bug: served {served}-only but max KL {stats['max_kl']:.3g} > {tol:.3g}")
+            correctness.append(
+                f"correctness bug: served {served.value}-only but max KL {stats['max_kl']:.3g} > {tol:.3g}"
+            )
     if replay is not None and replay.get("max_kl") is not None:
         tol = replay_tolerance(served, floor)
         if replay["max_kl"] > tol:
@@ -158,7 +159,7 @@ def judge_request(
                 f"correctness bug vs replay: served logits differ from the replay of its recorded actions by "
                 f"max KL {replay['max_kl']:.3g}{where} > {tol:.3g}"
             )
-    quality += _tag_reasons(budget, objects_by_class, objects_by_tag)
+    quality += _tag_reasons(budget, objects_by_exactness, objects_by_tag)
     v.correctness_bug = bool(correctness)
     correctness += incomplete or []
     v.reasons = correctness + quality
@@ -169,11 +170,11 @@ def judge_request(
 
 
 def _tag_reasons(
-    budget: Mapping[str, Any], objects_by_class: Mapping[str, int], objects_by_tag: Mapping[str, int]
+    budget: Mapping[str, Any], objects_by_exactness: Mapping[str, int], objects_by_tag: Mapping[str, int]
 ) -> list[str]:
     reasons = []
-    total = sum(objects_by_class.values())
-    approx = objects_by_class.get("approximate", 0)
+    total = sum(objects_by_exactness.values())
+    approx = objects_by_exactness.get(Exactness.APPROXIMATE.value, 0)
     limit = budget.get("max_approx_fraction")
     if limit is not None and total and approx / total > limit:
         reasons.append(f"approximate fraction {approx / total:.3g} > {limit:g}")
@@ -185,10 +186,11 @@ def _tag_reasons(
     return reasons
 
 
-def replay_tolerance(served: str, floor: Floor) -> float:
+def replay_tolerance(served: Exactness | str, floor: Floor) -> float:
     """Max KL allowed between served logits and their replay: the exact tolerance when everything served
     was exact, else the equivalent one (the replay runs other kernel shapes than the packed serving)."""
-    return tolerance("exact" if served == "exact" else "equivalent", floor)
+    is_exact = Exactness(served) is Exactness.EXACT
+    return tolerance(Exactness.EXACT if is_exact else Exactness.EQUIVALENT, floor)
 
 
 def _is_approximate(tag: str) -> bool:
@@ -235,10 +237,11 @@ def _locate(ledger: Ledger, run_id: int, v: RequestVerdict, floor: Floor) -> Non
     if v.step is None:
         return
     events = queries.request_events(ledger, run_id, v.request_id, step_id=v.step)
-    tags = {e["tag"] if e["object_kind"] == "expert" else f"kv_block:{e['tag']}" for e in events}
+    kv = ObjectKind.KV_BLOCK.value
+    tags = {e["tag"] if e["object_kind"] == ObjectKind.EXPERT.value else f"{kv}:{e['tag']}" for e in events}
     kv_reads = audit_queries.kv_resident_reads(ledger, run_id, v.request_id, v.step)
-    v.tags = sorted(tags | ({"kv_block:resident"} if any(kv_reads) else set()))
-    non_exact = [e["layer"] for e in events if e["exactness"] != "exact"]
+    v.tags = sorted(tags | ({f"{kv}:{Tag.RESIDENT.value}"} if any(kv_reads) else set()))
+    non_exact = [e["layer"] for e in events if e["exactness"] != Exactness.EXACT.value]
     layers = non_exact or [e["layer"] for e in events] + [layer for layer, n in enumerate(kv_reads) if n]
     v.layer = min(layers) if layers else None
 
@@ -250,7 +253,7 @@ def evaluate_run(ledger: Ledger, run_id: int) -> RunVerdict:
         raise LedgerError(f"no run {run_id} in ledger {ledger.display_url}")
     floor = Floor.of_run(run)
     tie_margin = TIE_MARGIN * floor.max_abs_dlogit
-    by_class = queries.request_exactness(ledger, run_id)
+    by_exactness = queries.request_exactness(ledger, run_id)
     by_tag = queries.request_tags(ledger, run_id)
     verdicts = []
     stat_keys = (
@@ -274,7 +277,7 @@ def evaluate_run(ledger: Ledger, run_id: int) -> RunVerdict:
             rid,
             stats,
             req["budget"],
-            by_class.get(rid, {}),
+            by_exactness.get(rid, {}),
             by_tag.get(rid, {}),
             floor,
             replay=replay if req["replay_max_kl"] is not None else None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from fallbackgate.engine.tags import ObjectKind, Tag
 from fallbackgate.ledger import audit_queries
 from fallbackgate.ledger.db import Ledger
 
@@ -88,16 +89,16 @@ def load_trace(ledger: Ledger, run_id: int, request_id: str) -> ReplayTrace:
     trace = ReplayTrace(request_id, tokens[0], tokens[1], segments, {}, {})
     for e in audit_queries.replay_events(ledger, run_id, request_id):
         ids, step, layer = _ids(e["object_ids"]), e["step_id"], e["layer"]
-        if e["object_kind"] == "expert":
+        if e["object_kind"] == ObjectKind.EXPERT.value:
             actions = trace.experts.setdefault((step, bool(e["is_rebuild"])), ExpertActions())
-            if e["tag"] == "expert_defer":
+            if e["tag"] == Tag.EXPERT_DEFER.value:
                 actions.deferred.setdefault(layer, set()).update(ids)
-            elif e["tag"] == "expert_lowbit":
+            elif e["tag"] == Tag.EXPERT_LOWBIT.value:
                 actions.lowbit.setdefault(layer, {}).update(dict.fromkeys(ids, int(e["bits"] or 0)))
         else:
             kv = trace.kv.setdefault(step, KVActions())
-            if e["tag"] == "kv_dequant":
+            if e["tag"] == Tag.KV_DEQUANT.value:
                 kv.dequantized.setdefault(layer, {}).update(dict.fromkeys(ids, int(e["bits"] or 0)))
-            elif e["tag"] == "recompute":
+            elif e["tag"] == Tag.RECOMPUTE.value:
                 kv.rebuilt.setdefault(layer, set()).update(ids)
     return trace

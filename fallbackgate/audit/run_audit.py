@@ -25,11 +25,11 @@ from fallbackgate.audit.auditor import (
     in_memory,
 )
 from fallbackgate.audit.baseline import Baseline
-from fallbackgate.audit.gate import Floor, served_class, tolerance
+from fallbackgate.audit.gate import Floor, served_exactness, tolerance
 from fallbackgate.audit.stats import PositionDiff, RequestDiffStats
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.messages import RequestOutput
-from fallbackgate.engine.tags import TAG_EXACTNESS, Tag
+from fallbackgate.engine.tags import TAG_EXACTNESS, Exactness, Tag
 from fallbackgate.ledger.db import Ledger
 
 FLOOR_POSITIONS = 16  # output positions of each up-front control request
@@ -45,12 +45,12 @@ class AuditedRequest:
     replay: dict[str, Any] | None  # summary against the replay (None: exact or equivalent only)
 
 
-def objects_by_class(output: RequestOutput) -> dict[str, int]:
-    """Objects the engine served the request with, per exactness class."""
+def objects_by_exactness(output: RequestOutput) -> dict[str, int]:
+    """Objects the engine served the request with, per exactness."""
     out: dict[str, int] = {}
     for tag, count in output.tag_counts.items():
-        cls = TAG_EXACTNESS[Tag(tag)].value
-        out[cls] = out.get(cls, 0) + count
+        exactness = TAG_EXACTNESS[Tag(tag)].value
+        out[exactness] = out.get(exactness, 0) + count
     return out
 
 
@@ -72,14 +72,14 @@ def widen_floor(
     engine: Engine,
     control: FloorControl,
     request: tuple[str, list[int], list[int]],
-    served: str,
+    served: Exactness,
     max_kl: float,
     baseline: ServedRows | None = None,
 ) -> None:
     """Fold the request's own full control (against its `baseline` rows) into the floor when it was served
     exact or equivalent only and its KL against the exact baseline exceeds the tolerance of the floor so far."""
     floor = Floor.of_run({"numeric_floor": control.summary()})
-    if served != "approximate" and max_kl > tolerance(served, floor):
+    if served is not Exactness.APPROXIMATE and max_kl > tolerance(served, floor):
         request_id, prompt_ids, output_ids = request
         control.add(request_id, *control_diffs(engine, prompt_ids, output_ids, baseline))
 
@@ -94,11 +94,11 @@ def audit_outputs(
     control = initial_floor(engine, requests, baseline)
     results = []
     for index, (output, request) in enumerate(zip(audited, requests, strict=True)):
-        served = served_class(objects_by_class(output))
+        served = served_exactness(objects_by_exactness(output))
         rows = baseline.of(index)
         ids = (output.prompt_token_ids, output.output_token_ids)
         diffs, stats, replay = audit_request(
-            engine, ledger, run_id, output.request_id, *ids, in_memory(output), served == "approximate", rows
+            engine, ledger, run_id, output.request_id, *ids, in_memory(output), served is Exactness.APPROXIMATE, rows
         )
         widen_floor(engine, control, request, served, stats.max_kl, rows)
         results.append(AuditedRequest(output.request_id, diffs, stats, replay))

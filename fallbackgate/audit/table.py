@@ -7,6 +7,7 @@ import sys
 from typing import TextIO
 
 from fallbackgate.audit.gate import RunVerdict, tolerance
+from fallbackgate.engine.tags import Exactness
 
 
 def _fmt(x: float | None) -> str:
@@ -34,7 +35,7 @@ def print_table(verdict: RunVerdict, out: TextIO | None = None) -> None:
             else f" [pos {v.position}, step {v.step}, layer {v.layer}, tags {','.join(v.tags)}]"
         )
         print(
-            f"{v.request_id:<24} {v.served:<11} {_fmt(s.get('mean_kl')):>9} {_fmt(s.get('p99_kl')):>9} "
+            f"{v.request_id:<24} {v.served.value:<11} {_fmt(s.get('mean_kl')):>9} {_fmt(s.get('p99_kl')):>9} "
             f"{_fmt(s.get('max_kl')):>9} {_fmt(s.get('top1_agreement')):>6} {halves} "
             f"{'PASS' if v.passed else 'FAIL'} {v.reason}{where}",
             file=out,
@@ -43,8 +44,8 @@ def print_table(verdict: RunVerdict, out: TextIO | None = None) -> None:
     if floor is not None:
         print(
             f"numeric floor ({floor.dtype}, exact vs exact): max KL {floor.max_kl:.3g}, p99 {floor.p99_kl:.3g}; "
-            f"tolerance exact-only {tolerance('exact', floor):.3g}, with equivalent tags "
-            f"{tolerance('equivalent', floor):.3g}; budgets allow 10x the floor's mean and p99 on top",
+            f"tolerance exact-only {tolerance(Exactness.EXACT, floor):.3g}, with equivalent tags "
+            f"{tolerance(Exactness.EQUIVALENT, floor):.3g}; budgets allow 10x the floor's mean and p99 on top",
             file=out,
         )
     result = "PASS" if verdict.passed else "FAIL: " + "; ".join(verdict.reasons)

@@ -19,12 +19,13 @@ from typing import Any
 from sqlalchemy import Connection, update
 
 from fallbackgate.audit.auditor import audit_request
-from fallbackgate.audit.gate import evaluate_run, served_class
+from fallbackgate.audit.gate import evaluate_run, served_exactness
 from fallbackgate.audit.run_audit import initial_floor, widen_floor
 from fallbackgate.audit.verdicts import write_verdicts
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.tags import Exactness
 from fallbackgate.ledger import audit_queries, audit_queue, queries
 from fallbackgate.ledger.audit_queue import Claim, LeaseLost
 from fallbackgate.ledger.audit_rows import diff_rows
@@ -145,10 +146,17 @@ class AuditWorker:
             raise LookupError(f"run {run_id}: request {request_id} has no token ids recorded")
         token_ids, num_prompt = found
         served_rows = audit_queue.read_served(self.ledger, run_id, request_id)
-        served = served_class(queries.request_exactness(self.ledger, run_id).get(request_id, {}))
+        served = served_exactness(queries.request_exactness(self.ledger, run_id).get(request_id, {}))
         prompt_ids, output_ids = token_ids[:num_prompt], token_ids[num_prompt:]
         diffs, stats, replay = audit_request(
-            engine, self.ledger, run_id, request_id, prompt_ids, output_ids, served_rows, served == "approximate"
+            engine,
+            self.ledger,
+            run_id,
+            request_id,
+            prompt_ids,
+            output_ids,
+            served_rows,
+            served is Exactness.APPROXIMATE,
         )
         steps = audit_queries.step_requests(self.ledger, run_id, request_id)
         step_ids = [r["step_id"] for r in steps if r["is_sampled"]]
@@ -167,9 +175,9 @@ class AuditWorker:
             token_ids, num_prompt = audit_queries.request_tokens(self.ledger, run_id, r["request_id"]) or ([], 0)
             requests.append((r["request_id"], token_ids[:num_prompt], token_ids[num_prompt:]))
         control = initial_floor(engine, requests)
-        by_class = queries.request_exactness(self.ledger, run_id)
+        by_exactness = queries.request_exactness(self.ledger, run_id)
         for request, summary in zip(requests, summaries, strict=True):
-            widen_floor(engine, control, request, served_class(by_class.get(request[0], {})), summary["max_kl"])
+            widen_floor(engine, control, request, served_exactness(by_exactness.get(request[0], {})), summary["max_kl"])
         floor = control.summary()
         with begin_write(self.ledger.engine) as conn:  # the floor, under the claim (a taken-over run redoes it)
             audit_queue.check_held(conn, held)

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fallbackgate.engine.tags import NON_EXACT_TAGS
-from fallbackgate.profiling.store import MEASURED, PROFILE_NAMES
+from fallbackgate.profiling.names import MEASURED, PROFILE_NAMES
 
 
 class ControllerKind(str, enum.Enum):

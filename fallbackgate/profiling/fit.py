@@ -8,6 +8,7 @@ import datetime as dt
 
 from fallbackgate.engine.hardware import ExpertCurve, HardwareProfile
 from fallbackgate.profiling.measure import ExpertTiming
+from fallbackgate.profiling.names import MEASURED
 
 BYTES_PER_ELEMENT = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -98,7 +99,7 @@ def build_profile(
         step_s = max(one - decode_step_s, 0.0)
         request_s = max((many - one - extra_experts_s) / (batch - 1), 0.0)
     return HardwareProfile(
-        name="measured",
+        name=MEASURED,
         host_to_device_bytes_per_s=links["host_to_device_bytes_per_s"],
         device_to_host_bytes_per_s=links["device_to_host_bytes_per_s"],
         disk_to_host_bytes_per_s=links["disk_to_host_bytes_per_s"],

@@ -15,14 +15,12 @@ import pathlib
 import sys
 from typing import Any
 
-from fallbackgate.engine.hardware import PROFILES, HardwareProfile, get_profile
+from fallbackgate.engine.hardware import HardwareProfile, get_profile
 from fallbackgate.profiling.machine import machine_key
+from fallbackgate.profiling.names import MEASURED
 
-MEASURED = "measured"
 ENV_PROFILE = "FALLBACKGATE_PROFILE"  # a profile JSON file that stands in for the measurement
 ENV_CACHE = "FALLBACKGATE_CACHE_DIR"
-PROFILE_NAMES: tuple[str, ...] = (MEASURED, *PROFILES)
-"""Every profile name a policy or the command line may use: ``measured``, then the shipped what-ifs."""
 
 
 class ProfileFileError(ValueError):

@@ -17,7 +17,7 @@ from typing import Any
 from fallbackgate.batch.prompts import PromptSpec
 from fallbackgate.engine.tags import NON_EXACT_TAGS, Exactness
 from fallbackgate.policy.schema import FALLBACK_TAGS, ControllerKind, Policy
-from fallbackgate.profiling.store import MEASURED
+from fallbackgate.profiling.names import MEASURED
 from fallbackgate.resources import package_dir
 
 PASSAGES = package_dir("fallbackgate.evals") / "data" / "rolling_ppl.jsonl"
