@@ -56,14 +56,14 @@ def chart_rows(at: AppTest, index: int) -> list[pd.DataFrame]:
     return [convert_arrow_bytes_to_pandas_df(d.data.data) for d in el.datasets]
 
 
-def objects_by_class(db: Path, where: str = "1=1", params: tuple = ()) -> dict[tuple[int, str], int]:
+def objects_by_exactness(db: Path, where: str = "1=1", params: tuple = ()) -> dict[tuple[int, str], int]:
     rows = sql(db, f"SELECT run_id, exactness, SUM(count) FROM events WHERE {where} GROUP BY 1, 2", params)
     return {(r, c): n for r, c, n in rows}
 
 
 def test_overview_numbers(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     at = open_page(db, "overview", monkeypatch)
-    counts = objects_by_class(db)
+    counts = objects_by_exactness(db)
     approx = sum(n for (_, c), n in counts.items() if c == "approximate")
     assert metrics(at) == {"Runs": "2", "Gate failures": "1", "Requests": "4", "Approximate objects": str(approx)}
     df = frame(at, "objects_exact").set_index("run_id")
@@ -71,8 +71,8 @@ def test_overview_numbers(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert df.loc[1, "verdict"] == "pass" and df.loc[2, "verdict"] == "fail"
     assert df.loc[2, "link"] == "./?page=request&run=2"  # each run opens its drill-down
     for run_id in (1, 2):
-        for cls in ("exact", "equivalent", "approximate"):
-            assert df.loc[run_id, f"objects_{cls}"] == counts.get((run_id, cls), 0)
+        for exactness in ("exact", "equivalent", "approximate"):
+            assert df.loc[run_id, f"objects_{exactness}"] == counts.get((run_id, exactness), 0)
         total = sum(counts.get((run_id, c), 0) for c in ("exact", "equivalent", "approximate"))
         assert df.loc[run_id, "share_approximate"] == pytest.approx(counts.get((run_id, "approximate"), 0) / total)
     # SLO: request a meets a loose SLO, b misses its 1 ms targets when measured, meets them modeled
@@ -96,7 +96,7 @@ def test_overview_filters_by_request_class(db: Path, monkeypatch: pytest.MonkeyP
     at = open_page(db, "overview", monkeypatch)
     at.multiselect(key="f_class").set_value(["chat"]).run()
     assert not at.exception
-    counts = objects_by_class(db, "request_id = ?", ("a",))
+    counts = objects_by_exactness(db, "request_id = ?", ("a",))
     m = metrics(at)
     assert m["Requests"] == "2" and m["Runs"] == "2"
     assert m["Approximate objects"] == str(sum(n for (_, c), n in counts.items() if c == "approximate"))
@@ -180,8 +180,8 @@ def test_request_drilldown_numbers(db: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert budget.loc["mean KL", "remaining"] == f"{BUDGET['max_mean_kl'] - mean_kl:.3g}"
     assert budget.loc["mean KL", "spent of limit"] == f"{100 * mean_kl / BUDGET['max_mean_kl']:.0f} %"
     assert budget.loc["mean KL", "verdict"] == "FAIL"
-    by_class = dict(sql(db, "SELECT exactness, SUM(count) FROM events WHERE run_id=2 AND request_id='a' GROUP BY 1"))
-    frac = by_class.get("approximate", 0) / sum(by_class.values())
+    served = dict(sql(db, "SELECT exactness, SUM(count) FROM events WHERE run_id=2 AND request_id='a' GROUP BY 1"))
+    frac = served.get("approximate", 0) / sum(served.values())
     assert budget.loc["approximate fraction", "measured"] == f"{frac:.3g}"
     cells = sql(
         db,

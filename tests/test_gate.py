@@ -89,12 +89,12 @@ def test_budget_checks_name_each_breach() -> None:
         "min_top1_agreement": 0.9,
         "max_approx_fraction": 0.1,
     }
-    by_class = {"exact": 8, "approximate": 2}
+    by_exactness = {"exact": 8, "approximate": 2}
     v = judge_request(
         "r",
         _stats(0.2, mean_kl=0.02, top1=0.8),
         budget,
-        by_class,
+        by_exactness,
         {"expert_defer": 2},
         None,
     )

@@ -73,8 +73,8 @@ def test_round_trip(url: str) -> None:
     ]  # i-th output token <- i-th sampling step
     assert [d["kl"] for d in pds] == pytest.approx([d.kl for d in diffs])
     (listed,) = queries.list_runs(ledger)
-    by_class = {c: sum(e.count for e in events if e.tag.exactness.value == c) for c in ("exact", "equivalent")}
-    assert listed["objects_exact"] == by_class["exact"] and listed["objects_equivalent"] == by_class["equivalent"]
+    counts = {c: sum(e.count for e in events if e.tag.exactness.value == c) for c in ("exact", "equivalent")}
+    assert listed["objects_exact"] == counts["exact"] and listed["objects_equivalent"] == counts["equivalent"]
     rows = queries.run_tag_counts(ledger, run_id)
     loads = sum(r["objects"] for r in rows if r["tag"] == Tag.EXACT_LOAD.value)
     assert loads == sum(e.count for e in events if e.tag is Tag.EXACT_LOAD)
