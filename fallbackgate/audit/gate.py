@@ -115,7 +115,7 @@ class RunVerdict:
 
 
 def served_exactness(objects_by_exactness: Mapping[str, int]) -> Exactness:
-    """The least exact exactness with any objects served (exact when there were no events)."""
+    """The least exact of the exactness values with objects served (exact when there were no events)."""
     served = (e for e in reversed(Exactness) if objects_by_exactness.get(e.value, 0) > 0)
     return next(served, Exactness.EXACT)
 

@@ -147,16 +147,10 @@ class AuditWorker:
         token_ids, num_prompt = found
         served_rows = audit_queue.read_served(self.ledger, run_id, request_id)
         served = served_exactness(queries.request_exactness(self.ledger, run_id).get(request_id, {}))
+        is_approximate = served is Exactness.APPROXIMATE
         prompt_ids, output_ids = token_ids[:num_prompt], token_ids[num_prompt:]
         diffs, stats, replay = audit_request(
-            engine,
-            self.ledger,
-            run_id,
-            request_id,
-            prompt_ids,
-            output_ids,
-            served_rows,
-            served is Exactness.APPROXIMATE,
+            engine, self.ledger, run_id, request_id, prompt_ids, output_ids, served_rows, is_approximate
         )
         steps = audit_queries.step_requests(self.ledger, run_id, request_id)
         step_ids = [r["step_id"] for r in steps if r["is_sampled"]]
