@@ -42,7 +42,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 def _engine(model: pathlib.Path, force: tuple[str, ...] = ()) -> Engine:
     expert, block, layers, _ = sizes(model)
     config = EngineConfig(
-        str(model), block_size=4, max_num_seqs=8, device_budget_bytes=6 * expert + 40 * layers * block
+        model_dir=str(model), block_size=4, max_num_seqs=8, device_budget_bytes=6 * expert + 40 * layers * block
     )
     return Engine(config, ExactLRUController(force))
 
@@ -53,7 +53,7 @@ def _prompts(n: int) -> list[str]:
 
 def _serve_deferred(model: pathlib.Path, url: str, num_requests: int, force: tuple[str, ...] = ()) -> int:
     engine = _engine(model, force)
-    settings = RunSettings(str(model), max_new_tokens=5)
+    settings = RunSettings(model_dir=str(model), max_new_tokens=5)
     with open_ledger(url) as ledger:
         writer = LedgerWriter(ledger)
         run_id = start_run(writer, engine)
@@ -83,7 +83,7 @@ def test_deferred_audit_by_a_worker_matches_the_inline_audit(model: pathlib.Path
         _engine(model, ("expert_defer",)),
         _prompts(4),
         str(tmp_path / "inline.sqlite"),
-        settings=RunSettings(str(model), max_new_tokens=5),
+        settings=RunSettings(model_dir=str(model), max_new_tokens=5),
     )
     for got, want in zip(
         _stats(deferred_url, run_id), _stats(str(tmp_path / "inline.sqlite"), inline.run_id), strict=True

@@ -81,7 +81,7 @@ def test_routing_exponent_from_recorded_runs(tmp_path: pathlib.Path) -> None:
     path = make_checkpoint("qwen3_moe", tmp_path / "m", seed=0)
     expert, block, layers, _ = sizes(path)
     engine = Engine(
-        EngineConfig(str(path), block_size=4, device_budget_bytes=6 * expert + 40 * layers * block),
+        EngineConfig(model_dir=str(path), block_size=4, device_budget_bytes=6 * expert + 40 * layers * block),
         ExactLRUController(),
     )
     url = str(tmp_path / "l.sqlite")

@@ -175,7 +175,7 @@ def record_and_judge(
     ``settings`` supplies max_new_tokens / temperature / seed (default: 32 greedy tokens, the engine's
     seed); ``budgets`` maps request class to quality budget.
     """
-    settings = settings or RunSettings(engine.config.model_dir, seed=engine.config.seed)
+    settings = settings or RunSettings(model_dir=engine.config.model_dir, seed=engine.config.seed)
     opened = open_ledger(ledger) if isinstance(ledger, str) else None
     writer = ledger if isinstance(ledger, LedgerWriter) else LedgerWriter(opened or ledger)
     try:

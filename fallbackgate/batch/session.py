@@ -22,7 +22,7 @@ from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.profiling.store import resolve_profile
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(kw_only=True, slots=True)
 class RunSettings:
     """What a user chose on the command line or in a policy file."""
 
@@ -50,7 +50,7 @@ class RunSettings:
             return None if mb is None else int(mb * MIB)
 
         return EngineConfig(
-            self.model_dir,
+            model_dir=self.model_dir,
             device_budget_bytes=to_bytes(self.device_budget_mb),
             host_budget_bytes=to_bytes(self.host_budget_mb),
             spill_dir=self.spill_dir,

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="append", default=[], choices=sorted(t.value for t in FORCEABLE_TAGS))
     args = p.parse_args(argv)
     settings = RunSettings(
-        args.model,
+        model_dir=args.model,
         max_new_tokens=args.max_new_tokens,
         device_budget_mb=args.device_budget_mb,
         host_budget_mb=args.host_budget_mb,

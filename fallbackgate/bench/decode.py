@@ -50,7 +50,7 @@ def bench_engine(
 ) -> tuple[float, dict[str, int]]:
     """Engine, exact-only LRU controller: generated tokens per second and the tag counts."""
     engine = Engine(
-        EngineConfig(model_dir, device_budget_bytes=budget, max_num_seqs=max_num_seqs), ExactLRUController()
+        EngineConfig(model_dir=model_dir, device_budget_bytes=budget, max_num_seqs=max_num_seqs), ExactLRUController()
     )
     params = SamplingParams(max_new_tokens=new_tokens)
     started = time.perf_counter()
@@ -92,7 +92,7 @@ def main() -> None:
     reference = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     config = reference.config
     prompts = _prompts(config.vocab_size, args.num_prompts, args.prompt_len, 0)
-    probe = Engine(EngineConfig(args.model), ExactLRUController())
+    probe = Engine(EngineConfig(model_dir=args.model), ExactLRUController())
     expert_bytes = probe.expert_store.bytes_per_expert * len(probe.expert_store.entries)
     kv_bytes = (
         probe.kv_store.bytes_per_block

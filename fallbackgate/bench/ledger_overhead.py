@@ -232,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
         model, kind = _model_dir(args.model, pathlib.Path(scratch))
-        settings = RunSettings(model, max_new_tokens=args.max_new_tokens, device_budget_mb=args.device_budget_mb)
+        settings = RunSettings(
+            model_dir=model, max_new_tokens=args.max_new_tokens, device_budget_mb=args.device_budget_mb
+        )
         engine = build_engine(settings, ExactLRUController())
         ledger_url = args.ledger or str(pathlib.Path(scratch) / "bench.sqlite")
         result = {

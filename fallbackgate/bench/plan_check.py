@@ -53,7 +53,7 @@ def measure(config: str, max_new_tokens: int, ledger: Ledger) -> dict[str, Any]:
     """Serve the built-in prompts on one configuration (after a warm-up pass), recording to `ledger`."""
     model, device_mb, host_mb = config.rsplit(":", 2)
     settings = RunSettings(
-        model, max_new_tokens=max_new_tokens, device_budget_mb=_mb(device_mb), host_budget_mb=_mb(host_mb)
+        model_dir=model, max_new_tokens=max_new_tokens, device_budget_mb=_mb(device_mb), host_budget_mb=_mb(host_mb)
     )
     engine = build_engine(settings, ExactLRUController())
     specs = [PromptSpec(text, f"plan-{i}") for i, text in enumerate(BUILTIN_PROMPTS)]

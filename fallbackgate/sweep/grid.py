@@ -93,7 +93,7 @@ def build_engine(
         is_equivalent_allowed=cfg.is_equivalent_allowed,
     )
     config = EngineConfig(
-        cfg.model_dir,
+        model_dir=cfg.model_dir,
         device_budget_bytes=device_budget,
         block_size=policy.memory.block_size,
         max_num_seqs=policy.memory.max_num_seqs,
@@ -111,7 +111,7 @@ def reference_run(cfg: SweepConfig) -> Reference:
     """Exact, unlimited device budget: peak KV bytes, expert sizes, the trace length, unpressured TPOT."""
     engine = build_engine(cfg, "exact_lru", None, None, 0.5)
     specs = build_workload(cfg.workload, engine.tokenizer)
-    outcome = run_prompts(engine, specs, RunSettings(cfg.model_dir, seed=cfg.workload.seed), None, False)
+    outcome = run_prompts(engine, specs, RunSettings(model_dir=cfg.model_dir, seed=cfg.workload.seed), None, False)
     memory = outcome.memory
     tpots = [o.modeled_tpot_s for o in outcome.outputs if len(o.output_token_ids) > 1]
     measured = [o.tpot_s for o in outcome.outputs if len(o.output_token_ids) > 1]
@@ -191,7 +191,7 @@ def run_cell(cfg: SweepConfig, ref: Reference, ledger: Ledger, kind: str, cell: 
         note=f"{note} {json.dumps({**cell, 'controller': kind})}",
     )
     started = time.perf_counter()
-    outcome = serve_recorded(engine, ref.specs, RunSettings(cfg.model_dir, seed=cfg.workload.seed), writer)
+    outcome = serve_recorded(engine, ref.specs, RunSettings(model_dir=cfg.model_dir, seed=cfg.workload.seed), writer)
     metrics: dict[str, Any] = {"wall_s": time.perf_counter() - started}
     metrics.update(timing_metrics(outcome))
     metrics.update(slo_metrics(outcome, cfg.policy))
