@@ -6,7 +6,6 @@ import pathlib
 
 import pytest
 
-from fallbackgate.batch.recording import record_and_judge
 from fallbackgate.batch.session import RunSettings
 from fallbackgate.cli import main
 from fallbackgate.commands.calibrate import fit, weighted_quantile
@@ -17,6 +16,7 @@ from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.policy.schema import SLO, Policy, QualityBudget, RequestClass
+from fallbackgate.recording import record_and_judge
 from tests.test_controllers_engine import SLOW
 from tests.test_engine_exact import sizes
 

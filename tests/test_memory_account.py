@@ -125,10 +125,10 @@ def test_a_request_that_cannot_fit_alone_is_refused_before_it_runs(checkpoint_fa
 
 
 def test_the_ledger_keeps_the_run_memory_account(checkpoint_factory, tmp_path) -> None:
-    from fallbackgate.batch.recording import record_and_judge
     from fallbackgate.batch.session import RunSettings
     from fallbackgate.ledger import queries
     from fallbackgate.ledger.db import open_ledger
+    from fallbackgate.recording import record_and_judge
 
     path = checkpoint_factory("qwen3_moe")
     expert, block, layers, top_k = sizes(path)

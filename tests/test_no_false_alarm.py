@@ -8,11 +8,11 @@ import pathlib
 import pytest
 import torch
 
-from fallbackgate.batch.recording import RecordedRun, record_and_judge
 from fallbackgate.batch.session import RunSettings
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
+from fallbackgate.recording import RecordedRun, record_and_judge
 from tests.checkpoints import make_checkpoint
 from tests.test_engine_exact import one_request_budget, sizes
 

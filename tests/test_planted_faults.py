@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from fallbackgate.audit.gate import EQUIVALENT_TOLERANCE, RequestVerdict, RunVerdict
-from fallbackgate.batch.recording import RecordedRun, record_and_judge
 from fallbackgate.batch.session import RunSettings
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
@@ -28,6 +27,7 @@ from fallbackgate.engine.model.runner import ModelRunner
 from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger import queries
 from fallbackgate.ledger.db import open_ledger
+from fallbackgate.recording import RecordedRun, record_and_judge
 from tests.checkpoints import make_checkpoint
 from tests.test_engine_exact import sizes
 
