@@ -105,9 +105,13 @@ class Assembly:
 
 
 def top_k_of(model_dir: str) -> int:
-    """Experts per token of a checkpoint (1 when its config does not say)."""
-    cfg = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
-    return int(cfg.get("num_experts_per_tok") or 1)
+    """Experts per token of a checkpoint (1 when its config does not say; also when there is no readable
+    config, which the engine then refuses with the reason before the controller is consulted)."""
+    try:
+        cfg = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return 1
+    return int(cfg.get("num_experts_per_tok") or 1) if isinstance(cfg, dict) else 1
 
 
 def run_settings(policy: Policy, overrides: Overrides) -> RunSettings:
