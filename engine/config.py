@@ -22,7 +22,7 @@ def default_io_threads() -> int:
     return 2 if (os.cpu_count() or 1) > 2 or torch.cuda.is_available() else 0
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(kw_only=True, slots=True)
 class EngineConfig:
     """Knobs of the mechanism. Budgets are bytes; None means "everything fits"."""
 
@@ -44,6 +44,7 @@ class EngineConfig:
     num_io_threads: int | None = None  # threads reading experts ahead of use; None: `default_io_threads()`
     num_verified_copies_per_step: int = 1  # expert copies checked against the checkpoint after each step
     audit_cache_bytes: int = 256 * MIB  # the audit's own verified expert copies (outside the budgets)
+    is_observe: bool = False  # observe mode: decisions recorded, exact actions served
 
     def __post_init__(self) -> None:
         for name in ("device_budget_bytes", "host_budget_bytes"):

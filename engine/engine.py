@@ -73,7 +73,7 @@ class Engine(AuditAccess):
         self.sequences: dict[str, Sequence] = {}
         self.finished: dict[str, RequestOutput] = {}
         self.modeled_clock_s = 0.0
-        self.is_observe = False  # set by the policy layer for observe mode
+        self.is_observe = config.is_observe
         self.last_plan: StepPlan | None = None  # plan of the latest step, for recorders
 
     @property

@@ -9,29 +9,37 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import Any
 
-from fallbackgate.batch.session import RunSettings
+from fallbackgate.assembly import Assembly, Overrides, assemble, no_policy
 from fallbackgate.engine.engine import Engine
 from fallbackgate.policy import Policy
-from fallbackgate.policy.apply import build_policy_engine, class_budgets
-from fallbackgate.tinymoe import CHECKPOINT_DIR
+from fallbackgate.policy.apply import with_sections
 
 SCORING_BATCH_TOKENS = 4096  # at least the longest window (prompt + continuation) the adapter scores
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True, slots=True)
 class EngineSetup:
-    """An engine plus what the ledger and the gate need to know about how it was built."""
+    """An assembled engine plus how the parity report names it."""
 
-    engine: Engine
-    policy: Policy
-    policy_name: str  # file path, or "exact-baseline(<file>)"
-    controller_name: str
-    budgets: dict[str, dict[str, Any]]
-    audit_rate: float
-    request_class: str
-    ledger_url: str | None
+    assembly: Assembly  # the engine, its policy (name: file path, or "exact-baseline(<file>)") and classes
+    controller_name: str  # the controller kind, with " force=a|b" when tags are forced
+    ledger_url: str | None  # the policy's ledger (None: $FALLBACKGATE_LEDGER or the default)
+
+    @property
+    def engine(self) -> Engine:
+        """The engine."""
+        return self.assembly.engine
+
+    @property
+    def policy(self) -> Policy:
+        """The effective policy."""
+        return self.assembly.policy
+
+    @property
+    def request_class(self) -> str:
+        """The class every evaluation request is served in: the policy's default."""
+        return self.assembly.classes.default
 
 
 def exact_counterpart(policy: Policy) -> Policy:
@@ -67,42 +75,24 @@ def build_setup(
 
         policy_name = policy_name or str(policy)
         policy, _ = load_parity_policy(policy)
-    policy = policy or exact_counterpart(Policy(controller={"kind": "exact_lru"}))
+    policy = policy or exact_counterpart(no_policy())
     policy_name = policy_name or "(default exact policy)"
     if device_budget_mb is not None:
-        policy = policy.model_copy(
-            update={"memory": policy.memory.model_copy(update={"device_budget_mb": device_budget_mb})}
-        )
+        policy = with_sections(policy, {"memory": {"device_budget_mb": device_budget_mb}})
+    if model_dir is not None:
+        policy = with_sections(policy, {}, model=model_dir)
+    force = list(force or [])
     # the baseline computes as the policy's exact path does: stacked grouped_mm experts only when the policy
     # itself has no device budget (everything fits), else one expert at a time (same kernels, bitwise)
     is_stacked = policy.memory.device_budget_mb is None and not force
     if exact_baseline:
         policy, policy_name, force = exact_counterpart(policy), f"exact-baseline({policy_name})", []
-    if force and policy.controller.kind != "exact_lru":
-        raise ValueError(f"force={force} needs an exact_lru policy, not controller {policy.controller.kind!r}")
-    mem = policy.memory
-    settings = RunSettings(
-        model_dir or policy.model or str(CHECKPOINT_DIR),
-        block_size=mem.block_size,
-        max_num_seqs=mem.max_num_seqs,
-        device_budget_mb=mem.device_budget_mb,
-        host_budget_mb=mem.host_budget_mb,
-        spill_dir=mem.spill_dir,
-        profile=policy.hardware.profile,
-        preempt_mode=mem.preempt_mode,
+    overrides = Overrides(
+        force=tuple(force),
         # a whole scoring window in one forward, as lm-eval's hf model computes it (same summation order)
         max_num_batched_tokens=chunk_tokens,
-        is_stacked_when_fits=is_stacked,
+        is_stacked_when_fits=is_stacked if exact_baseline else None,
     )
-    engine, controller = build_policy_engine(policy, settings, None, list(force or []))
+    built = assemble(policy, overrides, policy_name=policy_name)
     name = policy.controller.kind + (f" force={'|'.join(force)}" if force else "")
-    return EngineSetup(
-        engine,
-        policy,
-        policy_name,
-        name,
-        class_budgets(policy),
-        policy.audit.sample_rate,
-        policy.default_class,
-        policy.ledger.url,
-    )
+    return EngineSetup(assembly=built, controller_name=name, ledger_url=policy.ledger.url)

@@ -87,15 +87,7 @@ class FallbackgateLM(TemplateLM):
         self.finish()
         if not self.is_recording:
             return None
-        self.recorder = EvalRecorder(
-            self.engine,
-            self.ledger_url,
-            policy=self.setup.policy_name,
-            controller=self.setup.controller_name,
-            budgets=self.setup.budgets,
-            audit_rate=self.setup.audit_rate,
-            note=note,
-        )
+        self.recorder = EvalRecorder(self.setup.assembly, self.ledger_url, note=note)
         atexit.register(self.finish)
         return self.recorder.run_id
 

@@ -7,19 +7,17 @@ audited as ``fallbackgate run`` audits them (:func:`fallbackgate.audit.auditor.a
 
 from __future__ import annotations
 
-import dataclasses
 import random
-from collections.abc import Mapping
-from typing import Any
 
+from fallbackgate.assembly import Assembly
 from fallbackgate.audit.auditor import audit_output, numeric_floor
-from fallbackgate.audit.gate import RunVerdict, evaluate_run
+from fallbackgate.audit.gate import RunVerdict
 from fallbackgate.audit.stats import PositionDiff, RequestDiffStats, audit
-from fallbackgate.batch.recording import versions
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.ledger.db import Ledger, open_ledger
 from fallbackgate.ledger.writer import LedgerWriter
+from fallbackgate.recording import RunRecorder
 
 
 def scored_targets(output: RequestOutput) -> list[int]:
@@ -45,72 +43,56 @@ def scored_floor(engine: Engine, output: RequestOutput) -> float:
     return audit(one_pass, chunked, scored_targets(output))[1].max_kl
 
 
-@dataclasses.dataclass
 class EvalRecorder:
-    """Writes one engine's evaluation run to a ledger (URL or open ledger); call :meth:`finish` at the end."""
+    """Writes one assembled engine's evaluation run to a ledger (URL or open ledger; None: the default);
+    call :meth:`finish` at the end. Requests are audited as they finish, the first always, the rest with
+    probability ``audit_rate`` (seeded)."""
 
-    engine: Engine
-    ledger: str | Ledger | None
-    policy: str | None = None
-    controller: str = "exact_lru"
-    budgets: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
-    audit_rate: float = 1.0
-    seed: int = 0
-    note: str = ""
-
-    def __post_init__(self) -> None:
-        self._opened = None if isinstance(self.ledger, Ledger) else open_ledger(self.ledger)
-        self.writer = LedgerWriter(self._opened or self.ledger)
-        self.run_id = self.writer.start_run(
-            policy=self.policy,
-            model_path=self.engine.config.model_dir,
-            controller=self.controller,
-            hardware_profile=dataclasses.asdict(self.engine.config.profile),
-            versions=versions(),
-            mode="observe" if self.engine.is_observe else "enforce",
-            note=self.note,
-        )
-        self._rng = random.Random(self.seed)
+    def __init__(self, assembly: Assembly, ledger: str | Ledger | None, note: str = "") -> None:
+        self.engine = assembly.engine
+        self._opened = None if isinstance(ledger, Ledger) else open_ledger(ledger)
+        self.recorder: RunRecorder | None = assembly.recorder(LedgerWriter(self._opened or ledger), note=note)
+        self.run_id = self.recorder.run_id
+        self.audit_rate = assembly.audit_rate
+        self._rng = random.Random(assembly.settings.seed)
         self._floor: float | None = None
-        self.num_audited = 0
         self.verdict: RunVerdict | None = None
+
+    @property
+    def num_audited(self) -> int:
+        """Requests audited so far."""
+        return self.recorder.num_audited if self.recorder is not None else 0
 
     def on_step(self, plan: StepPlan, result: StepResult) -> None:
         """Record one engine step and its events."""
-        self.writer.record_step(plan, result)
+        self.recorder.on_step(plan, result)
 
     def on_finish(self, output: RequestOutput, step_ids: list[int]) -> None:
         """Record a finished request; audit it with probability `audit_rate` (the first one always)."""
-        self.writer.record_request(output, budget=self.budgets.get(output.request_class))
-        if self.num_audited and self._rng.random() >= self.audit_rate:
+        recorder = self.recorder
+        recorder.on_request(output)
+        if recorder.num_audited and self._rng.random() >= self.audit_rate:
             return
         if output.prompt_logits is not None:
             diffs, stats = audit_scored(self.engine, output)
-            self.writer.record_diffs(
-                output.request_id, diffs, stats, step_ids=[s if s >= 0 else None for s in step_ids]
-            )
+            recorder.record_audit(output.request_id, diffs, stats, step_ids=[s if s >= 0 else None for s in step_ids])
             floor = scored_floor(self.engine, output) if self._floor is None else None
         else:
             diffs, stats = audit_output(self.engine, output)
-            self.writer.record_diffs(output.request_id, diffs, stats)
+            recorder.record_audit(output.request_id, diffs, stats)
             floor = numeric_floor(self.engine, output) if self._floor is None else None
         self._floor = floor if floor is not None else self._floor
-        self.num_audited += 1
 
     def finish(self, status: str = "complete") -> RunVerdict | None:
         """Record the numeric floor, finish the run, close the writer and judge the run (once)."""
-        if self.writer is None:
+        if self.recorder is None:
             return self.verdict
+        recorder, self.recorder = self.recorder, None
         try:
             if self._floor is not None:
-                floor = {"max_kl": self._floor, "dtype": self.engine.dtype_name}
-                self.writer.record_control(self._floor, floor=floor)
-            self.writer.finish_run(status=status)
-            self.writer.close()
-            if self.num_audited and status == "complete":
-                self.verdict = evaluate_run(self.writer.ledger, self.run_id)
+                recorder.record_floor({"max_kl": self._floor, "dtype": self.engine.dtype_name})
+            self.verdict = recorder.close(status)
         finally:
-            self.writer = None
             if self._opened is not None:
                 self._opened.close()
         return self.verdict

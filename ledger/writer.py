@@ -36,7 +36,19 @@ from fallbackgate.ledger.models import (
     utcnow,
 )
 from fallbackgate.ledger.rows import value, verification_rows
-from fallbackgate.ledger.writer_thread import FLUSH, Op, WriterThread
+from fallbackgate.ledger.writer_thread import (
+    FLUSH,
+    DiffsMessage,
+    FlushMessage,
+    GroupMessage,
+    Message,
+    Op,
+    OpMessage,
+    RequestMessage,
+    RowsMessage,
+    StepMessage,
+    WriterThread,
+)
 
 
 class LedgerWriter:
@@ -55,7 +67,7 @@ class LedgerWriter:
             raise LedgerError(f"ledger {ledger.display_url} was opened read-only; cannot write")
         self.ledger = ledger
         self.handoff_steps = handoff_steps  # steps held by the caller before one wake-up of the thread
-        self._held: list[Any] = []  # steps not yet handed to the thread; it also takes them when idle
+        self._held: list[Message] = []  # steps not yet handed to the thread; it also takes them when idle
         self._held_lock = threading.Lock()
         self.run_id: int | None = None
         self._closed = False
@@ -106,12 +118,12 @@ class LedgerWriter:
         steps of the last `flush_interval_s`.
         """
         with self._held_lock:
-            self._held.append(("step", self._run(run_id), plan, result))
+            self._held.append(StepMessage(self._run(run_id), plan, result))
             is_due = len(self._held) >= self.handoff_steps
         if is_due:
             self._handoff()
 
-    def _take_held(self) -> list[Any]:
+    def _take_held(self) -> list[Message]:
         with self._held_lock:
             held, self._held = self._held, []
         return held
@@ -119,7 +131,7 @@ class LedgerWriter:
     def _handoff(self) -> None:
         held = self._take_held()
         if held:
-            self._put_now(("group", held))
+            self._put_now(GroupMessage(held))
 
     def record_request(
         self,
@@ -131,7 +143,7 @@ class LedgerWriter:
         run_id: int | None = None,
     ) -> None:
         """Record a finished request with its class, SLO, quality budget and timings."""
-        self._put(("request", self._run(run_id), output, slo, budget, prompt))
+        self._put(RequestMessage(self._run(run_id), output, slo, budget, prompt))
 
     def record_diffs(
         self,
@@ -147,7 +159,7 @@ class LedgerWriter:
         ``diffs[i].position`` is the index of the output token. When ``step_ids`` is None, each
         position's step is the i-th recorded step that sampled a token for this request.
         """
-        self._put(("diffs", self._run(run_id), request_id, list(diffs), stats, step_ids))
+        self._put(DiffsMessage(self._run(run_id), request_id, list(diffs), stats, step_ids))
 
     def record_verdict(
         self,
@@ -162,7 +174,7 @@ class LedgerWriter:
         keywords of :func:`~fallbackgate.ledger.audit_rows.verdict_row` (position, step, layer, tags, and
         the two halves: quality_passed, correctness_passed)."""
         row = verdict_row(self._run(run_id), request_id, passed, reason, **located)
-        self._put(("rows", VerdictRow.__table__, [row]))
+        self._put(RowsMessage(VerdictRow.__table__, [row]))
         if request_id is not None:
             tbl = Request.__table__
             stmt = (
@@ -170,7 +182,7 @@ class LedgerWriter:
                 .where(tbl.c.run_id == row["run_id"], tbl.c.request_id == request_id)
                 .values(verdict="pass" if passed else "fail")
             )
-            self._put(("op", lambda conn: conn.execute(stmt)))
+            self._put(OpMessage(lambda conn: conn.execute(stmt)))
 
     def record_replay(self, request_id: str, stats: Mapping[str, Any], *, run_id: int | None = None) -> None:
         """Record a request's served-vs-replay statistics (``replay_*`` columns of its request_stats row,
@@ -179,11 +191,11 @@ class LedgerWriter:
         rid = self._run(run_id)
         values = {f"replay_{k}": v for k, v in stats.items()}
         stmt = update(tbl).where(tbl.c.run_id == rid, tbl.c.request_id == request_id).values(**values)
-        self._put(("op", lambda conn: conn.execute(stmt)))
+        self._put(OpMessage(lambda conn: conn.execute(stmt)))
 
     def record_verifications(self, verifications: Sequence[Any], *, run_id: int | None = None) -> None:
         """Record weight copies checked against the checkpoint outside a step (dense weights at audit)."""
-        self._put(("rows", VerificationRow.__table__, verification_rows(self._run(run_id), verifications)))
+        self._put(RowsMessage(VerificationRow.__table__, verification_rows(self._run(run_id), verifications)))
 
     def queue_audits(
         self, outputs: Sequence[RequestOutput], *, with_run_task: bool = True, run_id: int | None = None
@@ -192,9 +204,9 @@ class LedgerWriter:
         goes on serving (a server adds it when it stops), the run's task."""
         rid = self._run(run_id)
         for output in outputs:
-            self._put(("rows", ServedLogitsRow.__table__, served_rows(rid, output.request_id, output.output_logits)))
+            self._put(RowsMessage(ServedLogitsRow.__table__, served_rows(rid, output.request_id, output.output_logits)))
         request_ids = [o.request_id for o in outputs]
-        self._put(("op", lambda conn: add_tasks(conn, rid, request_ids, with_run_task)))
+        self._put(OpMessage(lambda conn: add_tasks(conn, rid, request_ids, with_run_task)))
 
     def record_control(
         self, numeric_floor_kl: float, *, floor: dict[str, Any] | None = None, run_id: int | None = None
@@ -204,12 +216,12 @@ class LedgerWriter:
         values: dict[str, Any] = {"numeric_floor_kl": float(numeric_floor_kl)}
         if floor is not None:
             values["numeric_floor"] = dict(floor)
-        self._put(("op", self._run_update(self._run(run_id), **values)))
+        self._put(OpMessage(self._run_update(self._run(run_id), **values)))
 
     def record_memory(self, memory: dict[str, Any], *, run_id: int | None = None) -> None:
         """Record the run's memory account: budgets, peak device-pool bytes (total and by kind), peak
         host-tier bytes and the dense bytes outside the budget (``serving.session.memory_summary``)."""
-        self._put(("op", self._run_update(self._run(run_id), memory=dict(memory))))
+        self._put(OpMessage(self._run_update(self._run(run_id), memory=dict(memory))))
 
     def record_calibration(
         self,
@@ -228,14 +240,14 @@ class LedgerWriter:
             "run_ids": list(run_ids),
             "fitted_at": utcnow(),
         }
-        self._put(("rows", Calibration.__table__, [row]))
+        self._put(RowsMessage(Calibration.__table__, [row]))
 
     def finish_run(self, run_id: int | None = None, status: str = "complete") -> None:
         """Mark the run finished with ``status`` and wait until everything recorded is written."""
         if status not in RUN_STATUSES or status == "running":
             raise ValueError(f"finish status must be one of complete/failed/incomplete, not {status!r}")
         rid = self._run(run_id)
-        self._put(("op", self._run_update(rid, status=status, finished_at=utcnow())))
+        self._put(OpMessage(self._run_update(rid, status=status, finished_at=utcnow())))
         self.flush()
 
     def mark_run_now(self, status: str, run_id: int | None = None) -> bool:
@@ -293,11 +305,11 @@ class LedgerWriter:
     def _check(self) -> None:
         self._writer.check()
 
-    def _put(self, item: Any) -> None:
+    def _put(self, item: Message | FlushMessage) -> None:
         self._handoff()
         self._put_now(item)
 
-    def _put_now(self, item: Any) -> None:
+    def _put_now(self, item: Message | FlushMessage) -> None:
         if self._closed:
             raise LedgerError("ledger writer is closed")
         self._check()

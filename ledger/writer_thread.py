@@ -6,14 +6,16 @@ Each batch is written with bulk inserts in one transaction, every ``flush_interv
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import Connection, Table
 
+from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.ledger.audit_rows import diff_rows
 from fallbackgate.ledger.bulk import insert_rows
 from fallbackgate.ledger.db import Ledger, LedgerError, begin_write
@@ -48,9 +50,74 @@ _TABLE_ORDER: tuple[Table, ...] = tuple(
         Calibration,
     )
 )
-FLUSH = object()  # queue marker: write what is pending, then mark the queue's items done
-STOP = object()  # queue marker: write what is pending and end the thread
 Op = Callable[[Connection], None]
+
+
+@dataclasses.dataclass(slots=True)
+class StepMessage:
+    """One engine step and its events."""
+
+    run_id: int  # the run the step belongs to
+    plan: StepPlan  # what the scheduler planned
+    result: StepResult  # what the engine did (events, timings)
+
+
+@dataclasses.dataclass(slots=True)
+class RequestMessage:
+    """A finished request."""
+
+    run_id: int  # the run the request belongs to
+    output: RequestOutput  # the engine's output (tokens, timings, tag counts)
+    slo: Mapping[str, Any] | None  # its class's SLO targets (None: no class declared)
+    budget: Mapping[str, Any] | None  # its class's quality budget (None: no class declared)
+    prompt: str | None  # the prompt text as received
+
+
+@dataclasses.dataclass(slots=True)
+class DiffsMessage:
+    """One request's per-position diffs against the exact baseline."""
+
+    run_id: int  # the run the request belongs to
+    request_id: str  # the audited request
+    diffs: list[Any]  # one object with the ledger's diff fields per position
+    stats: Any | None  # the request's summary statistics (None: none to record)
+    step_ids: Sequence[int | None] | None  # each position's step (None: the request's sampling steps in order)
+
+
+@dataclasses.dataclass(slots=True)
+class RowsMessage:
+    """Rows ready for one table."""
+
+    table: Table  # where they go
+    rows: list[dict[str, Any]]  # column -> value
+
+
+@dataclasses.dataclass(slots=True)
+class OpMessage:
+    """A statement run in the batch's transaction after its inserts (updates, deletes)."""
+
+    op: Op  # called with the batch's connection
+
+
+@dataclasses.dataclass(slots=True)
+class GroupMessage:
+    """Messages handed over together (the caller's held steps)."""
+
+    members: list[Message]  # the messages, in order
+
+
+@dataclasses.dataclass(slots=True)
+class FlushMessage:
+    """Write what is pending, then mark the queue's items done (what :meth:`LedgerWriter.flush` waits on)."""
+
+
+@dataclasses.dataclass(slots=True)
+class StopMessage:
+    """Write what is pending and end the thread."""
+
+
+Message = StepMessage | RequestMessage | DiffsMessage | RowsMessage | OpMessage | GroupMessage
+FLUSH = FlushMessage()
 
 
 class WriterThread:
@@ -59,7 +126,7 @@ class WriterThread:
     def __init__(
         self,
         ledger: Ledger,
-        take_held: Callable[[], list[Any]],
+        take_held: Callable[[], list[Message]],
         *,
         batch_size: int,
         flush_interval_s: float,
@@ -88,7 +155,7 @@ class WriterThread:
 
     def stop(self) -> None:
         """Write what is queued and end the thread."""
-        self.queue.put(STOP)
+        self.queue.put(StopMessage())
         self._thread.join()
 
     def _loop(self) -> None:
@@ -101,7 +168,7 @@ class WriterThread:
                 held = self.take_held()
                 if not held:
                     continue
-                items, num_queued = [("group", held)], 0
+                items, num_queued = [GroupMessage(held)], 0
             stop, num_queued = self._drain(items, num_queued)
             for _ in range(num_queued):
                 self.queue.task_done()
@@ -115,8 +182,8 @@ class WriterThread:
         stop = False
         while True:
             item = items[-1]
-            if item is STOP or item is FLUSH:
-                stop = item is STOP
+            if isinstance(item, FlushMessage | StopMessage):
+                stop = isinstance(item, StopMessage)
                 break
             try:
                 pending += self._expand(item, rows, ops)
@@ -145,20 +212,22 @@ class WriterThread:
             if self.error is None:
                 self.error = exc
 
-    def _expand(self, item: Any, rows: Rows, ops: list[Op]) -> int:
-        kind = item[0]
-        if kind == "group":
-            return sum(self._expand(member, rows, ops) for member in item[1])
-        if kind == "op":
-            ops.append(item[1])
-            return 1
-        if kind == "rows":
-            new = item[2]
-            rows.setdefault(item[1], []).extend(new)
-            return len(new)
-        if kind == "step":
-            return step_rows(*item[1:], rows, self._sample_steps)
-        if kind == "request":
-            rows.setdefault(Request.__table__, []).append(request_row(*item[1:]))
-            return 1
-        return diff_rows(*item[1:], rows, self._sample_steps)
+    def _expand(self, item: Message, rows: Rows, ops: list[Op]) -> int:
+        """Turn one message into pending rows or statements; returns how many."""
+        match item:
+            case GroupMessage(members):
+                return sum(self._expand(member, rows, ops) for member in members)
+            case OpMessage(op):
+                ops.append(op)
+                return 1
+            case RowsMessage(table, new):
+                rows.setdefault(table, []).extend(new)
+                return len(new)
+            case StepMessage(run_id, plan, result):
+                return step_rows(run_id, plan, result, rows, self._sample_steps)
+            case RequestMessage(run_id, output, slo, budget, prompt):
+                rows.setdefault(Request.__table__, []).append(request_row(run_id, output, slo, budget, prompt))
+                return 1
+            case DiffsMessage(run_id, request_id, diffs, stats, step_ids):
+                return diff_rows(run_id, request_id, diffs, stats, step_ids, rows, self._sample_steps)
+        raise TypeError(f"not a ledger writer message: {item!r}")

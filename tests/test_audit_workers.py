@@ -17,7 +17,6 @@ import pytest
 from sqlalchemy import func, select
 
 from fallbackgate.audit.worker import AuditWorker
-from fallbackgate.batch.recording import audit_and_judge, record_and_judge, serve_recorded, start_run
 from fallbackgate.batch.session import RunSettings
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
@@ -27,6 +26,7 @@ from fallbackgate.ledger.audit_queue import LeaseLost
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.ledger.models import AuditTask, PositionDiffRow, RequestStatRow, VerdictRow
 from fallbackgate.ledger.writer import LedgerWriter
+from fallbackgate.recording import RunRecorder, RunRow, as_specs, record_and_judge
 from tests.checkpoints import make_checkpoint
 from tests.pg_fixture import pg_server_fixture, pg_url_fixture  # noqa: F401 - fixtures
 from tests.test_engine_exact import sizes
@@ -42,7 +42,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 def _engine(model: pathlib.Path, force: tuple[str, ...] = ()) -> Engine:
     expert, block, layers, _ = sizes(model)
     config = EngineConfig(
-        str(model), block_size=4, max_num_seqs=8, device_budget_bytes=6 * expert + 40 * layers * block
+        model_dir=str(model), block_size=4, max_num_seqs=8, device_budget_bytes=6 * expert + 40 * layers * block
     )
     return Engine(config, ExactLRUController(force))
 
@@ -53,16 +53,13 @@ def _prompts(n: int) -> list[str]:
 
 def _serve_deferred(model: pathlib.Path, url: str, num_requests: int, force: tuple[str, ...] = ()) -> int:
     engine = _engine(model, force)
-    settings = RunSettings(str(model), max_new_tokens=5)
+    settings = RunSettings(model_dir=str(model), max_new_tokens=5)
     with open_ledger(url) as ledger:
-        writer = LedgerWriter(ledger)
-        run_id = start_run(writer, engine)
-        from fallbackgate.batch.recording import as_specs
-
-        outcome = serve_recorded(engine, as_specs(_prompts(num_requests)), settings, writer)
-        verdict, num_audited = audit_and_judge(engine, outcome, writer, is_deferred=True)
-        assert verdict is None and num_audited == num_requests
-    return run_id
+        recorder = RunRecorder(LedgerWriter(ledger), engine, RunRow(controller="exact_lru"))
+        outcome = recorder.serve(as_specs(_prompts(num_requests)), settings)
+        verdict = recorder.finish(outcome, is_deferred=True)
+        assert verdict is None and recorder.num_deferred == num_requests
+    return recorder.run_id
 
 
 def _stats(url: str, run_id: int) -> list[dict]:
@@ -83,7 +80,7 @@ def test_deferred_audit_by_a_worker_matches_the_inline_audit(model: pathlib.Path
         _engine(model, ("expert_defer",)),
         _prompts(4),
         str(tmp_path / "inline.sqlite"),
-        settings=RunSettings(str(model), max_new_tokens=5),
+        settings=RunSettings(model_dir=str(model), max_new_tokens=5),
     )
     for got, want in zip(
         _stats(deferred_url, run_id), _stats(str(tmp_path / "inline.sqlite"), inline.run_id), strict=True

@@ -6,7 +6,6 @@ import pathlib
 
 import pytest
 
-from fallbackgate.batch.recording import record_and_judge
 from fallbackgate.batch.session import RunSettings
 from fallbackgate.cli import main
 from fallbackgate.commands.calibrate import fit, weighted_quantile
@@ -17,6 +16,7 @@ from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.policy.schema import SLO, Policy, QualityBudget, RequestClass
+from fallbackgate.recording import record_and_judge
 from tests.test_controllers_engine import SLOW
 from tests.test_engine_exact import sizes
 
@@ -46,7 +46,11 @@ def test_calibrate_from_a_real_run(checkpoint_factory, tmp_path: pathlib.Path, c
     policy = Policy(classes={"be": RequestClass(slo=SLO(tpot_ms=0.05), budget=budget)}, default_class="be")
     engine = Engine(
         EngineConfig(
-            str(path), block_size=4, max_num_seqs=3, device_budget_bytes=4 * expert + 10 * layers * block, profile=SLOW
+            model_dir=str(path),
+            block_size=4,
+            max_num_seqs=3,
+            device_budget_bytes=4 * expert + 10 * layers * block,
+            profile=SLOW,
         ),
         make_controller("joint", policy, top_k=top_k),
     )
@@ -54,7 +58,7 @@ def test_calibrate_from_a_real_run(checkpoint_factory, tmp_path: pathlib.Path, c
 
     specs = [PromptSpec(f"the quick brown fox {i}", f"p{i}", "be") for i in range(3)]
     url = f"sqlite:///{tmp_path / 'ledger.sqlite'}"
-    recorded = record_and_judge(engine, specs, url, settings=RunSettings(str(path), max_new_tokens=6))
+    recorded = record_and_judge(engine, specs, url, settings=RunSettings(model_dir=str(path), max_new_tokens=6))
     assert recorded.num_audited == 3
     assert main(["calibrate", "--ledger", url]) == 0
     assert "expert_defer" in capsys.readouterr().out

@@ -129,7 +129,7 @@ def test_synth_writes_shards_an_index_and_a_manifest_that_transformers_and_the_e
     index = json.loads((out / INDEX_FILE).read_text())["weight_map"]
     assert len(set(index.values())) > 3 and written == total_bytes(config, torch.bfloat16)
     assert "model.layers.1.mlp.experts.7.w2.weight" in index
-    engine = Engine(EngineConfig(str(out)), ExactLRUController())  # manifest checked on every read
+    engine = Engine(EngineConfig(model_dir=str(out)), ExactLRUController())  # manifest checked on every read
     assert engine.dtype == torch.bfloat16 and len(engine.expert_store.entries) == 16
     from transformers import AutoModelForCausalLM
 

@@ -24,10 +24,16 @@ NEW_TOKENS = 6
 
 def _serve(path, controller, budget_bytes: int, classes: list[str], observe: bool = False, seed: int = 0):
     engine = Engine(
-        EngineConfig(str(path), block_size=4, max_num_seqs=3, device_budget_bytes=budget_bytes, profile=SLOW),
+        EngineConfig(
+            model_dir=str(path),
+            block_size=4,
+            max_num_seqs=3,
+            device_budget_bytes=budget_bytes,
+            profile=SLOW,
+            is_observe=observe,
+        ),
         controller,
     )
-    engine.is_observe = observe
     rng = random.Random(seed)
     for i, cls in enumerate(classes):
         prompt = [rng.randrange(3, 300) for _ in range(rng.choice([5, 19]))]

@@ -45,7 +45,7 @@ def reference(path: pathlib.Path, prompts: list[list[int]]) -> tuple[list[list[i
 
 def sizes(path: pathlib.Path) -> tuple[int, int, int, int]:
     """(bytes per expert, bytes per KV block of 4 tokens, num layers, top_k) of a checkpoint."""
-    config = EngineConfig(str(path), block_size=4, host_budget_bytes=0, is_stacked_when_fits=False)
+    config = EngineConfig(model_dir=str(path), block_size=4, host_budget_bytes=0, is_stacked_when_fits=False)
     engine = Engine(config, ExactLRUController())  # sizes only: it reads no expert
     return (
         engine.expert_store.bytes_per_expert,
@@ -80,7 +80,7 @@ def test_exact_only_matches_transformers(arch: str, checkpoint_factory) -> None:
     prompts = _prompts(1)
     ref_tokens, ref_logits = reference(path, prompts)
     for name, knobs in budgets(path).items():
-        config = EngineConfig(str(path), block_size=4, max_num_seqs=3, **knobs)
+        config = EngineConfig(model_dir=str(path), block_size=4, max_num_seqs=3, **knobs)
         engine = Engine(config, ExactLRUController())
         outputs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))
         tags: dict[str, int] = {}
@@ -101,11 +101,11 @@ def test_bundled_checkpoint_exact_only_matches_transformers() -> None:
         pytest.skip("checkpoint not built")
     prompts = _prompts(7)
     ref_tokens, ref_logits = reference(CHECKPOINT_DIR, prompts)
-    probe = Engine(EngineConfig(str(CHECKPOINT_DIR), block_size=4), ExactLRUController())
+    probe = Engine(EngineConfig(model_dir=str(CHECKPOINT_DIR), block_size=4), ExactLRUController())
     store, kv = probe.expert_store, probe.kv_store
     budget = int(0.4 * len(store.entries)) * store.bytes_per_expert + 20 * kv.num_layers * kv.bytes_per_block
     engine = Engine(
-        EngineConfig(str(CHECKPOINT_DIR), block_size=4, max_num_seqs=4, device_budget_bytes=budget),
+        EngineConfig(model_dir=str(CHECKPOINT_DIR), block_size=4, max_num_seqs=4, device_budget_bytes=budget),
         ExactLRUController(),
     )
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))

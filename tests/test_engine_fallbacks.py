@@ -12,7 +12,7 @@ from tests.test_engine_exact import NEW_TOKENS, _prompts, reference, sizes
 
 
 def _run(path, force=(), **knobs):
-    engine = Engine(EngineConfig(str(path), block_size=4, max_num_seqs=3, **knobs), ExactLRUController(force))
+    engine = Engine(EngineConfig(model_dir=str(path), block_size=4, max_num_seqs=3, **knobs), ExactLRUController(force))
     outputs = engine.generate(_prompts(1), SamplingParams(max_new_tokens=NEW_TOKENS))
     return engine, outputs
 
@@ -61,7 +61,7 @@ def test_int4_kv_moves_logits_more_than_int8(checkpoint_factory) -> None:
     diffs = {}
     for bits in (8, 4):
         engine = Engine(
-            EngineConfig(str(path), block_size=4, max_num_seqs=3),
+            EngineConfig(model_dir=str(path), block_size=4, max_num_seqs=3),
             ExactLRUController(["kv_dequant"], kv_quant_bits=bits),
         )
         outputs = engine.generate(_prompts(1), SamplingParams(max_new_tokens=NEW_TOKENS))
@@ -76,8 +76,8 @@ def test_budget_below_minimum_is_refused_with_the_minimum(checkpoint_factory) ->
     from fallbackgate.engine.errors import BudgetError
 
     with pytest.raises(BudgetError, match=f"minimum is {minimum / 2**20:.3f} MiB"):
-        Engine(EngineConfig(str(path), block_size=4, device_budget_bytes=minimum - 1), ExactLRUController())
-    Engine(EngineConfig(str(path), block_size=4, device_budget_bytes=minimum), ExactLRUController())
+        Engine(EngineConfig(model_dir=str(path), block_size=4, device_budget_bytes=minimum - 1), ExactLRUController())
+    Engine(EngineConfig(model_dir=str(path), block_size=4, device_budget_bytes=minimum), ExactLRUController())
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
@@ -85,7 +85,9 @@ def test_preemption_resumes_exactly(mode: str, checkpoint_factory) -> None:
     path = checkpoint_factory("mixtral")
     prompts = _prompts(1)
     ref_tokens, _ = reference(path, prompts)
-    engine = Engine(EngineConfig(str(path), block_size=4, max_num_seqs=4, preempt_mode=mode), ExactLRUController())
+    engine = Engine(
+        EngineConfig(model_dir=str(path), block_size=4, max_num_seqs=4, preempt_mode=mode), ExactLRUController()
+    )
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts]
     victim = engine.sequences[ids[1]]
     for _ in range(2):  # twice: a block restored once must not come back stale the second time
@@ -107,7 +109,7 @@ def test_seeded_sampling_is_reproducible(checkpoint_factory) -> None:
     path = checkpoint_factory("olmoe")
     runs = []
     for seed in (7, 7, 8):
-        engine = Engine(EngineConfig(str(path), block_size=4), ExactLRUController())
+        engine = Engine(EngineConfig(model_dir=str(path), block_size=4), ExactLRUController())
         outs = engine.generate(_prompts(2), SamplingParams(max_new_tokens=10, temperature=1.0, seed=seed))
         runs.append([o.output_token_ids for o in outs])
     assert runs[0] == runs[1]
@@ -118,7 +120,7 @@ def test_device_accounting_is_byte_accurate(checkpoint_factory) -> None:
     path = checkpoint_factory("qwen3_moe")
     expert, block, layers, top_k = sizes(path)
     engine = Engine(
-        EngineConfig(str(path), block_size=4, device_budget_bytes=6 * expert + 20 * layers * block),
+        EngineConfig(model_dir=str(path), block_size=4, device_budget_bytes=6 * expert + 20 * layers * block),
         ExactLRUController(),
     )
     engine.add_request(_prompts(1)[1], SamplingParams(max_new_tokens=4))
@@ -136,10 +138,15 @@ def test_observe_mode_records_the_choice_but_serves_exactly(force: str, checkpoi
     path = checkpoint_factory("qwen3_moe")
     expert, block, layers, top_k = sizes(path)
     engine = Engine(
-        EngineConfig(str(path), block_size=4, max_num_seqs=3, device_budget_bytes=4 * expert + 12 * layers * block),
+        EngineConfig(
+            model_dir=str(path),
+            block_size=4,
+            max_num_seqs=3,
+            device_budget_bytes=4 * expert + 12 * layers * block,
+            is_observe=True,
+        ),
         ExactLRUController(force.split("+")),
     )
-    engine.is_observe = True
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in _prompts(1)]
     notes: list[str] = []
     while engine.has_unfinished():

@@ -36,7 +36,7 @@ def test_spill_detects_a_corrupted_page(tmp_path: pathlib.Path) -> None:
 
 def _disk_engine(path: pathlib.Path, sized_like: pathlib.Path | None = None) -> Engine:
     expert, block, layers, _ = sizes(sized_like or path)
-    config = EngineConfig(str(path), block_size=4, device_budget_bytes=4 * expert + 20 * layers * block)
+    config = EngineConfig(model_dir=str(path), block_size=4, device_budget_bytes=4 * expert + 20 * layers * block)
     config.host_budget_bytes = 0  # every expert is read from the checkpoint on use
     return Engine(config, ExactLRUController())
 
@@ -86,7 +86,7 @@ def test_kv_blocks_round_trip_through_disk(checkpoint_factory) -> None:
     path = checkpoint_factory("olmoe")
     prompts = _prompts(1)
     ref_tokens, _ = reference(path, prompts)
-    engine = Engine(EngineConfig(str(path), block_size=4, host_budget_bytes=0), ExactLRUController())
+    engine = Engine(EngineConfig(model_dir=str(path), block_size=4, host_budget_bytes=0), ExactLRUController())
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts]
     disk_reads = 0
     for step in range(10_000):
@@ -109,26 +109,26 @@ def _copy(src: pathlib.Path, dst: pathlib.Path) -> pathlib.Path:
 
 def test_loader_errors_say_what_was_found(tmp_path: pathlib.Path, checkpoint_factory) -> None:
     with pytest.raises(CheckpointError, match="does not exist"):
-        Engine(EngineConfig(str(tmp_path / "nope")), ExactLRUController())
+        Engine(EngineConfig(model_dir=str(tmp_path / "nope")), ExactLRUController())
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "notes.txt").write_text("x")
     with pytest.raises(CheckpointError, match=r"no config.json \(found: \['notes.txt'\]\)"):
-        Engine(EngineConfig(str(tmp_path / "empty")), ExactLRUController())
+        Engine(EngineConfig(model_dir=str(tmp_path / "empty")), ExactLRUController())
     dense = make_checkpoint("llama", tmp_path / "dense")
     with pytest.raises(CheckpointError, match="'llama' is not a supported MoE architecture.*qwen3_moe"):
-        Engine(EngineConfig(str(dense)), ExactLRUController())
+        Engine(EngineConfig(model_dir=str(dense)), ExactLRUController())
     broken = _copy(checkpoint_factory("qwen3_moe"), tmp_path / "broken")
     (broken / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
-        Engine(EngineConfig(str(broken)), ExactLRUController())
+        Engine(EngineConfig(model_dir=str(broken)), ExactLRUController())
     bad_json = _copy(checkpoint_factory("qwen3_moe"), tmp_path / "badjson")
     (bad_json / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
-        Engine(EngineConfig(str(bad_json)), ExactLRUController())
+        Engine(EngineConfig(model_dir=str(bad_json)), ExactLRUController())
     dense_moe_type = _copy(checkpoint_factory("qwen3_moe"), tmp_path / "truncated")
     (dense_moe_type / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(CheckpointError, match="model.safetensors: not a readable safetensors file"):
-        Engine(EngineConfig(str(dense_moe_type)), ExactLRUController())
+        Engine(EngineConfig(model_dir=str(dense_moe_type)), ExactLRUController())
     assert json.loads((checkpoint_factory("qwen3_moe") / "config.json").read_text())["model_type"] == "qwen3_moe"
 
 

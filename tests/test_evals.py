@@ -32,7 +32,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
 
 
 def test_scoring_batches_through_engine_and_matches_exact_pass(ckpt: pathlib.Path) -> None:
-    engine = Engine(EngineConfig(str(ckpt), max_num_batched_tokens=64, max_num_seqs=4), ExactLRUController())
+    engine = Engine(EngineConfig(model_dir=str(ckpt), max_num_batched_tokens=64, max_num_seqs=4), ExactLRUController())
     torch.manual_seed(0)
     items = [
         (torch.randint(3, 300, (n,)).tolist(), torch.randint(3, 300, (k,)).tolist())

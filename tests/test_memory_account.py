@@ -65,7 +65,9 @@ def _instrument(engine: Engine, seen: dict[str, int]) -> None:
 
 
 def _run(path, force: tuple[str, ...], mode: str, budget: int, seen: dict[str, int]) -> tuple[Engine, dict[str, int]]:
-    config = EngineConfig(str(path), block_size=4, max_num_seqs=3, device_budget_bytes=budget, preempt_mode=mode)
+    config = EngineConfig(
+        model_dir=str(path), block_size=4, max_num_seqs=3, device_budget_bytes=budget, preempt_mode=mode
+    )
     engine = Engine(config, ExactLRUController(list(force)))
     _instrument(engine, seen)
     ids = [engine.add_request(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in _prompts(1)]
@@ -115,7 +117,7 @@ def test_a_request_that_cannot_fit_alone_is_refused_before_it_runs(checkpoint_fa
     from fallbackgate.engine.errors import BudgetError
 
     minimum = top_k * expert + layers * block  # the engine's minimum: a one-block request
-    engine = Engine(EngineConfig(str(path), block_size=4, device_budget_bytes=minimum), ExactLRUController())
+    engine = Engine(EngineConfig(model_dir=str(path), block_size=4, device_budget_bytes=minimum), ExactLRUController())
     engine.add_request([1, 2], SamplingParams(max_new_tokens=2))  # one block per layer: fits
     with pytest.raises(BudgetError, match=r"request long: 20 tokens need \d+ B of KV blocks"):
         engine.add_request([1] * 16, SamplingParams(max_new_tokens=4), request_id="long")
@@ -123,17 +125,19 @@ def test_a_request_that_cannot_fit_alone_is_refused_before_it_runs(checkpoint_fa
 
 
 def test_the_ledger_keeps_the_run_memory_account(checkpoint_factory, tmp_path) -> None:
-    from fallbackgate.batch.recording import record_and_judge
     from fallbackgate.batch.session import RunSettings
     from fallbackgate.ledger import queries
     from fallbackgate.ledger.db import open_ledger
+    from fallbackgate.recording import record_and_judge
 
     path = checkpoint_factory("qwen3_moe")
     expert, block, layers, top_k = sizes(path)
     budget = 4 * expert + 12 * layers * block
-    engine = Engine(EngineConfig(str(path), block_size=4, device_budget_bytes=budget), ExactLRUController())
+    engine = Engine(EngineConfig(model_dir=str(path), block_size=4, device_budget_bytes=budget), ExactLRUController())
     ledger_path = str(tmp_path / "ledger.sqlite")
-    recorded = record_and_judge(engine, ["once upon a time"], ledger_path, settings=RunSettings(str(path), 4))
+    recorded = record_and_judge(
+        engine, ["once upon a time"], ledger_path, settings=RunSettings(model_dir=str(path), max_new_tokens=4)
+    )
     with open_ledger(ledger_path, read_only=True) as ledger:
         memory = queries.get_run(ledger, recorded.run_id)["memory"]
     assert memory["device_budget_bytes"] == budget >= memory["peak_device_pool_bytes"] > 0

@@ -8,11 +8,11 @@ import pathlib
 import pytest
 import torch
 
-from fallbackgate.batch.recording import RecordedRun, record_and_judge
 from fallbackgate.batch.session import RunSettings
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
+from fallbackgate.recording import RecordedRun, record_and_judge
 from tests.checkpoints import make_checkpoint
 from tests.test_engine_exact import one_request_budget, sizes
 
@@ -43,13 +43,13 @@ def _exact_only_run(seed: int, root: pathlib.Path, force: tuple[str, ...] = ()) 
     ][seed % 3]
     if force:  # room for a dequantized low-bit copy and a staged block beside the tight budget
         knobs["device_budget_bytes"] += 2 * expert + layers * block
-    config = EngineConfig(str(path), block_size=4, max_num_seqs=3, seed=seed, **knobs)
+    config = EngineConfig(model_dir=str(path), block_size=4, max_num_seqs=3, seed=seed, **knobs)
     engine = Engine(config, ExactLRUController(force))
     prompts = [
         " ".join(WORDS[i] for i in torch.randint(len(WORDS), (int(n),), generator=gen).tolist())
         for n in torch.randint(1, 9, (3,), generator=gen)
     ]
-    settings = RunSettings(str(path), max_new_tokens=6, seed=seed)
+    settings = RunSettings(model_dir=str(path), max_new_tokens=6, seed=seed)
     return record_and_judge(engine, prompts, str(root / f"ledger-{seed}.sqlite"), settings=settings)
 
 

@@ -70,18 +70,18 @@ def test_plan_command(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 
 
 def test_routing_exponent_from_recorded_runs(tmp_path: pathlib.Path) -> None:
-    from fallbackgate.batch.recording import record_and_judge
     from fallbackgate.controllers.exact_lru import ExactLRUController
     from fallbackgate.engine.config import EngineConfig
     from fallbackgate.engine.engine import Engine
     from fallbackgate.ledger.db import open_ledger
     from fallbackgate.planning.history import routing_exponent, step_start_hit
+    from fallbackgate.recording import record_and_judge
 
     assert step_start_hit(1.0, 10, 20) == 1.0 and step_start_hit(0.5, 10, 20) == 0.0  # every use a miss
     path = make_checkpoint("qwen3_moe", tmp_path / "m", seed=0)
     expert, block, layers, _ = sizes(path)
     engine = Engine(
-        EngineConfig(str(path), block_size=4, device_budget_bytes=6 * expert + 40 * layers * block),
+        EngineConfig(model_dir=str(path), block_size=4, device_budget_bytes=6 * expert + 40 * layers * block),
         ExactLRUController(),
     )
     url = str(tmp_path / "l.sqlite")

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from fallbackgate.audit.gate import EQUIVALENT_TOLERANCE, RequestVerdict, RunVerdict
-from fallbackgate.batch.recording import RecordedRun, record_and_judge
 from fallbackgate.batch.session import RunSettings
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
@@ -28,6 +27,7 @@ from fallbackgate.engine.model.runner import ModelRunner
 from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger import queries
 from fallbackgate.ledger.db import open_ledger
+from fallbackgate.recording import RecordedRun, record_and_judge
 from tests.checkpoints import make_checkpoint
 from tests.test_engine_exact import sizes
 
@@ -40,12 +40,12 @@ KV_BUDGET = {"max_mean_kl": 1e-3}  # int8 KV measures ~1e-6 mean KL here; the fa
 def _engine(path: pathlib.Path, force: tuple[str, ...] = (), experts: int = 4, **knobs: Any) -> Engine:
     expert, block, layers, _ = sizes(path)
     budget = knobs.pop("device_budget_bytes", experts * expert + 12 * layers * block)
-    config = EngineConfig(str(path), block_size=4, max_num_seqs=2, device_budget_bytes=budget, **knobs)
+    config = EngineConfig(model_dir=str(path), block_size=4, max_num_seqs=2, device_budget_bytes=budget, **knobs)
     return Engine(config, ExactLRUController(force))
 
 
 def _judge(engine: Engine, tmp_path: pathlib.Path, budgets: dict | None = None, prompts=PROMPTS) -> RecordedRun:
-    settings = RunSettings(engine.config.model_dir, max_new_tokens=NEW_TOKENS, seed=engine.config.seed)
+    settings = RunSettings(model_dir=engine.config.model_dir, max_new_tokens=NEW_TOKENS, seed=engine.config.seed)
     return record_and_judge(engine, prompts, str(tmp_path / "ledger.sqlite"), settings=settings, budgets=budgets)
 
 

@@ -59,7 +59,7 @@ def eager_reference(path: pathlib.Path, experts: str = "eager") -> list[tuple[li
 
 def serve(path: pathlib.Path, **knobs: int) -> Engine:
     """One request at a time (the batch shapes of generate()), exact-only."""
-    return Engine(EngineConfig(str(path), block_size=4, max_num_seqs=1, **knobs), ExactLRUController())
+    return Engine(EngineConfig(model_dir=str(path), block_size=4, max_num_seqs=1, **knobs), ExactLRUController())
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -150,7 +150,7 @@ def test_lowbit_copies_are_made_on_demand_within_the_host_budget(bf16_checkpoint
     scratch = probe.expert_store.lowbit_scratch_bytes  # a dequantized low-bit copy is counted on device too
     budget = 2 * expert + scratch + 12 * probe.kv_store.num_layers * probe.kv_store.bytes_per_block
     engine = Engine(
-        EngineConfig(str(path), block_size=4, device_budget_bytes=budget, host_budget_bytes=0),
+        EngineConfig(model_dir=str(path), block_size=4, device_budget_bytes=budget, host_budget_bytes=0),
         ExactLRUController(force=[Tag.EXPERT_LOWBIT]),
     )
     assert not any(e.lowbit for e in engine.expert_store.entries.values())
@@ -158,7 +158,7 @@ def test_lowbit_copies_are_made_on_demand_within_the_host_budget(bf16_checkpoint
     assert outputs[0].tag_counts.get("expert_lowbit", 0) > 0
     assert not any(e.lowbit for e in engine.expert_store.entries.values())  # no host budget: made, used, dropped
     roomy = Engine(
-        EngineConfig(str(path), block_size=4, device_budget_bytes=budget, host_budget_bytes=6 * expert),
+        EngineConfig(model_dir=str(path), block_size=4, device_budget_bytes=budget, host_budget_bytes=6 * expert),
         ExactLRUController(force=[Tag.EXPERT_LOWBIT]),
     )
     roomy.generate([list(PROMPTS[0])], SamplingParams(max_new_tokens=NEW_TOKENS))

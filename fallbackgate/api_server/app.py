@@ -31,7 +31,7 @@ from fallbackgate.api_server.protocol import (
     error_body,
     new_id,
 )
-from fallbackgate.api_server.service import EngineService, Submission, Unavailable
+from fallbackgate.api_server.service import Done, EngineService, Failed, Submission, Unavailable
 from fallbackgate.engine.sequence import SamplingParams
 
 CLASS_HEADER = "X-Fallbackgate-Class"
@@ -79,9 +79,10 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if service.writer is not None and info.run_id is not None:  # audits the background workers finished
+        if service.recorder is not None and info.run_id is not None:  # audits the background workers finished
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, service.metrics.poll_audits, service.writer.ledger, info.run_id)
+            ledger = service.recorder.writer.ledger
+            await loop.run_in_executor(None, service.metrics.poll_audits, ledger, info.run_id)
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions", response_model=None)
@@ -122,14 +123,16 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
             return StreamingResponse(_stream(sub, body.model, is_chat), media_type="text/event-stream")
         while True:
             item = await queue.get()
-            if item[0] == "error":
-                raise ApiError(400 if "interrupted" not in item[1] else 503, item[1])
-            if item[0] == "done":
-                output, finish = item[1], item[2]
+            if isinstance(item, Failed):
+                raise ApiError(400 if "interrupted" not in item.message else 503, item.message)
+            if isinstance(item, Done):
+                output = item.output
                 content = tokenizer.decode(output.output_token_ids, skip_special_tokens=True)
                 extra = _extra(output, info.run_id)
                 num = (len(output.prompt_token_ids), len(output.output_token_ids))
-                return JSONResponse(completion_body(rid, body.model, content, finish, extra, *num, is_chat))
+                return JSONResponse(
+                    completion_body(rid, body.model, content, item.finish_reason, extra, *num, is_chat)
+                )
 
     def _class_of(body: Any, request: Request) -> str:
         named = body.fallbackgate.request_class if body.fallbackgate is not None else None
@@ -149,16 +152,17 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
         sent = ""
         while True:
             item = await sub.queue.get()
-            if item[0] == "error":
-                yield f"data: {json.dumps(error_body(item[1]))}\n\n"
+            if isinstance(item, Failed):
+                yield f"data: {json.dumps(error_body(item.message))}\n\n"
                 break
-            ids = list(item[1].output_token_ids) if item[0] == "done" else [*ids, item[1]]
+            ids = list(item.output.output_token_ids) if isinstance(item, Done) else [*ids, item.token_id]
             text = tokenizer.decode(ids, skip_special_tokens=True)
             delta, sent = (text[len(sent) :], text) if text.startswith(sent) else ("", sent)
-            if item[0] == "done":
+            if isinstance(item, Done):
                 if delta:
                     yield f"data: {json.dumps(chunk_body(sub.request_id, model, delta, None, is_chat))}\n\n"
-                final = chunk_body(sub.request_id, model, "", item[2], is_chat, _extra(item[1], info.run_id))
+                extra = _extra(item.output, info.run_id)
+                final = chunk_body(sub.request_id, model, "", item.finish_reason, is_chat, extra)
                 yield f"data: {json.dumps(final)}\n\n"
                 break
             if delta:

@@ -15,7 +15,7 @@ import dataclasses
 import random
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from fallbackgate.api_server.metrics import ServerMetrics
@@ -23,11 +23,36 @@ from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import EngineError
 from fallbackgate.engine.messages import RequestOutput
 from fallbackgate.engine.sequence import SamplingParams
-from fallbackgate.ledger.writer import LedgerWriter
+from fallbackgate.recording import RunRecorder
 
 
 class Unavailable(RuntimeError):
     """The server is draining or its engine loop has stopped."""
+
+
+@dataclasses.dataclass(slots=True)
+class Token:
+    """A token sampled for the request (not its last)."""
+
+    token_id: int  # the sampled token
+
+
+@dataclasses.dataclass(slots=True)
+class Done:
+    """The request finished."""
+
+    output: RequestOutput  # everything the engine produced for it
+    finish_reason: str  # "stop" (a stop token) or "length"
+
+
+@dataclasses.dataclass(slots=True)
+class Failed:
+    """The request ended without finishing."""
+
+    message: str  # why: refused, interrupted by shutdown, or the engine failed
+
+
+Reply = Token | Done | Failed
 
 
 @dataclasses.dataclass(slots=True)
@@ -40,7 +65,7 @@ class Submission:
     request_class: str  # a class of the policy
     prompt: str  # the text as received (recorded)
     loop: asyncio.AbstractEventLoop  # the handler's event loop
-    queue: asyncio.Queue  # ("token", id) | ("done", RequestOutput, finish reason) | ("error", message)
+    queue: asyncio.Queue[Reply]  # what the engine loop hands back, in order
 
 
 class EngineService:
@@ -49,15 +74,16 @@ class EngineService:
     def __init__(
         self,
         engine: Engine,
-        writer: LedgerWriter | None,
+        recorder: RunRecorder | None,
         metrics: ServerMetrics,
         *,
-        classes: Mapping[str, Mapping[str, Any]],
+        classes: Collection[str],
+        slos: Mapping[str, Mapping[str, Any]],
         audit_rate: float,
         seed: int = 0,
     ) -> None:
-        self.engine, self.writer, self.metrics = engine, writer, metrics
-        self.classes = classes  # class -> {"slo": ..., "budget": ...}
+        self.engine, self.recorder, self.metrics = engine, recorder, metrics
+        self.classes, self.slos = frozenset(classes), slos  # the class names requests may name; class -> SLO
         self.audit_rate, self.rng = audit_rate, random.Random(seed)
         self._inbox: list[Submission] = []
         self._lock = threading.Lock()
@@ -65,7 +91,6 @@ class EngineService:
         self._pending: dict[str, Submission] = {}
         self._is_draining = False
         self._deadline: float | None = None
-        self.num_audits_queued = 0
         self.num_interrupted = 0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="fallbackgate-engine", daemon=True)
@@ -118,7 +143,7 @@ class EngineService:
         except BaseException as exc:  # noqa: BLE001 - every waiting handler gets the error; the run is failed
             self.error = exc
             for sub in list(self._pending.values()):
-                self._push(sub, ("error", f"engine failed: {exc}"))
+                self._push(sub, Failed(f"engine failed: {exc}"))
             self._pending.clear()
 
     def _admit(self) -> None:
@@ -128,7 +153,7 @@ class EngineService:
             try:
                 self.engine.add_request(sub.token_ids, sub.params, sub.request_id, sub.request_class)
             except (EngineError, ValueError) as exc:
-                self._push(sub, ("error", str(exc)))
+                self._push(sub, Failed(str(exc)))
                 continue
             self._pending[sub.request_id] = sub
             self.metrics.in_flight.inc()
@@ -136,37 +161,35 @@ class EngineService:
     def _step(self) -> None:
         result = self.engine.step()
         plan = self.engine.last_plan
-        if self.writer is not None and plan is not None:
-            self.writer.record_step(plan, result)
+        if self.recorder is not None and plan is not None:
+            self.recorder.on_step(plan, result)
         classes = {rid: sub.request_class for rid, sub in self._pending.items()}
         self.metrics.on_step(result, self.engine, classes)
         for rid, token in result.sampled_token_ids.items():
             if rid in self._pending and rid not in result.finished_ids:
-                self._push(self._pending[rid], ("token", token))
+                self._push(self._pending[rid], Token(token))
         for rid in result.finished_ids:
             output = self.engine.finished.pop(rid)
             sub = self._pending.pop(rid)
             self._finish(sub, output)
 
     def _finish(self, sub: Submission, output: RequestOutput) -> None:
-        cls = self.classes.get(sub.request_class, {})
-        if self.writer is not None:
-            self.writer.record_request(output, prompt=sub.prompt, slo=cls.get("slo"), budget=cls.get("budget"))
+        if self.recorder is not None:
+            self.recorder.on_request(output, prompt=sub.prompt)
             if self.rng.random() < self.audit_rate:
-                self.writer.queue_audits([output], with_run_task=False)
-                self.num_audits_queued += 1
+                self.recorder.defer_audits([output])
         self.metrics.in_flight.dec()
-        self.metrics.on_finish(output, cls.get("slo"), "ok")
+        self.metrics.on_finish(output, self.slos.get(sub.request_class), "ok")
         is_stop = bool(output.output_token_ids) and output.output_token_ids[-1] in sub.params.stop_token_ids
-        self._push(sub, ("done", output, "stop" if is_stop else "length"))
+        self._push(sub, Done(output, "stop" if is_stop else "length"))
 
     def _interrupt_all(self) -> None:
         for sub in list(self._pending.values()):
-            self._push(sub, ("error", "interrupted: the server shut down before this request finished"))
+            self._push(sub, Failed("interrupted: the server shut down before this request finished"))
             self.num_interrupted += 1
             self.metrics.requests.labels(sub.request_class, "interrupted").inc()
         self._pending.clear()
 
     @staticmethod
-    def _push(sub: Submission, item: tuple[Any, ...]) -> None:
+    def _push(sub: Submission, item: Reply) -> None:
         sub.loop.call_soon_threadsafe(sub.queue.put_nowait, item)

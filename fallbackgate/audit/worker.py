@@ -128,7 +128,7 @@ class AuditWorker:
         key = (str(run["model_path"]), memory.get("dtype"), int(memory.get("block_size", 16)))
         if key not in self.engines:
             config = EngineConfig(
-                key[0],
+                model_dir=key[0],
                 dtype=key[1],
                 block_size=key[2],
                 host_budget_bytes=0,

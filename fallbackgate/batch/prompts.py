@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+from collections.abc import Collection
 
 BUILTIN_PROMPTS: tuple[str, ...] = (
     "Once upon a time there was a little girl who lived in a cottage at the edge of a great forest.",
@@ -93,3 +94,18 @@ def _parse_line(path: pathlib.Path, number: int, line: str, seen: set[str]) -> P
     if max_new is not None and (not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1):
         raise PromptsFileError(f"{where}: field 'max_new_tokens' must be a positive integer, got {max_new!r}")
     return PromptSpec(prompt, request_id, request_class, max_new)
+
+
+def check_classes(specs: list[PromptSpec], classes: Collection[str], default: str) -> list[PromptSpec]:
+    """Requests name their class in the prompts file; "default" maps to the policy's `default` class and every
+    class must be one of `classes`."""
+    out = []
+    for spec in specs:
+        name = default if spec.request_class == "default" else spec.request_class
+        if name not in classes:
+            raise PromptsFileError(
+                f"request {spec.request_id!r}: class {spec.request_class!r} is not in the policy "
+                f"(classes: {sorted(classes)})"
+            )
+        out.append(dataclasses.replace(spec, request_class=name))
+    return out

@@ -1,4 +1,4 @@
-"""Build an engine from user settings and run a batch of prompts through it, with a progress bar."""
+"""Run a batch of prompts through an engine, with a progress bar; the settings a run is assembled from."""
 
 from __future__ import annotations
 
@@ -11,18 +11,14 @@ import torch
 from tqdm.auto import tqdm
 
 from fallbackgate.batch.prompts import PromptSpec
-from fallbackgate.engine.config import MIB, EngineConfig
-from fallbackgate.engine.controller import Controller
 from fallbackgate.engine.engine import Engine
-from fallbackgate.engine.errors import CheckpointError
 from fallbackgate.engine.experts.quant import quantize
 from fallbackgate.engine.kv.codec import quantize_kv
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.engine.sequence import SamplingParams
-from fallbackgate.profiling.store import resolve_profile
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(kw_only=True, slots=True)
 class RunSettings:
     """What a user chose on the command line or in a policy file."""
 
@@ -43,29 +39,6 @@ class RunSettings:
     num_io_threads: int | None = None  # threads reading experts ahead of use (None: the engine's default)
     audit_cache_mb: float = 256.0  # the audit's own verified expert copies, outside the budgets
 
-    def engine_config(self) -> EngineConfig:
-        """The engine configuration these settings describe."""
-
-        def to_bytes(mb: float | None) -> int | None:
-            return None if mb is None else int(mb * MIB)
-
-        return EngineConfig(
-            self.model_dir,
-            device_budget_bytes=to_bytes(self.device_budget_mb),
-            host_budget_bytes=to_bytes(self.host_budget_mb),
-            spill_dir=self.spill_dir,
-            block_size=self.block_size,
-            max_num_seqs=self.max_num_seqs,
-            profile=resolve_profile(self.profile),
-            preempt_mode=self.preempt_mode,
-            seed=self.seed,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            dtype=self.dtype,
-            is_stacked_when_fits=self.is_stacked_when_fits,
-            num_io_threads=self.num_io_threads,
-            audit_cache_bytes=int(self.audit_cache_mb * MIB),
-        )
-
 
 @dataclasses.dataclass(slots=True)
 class RunOutcome:
@@ -81,14 +54,6 @@ class RunOutcome:
 
 
 StepHook = Callable[[StepPlan, StepResult], None]
-
-
-def build_engine(settings: RunSettings, controller: Controller) -> Engine:
-    """Load the model and build the engine; a model without a tokenizer is refused for text prompts."""
-    engine = Engine(settings.engine_config(), controller)
-    if engine.tokenizer is None:
-        raise CheckpointError(f"{settings.model_dir}: no tokenizer files next to the weights; text prompts need one")
-    return engine
 
 
 def run_prompts(

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, TextIO
 
 from fallbackgate.audit.gate import RunVerdict
 from fallbackgate.audit.table import print_table
 from fallbackgate.batch.report import slo_attainment
 from fallbackgate.batch.session import RunOutcome
+from fallbackgate.engine.controller import Controller
 
 
 def print_slo_misses(outcome: RunOutcome, slos: dict[str, dict[str, Any]] | None, out: TextIO) -> None:
@@ -48,3 +50,17 @@ def print_summary(
         f"fallbackgate dashboard --ledger {ledger_url}",
         file=out,
     )
+
+
+def print_slips(controller: Controller, out: TextIO) -> None:
+    """One line summarising the SLO slips a controller recorded (nothing when there were none)."""
+    slips = getattr(controller, "slips", [])
+    if slips:
+        reasons = Counter(s.reason for s in slips)
+        print(
+            f"\nSLO slips (deadline missed to keep a quality budget or class): {len(slips)} {dict(reasons)}", file=out
+        )
+    arbitrations = getattr(controller, "arbitrations", [])
+    if arbitrations:
+        choices = Counter(a.choice.value for a in arbitrations)
+        print(f"late exact KV copies arbitrated against expert loads: {len(arbitrations)} {dict(choices)}", file=out)

@@ -22,12 +22,11 @@ from typing import Any
 
 import torch
 
+from fallbackgate.assembly import Assembly, Overrides, assemble, no_policy
 from fallbackgate.audit.run_audit import audit_outputs
 from fallbackgate.batch.prompts import BUILTIN_PROMPTS, PromptSpec
-from fallbackgate.batch.recording import start_run
-from fallbackgate.batch.session import RunSettings, build_engine, run_prompts
-from fallbackgate.controllers.exact_lru import FORCEABLE_TAGS, ExactLRUController
-from fallbackgate.engine.tags import Tag
+from fallbackgate.batch.session import run_prompts
+from fallbackgate.controllers.exact_lru import FORCEABLE_TAGS
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.tinymoe import CHECKPOINT_DIR
@@ -35,13 +34,13 @@ from fallbackgate.tinymoe import CHECKPOINT_DIR
 GOAL = 0.3  # audit seconds per second of the request's own serving time
 
 
-def measure(settings: RunSettings, force: list[str], ledger_url: str) -> dict[str, Any]:
+def measure(built: Assembly, ledger_url: str) -> dict[str, Any]:
     """Serve, record, then audit; wall seconds of each and their ratios."""
-    engine = build_engine(settings, ExactLRUController(force=[Tag(t) for t in force]))
+    engine, settings = built.engine, built.settings
     specs = [PromptSpec(text, f"bench-{i}") for i, text in enumerate(BUILTIN_PROMPTS)]
     with open_ledger(ledger_url) as ledger:
         writer = LedgerWriter(ledger)
-        start_run(writer, engine, note="bench_audit_cost")
+        built.recorder(writer, note="bench_audit_cost")
         outcome = run_prompts(engine, specs, settings, writer.record_step, True)
         for output in outcome.outputs:
             writer.record_request(output)
@@ -80,16 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--audit-cache-mb", type=float, default=256.0, help="the audit's own expert cache")
     p.add_argument("--force", action="append", default=[], choices=sorted(t.value for t in FORCEABLE_TAGS))
     args = p.parse_args(argv)
-    settings = RunSettings(
-        args.model,
-        max_new_tokens=args.max_new_tokens,
-        device_budget_mb=args.device_budget_mb,
-        host_budget_mb=args.host_budget_mb,
-        is_stacked_when_fits=not args.force,
-        audit_cache_mb=args.audit_cache_mb,
+    memory = {"device_budget_mb": args.device_budget_mb, "host_budget_mb": args.host_budget_mb}
+    overrides = Overrides(
+        max_new_tokens=args.max_new_tokens, force=tuple(args.force), audit_cache_mb=args.audit_cache_mb
     )
+    built = assemble(no_policy(args.model, memory=memory), overrides)
     with tempfile.TemporaryDirectory() as scratch:
-        result = measure(settings, args.force, str(pathlib.Path(scratch) / "bench.sqlite"))
+        result = measure(built, str(pathlib.Path(scratch) / "bench.sqlite"))
     result["settings"] = vars(args) | {"threads": torch.get_num_threads()}
     print(
         f"{args.model} force={args.force or 'none'}: served {result['num_requests']} requests in "

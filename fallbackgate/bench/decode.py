@@ -63,7 +63,7 @@ def bench_engine(
 ) -> tuple[float, list[list[int]]]:
     """The engine, exact-only LRU controller, everything in memory, at most `batch` requests decoded together:
     generated tokens per second and the tokens."""
-    engine = Engine(EngineConfig(model_dir, max_num_seqs=batch), ExactLRUController())
+    engine = Engine(EngineConfig(model_dir=model_dir, max_num_seqs=batch), ExactLRUController())
     started = time.perf_counter()
     outputs = [out.output_token_ids for out in engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens))]
     return sum(map(len, outputs)) / (time.perf_counter() - started), outputs

@@ -44,7 +44,7 @@ def _prompts(vocab: int, num: int, length: int, seed: int = 0) -> list[list[int]
 
 
 def _engine(model: str, num_seqs: int, max_len: int, **knobs: Any) -> Engine:
-    config = EngineConfig(model, max_num_seqs=num_seqs, max_model_len=max_len, block_size=16, **knobs)
+    config = EngineConfig(model_dir=model, max_num_seqs=num_seqs, max_model_len=max_len, block_size=16, **knobs)
     return Engine(config, ExactLRUController())
 
 

@@ -71,7 +71,7 @@ def reference(model_dir: str, prompts: list[list[int]], new_tokens: int, device:
 def run_engine(args: argparse.Namespace, prompts: list[list[int]], device: torch.device) -> dict[str, Any]:
     """The engine at a tight budget: `--expert-fraction` of the experts plus every request's KV."""
     probe_config = EngineConfig(
-        args.model, host_budget_bytes=0, device="cpu", block_size=16, is_stacked_when_fits=False
+        model_dir=args.model, host_budget_bytes=0, device="cpu", block_size=16, is_stacked_when_fits=False
     )
     probe = Engine(probe_config, ExactLRUController())  # sizes only: it reads no expert
     num_experts = len(probe.expert_store.entries)
@@ -83,7 +83,7 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]], device: torch
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     config = EngineConfig(
-        args.model, device_budget_bytes=budget, device=device.type, block_size=16, max_num_seqs=len(prompts)
+        model_dir=args.model, device_budget_bytes=budget, device=device.type, block_size=16, max_num_seqs=len(prompts)
     )
     engine = Engine(config, ExactLRUController())
     _synchronize(device)

@@ -30,16 +30,16 @@ from typing import Any
 
 import torch
 
+from fallbackgate.assembly import Overrides, assemble, no_policy
 from fallbackgate.audit.auditor import audit_request, floor_control, in_memory
 from fallbackgate.audit.run_audit import FLOOR_POSITIONS
 from fallbackgate.batch.prompts import BUILTIN_PROMPTS, PromptSpec
-from fallbackgate.batch.recording import start_run
-from fallbackgate.batch.session import RunOutcome, RunSettings, build_engine, run_prompts
-from fallbackgate.controllers.exact_lru import ExactLRUController
+from fallbackgate.batch.session import RunOutcome, RunSettings, run_prompts
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.messages import StepPlan, StepResult
 from fallbackgate.ledger.db import Ledger, open_ledger
 from fallbackgate.ledger.writer import LedgerWriter
+from fallbackgate.recording import RunRecorder, RunRow
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 OVERHEAD_GOAL = 0.03
@@ -92,7 +92,7 @@ def _decode(
 def _replay_s(ledger: Ledger, engine: Engine, steps: list[tuple[StepPlan, StepResult]]) -> float:
     """Seconds to turn `steps` into rows and commit them with nothing else running: the writer's work."""
     writer = LedgerWriter(ledger)
-    start_run(writer, engine, note="bench_ledger_overhead replay")
+    RunRecorder(writer, engine, RunRow(controller="exact_lru", note="bench_ledger_overhead replay"))
     started = time.perf_counter()
     for plan, result in steps:
         writer.record_step(plan, result)
@@ -109,7 +109,7 @@ def _side(engine: Engine, settings: RunSettings, ledger: Ledger | None, tag: str
         wall, cpu, _ = _decode(engine, settings, tag, None)
         return {"wall": wall, "cpu": cpu}
     writer = LedgerWriter(ledger)
-    start_run(writer, engine, note=f"bench_ledger_overhead {tag}")
+    RunRecorder(writer, engine, RunRow(controller="exact_lru", note=f"bench_ledger_overhead {tag}"))
     recorder = _TimedRecorder(writer)
     wall, cpu, outcome = _decode(engine, settings, tag, recorder)
     writer.finish_run(status="complete")
@@ -158,7 +158,7 @@ def measure_audit(engine: Engine, settings: RunSettings, ledger: Ledger, reps: i
     batch's decode loop: the exact baseline and the replay of its ledger trace (run for every request here,
     as for an approximate one), plus the run's floor control."""
     writer = LedgerWriter(ledger)
-    start_run(writer, engine, note="bench_ledger_overhead audit")
+    RunRecorder(writer, engine, RunRow(controller="exact_lru", note="bench_ledger_overhead audit"))
     loop_s, _, outcome = _decode(engine, settings, "audit", writer)
     for output in outcome.outputs:
         writer.record_request(output)
@@ -232,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
         model, kind = _model_dir(args.model, pathlib.Path(scratch))
-        settings = RunSettings(model, max_new_tokens=args.max_new_tokens, device_budget_mb=args.device_budget_mb)
-        engine = build_engine(settings, ExactLRUController())
+        policy = no_policy(model, memory={"device_budget_mb": args.device_budget_mb})
+        built = assemble(policy, Overrides(max_new_tokens=args.max_new_tokens))
+        engine, settings = built.engine, built.settings
         ledger_url = args.ledger or str(pathlib.Path(scratch) / "bench.sqlite")
         result = {
             "model": model,

@@ -22,10 +22,9 @@ import sys
 import tempfile
 from typing import Any
 
+from fallbackgate.assembly import Overrides, assemble, no_policy
 from fallbackgate.batch.prompts import BUILTIN_PROMPTS, PromptSpec
-from fallbackgate.batch.recording import start_run
-from fallbackgate.batch.session import RunSettings, build_engine, memory_summary, run_prompts
-from fallbackgate.controllers.exact_lru import ExactLRUController
+from fallbackgate.batch.session import memory_summary, run_prompts
 from fallbackgate.engine.config import MIB
 from fallbackgate.engine.tags import ObjectKind, Tag
 from fallbackgate.ledger.db import Ledger, open_ledger
@@ -52,14 +51,13 @@ def _mb(text: str) -> float | None:
 def measure(config: str, max_new_tokens: int, ledger: Ledger) -> dict[str, Any]:
     """Serve the built-in prompts on one configuration (after a warm-up pass), recording to `ledger`."""
     model, device_mb, host_mb = config.rsplit(":", 2)
-    settings = RunSettings(
-        model, max_new_tokens=max_new_tokens, device_budget_mb=_mb(device_mb), host_budget_mb=_mb(host_mb)
-    )
-    engine = build_engine(settings, ExactLRUController())
+    memory = {"device_budget_mb": _mb(device_mb), "host_budget_mb": _mb(host_mb)}
+    built = assemble(no_policy(model, memory=memory), Overrides(max_new_tokens=max_new_tokens))
+    engine, settings = built.engine, built.settings
     specs = [PromptSpec(text, f"plan-{i}") for i, text in enumerate(BUILTIN_PROMPTS)]
     run_prompts(engine, specs, settings, None, False)  # warm-up: caches filled as a serving process has them
     writer = LedgerWriter(ledger)
-    run_id = start_run(writer, engine, note=f"bench_plan_check {config}")
+    run_id = built.recorder(writer, note=f"bench_plan_check {config}").run_id
     outcome = run_prompts(
         engine, [PromptSpec(s.prompt, s.request_id + "b") for s in specs], settings, writer.record_step, True
     )

@@ -55,7 +55,7 @@ def run_engine(args: argparse.Namespace) -> dict[str, Any]:
         budgets["host_budget_bytes"] = int(args.host_budget_mb * MIB)
     recorder = TraceRecorder(ExactLRUController())
     config = EngineConfig(
-        args.model,
+        model_dir=args.model,
         max_num_seqs=args.num_prompts,
         block_size=16,
         is_stacked_when_fits=not args.no_stack,

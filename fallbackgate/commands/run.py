@@ -11,32 +11,21 @@ import pathlib
 import sys
 from typing import Any
 
-from fallbackgate.batch.prompts import PromptsFileError, PromptSpec, load_prompts
-from fallbackgate.batch.recording import audit_and_judge, serve_recorded, start_run
+from fallbackgate.assembly import Assembly, Overrides, assemble, no_policy
+from fallbackgate.batch.prompts import PromptsFileError, PromptSpec, check_classes, load_prompts
 from fallbackgate.batch.report import print_report, to_json, write_json
-from fallbackgate.batch.session import RunSettings, build_engine, run_prompts
-from fallbackgate.batch.summary import print_slo_misses, print_summary
+from fallbackgate.batch.session import RunSettings, run_prompts
+from fallbackgate.batch.summary import print_slips, print_slo_misses, print_summary
 from fallbackgate.commands.checks import check_output_path
-from fallbackgate.controllers.exact_lru import FORCEABLE_TAGS, ExactLRUController
+from fallbackgate.controllers.exact_lru import FORCEABLE_TAGS
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import EngineError
 from fallbackgate.engine.sequence import SamplingParams
-from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError, open_ledger
 from fallbackgate.ledger.writer import LedgerWriter
-from fallbackgate.policy import CONTROLLER_KINDS
-from fallbackgate.policy.apply import (
-    build_policy_engine,
-    check_classes,
-    class_budgets,
-    class_slos,
-    policy_from_args,
-    policy_record,
-    print_slips,
-    run_settings,
-)
-from fallbackgate.profiling import MEASURED, PROFILE_NAMES
-from fallbackgate.tinymoe import CHECKPOINT_DIR
+from fallbackgate.policy import CONTROLLER_KINDS, Policy
+from fallbackgate.policy.apply import policy_from_args
+from fallbackgate.profiling import PROFILE_NAMES
 
 
 def add_parser(subparsers: Any) -> None:
@@ -113,17 +102,6 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-_DEFAULTS = {"block_size": 16, "max_num_seqs": 8, "preempt": "swap", "profile": MEASURED, "audit_rate": 1.0}
-
-
-def _fill_defaults(args: argparse.Namespace) -> None:
-    """Without a policy, flags left unset take their documented defaults."""
-    for name, value in _DEFAULTS.items():
-        if getattr(args, name, None) is None:
-            setattr(args, name, value)
-    args.model = args.model or str(CHECKPOINT_DIR)
-
-
 MAX_NEW_TOKENS = 1 << 20
 
 
@@ -143,22 +121,17 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and not 1 <= value <= 1 << 16:
             raise ValueError(f"--{flag.replace('_', '-')} must be 1..65536, got {value}")
+    if args.block_size is not None and args.block_size & (args.block_size - 1):
+        raise ValueError(f"--block-size: block_size must be a power of two, got {args.block_size}")
+    if args.audit_rate is not None and not 0.0 < args.audit_rate <= 1.0:
+        raise ValueError(f"--audit-rate must be in (0, 1], got {args.audit_rate}")
     if args.json:
         check_output_path(args.json, "--json")
 
 
-def _setup(args: argparse.Namespace) -> tuple[list[PromptSpec], Engine, RunSettings, LedgerWriter | None, Any]:
-    """Prompts, engine, settings, writer and policy (None without --policy)."""
-    check_args(args)
-    specs = load_prompts(args.prompts)
-    if getattr(args, "policy", None) is None:
-        _fill_defaults(args)
-        if not 0.0 < args.audit_rate <= 1.0:
-            raise ValueError(f"--audit-rate must be in (0, 1], got {args.audit_rate}")
-        settings = _settings(args)
-        engine = build_engine(settings, ExactLRUController(force=[Tag(t) for t in args.force]))
-        return specs, engine, settings, _open_after_checks(engine, specs, settings, args.ledger, args), None
-    policy = policy_from_args(args)
+def run_inputs(args: argparse.Namespace) -> tuple[Policy, Overrides, str | None]:
+    """The policy (``--policy`` or :func:`no_policy`, flags applied), the overrides and the policy file's stem."""
+    policy = policy_from_args(args, no_policy())
     if args.force and policy.controller.kind != "exact_lru":
         print(
             f"fallbackgate run: warning: --force {' '.join(args.force)} is ignored: the policy's controller is "
@@ -166,16 +139,32 @@ def _setup(args: argparse.Namespace) -> tuple[list[PromptSpec], Engine, RunSetti
             file=sys.stderr,
         )
         args.force = []
-    args.audit_rate = policy.audit.sample_rate
-    specs = check_classes(policy, specs)
-    settings = run_settings(policy, args)
-    costs = None if args.no_ledger else _existing_ledger(policy.ledger.url)  # its calibrations, read only
+    overrides = Overrides(
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        temperature=args.temperature,
+        dtype=args.dtype,
+        num_io_threads=args.io_threads,
+        force=tuple(args.force),
+    )
+    return policy, overrides, pathlib.Path(args.policy).stem if args.policy is not None else None
+
+
+def _setup(args: argparse.Namespace) -> tuple[list[PromptSpec], Assembly, LedgerWriter | None]:
+    """Prompts, the assembled engine and the ledger writer (None with --no-ledger)."""
+    check_args(args)
+    specs = load_prompts(args.prompts)
+    policy, overrides, name = run_inputs(args)
+    if name is not None:
+        specs = check_classes(specs, policy.classes, policy.default_class)
+    is_joint = policy.controller.kind == "joint"  # the one controller that predicts with calibrated costs
+    costs = _existing_ledger(policy.ledger.url) if is_joint and not args.no_ledger else None  # read only
     try:
-        engine, _ = build_policy_engine(policy, settings, costs, args.force)
+        built = assemble(policy, overrides, policy_name=name, calibration=costs)
     finally:
         if costs is not None:
             costs.close()
-    return specs, engine, settings, _open_after_checks(engine, specs, settings, policy.ledger.url, args), policy
+    return specs, built, _open_after_checks(built.engine, specs, built.settings, policy.ledger.url, args)
 
 
 def _existing_ledger(url: str | None) -> Ledger | None:
@@ -201,25 +190,6 @@ def _open_after_checks(
         raise
 
 
-def _settings(args: argparse.Namespace) -> RunSettings:
-    return RunSettings(
-        args.model,
-        args.max_new_tokens,
-        args.seed,
-        args.temperature,
-        args.device_budget_mb,
-        args.host_budget_mb,
-        args.spill_dir,
-        args.block_size,
-        args.max_num_seqs,
-        args.profile,
-        args.preempt,
-        dtype=args.dtype,
-        is_stacked_when_fits=not args.force,
-        num_io_threads=args.io_threads,
-    )
-
-
 def _check_requests(engine: Engine, specs: list[PromptSpec], settings: RunSettings) -> None:
     """Every prompt fits the model (length, tokens) before the run row is written."""
     for spec in specs:
@@ -230,12 +200,12 @@ def _check_requests(engine: Engine, specs: list[PromptSpec], settings: RunSettin
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``fallbackgate run``."""
     try:
-        specs, engine, settings, writer, policy = _setup(args)
+        specs, built, writer = _setup(args)
     except (PromptsFileError, EngineError, LedgerError, ValueError) as exc:
         print(f"fallbackgate run: error: {exc}", file=sys.stderr)
         return 2
     try:
-        return _serve(args, specs, engine, settings, writer, policy)
+        return _serve(args, specs, built, writer)
     except EngineError as exc:  # e.g. a full spill directory: the run is marked failed
         print(f"fallbackgate run: error: {exc}", file=sys.stderr)
         return 2
@@ -243,58 +213,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"fallbackgate run: error: {exc}", file=sys.stderr)
         return 1
     finally:
-        engine.close()
+        built.engine.close()
 
 
-def _serve(
-    args: argparse.Namespace,
-    specs: list[PromptSpec],
-    engine: Engine,
-    settings: RunSettings,
-    writer: LedgerWriter | None,
-    policy: Any,
-) -> int:
+def _serve(args: argparse.Namespace, specs: list[PromptSpec], built: Assembly, writer: LedgerWriter | None) -> int:
+    engine, slos = built.engine, built.classes.slos
     if writer is None:
-        outcome = run_prompts(engine, specs, settings, None, not args.quiet)
-        slos = class_slos(policy) if policy is not None else None
+        outcome = run_prompts(engine, specs, built.settings, None, not args.quiet)
         print_report(outcome, sys.stdout, slos)
         print_slips(engine.controller, sys.stdout)
         print_slo_misses(outcome, slos, sys.stdout)
         if args.json:
             write_json(args.json, to_json(outcome, None, slos=slos))
         return 0
-    kind = policy.controller.kind if policy is not None else "exact_lru"
-    run_id = start_run(
-        writer,
-        engine,
-        controller=kind,
-        note=f"force={args.force}",
-        policy=policy_record(policy) if policy is not None else None,
-        policy_name=pathlib.Path(args.policy).stem if policy is not None else None,
-    )
-    outcome = serve_recorded(engine, specs, settings, writer, not args.quiet)
-    slos = class_slos(policy) if policy is not None else None
+    recorder = built.recorder(writer, note=f"force={args.force}")
+    outcome = recorder.serve(specs, built.settings, not args.quiet)
     print_report(outcome, sys.stdout, slos)
     print_slips(engine.controller, sys.stdout)
-    budgets = class_budgets(policy) if policy is not None else None
-    is_deferred = args.audit == "deferred"
-    verdict, num_audited = audit_and_judge(
-        engine,
-        outcome,
-        writer,
-        budgets=budgets,
-        slos=slos,
-        audit_rate=args.audit_rate,
-        seed=args.seed,
-        is_deferred=is_deferred,
-    )
+    verdict = recorder.finish(outcome, is_deferred=args.audit == "deferred")
     if verdict is None:
         print(
-            f"\nrun {run_id}: audit deferred: {num_audited} request(s) queued in the ledger; judge them with "
-            f"`fallbackgate audit --ledger {writer.ledger.display_url}`"
+            f"\nrun {recorder.run_id}: audit deferred: {recorder.num_deferred} request(s) queued in the ledger; "
+            f"judge them with `fallbackgate audit --ledger {writer.ledger.display_url}`"
         )
     else:
-        print_summary(outcome, verdict, num_audited, slos, writer.ledger.display_url, sys.stdout)
+        print_summary(outcome, verdict, recorder.num_audited, slos, writer.ledger.display_url, sys.stdout)
     if args.json:
-        write_json(args.json, to_json(outcome, run_id, slos=slos))
+        write_json(args.json, to_json(outcome, recorder.run_id, slos=slos))
     return 0 if verdict is None or verdict.passed else 1

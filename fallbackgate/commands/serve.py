@@ -20,23 +20,15 @@ import subprocess
 import sys
 from typing import Any
 
+from fallbackgate.assembly import Assembly, Overrides, assemble, no_policy
 from fallbackgate.batch.prompts import PromptsFileError
-from fallbackgate.batch.recording import start_run
-from fallbackgate.batch.session import RunSettings, build_engine, memory_summary
-from fallbackgate.controllers.exact_lru import ExactLRUController
+from fallbackgate.batch.session import memory_summary
 from fallbackgate.engine.errors import EngineError
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
 from fallbackgate.ledger.writer import LedgerWriter
-from fallbackgate.policy.apply import (
-    build_policy_engine,
-    class_budgets,
-    class_slos,
-    merge_args,
-    policy_record,
-    run_settings,
-)
-from fallbackgate.policy.loader import load_policy
-from fallbackgate.tinymoe import CHECKPOINT_DIR
+from fallbackgate.policy.apply import policy_from_args
+
+DEFAULT_AUDIT_RATE = 0.1  # without a policy file (a policy's audit.sample_rate otherwise)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -70,29 +62,22 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--grace-s must be 0..3600, got {args.grace_s}")
 
 
-def _setup(args: argparse.Namespace) -> tuple[Any, LedgerWriter | None, dict[str, Any], float, str, Any]:
-    """Engine, writer, classes, audit rate, default class and policy (None without one)."""
-    args.max_new_tokens, args.temperature = 16, 0.0  # per request in the body; these only fill RunSettings
-    if args.policy is None:
-        settings = RunSettings(
-            args.model or str(CHECKPOINT_DIR),
-            device_budget_mb=args.device_budget_mb,
-            host_budget_mb=args.host_budget_mb,
-            max_num_seqs=args.max_num_seqs or 8,
-            dtype=args.dtype,
-            seed=args.seed,
-        )
-        writer = None if args.no_ledger else LedgerWriter(open_ledger(args.ledger))
-        engine = build_engine(settings, ExactLRUController())
-        rate = 0.1 if args.audit_rate is None else args.audit_rate
-        return engine, writer, {"default": {}}, rate, "default", None
-    policy = merge_args(load_policy(args.policy), args)
-    url = args.ledger or policy.ledger.url
-    writer = None if args.no_ledger else LedgerWriter(open_ledger(url))
-    engine, _ = build_policy_engine(policy, run_settings(policy, args), writer.ledger if writer else None)
-    budgets, slos = class_budgets(policy), class_slos(policy)
-    classes = {name: {"budget": budgets[name], "slo": slos[name]} for name in policy.classes}
-    return engine, writer, classes, policy.audit.sample_rate, policy.default_class, policy
+def _setup(args: argparse.Namespace) -> tuple[Assembly, LedgerWriter | None, float]:
+    """The assembled engine, the writer (None with --no-ledger) and the fraction of requests audited."""
+    is_unaudited = args.audit_rate == 0  # serve's own meaning: record, audit nothing (the schema wants > 0)
+    if is_unaudited:
+        args.audit_rate = None
+    policy = policy_from_args(args, no_policy(audit={"sample_rate": DEFAULT_AUDIT_RATE}))
+    writer = None if args.no_ledger else LedgerWriter(open_ledger(policy.ledger.url))
+    overrides = Overrides(max_new_tokens=16, seed=args.seed, dtype=args.dtype)  # tokens: per request in the body
+    name = pathlib.Path(args.policy).stem if args.policy is not None else None
+    try:
+        built = assemble(policy, overrides, policy_name=name, calibration=writer.ledger if writer else None)
+    except BaseException:
+        if writer is not None:
+            writer.close()
+        raise
+    return built, writer, 0.0 if is_unaudited else built.audit_rate
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,29 +90,29 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         _check(args)
-        engine, writer, classes, rate, default_class, policy = _setup(args)
+        built, writer, rate = _setup(args)
     except (PromptsFileError, EngineError, LedgerError, ValueError) as exc:
         print(f"fallbackgate serve: error: {exc}", file=sys.stderr)
         return 2
-    kind = policy.controller.kind if policy is not None else "exact_lru"
-    run_id = None
-    if writer is not None:
-        record = policy_record(policy) if policy is not None else None
-        name = pathlib.Path(args.policy).stem if policy is not None else None
-        run_id = start_run(writer, engine, controller=kind, note="serve", policy=record, policy_name=name)
+    engine = built.engine
+    recorder = built.recorder(writer, note="serve") if writer is not None else None
+    run_id = recorder.run_id if recorder is not None else None
+    names = built.policy.classes if built.policy_name is not None else ("default",)
     service = EngineService(
-        engine, writer, ServerMetrics(), classes=classes, audit_rate=rate if writer else 0.0, seed=args.seed
+        engine,
+        recorder,
+        ServerMetrics(),
+        classes=names,
+        slos=built.classes.slos,
+        audit_rate=rate if writer else 0.0,
+        seed=args.seed,
     )
     workers = _start_audit_workers(args, writer, run_id) if writer is not None and rate > 0 else []
 
     def shutdown() -> None:
         status = service.drain(args.grace_s)
-        if writer is not None:
-            if service.num_audits_queued:
-                writer.queue_audits([], with_run_task=True)
-            writer.record_memory(memory_summary(engine))
-            writer.finish_run(status=status)
-            writer.close()
+        if recorder is not None:
+            recorder.close(status, memory=memory_summary(engine))
         engine.close()
         for proc in workers:
             try:
@@ -136,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
                 proc.terminate()  # its claims expire; any `fallbackgate audit` finishes them
         print(f"fallbackgate serve: run {run_id} {status}; {service.num_interrupted} request(s) interrupted")
 
-    info = ServerInfo(pathlib.Path(engine.config.model_dir).name, run_id, default_class, shutdown)
+    info = ServerInfo(pathlib.Path(engine.config.model_dir).name, run_id, built.classes.default, shutdown)
     app = build_app(service, info)
     print(
         f"fallbackgate serve: http://{args.host}:{args.port}/v1 (model {info.model_name!r}, run {run_id})", flush=True

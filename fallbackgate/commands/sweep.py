@@ -14,10 +14,13 @@ import pathlib
 import sys
 from typing import Any
 
+from fallbackgate.assembly import Assembly, Overrides, assemble
 from fallbackgate.engine.errors import EngineError
-from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
+from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError, open_ledger
 from fallbackgate.policy import PolicyError, load_policy
-from fallbackgate.sweep.grid import CONTROLLERS, SweepConfig, run_sweep
+from fallbackgate.policy.apply import with_sections
+from fallbackgate.sweep.belady import TraceRecorder
+from fallbackgate.sweep.grid import CONTROLLERS, CellBuilder, SweepConfig, run_sweep
 from fallbackgate.sweep.plot import heatmaps
 from fallbackgate.sweep.workload import WorkloadSpec, default_policy
 from fallbackgate.tinymoe import CHECKPOINT_DIR
@@ -87,6 +90,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
     return SweepConfig(
         model_dir=args.model or str(CHECKPOINT_DIR),
         policy=policy,
+        policy_name=pathlib.Path(args.policy).stem if args.policy else "sweep",
         expert_fracs=args.expert_fracs,
         kv_fracs=args.kv_fracs,
         controllers=args.controllers,
@@ -96,6 +100,25 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         static_fracs=args.static_fracs if "static_split" in args.controllers else (),
         progress=not args.quiet,
     )
+
+
+def cell_builder(cfg: SweepConfig) -> CellBuilder:
+    """The sweep's engines from the one assembly: ``cfg.policy`` in enforce mode with the cell's controller,
+    device budget (exact bytes; None: unlimited) and split, the controller wrapped to record its trace."""
+    base = with_sections(cfg.policy, {"audit": {"mode": "enforce", "sample_rate": cfg.audit_rate}}, cfg.model_dir)
+
+    def build(kind: str, device_budget: int | None, split: float, calibration: Ledger | None) -> Assembly:
+        policy = with_sections(base, {"controller": {"kind": kind}, "memory": {"device_budget_mb": None}})
+        overrides = Overrides(
+            seed=cfg.workload.seed,
+            device_budget_bytes=device_budget,
+            expert_fraction=split,
+            is_equivalent_allowed=cfg.is_equivalent_allowed,
+            wrap_controller=TraceRecorder,
+        )
+        return assemble(policy, overrides, policy_name=cfg.policy_name, calibration=calibration)
+
+    return build
 
 
 def write_outputs(result: dict[str, Any], out: str | pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
@@ -134,14 +157,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"fallbackgate sweep: error: {exc}", file=sys.stderr)
         return 2
     try:
-        result = run_sweep(cfg, ledger)
+        result = run_sweep(cfg, ledger, cell_builder(cfg))
     except EngineError as exc:
         print(f"fallbackgate sweep: error: {exc}", file=sys.stderr)
         return 2
     finally:
         ledger.close()
     result["command"] = " ".join(sys.argv[1:]) or "sweep"
-    result["config"] = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("policy", "workload")}
+    result["config"] = {
+        k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("policy", "policy_name", "workload")
+    }
     json_path, png_path = write_outputs(result, args.out)
     print_summary(result)
     print(f"wrote {json_path} and {png_path}; dashboard: FALLBACKGATE_SWEEP_JSON={json_path} fallbackgate dashboard")

@@ -165,7 +165,9 @@ def measure_engine_steps(
     from fallbackgate.engine.sequence import SamplingParams
     from fallbackgate.tinymoe import CHECKPOINT_DIR
 
-    config = EngineConfig(str(CHECKPOINT_DIR), device="cuda" if device.type == "cuda" else "cpu", num_io_threads=0)
+    config = EngineConfig(
+        model_dir=str(CHECKPOINT_DIR), device="cuda" if device.type == "cuda" else "cpu", num_io_threads=0
+    )
     engine = Engine(config, ExactLRUController())
     medians = []
     for num in (1, batch):

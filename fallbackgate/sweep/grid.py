@@ -4,8 +4,10 @@ A reference run (exact, unlimited device budget) sizes the grid: expert budgets 
 routed expert bytes, KV budgets fractions of the workload's peak KV bytes; a cell's device budget is their
 sum (``static_split`` gets the cell's expert share as its split). Every cell × controller is one enforce
 run recorded to the ledger (``controller`` set, ``note`` = ``sweep <id> {...cell as JSON...}``), audited
-against the exact baseline and judged by the gate. Each run's expert-access trace is recorded
-(:class:`fallbackgate.sweep.belady.TraceRecorder`) and Belady's MIN computed on it. The JSON written by
+against the exact baseline and judged by the gate as ``fallbackgate run`` does. The engines come from a
+:data:`CellBuilder` (the command's :func:`fallbackgate.commands.sweep.cell_builder`: the one assembly).
+Each run's expert-access trace is recorded (:class:`fallbackgate.sweep.belady.TraceRecorder`) and
+Belady's MIN computed on it. The JSON written by
 :func:`write_outputs` is what the dashboard's Budget sweep page reads (``$FALLBACKGATE_SWEEP_JSON``).
 """
 
@@ -13,29 +15,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from fallbackgate.audit.auditor import audit_output, floor_control
-from fallbackgate.audit.gate import evaluate_run
 from fallbackgate.batch.prompts import PromptSpec
-from fallbackgate.batch.recording import serve_recorded, versions
 from fallbackgate.batch.session import RunOutcome, RunSettings, run_prompts
-from fallbackgate.controllers import make_controller, registered_kinds
-from fallbackgate.controllers.cost import CostModel, load_calibration
-from fallbackgate.engine.config import MIB, EngineConfig
+from fallbackgate.controllers import registered_kinds
+from fallbackgate.engine.config import MIB
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.tags import Exactness, ObjectKind
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.loader import hardware_profile
 from fallbackgate.policy.schema import Policy
-from fallbackgate.sweep.belady import TraceRecorder, belady_misses, lru_misses
+from fallbackgate.recording import RunRecorder
+from fallbackgate.sweep.belady import belady_misses, lru_misses
 from fallbackgate.sweep.metrics import headline, quality_metrics, slo_metrics, tag_mix, timing_metrics
 from fallbackgate.sweep.workload import WorkloadSpec, build_workload
 
@@ -48,6 +46,7 @@ class SweepConfig:
 
     model_dir: str
     policy: Policy
+    policy_name: str = "sweep"  # the policy file's stem (the run rows name it)
     expert_fracs: tuple[float, ...] = (0.2, 0.4, 0.6, 0.8)
     kv_fracs: tuple[float, ...] = (0.5,)
     controllers: tuple[str, ...] = CONTROLLERS
@@ -73,45 +72,27 @@ class Reference:
     tpot_ms: float  # measured
 
 
-def top_k_of(model_dir: str) -> int:
-    """Experts per token of a checkpoint (1 when its config does not say)."""
-    cfg = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
-    return int(cfg.get("num_experts_per_tok") or 1)
+class Assembled(Protocol):
+    """What the sweep needs of an assembled engine (:class:`fallbackgate.assembly.Assembly` is one)."""
+
+    engine: Engine
+    settings: RunSettings
+
+    def recorder(self, writer: LedgerWriter, note: str = "") -> RunRecorder: ...
 
 
-def build_engine(
-    cfg: SweepConfig, kind: str, device_budget: int | None, cost: CostModel | None, split: float
-) -> Engine:
-    """An enforce-mode engine whose controller (``kind``, wrapped to record its trace) serves ``cfg.policy``."""
-    policy = cfg.policy
-    inner = make_controller(
-        kind,
-        policy,
-        cost_model=cost,
-        top_k=top_k_of(cfg.model_dir),
-        expert_fraction=split,
-        is_equivalent_allowed=cfg.is_equivalent_allowed,
-    )
-    config = EngineConfig(
-        cfg.model_dir,
-        device_budget_bytes=device_budget,
-        block_size=policy.memory.block_size,
-        max_num_seqs=policy.memory.max_num_seqs,
-        preempt_mode=policy.memory.preempt_mode,
-        expert_lowbit_bits=policy.controller.expert_lowbit_bits,
-        profile=hardware_profile(policy),
-        seed=cfg.workload.seed,
-    )
-    engine = Engine(config, TraceRecorder(inner))
-    engine.is_observe = False
-    return engine
+# (controller kind, device budget in bytes (None: unlimited), static split's expert share, ledger whose
+# calibrations the joint controller predicts with) -> an enforce-mode engine serving the sweep's policy,
+# its controller wrapped in a TraceRecorder
+CellBuilder = Callable[[str, int | None, float, Ledger | None], Assembled]
 
 
-def reference_run(cfg: SweepConfig) -> Reference:
+def reference_run(cfg: SweepConfig, build: CellBuilder) -> Reference:
     """Exact, unlimited device budget: peak KV bytes, expert sizes, the trace length, unpressured TPOT."""
-    engine = build_engine(cfg, "exact_lru", None, None, 0.5)
+    built = build("exact_lru", None, 0.5, None)
+    engine = built.engine
     specs = build_workload(cfg.workload, engine.tokenizer)
-    outcome = run_prompts(engine, specs, RunSettings(cfg.model_dir, seed=cfg.workload.seed), None, False)
+    outcome = run_prompts(engine, specs, built.settings, None, False)
     memory = outcome.memory
     tpots = [o.modeled_tpot_s for o in outcome.outputs if len(o.output_token_ids) > 1]
     measured = [o.tpot_s for o in outcome.outputs if len(o.output_token_ids) > 1]
@@ -120,7 +101,7 @@ def reference_run(cfg: SweepConfig) -> Reference:
         memory["bytes_per_expert"],
         memory["expert_bytes_total"],
         max(s.num_device_bytes_kv for s in outcome.steps),
-        top_k_of(cfg.model_dir),
+        int(getattr(engine.model_config, "num_experts_per_tok", None) or 1),
         len(engine.controller.trace),
         1000 * sum(tpots) / max(1, len(tpots)),
         1000 * sum(measured) / max(1, len(measured)),
@@ -153,45 +134,18 @@ def belady_metrics(trace: list[Any], bytes_per_expert: int, expert_budget: int, 
     }
 
 
-def audit_and_record(engine: Engine, outcome: RunOutcome, writer: LedgerWriter, cfg: SweepConfig) -> dict[str, Any]:
-    """Record requests (with class SLO and budget), audit, finish the run, judge it; quality metrics back."""
-    classes = cfg.policy.classes
-    for spec, output in zip(outcome.specs, outcome.outputs, strict=True):
-        cls = classes[spec.request_class]
-        writer.record_request(output, prompt=spec.prompt, slo=cls.slo.model_dump(), budget=cls.budget.as_gate_dict())
-    audited = outcome.outputs if cfg.audit_rate >= 1 else outcome.outputs[:: max(1, round(1 / cfg.audit_rate))]
-    stats = []
-    for output in audited:
-        diffs, st = audit_output(engine, output)
-        writer.record_diffs(output.request_id, diffs, st)
-        stats.append(st)
-    floor = floor_control(engine, audited)
-    writer.record_control(floor["max_kl"], floor=floor)
-    writer.finish_run(status="complete")
-    writer.close()
-    verdict = evaluate_run(writer.ledger, writer.run_id)
-    return quality_metrics(stats, verdict)
-
-
-def run_cell(cfg: SweepConfig, ref: Reference, ledger: Ledger, kind: str, cell: dict[str, Any], note: str) -> dict:
-    """One recorded, audited run of controller ``kind`` in ``cell``; returns the sweep point."""
+def run_cell(
+    cfg: SweepConfig, ref: Reference, ledger: Ledger, kind: str, cell: dict[str, Any], note: str, build: CellBuilder
+) -> dict:
+    """One recorded, audited and judged run of controller ``kind`` in ``cell``; returns the sweep point."""
     expert_budget, kv_budget = cell["expert_budget_bytes"], cell["kv_budget_bytes"]
     device = expert_budget + kv_budget
     split = cell.get("static_frac") or min(0.99, max(0.01, expert_budget / device))
-    cost = load_calibration(ledger, cfg.policy.controller.expert_lowbit_bits or 8)
-    engine = build_engine(cfg, kind, device, cost, split)
-    writer = LedgerWriter(ledger)
-    run_id = writer.start_run(
-        policy=cfg.policy.model_dump_json(),
-        model_path=cfg.model_dir,
-        hardware_profile=dataclasses.asdict(engine.config.profile),
-        versions=versions(),
-        controller=kind,
-        mode="enforce",
-        note=f"{note} {json.dumps({**cell, 'controller': kind})}",
-    )
+    built = build(kind, device, split, ledger)
+    engine = built.engine
+    recorder = built.recorder(LedgerWriter(ledger), note=f"{note} {json.dumps({**cell, 'controller': kind})}")
     started = time.perf_counter()
-    outcome = serve_recorded(engine, ref.specs, RunSettings(cfg.model_dir, seed=cfg.workload.seed), writer)
+    outcome = recorder.serve(ref.specs, built.settings)
     metrics: dict[str, Any] = {"wall_s": time.perf_counter() - started}
     metrics.update(timing_metrics(outcome))
     metrics.update(slo_metrics(outcome, cfg.policy))
@@ -199,9 +153,10 @@ def run_cell(cfg: SweepConfig, ref: Reference, ledger: Ledger, kind: str, cell: 
     metrics.update(tag_mix(outcome))
     metrics.update(belady_metrics(engine.controller.trace, ref.bytes_per_expert, expert_budget, device))
     metrics["slips"] = float(len(getattr(engine.controller, "slips", [])))
-    metrics.update(audit_and_record(engine, outcome, writer, cfg))
+    verdict = recorder.finish(outcome)
+    metrics.update(quality_metrics(recorder.audited_stats, verdict))
     engine.close()
-    return {"controller": kind, "run_id": run_id, **cell, "metrics": metrics}
+    return {"controller": kind, "run_id": recorder.run_id, **cell, "metrics": metrics}
 
 
 def grid_cells(cfg: SweepConfig, ref: Reference) -> list[dict[str, Any]]:
@@ -226,10 +181,13 @@ def _cell(ef: float, kf: float, expert: int, kv: int) -> dict[str, Any]:
     }
 
 
-def run_sweep(cfg: SweepConfig, ledger: Ledger, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Reference run, every cell × controller, then the headline comparisons; the whole result as a dict."""
+def run_sweep(
+    cfg: SweepConfig, ledger: Ledger, build: CellBuilder, log: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """Reference run, every cell × controller (engines from ``build``), then the headline comparisons; the
+    whole result as a dict."""
     sweep_id = time.strftime("%Y%m%dT%H%M%S")
-    ref = reference_run(cfg)
+    ref = reference_run(cfg, build)
     log(
         f"reference: {len(ref.specs)} requests, expert bytes {ref.expert_bytes_total / MIB:.2f} MiB "
         f"({ref.bytes_per_expert} B each), peak KV {ref.peak_kv_bytes / MIB:.3f} MiB, "
@@ -242,7 +200,7 @@ def run_sweep(cfg: SweepConfig, ledger: Ledger, log: Callable[[str], None] = pri
         jobs += [("static_split", {**headline_cell, "static_frac": f}) for f in extra]
     points = []
     for kind, cell in tqdm(jobs, desc="sweep cells", unit="run", disable=not cfg.progress):
-        points.append(run_cell(cfg, ref, ledger, kind, cell, f"sweep {sweep_id}"))
+        points.append(run_cell(cfg, ref, ledger, kind, cell, f"sweep {sweep_id}", build))
     return {
         "sweep_id": sweep_id,
         "model": cfg.model_dir,

@@ -1,0 +1,200 @@
+"""One ledger run, recorded the one way: the run row, every step, every finished request, and a close that
+audits inline (judging the run) or leaves the audits to ``fallbackgate audit`` workers.
+
+Batch runs (``fallbackgate run``, the sweep, :func:`fallbackgate.recording.record_and_judge`) serve with
+:meth:`RunRecorder.serve` and close with :meth:`RunRecorder.finish`; streaming runs (the HTTP server,
+lm-eval) record each request as it finishes with :meth:`RunRecorder.on_request`, audit it
+(:meth:`RunRecorder.defer_audits`, :meth:`RunRecorder.record_audit`) and close with :meth:`RunRecorder.close`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import transformers
+
+from fallbackgate.audit.auditor import choose_audited
+from fallbackgate.audit.gate import RunVerdict, evaluate_run
+from fallbackgate.audit.run_audit import audit_outputs
+from fallbackgate.audit.stats import PositionDiff, RequestDiffStats
+from fallbackgate.audit.verdicts import record_verdicts
+from fallbackgate.batch.prompts import PromptSpec
+from fallbackgate.batch.session import RunOutcome, RunSettings, run_prompts
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
+from fallbackgate.ledger.db import LedgerError
+from fallbackgate.ledger.writer import LedgerWriter
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RequestClasses:
+    """The request classes a run records on each request row and the gate judges with."""
+
+    budgets: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # class -> quality budget
+    slos: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # class -> SLO targets (ms)
+    default: str = "default"  # the class of a request that names none
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class RunRow:
+    """What the run row says about how the run was assembled (mode and forced tags come from the engine)."""
+
+    controller: str  # controller kind
+    note: str = ""  # free text: the command, a sweep cell
+    policy: str | None = None  # the effective policy as JSON; None: no policy file
+    policy_name: str | None = None  # the policy file's stem; None: no policy file
+
+
+def versions() -> dict[str, str]:
+    """Versions of fallbackgate, torch and transformers, for the run row."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        own = version("fallbackgate")
+    except PackageNotFoundError:
+        own = "source"
+    return {"fallbackgate": own, "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+class RunRecorder:
+    """Writes one engine's run to a ledger through ``writer`` (see the module docstring).
+
+    Construction inserts the run row (status "running"); ``audit_rate`` and ``seed`` choose a batch run's
+    audited sample. Every close leaves the writer closed.
+    """
+
+    def __init__(
+        self,
+        writer: LedgerWriter,
+        engine: Engine,
+        row: RunRow,
+        classes: RequestClasses | None = None,
+        *,
+        audit_rate: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        self.writer, self.engine = writer, engine
+        self.classes = classes or RequestClasses()
+        self.audit_rate, self.seed = audit_rate, seed
+        self.num_audited = 0  # requests audited inline and recorded
+        self.num_deferred = 0  # requests left to audit workers
+        self.audited_stats: list[RequestDiffStats] = []  # summaries of the inline audits, in order
+        self.run_id = writer.start_run(
+            policy=row.policy,
+            policy_name=row.policy_name,
+            model_path=engine.config.model_dir,
+            controller=row.controller,
+            hardware_profile=dataclasses.asdict(engine.config.profile),
+            versions=versions(),
+            mode="observe" if engine.is_observe else "enforce",
+            note=row.note,
+            forced_tags=sorted(getattr(t, "value", str(t)) for t in getattr(engine.controller, "force", ())),
+        )
+
+    # --- while serving --------------------------------------------------------------------------
+    def on_step(self, plan: StepPlan, result: StepResult) -> None:
+        """Record one engine step and its events."""
+        self.writer.record_step(plan, result)
+
+    def on_request(self, output: RequestOutput, prompt: str | None = None) -> None:
+        """Record a finished request with its class's SLO and quality budget."""
+        name = output.request_class
+        self.writer.record_request(
+            output, prompt=prompt, budget=self.classes.budgets.get(name), slo=self.classes.slos.get(name)
+        )
+
+    def serve(self, specs: list[PromptSpec], settings: RunSettings, progress: bool = False) -> RunOutcome:
+        """Serve ``specs`` on the engine recording every step; a run that raises is marked failed first."""
+        with self._failing():
+            return run_prompts(self.engine, specs, settings, self.on_step, progress)
+
+    def defer_audits(self, outputs: Sequence[RequestOutput]) -> None:
+        """Leave these requests' audits to workers: their served logits and a task each in the ledger."""
+        self.writer.queue_audits(outputs, with_run_task=False)
+        self.num_deferred += len(outputs)
+
+    def record_audit(
+        self,
+        request_id: str,
+        diffs: Sequence[PositionDiff],
+        stats: RequestDiffStats,
+        step_ids: Sequence[int | None] | None = None,
+    ) -> None:
+        """Record one request's audit (its diffs against the exact baseline and their summary)."""
+        self.writer.record_diffs(request_id, diffs, stats, step_ids=step_ids)
+        self.audited_stats.append(stats)
+        self.num_audited += 1
+
+    def record_floor(self, floor: dict[str, Any]) -> None:
+        """Record the run's numeric floor (``floor["max_kl"]``: exact against exact)."""
+        self.writer.record_control(floor["max_kl"], floor=floor)
+
+    # --- closing --------------------------------------------------------------------------------
+    def finish(self, outcome: RunOutcome, *, is_deferred: bool = False) -> RunVerdict | None:
+        """Close a batch run: record every request, audit the seeded sample inline (replaying recorded
+        actions; the numeric floor first) or leave it to workers, finish the run and judge it. Returns the
+        verdict (None when deferred)."""
+        with self._failing():
+            for spec, output in zip(outcome.specs, outcome.outputs, strict=True):
+                self.on_request(output, spec.prompt)
+            audited = choose_audited(outcome.outputs, self.audit_rate, self.seed)
+            self.writer.record_verifications(self.engine.verify_dense())  # the baselines compute with these
+            if is_deferred:
+                self.defer_audits(audited)
+            else:
+                self._audit_inline(audited)
+        return self.close(memory=outcome.memory)
+
+    def close(self, status: str = "complete", *, memory: dict[str, Any] | None = None) -> RunVerdict | None:
+        """Finish the run with ``status`` (queuing the run's audit task when audits were deferred), judge it
+        when its audits ran inline and it completed, record the verdicts and close the writer."""
+        with self._failing():
+            if self.num_deferred:
+                self.writer.queue_audits([], with_run_task=True)
+            if memory is not None:
+                self.writer.record_memory(memory)
+            self.writer.finish_run(status=status)
+        verdict = None
+        try:
+            if status == "complete" and self.num_audited and not self.num_deferred:
+                verdict = evaluate_run(self.writer.ledger, self.run_id)
+                record_verdicts(self.writer, verdict)
+        finally:
+            self.writer.close()
+        return verdict
+
+    def fail(self, status: str = "failed") -> None:
+        """Mark the run ``status`` and close the writer, as far as the database still allows (a full disk
+        may refuse even that: the run then stays "running", which queries report as incomplete, never PASS)."""
+        try:
+            self.writer.finish_run(status=status)
+        except LedgerError:  # the queue holds a failed write: try the status alone, directly
+            self.writer.mark_run_now(status)
+        finally:
+            try:
+                self.writer.close()
+            except LedgerError:
+                pass
+
+    def _audit_inline(self, audited: list[RequestOutput]) -> None:
+        self.writer.flush()  # the replay reads each request's trace back from the ledger
+        results, floor = audit_outputs(self.engine, self.writer.ledger, self.run_id, audited)
+        for result in results:
+            self.record_audit(result.request_id, result.diffs, result.stats)
+            if result.replay is not None:
+                replay = {k: v for k, v in result.replay.items() if k != "error"}
+                self.writer.record_replay(result.request_id, replay)
+        self.record_floor(floor)
+
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        """An exception inside marks the run failed (interrupted for Ctrl-C) and propagates."""
+        try:
+            yield
+        except BaseException as exc:
+            self.fail("interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+            raise
