@@ -96,7 +96,7 @@ class ModelRunner:
             object_id=block.key[2] if staged.tag is not Tag.EXACT_LOAD else None,
             bits=quant.bits if staged.tag is Tag.KV_DEQUANT and quant else 0,
         )
-        self.executor.used_kv_block_keys.append(block.key)
+        self.executor.uses.used_kv_block_keys.append(block.key)
         return staged.tag
 
     def _recompute(self, step_id: int, seq: Sequence, begin: int, end: int, log: EventLog, is_observe: bool) -> None:
@@ -151,8 +151,8 @@ class ModelRunner:
                 )
         finally:
             self.executor.release_gather()
-            self.executor.used_expert_keys.extend(ctx.used_expert_keys)
-            self.executor.deferred_expert_keys.extend(ctx.deferred_expert_keys)
+            self.executor.uses.used_expert_keys.extend(ctx.used_expert_keys)
+            self.executor.uses.deferred_expert_keys.extend(ctx.deferred_expert_keys)
             self.executor.ctx = None
         pairs = sum(n * s + n * (n + 1) / 2 for s, n in zip(batch.starts, batch.lengths, strict=True))
         log.modeled_compute_s += self.executor.profile.device_compute_s(

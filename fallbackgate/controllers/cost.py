@@ -19,7 +19,7 @@ import dataclasses
 import torch
 from sqlalchemy import select
 
-from fallbackgate.engine.kv.codec import QuantKV, dequantize_kv, quantize_kv
+from fallbackgate.engine.kv.codec import dequantize_kv, quantize_kv
 from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.models import Calibration
@@ -94,14 +94,3 @@ def load_calibration(ledger: Ledger, lowbit_bits: int = 8) -> CostModel:
         if fitted:
             model.defaults[tag] = max(fitted)
     return model
-
-
-def quant_error_energy(quant: QuantKV) -> float:
-    """Relative error energy of a quantized KV copy, estimated from its group scales (uniform rounding
-    error: scale² / 12 per element); the ``bits``-bit default when the codes live on disk."""
-    if quant.keys is None or quant.values is None:
-        return lowbit_error_energy(quant.bits)
-    restored = dequantize_kv(quant)
-    signal = float(restored.pow(2).sum())
-    noise = sum(float(q.scales.pow(2).sum()) * q.group_size / 12.0 for q in (quant.keys, quant.values))
-    return noise / signal if signal > 0 else 0.0
