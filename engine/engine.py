@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable
 import torch
 from tqdm.auto import tqdm
 
-from fallbackgate.engine.baseline.access import AuditAccess
+from fallbackgate.engine.baseline.access import BaselineAccess
 from fallbackgate.engine.config import DTYPES, EngineConfig
 from fallbackgate.engine.controller import Controller, ControllerView
 from fallbackgate.engine.errors import PromptError
@@ -30,7 +30,7 @@ from fallbackgate.engine.view import LiveView
 ENGINE_REQUEST_ID = "__engine__"  # events not caused by one request (prefetches)
 
 
-class Engine(AuditAccess):
+class Engine(BaselineAccess):
     """A joint-offload MoE engine over a transformers checkpoint; the controller decides every fallback."""
 
     def __init__(self, config: EngineConfig, controller: Controller) -> None:

@@ -159,7 +159,7 @@ def measure_engine_steps(
     MoE layers, routed experts per layer, experts per token): what the engine adds around the model's own
     forward (scheduling, per-request attention, sampling, events) shows up against
     :func:`measure_decode_step`."""
-    from fallbackgate.controllers.exact_lru import ExactLRUController
+    from fallbackgate.controllers import ExactLRUController
     from fallbackgate.engine.config import EngineConfig
     from fallbackgate.engine.engine import Engine
     from fallbackgate.engine.sequence import SamplingParams
