@@ -3,7 +3,7 @@
 - :class:`BaselineEngine`: an engine as the audit sees it (its dense-weight check, exact passes, replay pass,
   verified expert copies, and the shapes a replay needs);
 - :func:`build_baseline_engine`: an engine that only audits (no expert in memory: the baselines read every
-  expert from the checkpoint files);
+  expert from the checkpoint files), and :class:`ExactController`, the controller of such engines;
 - the engine's own arithmetic that a replay repeats: :func:`expert_mlp`, :func:`lowbit_round_trip`,
   :func:`kv_round_trip`.
 """
@@ -14,19 +14,30 @@ import torch
 
 from fallbackgate.engine.baseline.access import BaselineAccess
 from fallbackgate.engine.config import EngineConfig
-from fallbackgate.engine.controller import Controller
+from fallbackgate.engine.controller import (
+    Controller,
+    ControllerView,
+    Decision,
+    ExpertMiss,
+    KVBlockKey,
+    KVMiss,
+    Victim,
+)
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.experts.hook import expert_mlp
 from fallbackgate.engine.experts.quant import dequantize_rows, quantize, quantized_to
+from fallbackgate.engine.experts.reader import ExpertKey
 from fallbackgate.engine.experts.store import DEQUANT_ROWS
 from fallbackgate.engine.experts.weights import ExpertWeights
 from fallbackgate.engine.kv.codec import dequantize_kv, quantize_kv
+from fallbackgate.engine.tags import Tag
 
 BaselineEngine = Engine  # the engine type the audit's passes run on (see BaselineAccess for what they use)
 
 __all__ = [
     "BaselineAccess",
     "BaselineEngine",
+    "ExactController",
     "ExpertWeights",
     "build_baseline_engine",
     "expert_mlp",
@@ -35,7 +46,26 @@ __all__ = [
 ]
 
 
-def build_baseline_engine(model_dir: str, dtype: str | None, block_size: int, controller: Controller) -> Engine:
+class ExactController(Controller):
+    """Serves every miss exactly and takes victims in the engine's order (experts, then KV blocks): the
+    controller of engines that compute baselines or measure step times, where nothing may be approximate."""
+
+    def expert_action(self, miss: ExpertMiss) -> Decision:
+        return Decision(Tag.EXACT_LOAD)
+
+    def kv_action(self, miss: KVMiss) -> Decision:
+        if miss.exact_tier is not None:
+            return Decision(Tag.EXACT_LOAD)
+        return Decision(Tag.RECOMPUTE, reason="no full-precision copy")
+
+    def choose_victims(
+        self, num_bytes: int, view: ControllerView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
+    ) -> list[Victim]:
+        experts = [Victim(expert_key=k) for k in view.device_expert_keys() if k not in pinned_experts]
+        return experts + [Victim(kv_block_key=b.key) for b in view.device_kv_blocks() if b.key not in pinned_kv]
+
+
+def build_baseline_engine(model_dir: str, dtype: str | None, block_size: int) -> Engine:
     """An engine for audits only: no host cache, no stacked experts, no read threads, no copy checks."""
     config = EngineConfig(
         model_dir,
@@ -46,7 +76,7 @@ def build_baseline_engine(model_dir: str, dtype: str | None, block_size: int, co
         num_io_threads=0,
         num_verified_copies_per_step=0,
     )
-    return Engine(config, controller)
+    return Engine(config, ExactController())
 
 
 def lowbit_round_trip(weights: ExpertWeights, bits: int, device: torch.device) -> ExpertWeights:

@@ -22,7 +22,6 @@ from fallbackgate.audit.auditor import audit_request
 from fallbackgate.audit.gate import evaluate_run, served_class
 from fallbackgate.audit.run_audit import initial_floor, widen_floor
 from fallbackgate.audit.verdicts import write_verdicts
-from fallbackgate.controllers import ExactLRUController
 from fallbackgate.engine.baseline.api import BaselineEngine, build_baseline_engine
 from fallbackgate.ledger import audit_queries, audit_queue, queries
 from fallbackgate.ledger.audit_queue import Claim, LeaseLost
@@ -125,7 +124,7 @@ class AuditWorker:
         memory = (run or {}).get("memory") or {}
         key = (str(run["model_path"]), memory.get("dtype"), int(memory.get("block_size", 16)))
         if key not in self.engines:
-            self.engines[key] = build_baseline_engine(key[0], key[1], key[2], ExactLRUController())
+            self.engines[key] = build_baseline_engine(key[0], key[1], key[2])
         return self.engines[key]
 
     def _audit_request(self, engine: BaselineEngine, held: Claim) -> None:
