@@ -48,9 +48,9 @@ class StaticView:
     quant_error_energies: Mapping[KVBlockKey, float] = dataclasses.field(default_factory=_frozen)
 
     def __post_init__(self) -> None:
-        for name in ("request_classes", "device_bytes_by_kind", "expert_homes", "kv_tokens", "staged_kv_tags"):
+        names = ("request_classes", "device_bytes_by_kind", "expert_homes", "kv_tokens", "staged_kv_tags")
+        for name in (*names, "quant_error_energies"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
-        object.__setattr__(self, "quant_error_energies", _frozen(self.quant_error_energies))
 
     def request_class(self, request_id: str) -> str:
         return self.request_classes.get(request_id, "")
