@@ -1,18 +1,21 @@
 """The small interface the engine consults each step. Controllers (in `fallbackgate`) implement it.
 
-The engine reports what is possible and what it costs; a controller decides.
+The engine reports what is possible and what it costs; a controller decides. Controllers read the engine's
+state only through a :class:`ControllerView`: queries that return plain values and immutable snapshots,
+never a store, so a view can as well be served from a recorded trace as from a live engine.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+from typing import NamedTuple, Protocol
 
-from fallbackgate.engine.experts.store import ExpertKey, ExpertStore
+from fallbackgate.engine.experts.reader import ExpertKey
 from fallbackgate.engine.hardware import HardwareProfile
-from fallbackgate.engine.kv.store import KVBlockKey, KVStore, SpillMode
+from fallbackgate.engine.kv.block import KVBlockKey, SpillMode
 from fallbackgate.engine.messages import StepPlan
-from fallbackgate.engine.tags import Tag, Tier
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 
 @dataclasses.dataclass(slots=True)
@@ -76,18 +79,140 @@ class StepEndActions:
     load_experts: list[ExpertKey] = dataclasses.field(default_factory=list)  # experts to prefetch
 
 
-@dataclasses.dataclass(slots=True)
-class EngineView:
-    """Read access to the engine's state for a controller."""
+class KVBlockInfo(NamedTuple):
+    """An immutable snapshot of one KV block: where its copies are, not their bytes."""
 
-    expert_store: ExpertStore  # tiered experts
-    kv_store: KVStore  # paged KV
-    profile: HardwareProfile  # link and compute rates
-    request_classes: dict[str, str]  # live request id -> class
-    running_ids: list[str]  # requests holding device KV now
-    used_expert_keys: list[ExpertKey]  # experts computed in the last step, in use order
-    used_kv_block_keys: list[KVBlockKey]  # KV blocks read in the last step
-    deferred_expert_keys: list[ExpertKey]  # experts deferred in the last step (loads queued)
+    key: KVBlockKey  # (request id, layer, block index)
+    num_tokens: int  # filled positions
+    exact_tier: Tier | None  # nearest full-precision copy (device, host, disk), None when none exists
+    quant_tier: Tier | None  # nearest quantized copy (host, disk), None when none exists
+    quant_bits: int = 0  # bits of that quantized copy (0 when none)
+    quant_bytes: int = 0  # bytes of that quantized copy (0 when none)
+
+    @property
+    def is_on_device(self) -> bool:
+        return self.exact_tier is Tier.DEVICE
+
+
+class ControllerView(Protocol):
+    """Everything a controller may read about the engine's state: plain values and immutable snapshots.
+
+    "This step" is the step being prepared or run; "the last step" is the one whose end is being decided.
+    """
+
+    @property
+    def profile(self) -> HardwareProfile:
+        """Measured link and compute rates (frozen)."""
+        ...
+
+    def request_class(self, request_id: str) -> str:
+        """The policy class of a live request ("" when the request is unknown or finished)."""
+        ...
+
+    @property
+    def running_ids(self) -> tuple[str, ...]:
+        """Requests holding device KV now."""
+        ...
+
+    @property
+    def used_expert_keys(self) -> tuple[ExpertKey, ...]:
+        """Experts computed in the last step, in use order."""
+        ...
+
+    @property
+    def used_kv_block_keys(self) -> tuple[KVBlockKey, ...]:
+        """Off-device KV blocks read in the last step."""
+        ...
+
+    @property
+    def deferred_expert_keys(self) -> tuple[ExpertKey, ...]:
+        """Experts deferred in the last step (their loads queued)."""
+        ...
+
+    # --- the device budget, shared by both kinds of object
+    @property
+    def device_budget_bytes(self) -> int:
+        """The device budget."""
+        ...
+
+    @property
+    def device_free_bytes(self) -> int:
+        """Device budget bytes not held by anything."""
+        ...
+
+    def device_used_bytes(self, kind: ObjectKind) -> int:
+        """Device bytes held by objects of `kind`."""
+        ...
+
+    # --- experts
+    @property
+    def bytes_per_expert(self) -> int:
+        """Full-precision bytes of one routed expert."""
+        ...
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts per layer."""
+        ...
+
+    @property
+    def compute_dtype(self) -> str:
+        """The experts' compute dtype as configs spell it ("bfloat16")."""
+        ...
+
+    @property
+    def num_expert_params(self) -> int:
+        """Parameters of one routed expert."""
+        ...
+
+    def device_expert_keys(self) -> tuple[ExpertKey, ...]:
+        """Experts on device now."""
+        ...
+
+    def is_expert_on_device(self, key: ExpertKey) -> bool:
+        """Whether `key` is on device now."""
+        ...
+
+    def expert_home(self, key: ExpertKey) -> Tier:
+        """Where `key`'s full-precision copy comes from when it is loaded (host or disk)."""
+        ...
+
+    # --- KV
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers (each holds its own KV blocks)."""
+        ...
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        ...
+
+    @property
+    def bytes_per_kv_block(self) -> int:
+        """Full-precision bytes of one KV block."""
+        ...
+
+    def num_kv_tokens(self, request_id: str) -> int:
+        """Positions of the request written into KV blocks (0 when it has none)."""
+        ...
+
+    def off_device_kv_blocks(self, request_id: str, layer: int, num_blocks: int) -> tuple[KVBlockInfo, ...]:
+        """Snapshots of those of the request's first `num_blocks` blocks in `layer` that are not on device."""
+        ...
+
+    def device_kv_blocks(self) -> tuple[KVBlockInfo, ...]:
+        """Snapshots of every KV block on device now."""
+        ...
+
+    def staged_kv_tag(self, key: KVBlockKey) -> Tag | None:
+        """How a block read this step without a device slot was made usable, None when it was not staged."""
+        ...
+
+    def kv_quant_error_energy(self, key: KVBlockKey) -> float | None:
+        """Relative error energy ‖x − Q(x)‖² / ‖x‖² of the block's quantized copy, estimated from its group
+        scales; None when it has no quantized copy in memory."""
+        ...
 
 
 class Controller(abc.ABC):
@@ -103,18 +228,18 @@ class Controller(abc.ABC):
 
     @abc.abstractmethod
     def choose_victims(
-        self, num_bytes: int, view: EngineView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
+        self, num_bytes: int, view: ControllerView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
     ) -> list[Victim]:
         """Objects to take off device so that `num_bytes` more fit; may return fewer than needed."""
 
-    def on_step_start(self, plan: StepPlan, view: EngineView) -> None:  # noqa: B027 - optional hook
+    def on_step_start(self, plan: StepPlan, view: ControllerView) -> None:  # noqa: B027 - optional hook
         """Called before each step's forward pass."""
 
-    def on_step_end(self, view: EngineView) -> StepEndActions:
+    def on_step_end(self, view: ControllerView) -> StepEndActions:
         """Called after each step; default: nothing to do."""
         return StepEndActions()
 
-    def choose_read_ahead(self, predicted: list[ExpertKey], view: EngineView) -> list[ExpertKey]:
+    def choose_read_ahead(self, predicted: list[ExpertKey], view: ControllerView) -> list[ExpertKey]:
         """Which of the experts the next layer's router predicts (from this layer's hidden state) to read
         from disk ahead of use, in order; default: all of them (the store stops when host room runs out)."""
         return predicted

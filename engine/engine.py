@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterable
 import torch
 from tqdm.auto import tqdm
 
-from fallbackgate.engine.baseline.access import AuditAccess
+from fallbackgate.engine.baseline.access import BaselineAccess
 from fallbackgate.engine.config import DTYPES, EngineConfig
-from fallbackgate.engine.controller import Controller, EngineView
+from fallbackgate.engine.controller import Controller, ControllerView
 from fallbackgate.engine.errors import PromptError
 from fallbackgate.engine.experts.executor import Executor
 from fallbackgate.engine.experts.integrity import CopyVerifier
@@ -23,12 +23,14 @@ from fallbackgate.engine.model.runner import ModelRunner
 from fallbackgate.engine.sampler import sample
 from fallbackgate.engine.scheduler import Scheduler
 from fallbackgate.engine.sequence import SamplingParams, Sequence, check_prompt
-from fallbackgate.engine.step_context import EventLog, ForwardBatch, log_rebuilt
-from fallbackgate.engine.step_end import apply_step_end
+from fallbackgate.engine.step_context import EventLog, ForwardBatch, StepUses, log_rebuilt
 from fallbackgate.engine.tags import ObjectKind, Tag
+from fallbackgate.engine.view import LiveView
+
+ENGINE_REQUEST_ID = "__engine__"  # events not caused by one request (prefetches)
 
 
-class Engine(AuditAccess):
+class Engine(BaselineAccess):
     """A joint-offload MoE engine over a transformers checkpoint; the controller decides every fallback."""
 
     def __init__(self, config: EngineConfig, controller: Controller) -> None:
@@ -53,14 +55,24 @@ class Engine(AuditAccess):
         self.verifier = CopyVerifier(
             self.expert_store, loaded.checkpoint_dtype, config.num_verified_copies_per_step, config.seed
         )
-        hidden = int(self.model_config.hidden_size)
+        self.sequences: dict[str, Sequence] = {}
+        self.scheduler = Scheduler(config, self.kv_store, self._make_room_for_kv, expert_floor, self._preempt)
+        uses = StepUses()
+        self._view = LiveView(self.expert_store, self.kv_store, config.profile, self.sequences, self.scheduler, uses)
         first = next(iter(loaded.experts_by_layer.values()))
         self.executor = Executor(
-            self.expert_store, self.kv_store, controller, config.profile, hidden, int(first.intermediate_dim)
+            self.expert_store,
+            self.kv_store,
+            controller,
+            config.profile,
+            view=self._view,
+            uses=uses,
+            hidden_size=int(self.model_config.hidden_size),
+            intermediate_size=int(first.intermediate_dim),
+            routers=find_routers(model, loaded.experts_by_layer),
+            top_k=loaded.top_k,
+            audit_cache_bytes=config.audit_cache_bytes,
         )
-        self.executor.view_factory = self.view
-        self.executor.audit_weights.max_bytes = config.audit_cache_bytes
-        self.executor.routers, self.executor.top_k = find_routers(model, loaded.experts_by_layer), loaded.top_k
         paged_attention.attach(model, self.executor)
         for layer, module in loaded.experts_by_layer.items():
             module._fg_executor, module._fg_layer = self.executor, layer
@@ -69,8 +81,6 @@ class Engine(AuditAccess):
         self.runner = ModelRunner(
             model, self.executor, shape.num_layers, self.device, 2.0 * self.num_dense_params, attn_flops
         )
-        self.scheduler = Scheduler(config, self.kv_store, self._make_room_for_kv, expert_floor, self._preempt)
-        self.sequences: dict[str, Sequence] = {}
         self.finished: dict[str, RequestOutput] = {}
         self.modeled_clock_s = 0.0
         self.is_observe = config.is_observe
@@ -139,8 +149,7 @@ class Engine(AuditAccess):
 
     def _prepare(self, plan: StepPlan, chosen: list[tuple[Sequence, int]]) -> EventLog:
         log = EventLog(plan.step_id)
-        log.modeled_transfer_s += self.executor.pending_modeled_s
-        self.executor.pending_modeled_s = 0.0
+        log.modeled_transfer_s += self.executor.take_pending_modeled_s()
         for request_id, staged in self.scheduler.restored:
             log.add_transfer(
                 self.config.profile,
@@ -197,7 +206,7 @@ class Engine(AuditAccess):
     def _finish_step(
         self, plan: StepPlan, chosen: list[tuple[Sequence, int]], logits: torch.Tensor, log: EventLog, started: float
     ) -> StepResult:
-        apply_step_end(self, log)
+        self._end_step(log)
         sampled, kept, finished = {}, {}, []
         row = 0
         for seq, num in chosen:
@@ -234,6 +243,26 @@ class Engine(AuditAccess):
             self.verifier.verify_step(plan.step_id),
             log.kv_resident_reads,
         )
+
+    def _end_step(self, log: EventLog) -> None:
+        """Between steps: the controller's step-end actions, each carried out by the part that owns the
+        objects (in this order: spills, evictions, promotions, prefetches), then per-step state reset."""
+        actions = self.controller.on_step_end(self._view)
+        self.executor.end_step(actions.spill)
+        self.expert_store.evict_chosen(actions.evict_experts)
+        self.kv_store.promote_chosen(actions.promote_kv)
+        for key, fetched in self.expert_store.end_step(actions.load_experts, log.step_id + 1):
+            log.add_transfer(
+                self.config.profile,
+                ENGINE_REQUEST_ID,
+                key[0],
+                ObjectKind.EXPERT,
+                Tag.EXACT_LOAD,
+                fetched.bytes_moved,
+                fetched.source_tier,
+                note="prefetch after defer",
+            )
+        self.kv_store.clear_scratch()
 
     def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor, now: float) -> bool:
         if not seq.output_token_ids:
@@ -288,18 +317,9 @@ class Engine(AuditAccess):
             seq.num_recompute_tokens = max(seq.num_recompute_tokens, seq.num_computed_tokens)
             seq.num_computed_tokens = 0
 
-    def view(self) -> EngineView:
-        """A read view of the engine's state for controllers."""
-        return EngineView(
-            self.expert_store,
-            self.kv_store,
-            self.config.profile,
-            {rid: s.request_class for rid, s in self.sequences.items() if not s.is_finished},
-            [s.request_id for s in self.scheduler.running],
-            list(self.executor.used_expert_keys),
-            list(self.executor.used_kv_block_keys),
-            list(self.executor.deferred_expert_keys),
-        )
+    def view(self) -> ControllerView:
+        """The read-only view of the engine's state that controllers are shown."""
+        return self._view
 
     # --- conveniences --------------------------------------------------------------------------
     def generate(

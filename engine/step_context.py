@@ -117,6 +117,20 @@ class EventLog:
         return list(self._events.values())
 
 
+@dataclasses.dataclass(slots=True)
+class StepUses:
+    """What a step used, in use order, for the controller's view of it; the executor clears it at step end."""
+
+    used_expert_keys: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # experts computed
+    used_kv_block_keys: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)  # off-device reads
+    deferred_expert_keys: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # loads queued
+
+    def clear(self) -> None:
+        self.used_expert_keys.clear()
+        self.used_kv_block_keys.clear()
+        self.deferred_expert_keys.clear()
+
+
 class ReplayHooks(Protocol):
     """What a replay pass (the audit's recomputation of a served request) supplies instead of the stores."""
 

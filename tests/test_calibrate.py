@@ -8,9 +8,8 @@ import pytest
 
 from fallbackgate.batch.session import RunSettings
 from fallbackgate.cli import main
-from fallbackgate.commands.calibrate import fit, weighted_quantile
 from fallbackgate.controllers import make_controller
-from fallbackgate.controllers.cost import DEFAULT_SCALES, load_calibration
+from fallbackgate.controllers.cost import DEFAULT_SCALES, fit, load_calibration, weighted_quantile
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.tags import Tag

@@ -8,17 +8,17 @@ approximate fraction), and exact-only classes never see an approximate tag.
 from __future__ import annotations
 
 import dataclasses
-import types
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fallbackgate.controllers import ControllerKind, JointController, make_controller
-from fallbackgate.engine.controller import EngineView, ExpertMiss, KVMiss
+from fallbackgate.engine.controller import ExpertMiss, KVMiss
 from fallbackgate.engine.hardware import CPU_BOX, HardwareProfile
 from fallbackgate.engine.messages import StepKind, StepPlan
-from fallbackgate.engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.engine.tags import Tag, Tier
 from fallbackgate.policy.schema import FALLBACK_TAGS, SLO, Policy, QualityBudget, RequestClass
+from tests.static_view import StaticView
 
 LAYERS, TOP_K, EXPERTS = 4, 2, 8
 EXPERT_BYTES = 1 << 20
@@ -26,36 +26,18 @@ SLOW = HardwareProfile("slow", 2e8, 2e8, 1e8, 1e8, 1e10, 1e10, 1e-5)
 EXACT = {Tag.RESIDENT, Tag.EXACT_LOAD}
 
 
-class FakeExperts:
-    """Just enough of ExpertStore for a controller: nothing is ever on device."""
-
-    bytes_per_expert = EXPERT_BYTES
-    device_pool = types.SimpleNamespace(
-        budget_bytes=8 * EXPERT_BYTES, free_bytes=0, used_bytes_by_kind={ObjectKind.EXPERT: 0, ObjectKind.KV_BLOCK: 0}
+def fake_view(profile: HardwareProfile, request_classes: dict[str, str], running_ids: list[str]) -> StaticView:
+    """Nothing on device and no KV block tables (KV misses arrive synthetically); experts homed on the host."""
+    return StaticView(
+        profile,
+        request_classes,
+        tuple(running_ids),
+        device_budget_bytes=8 * EXPERT_BYTES,
+        bytes_per_expert=EXPERT_BYTES,
+        num_layers=LAYERS,
+        block_size=16,
+        bytes_per_kv_block=64 * 1024,
     )
-
-    def is_on_device(self, key: tuple[int, int]) -> bool:
-        return False
-
-    def device_keys(self) -> list[tuple[int, int]]:
-        return []
-
-    def home(self, key: tuple[int, int]) -> Tier:
-        return Tier.HOST
-
-
-class FakeKV:
-    """Just enough of KVStore: no block tables (KV misses arrive synthetically)."""
-
-    num_layers, block_size, bytes_per_block = LAYERS, 16, 64 * 1024
-    scratch: dict = {}
-    num_tokens: dict = {}
-
-    def blocks(self, request_id: str, layer: int) -> list:
-        return []
-
-    def device_blocks(self) -> list:
-        return []
 
 
 budgets = st.builds(
@@ -126,7 +108,7 @@ def _drive(controller: JointController, policy: Policy, assign: list[int], plan_
     for step_id, (active, misses) in enumerate(plan_steps, start=1):
         rids = [f"r{i}" for i in range(6) if active[i]] or ["r0"]
         plan = StepPlan(step_id, StepKind.DECODE, rids, dict.fromkeys(rids, 1), dict.fromkeys(rids, 32))
-        view = EngineView(FakeExperts(), FakeKV(), profile, {f"r{i}": names[i] for i in range(6)}, rids, [], [], [])
+        view = fake_view(profile, {f"r{i}": names[i] for i in range(6)}, rids)
         controller.on_step_start(plan, view)
         step_spent = dict.fromkeys(rids, 0.0)
         expert_uses = dict.fromkeys(rids, 0)
@@ -198,7 +180,7 @@ def test_spent_budget_serves_exactly_and_records_the_slip() -> None:
     policy = Policy(classes={"be": RequestClass(slo=SLO(tpot_ms=0.001), budget=tight)}, default_class="be")
     controller = make_controller("joint", policy, top_k=TOP_K)
     plan = StepPlan(1, StepKind.DECODE, ["r"], {"r": 1}, {"r": 8})
-    view = EngineView(FakeExperts(), FakeKV(), SLOW, {"r": "be"}, ["r"], [], [], [])
+    view = fake_view(SLOW, {"r": "be"}, ["r"])
     controller.on_step_start(plan, view)
     first = controller.expert_action(ExpertMiss(1, "r", "be", 0, 1, 1, 0.05, Tier.HOST, EXPERT_BYTES, False, False))
     assert first.tag is Tag.EXPERT_DEFER and 0 < first.predicted_cost <= 0.01

@@ -7,23 +7,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
-import types
 
 import pytest
-import torch
 
 from fallbackgate.cli import main
 from fallbackgate.controllers import make_controller
-from fallbackgate.engine.controller import EngineView, ExpertMiss, KVMiss
+from fallbackgate.engine.controller import ExpertMiss, KVBlockInfo, KVMiss
 from fallbackgate.engine.hardware import CPU_BOX, ExpertCurve, HardwareProfile
-from fallbackgate.engine.kv.block import KVBlock
 from fallbackgate.engine.messages import StepKind, StepPlan
 from fallbackgate.engine.tags import Tag, Tier
 from fallbackgate.policy.schema import SLO, Policy, QualityBudget, RequestClass
 from fallbackgate.profiling import store
 from fallbackgate.profiling.fit import curve_errors, fit_curve
 from fallbackgate.profiling.measure import ExpertTiming, measure_disk
-from tests.test_controllers import EXPERT_BYTES, FakeExperts, FakeKV
+from tests.test_controllers import EXPERT_BYTES, fake_view
 
 
 def _timings(call_s: float, s_per_byte: dict[int, float]) -> list[ExpertTiming]:
@@ -119,7 +116,7 @@ def test_cpu_execute_time_adds_up_within_a_step() -> None:
     policy = Policy(classes={"c": RequestClass(slo=SLO(tpot_ms=2.5, ttft_ms=25), budget=budget)}, default_class="c")
     controller = make_controller("joint", policy, top_k=2)
     plan = StepPlan(1, StepKind.DECODE, ["r"], {"r": 1}, {"r": 8})
-    controller.on_step_start(plan, EngineView(FakeExperts(), FakeKV(), profile, {"r": "c"}, ["r"], [], [], []))
+    controller.on_step_start(plan, fake_view(profile, {"r": "c"}, ["r"]))
     tags = [
         controller.expert_action(
             ExpertMiss(1, "r", "c", 0, e, 1, 0.1, Tier.HOST, EXPERT_BYTES, False, False, "float32")
@@ -130,21 +127,6 @@ def test_cpu_execute_time_adds_up_within_a_step() -> None:
     assert tags == [Tag.CPU_EXECUTE, Tag.CPU_EXECUTE, Tag.EXPERT_DEFER, Tag.EXPERT_DEFER]
 
 
-class _KVWithOneSpilledBlock(FakeKV):
-    """One request "r" whose layer-0 block 0 has only a host copy (off device)."""
-
-    def __init__(self) -> None:
-        self.block = KVBlock(("r", 0, 0), num_tokens=16, host=torch.zeros(1))
-
-    def blocks(self, request_id: str, layer: int) -> list:
-        return [self.block] if layer == 0 else []
-
-
-class _Store(FakeExperts):
-    entries = {(0, e): None for e in range(8)}
-    reader = types.SimpleNamespace(compute_dtype=torch.float32)
-
-
 def _arbitrated(allowed: list[str]) -> tuple[object, object]:
     """A 1 ms TPOT target, a link on which the block's 64 KiB take 6.6 ms, a fast device: recompute of
     the 32 tokens since the block is predicted well inside the deadline."""
@@ -153,9 +135,12 @@ def _arbitrated(allowed: list[str]) -> tuple[object, object]:
     controller = make_controller("joint", policy, top_k=2)
     profile = HardwareProfile("t", 1e7, 1e7, 1e7, 1e7, 1e13, 1e13, 0.0, device_bytes_per_s=1e12)
     plan = StepPlan(1, StepKind.DECODE, ["r"], {"r": 1}, {"r": 32})
-    kv = _KVWithOneSpilledBlock()
-    controller.on_step_start(plan, EngineView(_Store(), kv, profile, {"r": "c"}, ["r"], [], [], []))
-    decision = controller.kv_action(KVMiss(1, "r", "c", 0, 0, Tier.HOST, None, 0, kv.bytes_per_block))
+    spilled = KVBlockInfo(("r", 0, 0), 16, Tier.HOST, None)  # layer 0's block 0 has only a host copy
+    view = dataclasses.replace(
+        fake_view(profile, {"r": "c"}, ["r"]), num_expert_params=EXPERT_BYTES // 4, kv_blocks=(spilled,)
+    )
+    controller.on_step_start(plan, view)
+    decision = controller.kv_action(KVMiss(1, "r", "c", 0, 0, Tier.HOST, None, 0, view.bytes_per_kv_block))
     return decision, controller.arbitrations
 
 

@@ -7,8 +7,8 @@ from collections.abc import Callable
 import torch
 from transformers.integrations.moe import grouped_mm_experts_forward
 
-from fallbackgate.engine.baseline.expert_copies import AuditWeights
-from fallbackgate.engine.controller import Controller, EngineView
+from fallbackgate.engine.baseline.expert_copies import DEFAULT_CACHE_BYTES, AuditWeights
+from fallbackgate.engine.controller import Controller, ControllerView
 from fallbackgate.engine.device_pool import Scratch
 from fallbackgate.engine.errors import BudgetError, EngineError
 from fallbackgate.engine.experts.hook import (
@@ -23,7 +23,7 @@ from fallbackgate.engine.experts.hook import (
 from fallbackgate.engine.experts.store import ExpertKey, ExpertStore
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.kv.store import KVBlockKey, KVStore, SpillMode
-from fallbackgate.engine.step_context import StepContext
+from fallbackgate.engine.step_context import StepContext, StepUses
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 
@@ -36,24 +36,28 @@ class Executor:
         kv_store: KVStore,
         controller: Controller,
         profile: HardwareProfile,
+        *,
+        view: ControllerView,
+        uses: StepUses,
         hidden_size: int,
         intermediate_size: int,
+        routers: dict[int, torch.nn.Module],
+        top_k: int,
+        audit_cache_bytes: int = DEFAULT_CACHE_BYTES,
     ) -> None:
+        """`view` is what the controller is shown, `uses` where the step's uses are kept for it; `routers`
+        maps each decoder layer to its router (read-ahead prediction), `top_k` is experts per token, and
+        `audit_cache_bytes` bounds the baselines' own verified expert copies."""
         self.expert_store, self.kv_store, self.controller, self.profile = expert_store, kv_store, controller, profile
+        self.view, self.uses = view, uses
         self.num_expert_params = 3 * hidden_size * intermediate_size
         self.hidden_size = hidden_size
         self.ctx: StepContext | None = None
         self.pending_modeled_s = 0.0  # spill traffic between forwards, charged to the next step
-        self.view_factory: Callable[[], EngineView] = lambda: None  # set by the engine
-        self.used_expert_keys: list[ExpertKey] = []  # experts computed this step, in order
-        self.used_kv_block_keys: list[KVBlockKey] = []  # off-device KV blocks read this step
-        self.deferred_expert_keys: list[ExpertKey] = []  # experts deferred this step
         self.num_gather_bytes_held = 0  # device pool bytes of the current layer's gathered K/V
-        self.routers: dict[int, torch.nn.Module] = {}  # decoder layer -> its router (read-ahead prediction)
-        self.top_k = 1  # experts per token
+        self.routers, self.top_k = routers, top_k
         self.layer_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per request K, V of the current layer
-        self.audit_weights = AuditWeights(expert_store.reader)  # the baselines' own verified expert copies
-        # (the engine sets its size from EngineConfig.audit_cache_bytes)
+        self.audit_weights = AuditWeights(expert_store.reader, audit_cache_bytes)  # the baselines' expert copies
 
     # --- experts -------------------------------------------------------------------------------
     def run_experts(
@@ -75,7 +79,7 @@ class Executor:
             return self._exact_experts(module, layer, hidden, top_k_index, top_k_weights)
         if layer in self.expert_store.stacked_layers:
             return self._run_stacked(module, layer, hidden, top_k_index, top_k_weights)
-        uses = plan_expert_uses(self, layer, top_k_index, top_k_weights)
+        uses = plan_expert_uses(ctx, self.expert_store, self.controller, layer, top_k_index, top_k_weights)
         if self.expert_store.is_disk_tiered and self.expert_store.num_read_slots:
             self._start_reads(layer, hidden, uses)
         weights = renormalise_deferred(top_k_weights, uses, ctx.is_observe)
@@ -97,7 +101,7 @@ class Executor:
         if router is not None:
             logits = torch.nn.functional.linear(hidden.to(router.weight.dtype), router.weight)
             ids = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices.unique().tolist()
-            predicted = self.controller.choose_read_ahead([(layer + 1, e) for e in ids], self.view_factory())
+            predicted = self.controller.choose_read_ahead([(layer + 1, e) for e in ids], self.view)
         self.expert_store.queue_reads(list(dict.fromkeys(needed)), predicted, self.ctx.step_id)
 
     def _run_expert(
@@ -145,7 +149,7 @@ class Executor:
     ) -> None:
         """Fetch `key` as `fetch_tag` says, compute its uses, accumulate into `out`, and record them."""
         ctx = self.ctx
-        fetched = fetch_for_tag(self, key, fetch_tag)
+        fetched = fetch_for_tag(self.expert_store, key, fetch_tag, self.make_room)
         if len(tag_uses) == 1:
             token_idx, top_k_pos = tag_uses[0].token_idx, tag_uses[0].top_k_pos
         else:
@@ -326,9 +330,8 @@ class Executor:
         is_done = is_done or (lambda: pool.can_reserve(num_bytes))
         if is_done():
             return True
-        view: EngineView = self.view_factory()
         victims = self.controller.choose_victims(
-            num_bytes - pool.free_bytes, view, pinned_experts or set(), pinned_kv or set()
+            num_bytes - pool.free_bytes, self.view, pinned_experts or set(), pinned_kv or set()
         )
         for victim in victims:
             if victim.expert_key is not None and self.expert_store.is_on_device(victim.expert_key):
@@ -351,3 +354,18 @@ class Executor:
         written = self.kv_store.spill_block(block, mode)
         target = Tier.DISK if mode in (SpillMode.DISK_FULL, SpillMode.DISK_INT8) else Tier.HOST
         self.pending_modeled_s += self.profile.transfer_s(written, Tier.DEVICE, target) if written else 0.0
+
+    # --- step end ------------------------------------------------------------------------------
+    def end_step(self, spill: list[tuple[KVBlockKey, SpillMode]]) -> None:
+        """Spill the KV blocks the controller chose (those of live requests that still exist) and forget the
+        step's uses."""
+        for key, mode in spill:
+            request_id, layer, index = key
+            if request_id in self.kv_store.tables and index < len(self.kv_store.blocks(request_id, layer)):
+                self.spill_kv(key, mode)
+        self.uses.clear()
+
+    def take_pending_modeled_s(self) -> float:
+        """Link time of spills since the last forward (charged to the next step), reset to zero."""
+        seconds, self.pending_modeled_s = self.pending_modeled_s, 0.0
+        return seconds

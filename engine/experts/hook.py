@@ -7,27 +7,39 @@ expert is served (through the controller) and performs exactly that computation.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from fallbackgate.engine.controller import Decision, ExpertMiss
+from fallbackgate.engine.controller import Controller, Decision, ExpertMiss
 from fallbackgate.engine.errors import EngineError
-from fallbackgate.engine.experts.store import ExpertKey, ExpertWeights, Fetched
+from fallbackgate.engine.experts.store import ExpertKey, ExpertStore, ExpertWeights, Fetched
+from fallbackgate.engine.step_context import StepContext
 from fallbackgate.engine.tags import Tag, Tier
 
-if TYPE_CHECKING:
-    from fallbackgate.engine.experts.executor import Executor
-
 EXPERTS_IMPLEMENTATION = "fallbackgate"
+
+
+class ExpertsRunner(Protocol):
+    """What the engine attaches to every experts module (the executor): it computes the routed experts."""
+
+    def run_experts(
+        self,
+        module: torch.nn.Module,
+        layer: int,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor: ...
 
 
 def fallbackgate_experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """Experts interface entry point: delegate to the executor attached to this module."""
-    executor: Executor | None = getattr(self, "_fg_executor", None)
+    executor: ExpertsRunner | None = getattr(self, "_fg_executor", None)
     if executor is None:
         raise EngineError("experts module has no fallbackgate executor attached (model not built by the engine)")
     return executor.run_experts(self, self._fg_layer, hidden_states, top_k_index, top_k_weights)
@@ -76,10 +88,14 @@ def group_routing(
 
 
 def plan_expert_uses(
-    executor: Executor, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ctx: StepContext,
+    store: ExpertStore,
+    controller: Controller,
+    layer: int,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
 ) -> list[ExpertUse]:
     """Split routing into (expert, request) uses, experts ascending; ask the controller about each miss."""
-    ctx, store = executor.ctx, executor.expert_store
     uses: list[ExpertUse] = []
     device = top_k_index.device
     for (expert_id, request_index), (tokens, slots, top) in sorted(
@@ -89,7 +105,7 @@ def plan_expert_uses(
         if ctx.is_exact_baseline or store.is_on_device(key):
             decision = Decision(Tag.RESIDENT)
         else:
-            decision = executor.controller.expert_action(
+            decision = controller.expert_action(
                 ExpertMiss(
                     ctx.step_id,
                     ctx.batch.request_ids[request_index],
@@ -134,14 +150,14 @@ def renormalise_deferred(top_k_weights: torch.Tensor, uses: list[ExpertUse], is_
     return weights
 
 
-def fetch_for_tag(executor: Executor, key: ExpertKey, tag: Tag) -> Fetched:
-    """Get the weights a tag computes with, moving bytes as that tag does."""
-    store = executor.expert_store
+def fetch_for_tag(store: ExpertStore, key: ExpertKey, tag: Tag, make_room: Callable[..., bool]) -> Fetched:
+    """Get the weights a tag computes with, moving bytes as that tag does (`make_room`: the executor's, for a
+    load that needs device room)."""
     if tag is Tag.RESIDENT:
         return Fetched(store.device_weights(key), None, 0)
     if tag is Tag.EXACT_LOAD:
         if not store.can_place(key):
-            executor.make_room(store.bytes_per_expert, pinned_experts={key}, is_kv_evictable=False)
+            make_room(store.bytes_per_expert, pinned_experts={key}, is_kv_evictable=False)
         if not store.can_place(key):
             raise EngineError(f"no device room for expert {key} even after eviction")
         return store.place(key)

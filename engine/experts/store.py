@@ -138,6 +138,24 @@ class ExpertStore:
             self.host_lru[key] = None
             self.read_ahead_cached.add(key)
 
+    def evict_chosen(self, keys: list[ExpertKey]) -> None:
+        """Step end: drop the device copies the controller chose to evict (those still on device)."""
+        for key in keys:
+            if self.is_on_device(key):
+                self.evict(key)
+
+    def end_step(self, prefetch: list[ExpertKey], next_step_id: int) -> list[tuple[ExpertKey, Fetched]]:
+        """Step end: start the prefetches the controller chose while they fit the device budget (on the copy
+        stream), then settle the reads ahead nobody took (unused ones join the host cache; their first use
+        credits them). Returns the prefetches started."""
+        started = []
+        for key in prefetch:
+            if self.is_on_device(key) or not self.device_pool.can_reserve(self.bytes_per_expert):
+                continue
+            started.append((key, self.place(key, is_async=True)))
+        self.settle_reads(next_step_id)
+        return started
+
     def stack_layers(self, modules: dict[int, torch.nn.Module]) -> None:
         """When the device budget holds every expert: put each layer's experts into one [E, 2I, H] and one
         [E, H, I] tensor on the device, held by the layer's experts module as its own parameters (so a

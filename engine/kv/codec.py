@@ -68,3 +68,14 @@ def quant_to(quant: QuantKV, device: torch.device) -> QuantKV:
     """The same quantized block with codes, scales and zero points on `device`."""
     assert quant.keys is not None and quant.values is not None
     return QuantKV(quantized_to(quant.keys, device), quantized_to(quant.values, device), quant.bits, quant.nbytes)
+
+
+def relative_error_energy(quant: QuantKV) -> float | None:
+    """Relative error energy ‖x − Q(x)‖² / ‖x‖² of a quantized copy, estimated from its group scales (uniform
+    rounding error: scale² / 12 per element); None while its codes are on disk."""
+    if quant.keys is None or quant.values is None:
+        return None
+    restored = dequantize_kv(quant)
+    signal = float(restored.pow(2).sum())
+    noise = sum(float(q.scales.pow(2).sum()) * q.group_size / 12.0 for q in (quant.keys, quant.values))
+    return noise / signal if signal > 0 else 0.0

@@ -240,7 +240,14 @@ class KVStore:
         self._reserve_device(block, staged.tensor)
         return True
 
+    def promote_chosen(self, keys: list[KVBlockKey]) -> None:
+        """Step end: move the staged blocks the controller chose (of requests still live) into device slots."""
+        for request_id, layer, index in keys:
+            if request_id in self.tables and index < len(self.blocks(request_id, layer)):
+                self.promote(self.blocks(request_id, layer)[index])
+
     def clear_scratch(self) -> None:
+        """Drop every staged block (the step's scratch)."""
         for key in list(self.scratch):
             self._drop_scratch(key)
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
-from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import Cache
+from transformers import PreTrainedModel
 
 from fallbackgate.engine.controller import KVMiss
 from fallbackgate.engine.errors import ChecksumError, EngineError
@@ -14,7 +11,7 @@ from fallbackgate.engine.experts.executor import Executor
 from fallbackgate.engine.kv.paged_cache import PagedCache
 from fallbackgate.engine.kv.store import KVBlock, Staged
 from fallbackgate.engine.sequence import Sequence
-from fallbackgate.engine.step_context import EventLog, ForwardBatch, ReplayHooks, StepContext
+from fallbackgate.engine.step_context import EventLog, ForwardBatch, StepContext
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 
@@ -96,7 +93,7 @@ class ModelRunner:
             object_id=block.key[2] if staged.tag is not Tag.EXACT_LOAD else None,
             bits=quant.bits if staged.tag is Tag.KV_DEQUANT and quant else 0,
         )
-        self.executor.used_kv_block_keys.append(block.key)
+        self.executor.uses.used_kv_block_keys.append(block.key)
         return staged.tag
 
     def _recompute(self, step_id: int, seq: Sequence, begin: int, end: int, log: EventLog, is_observe: bool) -> None:
@@ -151,105 +148,11 @@ class ModelRunner:
                 )
         finally:
             self.executor.release_gather()
-            self.executor.used_expert_keys.extend(ctx.used_expert_keys)
-            self.executor.deferred_expert_keys.extend(ctx.deferred_expert_keys)
+            self.executor.uses.used_expert_keys.extend(ctx.used_expert_keys)
+            self.executor.uses.deferred_expert_keys.extend(ctx.deferred_expert_keys)
             self.executor.ctx = None
         pairs = sum(n * s + n * (n + 1) / 2 for s, n in zip(batch.starts, batch.lengths, strict=True))
         log.modeled_compute_s += self.executor.profile.device_compute_s(
             self.dense_flops_per_token * len(token_ids) + self.attn_flops_per_pair * pairs
         )
         return out.logits[0].float()
-
-    def replay_forward(
-        self, hooks: ReplayHooks, cache: Cache, token_ids: list[int], start: int, logits_rows: list[int]
-    ) -> torch.Tensor:
-        """One audit replay forward of one request's tokens at positions start..: `hooks` supply the experts
-        and attention, `cache` the K/V; fp32 logits at `logits_rows` (nothing recorded, no store touched)."""
-        n = len(token_ids)
-        batch = ForwardBatch(["replay"], [start], [n], torch.zeros(n, dtype=torch.long), ["replay"])
-        self.executor.ctx = StepContext(-1, batch, EventLog(-1), replay=hooks)
-        keep = torch.tensor(logits_rows or [n - 1], device=self.device)
-        try:
-            with torch.inference_mode():
-                out = self.model(
-                    input_ids=torch.tensor([token_ids], device=self.device),
-                    position_ids=torch.arange(start, start + n, device=self.device)[None],
-                    cache=cache,
-                    use_cache=True,
-                    logits_to_keep=keep,
-                )
-        finally:
-            self.executor.ctx = None
-        return out.logits[0].float()
-
-    def exact_hidden(self, sequences: list[list[int]], pad_id: int = 0) -> torch.Tensor:
-        """Exact baseline for several token sequences in one batched pass: final hidden states [B, L, H]
-        (after the model's last norm), sequences right-padded to the longest (causal attention keeps padding
-        out of every real position). Each routed expert is read once per layer for the whole batch, from
-        the checkpoint files through the audit's own verified cache. Logits come from :meth:`exact_head`."""
-        length = max(len(s) for s in sequences)
-        ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
-        for row, tokens in enumerate(sequences):
-            ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        num = ids.numel()
-        batch = ForwardBatch(["audit"], [0], [num], torch.zeros(num, dtype=torch.long), ["audit"])
-        self.executor.ctx = StepContext(-1, batch, EventLog(-1), is_exact_baseline=True)
-        try:
-            with torch.inference_mode():
-                return self.model.get_decoder()(input_ids=ids.to(self.device), use_cache=False).last_hidden_state
-        finally:
-            self.executor.ctx = None
-
-    def exact_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of final hidden states [N, H] (the model's own output layer)."""
-        with torch.inference_mode():
-            return self.model.get_output_embeddings()(hidden).float()
-
-    def exact_chunks(self, token_ids: list[int], first: int, chunk: int) -> Iterator[torch.Tensor]:
-        """Exact baseline logits at positions first.. of `token_ids`, as [<= chunk, vocab] fp32 chunks: one
-        pass over the tokens before `first`, then `chunk` positions per pass on transformers' own cache, so
-        at most `chunk` full-vocabulary rows exist at once. Experts are read and checked as in
-        :meth:`exact_logits`."""
-        ids = torch.tensor([token_ids], device=self.device)
-        batch = ForwardBatch(["audit"], [0], [len(token_ids)], torch.zeros(len(token_ids), dtype=torch.long), ["audit"])
-        reader = self.executor.expert_store.reader
-        cache = DynamicCache(config=self.model.config)
-        for start in range(0, len(token_ids), chunk) if first == 0 else [0, *range(first, len(token_ids), chunk)]:
-            stop = first if start == 0 and first > 0 else min(start + chunk, len(token_ids))
-            self.executor.ctx = StepContext(-1, batch, EventLog(-1), is_exact_baseline=True)
-            was_verified, reader.is_checksum_verified = reader.is_checksum_verified, True
-            try:
-                with torch.inference_mode():
-                    keep = 1 if stop <= first else 0  # 0: every position of the pass
-                    logits = self.model(input_ids=ids[:, start:stop], cache=cache, use_cache=True, logits_to_keep=keep)
-            finally:
-                self.executor.ctx = None
-                reader.is_checksum_verified = was_verified
-            if stop > first:
-                yield logits.logits[0].float()
-
-    def exact_logits(self, token_ids: list[int], num_chunked: int = 0) -> torch.Tensor:
-        """Exact baseline: every expert at full precision, teacher-forced, transformers' own cache.
-
-        One prefill pass by default; with `num_chunked` > 0 the last `num_chunked` tokens are fed one at
-        a time instead (the exact-vs-exact control: same math, other kernel shapes). Experts are read from
-        the checkpoint files and always checked against the manifest, even when serving has that check off.
-        """
-        batch = ForwardBatch(["audit"], [0], [len(token_ids)], torch.zeros(len(token_ids), dtype=torch.long), ["audit"])
-        self.executor.ctx = StepContext(-1, batch, EventLog(-1), is_exact_baseline=True)
-        ids = torch.tensor([token_ids], device=self.device)
-        split = len(token_ids) - num_chunked
-        reader = self.executor.expert_store.reader
-        was_verified, reader.is_checksum_verified = reader.is_checksum_verified, True  # never trust an unchecked read
-        try:
-            with torch.inference_mode():
-                if not num_chunked:
-                    return self.model(input_ids=ids, use_cache=False).logits[0].float()
-                cache = DynamicCache(config=self.model.config)
-                parts = [self.model(input_ids=ids[:, :split], cache=cache, use_cache=True).logits[0]]
-                for i in range(split, len(token_ids)):
-                    parts.append(self.model(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True).logits[0])
-                return torch.cat(parts).float()
-        finally:
-            self.executor.ctx = None
-            reader.is_checksum_verified = was_verified

@@ -13,7 +13,7 @@ from fallbackgate.audit.baseline import Baseline
 from fallbackgate.audit.replay import replay_logits
 from fallbackgate.audit.replay_trace import TraceError, load_trace
 from fallbackgate.audit.stats import PositionDiff, RequestDiffStats, percentile, position_diffs, request_stats
-from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.baseline.api import BaselineEngine
 from fallbackgate.engine.messages import RequestOutput
 from fallbackgate.ledger.db import Ledger
 
@@ -37,7 +37,7 @@ def exact_diffs(
     return diffs
 
 
-def audit_output(engine: Engine, output: RequestOutput) -> tuple[list[PositionDiff], RequestDiffStats]:
+def audit_output(engine: BaselineEngine, output: RequestOutput) -> tuple[list[PositionDiff], RequestDiffStats]:
     """Diffs of one request's engine logits against its exact baseline."""
     baseline = Baseline(engine, [(output.prompt_token_ids, output.output_token_ids)]).of(0)
     diffs = exact_diffs(output.output_token_ids, baseline, in_memory(output))
@@ -45,7 +45,7 @@ def audit_output(engine: Engine, output: RequestOutput) -> tuple[list[PositionDi
 
 
 def replay_diffs(
-    engine: Engine, ledger: Ledger, run_id: int, request_id: str, served: ServedRows, chunk: int = AUDIT_CHUNK
+    engine: BaselineEngine, ledger: Ledger, run_id: int, request_id: str, served: ServedRows, chunk: int = AUDIT_CHUNK
 ) -> tuple[list[float] | None, dict[str, Any]]:
     """Served logits against the replay of the request's ledger trace, streamed: KL(replay ‖ served) per
     output position, and ``max_kl``, ``mean_kl``, ``max_position``, ``top1_agreement``. A trace the replay
@@ -73,7 +73,7 @@ def replay_diffs(
 
 
 def audit_request(
-    engine: Engine,
+    engine: BaselineEngine,
     ledger: Ledger,
     run_id: int,
     request_id: str,
@@ -98,7 +98,7 @@ def audit_request(
 
 
 def control_diffs(
-    engine: Engine,
+    engine: BaselineEngine,
     prompt_ids: list[int],
     output_ids: list[int],
     baseline: ServedRows | None = None,
@@ -119,7 +119,7 @@ def control_diffs(
     return diffs, request_stats(diffs)
 
 
-def numeric_floor(engine: Engine, output: RequestOutput) -> float:
+def numeric_floor(engine: BaselineEngine, output: RequestOutput) -> float:
     """Max KL between two exact computations of the same request (see :func:`control_diffs`)."""
     return control_diffs(engine, output.prompt_token_ids, output.output_token_ids)[1].max_kl
 
@@ -162,7 +162,9 @@ class FloorControl:
         }
 
 
-def floor_control(engine: Engine, outputs: list[RequestOutput], max_positions: int | None = None) -> dict[str, Any]:
+def floor_control(
+    engine: BaselineEngine, outputs: list[RequestOutput], max_positions: int | None = None
+) -> dict[str, Any]:
     """The exact-vs-exact control on up to NUM_FLOOR_REQUESTS requests, in the engine's dtype: the
     baseline's own passes against token-by-token decoding of the same tokens (:func:`control_diffs`).
     Returns the worst of each statistic (``max_kl``, ``mean_kl``, ``p99_kl``, ``max_abs_dlogit``, lowest

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.baseline.api import BaselineEngine
 
 BATCH_TOKENS = 8192  # padded tokens per batched baseline pass
 
@@ -18,7 +18,7 @@ BATCH_TOKENS = 8192  # padded tokens per batched baseline pass
 class Baseline:
     """Exact-baseline logits at the output positions of several (prompt ids, output ids) requests."""
 
-    def __init__(self, engine: Engine, requests: list[tuple[list[int], list[int]]]) -> None:
+    def __init__(self, engine: BaselineEngine, requests: list[tuple[list[int], list[int]]]) -> None:
         self.engine = engine
         self.first = [len(prompt) - 1 for prompt, _ in requests]  # position producing output token 0
         self.where: list[tuple[int, int]] = []  # request -> (pass, row)

@@ -27,11 +27,13 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fallbackgate.audit.replay_trace import ExpertActions, KVActions, ReplayTrace, Segment, TraceError
-from fallbackgate.engine.engine import Engine
-from fallbackgate.engine.experts.hook import expert_mlp
-from fallbackgate.engine.experts.quant import dequantize_rows, quantize, quantized_to
-from fallbackgate.engine.experts.store import DEQUANT_ROWS, ExpertWeights
-from fallbackgate.engine.kv.codec import dequantize_kv, quantize_kv
+from fallbackgate.engine.baseline.api import (
+    BaselineEngine,
+    ExpertWeights,
+    expert_mlp,
+    kv_round_trip,
+    lowbit_round_trip,
+)
 
 MAX_CACHED_EXPERTS = 64  # low-bit round-tripped experts kept between the replay's forwards (bounded memory)
 
@@ -65,12 +67,12 @@ class _ReplayLayer(CacheLayerMixin):
 class Replayer:
     """Recomputes one request from its :class:`ReplayTrace` on an engine's model (no store is touched)."""
 
-    def __init__(self, engine: Engine, trace: ReplayTrace) -> None:
+    def __init__(self, engine: BaselineEngine, trace: ReplayTrace) -> None:
         self.engine, self.trace = engine, trace
-        self.block_size, self.key_dim = engine.config.block_size, engine.kv_store.key_dim
+        self.block_size, self.key_dim = engine.block_size, engine.kv_key_dim
         self.keys: dict[int, torch.Tensor] = {}  # layer -> [1, H, L, Dk] as written
         self.values: dict[int, torch.Tensor] = {}
-        self.cache = Cache(layers=[_ReplayLayer(self, i) for i in range(engine.kv_store.num_layers)])
+        self.cache = Cache(layers=[_ReplayLayer(self, i) for i in range(engine.num_layers)])
         self._lowbit: OrderedDict[tuple[int, int, int], ExpertWeights] = OrderedDict()  # round-tripped copies
         # the current forward
         self.start = 0
@@ -128,7 +130,7 @@ class Replayer:
                 )
         end = segments[-1].start + segments[-1].num_tokens
         tokens = self.trace.token_ids[self.start : end]
-        logits = self.engine.runner.replay_forward(self, self.cache, tokens, self.start, keep)
+        logits = self.engine.replay_forward(self, self.cache, tokens, self.start, keep)
         self.num_rows += len(keep)
         if keep:
             yield logits[: len(keep)]
@@ -142,7 +144,7 @@ class Replayer:
         self.start, self.is_rebuild = begin, True
         self.kv_actions = self.trace.kv[seg.step_id]
         self.token_steps = [seg.step_id] * (seg.start - begin)
-        self.engine.runner.replay_forward(self, self.cache, self.trace.token_ids[begin : seg.start], begin, [])
+        self.engine.replay_forward(self, self.cache, self.trace.token_ids[begin : seg.start], begin, [])
 
     def _crop(self, length: int) -> None:
         for layer in self.keys:
@@ -175,7 +177,7 @@ class Replayer:
             for block, bits in dequantized.items():
                 lo, hi = block * self.block_size, (block + 1) * self.block_size
                 packed = torch.cat([read_k[0, :, lo:hi], read_v[0, :, lo:hi]], dim=-1)
-                both = dequantize_kv(quantize_kv(packed, bits, self.key_dim)).to(packed.dtype)
+                both = kv_round_trip(packed, bits, self.key_dim).to(packed.dtype)
                 read_k[0, :, lo:hi], read_v[0, :, lo:hi] = both[..., : self.key_dim], both[..., self.key_dim :]
         return read_k, read_v
 
@@ -244,22 +246,18 @@ class Replayer:
 
     def _expert(self, layer: int, expert_id: int, bits: int) -> ExpertWeights:
         """The expert's weights from the checkpoint files (verified), low-bit round-tripped when `bits`."""
-        device = self.engine.device
-        full = self.engine.executor.audit_weights.get((layer, expert_id), device)
+        full = self.engine.audit_expert((layer, expert_id))
         if not bits:
             return full
         key = (layer, expert_id, bits)
         if key not in self._lowbit:
-            parts = (quantize(full.gate_up, bits, axis=1), quantize(full.down, bits, axis=1))
-            dtype = full.gate_up.dtype
-            rows = (dequantize_rows(quantized_to(p, device), dtype, DEQUANT_ROWS) for p in parts)
-            self._lowbit[key] = ExpertWeights(*rows)
+            self._lowbit[key] = lowbit_round_trip(full, bits, self.engine.device)
             if len(self._lowbit) > MAX_CACHED_EXPERTS:
                 self._lowbit.popitem(last=False)
         return self._lowbit[key]
 
 
-def replay_logits(engine: Engine, trace: ReplayTrace, max_rows: int = 32) -> Iterator[torch.Tensor]:
+def replay_logits(engine: BaselineEngine, trace: ReplayTrace, max_rows: int = 32) -> Iterator[torch.Tensor]:
     """The replay's logits for one request's output tokens, in order, as [<= max_rows, vocab] chunks (see
     the module docstring)."""
     return Replayer(engine, trace).run(max_rows)

@@ -27,7 +27,7 @@ from fallbackgate.audit.auditor import (
 from fallbackgate.audit.baseline import Baseline
 from fallbackgate.audit.gate import Floor, served_exactness, tolerance
 from fallbackgate.audit.stats import PositionDiff, RequestDiffStats
-from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.baseline.api import BaselineEngine
 from fallbackgate.engine.messages import RequestOutput
 from fallbackgate.engine.tags import TAG_EXACTNESS, Exactness, Tag
 from fallbackgate.ledger.db import Ledger
@@ -55,7 +55,7 @@ def objects_by_exactness(output: RequestOutput) -> dict[str, int]:
 
 
 def initial_floor(
-    engine: Engine, requests: list[tuple[str, list[int], list[int]]], baseline: Baseline | None = None
+    engine: BaselineEngine, requests: list[tuple[str, list[int], list[int]]], baseline: Baseline | None = None
 ) -> FloorControl:
     """The control on the first NUM_FLOOR_REQUESTS (request id, prompt ids, output ids), FLOOR_POSITIONS
     output positions each, against `baseline` (the batched baseline of `requests`; default: one of its own)."""
@@ -69,7 +69,7 @@ def initial_floor(
 
 
 def widen_floor(
-    engine: Engine,
+    engine: BaselineEngine,
     control: FloorControl,
     request: tuple[str, list[int], list[int]],
     served: Exactness,
@@ -85,7 +85,7 @@ def widen_floor(
 
 
 def audit_outputs(
-    engine: Engine, ledger: Ledger, run_id: int, audited: list[RequestOutput]
+    engine: BaselineEngine, ledger: Ledger, run_id: int, audited: list[RequestOutput]
 ) -> tuple[list[AuditedRequest], dict[str, Any]]:
     """Audit `audited` (their steps and requests already in `ledger`); returns each request's diffs and the
     run's floor statistics (see the module docstring)."""

@@ -22,9 +22,7 @@ from fallbackgate.audit.auditor import audit_request
 from fallbackgate.audit.gate import evaluate_run, served_exactness
 from fallbackgate.audit.run_audit import initial_floor, widen_floor
 from fallbackgate.audit.verdicts import write_verdicts
-from fallbackgate.controllers.exact_lru import ExactLRUController
-from fallbackgate.engine.config import EngineConfig
-from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.baseline.api import BaselineEngine, build_baseline_engine
 from fallbackgate.engine.tags import Exactness
 from fallbackgate.ledger import audit_queries, audit_queue, queries
 from fallbackgate.ledger.audit_queue import Claim, LeaseLost
@@ -83,7 +81,7 @@ class AuditWorker:
     def __init__(self, ledger: Ledger, lease_s: float = 60.0, run_id: int | None = None) -> None:
         self.ledger, self.lease_s, self.run_id = ledger, lease_s, run_id
         self.name = worker_name()
-        self.engines: dict[tuple[str, str | None, int], Engine] = {}
+        self.engines: dict[tuple[str, str | None, int], BaselineEngine] = {}
         self.stats = WorkerStats()
 
     def run(self, max_tasks: int | None = None, follow: bool = False) -> WorkerStats:
@@ -121,25 +119,16 @@ class AuditWorker:
             self._audit_request(engine, held)
             self.stats.num_requests += 1
 
-    def engine_for(self, run_id: int) -> Engine:
+    def engine_for(self, run_id: int) -> BaselineEngine:
         """The audit engine for a run's model, dtype and block size (experts stay in the files)."""
         run = queries.get_run(self.ledger, run_id)
         memory = (run or {}).get("memory") or {}
         key = (str(run["model_path"]), memory.get("dtype"), int(memory.get("block_size", 16)))
         if key not in self.engines:
-            config = EngineConfig(
-                model_dir=key[0],
-                dtype=key[1],
-                block_size=key[2],
-                host_budget_bytes=0,
-                is_stacked_when_fits=False,
-                num_io_threads=0,
-                num_verified_copies_per_step=0,
-            )
-            self.engines[key] = Engine(config, ExactLRUController())
+            self.engines[key] = build_baseline_engine(key[0], key[1], key[2])
         return self.engines[key]
 
-    def _audit_request(self, engine: Engine, held: Claim) -> None:
+    def _audit_request(self, engine: BaselineEngine, held: Claim) -> None:
         run_id, request_id = held.run_id, held.request_id
         found = audit_queries.request_tokens(self.ledger, run_id, request_id)
         if found is None:
@@ -161,7 +150,7 @@ class AuditWorker:
             rows[RequestStatRow.__table__][0].update({f"replay_{k}": v for k, v in replay.items() if k in kept})
         audit_queue.complete(self.ledger, held, lambda conn: _insert(conn, rows))
 
-    def _judge_run(self, engine: Engine, held: Claim) -> None:
+    def _judge_run(self, engine: BaselineEngine, held: Claim) -> None:
         run_id = held.run_id
         summaries = [r for r in queries.request_summaries(self.ledger, run_id) if r["num_positions"] is not None]
         requests = []

@@ -27,7 +27,7 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from fallbackgate.audit.gate import evaluate_run
-from fallbackgate.commands import calibrate
+from fallbackgate.controllers.cost import fit_calibration, store_calibration
 from fallbackgate.engine.tags import NON_EXACT_TAGS, Tag
 from fallbackgate.ledger.db import Ledger, open_ledger
 from fallbackgate.policy.schema import Policy
@@ -87,7 +87,9 @@ def run_check(model_dir: str, ledger_url: str, num_requests: int = 20, tpot_ms: 
     try:
         a = _run(cfg, ref_a, ledger, cell, "A (default scales)")
         b_before = _run(cfg_b, ref_b, ledger, cell, "B (default scales)")
-        rc = calibrate.run(argparse.Namespace(ledger=ledger_url, run=[a["run_id"]], quantile=0.95, dry_run=False))
+        fitted = fit_calibration(ledger, [a["run_id"]], 0.95)
+        store_calibration(ledger, fitted)
+        rc = 0 if fitted.num_requests else 1  # as `fallbackgate calibrate` exits
         b_after = _run(cfg_b, ref_b, ledger, cell, "B (calibrated on A)")
     finally:
         ledger.close()

@@ -11,17 +11,15 @@ Otherwise the exact copy loads late and the slip is recorded. Every choice is ke
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from fallbackgate.engine.controller import Decision, EngineView
+from fallbackgate.controllers.cost import CostModel
+from fallbackgate.controllers.link import LinkBudget
+from fallbackgate.engine.controller import ControllerView, Decision, KVBlockInfo
 from fallbackgate.engine.hardware import HardwareProfile
-from fallbackgate.engine.kv.block import KVBlock
-from fallbackgate.engine.kv.store import KVBlockKey
+from fallbackgate.engine.kv.block import KVBlockKey
 from fallbackgate.engine.tags import Tag, Tier
-
-if TYPE_CHECKING:
-    from fallbackgate.controllers.joint import JointController
-    from fallbackgate.policy.budgets import RequestBudget
+from fallbackgate.policy.budgets import RequestBudget
 
 
 @dataclasses.dataclass(slots=True)
@@ -34,53 +32,65 @@ class Arbitration:
     reason: str  # predicted times and the deciding limit
 
 
-def recompute_s(profile: HardwareProfile, view: EngineView, num_tokens: int, top_k: int) -> float:
+class StepState(Protocol):
+    """The joint controller's state for the current step that an arbitration reads and spends."""
+
+    step_id: int  # current step
+    top_k: int  # experts per token
+    cost: CostModel  # predicted quality cost of approximate actions
+    link: LinkBudget  # link time left in this step
+    cpu_left_s: float  # CPU time left in this step (a rebuild pass spends it)
+    recomputing: set[str]  # requests whose rebuild pass this step is already charged
+    kv_plan: dict[KVBlockKey, Decision]  # late exact KV copies served otherwise this step
+
+    def kv_error_energy(self, key: KVBlockKey, bits: int) -> float:
+        """Relative error energy of the block's quantized copy (cached per block)."""
+        ...
+
+
+def recompute_s(profile: HardwareProfile, view: ControllerView, num_tokens: int, top_k: int) -> float:
     """Predicted seconds to run `num_tokens` tokens again through every layer (dense part and experts)."""
-    store, layers = view.expert_store, view.kv_store.num_layers
-    num_experts = max(1, len({e for _, e in store.entries}))
-    uses = min(num_experts, num_tokens * top_k)
+    layers = view.num_layers
+    uses = min(max(1, view.num_experts), num_tokens * top_k)
     per_expert_tokens = max(1, num_tokens * top_k // uses)
-    dtype = str(store.reader.compute_dtype).removeprefix("torch.")
-    params = store.bytes_per_expert // store.reader.compute_dtype.itemsize
-    expert = profile.expert_s(per_expert_tokens, store.bytes_per_expert, params, on_cpu=False, dtype=dtype)
+    params, dtype = view.num_expert_params, view.compute_dtype
+    expert = profile.expert_s(per_expert_tokens, view.bytes_per_expert, params, on_cpu=False, dtype=dtype)
     return profile.dense_step_s(layers, 0.0) + layers * uses * expert
 
 
 def arbitrate(
-    ctrl: JointController, block: KVBlock, budget: RequestBudget, start: int, view: EngineView
+    ctrl: StepState, block: KVBlockInfo, budget: RequestBudget, start: int, view: ControllerView
 ) -> Arbitration | None:
-    """Decide a late exact KV copy; None when the copy still arrives in time (its link time is taken)."""
-    kv, link = view.kv_store, ctrl.link
-    source = Tier.HOST if block.host is not None else Tier.DISK
-    if link.fits(kv.bytes_per_block, source):
-        link.take(kv.bytes_per_block, source)
+    """Decide a late exact copy of an off-device block; None when the copy still arrives in time (its link
+    time is taken)."""
+    link, block_bytes, source = ctrl.link, view.bytes_per_kv_block, block.exact_tier
+    if link.fits(block_bytes, source):
+        link.take(block_bytes, source)
         return None
-    load_ms = 1e3 * sum(link.legs(kv.bytes_per_block, source).values())
+    load_ms = 1e3 * sum(link.legs(block_bytes, source).values())
     left_ms = 1e3 * max(0.0, link.left_s.get(Tier.HOST, 0.0))
     late = f"exact copy late ({load_ms:.3f} ms of link, {left_ms:.3f} ms left)"
     options: list[tuple[float, Tag, float]] = []  # (predicted seconds, tag, predicted nats)
     tags = budget.limits.allowed_tags
     if "recompute" in tags:  # one rebuild pass per request covers all its late blocks: charged once
         is_charged = block.key[0] in ctrl.recomputing
-        seconds = recompute_s(link.profile, view, max(1, start - block.key[2] * kv.block_size), ctrl.top_k)
+        seconds = recompute_s(link.profile, view, max(1, start - block.key[2] * view.block_size), ctrl.top_k)
         if is_charged or seconds <= ctrl.cpu_left_s:
             options.append((0.0 if is_charged else seconds, Tag.RECOMPUTE, 0.0))
-    quant = block.host_q or block.disk_q
-    if quant is not None and "kv_dequant" in tags:
-        quant_source = Tier.HOST if block.host_q is not None else Tier.DISK
-        quant_bytes = quant.num_bytes
-        cost = ctrl.cost.kv_cost(block.key[1], ctrl.kv_energy.get(block.key) or ctrl._energy(block.key, quant.bits))
+    if block.quant_tier is not None and "kv_dequant" in tags:
+        quant_source, quant_bytes = block.quant_tier, block.quant_bytes
+        cost = ctrl.cost.kv_cost(block.key[1], ctrl.kv_error_energy(block.key, block.quant_bits))
         if link.fits(quant_bytes, quant_source) and budget.fits(Tag.KV_DEQUANT, cost):
             options.append((sum(link.legs(quant_bytes, quant_source).values()), Tag.KV_DEQUANT, cost))
     if not options:
-        link.take(kv.bytes_per_block, source)
+        link.take(block_bytes, source)
         return Arbitration(ctrl.step_id, block.key, Tag.EXACT_LOAD, f"{late}; no allowed fallback fits: slo slip")
     seconds, tag, cost = min(options, key=lambda o: (o[0], o[2]))
     if tag is Tag.RECOMPUTE:
         ctrl.cpu_left_s -= seconds
         ctrl.recomputing.add(block.key[0])
     else:
-        link.take(quant.num_bytes, Tier.HOST if block.host_q is not None else Tier.DISK)
+        link.take(block.quant_bytes, block.quant_tier)
     budget.spend(tag, cost, False)  # spent when planned, so the next late block sees what is left
     ctrl.kv_plan[block.key] = Decision(tag, cost, f"{late}; {tag.value} predicted {1e3 * seconds:.3f} ms")
     return Arbitration(ctrl.step_id, block.key, tag, ctrl.kv_plan[block.key].reason)

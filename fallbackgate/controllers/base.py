@@ -6,7 +6,15 @@ from collections import OrderedDict
 
 from fallbackgate.controllers.link import LinkBudget
 from fallbackgate.controllers.timing import cpu_expert_s, step_deadline_s
-from fallbackgate.engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
+from fallbackgate.engine.controller import (
+    Controller,
+    ControllerView,
+    Decision,
+    ExpertMiss,
+    KVMiss,
+    StepEndActions,
+    Victim,
+)
 from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.hardware import CPU_BOX
 from fallbackgate.engine.kv.store import KVBlockKey, SpillMode
@@ -22,7 +30,7 @@ class Recency:
         self.experts: OrderedDict[ExpertKey, None] = OrderedDict()
         self.kv: OrderedDict[KVBlockKey, None] = OrderedDict()
 
-    def touch(self, view: EngineView) -> None:
+    def touch(self, view: ControllerView) -> None:
         """Move the last step's used experts and KV blocks to the most recent end."""
         for key in view.used_expert_keys:
             self.experts.pop(key, None)
@@ -31,23 +39,24 @@ class Recency:
             self.kv.pop(key, None)
             self.kv[key] = None
 
-    def experts_lru_first(self, view: EngineView) -> list[ExpertKey]:
+    def experts_lru_first(self, view: ControllerView) -> list[ExpertKey]:
         """Device experts, least recently used first (never-used ones first of all)."""
-        on_device = view.expert_store.device_keys()
+        on_device = view.device_expert_keys()
         known, resident = set(self.experts), set(on_device)
         return [k for k in on_device if k not in known] + [k for k in self.experts if k in resident]
 
-    def kv_lru_first(self, view: EngineView) -> list[KVBlockKey]:
+    def kv_lru_first(self, view: ControllerView) -> list[KVBlockKey]:
         """Device KV blocks: blocks of requests not running first, then older blocks first."""
         running = set(view.running_ids)
         order = {k: i for i, k in enumerate(self.kv)}
-        blocks = view.kv_store.device_blocks()
-        blocks.sort(key=lambda b: (b.key[0] in running, order.get(b.key, -1), b.key[2], b.key[1]))
+        blocks = sorted(
+            view.device_kv_blocks(), key=lambda b: (b.key[0] in running, order.get(b.key, -1), b.key[2], b.key[1])
+        )
         return [b.key for b in blocks]
 
 
 def take_victims(
-    candidates: list[Victim], view: EngineView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
+    candidates: list[Victim], view: ControllerView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
 ) -> list[Victim]:
     """The candidates in order without pinned objects. The whole list is returned: the engine takes
     victims in order only until enough is free, and skips KV victims when only experts may go."""
@@ -59,13 +68,13 @@ def take_victims(
     ]
 
 
-def full_block_keys(view: EngineView) -> set[KVBlockKey]:
+def full_block_keys(view: ControllerView) -> set[KVBlockKey]:
     """Device KV blocks that are full and not the tail a request still writes."""
-    kv = view.kv_store
+    size = view.block_size
     return {
         b.key
-        for b in kv.device_blocks()
-        if b.num_tokens == kv.block_size and b.key[2] < kv.num_tokens.get(b.key[0], 0) // kv.block_size
+        for b in view.device_kv_blocks()
+        if b.num_tokens == size and b.key[2] < view.num_kv_tokens(b.key[0]) // size
     }
 
 
@@ -84,7 +93,7 @@ class ExactBaseline(Controller):
         self.link = LinkBudget(CPU_BOX)
         self.cpu_left_s = 0.0
 
-    def on_step_start(self, plan: StepPlan, view: EngineView) -> None:
+    def on_step_start(self, plan: StepPlan, view: ControllerView) -> None:
         if self.is_equivalent_allowed and self.policy is not None:
             self.link.profile = view.profile
             deadline = step_deadline_s(self.policy, plan, view)
@@ -111,7 +120,7 @@ class ExactBaseline(Controller):
             return Decision(Tag.EXACT_LOAD)
         return Decision(Tag.RECOMPUTE, reason="no full-precision copy")
 
-    def on_step_end(self, view: EngineView) -> StepEndActions:
+    def on_step_end(self, view: ControllerView) -> StepEndActions:
         """Promote the KV blocks read this step when they fit; prefetch nothing."""
         self.recency.touch(view)
         return StepEndActions(promote_kv=list(view.used_kv_block_keys))

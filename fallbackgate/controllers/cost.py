@@ -15,18 +15,21 @@ Equivalent tags (``cpu_execute``, ``recompute``) cost nothing: they are the same
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
-from sqlalchemy import select
+from sqlalchemy import func, select
 
-from fallbackgate.engine.kv.codec import QuantKV, dequantize_kv, quantize_kv
+from fallbackgate.engine.kv.codec import dequantize_kv, quantize_kv
 from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger.db import Ledger
-from fallbackgate.ledger.models import Calibration
+from fallbackgate.ledger.models import Calibration, EventRow, RequestStatRow
+from fallbackgate.ledger.writer import LedgerWriter
 
 # predicted nats per unit of proxy before calibration: deliberately on the high side
 DEFAULT_SCALES: dict[Tag, float] = {Tag.EXPERT_DEFER: 2.0, Tag.EXPERT_LOWBIT: 2.0, Tag.KV_DEQUANT: 2.0}
 CALIBRATED_TAGS: tuple[Tag, ...] = tuple(DEFAULT_SCALES)
+MIN_SCALE = 1e-6  # a fitted scale never reaches 0: a tag that measured nothing still costs a little
 
 
 def lowbit_error_energy(bits: int) -> float:
@@ -96,12 +99,94 @@ def load_calibration(ledger: Ledger, lowbit_bits: int = 8) -> CostModel:
     return model
 
 
-def quant_error_energy(quant: QuantKV) -> float:
-    """Relative error energy of a quantized KV copy, estimated from its group scales (uniform rounding
-    error: scale² / 12 per element); the ``bits``-bit default when the codes live on disk."""
-    if quant.keys is None or quant.values is None:
-        return lowbit_error_energy(quant.bits)
-    restored = dequantize_kv(quant)
-    signal = float(restored.pow(2).sum())
-    noise = sum(float(q.scales.pow(2).sum()) * q.group_size / 12.0 for q in (quant.keys, quant.values))
-    return noise / signal if signal > 0 else 0.0
+# --- fitting the scales from a ledger (``fallbackgate calibrate``) ------------------------------------------
+
+
+def request_samples(ledger: Ledger, run_ids: list[int]) -> list[dict[str, Any]]:
+    """Per audited request: measured KL summed over positions and predicted nats per (tag, layer)."""
+    ev = EventRow
+    stmt = (
+        select(ev.run_id, ev.request_id, ev.tag, ev.layer, func.sum(ev.predicted_cost).label("predicted"))
+        .where(ev.exactness == "approximate", ev.predicted_cost > 0)
+        .group_by(ev.run_id, ev.request_id, ev.tag, ev.layer)
+    )
+    stats = select(
+        RequestStatRow.run_id, RequestStatRow.request_id, RequestStatRow.mean_kl, RequestStatRow.num_positions
+    )
+    if run_ids:
+        stmt, stats = stmt.where(ev.run_id.in_(run_ids)), stats.where(RequestStatRow.run_id.in_(run_ids))
+    samples: dict[tuple[int, str], dict[str, Any]] = {}
+    with ledger.engine.connect() as conn:
+        for run_id, request_id, mean_kl, num in conn.execute(stats):
+            samples[(run_id, request_id)] = {"run_id": run_id, "measured": mean_kl * num, "predicted": {}}
+        for run_id, request_id, tag, layer, predicted in conn.execute(stmt):
+            if (run_id, request_id) in samples:
+                samples[(run_id, request_id)]["predicted"][(tag, int(layer))] = float(predicted)
+    return [s for s in samples.values() if s["predicted"]]
+
+
+def weighted_quantile(values: list[float], weights: list[float], q: float) -> float:
+    """The smallest value whose cumulative weight reaches `q` of the total."""
+    pairs = sorted(zip(values, weights, strict=True))
+    total = sum(weights)
+    running = 0.0
+    for value, weight in pairs:
+        running += weight
+        if running >= q * total - 1e-15:
+            return value
+    return pairs[-1][0]
+
+
+def fit(samples: list[dict[str, Any]], quantile: float) -> dict[tuple[str, int], tuple[float, int]]:
+    """(tag, layer) -> (ratio measured / predicted, number of requests)."""
+    ratios: dict[tuple[str, int], tuple[list[float], list[float]]] = {}
+    for sample in samples:
+        total = sum(sample["predicted"].values())
+        ratio = sample["measured"] / total
+        for key, predicted in sample["predicted"].items():
+            values, weights = ratios.setdefault(key, ([], []))
+            values.append(ratio)
+            weights.append(predicted / total)
+    return {key: (weighted_quantile(v, w, quantile), len(v)) for key, (v, w) in ratios.items()}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FittedScale:
+    """One (tag, layer)'s new scale: the scale in force times the quantile of measured / predicted."""
+
+    tag: Tag
+    layer: int
+    ratio: float  # the fitted quantile of measured / predicted
+    scale: float  # the new scale
+    num_requests: int  # requests the (tag, layer) appears in
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CalibrationFit:
+    """A fit over the audited requests of some runs (no scales when none had approximate events)."""
+
+    num_requests: int
+    run_ids: list[int]
+    scales: list[FittedScale]
+
+
+def fit_calibration(ledger: Ledger, run_ids: list[int], quantile: float) -> CalibrationFit:
+    """Fit new scales for the calibrated tags from the audited requests of `run_ids` (all runs when empty)."""
+    samples = request_samples(ledger, run_ids)
+    if not samples:
+        return CalibrationFit(0, [], [])
+    current = load_calibration(ledger)
+    scales = [
+        FittedScale(Tag(tag), layer, ratio, max(MIN_SCALE, current.scale(Tag(tag), layer) * ratio), count)
+        for (tag, layer), (ratio, count) in sorted(fit(samples, quantile).items())
+        if Tag(tag) in CALIBRATED_TAGS
+    ]
+    return CalibrationFit(len(samples), sorted({s["run_id"] for s in samples}), scales)
+
+
+def store_calibration(ledger: Ledger, fitted: CalibrationFit) -> None:
+    """Write the fitted scales to the ledger's ``calibrations`` table (later runs load them)."""
+    writer = LedgerWriter(ledger)
+    for scale in fitted.scales:
+        writer.record_calibration(scale.tag.value, scale.layer, scale.scale, scale.num_requests, fitted.run_ids)
+    writer.close()

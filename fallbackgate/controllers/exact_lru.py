@@ -6,7 +6,15 @@ from collections.abc import Iterable
 
 from fallbackgate.controllers.base import Recency, full_block_keys, take_victims
 from fallbackgate.controllers.registry import ControllerKind, register_controller
-from fallbackgate.engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
+from fallbackgate.engine.controller import (
+    Controller,
+    ControllerView,
+    Decision,
+    ExpertMiss,
+    KVMiss,
+    StepEndActions,
+    Victim,
+)
 from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.kv.store import KVBlockKey, SpillMode
 from fallbackgate.engine.tags import Tag
@@ -57,13 +65,13 @@ class ExactLRUController(Controller):
         return Decision(Tag.RECOMPUTE, reason="only a quantized copy exists; exact-only policy rebuilds")
 
     def choose_victims(
-        self, num_bytes: int, view: EngineView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
+        self, num_bytes: int, view: ControllerView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
     ) -> list[Victim]:
         experts = [Victim(expert_key=k) for k in self.recency.experts_lru_first(view)]
         blocks = [Victim(kv_block_key=k, spill_mode=self.kv_spill_mode) for k in self.recency.kv_lru_first(view)]
         return take_victims(experts + blocks, view, pinned_experts, pinned_kv)
 
-    def on_step_end(self, view: EngineView) -> StepEndActions:
+    def on_step_end(self, view: ControllerView) -> StepEndActions:
         self.recency.touch(view)
         actions = StepEndActions(load_experts=list(dict.fromkeys(view.deferred_expert_keys)))
         if Tag.KV_DEQUANT in self.force or Tag.RECOMPUTE in self.force:

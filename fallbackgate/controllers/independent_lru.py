@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fallbackgate.controllers.base import ExactBaseline, take_victims
 from fallbackgate.controllers.registry import ControllerKind, register_controller
-from fallbackgate.engine.controller import EngineView, Victim
+from fallbackgate.engine.controller import ControllerView, Victim
 from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.kv.store import KVBlockKey
 
@@ -15,7 +15,7 @@ class IndependentLRUController(ExactBaseline):
     expert loads evict the LRU experts. No value comparison between the two sides."""
 
     def choose_victims(
-        self, num_bytes: int, view: EngineView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
+        self, num_bytes: int, view: ControllerView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
     ) -> list[Victim]:
         ordered = [self.kv_victim(k) for k in self.recency.kv_lru_first(view)]
         ordered += [Victim(expert_key=k) for k in self.recency.experts_lru_first(view)]

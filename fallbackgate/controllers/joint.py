@@ -19,16 +19,24 @@ import dataclasses
 
 from fallbackgate.controllers.arbitration import Arbitration, arbitrate
 from fallbackgate.controllers.base import Recency
-from fallbackgate.controllers.cost import CostModel, lowbit_error_energy, quant_error_energy
+from fallbackgate.controllers.cost import CostModel, lowbit_error_energy
 from fallbackgate.controllers.joint_memory import rebalance
 from fallbackgate.controllers.link import LinkBudget
 from fallbackgate.controllers.registry import ControllerKind, register_controller
 from fallbackgate.controllers.timing import cpu_expert_s, step_deadline_s
 from fallbackgate.controllers.values import ValueModel
-from fallbackgate.engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
+from fallbackgate.engine.controller import (
+    Controller,
+    ControllerView,
+    Decision,
+    ExpertMiss,
+    KVMiss,
+    StepEndActions,
+    Victim,
+)
 from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.hardware import CPU_BOX
-from fallbackgate.engine.kv.store import KVBlockKey, KVStore, SpillMode
+from fallbackgate.engine.kv.store import KVBlockKey, SpillMode
 from fallbackgate.engine.messages import StepPlan
 from fallbackgate.engine.tags import Tag, Tier
 from fallbackgate.policy.budgets import BudgetBook, RequestBudget
@@ -63,51 +71,47 @@ class JointController(Controller):
         self.cpu_left_s = 0.0  # CPU time left in this step for cpu_execute experts
         self.kv_energy: dict[KVBlockKey, float] = {}
         self.slips: list[Slip] = []
-        self.kv_store: KVStore | None = None  # the engine's KV store, read to size quantization errors
+        self.view: ControllerView | None = None  # the engine's view, read to size quantization errors
         self.kv_plan: dict[KVBlockKey, Decision] = {}  # late exact KV copies served otherwise this step
         self.arbitrations: list[Arbitration] = []  # every late exact KV copy and what was served
         self.recomputing: set[str] = set()  # requests whose rebuild pass this step is already charged
 
     # --- per step --------------------------------------------------------------------------------
-    def on_step_start(self, plan: StepPlan, view: EngineView) -> None:
-        self.link.profile, self.kv_store = view.profile, view.kv_store
+    def on_step_start(self, plan: StepPlan, view: ControllerView) -> None:
+        self.link.profile, self.view = view.profile, view
         self.step_id, self.is_observe = plan.step_id, plan.is_observe
         self.loading.clear()
         deadline = step_deadline_s(self.policy, plan, view)
         self.link.reset(deadline)
         self.cpu_left_s = deadline
-        base = view.kv_store.num_layers * self.top_k
+        base = view.num_layers * self.top_k
         for rid in plan.request_ids:
-            self._budget(rid, view.request_classes.get(rid, "")).begin_step(
-                plan.step_id, plan.num_tokens[rid] == 1, base
-            )
+            self._budget(rid, view.request_class(rid)).begin_step(plan.step_id, plan.num_tokens[rid] == 1, base)
         self._queue_kv(plan, view)
         must = any(not self._can_fall_back(self.book.requests[r]) for r in plan.request_ids)
         expected = sum(p * self._load_s(view, k) for k, p in self.values.expected_misses(view)) if must else 0.0
         self.strict_reserve_s = min(expected, max(0.0, self.link.left_s[Tier.HOST]))
 
-    def _queue_kv(self, plan: StepPlan, view: EngineView) -> None:
+    def _queue_kv(self, plan: StepPlan, view: ControllerView) -> None:
         """KV blocks with a full copy queue first; one that would arrive late is arbitrated (see
         :mod:`fallbackgate.controllers.arbitration`) against the step's expert loads."""
-        kv = view.kv_store
         self.kv_plan.clear()
         self.recomputing.clear()
         for rid in plan.request_ids:
             start = plan.start_positions[rid]
-            budget = self._budget(rid, view.request_classes.get(rid, ""))
-            for layer in range(kv.num_layers):
-                for block in kv.blocks(rid, layer)[: start // kv.block_size]:
-                    if block.device is None and block.has_exact_copy:
+            budget = self._budget(rid, view.request_class(rid))
+            for layer in range(view.num_layers):
+                for block in view.off_device_kv_blocks(rid, layer, start // view.block_size):
+                    if block.exact_tier is not None:
                         if self.is_observe:  # observe serves exact copies: queue them, decide nothing
-                            source = Tier.HOST if block.host is not None else Tier.DISK
-                            self.link.take(kv.bytes_per_block, source)
+                            self.link.take(view.bytes_per_kv_block, block.exact_tier)
                             continue
                         decided = arbitrate(self, block, budget, start, view)
                         if decided is not None:
                             self.arbitrations.append(decided)
 
-    def _load_s(self, view: EngineView, key: ExpertKey) -> float:
-        return sum(self.link.legs(view.expert_store.bytes_per_expert, view.expert_store.home(key)).values())
+    def _load_s(self, view: ControllerView, key: ExpertKey) -> float:
+        return sum(self.link.legs(view.bytes_per_expert, view.expert_home(key)).values())
 
     def _budget(self, request_id: str, request_class: str) -> RequestBudget:
         return self.book.get(request_id, request_class)
@@ -173,7 +177,7 @@ class JointController(Controller):
             return Decision(Tag.EXACT_LOAD)
         if miss.quant_tier is not None:
             key = (miss.request_id, miss.layer, miss.block_index)
-            cost = self.cost.kv_cost(miss.layer, self.kv_energy.get(key) or self._energy(key, miss.quant_bits))
+            cost = self.cost.kv_cost(miss.layer, self.kv_error_energy(key, miss.quant_bits))
             if budget.fits(Tag.KV_DEQUANT, cost):
                 budget.spend(Tag.KV_DEQUANT, cost, False)
                 self.link.take(miss.num_bytes * miss.quant_bits // 32, miss.quant_tier)
@@ -183,17 +187,18 @@ class JointController(Controller):
         budget.spend(Tag.RECOMPUTE, 0.0, False)
         return Decision(Tag.RECOMPUTE, reason="no copy")
 
-    def _energy(self, key: KVBlockKey, bits: int) -> float:
-        """Relative error energy of a block's quantized copy (the bits' default when it cannot be read)."""
-        blocks = self.kv_store.blocks(key[0], key[1]) if self.kv_store is not None else []
-        block = blocks[key[2]] if key[2] < len(blocks) else None
-        quant = (block.host_q or block.disk_q) if block is not None else None
-        energy = quant_error_energy(quant) if quant is not None else lowbit_error_energy(bits)
-        self.kv_energy[key] = energy
-        return energy
+    def kv_error_energy(self, key: KVBlockKey, bits: int) -> float:
+        """Relative error energy of a block's quantized copy, cached per block (the `bits`' default when the
+        copy cannot be read)."""
+        cached = self.kv_energy.get(key)
+        if cached:
+            return cached
+        energy = self.view.kv_quant_error_energy(key) if self.view is not None else None
+        self.kv_energy[key] = energy if energy is not None else lowbit_error_energy(bits)
+        return self.kv_energy[key]
 
     # --- memory ----------------------------------------------------------------------------------
-    def spill_mode(self, request_id: str, view: EngineView) -> SpillMode:
+    def spill_mode(self, request_id: str, view: ControllerView) -> SpillMode:
         """A quantized copy only for classes that may read one and rebuild exactly when their budget is spent."""
         budget = self.book.requests.get(request_id)
         if budget is None or self.is_observe:
@@ -204,18 +209,18 @@ class JointController(Controller):
         return SpillMode.HOST_FULL
 
     def choose_victims(
-        self, num_bytes: int, view: EngineView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
+        self, num_bytes: int, view: ControllerView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
     ) -> list[Victim]:
         """Everything on device, lowest value per byte first (values per request and per home tier are
         computed once per call: this runs on every miss that needs room)."""
         running = set(view.running_ids)
         ranked: list[tuple[float, Victim]] = [
             (self.values.expert_value(k, view), Victim(expert_key=k))
-            for k in view.expert_store.device_keys()
+            for k in view.device_expert_keys()
             if k not in pinned_experts
         ]
         per_request: dict[str, tuple[SpillMode, float]] = {}
-        for block in view.kv_store.device_blocks():
+        for block in view.device_kv_blocks():
             if block.key in pinned_kv:
                 continue
             rid = block.key[0]
@@ -228,7 +233,7 @@ class JointController(Controller):
         ranked.sort(key=lambda item: item[0])
         return [v for _, v in ranked]
 
-    def on_step_end(self, view: EngineView) -> StepEndActions:
+    def on_step_end(self, view: ControllerView) -> StepEndActions:
         self.values.update(view)
         self.recency.touch(view)
-        return rebalance(self, view)
+        return rebalance(view, self.values, self.link.left_s.get(Tier.HOST, 0.0), self.top_k)

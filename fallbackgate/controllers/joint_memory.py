@@ -8,50 +8,45 @@ the last `top_k` expert slots, so an expert load can always make room.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from fallbackgate.engine.controller import EngineView, StepEndActions
-from fallbackgate.engine.tags import ObjectKind, Tag, Tier
-
-if TYPE_CHECKING:
-    from fallbackgate.controllers.joint import JointController
+from fallbackgate.controllers.values import ValueModel
+from fallbackgate.engine.controller import ControllerView, StepEndActions
+from fallbackgate.engine.tags import ObjectKind, Tag
 
 PREFETCH_MIN_FREQ = 0.3  # decayed use frequency an expert needs before it is prefetched
 
 
-def rebalance(ctrl: JointController, view: EngineView) -> StepEndActions:
-    """The step-end actions: promotions (evicting cheaper experts) and prefetches."""
+def rebalance(view: ControllerView, values: ValueModel, slack_s: float, top_k: int) -> StepEndActions:
+    """The step-end actions: promotions (evicting cheaper experts) and prefetches into the `slack_s` of host
+    link time the step left unused."""
     actions = StepEndActions()
-    store, kv = view.expert_store, view.kv_store
-    pool = store.device_pool
-    free = pool.free_bytes
-    kv_cap = pool.budget_bytes - max(1, ctrl.top_k) * store.bytes_per_expert
-    kv_used = pool.used_bytes_by_kind[ObjectKind.KV_BLOCK]
+    per_expert, per_block = view.bytes_per_expert, view.bytes_per_kv_block
+    free = view.device_free_bytes
+    kv_cap = view.device_budget_bytes - max(1, top_k) * per_expert
+    kv_used = view.device_used_bytes(ObjectKind.KV_BLOCK)
     running = set(view.running_ids)
-    evictable = sorted(store.device_keys(), key=lambda k: ctrl.values.expert_value(k, view))
+    evictable = sorted(view.device_expert_keys(), key=lambda k: values.expert_value(k, view))
     for key in dict.fromkeys(view.used_kv_block_keys):
-        staged = kv.scratch.get(key)
-        if staged is None or staged.tag is Tag.KV_DEQUANT or key[0] not in running:
+        staged = view.staged_kv_tag(key)
+        if staged is None or staged is Tag.KV_DEQUANT or key[0] not in running:
             continue
-        if kv_used + kv.bytes_per_block > kv_cap:
+        if kv_used + per_block > kv_cap:
             break
-        value = ctrl.values.kv_value(key, view, running)
-        while free < kv.bytes_per_block and evictable and ctrl.values.expert_value(evictable[0], view) < value:
+        value = values.kv_value(key, view, running)
+        while free < per_block and evictable and values.expert_value(evictable[0], view) < value:
             actions.evict_experts.append(evictable.pop(0))
-            free += store.bytes_per_expert
-        if free < kv.bytes_per_block:
+            free += per_expert
+        if free < per_block:
             break
         actions.promote_kv.append(key)
-        free -= kv.bytes_per_block
-        kv_used += kv.bytes_per_block
-    slack = ctrl.link.left_s.get(Tier.HOST, 0.0)
+        free -= per_block
+        kv_used += per_block
     for key in dict.fromkeys(view.deferred_expert_keys):
-        seconds = view.profile.transfer_s(store.bytes_per_expert, store.home(key))
-        if ctrl.values.freq.get(key, 0.0) < PREFETCH_MIN_FREQ or seconds > slack or store.is_on_device(key):
+        seconds = view.profile.transfer_s(per_expert, view.expert_home(key))
+        if values.freq.get(key, 0.0) < PREFETCH_MIN_FREQ or seconds > slack_s or view.is_expert_on_device(key):
             continue
-        if free < store.bytes_per_expert:
+        if free < per_expert:
             break
         actions.load_experts.append(key)
-        free -= store.bytes_per_expert
-        slack -= seconds
+        free -= per_expert
+        slack_s -= seconds
     return actions

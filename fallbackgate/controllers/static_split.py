@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fallbackgate.controllers.base import ExactBaseline, take_victims
 from fallbackgate.controllers.registry import ControllerKind, register_controller
-from fallbackgate.engine.controller import EngineView, StepEndActions, Victim
+from fallbackgate.engine.controller import ControllerView, StepEndActions, Victim
 from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.kv.store import KVBlockKey
 from fallbackgate.engine.tags import ObjectKind
@@ -29,34 +29,33 @@ class StaticSplitController(ExactBaseline):
             raise ValueError(f"expert_fraction must be in (0, 1), got {expert_fraction}")
         self.expert_fraction = expert_fraction
 
-    def _shares(self, view: EngineView) -> tuple[int, int]:
-        pool = view.expert_store.device_pool
-        expert_share = int(pool.budget_bytes * self.expert_fraction)
-        return expert_share, pool.budget_bytes - expert_share
+    def _shares(self, view: ControllerView) -> tuple[int, int]:
+        budget = view.device_budget_bytes
+        expert_share = int(budget * self.expert_fraction)
+        return expert_share, budget - expert_share
 
     def choose_victims(
-        self, num_bytes: int, view: EngineView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
+        self, num_bytes: int, view: ControllerView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
     ) -> list[Victim]:
         expert_share, kv_share = self._shares(view)
-        pool = view.expert_store.device_pool
         experts = [k for k in self.recency.experts_lru_first(view) if k not in pinned_experts]
         blocks = [k for k in self.recency.kv_lru_first(view) if k not in pinned_kv]
-        per_expert, per_block = view.expert_store.bytes_per_expert, view.kv_store.bytes_per_block
-        over_e = max(0, -(-(pool.used_bytes_by_kind[ObjectKind.EXPERT] - expert_share) // per_expert))
-        over_kv = max(0, -(-(pool.used_bytes_by_kind[ObjectKind.KV_BLOCK] - kv_share) // per_block))
+        per_expert, per_block = view.bytes_per_expert, view.bytes_per_kv_block
+        over_e = max(0, -(-(view.device_used_bytes(ObjectKind.EXPERT) - expert_share) // per_expert))
+        over_kv = max(0, -(-(view.device_used_bytes(ObjectKind.KV_BLOCK) - kv_share) // per_block))
         ordered = [Victim(expert_key=k) for k in experts[:over_e]]
         ordered += [self.kv_victim(k) for k in blocks[:over_kv]]
         ordered += [Victim(expert_key=k) for k in experts[over_e:]]
         ordered += [self.kv_victim(k) for k in blocks[over_kv:]]
         return take_victims(ordered, view, pinned_experts, pinned_kv)
 
-    def on_step_end(self, view: EngineView) -> StepEndActions:
+    def on_step_end(self, view: ControllerView) -> StepEndActions:
         actions = super().on_step_end(view)
         expert_share, _ = self._shares(view)
-        used = view.expert_store.device_pool.used_bytes_by_kind[ObjectKind.EXPERT]
+        used = view.device_used_bytes(ObjectKind.EXPERT)
         for key in self.recency.experts_lru_first(view):
             if used <= expert_share:
                 break
             actions.evict_experts.append(key)
-            used -= view.expert_store.bytes_per_expert
+            used -= view.bytes_per_expert
         return actions

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fallbackgate.engine.controller import EngineView, ExpertMiss
+from fallbackgate.engine.controller import ControllerView, ExpertMiss
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.messages import StepPlan
 from fallbackgate.policy.schema import Policy
@@ -10,15 +10,15 @@ from fallbackgate.policy.schema import Policy
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def step_deadline_s(policy: Policy, plan: StepPlan, view: EngineView) -> float:
+def step_deadline_s(policy: Policy, plan: StepPlan, view: ControllerView) -> float:
     """The step's link and CPU time: the tightest target of its requests (TPOT for decoding requests, TTFT
     for prefill) less the step's fixed dense time that the profile predicts."""
     targets = []
     for rid in plan.request_ids:
-        cls = policy.classes.get(view.request_classes.get(rid, ""))
+        cls = policy.classes.get(view.request_class(rid))
         if cls is not None:
             targets.append(cls.slo.tpot_ms if plan.num_tokens[rid] == 1 else cls.slo.ttft_ms)
-    dense_s = view.profile.dense_step_s(view.kv_store.num_layers, 0.0)
+    dense_s = view.profile.dense_step_s(view.num_layers, 0.0)
     return max((min(targets) if targets else 0.0) / 1000.0 - dense_s, 0.0)
 
 

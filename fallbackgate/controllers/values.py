@@ -8,7 +8,7 @@ Values are seconds saved per step per byte, so both sides compare in one unit.
 
 from __future__ import annotations
 
-from fallbackgate.engine.controller import EngineView
+from fallbackgate.engine.controller import ControllerView
 from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.kv.store import KVBlockKey
 from fallbackgate.engine.tags import Tier
@@ -21,7 +21,7 @@ class ValueModel:
         self.decay = decay
         self.freq: dict[ExpertKey, float] = {}
 
-    def update(self, view: EngineView) -> None:
+    def update(self, view: ControllerView) -> None:
         """Decay every frequency and count the last step's used and deferred experts once each."""
         used = set(view.used_expert_keys) | set(view.deferred_expert_keys)
         for key in list(self.freq):
@@ -31,24 +31,22 @@ class ValueModel:
         for key in used:
             self.freq[key] = self.freq.get(key, 0.0) + (1.0 - self.decay)
 
-    def expected_misses(self, view: EngineView) -> list[tuple[ExpertKey, float]]:
+    def expected_misses(self, view: ControllerView) -> list[tuple[ExpertKey, float]]:
         """Non-resident experts with their probability of being needed next step."""
-        store = view.expert_store
-        return [(k, min(1.0, f)) for k, f in self.freq.items() if not store.is_on_device(k)]
+        return [(k, min(1.0, f)) for k, f in self.freq.items() if not view.is_expert_on_device(k)]
 
-    def expert_value(self, key: ExpertKey, view: EngineView) -> float:
+    def expert_value(self, key: ExpertKey, view: ControllerView) -> float:
         """Seconds saved per step per byte by keeping `key` on device."""
         freq = self.freq.get(key, 0.0)
         if not freq:
             return 0.0
-        store = view.expert_store
-        seconds = view.profile.transfer_s(store.bytes_per_expert, store.home(key))
-        return freq * seconds / store.bytes_per_expert
+        seconds = view.profile.transfer_s(view.bytes_per_expert, view.expert_home(key))
+        return freq * seconds / view.bytes_per_expert
 
-    def kv_value(self, key: KVBlockKey, view: EngineView, running: set[str], reload_fraction: float = 1.0) -> float:
+    def kv_value(self, key: KVBlockKey, view: ControllerView, running: set[str], reload_fraction: float = 1.0) -> float:
         """Seconds saved per step per byte by keeping KV block `key` on device (0 when its request is idle)."""
         if key[0] not in running:
             return 0.0
-        num_bytes = view.kv_store.bytes_per_block
+        num_bytes = view.bytes_per_kv_block
         seconds = view.profile.transfer_s(max(1, int(num_bytes * reload_fraction)), Tier.HOST)
         return seconds / num_bytes

@@ -159,7 +159,7 @@ def measure_engine_steps(
     MoE layers, routed experts per layer, experts per token): what the engine adds around the model's own
     forward (scheduling, per-request attention, sampling, events) shows up against
     :func:`measure_decode_step`."""
-    from fallbackgate.controllers.exact_lru import ExactLRUController
+    from fallbackgate.engine.baseline.api import ExactController
     from fallbackgate.engine.config import EngineConfig
     from fallbackgate.engine.engine import Engine
     from fallbackgate.engine.sequence import SamplingParams
@@ -168,7 +168,7 @@ def measure_engine_steps(
     config = EngineConfig(
         model_dir=str(CHECKPOINT_DIR), device="cuda" if device.type == "cuda" else "cpu", num_io_threads=0
     )
-    engine = Engine(config, ExactLRUController())
+    engine = Engine(config, ExactController())
     medians = []
     for num in (1, batch):
         for i in range(num):

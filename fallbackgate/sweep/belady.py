@@ -2,7 +2,7 @@
 
 A trace is the sequence of ``(layer, expert_id)`` uses in the order the engine computed them (layer order
 within a step, steps in order). :class:`TraceRecorder` wraps any controller and records the trace from
-``EngineView.used_expert_keys`` at every step end, delegating every decision to the wrapped controller.
+``ControllerView.used_expert_keys`` at every step end, delegating every decision to the wrapped controller.
 :func:`belady_misses` counts the loads of the optimal demand-paging policy with ``num_slots`` expert
 slots (evict the expert whose next use lies farthest in the future), starting from an empty device like
 the engine does.
@@ -15,7 +15,15 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from fallbackgate.engine.controller import Controller, Decision, EngineView, ExpertMiss, KVMiss, StepEndActions, Victim
+from fallbackgate.engine.controller import (
+    Controller,
+    ControllerView,
+    Decision,
+    ExpertMiss,
+    KVMiss,
+    StepEndActions,
+    Victim,
+)
 from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.kv.store import KVBlockKey
 from fallbackgate.engine.messages import StepPlan
@@ -79,17 +87,17 @@ class TraceRecorder(Controller):
         return self.inner.kv_action(miss)
 
     def choose_victims(
-        self, num_bytes: int, view: EngineView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
+        self, num_bytes: int, view: ControllerView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
     ) -> list[Victim]:
         return self.inner.choose_victims(num_bytes, view, pinned_experts, pinned_kv)
 
-    def on_step_start(self, plan: StepPlan, view: EngineView) -> None:
+    def on_step_start(self, plan: StepPlan, view: ControllerView) -> None:
         self.inner.on_step_start(plan, view)
 
-    def choose_read_ahead(self, predicted: list[ExpertKey], view: EngineView) -> list[ExpertKey]:
+    def choose_read_ahead(self, predicted: list[ExpertKey], view: ControllerView) -> list[ExpertKey]:
         return self.inner.choose_read_ahead(predicted, view)
 
-    def on_step_end(self, view: EngineView) -> StepEndActions:
+    def on_step_end(self, view: ControllerView) -> StepEndActions:
         """Record the step's expert uses (in use order), then let the wrapped controller act."""
         self.trace.extend(view.used_expert_keys)
         return self.inner.on_step_end(view)

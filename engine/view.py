@@ -1,0 +1,143 @@
+"""The engine's :class:`~fallbackgate.engine.controller.ControllerView`: read-only queries over its live state.
+
+Every query reads the stores when it is called and answers with plain values or immutable snapshots; the
+view keeps its sources in private slots and hands none of them out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from fallbackgate.engine.controller import KVBlockInfo
+from fallbackgate.engine.experts.reader import ExpertKey
+from fallbackgate.engine.experts.store import ExpertStore
+from fallbackgate.engine.hardware import HardwareProfile
+from fallbackgate.engine.kv.block import KVBlock, KVBlockKey
+from fallbackgate.engine.kv.codec import relative_error_energy
+from fallbackgate.engine.kv.store import KVStore
+from fallbackgate.engine.scheduler import Scheduler
+from fallbackgate.engine.sequence import Sequence
+from fallbackgate.engine.step_context import StepUses
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
+
+
+def block_info(block: KVBlock) -> KVBlockInfo:
+    """The snapshot of one block's copies."""
+    exact = Tier.DEVICE if block.device is not None else Tier.HOST if block.host is not None else None
+    exact = exact or (Tier.DISK if block.disk is not None else None)
+    quant = block.host_q or block.disk_q
+    quant_tier = Tier.HOST if block.host_q is not None else Tier.DISK if block.disk_q is not None else None
+    if quant is None:
+        return KVBlockInfo(block.key, block.num_tokens, exact, None)
+    return KVBlockInfo(block.key, block.num_tokens, exact, quant_tier, quant.bits, quant.num_bytes)
+
+
+class LiveView:
+    """Controllers' read-only view of a running engine (see the module docstring)."""
+
+    __slots__ = ("_experts", "_kv", "_profile", "_scheduler", "_sequences", "_uses")
+
+    def __init__(
+        self,
+        expert_store: ExpertStore,
+        kv_store: KVStore,
+        profile: HardwareProfile,
+        sequences: Mapping[str, Sequence],
+        scheduler: Scheduler,
+        uses: StepUses,
+    ) -> None:
+        self._experts, self._kv, self._profile = expert_store, kv_store, profile
+        self._sequences, self._scheduler, self._uses = sequences, scheduler, uses
+
+    @property
+    def profile(self) -> HardwareProfile:
+        return self._profile
+
+    def request_class(self, request_id: str) -> str:
+        seq = self._sequences.get(request_id)
+        return seq.request_class if seq is not None and not seq.is_finished else ""
+
+    @property
+    def running_ids(self) -> tuple[str, ...]:
+        return tuple(s.request_id for s in self._scheduler.running)
+
+    @property
+    def used_expert_keys(self) -> tuple[ExpertKey, ...]:
+        return tuple(self._uses.used_expert_keys)
+
+    @property
+    def used_kv_block_keys(self) -> tuple[KVBlockKey, ...]:
+        return tuple(self._uses.used_kv_block_keys)
+
+    @property
+    def deferred_expert_keys(self) -> tuple[ExpertKey, ...]:
+        return tuple(self._uses.deferred_expert_keys)
+
+    @property
+    def device_budget_bytes(self) -> int:
+        return self._experts.device_pool.budget_bytes
+
+    @property
+    def device_free_bytes(self) -> int:
+        return self._experts.device_pool.free_bytes
+
+    def device_used_bytes(self, kind: ObjectKind) -> int:
+        return self._experts.device_pool.used_bytes_by_kind[kind]
+
+    @property
+    def bytes_per_expert(self) -> int:
+        return self._experts.bytes_per_expert
+
+    @property
+    def num_experts(self) -> int:
+        return len({e for _, e in self._experts.entries})
+
+    @property
+    def compute_dtype(self) -> str:
+        return str(self._experts.reader.compute_dtype).removeprefix("torch.")
+
+    @property
+    def num_expert_params(self) -> int:
+        return self._experts.bytes_per_expert // self._experts.reader.compute_dtype.itemsize
+
+    def device_expert_keys(self) -> tuple[ExpertKey, ...]:
+        return tuple(self._experts.device_keys())
+
+    def is_expert_on_device(self, key: ExpertKey) -> bool:
+        return self._experts.is_on_device(key)
+
+    def expert_home(self, key: ExpertKey) -> Tier:
+        return self._experts.home(key)
+
+    @property
+    def num_layers(self) -> int:
+        return self._kv.num_layers
+
+    @property
+    def block_size(self) -> int:
+        return self._kv.block_size
+
+    @property
+    def bytes_per_kv_block(self) -> int:
+        return self._kv.bytes_per_block
+
+    def num_kv_tokens(self, request_id: str) -> int:
+        return self._kv.num_tokens.get(request_id, 0)
+
+    def off_device_kv_blocks(self, request_id: str, layer: int, num_blocks: int) -> tuple[KVBlockInfo, ...]:
+        blocks = self._kv.blocks(request_id, layer)[:num_blocks]
+        return tuple(block_info(b) for b in blocks if b.device is None)
+
+    def device_kv_blocks(self) -> tuple[KVBlockInfo, ...]:
+        return tuple(block_info(b) for b in self._kv.device_blocks())
+
+    def staged_kv_tag(self, key: KVBlockKey) -> Tag | None:
+        staged = self._kv.scratch.get(key)
+        return staged.tag if staged is not None else None
+
+    def kv_quant_error_energy(self, key: KVBlockKey) -> float | None:
+        request_id, layer, index = key
+        table = self._kv.tables.get(request_id)
+        blocks = table[layer] if table is not None else []
+        quant = (blocks[index].host_q or blocks[index].disk_q) if index < len(blocks) else None
+        return relative_error_energy(quant) if quant is not None else None
