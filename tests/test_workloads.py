@@ -55,7 +55,7 @@ def test_the_limit_is_the_engines() -> None:
     assert set(registered_kinds()) == set(WorkloadKind)
 
 
-@pytest.mark.parametrize("limit", [LIMIT, 256])
+@pytest.mark.parametrize("limit", [LIMIT, 255])
 def test_each_kinds_lengths_are_fractions_of_the_limit(model_tokens, tokenizer, limit: int) -> None:
     ctx = _context(model_tokens, limit)
     for kind in WorkloadKind:

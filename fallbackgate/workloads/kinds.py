@@ -205,7 +205,7 @@ def long_reasoning(ctx: Context, rng: random.Random, count: int, rate_per_s: flo
     requests = []
     for arrival in poisson_arrivals(rng, count, rate_per_s, start_s):
         target = tokens_between(rng, ctx.limit, *REASONING_PROMPT)
-        answer = tokens_between(rng, ctx.limit, *REASONING_ANSWER)
+        answer = min(tokens_between(rng, ctx.limit, *REASONING_ANSWER), ctx.limit // 2)
         prompt, num = framed_prompt(ctx, rng, lambda body: f"Question: {body}\nReasoning:", target)
         requests.append(Request(WorkloadKind.LONG_REASONING, prompt, num, answer, arrival))
     return requests
