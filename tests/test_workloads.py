@@ -213,3 +213,12 @@ def test_the_written_file_round_trips(model_tokens, tmp_path: pathlib.Path) -> N
     path = tmp_path / "w.jsonl"
     path.write_text(to_jsonl(specs), encoding="utf-8")
     assert load_prompts(path) == specs
+
+
+def test_corpus_from_the_environment(tmp_path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FALLBACKGATE_CORPUS", str(tmp_path))  # no books there
+    assert main(["workload", "short-chat", "--out", str(tmp_path / "w.jsonl")]) == 2
+    assert "$FALLBACKGATE_CORPUS" in capsys.readouterr().err
+    (tmp_path / "b.txt").write_text("A small book of plain words, told once. " * 50)
+    assert main(["workload", "short-chat", "--out", str(tmp_path / "w.jsonl"), "--num-requests", "2"]) == 0
+    assert f"corpus: 1 books in {tmp_path}" in capsys.readouterr().out

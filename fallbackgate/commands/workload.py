@@ -91,11 +91,11 @@ def _context(args: argparse.Namespace) -> tuple[Context, str]:
         raise ValueError(f"--model {args.model}: {exc}") from None
     if limit.tokens < MIN_LIMIT:
         raise ValueError(f"--model {args.model}: a length limit of {limit.tokens} is below {MIN_LIMIT} tokens")
-    corpus_dir, flag = None, "--corpus"
-    if args.corpus is not None:
-        corpus_dir = pathlib.Path(args.corpus)
-    elif not args.no_corpus:
-        corpus_dir, flag = find_corpus(), f"${CORPUS_ENV}" if os.environ.get(CORPUS_ENV) else "--corpus"
+    flag = f"${CORPUS_ENV}" if args.corpus is None and os.environ.get(CORPUS_ENV) else "--corpus"
+    if args.no_corpus:
+        corpus_dir = None
+    else:
+        corpus_dir = pathlib.Path(args.corpus) if args.corpus is not None else find_corpus()
     try:
         pool = TextPool.load(tokens, corpus_dir)
     except ValueError as exc:
