@@ -21,6 +21,7 @@ from fallbackgate.commands import (
     serve,
     sweep,
     verify,
+    workload,
 )
 
 
@@ -28,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand registered."""
     parser = argparse.ArgumentParser(prog="fallbackgate", description="Honest MoE inference under memory pressure.")
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module in (run, serve, plan, gate, audit, lmeval, dashboard, policy, parity, calibrate, sweep, verify, profile):
+    commands = (run, serve, plan, gate, audit, lmeval, dashboard, policy, parity, calibrate, sweep, verify, profile)
+    for module in (*commands, workload):
         module.add_parser(subparsers)
     return parser
 

@@ -25,6 +25,9 @@ class PromptSpec:
     request_id: str  # `id`, or prompt-<line number>
     request_class: str = "default"  # `class`: the policy request class
     max_new_tokens: int | None = None  # overrides --max-new-tokens
+    arrival_s: float | None = None  # `arrival_s`: seconds from the start of the workload (None: at once)
+    session: str | None = None  # `session`: the multi-turn session the request is a turn of
+    turn: int | None = None  # `turn`: its turn in the session, from 0
 
 
 MAX_ID_CHARS = 128  # requests.request_id is VARCHAR(128)
@@ -36,7 +39,8 @@ class PromptsFileError(ValueError):
 
 
 def load_prompts(path: str | pathlib.Path | None) -> list[PromptSpec]:
-    """Read a JSONL prompts file: one object per line with `prompt` and optional `id`, `class`, `max_new_tokens`."""
+    """Read a JSONL prompts file: one object per line with `prompt` and optional `id`, `class`, `max_new_tokens`,
+    `arrival_s` and, for a turn of a multi-turn session, `session` and `turn` (both or neither)."""
     if path is None:
         return [PromptSpec(text, f"builtin-{i}") for i, text in enumerate(BUILTIN_PROMPTS)]
     path = pathlib.Path(path)
@@ -58,10 +62,32 @@ def load_prompts(path: str | pathlib.Path | None) -> list[PromptSpec]:
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
-        specs.append(_parse_line(path, number, line, seen))
+        spec = _parse_line(path, number, line, seen)
+        arrival_s, session, turn = _parse_timing(f"{path}:{number}", json.loads(line))
+        specs.append(dataclasses.replace(spec, arrival_s=arrival_s, session=session, turn=turn))
     if not specs:
         raise PromptsFileError(f"{path}: no prompts (expected one JSON object per line)")
     return specs
+
+
+def _parse_timing(where: str, item: dict) -> tuple[float | None, str | None, int | None]:
+    """The optional `arrival_s`, `session` and `turn` of a line (`fallbackgate workload` writes them)."""
+    arrival = item.get("arrival_s")
+    if arrival is not None and (
+        not isinstance(arrival, int | float) or isinstance(arrival, bool) or not 0 <= arrival < float("inf")
+    ):
+        raise PromptsFileError(f"{where}: field 'arrival_s' must be a finite number of seconds >= 0, got {arrival!r}")
+    session, turn = item.get("session"), item.get("turn")
+    if (session is None) != (turn is None):
+        given = "turn" if session is None else "session"
+        raise PromptsFileError(f"{where}: fields 'session' and 'turn' go together, got only {given!r}")
+    if session is not None and (not isinstance(session, str) or not 1 <= len(session) <= MAX_ID_CHARS):
+        raise PromptsFileError(
+            f"{where}: field 'session' must be a string of 1..{MAX_ID_CHARS} characters, got {str(session)[:80]!r}"
+        )
+    if turn is not None and (not isinstance(turn, int) or isinstance(turn, bool) or turn < 0):
+        raise PromptsFileError(f"{where}: field 'turn' must be an integer >= 0, got {turn!r}")
+    return (None if arrival is None else float(arrival)), session, turn
 
 
 def _parse_line(path: pathlib.Path, number: int, line: str, seen: set[str]) -> PromptSpec:
@@ -72,7 +98,7 @@ def _parse_line(path: pathlib.Path, number: int, line: str, seen: set[str]) -> P
         raise PromptsFileError(f"{where}: not valid JSON ({exc.msg})") from exc
     if not isinstance(item, dict):
         raise PromptsFileError(f"{where}: expected a JSON object, got {type(item).__name__}")
-    unknown = set(item) - {"prompt", "id", "class", "max_new_tokens"}
+    unknown = set(item) - {"prompt", "id", "class", "max_new_tokens", "arrival_s", "session", "turn"}
     if unknown:
         raise PromptsFileError(f"{where}: unknown field(s) {sorted(unknown)}")
     prompt = item.get("prompt")
