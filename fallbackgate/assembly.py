@@ -24,12 +24,15 @@ from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.apply import class_budgets, class_slos, policy_record, with_sections
 from fallbackgate.policy.loader import hardware_profile
-from fallbackgate.policy.schema import ControllerSpec, Policy
+from fallbackgate.policy.schema import ControllerKind, ControllerSpec, Policy
 from fallbackgate.recording import RequestClasses, RunRecorder, RunRow
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 # what a run without a policy file serves with, as overrides of the default Policy()
-NO_POLICY: dict[str, dict[str, object]] = {"controller": {"kind": "exact_lru"}, "audit": {"mode": "enforce"}}
+NO_POLICY: dict[str, dict[str, object]] = {
+    "controller": {"kind": ControllerKind.EXACT_LRU.value},
+    "audit": {"mode": "enforce"},
+}
 
 
 def no_policy(model: str | None = None, **sections: dict[str, object]) -> Policy:
@@ -99,9 +102,7 @@ class Assembly:
             policy=policy_record(self.policy) if self.policy_name is not None else None,
             policy_name=self.policy_name,
         )
-        return RunRecorder(
-            writer, self.engine, row, self.classes, audit_rate=self.audit_rate, seed=self.settings.seed
-        )
+        return RunRecorder(writer, self.engine, row, self.classes, audit_rate=self.audit_rate, seed=self.settings.seed)
 
 
 def top_k_of(model_dir: str) -> int:
@@ -171,7 +172,7 @@ def controller_settings(
     """What the policy's controller is built from; the joint controller's costs come from ``calibration``."""
     spec = policy.controller
     cost = None
-    if spec.kind == "joint":
+    if spec.kind == ControllerKind.JOINT:
         bits = spec.expert_lowbit_bits or 8
         cost = load_calibration(calibration, bits) if calibration is not None else CostModel(lowbit_bits=bits)
     fraction = overrides.expert_fraction
@@ -189,7 +190,7 @@ def controller_settings(
 def build_controller(policy: Policy, settings: ControllerSettings) -> Controller:
     """The controller ``settings`` describe (forced tags act only on exact_lru)."""
     if settings.force:
-        if settings.kind != "exact_lru":
+        if settings.kind != ControllerKind.EXACT_LRU:
             raise ValueError(
                 f"force={list(settings.force)} needs an exact_lru policy, not controller {settings.kind!r}"
             )

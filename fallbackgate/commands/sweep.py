@@ -19,6 +19,7 @@ from fallbackgate.engine.errors import EngineError
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError, open_ledger
 from fallbackgate.policy import PolicyError, load_policy
 from fallbackgate.policy.apply import with_sections
+from fallbackgate.policy.schema import ControllerKind
 from fallbackgate.sweep.belady import TraceRecorder
 from fallbackgate.sweep.grid import CONTROLLERS, CellBuilder, SweepConfig, run_sweep
 from fallbackgate.sweep.plot import heatmaps
@@ -97,7 +98,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         workload=workload,
         audit_rate=args.audit_rate,
         headline_expert_frac=args.headline_expert_frac,
-        static_fracs=args.static_fracs if "static_split" in args.controllers else (),
+        static_fracs=args.static_fracs if ControllerKind.STATIC_SPLIT.value in args.controllers else (),
         progress=not args.quiet,
     )
 

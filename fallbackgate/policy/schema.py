@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fallbackgate.engine.config import PREEMPT_MODES, PreemptMode
 from fallbackgate.engine.tags import NON_EXACT_TAGS
 from fallbackgate.profiling.names import MEASURED, PROFILE_NAMES
 
@@ -43,6 +44,7 @@ Nats = Annotated[float, Field(ge=0, description="KL divergence in nats, >= 0")]
 FallbackTag = _one_of(FALLBACK_TAGS)
 ControllerKindName = _one_of(CONTROLLER_KINDS)
 ProfileName = _one_of(PROFILE_NAMES)
+PreemptModeName = _one_of(PREEMPT_MODES)
 
 
 class _Strict(BaseModel):
@@ -75,7 +77,7 @@ class MemorySpec(_Strict):
     spill_dir: str | None = None
     block_size: Annotated[int, Field(ge=1, le=1024)] = 16
     max_num_seqs: Annotated[int, Field(ge=1, le=1024)] = 8
-    preempt_mode: Literal["swap", "recompute"] = "swap"
+    preempt_mode: PreemptModeName = PreemptMode.SWAP.value
 
     @field_validator("block_size")
     @classmethod
