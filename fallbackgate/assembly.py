@@ -58,6 +58,9 @@ class Overrides:
     force: tuple[str, ...] = ()  # fallback tags forced on the exact_lru controller (testing)
     is_stacked_when_fits: bool | None = None  # stacked experts without a device budget; None: unless tags are forced
     device_budget_bytes: int | None = None  # exact bytes, winning over the policy's MiB (the sweep's cells)
+    host_budget_bytes: int | None = None  # exact bytes, winning over the policy's MiB (0: no host tier)
+    max_model_len: int | None = None  # prompt + output tokens per request; None: the engine's default
+    device: str | None = None  # "auto", "cpu" or "cuda"; None: the engine's default ("auto")
     expert_fraction: float | None = None  # static_split's expert share; None: the policy's
     is_equivalent_allowed: bool = False  # baselines may serve late misses with the equivalent tags
     wrap_controller: Callable[[Controller], Controller] | None = None  # e.g. a trace recorder around it
@@ -139,21 +142,27 @@ def run_settings(policy: Policy, overrides: Overrides) -> RunSettings:
     )
 
 
+_ENGINE_DEFAULTS = {field.name: field.default for field in dataclasses.fields(EngineConfig)}
+"""EngineConfig's defaults, for the overrides whose None means "the engine's default"."""
+
+
 def engine_config(policy: Policy, settings: RunSettings, overrides: Overrides) -> EngineConfig:
     """The engine configuration: the settings with the policy's hardware profile, low-bit copies and mode."""
 
-    def to_bytes(mb: float | None) -> int | None:
+    def to_bytes(exact: int | None, mb: float | None) -> int | None:
+        if exact is not None:
+            return exact
         return None if mb is None else int(mb * MIB)
 
-    device = overrides.device_budget_bytes
     return EngineConfig(
         model_dir=settings.model_dir,
-        device_budget_bytes=device if device is not None else to_bytes(settings.device_budget_mb),
-        host_budget_bytes=to_bytes(settings.host_budget_mb),
+        device_budget_bytes=to_bytes(overrides.device_budget_bytes, settings.device_budget_mb),
+        host_budget_bytes=to_bytes(overrides.host_budget_bytes, settings.host_budget_mb),
         spill_dir=settings.spill_dir,
         block_size=settings.block_size,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=_ENGINE_DEFAULTS["max_model_len"] if overrides.max_model_len is None else overrides.max_model_len,
         preempt_mode=settings.preempt_mode,
         expert_lowbit_bits=policy.controller.expert_lowbit_bits,
         profile=hardware_profile(policy),
@@ -163,6 +172,7 @@ def engine_config(policy: Policy, settings: RunSettings, overrides: Overrides) -
         num_io_threads=settings.num_io_threads,
         audit_cache_bytes=int(settings.audit_cache_mb * MIB),
         is_observe=policy.audit.mode == "observe",
+        device=_ENGINE_DEFAULTS["device"] if overrides.device is None else overrides.device,
     )
 
 
