@@ -90,7 +90,11 @@ class Assembly:
     controller_settings: ControllerSettings  # what the controller was built from
     engine: Engine  # the engine, its controller inside
     classes: RequestClasses  # budgets and SLOs per class (empty without a policy file)
-    audit_rate: float  # fraction of requests audited
+
+    @property
+    def audit_rate(self) -> float:
+        """Fraction of requests audited: the policy's sample rate."""
+        return self.policy.audit.sample_rate
 
     @property
     def controller(self) -> Controller:
@@ -254,5 +258,4 @@ def assemble(
         controller_settings=ctrl,
         engine=engine,
         classes=classes,
-        audit_rate=policy.audit.sample_rate,
     )

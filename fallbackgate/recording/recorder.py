@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
@@ -51,8 +52,6 @@ class RunRow:
 
 def versions() -> dict[str, str]:
     """Versions of fallbackgate, torch and transformers, for the run row."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         own = version("fallbackgate")
     except PackageNotFoundError:
