@@ -14,7 +14,7 @@ from fallbackgate.assembly import Assembly, Overrides, assemble, no_policy
 from fallbackgate.engine.engine import Engine
 from fallbackgate.policy import Policy
 from fallbackgate.policy.apply import with_sections
-from fallbackgate.policy.schema import ControllerKind
+from fallbackgate.policy.schema import AuditMode, ControllerKind
 
 SCORING_BATCH_TOKENS = 4096  # at least the longest window (prompt + continuation) the adapter scores
 
@@ -48,7 +48,7 @@ def exact_counterpart(policy: Policy) -> Policy:
     data = policy.model_dump()
     data["memory"].update(device_budget_mb=None, host_budget_mb=None)
     data["controller"] = {"kind": ControllerKind.EXACT_LRU.value, "kv_quant_bits": policy.controller.kv_quant_bits}
-    data["audit"]["mode"] = "enforce"
+    data["audit"]["mode"] = AuditMode.ENFORCE.value
     for cls in data["classes"].values():
         cls["budget"] = {}  # the schema default: exact only
     return Policy.model_validate(data)

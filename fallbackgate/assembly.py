@@ -24,14 +24,14 @@ from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.apply import class_budgets, class_slos, policy_record, with_sections
 from fallbackgate.policy.loader import hardware_profile
-from fallbackgate.policy.schema import ControllerKind, ControllerSpec, Policy
+from fallbackgate.policy.schema import AuditMode, ControllerKind, ControllerSpec, Policy
 from fallbackgate.recording import RequestClasses, RunRecorder, RunRow
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 # what a run without a policy file serves with, as overrides of the default Policy()
 NO_POLICY: dict[str, dict[str, object]] = {
     "controller": {"kind": ControllerKind.EXACT_LRU.value},
-    "audit": {"mode": "enforce"},
+    "audit": {"mode": AuditMode.ENFORCE.value},
 }
 
 
@@ -175,7 +175,7 @@ def engine_config(policy: Policy, settings: RunSettings, overrides: Overrides) -
         is_stacked_when_fits=settings.is_stacked_when_fits,
         num_io_threads=settings.num_io_threads,
         audit_cache_bytes=int(settings.audit_cache_mb * MIB),
-        is_observe=policy.audit.mode == "observe",
+        is_observe=policy.audit.mode == AuditMode.OBSERVE,
         device=_ENGINE_DEFAULTS["device"] if overrides.device is None else overrides.device,
     )
 

@@ -31,6 +31,7 @@ from fallbackgate.ledger.db import ENV_VAR, open_ledger
 from fallbackgate.ledger.synthetic import synthetic_output, synthetic_step
 from fallbackgate.ledger.vocabulary import EXACT_TAG_NAMES
 from fallbackgate.ledger.writer import LedgerWriter
+from fallbackgate.policy.schema import AuditMode
 from fallbackgate.resources import package_dir
 
 GOAL_S = 3.0
@@ -78,7 +79,7 @@ def _diffs(n: int, scale: float, rng: np.random.Generator) -> tuple[list[Any], A
 def _write_run(writer: LedgerWriter, index: int, steps: int, rng: np.random.Generator) -> None:
     policy = POLICIES[index % len(POLICIES)]
     exact = policy == "exact_lru"
-    writer.start_run(model_path=f"model-{index % 2}", controller=policy, mode="enforce")
+    writer.start_run(model_path=f"model-{index % 2}", controller=policy, mode=AuditMode.ENFORCE.value)
     rids = [f"req-{i}" for i in range(REQUESTS)]
     tags = EXACT_TAG_NAMES if exact else None
     for s in range(steps):

@@ -26,7 +26,7 @@ from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError,
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy import CONTROLLER_KINDS, Policy
 from fallbackgate.policy.apply import policy_from_args
-from fallbackgate.policy.schema import ControllerKind
+from fallbackgate.policy.schema import AUDIT_MODES, ControllerKind
 from fallbackgate.profiling import PROFILE_NAMES
 
 
@@ -81,7 +81,7 @@ def add_parser(subparsers: Any) -> None:
         "2 cores, where they measured slower; 0: every read on the compute thread)",
     )
     p.add_argument("--controller", choices=CONTROLLER_KINDS, default=None, help="controller (overrides the policy)")
-    p.add_argument("--mode", choices=("observe", "enforce"), default=None, help="audit mode (overrides the policy)")
+    p.add_argument("--mode", choices=AUDIT_MODES, default=None, help="audit mode (overrides the policy)")
     p.add_argument(
         "--force",
         action="append",

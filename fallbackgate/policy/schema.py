@@ -27,9 +27,17 @@ class ControllerKind(str, enum.Enum):
     EXACT_LRU = "exact_lru"  # mixtral-offloading style: experts evicted first, exact only
 
 
+class AuditMode(str, enum.Enum):
+    """What a controller's decisions do in a run (the run row records it)."""
+
+    OBSERVE = "observe"  # decided and recorded, the exact action served
+    ENFORCE = "enforce"  # acted on
+
+
 FALLBACK_TAGS: tuple[str, ...] = tuple(t.value for t in NON_EXACT_TAGS)
 """The tag names a class's ``allowed_tags`` may list: every tag that is not exact."""
 CONTROLLER_KINDS: tuple[str, ...] = tuple(k.value for k in ControllerKind)
+AUDIT_MODES: tuple[str, ...] = tuple(m.value for m in AuditMode)
 _CLASS_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 
 
@@ -43,6 +51,7 @@ Milliseconds = Annotated[float, Field(gt=0, description="milliseconds, > 0")]
 Nats = Annotated[float, Field(ge=0, description="KL divergence in nats, >= 0")]
 FallbackTag = _one_of(FALLBACK_TAGS)
 ControllerKindName = _one_of(CONTROLLER_KINDS)
+AuditModeName = _one_of(AUDIT_MODES)
 ProfileName = _one_of(PROFILE_NAMES)
 PreemptModeName = _one_of(PREEMPT_MODES)
 
@@ -100,7 +109,7 @@ class ControllerSpec(_Strict):
 class AuditSpec(_Strict):
     """observe: decide and record, serve exactly; enforce: act. sample_rate: fraction audited."""
 
-    mode: Literal["observe", "enforce"] = "observe"
+    mode: AuditModeName = AuditMode.OBSERVE.value
     sample_rate: Annotated[float, Field(gt=0, le=1)] = 1.0
 
 

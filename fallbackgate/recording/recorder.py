@@ -29,6 +29,7 @@ from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.ledger.db import LedgerError
 from fallbackgate.ledger.writer import LedgerWriter
+from fallbackgate.policy.schema import AuditMode
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -89,7 +90,7 @@ class RunRecorder:
             controller=row.controller,
             hardware_profile=dataclasses.asdict(engine.config.profile),
             versions=versions(),
-            mode="observe" if engine.is_observe else "enforce",
+            mode=(AuditMode.OBSERVE if engine.is_observe else AuditMode.ENFORCE).value,
             note=row.note,
             forced_tags=sorted(getattr(t, "value", str(t)) for t in getattr(engine.controller, "force", ())),
         )
