@@ -31,6 +31,7 @@ from fallbackgate.assembly import Assembly, Overrides
 from fallbackgate.batch.prompts import BUILTIN_PROMPTS
 from fallbackgate.bench.engines import exact_assembly
 from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.engine.tags import Tag
 
 MIB = 1 << 20
 
@@ -103,7 +104,7 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]], device: torch
         "dense_bytes": engine.num_dense_bytes,
         "peak_device_pool_bytes": engine.kv_store.device_pool.peak_used_bytes,
         "max_memory_allocated": peak,
-        "tags": {t: sum(o.tag_counts.get(t, 0) for o in outputs) for t in ("resident", "exact_load")},
+        "tags": {t: sum(o.tag_counts.get(t, 0) for o in outputs) for t in (Tag.RESIDENT.value, Tag.EXACT_LOAD.value)},
     }
 
 

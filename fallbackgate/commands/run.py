@@ -159,7 +159,7 @@ def _setup(args: argparse.Namespace) -> tuple[list[PromptSpec], Assembly, Ledger
     policy, overrides, name = run_inputs(args)
     if name is not None:
         specs = check_classes(specs, policy.classes, policy.default_class)
-    is_joint = policy.controller.kind == "joint"  # the one controller that predicts with calibrated costs
+    is_joint = policy.controller.kind == ControllerKind.JOINT  # the one controller that predicts with calibrated costs
     costs = _existing_ledger(policy.ledger.url) if is_joint and not args.no_ledger else None  # read only
     try:
         built = assemble(policy, overrides, policy_name=name, calibration=costs)

@@ -89,7 +89,7 @@ CellBuilder = Callable[[str, int | None, float, Ledger | None], Assembled]
 
 def reference_run(cfg: SweepConfig, build: CellBuilder) -> Reference:
     """Exact, unlimited device budget: peak KV bytes, expert sizes, the trace length, unpressured TPOT."""
-    built = build("exact_lru", None, 0.5, None)
+    built = build(ControllerKind.EXACT_LRU.value, None, 0.5, None)
     engine = built.engine
     specs = build_workload(cfg.workload, engine.tokenizer)
     outcome = run_prompts(engine, specs, built.settings, None, False)
