@@ -1,9 +1,11 @@
 """One assembly: a policy plus overrides becomes the run settings, the engine configuration, the controller,
 the engine, the request classes and the run's recorder.
 
-Every command that builds an engine goes through :func:`assemble` (``run``, ``serve``, ``parity`` /
+Every command that builds an engine to serve goes through :func:`assemble` (``run``, ``serve``, ``parity`` /
 ``lm-eval``, ``sweep``, the benchmarks). No policy means :func:`no_policy`: the default :class:`Policy`
-with the exact-only LRU controller in enforce mode and no declared request classes.
+with the exact-only LRU controller in enforce mode and no declared request classes. Two exact-only engines
+sit below this layer and are built where they are used: the audit workers' baseline engine
+(``engine/baseline/api.py``) and ``fallbackgate profile``'s step-time probe (``profiling/measure.py``).
 """
 
 from __future__ import annotations
