@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 
 import torch
@@ -11,6 +12,16 @@ from fallbackgate.engine.hardware import CPU_BOX, HardwareProfile
 
 MIB = 1024 * 1024
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PreemptMode(str, enum.Enum):
+    """What preempting a running request does to its KV blocks."""
+
+    SWAP = "swap"  # copy them to host memory, copy back on resume
+    RECOMPUTE = "recompute"  # drop them, prefill the prompt and output again on resume
+
+
+PREEMPT_MODES: tuple[str, ...] = tuple(m.value for m in PreemptMode)
 
 
 def default_io_threads() -> int:
@@ -34,7 +45,7 @@ class EngineConfig:
     max_num_seqs: int = 8  # running requests at most
     max_num_batched_tokens: int = 256  # tokens per forward (prefill chunks + decodes)
     max_model_len: int = 2048  # prompt + output tokens per request
-    preempt_mode: str = "swap"  # "swap" (copy KV to host) or "recompute" (drop KV, re-prefill later)
+    preempt_mode: str = PreemptMode.SWAP.value  # a PreemptMode value
     expert_lowbit_bits: int = 8  # bits of the low-bit expert copies (0: none)
     profile: HardwareProfile = CPU_BOX  # modeled time
     device: str = "auto"  # "auto", "cpu" or "cuda"
@@ -59,8 +70,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
-        if self.preempt_mode not in ("swap", "recompute"):
-            raise ValueError(f"preempt_mode must be 'swap' or 'recompute', got {self.preempt_mode!r}")
+        if self.preempt_mode not in PREEMPT_MODES:
+            raise ValueError(f"preempt_mode must be one of {list(PREEMPT_MODES)}, got {self.preempt_mode!r}")
         if self.expert_lowbit_bits not in (0, 4, 8):
             raise ValueError(f"expert_lowbit_bits must be 0, 4 or 8, got {self.expert_lowbit_bits}")
         if self.dtype is not None and self.dtype not in DTYPES:

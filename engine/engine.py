@@ -9,7 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fallbackgate.engine.baseline.access import BaselineAccess
-from fallbackgate.engine.config import DTYPES, EngineConfig
+from fallbackgate.engine.config import DTYPES, EngineConfig, PreemptMode
 from fallbackgate.engine.controller import Controller, ControllerView
 from fallbackgate.engine.errors import PromptError
 from fallbackgate.engine.experts.executor import Executor
@@ -306,7 +306,7 @@ class Engine(BaselineAccess):
         return self.executor.make_room(num_bytes, pinned_kv=pinned, pinned_experts=all_experts, is_done=is_done)
 
     def _preempt(self, seq: Sequence) -> None:
-        if self.config.preempt_mode == "swap":
+        if self.config.preempt_mode == PreemptMode.SWAP:
             for blocks in self.kv_store.tables[seq.request_id]:
                 for block in blocks:
                     if block.device is not None:

@@ -21,19 +21,24 @@ from fallbackgate.engine.step_context import StepUses
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 
+def _nearest_tier(*copies: tuple[Tier, object | None]) -> Tier | None:
+    """The first tier, nearest first, whose copy exists (None: no copy)."""
+    return next((tier for tier, copy in copies if copy is not None), None)
+
+
 def block_info(block: KVBlock) -> KVBlockInfo:
-    """The snapshot of one block's copies."""
-    exact = Tier.DEVICE if block.device is not None else Tier.HOST if block.host is not None else None
-    exact = exact or (Tier.DISK if block.disk is not None else None)
-    quant = block.host_q or block.disk_q
-    quant_tier = Tier.HOST if block.host_q is not None else Tier.DISK if block.disk_q is not None else None
+    """The snapshot of one block's copies: its nearest full-precision copy and its nearest quantized copy."""
+    exact = _nearest_tier((Tier.DEVICE, block.device), (Tier.HOST, block.host), (Tier.DISK, block.disk))
+    quant_tier = _nearest_tier((Tier.HOST, block.host_q), (Tier.DISK, block.disk_q))
+    quant = block.host_q if block.host_q is not None else block.disk_q
     if quant is None:
         return KVBlockInfo(block.key, block.num_tokens, exact, None)
     return KVBlockInfo(block.key, block.num_tokens, exact, quant_tier, quant.bits, quant.num_bytes)
 
 
 class LiveView:
-    """Controllers' read-only view of a running engine (see the module docstring)."""
+    """Controllers' read-only view of a running engine (see the module docstring); each query is documented
+    on :class:`~fallbackgate.engine.controller.ControllerView`."""
 
     __slots__ = ("_experts", "_kv", "_profile", "_scheduler", "_sequences", "_uses")
 

@@ -14,6 +14,7 @@ from fallbackgate.assembly import Assembly, Overrides, assemble, no_policy
 from fallbackgate.engine.engine import Engine
 from fallbackgate.policy import Policy
 from fallbackgate.policy.apply import with_sections
+from fallbackgate.policy.schema import AuditMode, ControllerKind
 
 SCORING_BATCH_TOKENS = 4096  # at least the longest window (prompt + continuation) the adapter scores
 
@@ -46,8 +47,8 @@ def exact_counterpart(policy: Policy) -> Policy:
     """The exact baseline of `policy`: same model and batching knobs, everything resident, exact only."""
     data = policy.model_dump()
     data["memory"].update(device_budget_mb=None, host_budget_mb=None)
-    data["controller"] = {"kind": "exact_lru", "kv_quant_bits": policy.controller.kv_quant_bits}
-    data["audit"]["mode"] = "enforce"
+    data["controller"] = {"kind": ControllerKind.EXACT_LRU.value, "kv_quant_bits": policy.controller.kv_quant_bits}
+    data["audit"]["mode"] = AuditMode.ENFORCE.value
     for cls in data["classes"].values():
         cls["budget"] = {}  # the schema default: exact only
     return Policy.model_validate(data)

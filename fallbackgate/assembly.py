@@ -1,9 +1,11 @@
 """One assembly: a policy plus overrides becomes the run settings, the engine configuration, the controller,
 the engine, the request classes and the run's recorder.
 
-Every command that builds an engine goes through :func:`assemble` (``run``, ``serve``, ``parity`` /
+Every command that builds an engine to serve goes through :func:`assemble` (``run``, ``serve``, ``parity`` /
 ``lm-eval``, ``sweep``, the benchmarks). No policy means :func:`no_policy`: the default :class:`Policy`
-with the exact-only LRU controller in enforce mode and no declared request classes.
+with the exact-only LRU controller in enforce mode and no declared request classes. Two exact-only engines
+sit below this layer and are built where they are used: the audit workers' baseline engine
+(``engine/baseline/api.py``) and ``fallbackgate profile``'s step-time probe (``profiling/measure.py``).
 """
 
 from __future__ import annotations
@@ -24,12 +26,15 @@ from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.apply import class_budgets, class_slos, policy_record, with_sections
 from fallbackgate.policy.loader import hardware_profile
-from fallbackgate.policy.schema import ControllerSpec, Policy
+from fallbackgate.policy.schema import AuditMode, ControllerKind, ControllerSpec, Policy
 from fallbackgate.recording import RequestClasses, RunRecorder, RunRow
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 # what a run without a policy file serves with, as overrides of the default Policy()
-NO_POLICY: dict[str, dict[str, object]] = {"controller": {"kind": "exact_lru"}, "audit": {"mode": "enforce"}}
+NO_POLICY: dict[str, dict[str, object]] = {
+    "controller": {"kind": ControllerKind.EXACT_LRU.value},
+    "audit": {"mode": AuditMode.ENFORCE.value},
+}
 
 
 def no_policy(model: str | None = None, **sections: dict[str, object]) -> Policy:
@@ -55,6 +60,9 @@ class Overrides:
     force: tuple[str, ...] = ()  # fallback tags forced on the exact_lru controller (testing)
     is_stacked_when_fits: bool | None = None  # stacked experts without a device budget; None: unless tags are forced
     device_budget_bytes: int | None = None  # exact bytes, winning over the policy's MiB (the sweep's cells)
+    host_budget_bytes: int | None = None  # exact bytes, winning over the policy's MiB (0: no host tier)
+    max_model_len: int | None = None  # prompt + output tokens per request; None: the engine's default
+    device: str | None = None  # "auto", "cpu" or "cuda"; None: the engine's default ("auto")
     expert_fraction: float | None = None  # static_split's expert share; None: the policy's
     is_equivalent_allowed: bool = False  # baselines may serve late misses with the equivalent tags
     wrap_controller: Callable[[Controller], Controller] | None = None  # e.g. a trace recorder around it
@@ -84,7 +92,11 @@ class Assembly:
     controller_settings: ControllerSettings  # what the controller was built from
     engine: Engine  # the engine, its controller inside
     classes: RequestClasses  # budgets and SLOs per class (empty without a policy file)
-    audit_rate: float  # fraction of requests audited
+
+    @property
+    def audit_rate(self) -> float:
+        """Fraction of requests audited: the policy's sample rate."""
+        return self.policy.audit.sample_rate
 
     @property
     def controller(self) -> Controller:
@@ -99,9 +111,7 @@ class Assembly:
             policy=policy_record(self.policy) if self.policy_name is not None else None,
             policy_name=self.policy_name,
         )
-        return RunRecorder(
-            writer, self.engine, row, self.classes, audit_rate=self.audit_rate, seed=self.settings.seed
-        )
+        return RunRecorder(writer, self.engine, row, self.classes, audit_rate=self.audit_rate, seed=self.settings.seed)
 
 
 def top_k_of(model_dir: str) -> int:
@@ -138,21 +148,27 @@ def run_settings(policy: Policy, overrides: Overrides) -> RunSettings:
     )
 
 
+_ENGINE_DEFAULTS = {field.name: field.default for field in dataclasses.fields(EngineConfig)}
+"""EngineConfig's defaults, for the overrides whose None means "the engine's default"."""
+
+
 def engine_config(policy: Policy, settings: RunSettings, overrides: Overrides) -> EngineConfig:
     """The engine configuration: the settings with the policy's hardware profile, low-bit copies and mode."""
 
-    def to_bytes(mb: float | None) -> int | None:
+    def to_bytes(exact: int | None, mb: float | None) -> int | None:
+        if exact is not None:
+            return exact
         return None if mb is None else int(mb * MIB)
 
-    device = overrides.device_budget_bytes
     return EngineConfig(
         model_dir=settings.model_dir,
-        device_budget_bytes=device if device is not None else to_bytes(settings.device_budget_mb),
-        host_budget_bytes=to_bytes(settings.host_budget_mb),
+        device_budget_bytes=to_bytes(overrides.device_budget_bytes, settings.device_budget_mb),
+        host_budget_bytes=to_bytes(overrides.host_budget_bytes, settings.host_budget_mb),
         spill_dir=settings.spill_dir,
         block_size=settings.block_size,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=_ENGINE_DEFAULTS["max_model_len"] if overrides.max_model_len is None else overrides.max_model_len,
         preempt_mode=settings.preempt_mode,
         expert_lowbit_bits=policy.controller.expert_lowbit_bits,
         profile=hardware_profile(policy),
@@ -161,7 +177,8 @@ def engine_config(policy: Policy, settings: RunSettings, overrides: Overrides) -
         is_stacked_when_fits=settings.is_stacked_when_fits,
         num_io_threads=settings.num_io_threads,
         audit_cache_bytes=int(settings.audit_cache_mb * MIB),
-        is_observe=policy.audit.mode == "observe",
+        is_observe=policy.audit.mode == AuditMode.OBSERVE,
+        device=_ENGINE_DEFAULTS["device"] if overrides.device is None else overrides.device,
     )
 
 
@@ -171,7 +188,7 @@ def controller_settings(
     """What the policy's controller is built from; the joint controller's costs come from ``calibration``."""
     spec = policy.controller
     cost = None
-    if spec.kind == "joint":
+    if spec.kind == ControllerKind.JOINT:
         bits = spec.expert_lowbit_bits or 8
         cost = load_calibration(calibration, bits) if calibration is not None else CostModel(lowbit_bits=bits)
     fraction = overrides.expert_fraction
@@ -189,7 +206,7 @@ def controller_settings(
 def build_controller(policy: Policy, settings: ControllerSettings) -> Controller:
     """The controller ``settings`` describe (forced tags act only on exact_lru)."""
     if settings.force:
-        if settings.kind != "exact_lru":
+        if settings.kind != ControllerKind.EXACT_LRU:
             raise ValueError(
                 f"force={list(settings.force)} needs an exact_lru policy, not controller {settings.kind!r}"
             )
@@ -243,5 +260,4 @@ def assemble(
         controller_settings=ctrl,
         engine=engine,
         classes=classes,
-        audit_rate=policy.audit.sample_rate,
     )

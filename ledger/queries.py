@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Select, case, func, select
+from sqlalchemy import ColumnElement, Select, case, func, select
 
 from fallbackgate.engine.tags import Exactness
 from fallbackgate.ledger.db import Ledger
@@ -114,17 +114,23 @@ def request_summaries(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
     return _all(ledger, stmt)
 
 
-def request_exactness(ledger: Ledger, run_id: int) -> dict[str, dict[str, int]]:
-    """request id -> {exactness -> objects}, from the events (observe steps excluded for approximate)."""
+def served_events(run_id: int) -> ColumnElement[bool]:
+    """The condition on a run's events that keeps what was served: an approximate tag of an observe step
+    was recorded as the controller's decision while the exact action was served, so it is left out."""
     observe = select(Step.step_id).where(Step.run_id == run_id, Step.is_observe.is_(True))
     applied = (EventRow.exactness != Exactness.APPROXIMATE.value) | EventRow.step_id.not_in(observe.scalar_subquery())
+    return (EventRow.run_id == run_id) & applied
+
+
+def request_exactness(ledger: Ledger, run_id: int) -> dict[str, dict[str, int]]:
+    """request id -> {exactness -> objects}, from the events (observe steps excluded for approximate)."""
     stmt = (
         select(
             EventRow.request_id,
             EventRow.exactness,
             func.sum(EventRow.count).label("objects"),
         )
-        .where(EventRow.run_id == run_id, applied)
+        .where(served_events(run_id))
         .group_by(EventRow.request_id, EventRow.exactness)
     )
     out: dict[str, dict[str, int]] = {}

@@ -15,7 +15,7 @@ from fallbackgate.ledger.models import (
     Step,
     VerdictRow,
 )
-from fallbackgate.ledger.queries import _all
+from fallbackgate.ledger.queries import _all, served_events
 
 
 def run_request_ids(ledger: Ledger, run_id: int, request_classes: tuple[str, ...] = ()) -> list[dict[str, Any]]:
@@ -113,12 +113,10 @@ def request_verdict(ledger: Ledger, run_id: int, request_id: str) -> dict[str, A
 
 def request_objects_by_exactness(ledger: Ledger, run_id: int, request_id: str) -> dict[str, int]:
     """One request's objects per exactness (approximate tags of observe steps excluded, as in
-    :func:`request_exactness`)."""
-    observe = select(Step.step_id).where(Step.run_id == run_id, Step.is_observe.is_(True))
-    applied = (EventRow.exactness != Exactness.APPROXIMATE.value) | EventRow.step_id.not_in(observe.scalar_subquery())
+    :func:`~fallbackgate.ledger.queries.request_exactness`)."""
     stmt = (
         select(EventRow.exactness, func.sum(EventRow.count).label("objects"))
-        .where(EventRow.run_id == run_id, EventRow.request_id == request_id, applied)
+        .where(served_events(run_id), EventRow.request_id == request_id)
         .group_by(EventRow.exactness)
     )
     return {r["exactness"]: int(r["objects"]) for r in _all(ledger, stmt)}

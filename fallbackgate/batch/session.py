@@ -11,11 +11,14 @@ import torch
 from tqdm.auto import tqdm
 
 from fallbackgate.batch.prompts import PromptSpec
+from fallbackgate.engine.config import PreemptMode
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.experts.quant import quantize
 from fallbackgate.engine.kv.codec import quantize_kv
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.profiling.names import MEASURED
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -31,8 +34,8 @@ class RunSettings:
     spill_dir: str | None = None
     block_size: int = 16
     max_num_seqs: int = 8
-    profile: str = "measured"  # "measured" (this machine) or a shipped what-if profile name
-    preempt_mode: str = "swap"
+    profile: str = MEASURED  # "measured" (this machine) or a shipped what-if profile name
+    preempt_mode: str = PreemptMode.SWAP.value
     max_num_batched_tokens: int = 256  # tokens per forward (prefill chunk size)
     dtype: str | None = None  # compute dtype override; None: the checkpoint's own
     is_stacked_when_fits: bool = True  # False when tags are forced: they act on misses, which stacking removes
@@ -100,7 +103,7 @@ def memory_summary(engine: Engine) -> dict[str, Any]:
         "expert_bytes_total": experts.bytes_per_expert * len(experts.entries),
         "bytes_per_expert": experts.bytes_per_expert,
         "bytes_per_kv_block": engine.kv_store.bytes_per_block,
-        "num_experts_on_disk": sum(1 for key in experts.entries if experts.home(key).value == "disk"),
+        "num_experts_on_disk": sum(1 for key in experts.entries if experts.home(key) is Tier.DISK),
         "peak_device_pool_bytes": engine.kv_store.device_pool.peak_used_bytes,
         "peak_device_pool_bytes_by_kind": {
             kind.value: peak for kind, peak in engine.kv_store.device_pool.peak_bytes_by_kind.items()
@@ -124,8 +127,8 @@ def object_bytes(engine: Engine) -> dict[str, Any]:
         bits = experts.lowbit_bits
         lowbit[str(bits)] = sum(quantize(t, bits, axis=1).num_bytes for t in (sample.gate_up, sample.down))
     return {
-        "expert": experts.bytes_per_expert,
-        "expert_lowbit": lowbit,
-        "kv_block": kv.bytes_per_block,
-        "kv_dequant": {str(bits): quantize_kv(block, bits, kv.key_dim).num_bytes for bits in (8, 4)},
+        ObjectKind.EXPERT.value: experts.bytes_per_expert,
+        Tag.EXPERT_LOWBIT.value: lowbit,
+        ObjectKind.KV_BLOCK.value: kv.bytes_per_block,
+        Tag.KV_DEQUANT.value: {str(bits): quantize_kv(block, bits, kv.key_dim).num_bytes for bits in (8, 4)},
     }

@@ -30,7 +30,7 @@ from fallbackgate.audit.gate import evaluate_run
 from fallbackgate.controllers.cost import fit_calibration, store_calibration
 from fallbackgate.engine.tags import NON_EXACT_TAGS, Tag
 from fallbackgate.ledger.db import Ledger, open_ledger
-from fallbackgate.policy.schema import Policy
+from fallbackgate.policy.schema import ControllerKind, Policy
 from fallbackgate.sweep.grid import SweepConfig, grid_cells, reference_run, run_cell
 from fallbackgate.sweep.workload import BEST_EFFORT, WorkloadSpec, build_workload, default_policy
 from fallbackgate.tinymoe import CHECKPOINT_DIR
@@ -64,7 +64,7 @@ def within_budget(ledger: Ledger, run_id: int) -> dict[str, Any]:
 
 
 def _run(cfg: SweepConfig, ref: Any, ledger: Ledger, cell: dict[str, Any], label: str) -> dict[str, Any]:
-    point = run_cell(cfg, ref, ledger, "joint", cell, f"calibration-check {label}")
+    point = run_cell(cfg, ref, ledger, ControllerKind.JOINT.value, cell, f"calibration-check {label}")
     result = within_budget(ledger, point["run_id"])
     m = point["metrics"]
     keys = ("mean_kl", "max_p99_kl", "top1_agreement", "tag_expert_defer", "tag_expert_lowbit", "tag_kv_dequant")

@@ -27,17 +27,20 @@ from typing import Any
 
 import numpy as np
 
+from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger.db import ENV_VAR, open_ledger
 from fallbackgate.ledger.synthetic import synthetic_output, synthetic_step
 from fallbackgate.ledger.vocabulary import EXACT_TAG_NAMES
 from fallbackgate.ledger.writer import LedgerWriter
+from fallbackgate.policy.schema import AuditMode, ControllerKind
 from fallbackgate.resources import package_dir
 
 GOAL_S = 3.0
 PAGES = ("overview", "drift", "request", "calibration", "sweep")
 APP = package_dir("fallbackgate.dashboard") / "app.py"
 REQUESTS, LAYERS, EVENTS_PER_LAYER, RUNS = 8, 16, 4, 10
-POLICIES = ("joint", "static_split", "exact_lru", "independent_lru")
+KINDS = (ControllerKind.JOINT, ControllerKind.STATIC_SPLIT, ControllerKind.EXACT_LRU, ControllerKind.INDEPENDENT_LRU)
+POLICIES = tuple(k.value for k in KINDS)
 
 
 def _diffs(n: int, scale: float, rng: np.random.Generator) -> tuple[list[Any], Any]:
@@ -77,8 +80,8 @@ def _diffs(n: int, scale: float, rng: np.random.Generator) -> tuple[list[Any], A
 
 def _write_run(writer: LedgerWriter, index: int, steps: int, rng: np.random.Generator) -> None:
     policy = POLICIES[index % len(POLICIES)]
-    exact = policy == "exact_lru"
-    writer.start_run(model_path=f"model-{index % 2}", controller=policy, mode="enforce")
+    exact = policy == ControllerKind.EXACT_LRU
+    writer.start_run(model_path=f"model-{index % 2}", controller=policy, mode=AuditMode.ENFORCE.value)
     rids = [f"req-{i}" for i in range(REQUESTS)]
     tags = EXACT_TAG_NAMES if exact else None
     for s in range(steps):
@@ -111,7 +114,7 @@ def build(path: Path, num_events: int) -> dict[str, Any]:
         for index in range(RUNS):
             _write_run(writer, index, steps, rng)
         for layer in range(LAYERS):
-            writer.record_calibration("kv_dequant", layer, 1.0 + layer / 10, num_samples=100, run_ids=[1])
+            writer.record_calibration(Tag.KV_DEQUANT.value, layer, 1.0 + layer / 10, num_samples=100, run_ids=[1])
     return {
         "events": steps * per_step * RUNS,
         "runs": RUNS,

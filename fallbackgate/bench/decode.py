@@ -21,9 +21,8 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from fallbackgate.controllers.exact_lru import ExactLRUController
-from fallbackgate.engine.config import EngineConfig
-from fallbackgate.engine.engine import Engine
+from fallbackgate.assembly import Assembly
+from fallbackgate.bench.engines import exact_assembly
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
@@ -58,12 +57,17 @@ def bench_generate(
     return sum(map(len, outputs)) / (time.perf_counter() - started), outputs
 
 
+def engine_assembly(model_dir: str, batch: int) -> Assembly:
+    """The engine of this benchmark: exact-only LRU controller, everything in memory, at most `batch` requests
+    decoded together."""
+    return exact_assembly(model_dir, max_num_seqs=batch)
+
+
 def bench_engine(
     model_dir: str, prompts: list[list[int]], new_tokens: int, batch: int
 ) -> tuple[float, list[list[int]]]:
-    """The engine, exact-only LRU controller, everything in memory, at most `batch` requests decoded together:
-    generated tokens per second and the tokens."""
-    engine = Engine(EngineConfig(model_dir=model_dir, max_num_seqs=batch), ExactLRUController())
+    """The engine of :func:`engine_assembly`: generated tokens per second and the tokens."""
+    engine = engine_assembly(model_dir, batch).engine
     started = time.perf_counter()
     outputs = [out.output_token_ids for out in engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens))]
     return sum(map(len, outputs)) / (time.perf_counter() - started), outputs

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from fallbackgate.controllers.exact_lru import ExactLRUController
-from fallbackgate.engine.config import EngineConfig
+from fallbackgate.assembly import Assembly, Overrides
+from fallbackgate.bench.engines import exact_assembly
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.messages import StepKind
 from fallbackgate.engine.sequence import SamplingParams
@@ -43,9 +43,14 @@ def _prompts(vocab: int, num: int, length: int, seed: int = 0) -> list[list[int]
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(num)]
 
 
+def engine_assembly(model: str, num_seqs: int, max_len: int, **knobs: Any) -> Assembly:
+    """The exact-mode engine with at most `num_seqs` requests of `max_len` tokens; `knobs` are further
+    :class:`Overrides` fields (tokens per forward, read-ahead threads, budgets in bytes)."""
+    return exact_assembly(model, Overrides(max_model_len=max_len, **knobs), max_num_seqs=num_seqs)
+
+
 def _engine(model: str, num_seqs: int, max_len: int, **knobs: Any) -> Engine:
-    config = EngineConfig(model_dir=model, max_num_seqs=num_seqs, max_model_len=max_len, block_size=16, **knobs)
-    return Engine(config, ExactLRUController())
+    return engine_assembly(model, num_seqs, max_len, **knobs).engine
 
 
 def decode_step_s(engine: Engine, prompts: list[list[int]], new_tokens: int) -> float:

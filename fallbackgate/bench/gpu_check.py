@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from fallbackgate.assembly import Assembly, Overrides
 from fallbackgate.batch.prompts import BUILTIN_PROMPTS
-from fallbackgate.controllers.exact_lru import ExactLRUController
-from fallbackgate.engine.config import EngineConfig
-from fallbackgate.engine.engine import Engine
+from fallbackgate.bench.engines import exact_assembly
 from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.engine.tags import Tag
 
 MIB = 1 << 20
 
@@ -68,12 +68,19 @@ def reference(model_dir: str, prompts: list[list[int]], new_tokens: int, device:
     return {"tokens": tokens, "logits": logits}
 
 
+def probe_assembly(model: str) -> Assembly:
+    """An engine on the CPU that holds no expert anywhere but the checkpoint: its sizes, read before the run."""
+    return exact_assembly(model, Overrides(host_budget_bytes=0, device="cpu", is_stacked_when_fits=False))
+
+
+def budget_assembly(model: str, budget: int, device: str, num_seqs: int) -> Assembly:
+    """The measured engine: `budget` device bytes on `device`, at most `num_seqs` requests together."""
+    return exact_assembly(model, Overrides(device_budget_bytes=budget, device=device), max_num_seqs=num_seqs)
+
+
 def run_engine(args: argparse.Namespace, prompts: list[list[int]], device: torch.device) -> dict[str, Any]:
     """The engine at a tight budget: `--expert-fraction` of the experts plus every request's KV."""
-    probe_config = EngineConfig(
-        model_dir=args.model, host_budget_bytes=0, device="cpu", block_size=16, is_stacked_when_fits=False
-    )
-    probe = Engine(probe_config, ExactLRUController())  # sizes only: it reads no expert
+    probe = probe_assembly(args.model).engine  # sizes only: it reads no expert
     num_experts = len(probe.expert_store.entries)
     kv_bytes = sum(-(-(len(p) + args.new_tokens) // 16) for p in prompts) * probe.kv_store.num_layers
     budget = int(args.expert_fraction * num_experts) * probe.expert_store.bytes_per_expert
@@ -82,10 +89,7 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]], device: torch
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    config = EngineConfig(
-        model_dir=args.model, device_budget_bytes=budget, device=device.type, block_size=16, max_num_seqs=len(prompts)
-    )
-    engine = Engine(config, ExactLRUController())
+    engine = budget_assembly(args.model, budget, device.type, len(prompts)).engine
     _synchronize(device)
     started = time.perf_counter()
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=args.new_tokens))
@@ -100,7 +104,7 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]], device: torch
         "dense_bytes": engine.num_dense_bytes,
         "peak_device_pool_bytes": engine.kv_store.device_pool.peak_used_bytes,
         "max_memory_allocated": peak,
-        "tags": {t: sum(o.tag_counts.get(t, 0) for o in outputs) for t in ("resident", "exact_load")},
+        "tags": {t: sum(o.tag_counts.get(t, 0) for o in outputs) for t in (Tag.RESIDENT.value, Tag.EXACT_LOAD.value)},
     }
 
 

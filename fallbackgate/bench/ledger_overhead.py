@@ -39,7 +39,7 @@ from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.messages import StepPlan, StepResult
 from fallbackgate.ledger.db import Ledger, open_ledger
 from fallbackgate.ledger.writer import LedgerWriter
-from fallbackgate.recording import RunRecorder, RunRow
+from fallbackgate.recording import RunRecorder, RunRow, controller_kind
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 OVERHEAD_GOAL = 0.03
@@ -89,10 +89,15 @@ def _decode(
     return time.perf_counter() - wall, time.process_time() - cpu, outcome
 
 
+def _start_run(writer: LedgerWriter, engine: Engine, note: str) -> None:
+    """Insert the run row the benchmark's rows belong to (its writer records the steps itself)."""
+    RunRecorder(writer, engine, RunRow(controller=controller_kind(engine.controller), note=note))
+
+
 def _replay_s(ledger: Ledger, engine: Engine, steps: list[tuple[StepPlan, StepResult]]) -> float:
     """Seconds to turn `steps` into rows and commit them with nothing else running: the writer's work."""
     writer = LedgerWriter(ledger)
-    RunRecorder(writer, engine, RunRow(controller="exact_lru", note="bench_ledger_overhead replay"))
+    _start_run(writer, engine, "bench_ledger_overhead replay")
     started = time.perf_counter()
     for plan, result in steps:
         writer.record_step(plan, result)
@@ -109,7 +114,7 @@ def _side(engine: Engine, settings: RunSettings, ledger: Ledger | None, tag: str
         wall, cpu, _ = _decode(engine, settings, tag, None)
         return {"wall": wall, "cpu": cpu}
     writer = LedgerWriter(ledger)
-    RunRecorder(writer, engine, RunRow(controller="exact_lru", note=f"bench_ledger_overhead {tag}"))
+    _start_run(writer, engine, f"bench_ledger_overhead {tag}")
     recorder = _TimedRecorder(writer)
     wall, cpu, outcome = _decode(engine, settings, tag, recorder)
     writer.finish_run(status="complete")
@@ -158,7 +163,7 @@ def measure_audit(engine: Engine, settings: RunSettings, ledger: Ledger, reps: i
     batch's decode loop: the exact baseline and the replay of its ledger trace (run for every request here,
     as for an approximate one), plus the run's floor control."""
     writer = LedgerWriter(ledger)
-    RunRecorder(writer, engine, RunRow(controller="exact_lru", note="bench_ledger_overhead audit"))
+    _start_run(writer, engine, "bench_ledger_overhead audit")
     loop_s, _, outcome = _decode(engine, settings, "audit", writer)
     for output in outcome.outputs:
         writer.record_request(output)

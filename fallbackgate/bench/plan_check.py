@@ -32,6 +32,7 @@ from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.planning.history import routing_exponent
 from fallbackgate.planning.plan import Workload, make_plan
 from fallbackgate.planning.shape import model_shape
+from fallbackgate.profiling.names import MEASURED
 from fallbackgate.profiling.store import resolve_profile
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
@@ -94,7 +95,7 @@ def predict(config: str, max_new_tokens: int, prompt: int, ledger: Ledger, own_r
         prompt_tokens=prompt,
         routing_exponent=alpha or 1.0,
     )
-    plan = make_plan(shape, resolve_profile("measured"), workload)
+    plan = make_plan(shape, resolve_profile(MEASURED), workload)
     return {"ttft_ms": plan.ttft_ms, "tpot_ms": plan.tpot_ms, "hit_rate": plan.hit_rate, "routing_exponent": alpha}
 
 
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=16)
     args = p.parse_args(argv)
     configs = args.config or [c for c in DEFAULT_CONFIGS if pathlib.Path(c.rsplit(":", 2)[0]).exists()]
-    resolve_profile("measured")  # measure this machine first if it has no profile yet (not inside a timing)
+    resolve_profile(MEASURED)  # measure this machine first if it has no profile yet (not inside a timing)
     results = []
     with tempfile.TemporaryDirectory() as scratch, open_ledger(str(pathlib.Path(scratch) / "plan.sqlite")) as ledger:
         measured = {config: measure(config, args.max_new_tokens, ledger) for config in configs}

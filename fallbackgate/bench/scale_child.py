@@ -16,15 +16,15 @@ import resource
 import tempfile
 import time
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from fallbackgate.assembly import Assembly, Overrides
 from fallbackgate.batch.prompts import BUILTIN_PROMPTS
-from fallbackgate.controllers.exact_lru import ExactLRUController
-from fallbackgate.engine.config import MIB, EngineConfig
-from fallbackgate.engine.engine import Engine
+from fallbackgate.bench.engines import exact_assembly
+from fallbackgate.engine.config import MIB
 from fallbackgate.engine.experts.reader import map_experts, read_source
 from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
 from fallbackgate.engine.sequence import SamplingParams
@@ -46,23 +46,30 @@ def drop_page_cache(model: str) -> None:
             os.close(fd)
 
 
+def engine_assembly(args: argparse.Namespace) -> Assembly:
+    """The engine the flags describe: exact-only, the expert-access trace recorded, all prompts batched together;
+    budgets in MiB when ``--device-budget-mb`` is given (then ``--host-budget-mb`` too), else everything fits."""
+    budgets: dict[str, int] = {}
+    if args.device_budget_mb is not None:
+        budgets = {
+            "device_budget_bytes": int(args.device_budget_mb * MIB),
+            "host_budget_bytes": int(args.host_budget_mb * MIB),
+        }
+    overrides = Overrides(
+        is_stacked_when_fits=not args.no_stack,
+        num_io_threads=args.io_threads,
+        wrap_controller=TraceRecorder,
+        **budgets,
+    )
+    return exact_assembly(args.model, overrides, max_num_seqs=args.num_prompts)
+
+
 def run_engine(args: argparse.Namespace) -> dict[str, Any]:
     """The engine with the given budgets, all prompts continuously batched, exact-only, trace recorded."""
     started = time.perf_counter()
-    budgets = {}
-    if args.device_budget_mb is not None:
-        budgets["device_budget_bytes"] = int(args.device_budget_mb * MIB)
-        budgets["host_budget_bytes"] = int(args.host_budget_mb * MIB)
-    recorder = TraceRecorder(ExactLRUController())
-    config = EngineConfig(
-        model_dir=args.model,
-        max_num_seqs=args.num_prompts,
-        block_size=16,
-        is_stacked_when_fits=not args.no_stack,
-        num_io_threads=args.io_threads,
-        **budgets,
-    )
-    engine = Engine(config, recorder)
+    built = engine_assembly(args)
+    engine = built.engine
+    recorder = cast(TraceRecorder, built.controller)  # wrap_controller=TraceRecorder
     loaded_s = time.perf_counter() - started
     prompts = prompt_ids(args.model, args.num_prompts)
     reads_before = engine.expert_store.num_disk_reads

@@ -18,6 +18,7 @@ from fallbackgate.batch.session import RunSettings, run_prompts
 from fallbackgate.batch.summary import print_slips, print_slo_misses, print_summary
 from fallbackgate.commands.checks import check_output_path
 from fallbackgate.controllers.exact_lru import FORCEABLE_TAGS
+from fallbackgate.engine.config import PREEMPT_MODES
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import EngineError
 from fallbackgate.engine.sequence import SamplingParams
@@ -25,6 +26,7 @@ from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError,
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy import CONTROLLER_KINDS, Policy
 from fallbackgate.policy.apply import policy_from_args
+from fallbackgate.policy.schema import AUDIT_MODES, ControllerKind
 from fallbackgate.profiling import PROFILE_NAMES
 
 
@@ -61,7 +63,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together at most (default 8)")
-    p.add_argument("--preempt", choices=("swap", "recompute"), default=None, help="what preemption does to KV")
+    p.add_argument("--preempt", choices=PREEMPT_MODES, default=None, help="what preemption does to KV")
     p.add_argument(
         "--profile",
         choices=PROFILE_NAMES,
@@ -79,7 +81,7 @@ def add_parser(subparsers: Any) -> None:
         "2 cores, where they measured slower; 0: every read on the compute thread)",
     )
     p.add_argument("--controller", choices=CONTROLLER_KINDS, default=None, help="controller (overrides the policy)")
-    p.add_argument("--mode", choices=("observe", "enforce"), default=None, help="audit mode (overrides the policy)")
+    p.add_argument("--mode", choices=AUDIT_MODES, default=None, help="audit mode (overrides the policy)")
     p.add_argument(
         "--force",
         action="append",
@@ -132,7 +134,7 @@ def check_args(args: argparse.Namespace) -> None:
 def run_inputs(args: argparse.Namespace) -> tuple[Policy, Overrides, str | None]:
     """The policy (``--policy`` or :func:`no_policy`, flags applied), the overrides and the policy file's stem."""
     policy = policy_from_args(args, no_policy())
-    if args.force and policy.controller.kind != "exact_lru":
+    if args.force and policy.controller.kind != ControllerKind.EXACT_LRU:
         print(
             f"fallbackgate run: warning: --force {' '.join(args.force)} is ignored: the policy's controller is "
             f"{policy.controller.kind}; forced tags act only with exact_lru",
@@ -157,7 +159,7 @@ def _setup(args: argparse.Namespace) -> tuple[list[PromptSpec], Assembly, Ledger
     policy, overrides, name = run_inputs(args)
     if name is not None:
         specs = check_classes(specs, policy.classes, policy.default_class)
-    is_joint = policy.controller.kind == "joint"  # the one controller that predicts with calibrated costs
+    is_joint = policy.controller.kind == ControllerKind.JOINT  # the one controller that predicts with calibrated costs
     costs = _existing_ledger(policy.ledger.url) if is_joint and not args.no_ledger else None  # read only
     try:
         built = assemble(policy, overrides, policy_name=name, calibration=costs)

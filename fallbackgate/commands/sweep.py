@@ -19,6 +19,7 @@ from fallbackgate.engine.errors import EngineError
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError, open_ledger
 from fallbackgate.policy import PolicyError, load_policy
 from fallbackgate.policy.apply import with_sections
+from fallbackgate.policy.schema import AuditMode, ControllerKind
 from fallbackgate.sweep.belady import TraceRecorder
 from fallbackgate.sweep.grid import CONTROLLERS, CellBuilder, SweepConfig, run_sweep
 from fallbackgate.sweep.plot import heatmaps
@@ -97,7 +98,7 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
         workload=workload,
         audit_rate=args.audit_rate,
         headline_expert_frac=args.headline_expert_frac,
-        static_fracs=args.static_fracs if "static_split" in args.controllers else (),
+        static_fracs=args.static_fracs if ControllerKind.STATIC_SPLIT.value in args.controllers else (),
         progress=not args.quiet,
     )
 
@@ -105,7 +106,9 @@ def config_from_args(args: argparse.Namespace) -> SweepConfig:
 def cell_builder(cfg: SweepConfig) -> CellBuilder:
     """The sweep's engines from the one assembly: ``cfg.policy`` in enforce mode with the cell's controller,
     device budget (exact bytes; None: unlimited) and split, the controller wrapped to record its trace."""
-    base = with_sections(cfg.policy, {"audit": {"mode": "enforce", "sample_rate": cfg.audit_rate}}, cfg.model_dir)
+    base = with_sections(
+        cfg.policy, {"audit": {"mode": AuditMode.ENFORCE.value, "sample_rate": cfg.audit_rate}}, cfg.model_dir
+    )
 
     def build(kind: str, device_budget: int | None, split: float, calibration: Ledger | None) -> Assembly:
         policy = with_sections(base, {"controller": {"kind": kind}, "memory": {"device_budget_mb": None}})

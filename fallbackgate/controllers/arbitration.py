@@ -72,12 +72,12 @@ def arbitrate(
     late = f"exact copy late ({load_ms:.3f} ms of link, {left_ms:.3f} ms left)"
     options: list[tuple[float, Tag, float]] = []  # (predicted seconds, tag, predicted nats)
     tags = budget.limits.allowed_tags
-    if "recompute" in tags:  # one rebuild pass per request covers all its late blocks: charged once
+    if Tag.RECOMPUTE.value in tags:  # one rebuild pass per request covers all its late blocks: charged once
         is_charged = block.key[0] in ctrl.recomputing
         seconds = recompute_s(link.profile, view, max(1, start - block.key[2] * view.block_size), ctrl.top_k)
         if is_charged or seconds <= ctrl.cpu_left_s:
             options.append((0.0 if is_charged else seconds, Tag.RECOMPUTE, 0.0))
-    if block.quant_tier is not None and "kv_dequant" in tags:
+    if block.quant_tier is not None and Tag.KV_DEQUANT.value in tags:
         quant_source, quant_bytes = block.quant_tier, block.quant_bytes
         cost = ctrl.cost.kv_cost(block.key[1], ctrl.kv_error_energy(block.key, block.quant_bits))
         if link.fits(quant_bytes, quant_source) and budget.fits(Tag.KV_DEQUANT, cost):

@@ -21,7 +21,7 @@ import torch
 from sqlalchemy import func, select
 
 from fallbackgate.engine.kv.codec import dequantize_kv, quantize_kv
-from fallbackgate.engine.tags import Tag
+from fallbackgate.engine.tags import Exactness, Tag
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.models import Calibration, EventRow, RequestStatRow
 from fallbackgate.ledger.writer import LedgerWriter
@@ -107,7 +107,7 @@ def request_samples(ledger: Ledger, run_ids: list[int]) -> list[dict[str, Any]]:
     ev = EventRow
     stmt = (
         select(ev.run_id, ev.request_id, ev.tag, ev.layer, func.sum(ev.predicted_cost).label("predicted"))
-        .where(ev.exactness == "approximate", ev.predicted_cost > 0)
+        .where(ev.exactness == Exactness.APPROXIMATE.value, ev.predicted_cost > 0)
         .group_by(ev.run_id, ev.request_id, ev.tag, ev.layer)
     )
     stats = select(

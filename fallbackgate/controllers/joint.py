@@ -38,7 +38,7 @@ from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.hardware import CPU_BOX
 from fallbackgate.engine.kv.store import KVBlockKey, SpillMode
 from fallbackgate.engine.messages import StepPlan
-from fallbackgate.engine.tags import Tag, Tier
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.policy.budgets import BudgetBook, RequestBudget
 from fallbackgate.policy.schema import Policy, QualityBudget
 
@@ -49,7 +49,7 @@ class Slip:
 
     step_id: int
     request_id: str
-    object_kind: str  # expert or kv_block
+    object_kind: str  # an ObjectKind value
     reason: str
 
 
@@ -118,7 +118,7 @@ class JointController(Controller):
 
     def _can_fall_back(self, budget: RequestBudget) -> bool:
         tags = budget.limits.allowed_tags
-        return "cpu_execute" in tags or (not budget.is_spent and bool(tags))
+        return Tag.CPU_EXECUTE.value in tags or (not budget.is_spent and bool(tags))
 
     # --- decisions -------------------------------------------------------------------------------
     def expert_action(self, miss: ExpertMiss) -> Decision:
@@ -142,7 +142,7 @@ class JointController(Controller):
                     self.cpu_left_s -= cpu_expert_s(self.link.profile, miss)
                 return Decision(tag, cost, "deadline")
         reason = "slo slip: quality budget spent" if budget.is_spent else "slo slip: no allowed fallback fits"
-        self.slips.append(Slip(self.step_id, miss.request_id, "expert", reason))
+        self.slips.append(Slip(self.step_id, miss.request_id, ObjectKind.EXPERT.value, reason))
         return self._load(miss, budget, reason)
 
     def _load(self, miss: ExpertMiss, budget: RequestBudget, reason: str) -> Decision:
@@ -173,7 +173,9 @@ class JointController(Controller):
         if miss.exact_tier is not None:
             budget.spend(Tag.EXACT_LOAD, 0.0, False)
             if self.link.left_s.get(Tier.HOST, 0.0) < 0:
-                self.slips.append(Slip(self.step_id, miss.request_id, "kv_block", "slo slip: exact KV copy late"))
+                self.slips.append(
+                    Slip(self.step_id, miss.request_id, ObjectKind.KV_BLOCK.value, "slo slip: exact KV copy late")
+                )
             return Decision(Tag.EXACT_LOAD)
         if miss.quant_tier is not None:
             key = (miss.request_id, miss.layer, miss.block_index)
@@ -204,7 +206,7 @@ class JointController(Controller):
         if budget is None or self.is_observe:
             return SpillMode.HOST_FULL
         tags = budget.limits.allowed_tags
-        if "kv_dequant" in tags and "recompute" in tags and not budget.is_spent:
+        if Tag.KV_DEQUANT.value in tags and Tag.RECOMPUTE.value in tags and not budget.is_spent:
             return SpillMode.HOST_INT8 if self.kv_bits == 8 else SpillMode.HOST_INT4
         return SpillMode.HOST_FULL
 

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from fallbackgate.engine.config import PREEMPT_MODES, PreemptMode
 from fallbackgate.engine.tags import NON_EXACT_TAGS
 from fallbackgate.profiling.names import MEASURED, PROFILE_NAMES
 
@@ -26,9 +27,17 @@ class ControllerKind(str, enum.Enum):
     EXACT_LRU = "exact_lru"  # mixtral-offloading style: experts evicted first, exact only
 
 
+class AuditMode(str, enum.Enum):
+    """What a controller's decisions do in a run (the run row records it)."""
+
+    OBSERVE = "observe"  # decided and recorded, the exact action served
+    ENFORCE = "enforce"  # acted on
+
+
 FALLBACK_TAGS: tuple[str, ...] = tuple(t.value for t in NON_EXACT_TAGS)
 """The tag names a class's ``allowed_tags`` may list: every tag that is not exact."""
 CONTROLLER_KINDS: tuple[str, ...] = tuple(k.value for k in ControllerKind)
+AUDIT_MODES: tuple[str, ...] = tuple(m.value for m in AuditMode)
 _CLASS_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 
 
@@ -42,7 +51,9 @@ Milliseconds = Annotated[float, Field(gt=0, description="milliseconds, > 0")]
 Nats = Annotated[float, Field(ge=0, description="KL divergence in nats, >= 0")]
 FallbackTag = _one_of(FALLBACK_TAGS)
 ControllerKindName = _one_of(CONTROLLER_KINDS)
+AuditModeName = _one_of(AUDIT_MODES)
 ProfileName = _one_of(PROFILE_NAMES)
+PreemptModeName = _one_of(PREEMPT_MODES)
 
 
 class _Strict(BaseModel):
@@ -75,7 +86,7 @@ class MemorySpec(_Strict):
     spill_dir: str | None = None
     block_size: Annotated[int, Field(ge=1, le=1024)] = 16
     max_num_seqs: Annotated[int, Field(ge=1, le=1024)] = 8
-    preempt_mode: Literal["swap", "recompute"] = "swap"
+    preempt_mode: PreemptModeName = PreemptMode.SWAP.value
 
     @field_validator("block_size")
     @classmethod
@@ -98,7 +109,7 @@ class ControllerSpec(_Strict):
 class AuditSpec(_Strict):
     """observe: decide and record, serve exactly; enforce: act. sample_rate: fraction audited."""
 
-    mode: Literal["observe", "enforce"] = "observe"
+    mode: AuditModeName = AuditMode.OBSERVE.value
     sample_rate: Annotated[float, Field(gt=0, le=1)] = 1.0
 
 

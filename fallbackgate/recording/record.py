@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from fallbackgate.audit.gate import RunVerdict
 from fallbackgate.batch.prompts import PromptSpec
 from fallbackgate.batch.session import RunOutcome, RunSettings
+from fallbackgate.controllers import controller_class, registered_kinds
+from fallbackgate.engine.controller import Controller
 from fallbackgate.engine.engine import Engine
 from fallbackgate.ledger.db import Ledger, open_ledger
 from fallbackgate.ledger.writer import LedgerWriter
@@ -28,6 +30,14 @@ class RecordedRun:
 def as_specs(prompts: Sequence[PromptSpec | str]) -> list[PromptSpec]:
     """Prompt specs from specs or plain texts (texts get ids ``prompt-<i>`` and the default class)."""
     return [p if isinstance(p, PromptSpec) else PromptSpec(p, f"prompt-{i}") for i, p in enumerate(prompts)]
+
+
+def controller_kind(controller: Controller) -> str:
+    """The kind ``controller``'s class is registered for (its class name when it registers none)."""
+    for kind in registered_kinds():
+        if type(controller) is controller_class(kind):
+            return kind.value
+    return type(controller).__name__
 
 
 def record_and_judge(
@@ -55,7 +65,7 @@ def record_and_judge(
         recorder = RunRecorder(
             writer,
             engine,
-            RunRow(controller="exact_lru", note=note),
+            RunRow(controller=controller_kind(engine.controller), note=note),
             classes,
             audit_rate=audit_rate,
             seed=settings.seed,

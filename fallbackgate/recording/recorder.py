@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.ledger.db import LedgerError
 from fallbackgate.ledger.writer import LedgerWriter
+from fallbackgate.policy.schema import AuditMode
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -51,8 +53,6 @@ class RunRow:
 
 def versions() -> dict[str, str]:
     """Versions of fallbackgate, torch and transformers, for the run row."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         own = version("fallbackgate")
     except PackageNotFoundError:
@@ -90,7 +90,7 @@ class RunRecorder:
             controller=row.controller,
             hardware_profile=dataclasses.asdict(engine.config.profile),
             versions=versions(),
-            mode="observe" if engine.is_observe else "enforce",
+            mode=(AuditMode.OBSERVE if engine.is_observe else AuditMode.ENFORCE).value,
             note=row.note,
             forced_tags=sorted(getattr(t, "value", str(t)) for t in getattr(engine.controller, "force", ())),
         )

@@ -31,7 +31,7 @@ from fallbackgate.engine.tags import Exactness, ObjectKind
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.loader import hardware_profile
-from fallbackgate.policy.schema import Policy
+from fallbackgate.policy.schema import ControllerKind, Policy
 from fallbackgate.recording import RunRecorder
 from fallbackgate.sweep.belady import belady_misses, lru_misses
 from fallbackgate.sweep.metrics import headline, quality_metrics, slo_metrics, tag_mix, timing_metrics
@@ -89,7 +89,7 @@ CellBuilder = Callable[[str, int | None, float, Ledger | None], Assembled]
 
 def reference_run(cfg: SweepConfig, build: CellBuilder) -> Reference:
     """Exact, unlimited device budget: peak KV bytes, expert sizes, the trace length, unpressured TPOT."""
-    built = build("exact_lru", None, 0.5, None)
+    built = build(ControllerKind.EXACT_LRU.value, None, 0.5, None)
     engine = built.engine
     specs = build_workload(cfg.workload, engine.tokenizer)
     outcome = run_prompts(engine, specs, built.settings, None, False)
@@ -197,7 +197,7 @@ def run_sweep(
     headline_cell = _headline_cell(cfg, ref)
     if headline_cell is not None:
         extra = [f for f in cfg.static_fracs if not _same_split(f, headline_cell)]
-        jobs += [("static_split", {**headline_cell, "static_frac": f}) for f in extra]
+        jobs += [(ControllerKind.STATIC_SPLIT.value, {**headline_cell, "static_frac": f}) for f in extra]
     points = []
     for kind, cell in tqdm(jobs, desc="sweep cells", unit="run", disable=not cfg.progress):
         points.append(run_cell(cfg, ref, ledger, kind, cell, f"sweep {sweep_id}", build))

@@ -16,7 +16,7 @@ from typing import Any
 
 from fallbackgate.batch.prompts import PromptSpec
 from fallbackgate.engine.tags import NON_EXACT_TAGS, Exactness
-from fallbackgate.policy.schema import FALLBACK_TAGS, ControllerKind, Policy
+from fallbackgate.policy.schema import FALLBACK_TAGS, AuditMode, ControllerKind, Policy
 from fallbackgate.profiling.names import MEASURED
 from fallbackgate.resources import package_dir
 
@@ -95,7 +95,7 @@ def default_policy(
             "hardware": {"profile": profile},
             "memory": {"block_size": 16, "max_num_seqs": 8},
             "controller": {"kind": ControllerKind.JOINT.value, "kv_quant_bits": 8, "expert_lowbit_bits": 8},
-            "audit": {"mode": "enforce"},
+            "audit": {"mode": AuditMode.ENFORCE.value},
             "default_class": STRICT,
             "classes": {
                 STRICT: {
