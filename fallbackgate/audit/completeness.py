@@ -96,8 +96,10 @@ def _forced_tag_reasons(ledger: Ledger, run: Mapping[str, Any]) -> list[str]:
     reasons = []
     for tag in run.get("forced_tags") or []:
         if not by_tag.get(tag) and not would.get(tag):
-            what = "the controller neither served nor decided it" if run.get("mode") == "observe" else (
-                "the run did not exercise it"
+            what = (
+                "the controller neither served nor decided it"
+                if run.get("mode") == "observe"
+                else ("the run did not exercise it")
             )
             reasons.append(f"forced tag {tag} produced no events: {what}")
     return reasons

@@ -53,7 +53,9 @@ def check_coverage(ledger: Ledger, run_id: int, requests: list[Mapping[str, Any]
             f"rows than the requests they scheduled ({sum(short.values())} missing)"
         )
     if extra:
-        out.reasons.append(f"ledger inconsistent: steps {extra[:MAX_LISTED]} have more step_requests rows than requests")
+        out.reasons.append(
+            f"ledger inconsistent: steps {extra[:MAX_LISTED]} have more step_requests rows than requests"
+        )
     pairs = set(audit_queries.pairs_without_step_request(ledger, run_id))
     rows: dict[str, list[dict[str, Any]]] = {}
     for r in audit_queries.step_request_positions(ledger, run_id):

@@ -65,15 +65,21 @@ def check_kv_events(ledger: Ledger, run_id: int, memory: Mapping[str, Any] | Non
         computed = before.get(key, (0, 0))[0]
         late = [i for i in ids if block_size and i * block_size >= computed]
         if late:
-            fail(key[1], f"{o['tag']} at step {key[0]} (layer {o['layer']}) of blocks {late}, which held no computed "
-                 f"position before the step ({computed} computed): no copy of them existed")
+            fail(
+                key[1],
+                f"{o['tag']} at step {key[0]} (layer {o['layer']}) of blocks {late}, which held no computed "
+                f"position before the step ({computed} computed): no copy of them existed",
+            )
         if o["tag"] == _RECOMPUTE and not o["is_rebuild"]:
             staged_recompute[(*key, o["layer"])] = len(ids)
         elif o["tag"] == _DEQUANT:
             size = (object_bytes.get(_DEQUANT) or {}).get(str(o["bits"]))
             if size is None:
-                fail(key[1], f"kv_dequant at step {key[0]} (layer {o['layer']}) read {o['bits']}-bit copies, a "
-                     f"precision the run keeps no quantized copy in")
+                fail(
+                    key[1],
+                    f"kv_dequant at step {key[0]} (layer {o['layer']}) read {o['bits']}-bit copies, a "
+                    f"precision the run keeps no quantized copy in",
+                )
             slot = (key[0], key[1], o["layer"])
             dequant_bytes[slot] = dequant_bytes.get(slot, 0) + len(ids) * int(size or 0)
     _check_rebuild_passes(by_key, {(s, r) for s, r, _ in staged_recompute}, fail)
@@ -86,8 +92,11 @@ def check_kv_events(ledger: Ledger, run_id: int, memory: Mapping[str, Any] | Non
             unnamed[slot] = unnamed.get(slot, 0) + int(e["count"])
             continue
         if e["source_tier"] not in _TIERS or not e["bytes_moved"]:
-            fail(slot[1], f"{where} loaded from tier {e['source_tier']} and moved {e['bytes_moved']} B: no copy "
-                 "in any tier was read")
+            fail(
+                slot[1],
+                f"{where} loaded from tier {e['source_tier']} and moved {e['bytes_moved']} B: no copy "
+                "in any tier was read",
+            )
         elif e["source_tier"] == Tier.HOST.value and memory.get("host_budget_bytes") == 0:
             fail(slot[1], f"{where} names a host copy, but the run has no host budget to hold one")
         if e["tag"] == _EXACT and object_bytes.get("kv_block"):
@@ -98,11 +107,15 @@ def check_kv_events(ledger: Ledger, run_id: int, memory: Mapping[str, Any] | Non
             moved[slot] = moved.get(slot, 0) + int(e["bytes_moved"] or 0)
     for slot, num_bytes in moved.items():
         if slot in dequant_bytes and num_bytes != dequant_bytes[slot]:
-            fail(slot[1], f"kv_dequant at step {slot[0]} (layer {slot[2]}) moved {num_bytes} B, its quantized "
-                 f"copies hold {dequant_bytes[slot]} B")
+            fail(
+                slot[1],
+                f"kv_dequant at step {slot[0]} (layer {slot[2]}) moved {num_bytes} B, its quantized "
+                f"copies hold {dequant_bytes[slot]} B",
+            )
     for slot, count in unnamed.items():
-        _check_refill(slot, count - staged_recompute.get(slot, 0), before.get(slot[:2], (0, 0)), by_key, block_size,
-                      fail)
+        _check_refill(
+            slot, count - staged_recompute.get(slot, 0), before.get(slot[:2], (0, 0)), by_key, block_size, fail
+        )
     return out
 
 
@@ -112,11 +125,16 @@ def _check_rebuild_passes(by_key: Mapping[Key, Mapping[str, Any]], recomputed: s
         if objects is None:  # recorded before the ledger kept rebuild passes
             continue
         if key in recomputed and not objects:
-            fail(key[1], f"recompute at step {key[0]} names rebuilt blocks, but the step ran no rebuild pass for "
-                 "the request")
+            fail(
+                key[1],
+                f"recompute at step {key[0]} names rebuilt blocks, but the step ran no rebuild pass for the request",
+            )
         elif objects and key not in recomputed:
-            fail(key[1], f"step {key[0]} ran a KV rebuild pass for the request ({objects} expert objects) that no "
-                 "recompute event names: the blocks it rebuilt are labelled otherwise")
+            fail(
+                key[1],
+                f"step {key[0]} ran a KV rebuild pass for the request ({objects} expert objects) that no "
+                "recompute event names: the blocks it rebuilt are labelled otherwise",
+            )
 
 
 def _check_refill(
@@ -136,5 +154,8 @@ def _check_refill(
     start, refilled = int(row["start_position"]), before[1]
     expected = (start + refilled - 1) // block_size - start // block_size + 1 if refilled else 0
     if count != expected:
-        fail(slot[1], f"recompute at step {slot[0]} (layer {slot[2]}) counts {count} re-filled block(s), but the "
-             f"step's forward re-filled {refilled} earlier position(s) ({expected} block(s))")
+        fail(
+            slot[1],
+            f"recompute at step {slot[0]} (layer {slot[2]}) counts {count} re-filled block(s), but the "
+            f"step's forward re-filled {refilled} earlier position(s) ({expected} block(s))",
+        )
