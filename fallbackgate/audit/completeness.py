@@ -107,7 +107,8 @@ def _forced_tag_reasons(ledger: Ledger, run: Mapping[str, Any]) -> list[str]:
 
 def _verification_reason(v: Mapping[str, Any]) -> str:
     where = f" after step {v['step_id']}" if v["step_id"] is not None else " at audit"
-    what = f"expert {v['name']} ({v['tier']} copy)" if v["object_kind"] == _EXPERT else f"dense weight {v['name']}"
+    tier = v["tier"] or "audit"  # no tier: the audit's own copy
+    what = f"expert {v['name']} ({tier} copy)" if v["object_kind"] == _EXPERT else f"dense weight {v['name']}"
     return f"weight copy corrupt: {what} failed its check against the checkpoint{where}: {v['note']}"
 
 
