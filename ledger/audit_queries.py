@@ -250,3 +250,14 @@ def kv_event_objects(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
     cols = (o.step_id, o.request_id, o.layer, o.tag, o.bits, o.is_rebuild, o.object_ids)
     stmt = select(*cols).where(o.run_id == run_id, o.object_kind == _KV_BLOCK).order_by(o.step_id, o.layer)
     return _all(ledger, stmt)
+
+
+def requests_with_kv_events(ledger: Ledger, run_id: int) -> set[str]:
+    """Requests that read a KV block anywhere but where it lives on device (exact_load, kv_dequant, recompute):
+    audited whatever the sample rate."""
+    stmt = (
+        select(EventRow.request_id)
+        .where(EventRow.run_id == run_id, EventRow.object_kind == _KV_BLOCK, EventRow.tag != Tag.RESIDENT.value)
+        .distinct()
+    )
+    return {str(r["request_id"]) for r in _all(ledger, stmt)}
