@@ -10,6 +10,7 @@ from typing import Any
 
 from sqlalchemy import func, select
 
+from fallbackgate.engine.engine import ENGINE_REQUEST_ID
 from fallbackgate.engine.tags import ObjectKind, Tag
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.models import (
@@ -198,7 +199,7 @@ def _pairs_without_row(ledger: Ledger, run_id: int, table: Any) -> list[tuple[in
     )
     stmt = (
         select(table.step_id, table.request_id)
-        .where(table.run_id == run_id, table.step_id.is_not(None), ~row)
+        .where(table.run_id == run_id, table.step_id.is_not(None), table.request_id != ENGINE_REQUEST_ID, ~row)
         .distinct()
         .order_by(table.step_id, table.request_id)
     )
@@ -213,11 +214,16 @@ def pairs_without_step_request(ledger: Ledger, run_id: int) -> list[tuple[int, s
 
 
 def requests_without_row(ledger: Ledger, run_id: int) -> list[str]:
-    """Request ids that events or step_requests rows name but that have no requests row."""
+    """Request ids that events or step_requests rows name but that have no requests row (the engine's own
+    events, prefetches, belong to no request)."""
     known = select(Request.request_id).where(Request.run_id == run_id).scalar_subquery()
     ids: set[str] = set()
     for table in (EventRow, StepRequest):
-        stmt = select(table.request_id).where(table.run_id == run_id, table.request_id.not_in(known)).distinct()
+        stmt = (
+            select(table.request_id)
+            .where(table.run_id == run_id, table.request_id.not_in(known), table.request_id != ENGINE_REQUEST_ID)
+            .distinct()
+        )
         ids |= {str(r["request_id"]) for r in _all(ledger, stmt)}
     return sorted(ids)
 
