@@ -10,6 +10,8 @@ from typing import Any
 
 from sqlalchemy import func, select
 
+from fallbackgate.engine.engine import ENGINE_REQUEST_ID
+from fallbackgate.engine.tags import ObjectKind, Tag
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.models import (
     AuditTask,
@@ -22,6 +24,8 @@ from fallbackgate.ledger.models import (
     VerificationRow,
 )
 from fallbackgate.ledger.queries import _all
+
+_KV_BLOCK = ObjectKind.KV_BLOCK.value
 
 
 def step_requests(ledger: Ledger, run_id: int, request_id: str) -> list[dict[str, Any]]:
@@ -155,3 +159,111 @@ def kv_resident_reads(ledger: Ledger, run_id: int, request_id: str, step_id: int
     rows = _all(ledger, stmt)
     text = rows[0]["kv_resident_reads"] if rows else None
     return [int(x) for x in text.split(",")] if text else []
+
+
+def step_request_positions(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
+    """Every step_requests row of the run (positions, sampling, rebuild-pass objects), by request then step."""
+    s = StepRequest
+    cols = (s.step_id, s.request_id, s.start_position, s.num_tokens, s.is_sampled, s.rebuild_objects)
+    stmt = select(*cols).where(s.run_id == run_id).order_by(s.request_id, s.step_id)
+    return _all(ledger, stmt)
+
+
+def step_row_counts(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
+    """Per step: the requests the engine scheduled (``expected``) and the step_requests rows found."""
+    found = (
+        select(StepRequest.step_id, func.count().label("found"))
+        .where(StepRequest.run_id == run_id)
+        .group_by(StepRequest.step_id)
+        .subquery()
+    )
+    stmt = (
+        select(Step.step_id, Step.num_requests.label("expected"), func.coalesce(found.c.found, 0).label("found"))
+        .outerjoin(found, found.c.step_id == Step.step_id)
+        .where(Step.run_id == run_id)
+        .order_by(Step.step_id)
+    )
+    return _all(ledger, stmt)
+
+
+def _pairs_without_row(ledger: Ledger, run_id: int, table: Any) -> list[tuple[int, str]]:
+    """(step, request) pairs of `table`'s rows of the run that have no step_requests row."""
+    row = (
+        select(StepRequest.step_id)
+        .where(
+            StepRequest.run_id == run_id,
+            StepRequest.step_id == table.step_id,
+            StepRequest.request_id == table.request_id,
+        )
+        .exists()
+    )
+    stmt = (
+        select(table.step_id, table.request_id)
+        .where(table.run_id == run_id, table.step_id.is_not(None), table.request_id != ENGINE_REQUEST_ID, ~row)
+        .distinct()
+        .order_by(table.step_id, table.request_id)
+    )
+    return [(int(r["step_id"]), str(r["request_id"])) for r in _all(ledger, stmt)]
+
+
+def pairs_without_step_request(ledger: Ledger, run_id: int) -> list[tuple[int, str]]:
+    """(step, request) pairs that events or position diffs (a sampled token) name but no step_requests row has."""
+    pairs = set(_pairs_without_row(ledger, run_id, EventRow))
+    pairs |= set(_pairs_without_row(ledger, run_id, PositionDiffRow))
+    return sorted(pairs)
+
+
+def requests_without_row(ledger: Ledger, run_id: int) -> list[str]:
+    """Request ids that events or step_requests rows name but that have no requests row (the engine's own
+    events, prefetches, belong to no request)."""
+    known = select(Request.request_id).where(Request.run_id == run_id).scalar_subquery()
+    ids: set[str] = set()
+    for table in (EventRow, StepRequest):
+        stmt = (
+            select(table.request_id)
+            .where(table.run_id == run_id, table.request_id.not_in(known), table.request_id != ENGINE_REQUEST_ID)
+            .distinct()
+        )
+        ids |= {str(r["request_id"]) for r in _all(ledger, stmt)}
+    return sorted(ids)
+
+
+def observe_notes(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
+    """Objects per event note that says what an observe-mode controller would have served."""
+    stmt = (
+        select(EventRow.note, func.sum(EventRow.count).label("objects"))
+        .where(EventRow.run_id == run_id, EventRow.note.like("%observe: would serve %"))
+        .group_by(EventRow.note)
+    )
+    return _all(ledger, stmt)
+
+
+def kv_events(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
+    """Every off-device KV event of the run (exact_load, kv_dequant, recompute), in step order."""
+    e = EventRow
+    cols = (e.step_id, e.request_id, e.layer, e.tag, e.count, e.bytes_moved, e.source_tier, e.note)
+    stmt = (
+        select(*cols)
+        .where(e.run_id == run_id, e.object_kind == _KV_BLOCK, e.tag != Tag.RESIDENT.value)
+        .order_by(e.step_id, e.request_id, e.layer)
+    )
+    return _all(ledger, stmt)
+
+
+def kv_event_objects(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
+    """KV events that name their blocks (kv_dequant and staged recompute), with bits and pass."""
+    o = EventObjectsRow
+    cols = (o.step_id, o.request_id, o.layer, o.tag, o.bits, o.is_rebuild, o.object_ids)
+    stmt = select(*cols).where(o.run_id == run_id, o.object_kind == _KV_BLOCK).order_by(o.step_id, o.layer)
+    return _all(ledger, stmt)
+
+
+def requests_with_kv_events(ledger: Ledger, run_id: int) -> set[str]:
+    """Requests that read a KV block anywhere but where it lives on device (exact_load, kv_dequant, recompute):
+    audited whatever the sample rate."""
+    stmt = (
+        select(EventRow.request_id)
+        .where(EventRow.run_id == run_id, EventRow.object_kind == _KV_BLOCK, EventRow.tag != Tag.RESIDENT.value)
+        .distinct()
+    )
+    return {str(r["request_id"]) for r in _all(ledger, stmt)}

@@ -127,6 +127,7 @@ class StepRequest(Base):
     num_events: Mapped[int] = mapped_column(Integer)  # event rows the engine produced for the request
     num_objects: Mapped[int] = mapped_column(Integer)  # objects those events cover (sum of their counts)
     kv_resident_reads: Mapped[str | None] = mapped_column(Text)  # "3,3,2": KV blocks read on device, per layer
+    rebuild_objects: Mapped[int | None] = mapped_column(Integer)  # expert objects its KV rebuild pass computed
 
 
 class EventRow(Base):

@@ -71,6 +71,7 @@ STEP_REQUEST_COLUMNS: tuple[str, ...] = (
     "num_events",
     "num_objects",
     "kv_resident_reads",
+    "rebuild_objects",
 )
 """Column order of the step_requests tuples that :func:`step_rows` produces."""
 EVENT_OBJECT_COLUMNS: tuple[str, ...] = (
@@ -202,12 +203,15 @@ def verification_rows(run_id: int, verifications: Sequence[Any]) -> list[dict[st
 
 def _step_request_rows(run_id: int, plan: StepPlan, result: StepResult) -> list[tuple[Any, ...]]:
     """Per request of the step, in STEP_REQUEST_COLUMNS order: the positions it computed, whether it
-    sampled, its event and object counts."""
+    sampled, its event and object counts, its resident KV reads and its rebuild pass's objects."""
     num_events: dict[str, int] = {}
     num_objects: dict[str, int] = {}
+    rebuilt: dict[str, int] = {}  # objects computed in the request's KV rebuild pass (a recompute's evidence)
     for e in result.events:
         num_events[e.request_id] = num_events.get(e.request_id, 0) + 1
         num_objects[e.request_id] = num_objects.get(e.request_id, 0) + e.count
+        if e.is_rebuild:
+            rebuilt[e.request_id] = rebuilt.get(e.request_id, 0) + e.count
     sampled, kv_reads = result.sampled_token_ids, result.kv_resident_reads
     return [
         (
@@ -220,6 +224,7 @@ def _step_request_rows(run_id: int, plan: StepPlan, result: StepResult) -> list[
             num_events.get(rid, 0),
             num_objects.get(rid, 0),
             _per_layer(kv_reads.get(rid)),
+            rebuilt.get(rid, 0),
         )
         for rid in plan.request_ids
     ]

@@ -50,6 +50,11 @@ class BaselineAccess:
         """Key channels per token in a packed K/V block (values follow)."""
         return self.executor.kv_store.key_dim
 
+    def verify_audit_copies(self) -> list[Verification]:
+        """Re-check every expert copy the audit holds against its checksum at fill; the failures found
+        since the last call (sampled uses included). Called at the end of each audit."""
+        return self.executor.audit_weights.verify_all()
+
     def audit_expert(self, key: ExpertKey) -> ExpertWeights:
         """One routed expert as the checkpoint files hold it (verified, in the compute dtype), on the device."""
         return self.executor.audit_weights.get(key, self.device)

@@ -6,8 +6,12 @@ Checked against what the engine counted itself, never against the rows alone:
 - per step: the event rows found against the step row's ``num_events``, and a row for every step that
   sampled an audited token;
 - per step × request: event rows and objects found against the ``step_requests`` row;
+- from the engine's side (:mod:`fallbackgate.audit.coverage`): a row for every (step, request) the steps
+  scheduled, positions that tile each request, a sampling row per output token, no orphan rows;
+- KV events against the recorded rebuild passes, positions and copies (:mod:`fallbackgate.audit.kv_reconcile`);
 - per request: objects per tag found against the engine's own ``tag_counts``;
-- every tag ``--force`` turned on produced events;
+- every tag ``--force`` turned on produced events (in observe mode: events whose note says the controller
+  would have served it);
 - every weight copy checked against the checkpoint (sampled expert copies, dense weights) matched;
 - bytes per tag: bytes moved are whole objects of the size the tag implies (a full expert for ``exact_load``
   and ``cpu_execute``, a low-bit copy for ``expert_lowbit``, a KV block, a quantized KV block for
@@ -17,9 +21,12 @@ Checked against what the engine counted itself, never against the rows alone:
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any
 
+from fallbackgate.audit.coverage import check_coverage
+from fallbackgate.audit.kv_reconcile import check_kv_events
 from fallbackgate.engine.tags import ObjectKind, Tag
 from fallbackgate.ledger import audit_queries, queries
 from fallbackgate.ledger.db import Ledger
@@ -27,6 +34,7 @@ from fallbackgate.ledger.db import Ledger
 MAX_LISTED = 10  # step ids named in one reason
 
 _EXPERT, _KV_BLOCK = ObjectKind.EXPERT.value, ObjectKind.KV_BLOCK.value
+_WOULD_SERVE = re.compile(r"observe: would serve (\w+)")
 
 
 @dataclasses.dataclass
@@ -35,6 +43,7 @@ class Completeness:
 
     reasons: list[str] = dataclasses.field(default_factory=list)  # run-level reasons
     missing_step_ids: list[int] = dataclasses.field(default_factory=list)  # steps with missing or extra rows
+    missing_pairs: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (step, request) rows missing
     request_reasons: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # request id -> reasons
 
 
@@ -51,12 +60,19 @@ def check_completeness(ledger: Ledger, run: Mapping[str, Any], requests: list[di
         out.reasons.append("run has no requests: nothing was served, so nothing can pass")
     _check_steps(ledger, run_id, out)
     _check_requests(ledger, run_id, requests, out)
-    by_tag: dict[str, int] = {}
-    for r in queries.run_tag_counts(ledger, run_id):
-        by_tag[r["tag"]] = by_tag.get(r["tag"], 0) + int(r["objects"] or 0)
-    for tag in run.get("forced_tags") or []:
-        if not by_tag.get(tag):
-            out.reasons.append(f"forced tag {tag} produced no events: the run did not exercise it")
+    coverage = check_coverage(ledger, run_id, requests)
+    out.reasons += coverage.reasons
+    out.missing_pairs = coverage.missing_pairs
+    out.missing_step_ids = sorted(set(out.missing_step_ids) | set(coverage.short_step_ids))
+    for rid, reasons in coverage.request_reasons.items():
+        out.request_reasons.setdefault(rid, []).extend(reasons)
+    kv_reasons = check_kv_events(ledger, run_id, run.get("memory"))
+    for rid, reasons in kv_reasons.items():
+        out.request_reasons.setdefault(rid, []).extend(reasons)
+    if kv_reasons:
+        first = next(iter(kv_reasons.values()))[0]
+        out.reasons.append(f"{sum(map(len, kv_reasons.values()))} KV event(s) contradict the ledger, first: {first}")
+    out.reasons += _forced_tag_reasons(ledger, run)
     out.reasons += check_object_bytes(ledger, run_id, (run.get("memory") or {}).get("object_bytes"))
     out.reasons += [_verification_reason(v) for v in audit_queries.failed_verifications(ledger, run_id)]
     pending = audit_queries.num_pending_audits(ledger, run_id)
@@ -65,9 +81,34 @@ def check_completeness(ledger: Ledger, run: Mapping[str, Any], requests: list[di
     return out
 
 
+def _forced_tag_reasons(ledger: Ledger, run: Mapping[str, Any]) -> list[str]:
+    """A forced tag with no events fails; in observe mode the controller's noted decisions count (it serves
+    exactly and notes "would serve TAG")."""
+    run_id = int(run["id"])
+    by_tag: dict[str, int] = {}
+    for r in queries.run_tag_counts(ledger, run_id):
+        by_tag[r["tag"]] = by_tag.get(r["tag"], 0) + int(r["objects"] or 0)
+    would: dict[str, int] = {}
+    if run.get("mode") == "observe":
+        for r in audit_queries.observe_notes(ledger, run_id):
+            for tag in _WOULD_SERVE.findall(r["note"] or ""):
+                would[tag] = would.get(tag, 0) + int(r["objects"] or 0)
+    reasons = []
+    for tag in run.get("forced_tags") or []:
+        if not by_tag.get(tag) and not would.get(tag):
+            what = (
+                "the controller neither served nor decided it"
+                if run.get("mode") == "observe"
+                else ("the run did not exercise it")
+            )
+            reasons.append(f"forced tag {tag} produced no events: {what}")
+    return reasons
+
+
 def _verification_reason(v: Mapping[str, Any]) -> str:
     where = f" after step {v['step_id']}" if v["step_id"] is not None else " at audit"
-    what = f"expert {v['name']} ({v['tier']} copy)" if v["object_kind"] == _EXPERT else f"dense weight {v['name']}"
+    tier = v["tier"] or "audit"  # no tier: the audit's own copy
+    what = f"expert {v['name']} ({tier} copy)" if v["object_kind"] == _EXPERT else f"dense weight {v['name']}"
     return f"weight copy corrupt: {what} failed its check against the checkpoint{where}: {v['note']}"
 
 

@@ -111,6 +111,7 @@ class RunVerdict:
     reasons: list[str]
     requests: list[RequestVerdict]
     missing_step_ids: list[int] = dataclasses.field(default_factory=list)  # steps whose ledger rows are incomplete
+    missing_pairs: list[tuple[int, str]] = dataclasses.field(default_factory=list)  # (step, request) rows missing
     floor: Floor | None = None  # the exact-vs-exact control the run was judged against
 
 
@@ -291,4 +292,13 @@ def evaluate_run(ledger: Ledger, run_id: int) -> RunVerdict:
     failed = [v.request_id for v in verdicts if not v.passed]
     if failed:
         reasons.append(f"{len(failed)} of {len(verdicts)} requests failed: {', '.join(failed[:10])}")
-    return RunVerdict(run_id, not reasons, run["status"], reasons, verdicts, completeness.missing_step_ids, floor)
+    return RunVerdict(
+        run_id,
+        not reasons,
+        run["status"],
+        reasons,
+        verdicts,
+        completeness.missing_step_ids,
+        completeness.missing_pairs,
+        floor,
+    )

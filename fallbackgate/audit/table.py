@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
+from fallbackgate.audit.coverage import pair_text
 from fallbackgate.audit.gate import RunVerdict, tolerance
 from fallbackgate.engine.tags import Exactness
 
@@ -48,6 +49,12 @@ def print_table(verdict: RunVerdict, out: TextIO | None = None) -> None:
             f"{tolerance(Exactness.EQUIVALENT, floor):.3g}; budgets allow 10x the floor's mean and p99 on top",
             file=out,
         )
+    if verdict.missing_step_ids:
+        steps = verdict.missing_step_ids
+        more = f" and {len(steps) - 20} more" if len(steps) > 20 else ""
+        print(f"ledger incomplete at steps {', '.join(map(str, steps[:20]))}{more}", file=out)
+    if verdict.missing_pairs:
+        print(f"missing (step, request) rows: {pair_text(verdict.missing_pairs)}", file=out)
     result = "PASS" if verdict.passed else "FAIL: " + "; ".join(verdict.reasons)
     print(
         f"run {verdict.run_id} ({verdict.status}, {len(verdict.requests)} requests): {result}",

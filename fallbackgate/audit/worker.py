@@ -29,8 +29,8 @@ from fallbackgate.ledger.audit_queue import Claim, LeaseLost
 from fallbackgate.ledger.audit_rows import diff_rows
 from fallbackgate.ledger.bulk import insert_rows
 from fallbackgate.ledger.db import Ledger, begin_write
-from fallbackgate.ledger.models import RequestStatRow, Run
-from fallbackgate.ledger.rows import Rows
+from fallbackgate.ledger.models import RequestStatRow, Run, VerificationRow
+from fallbackgate.ledger.rows import Rows, verification_rows
 
 POLL_S = 0.5  # wait between claims while other workers hold the remaining tasks
 
@@ -148,6 +148,9 @@ class AuditWorker:
         if replay is not None:
             kept = ("max_kl", "mean_kl", "max_position", "top1_agreement")
             rows[RequestStatRow.__table__][0].update({f"replay_{k}": v for k, v in replay.items() if k in kept})
+        failed = engine.verify_audit_copies()  # the baselines' own expert copies, checked again
+        if failed:
+            rows[VerificationRow.__table__] = verification_rows(run_id, failed)
         audit_queue.complete(self.ledger, held, lambda conn: _insert(conn, rows))
 
     def _judge_run(self, engine: BaselineEngine, held: Claim) -> None:
@@ -166,6 +169,9 @@ class AuditWorker:
             audit_queue.check_held(conn, held)
             values = {"numeric_floor_kl": floor["max_kl"], "numeric_floor": floor}
             conn.execute(update(Run).where(Run.id == run_id).values(**values))
+            failed = engine.verify_audit_copies()
+            if failed:
+                insert_rows(conn, VerificationRow.__table__, verification_rows(run_id, failed), ())
         verdict = evaluate_run(self.ledger, run_id)
         audit_queue.complete(self.ledger, held, lambda conn: write_verdicts(conn, verdict))
 

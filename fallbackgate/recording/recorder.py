@@ -27,6 +27,7 @@ from fallbackgate.batch.prompts import PromptSpec
 from fallbackgate.batch.session import RunOutcome, RunSettings, run_prompts
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
+from fallbackgate.ledger import audit_queries
 from fallbackgate.ledger.db import LedgerError
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.schema import AuditMode
@@ -64,7 +65,8 @@ class RunRecorder:
     """Writes one engine's run to a ledger through ``writer`` (see the module docstring).
 
     Construction inserts the run row (status "running"); ``audit_rate`` and ``seed`` choose a batch run's
-    audited sample. Every close leaves the writer closed.
+    audited sample, to which every request with a non-resident KV event is added (audit by risk).
+    Every close leaves the writer closed.
     """
 
     def __init__(
@@ -141,7 +143,7 @@ class RunRecorder:
         with self._failing():
             for spec, output in zip(outcome.specs, outcome.outputs, strict=True):
                 self.on_request(output, spec.prompt)
-            audited = choose_audited(outcome.outputs, self.audit_rate, self.seed)
+            audited = self._choose_audited(outcome.outputs)
             self.writer.record_verifications(self.engine.verify_dense())  # the baselines compute with these
             if is_deferred:
                 self.defer_audits(audited)
@@ -180,6 +182,15 @@ class RunRecorder:
             except LedgerError:
                 pass
 
+    def _choose_audited(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The seeded sample, and by risk every request with a non-resident KV event, in output order."""
+        if self.audit_rate >= 1.0:
+            return list(outputs)
+        self.writer.flush()  # the events say which requests read KV off device
+        risky = audit_queries.requests_with_kv_events(self.writer.ledger, self.run_id)
+        chosen = {o.request_id for o in choose_audited(outputs, self.audit_rate, self.seed)} | risky
+        return [o for o in outputs if o.request_id in chosen]
+
     def _audit_inline(self, audited: list[RequestOutput]) -> None:
         self.writer.flush()  # the replay reads each request's trace back from the ledger
         results, floor = audit_outputs(self.engine, self.writer.ledger, self.run_id, audited)
@@ -188,6 +199,7 @@ class RunRecorder:
             if result.replay is not None:
                 replay = {k: v for k, v in result.replay.items() if k != "error"}
                 self.writer.record_replay(result.request_id, replay)
+        self.writer.record_verifications(self.engine.verify_audit_copies())  # the baselines' own expert copies
         self.record_floor(floor)
 
     @contextlib.contextmanager
