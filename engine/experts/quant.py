@@ -69,7 +69,7 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes in 0..15 packed two per byte along the last axis (even index in the low nibble)."""
     if codes.shape[-1] % 2:
         codes = torch.nn.functional.pad(codes, (0, 1))
-    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+    return _compact(codes[..., 0::2] | (codes[..., 1::2] << 4))
 
 
 def unpack_int4(packed: torch.Tensor, length: int) -> torch.Tensor:
@@ -81,6 +81,14 @@ def unpack_int4(packed: torch.Tensor, length: int) -> torch.Tensor:
 def unpacked_codes(q: Quantized) -> torch.Tensor:
     """`q`'s codes one per byte, in the original tensor's shape."""
     return unpack_int4(q.codes, q.shape[-1]) if q.bits == 4 else q.codes
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """`t` in a contiguous storage of exactly its own bytes (`contiguous()` keeps a padded storage alive when
+    the sliced dimensions have size 1)."""
+    if t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    return torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
 
 
 def quantize(x: torch.Tensor, bits: int, axis: int, group_size: int = DEFAULT_GROUP_SIZE) -> Quantized:
@@ -98,9 +106,8 @@ def quantize(x: torch.Tensor, bits: int, axis: int, group_size: int = DEFAULT_GR
     levels = (1 << bits) - 1
     scales = ((high - low) / levels).clamp_min(1e-12)
     codes = torch.round((grouped - low) / scales).clamp(0, levels).to(torch.uint8)
-    codes = codes.reshape(*moved.shape[:-1], -1)[..., :length].movedim(-1, axis).contiguous()
-    if bits == 4:
-        codes = pack_int4(codes)
+    codes = codes.reshape(*moved.shape[:-1], -1)[..., :length].movedim(-1, axis)
+    codes = pack_int4(codes) if bits == 4 else _compact(codes)
     return Quantized(
         codes=codes,
         scales=scales.squeeze(-1),
