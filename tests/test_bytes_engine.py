@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import pathlib
 
@@ -138,3 +139,26 @@ def test_a_bf16_int4_run_reserves_what_it_holds(bf16_checkpoint: pathlib.Path) -
     splits = [[(n, d) for n in range(count + 1) for d in range(n + 1) if n * lowbit_bytes + d * expert == num_bytes]
               for count, num_bytes in moved[Tag.EXPERT_LOWBIT]]  # fmt: skip
     assert all(splits) and any(n > d for split in splits for n, d in split)  # and some from the host copy only
+
+
+def test_a_bf16_int8_kv_spill_never_overruns_the_host(bf16_checkpoint: pathlib.Path) -> None:
+    """The host has room for more than a quarter of a bf16 block but less than its int8 copy (0.66 of it
+    here): the copy goes to disk instead of overrunning the host reserve (the former `bytes_per_block // 4`
+    check admitted it and the reserve raised BudgetError mid-run)."""
+    config = EngineConfig(model_dir=str(bf16_checkpoint), block_size=64, max_num_seqs=1, host_budget_bytes=4000)
+    probe = Engine(dataclasses.replace(config, host_budget_bytes=0), ExactLRUController())
+    expert, kv = probe.expert_store.bytes_per_expert, probe.kv_store
+    probe.close()
+    assert kv.bytes_per_block // 4 + 1024 <= config.host_budget_bytes < quant_kv_nbytes(kv.block_shape, 8, kv.key_dim)
+    budget = 6 * expert + 4 * kv.num_layers * kv.bytes_per_block  # no expert fits the host: it holds KV only
+    engine = Engine(dataclasses.replace(config, device_budget_bytes=budget), ExactLRUController([Tag.KV_DEQUANT]))
+    engine.add_request(list(range(3, 73)), SamplingParams(max_new_tokens=8), "r")
+    host, dequantized, on_disk = engine.kv_store.host_pool, 0, 0
+    while engine.has_unfinished():
+        dequantized += sum(e.count for e in engine.step().events if e.tag is Tag.KV_DEQUANT)
+        table = engine.kv_store.tables.get("r", [])
+        on_disk = max(on_disk, sum(b.disk_q is not None and b.host_q is None for blocks in table for b in blocks))
+        assert host.used_bytes <= host.budget_bytes
+    engine.close()
+    assert dequantized == kv.num_layers * 7  # each layer's full block, read back on the 7 decode steps after
+    assert host.peak_used_bytes == 0 and on_disk == kv.num_layers  # int8 copies on disk, none on the host
