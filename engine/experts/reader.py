@@ -16,6 +16,7 @@ read is checked against it, so a wrongly mapped tensor or a changed file is caug
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import re
@@ -236,9 +237,10 @@ class ExpertReader:
         key = next(iter(self.sources))
         return self.num_params_per_expert * self.files.element_size(self.sources[key].parts[0][0])
 
-    @property
+    @functools.cached_property
     def matrix_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        """Shapes of one expert's two matrices as computed with: [2I, H] gate_up and [H, I] down."""
+        """Shapes of one expert's two matrices as computed with: [2I, H] gate_up and [H, I] down (all experts
+        of a checkpoint share them)."""
         key = next(iter(self.sources))
         shapes = [self.files.shape(n)[1:] if i is not None else self.files.shape(n) for n, i in self.sources[key].parts]
         matrices = [(shapes[0][0] + shapes[1][0], shapes[0][1]), shapes[2]] if len(shapes) == 3 else shapes
