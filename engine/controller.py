@@ -193,6 +193,11 @@ class ControllerView(Protocol):
         """Full-precision bytes of one KV block."""
         ...
 
+    def quantized_bytes(self, kind: ObjectKind, bits: int) -> int:
+        """Storage bytes of one `bits`-bit copy of an object of `kind` (an expert's low-bit copy, a KV block's
+        quantized copy) as the engine holds it: codes (int4 packed two per byte), fp32 scales and zero points."""
+        ...
+
     def num_kv_tokens(self, request_id: str) -> int:
         """Positions of the request written into KV blocks (0 when it has none)."""
         ...

@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from fallbackgate.engine.controller import KVBlockInfo
+from fallbackgate.engine.experts.quant import lowbit_expert_nbytes
 from fallbackgate.engine.experts.reader import ExpertKey
 from fallbackgate.engine.experts.store import ExpertStore
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.kv.block import KVBlock, KVBlockKey
-from fallbackgate.engine.kv.codec import relative_error_energy
+from fallbackgate.engine.kv.codec import quant_kv_nbytes, relative_error_energy
 from fallbackgate.engine.kv.store import KVStore
 from fallbackgate.engine.scheduler import Scheduler
 from fallbackgate.engine.sequence import Sequence
@@ -125,6 +126,13 @@ class LiveView:
     @property
     def bytes_per_kv_block(self) -> int:
         return self._kv.bytes_per_block
+
+    def quantized_bytes(self, kind: ObjectKind, bits: int) -> int:
+        if kind is ObjectKind.EXPERT:
+            return lowbit_expert_nbytes(self._experts.reader.matrix_shapes, bits)
+        if kind is ObjectKind.KV_BLOCK:
+            return quant_kv_nbytes(self._kv.block_shape, bits, self._kv.key_dim)
+        raise ValueError(f"no quantized copy of a {kind.value}")
 
     def num_kv_tokens(self, request_id: str) -> int:
         return self._kv.num_tokens.get(request_id, 0)

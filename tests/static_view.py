@@ -46,10 +46,11 @@ class StaticView:
     kv_tokens: Mapping[str, int] = dataclasses.field(default_factory=_frozen)
     staged_kv_tags: Mapping[KVBlockKey, Tag] = dataclasses.field(default_factory=_frozen)
     quant_error_energies: Mapping[KVBlockKey, float] = dataclasses.field(default_factory=_frozen)
+    quantized_copy_bytes: Mapping[tuple[ObjectKind, int], int] = dataclasses.field(default_factory=_frozen)
 
     def __post_init__(self) -> None:
         names = ("request_classes", "device_bytes_by_kind", "expert_homes", "kv_tokens", "staged_kv_tags")
-        for name in (*names, "quant_error_energies"):
+        for name in (*names, "quant_error_energies", "quantized_copy_bytes"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
 
     def request_class(self, request_id: str) -> str:
@@ -66,6 +67,11 @@ class StaticView:
 
     def expert_home(self, key: ExpertKey) -> Tier:
         return self.expert_homes.get(key, Tier.HOST)
+
+    def quantized_bytes(self, kind: ObjectKind, bits: int) -> int:
+        if (kind, bits) not in self.quantized_copy_bytes:
+            raise KeyError(f"StaticView: no quantized_copy_bytes for ({kind.value}, {bits} bits)")
+        return self.quantized_copy_bytes[(kind, bits)]
 
     def num_kv_tokens(self, request_id: str) -> int:
         return self.kv_tokens.get(request_id, 0)

@@ -83,6 +83,7 @@ class ViewProbe(Controller):
             "is_expert_on_device": [view.is_expert_on_device(k) for k in keys],
             "expert_home": [view.expert_home(k) for k in keys],
             "num_kv_tokens": [view.num_kv_tokens(r) for r in rids],
+            "quantized_bytes": [view.quantized_bytes(k, bits) for k in ObjectKind for bits in (8, 4)],
             "off_device_kv_blocks": [view.off_device_kv_blocks(r, 0, 99) for r in view.running_ids],
             "device_kv_blocks": blocks,
             "staged_kv_tag": [view.staged_kv_tag(k) for k in view.used_kv_block_keys],
@@ -190,6 +191,7 @@ def _view(**fields: Any) -> StaticView:
         "kv_tokens": {"r0": 32, "idle": 16},
         "staged_kv_tags": {("r0", 0, 1): Tag.EXACT_LOAD},
         "quant_error_energies": {("r0", 0, 1): 1e-3},
+        "quantized_copy_bytes": {(ObjectKind.KV_BLOCK, 8): 4096, (ObjectKind.EXPERT, 8): (1 << 18) + 16384},
     }
     return StaticView(CPU_BOX, **(base | fields))
 

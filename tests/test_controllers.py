@@ -14,9 +14,11 @@ from hypothesis import strategies as st
 
 from fallbackgate.controllers import ControllerKind, JointController, make_controller
 from fallbackgate.engine.controller import ExpertMiss, KVMiss
+from fallbackgate.engine.experts.quant import lowbit_expert_nbytes
 from fallbackgate.engine.hardware import CPU_BOX, HardwareProfile
+from fallbackgate.engine.kv.codec import quant_kv_nbytes
 from fallbackgate.engine.messages import StepKind, StepPlan
-from fallbackgate.engine.tags import Tag, Tier
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.policy.schema import FALLBACK_TAGS, SLO, Policy, QualityBudget, RequestClass
 from tests.static_view import StaticView
 
@@ -24,6 +26,15 @@ LAYERS, TOP_K, EXPERTS = 4, 2, 8
 EXPERT_BYTES = 1 << 20
 SLOW = HardwareProfile("slow", 2e8, 2e8, 1e8, 1e8, 1e10, 1e10, 1e-5)
 EXACT = {Tag.RESIDENT, Tag.EXACT_LOAD}
+EXPERT_SHAPES = ((256, 512), (256, 512))  # fp32: 2 × 128 Ki × 4 B = EXPERT_BYTES
+KV_BLOCK_SHAPE, KV_KEY_DIM = (4, 16, 256), 128  # fp32: 64 KiB
+QUANT_BYTES = {
+    (kind, bits): lowbit_expert_nbytes(EXPERT_SHAPES, bits)
+    if kind is ObjectKind.EXPERT
+    else quant_kv_nbytes(KV_BLOCK_SHAPE, bits, KV_KEY_DIM)
+    for kind in ObjectKind
+    for bits in (8, 4)
+}
 
 
 def fake_view(profile: HardwareProfile, request_classes: dict[str, str], running_ids: list[str]) -> StaticView:
@@ -37,6 +48,7 @@ def fake_view(profile: HardwareProfile, request_classes: dict[str, str], running
         num_layers=LAYERS,
         block_size=16,
         bytes_per_kv_block=64 * 1024,
+        quantized_copy_bytes=QUANT_BYTES,
     )
 
 

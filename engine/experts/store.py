@@ -16,7 +16,7 @@ import torch
 
 from fallbackgate.engine.device_pool import TierPool
 from fallbackgate.engine.errors import ChecksumError, EngineError
-from fallbackgate.engine.experts.quant import Quantized, dequantize_rows, quantize, quantized_to
+from fallbackgate.engine.experts.quant import Quantized, dequantize_rows, lowbit_expert_nbytes, quantize, quantized_to
 from fallbackgate.engine.experts.read_ahead import ReadAhead
 from fallbackgate.engine.experts.reader import ExpertKey, ExpertReader
 from fallbackgate.engine.experts.weights import ExpertWeights
@@ -208,12 +208,14 @@ class ExpertStore:
 
     @property
     def lowbit_scratch_bytes(self) -> int:
-        """Device bytes an expert_lowbit computation holds at its peak: the codes (one byte each on device)
-        with fp32 scales and zero points per 32 values, the weights in the compute dtype, and the fp32
-        working set of `dequantize_rows` (two buffers of DEQUANT_ROWS rows). Counted in the device pool
-        as Scratch.EXPERT_DEQUANT while the expert runs."""
-        numel = self.bytes_per_expert // self.reader.compute_dtype.itemsize
-        return numel + numel // 32 * 8 + self.bytes_per_expert + 2 * 4 * self.reader.max_rows_numel(DEQUANT_ROWS)
+        """Device bytes an expert_lowbit computation holds at its peak: the low-bit copy as stored (codes,
+        int4 packed two per byte, with fp32 scales and zero points), the weights in the compute dtype, and
+        the working set of `dequantize_rows` (two fp32 buffers of DEQUANT_ROWS rows, and for int4 those
+        rows' unpacked codes). Counted in the device pool as Scratch.EXPERT_DEQUANT while the expert runs."""
+        bits, chunk = self.lowbit_bits or 8, self.reader.max_rows_numel(DEQUANT_ROWS)
+        lowbit = lowbit_expert_nbytes(self.reader.matrix_shapes, bits)
+        unpacked = chunk + DEQUANT_ROWS if bits == 4 else 0  # an odd row unpacks one padding code more
+        return lowbit + self.bytes_per_expert + 2 * 4 * chunk + unpacked
 
     # --- mechanism -----------------------------------------------------------------------------
     def can_place(self, key: ExpertKey) -> bool:

@@ -1,12 +1,20 @@
-"""Quantized KV block copies (KIVI layout: keys per channel, values per token) and their disk form."""
+"""Quantized KV block copies (KIVI layout: keys per channel, values per token) and their disk form.
+
+Disk form: six raw files per block (key codes, scales, zero points; then the values'), codes as held in
+memory (int4 packed two per byte along the last axis), each file's dtype and shape in its SpillRecord and
+each part's (bits, axis, group_size, original shape) in `QuantKV.meta`. Spill files live only as long as
+the SpillDir that wrote them (one process), so no older layout is ever read back.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 
-from fallbackgate.engine.experts.quant import Quantized, dequantize, quantize, quantized_to
+from fallbackgate.engine.errors import EngineError
+from fallbackgate.engine.experts.quant import Quantized, dequantize, quantize, quantized_nbytes, quantized_to
 from fallbackgate.engine.kv.spill import SpillDir, SpillRecord
 
 
@@ -19,18 +27,31 @@ class QuantKV:
     bits: int
     nbytes: int  # storage bytes of codes + scales + zero points
     records: tuple[SpillRecord, ...] = ()  # disk files: k codes/scales/zeros, v codes/scales/zeros
-    meta: tuple[tuple[int, int, int], ...] = ()  # (bits, axis, group_size) for keys and values on disk
+    meta: tuple[tuple[int, int, int, tuple[int, ...]], ...] = ()  # (bits, axis, group_size, shape) of K, V on disk
 
     @property
     def num_bytes(self) -> int:
         return self.nbytes
 
 
+def _kv_parts(block_shape: Sequence[int], key_dim: int) -> tuple[tuple[tuple[int, ...], int, int], ...]:
+    """(shape, axis, group_size) of the K and V parts of a [kv_heads, block_size, key_dim + value_dim] block:
+    keys grouped over tokens (per channel), values over channels (per token)."""
+    heads, block_size, width = block_shape
+    value_dim = width - key_dim
+    return ((heads, block_size, key_dim), 1, block_size), ((heads, block_size, value_dim), 2, min(32, value_dim))
+
+
+def quant_kv_nbytes(block_shape: Sequence[int], bits: int, key_dim: int) -> int:
+    """Storage bytes of `quantize_kv` of a `block_shape` block at `bits` (codes, scales, zero points as held)."""
+    return sum(quantized_nbytes(shape, bits, axis, group) for shape, axis, group in _kv_parts(block_shape, key_dim))
+
+
 def quantize_kv(block: torch.Tensor, bits: int, key_dim: int) -> QuantKV:
     """Quantize a [kv_heads, block_size, key_dim + value_dim] block: K per channel, V per token."""
-    block_size, value_dim = block.shape[1], block.shape[2] - key_dim
-    keys = quantize(block[..., :key_dim], bits, axis=1, group_size=block_size)  # groups over tokens: per channel
-    values = quantize(block[..., key_dim:], bits, axis=2, group_size=min(32, value_dim))  # over channels: per token
+    (_, key_axis, key_group), (_, value_axis, value_group) = _kv_parts(block.shape, key_dim)
+    keys = quantize(block[..., :key_dim], bits, axis=key_axis, group_size=key_group)
+    values = quantize(block[..., key_dim:], bits, axis=value_axis, group_size=value_group)
     return QuantKV(keys, values, bits, keys.num_bytes + values.num_bytes)
 
 
@@ -51,16 +72,19 @@ def write_quant(spill: SpillDir, name: str, quant: QuantKV) -> QuantKV:
             spill.write(f"{name}-{label}s", part.scales),
             spill.write(f"{name}-{label}z", part.zeros),
         ]
-        meta.append((part.bits, part.axis, part.group_size))
+        meta.append((part.bits, part.axis, part.group_size, part.shape))
     return QuantKV(None, None, quant.bits, quant.nbytes, tuple(records), tuple(meta))
 
 
 def read_quant(spill: SpillDir, quant: QuantKV) -> QuantKV:
     """Read a disk-resident quantized block back (checksums verified)."""
     parts = []
-    for i, (bits, axis, group_size) in enumerate(quant.meta):
+    for i, (bits, axis, group_size, shape) in enumerate(quant.meta):
         codes, scales, zeros = (spill.read(r) for r in quant.records[3 * i : 3 * i + 3])
-        parts.append(Quantized(codes, scales, zeros, bits, axis, group_size))
+        part = Quantized(codes, scales, zeros, bits, axis, group_size, shape)
+        if part.num_bytes != quantized_nbytes(shape, bits, axis, group_size):
+            raise EngineError(f"{quant.records[3 * i].path.name}: {part.num_bytes} B read, not a {bits}-bit {shape}")
+        parts.append(part)
     return QuantKV(parts[0], parts[1], quant.bits, quant.nbytes)
 
 

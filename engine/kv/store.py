@@ -15,7 +15,7 @@ import torch
 from fallbackgate.engine.device_pool import Scratch, TierPool
 from fallbackgate.engine.errors import ChecksumError, EngineError
 from fallbackgate.engine.kv.block import KVBlock, KVBlockKey, SpillMode, Staged
-from fallbackgate.engine.kv.codec import dequantize_kv, quant_to, quantize_kv, read_quant, write_quant
+from fallbackgate.engine.kv.codec import dequantize_kv, quant_kv_nbytes, quant_to, quantize_kv, read_quant, write_quant
 from fallbackgate.engine.kv.spill import SpillDir
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
@@ -299,7 +299,8 @@ class KVStore:
         """Whether a host copy in `mode` fits the host budget now."""
         if mode is SpillMode.HOST_FULL:
             return self.host_pool.can_reserve(self.bytes_per_block)
-        quant_bytes = self.bytes_per_block // 4 + 1024
+        bits = 4 if mode in (SpillMode.HOST_INT4, SpillMode.HOST_FULL_AND_INT4) else 8
+        quant_bytes = quant_kv_nbytes(self.block_shape, bits, self.key_dim)
         if mode in (SpillMode.HOST_INT8, SpillMode.HOST_INT4):
             return self.host_pool.can_reserve(quant_bytes)
         if mode in (SpillMode.HOST_FULL_AND_INT8, SpillMode.HOST_FULL_AND_INT4):

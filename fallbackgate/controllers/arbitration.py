@@ -4,8 +4,9 @@ KV blocks with a full-precision copy queue on the link before expert misses. One
 step's link time competes with the step's expert loads; if the request's class allows it, the block falls
 back to the option the measured profile predicts fastest among those that fit: ``recompute`` (the same
 math: the request's tokens from the block on run again; compute time) or ``kv_dequant`` from a quantized
-copy (a quarter or an eighth of the bytes, with its predicted quality cost against the request's budget).
-Otherwise the exact copy loads late and the slip is recorded. Every choice is kept with its reason.
+copy (the bytes it is stored in: int8 or packed int4 codes with their scales; its predicted quality cost
+against the request's budget). Otherwise the exact copy loads late and the slip is recorded. Every choice is
+kept with its reason.
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ class JointController(Controller):
             if budget.fits(tag, cost):
                 budget.spend(tag, cost, True)
                 if tag is Tag.EXPERT_LOWBIT:
-                    self.link.take(miss.num_bytes * self.cost.lowbit_bits // 32, Tier.HOST)
+                    self.link.take(self._lowbit_bytes(), Tier.HOST)
                 if tag is Tag.CPU_EXECUTE:  # the step's CPU experts run one after another: their times add up
                     self.cpu_left_s -= cpu_expert_s(self.link.profile, miss)
                 return Decision(tag, cost, "deadline")
@@ -157,13 +157,17 @@ class JointController(Controller):
         cpu_s = cpu_expert_s(self.link.profile, miss)
         if cpu_s < sum(self.link.legs(miss.num_bytes, miss.home).values()) and cpu_s <= self.cpu_left_s:
             options.append((Tag.CPU_EXECUTE, 0.0))
-        lowbit_bytes = miss.num_bytes * self.cost.lowbit_bits // 32
-        if miss.is_lowbit_available and self.link.fits(lowbit_bytes, Tier.HOST):
+        if miss.is_lowbit_available and self.link.fits(self._lowbit_bytes(), Tier.HOST):
             options.append(
                 (Tag.EXPERT_LOWBIT, self.cost.expert_cost(Tag.EXPERT_LOWBIT, miss.layer, miss.max_gate_weight))
             )
         options.append((Tag.EXPERT_DEFER, self.cost.expert_cost(Tag.EXPERT_DEFER, miss.layer, miss.max_gate_weight)))
         return options
+
+    def _lowbit_bytes(self) -> int:
+        """Bytes of one expert's low-bit copy as the engine stores it (what crosses the link)."""
+        assert self.view is not None, "on_step_start gives the controller its view"
+        return self.view.quantized_bytes(ObjectKind.EXPERT, self.cost.lowbit_bits)
 
     def kv_action(self, miss: KVMiss) -> Decision:
         budget = self._budget(miss.request_id, miss.request_class)
@@ -182,7 +186,8 @@ class JointController(Controller):
             cost = self.cost.kv_cost(miss.layer, self.kv_error_energy(key, miss.quant_bits))
             if budget.fits(Tag.KV_DEQUANT, cost):
                 budget.spend(Tag.KV_DEQUANT, cost, False)
-                self.link.take(miss.num_bytes * miss.quant_bits // 32, miss.quant_tier)
+                assert self.view is not None, "on_step_start gives the controller its view"
+                self.link.take(self.view.quantized_bytes(ObjectKind.KV_BLOCK, miss.quant_bits), miss.quant_tier)
                 return Decision(Tag.KV_DEQUANT, cost, "quantized copy")
             budget.spend(Tag.RECOMPUTE, 0.0, False)
             return Decision(Tag.RECOMPUTE, reason="budget spent: rebuilt exactly from tokens")
@@ -222,13 +227,14 @@ class JointController(Controller):
             if k not in pinned_experts
         ]
         per_request: dict[str, tuple[SpillMode, float]] = {}
+        quant_fraction = view.quantized_bytes(ObjectKind.KV_BLOCK, self.kv_bits) / max(1, view.bytes_per_kv_block)
         for block in view.device_kv_blocks():
             if block.key in pinned_kv:
                 continue
             rid = block.key[0]
             if rid not in per_request:
                 mode = self.spill_mode(rid, view)
-                fraction = 1.0 if mode is SpillMode.HOST_FULL else self.kv_bits / 32
+                fraction = 1.0 if mode is SpillMode.HOST_FULL else quant_fraction
                 per_request[rid] = (mode, self.values.kv_value(block.key, view, running, fraction))
             mode, value = per_request[rid]
             ranked.append((value, Victim(kv_block_key=block.key, spill_mode=mode)))
