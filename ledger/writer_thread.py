@@ -74,6 +74,14 @@ class RequestMessage:
 
 
 @dataclasses.dataclass(slots=True)
+class ForgetMessage:
+    """No diffs will be recorded through this writer for the request: drop the steps it tracks for it."""
+
+    run_id: int  # the run the request belongs to
+    request_id: str  # the request
+
+
+@dataclasses.dataclass(slots=True)
 class DiffsMessage:
     """One request's per-position diffs against the exact baseline."""
 
@@ -116,7 +124,7 @@ class StopMessage:
     """Write what is pending and end the thread."""
 
 
-Message = StepMessage | RequestMessage | DiffsMessage | RowsMessage | OpMessage | GroupMessage
+Message = StepMessage | RequestMessage | DiffsMessage | RowsMessage | OpMessage | GroupMessage | ForgetMessage
 FLUSH = FlushMessage()
 
 
@@ -228,6 +236,9 @@ class WriterThread:
             case RequestMessage(run_id, output, slo, budget, prompt):
                 rows.setdefault(Request.__table__, []).append(request_row(run_id, output, slo, budget, prompt))
                 return 1
+            case ForgetMessage(run_id, request_id):
+                self._sample_steps.pop((run_id, request_id), None)
+                return 0
             case DiffsMessage(run_id, request_id, diffs, stats, step_ids):
                 return diff_rows(run_id, request_id, diffs, stats, step_ids, rows, self._sample_steps)
         raise TypeError(f"not a ledger writer message: {item!r}")

@@ -66,6 +66,7 @@ class Submission:
     prompt: str  # the text as received (recorded)
     loop: asyncio.AbstractEventLoop  # the handler's event loop
     queue: asyncio.Queue[Reply]  # what the engine loop hands back, in order
+    is_audited: bool = False  # chosen for audit at admission: only then are its full logits kept
 
 
 class EngineService:
@@ -150,8 +151,11 @@ class EngineService:
         with self._lock:
             inbox, self._inbox = self._inbox, []
         for sub in inbox:
+            sub.is_audited = self.recorder is not None and self.rng.random() < self.audit_rate
             try:
-                self.engine.add_request(sub.token_ids, sub.params, sub.request_id, sub.request_class)
+                self.engine.add_request(
+                    sub.token_ids, sub.params, sub.request_id, sub.request_class, is_logits_kept=sub.is_audited
+                )
             except (EngineError, ValueError) as exc:
                 self._push(sub, Failed(str(exc)))
                 continue
@@ -176,8 +180,10 @@ class EngineService:
     def _finish(self, sub: Submission, output: RequestOutput) -> None:
         if self.recorder is not None:
             self.recorder.on_request(output, prompt=sub.prompt)
-            if self.rng.random() < self.audit_rate:
+            if sub.is_audited:
                 self.recorder.defer_audits([output])
+                output.output_logits = None  # stored: the response does not need them
+            self.recorder.forget(output.request_id)
         self.metrics.in_flight.dec()
         self.metrics.on_finish(output, self.slos.get(sub.request_class), "ok")
         is_stop = bool(output.output_token_ids) and output.output_token_ids[-1] in sub.params.stop_token_ids

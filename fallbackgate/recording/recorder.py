@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import transformers
 
-from fallbackgate.audit.auditor import choose_audited
+from fallbackgate.audit.auditor import audited_ids, choose_audited
 from fallbackgate.audit.gate import RunVerdict, evaluate_run
 from fallbackgate.audit.run_audit import audit_outputs
 from fallbackgate.audit.stats import PositionDiff, RequestDiffStats
@@ -108,14 +108,22 @@ class RunRecorder:
         )
 
     def serve(self, specs: list[PromptSpec], settings: RunSettings, progress: bool = False) -> RunOutcome:
-        """Serve ``specs`` on the engine recording every step; a run that raises is marked failed first."""
+        """Serve ``specs`` on the engine recording every step; a run that raises is marked failed first. Only
+        the requests :meth:`finish` will audit keep their full logits."""
+        kept = audited_ids([s.request_id for s in specs], self.audit_rate, self.seed)
         with self._failing():
-            return run_prompts(self.engine, specs, settings, self.on_step, progress)
+            return run_prompts(self.engine, specs, settings, self.on_step, progress, logits_kept_ids=kept)
 
     def defer_audits(self, outputs: Sequence[RequestOutput]) -> None:
-        """Leave these requests' audits to workers: their served logits and a task each in the ledger."""
+        """Leave these requests' audits to workers: their served logits (copied out: the caller may drop them)
+        and a task each in the ledger."""
         self.writer.queue_audits(outputs, with_run_task=False)
         self.num_deferred += len(outputs)
+
+    def forget(self, request_id: str) -> None:
+        """Nothing more will be recorded for this request through this recorder (its audit, if any, is a
+        worker's): the writer releases what it tracks for it."""
+        self.writer.forget_request(request_id)
 
     def record_audit(
         self,
@@ -147,6 +155,8 @@ class RunRecorder:
                 self.defer_audits(audited)
             else:
                 self._audit_inline(audited)
+            for output in audited:  # stored or audited: the full logits are not needed any more
+                output.output_logits = None
         return self.close(memory=outcome.memory)
 
     def close(self, status: str = "complete", *, memory: dict[str, Any] | None = None) -> RunVerdict | None:
