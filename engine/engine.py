@@ -290,6 +290,13 @@ class Engine(BaselineAccess):
             del self.sequences[seq.request_id]  # its output is the caller's to take from `finished`
         return is_done
 
+    def partial_output(self, request_id: str) -> RequestOutput:
+        """What the unfinished request `request_id` has produced so far (tokens, timings up to now, tag counts),
+        to record it as cancelled; the request itself is left as it is."""
+        seq = self.sequences[request_id]
+        seq.finish_s, seq.modeled_finish_s = time.perf_counter(), self.modeled_clock_s
+        return self._output(seq)
+
     def _output(self, seq: Sequence) -> RequestOutput:
         n = len(seq.output_token_ids)
         tpot = (seq.modeled_finish_s - seq.modeled_first_token_s) / (n - 1) if n > 1 else 0.0
@@ -298,7 +305,7 @@ class Engine(BaselineAccess):
             seq.request_class,
             seq.prompt_token_ids,
             list(seq.output_token_ids),
-            torch.stack(seq.output_logits) if seq.is_logits_kept else None,
+            torch.stack(seq.output_logits) if seq.is_logits_kept and seq.output_logits else None,
             seq.arrival_s,
             seq.first_token_s,
             seq.finish_s,

@@ -71,6 +71,7 @@ class RequestMessage:
     slo: Mapping[str, Any] | None  # its class's SLO targets (None: no class declared)
     budget: Mapping[str, Any] | None  # its class's quality budget (None: no class declared)
     prompt: str | None  # the prompt text as received
+    status: str = "finished"  # or "cancelled": the server shut down before it finished
 
 
 @dataclasses.dataclass(slots=True)
@@ -233,8 +234,8 @@ class WriterThread:
                 return len(new)
             case StepMessage(run_id, plan, result):
                 return step_rows(run_id, plan, result, rows, self._sample_steps)
-            case RequestMessage(run_id, output, slo, budget, prompt):
-                rows.setdefault(Request.__table__, []).append(request_row(run_id, output, slo, budget, prompt))
+            case RequestMessage(run_id, output, slo, budget, prompt, status):
+                rows.setdefault(Request.__table__, []).append(request_row(run_id, output, slo, budget, prompt, status))
                 return 1
             case ForgetMessage(run_id, request_id):
                 self._sample_steps.pop((run_id, request_id), None)

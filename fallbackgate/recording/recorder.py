@@ -100,12 +100,12 @@ class RunRecorder:
         """Record one engine step and its events."""
         self.writer.record_step(plan, result)
 
-    def on_request(self, output: RequestOutput, prompt: str | None = None) -> None:
-        """Record a finished request with its class's SLO and quality budget."""
+    def on_request(self, output: RequestOutput, prompt: str | None = None, status: str = "finished") -> None:
+        """Record a request that ended with ``status`` ("finished"; "cancelled": what it had produced when the
+        server shut down) with its class's SLO and quality budget."""
         name = output.request_class
-        self.writer.record_request(
-            output, prompt=prompt, budget=self.classes.budgets.get(name), slo=self.classes.slos.get(name)
-        )
+        budget, slo = self.classes.budgets.get(name), self.classes.slos.get(name)
+        self.writer.record_request(output, prompt=prompt, budget=budget, slo=slo, status=status)
 
     def serve(self, specs: list[PromptSpec], settings: RunSettings, progress: bool = False) -> RunOutcome:
         """Serve ``specs`` on the engine recording every step; a run that raises is marked failed first. Only
