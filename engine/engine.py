@@ -20,7 +20,7 @@ from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.engine.model.build import build_stores, fill_expert_tiers, probe_kv_shapes, resolve_device
 from fallbackgate.engine.model.loader import find_routers, load_checkpoint
 from fallbackgate.engine.model.runner import ModelRunner
-from fallbackgate.engine.sampler import sample
+from fallbackgate.engine.sampler import sample, top_logprobs
 from fallbackgate.engine.scheduler import Scheduler
 from fallbackgate.engine.sequence import SamplingParams, Sequence, check_prompt
 from fallbackgate.engine.step_context import EventLog, ForwardBatch, StepUses, log_rebuilt
@@ -55,7 +55,9 @@ class Engine(BaselineAccess):
         self.verifier = CopyVerifier(
             self.expert_store, loaded.checkpoint_dtype, config.num_verified_copies_per_step, config.seed
         )
-        self.sequences: dict[str, Sequence] = {}
+        self.sequences: dict[str, Sequence] = {}  # unfinished requests only: a finished one leaves at once
+        self.num_added = 0  # requests accepted so far: default ids and seeds count from it
+        self._used_ids: set[str] = set()  # every id accepted, never reused (a str in a set: ~100 bytes each)
         self.scheduler = Scheduler(config, self.kv_store, self._make_room_for_kv, expert_floor, self._preempt)
         uses = StepUses()
         self._view = LiveView(self.expert_store, self.kv_store, config.profile, self.sequences, self.scheduler, uses)
@@ -99,29 +101,35 @@ class Engine(BaselineAccess):
         request_id: str | None = None,
         request_class: str = "default",
         num_scored_tokens: int = 0,
+        is_logits_kept: bool = True,
     ) -> str:
-        """Queue a request; returns its id.
+        """Queue a request; returns its id (default: ``req-<n>`` for the n-th request accepted).
 
         `num_scored_tokens` = k > 0 keeps the prefill logits of the last k prompt positions; they come back as
         `RequestOutput.prompt_logits` [k, vocab] (teacher-forced scoring through the engine's own path).
+        `is_logits_kept` False: the full logits of its output tokens are not kept (`output_logits` None), only
+        what sampling itself reports (``SamplingParams.num_top_logprobs``); servers keep them for audited
+        requests alone.
         """
         params = params or SamplingParams()
-        request_id = request_id or f"req-{len(self.sequences)}"
+        request_id = request_id or f"req-{self.num_added}"
         self.check_request(prompt_token_ids, params, request_id, num_scored_tokens)
-        seq = Sequence(request_id, list(prompt_token_ids), params, request_class)
+        seq = Sequence(request_id, list(prompt_token_ids), params, request_class, is_logits_kept=is_logits_kept)
         seq.num_scored_tokens = num_scored_tokens
         seq.modeled_arrival_s = self.modeled_clock_s
-        seed = params.seed if params.seed is not None else self.config.seed + len(self.sequences)
+        seed = params.seed if params.seed is not None else self.config.seed + self.num_added
         seq.generator = torch.Generator().manual_seed(seed)
         self.scheduler.add(seq)  # refuses a request that could never fit on device
         self.sequences[request_id] = seq
+        self._used_ids.add(request_id)
+        self.num_added += 1
         return request_id
 
     def check_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, num_scored_tokens: int = 0
     ) -> None:
         """Raise PromptError for a request this engine would refuse (callers check before recording)."""
-        if request_id in self.sequences:
+        if request_id in self._used_ids:
             raise PromptError(f"request id {request_id!r} is already in use")
         limit = min(self.config.max_model_len, int(getattr(self.model_config, "max_position_embeddings", 1 << 30)))
         check_prompt(request_id, prompt_token_ids, params, limit, int(self.model_config.vocab_size), num_scored_tokens)
@@ -212,8 +220,11 @@ class Engine(BaselineAccess):
         for seq, num in chosen:
             seq.num_computed_tokens += num
             if seq.num_computed_tokens == seq.num_tokens:
-                kept[seq.request_id] = logits[row]
-                sampled[seq.request_id] = sample(logits[row], seq.params, seq.generator)
+                if seq.is_logits_kept:  # a copy of its own row: a view would hold the whole step's logits
+                    kept[seq.request_id] = logits[row].detach().to("cpu", copy=True)
+                token = sampled[seq.request_id] = sample(logits[row], seq.params, seq.generator)
+                if seq.params.num_top_logprobs:  # computed now: the full row is not kept
+                    seq.output_logprobs.append(top_logprobs(logits[row], token, seq.params.num_top_logprobs))
                 row += 1
         events = log.events()
         modeled = log.modeled_transfer_s + log.modeled_compute_s
@@ -224,7 +235,7 @@ class Engine(BaselineAccess):
                 counts = self.sequences[event.request_id].tag_counts
                 counts[event.tag.value] = counts.get(event.tag.value, 0) + event.count
         for request_id, token in sampled.items():
-            if self._append_token(self.sequences[request_id], token, kept[request_id], now):
+            if self._append_token(self.sequences[request_id], token, kept.get(request_id), now):
                 finished.append(request_id)
         pool = self.kv_store.device_pool
         return StepResult(
@@ -264,18 +275,27 @@ class Engine(BaselineAccess):
             )
         self.kv_store.clear_scratch()
 
-    def _append_token(self, seq: Sequence, token: int, logits: torch.Tensor, now: float) -> bool:
+    def _append_token(self, seq: Sequence, token: int, kept: torch.Tensor | None, now: float) -> bool:
         if not seq.output_token_ids:
             seq.first_token_s, seq.modeled_first_token_s = now, self.modeled_clock_s
         seq.output_token_ids.append(token)
-        seq.output_logits.append(logits.detach().cpu())
+        if kept is not None:
+            seq.output_logits.append(kept)
         is_done = len(seq.output_token_ids) >= seq.params.max_new_tokens or token in seq.params.stop_token_ids
         if is_done:
             seq.finish_s, seq.modeled_finish_s = now, self.modeled_clock_s
             self.scheduler.finish(seq)
             self.kv_store.free_sequence(seq.request_id)
             self.finished[seq.request_id] = self._output(seq)
+            del self.sequences[seq.request_id]  # its output is the caller's to take from `finished`
         return is_done
+
+    def partial_output(self, request_id: str) -> RequestOutput:
+        """What the unfinished request `request_id` has produced so far (tokens, timings up to now, tag counts),
+        to record it as cancelled; the request itself is left as it is."""
+        seq = self.sequences[request_id]
+        seq.finish_s, seq.modeled_finish_s = time.perf_counter(), self.modeled_clock_s
+        return self._output(seq)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         n = len(seq.output_token_ids)
@@ -285,7 +305,7 @@ class Engine(BaselineAccess):
             seq.request_class,
             seq.prompt_token_ids,
             list(seq.output_token_ids),
-            torch.stack(seq.output_logits),
+            torch.stack(seq.output_logits) if seq.is_logits_kept and seq.output_logits else None,
             seq.arrival_s,
             seq.first_token_s,
             seq.finish_s,
@@ -294,6 +314,7 @@ class Engine(BaselineAccess):
             dict(seq.tag_counts),
             seq.num_preemptions,
             seq.pop_prompt_logits(),
+            seq.output_logprobs if seq.params.num_top_logprobs else None,
         )
 
     # --- memory pressure -----------------------------------------------------------------------
@@ -325,11 +346,11 @@ class Engine(BaselineAccess):
     def generate(
         self, prompts: Iterable[list[int]], params: SamplingParams | None = None, is_progress_shown: bool = False
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in prompt order."""
+        """Run prompts to completion; outputs in prompt order (taken from `finished`)."""
         ids = [self.add_request(p, params) for p in prompts]
         total = sum(self.sequences[i].params.max_new_tokens for i in ids)
         with tqdm(total=total, disable=not is_progress_shown, unit="tok") as bar:
             while self.has_unfinished():
                 result = self.step()
                 bar.update(len(result.sampled_token_ids))
-        return [self.finished[i] for i in ids]
+        return [self.finished.pop(i) for i in ids]

@@ -11,6 +11,7 @@ import enum
 import torch
 
 from fallbackgate.engine.experts.read_ahead import TransferClock
+from fallbackgate.engine.sequence import TokenLogprobs
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 
@@ -78,7 +79,8 @@ class StepResult:
     kind: StepKind  # same as the plan's
     request_ids: list[str]  # requests that had tokens in the step
     sampled_token_ids: dict[str, int]  # request id -> token sampled at its last position (if it emits one)
-    logits: dict[str, torch.Tensor]  # request id -> fp32 logits [vocab] that produced the sampled token
+    logits: dict[str, torch.Tensor]  # request id -> fp32 logits [vocab] that produced the sampled token (requests
+    # whose logits are kept only)
     events: list[Event]  # every fallback taken in this step, aggregated per request × layer × kind × tag
     wall_s: float  # measured wall time of the step, seconds
     modeled_s: float  # modeled time of the step from the hardware profile, seconds
@@ -99,7 +101,8 @@ class RequestOutput:
     request_class: str  # policy request class name ("default" when none)
     prompt_token_ids: list[int]  # tokenised prompt
     output_token_ids: list[int]  # generated tokens (without the prompt)
-    output_logits: torch.Tensor  # [num_output_tokens, vocab] fp32 logits that produced each output token
+    output_logits: torch.Tensor | None  # [num_output_tokens, vocab] fp32 logits that produced each output token;
+    # None when the request was submitted with is_logits_kept=False (servers keep them for audited requests only)
     arrival_s: float  # wall clock when submitted (time.perf_counter)
     first_token_s: float  # wall clock when the first output token was sampled
     finish_s: float  # wall clock when the last output token was sampled
@@ -110,6 +113,7 @@ class RequestOutput:
     prompt_logits: torch.Tensor | None = None  # [num_scored_tokens, vocab] fp32 prefill logits at the last prompt
     # positions (row i at position len(prompt) - num_scored_tokens + i; the last row produced the first output
     # token); None unless scoring was requested
+    output_logprobs: list[TokenLogprobs] | None = None  # per output token, when SamplingParams.num_top_logprobs > 0
 
     @property
     def ttft_s(self) -> float:

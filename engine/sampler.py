@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.engine.sequence import SamplingParams, TokenLogprobs
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -18,3 +18,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def top_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """The log-probability of `token` and the `k` most probable tokens under fp32 `logits` [vocab] (the model's
+    distribution, before temperature)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = torch.topk(logp, min(k, logp.shape[-1]))
+    return TokenLogprobs(token, float(logp[token]), tuple(ids.tolist()), tuple(values.tolist()))

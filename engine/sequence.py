@@ -11,6 +11,16 @@ import torch
 from fallbackgate.engine.errors import PromptError
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One output token's log-probability and the top-k alternatives (log-softmax of its fp32 logits)."""
+
+    token_id: int  # the sampled token
+    logprob: float  # its log-probability
+    top_ids: tuple[int, ...]  # the k most probable tokens, most probable first
+    top_logprobs: tuple[float, ...]  # their log-probabilities
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not admitted yet
     RUNNING = "running"  # holds device KV (at least its tail blocks)
@@ -27,6 +37,7 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus sampling mass
     seed: int | None = None  # per-request seed (seeded sampling)
     stop_token_ids: tuple[int, ...] = ()  # end generation on these tokens
+    num_top_logprobs: int = 0  # > 0: each output token's log-probability and the top-k, computed when sampled
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -35,6 +46,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.num_top_logprobs < 0:
+            raise ValueError(f"num_top_logprobs must be >= 0, got {self.num_top_logprobs}")
 
 
 @dataclasses.dataclass(slots=True)
@@ -47,7 +60,9 @@ class Sequence:
     request_class: str = "default"
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    output_logits: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    is_logits_kept: bool = True  # False: output logits are not kept (only `output_logprobs`, when asked for)
+    output_logits: list[torch.Tensor] = dataclasses.field(default_factory=list)  # kept rows, one per output token
+    output_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # when num_top_logprobs > 0
     num_computed_tokens: int = 0  # tokens whose KV is in the store
     num_recompute_tokens: int = 0  # tokens computed before a drop-preemption, to be rebuilt
     num_preemptions: int = 0

@@ -243,8 +243,9 @@ def request_row(
     slo: Mapping[str, Any] | None,
     budget: Mapping[str, Any] | None,
     prompt: str | None,
+    status: str = "finished",
 ) -> dict[str, Any]:
-    """The requests-table row of a finished request."""
+    """The requests-table row of a request that ended with ``status`` ("finished" or "cancelled")."""
     return {
         "run_id": run_id,
         "request_id": out.request_id,
@@ -255,11 +256,12 @@ def request_row(
         "num_preemptions": out.num_preemptions,
         "slo": dict(slo) if slo is not None else None,
         "budget": dict(budget) if budget is not None else None,
-        "ttft_s": out.ttft_s,
+        "ttft_s": out.ttft_s if out.output_token_ids else None,  # a request cancelled before its first token
         "tpot_s": out.tpot_s,
         "modeled_ttft_s": out.modeled_ttft_s,
         "modeled_tpot_s": out.modeled_tpot_s,
         "verdict": None,
         "tag_counts": {str(value(k)): int(v) for k, v in out.tag_counts.items()},
         "token_ids": [int(t) for t in (*out.prompt_token_ids, *out.output_token_ids)],
+        "status": status,
     }

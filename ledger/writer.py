@@ -40,6 +40,7 @@ from fallbackgate.ledger.writer_thread import (
     FLUSH,
     DiffsMessage,
     FlushMessage,
+    ForgetMessage,
     GroupMessage,
     Message,
     Op,
@@ -141,9 +142,16 @@ class LedgerWriter:
         budget: Mapping[str, Any] | None = None,
         prompt: str | None = None,
         run_id: int | None = None,
+        status: str = "finished",
     ) -> None:
-        """Record a finished request with its class, SLO, quality budget and timings."""
-        self._put(RequestMessage(self._run(run_id), output, slo, budget, prompt))
+        """Record a request that ended with ``status`` ("finished", or "cancelled": what it had produced when
+        the server shut down) with its class, SLO, quality budget and timings."""
+        self._put(RequestMessage(self._run(run_id), output, slo, budget, prompt, status))
+
+    def forget_request(self, request_id: str, *, run_id: int | None = None) -> None:
+        """No diffs will be recorded through this writer for ``request_id`` (a server leaves its audits to
+        workers): release what the writer tracks for it (the steps that sampled its tokens)."""
+        self._put(ForgetMessage(self._run(run_id), request_id))
 
     def record_diffs(
         self,

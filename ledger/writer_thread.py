@@ -71,6 +71,15 @@ class RequestMessage:
     slo: Mapping[str, Any] | None  # its class's SLO targets (None: no class declared)
     budget: Mapping[str, Any] | None  # its class's quality budget (None: no class declared)
     prompt: str | None  # the prompt text as received
+    status: str = "finished"  # or "cancelled": the server shut down before it finished
+
+
+@dataclasses.dataclass(slots=True)
+class ForgetMessage:
+    """No diffs will be recorded through this writer for the request: drop the steps it tracks for it."""
+
+    run_id: int  # the run the request belongs to
+    request_id: str  # the request
 
 
 @dataclasses.dataclass(slots=True)
@@ -116,7 +125,7 @@ class StopMessage:
     """Write what is pending and end the thread."""
 
 
-Message = StepMessage | RequestMessage | DiffsMessage | RowsMessage | OpMessage | GroupMessage
+Message = StepMessage | RequestMessage | DiffsMessage | RowsMessage | OpMessage | GroupMessage | ForgetMessage
 FLUSH = FlushMessage()
 
 
@@ -225,9 +234,12 @@ class WriterThread:
                 return len(new)
             case StepMessage(run_id, plan, result):
                 return step_rows(run_id, plan, result, rows, self._sample_steps)
-            case RequestMessage(run_id, output, slo, budget, prompt):
-                rows.setdefault(Request.__table__, []).append(request_row(run_id, output, slo, budget, prompt))
+            case RequestMessage(run_id, output, slo, budget, prompt, status):
+                rows.setdefault(Request.__table__, []).append(request_row(run_id, output, slo, budget, prompt, status))
                 return 1
+            case ForgetMessage(run_id, request_id):
+                self._sample_steps.pop((run_id, request_id), None)
+                return 0
             case DiffsMessage(run_id, request_id, diffs, stats, step_ids):
                 return diff_rows(run_id, request_id, diffs, stats, step_ids, rows, self._sample_steps)
         raise TypeError(f"not a ledger writer message: {item!r}")

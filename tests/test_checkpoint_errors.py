@@ -157,3 +157,65 @@ def test_bf16_checkpoint_reports_its_dtype_in_the_cli(tmp_path: pathlib.Path, ca
     assert code == 0
     memory = json.loads((tmp_path / "out.json").read_text())["memory"]
     assert memory["dtype"] == "bfloat16" and memory["peak_device_pool_bytes"] <= memory["device_budget_bytes"]
+
+
+def _cut(file: pathlib.Path) -> None:
+    file.write_bytes(file.read_bytes()[:53])  # JSON cut off mid-way
+
+
+def _index_not_a_map(ckpt: pathlib.Path) -> None:
+    _shard_with_index(ckpt)
+    (ckpt / INDEX_FILE).write_text(json.dumps({"weight_map": ["model.safetensors"]}))
+
+
+def _index_cut(ckpt: pathlib.Path) -> None:
+    _shard_with_index(ckpt)
+    _cut(ckpt / INDEX_FILE)
+
+
+def _bad_header(ckpt: pathlib.Path) -> None:
+    shard = ckpt / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[8:40] = b"#" * 32  # the JSON header's first bytes
+    shard.write_bytes(bytes(data))
+
+
+CORRUPTIONS = {
+    "config cut": ("config.json", lambda c: _cut(c / "config.json"), "is not valid JSON"),
+    "config not an object": (
+        "config.json",
+        lambda c: (c / "config.json").write_text("[1, 2]"),
+        "expected a JSON object",
+    ),
+    "config bad value": (
+        "config.json",
+        lambda c: (c / "config.json").write_text(
+            json.dumps(json.loads((c / "config.json").read_text()) | {"num_attention_heads": "many"})
+        ),
+        "transformers could not build the model from it",
+    ),
+    "tokenizer cut": ("tokenizer.json", lambda c: _cut(c / "tokenizer.json"), "is not valid JSON"),
+    "tokenizer wrong shape": (
+        "tokenizer.json",
+        lambda c: (c / "tokenizer.json").write_text('{"model": 3}'),
+        "transformers could not load the tokenizer",
+    ),
+    "tokenizer config cut": ("tokenizer_config.json", lambda c: _cut(c / "tokenizer_config.json"), "is not valid JSON"),
+    "index cut": (INDEX_FILE, _index_cut, "not a safetensors index"),
+    "index not a map": (INDEX_FILE, _index_not_a_map, "'weight_map' must map tensor names to shard file names"),
+    "shard header": ("model.safetensors", _bad_header, "not a readable safetensors file"),
+    "manifest cut": (MANIFEST_FILE, lambda c: _cut(c / MANIFEST_FILE), "not a fallbackgate manifest"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_a_corrupt_checkpoint_file_is_named_on_one_line(kind: str, tmp_path: pathlib.Path, capsys) -> None:
+    bundled = pathlib.Path(shutil.copytree(CHECKPOINT_DIR, tmp_path / "bundled"))
+    name, corrupt, what = CORRUPTIONS[kind]
+    corrupt(bundled)
+    code = cli.main(["run", "--model", str(bundled), "--no-ledger", "--quiet", "--max-new-tokens", "1"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("fallbackgate run: error: "), err
+    assert str(bundled / name) in lines[0] and what in lines[0], lines[0]

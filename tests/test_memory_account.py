@@ -75,7 +75,7 @@ def _run(path, force: tuple[str, ...], mode: str, budget: int, seen: dict[str, i
     while engine.has_unfinished():
         result = engine.step()
         num_steps += 1
-        if num_steps == 4 and not engine.sequences[ids[1]].is_finished:  # a preemption in every run
+        if num_steps == 4 and ids[1] in engine.sequences:  # a preemption in every run (unless it finished)
             engine.scheduler.preempt(engine.sequences[ids[1]])
         store = engine.expert_store
         assert result.num_device_bytes_expert == len(store.device_keys()) * store.bytes_per_expert

@@ -57,8 +57,12 @@ class CheckpointFiles:
     def _files_from_index(self, index: pathlib.Path) -> list[pathlib.Path]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{index}: not a safetensors index (need a 'weight_map' object): {exc}") from exc
+        except OSError as exc:
+            raise CheckpointError(f"{index}: cannot read: {exc.strerror or exc}") from exc
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
         files = sorted({self.path / name for name in weight_map.values()})
         for file in files:
             if not file.exists():

@@ -58,9 +58,42 @@ def _read_config(path: pathlib.Path) -> dict:
         found = sorted(p.name for p in path.iterdir())[:10]
         raise CheckpointError(f"{path} is not a checkpoint: no config.json (found: {found or 'nothing'})")
     try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{config_file} is not valid JSON: {exc}") from exc
+    except OSError as exc:
+        raise CheckpointError(f"{config_file}: cannot read: {exc.strerror or exc}") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_file}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
+def first_line(exc: BaseException) -> str:
+    """An exception's message on one line (its first non-empty line, or its type's name)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def _load_tokenizer(path: pathlib.Path) -> PreTrainedTokenizerBase:
+    """The directory's tokenizer; a failure names the tokenizer file at fault and what is wrong with it."""
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # tokenizers and transformers raise many kinds for a bad file
+        for name in TOKENIZER_FILES:  # diagnosed only after a failure: a real tokenizer.json is megabytes
+            file = path / name
+            if not file.exists():
+                continue
+            try:
+                json.loads(file.read_text())
+            except (json.JSONDecodeError, UnicodeDecodeError) as bad:
+                raise CheckpointError(f"{file} is not valid JSON: {bad}") from exc
+            except OSError as bad:
+                raise CheckpointError(f"{file}: cannot read: {bad.strerror or bad}") from exc
+        file = path / ("tokenizer.json" if (path / "tokenizer.json").exists() else "tokenizer_config.json")
+        raise CheckpointError(f"{file}: transformers could not load the tokenizer: {first_line(exc)}") from exc
 
 
 def _check_supported(path: pathlib.Path, config: dict) -> None:
@@ -144,7 +177,9 @@ def load_checkpoint(
                     config, dtype=compute, attn_implementation="sdpa", experts_implementation=EXPERTS_IMPLEMENTATION
                 )
     except Exception as exc:  # transformers raises many kinds for a config it cannot build; all mean "cannot load"
-        raise CheckpointError(f"{path}: transformers could not build the model from config.json: {exc}") from exc
+        raise CheckpointError(
+            f"{path / 'config.json'}: transformers could not build the model from it: {first_line(exc)}"
+        ) from exc
     model.eval()
     experts = find_experts_modules(model)
     if not experts:
@@ -161,7 +196,7 @@ def load_checkpoint(
         raise CheckpointError(f"{path}: expert tensors do not match the config's experts (e.g. missing {missing})")
     tokenizer = None
     if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists():
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = _load_tokenizer(path)
     elif is_tokenizer_required:
         raise CheckpointError(f"{path}: no tokenizer files (tokenizer.json) next to the weights")
     top_k, num_experts = _top_k(model.config), int(first.num_experts)

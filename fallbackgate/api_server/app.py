@@ -3,7 +3,8 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": true`` for server-sent
 events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Errors are OpenAI-shaped
 JSON (``{"error": {"message", "type", "param", "code"}}``); an unknown quality class is a 400 that lists
-the classes. Every response carries the request's ledger id, class and tag counts in ``fallbackgate``.
+the classes; a body over the limit is a 413 before it is read; a full admission queue is a 429 with
+``Retry-After``. Every response carries the request's ledger id, class and tag counts in ``fallbackgate``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fallbackgate.api_server.protocol import (
     DEFAULT_CHAT_TEMPLATE,
@@ -31,18 +33,73 @@ from fallbackgate.api_server.protocol import (
     error_body,
     new_id,
 )
-from fallbackgate.api_server.service import Done, EngineService, Failed, Submission, Unavailable
+from fallbackgate.api_server.service import Done, EngineService, Failed, Overloaded, Submission, Unavailable
 from fallbackgate.engine.sequence import SamplingParams
 
 CLASS_HEADER = "X-Fallbackgate-Class"
 
 
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413) before it is read
+
+
 class ApiError(Exception):
     """An error the client gets as OpenAI-shaped JSON."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose body exceeds `max_bytes` gets 413 at once, from its Content-Length
+    before anything is read, or as soon as a chunked body's received bytes pass the limit (the body is
+    gathered here, at most `max_bytes` of it, and handed on whole)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send, f"the request body ({int(declared)} bytes) exceeds")
+            return
+        parts: list[bytes] = []
+        received = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            parts.append(message.get("body", b""))
+            received += len(parts[-1])
+            if received > self.max_bytes:
+                await self._refuse(send, f"the request body (over {received} bytes so far) exceeds")
+                return
+            if not message.get("more_body", False):
+                break
+        whole: list[Message] = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
+
+        async def replay() -> Message:
+            return whole.pop() if whole else await receive()  # then disconnects, as the app listens for them
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Send, what: str) -> None:
+        message = f"{what} the server's limit of {self.max_bytes} bytes (--max-body-mb)"
+        body = json.dumps(error_body(message, code="request_too_large")).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 413, "headers": headers + [(b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
 
 
 @dataclasses.dataclass(slots=True)
@@ -53,6 +110,7 @@ class ServerInfo:
     run_id: int | None  # the ledger run of this server start (None without a ledger)
     default_class: str  # a request naming no class gets this one
     on_shutdown: Callable[[], None]  # drains the engine and closes the run
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413 before they are read
 
 
 def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
@@ -65,6 +123,7 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
         await asyncio.get_running_loop().run_in_executor(None, info.on_shutdown)
 
     app = FastAPI(title="fallbackgate", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=info.max_body_bytes)
     _errors(app)
     tokenizer = service.engine.tokenizer
 
@@ -119,6 +178,9 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
             service.submit(sub)
         except Unavailable as exc:
             raise ApiError(503, str(exc), code="unavailable") from None
+        except Overloaded as exc:
+            retry = {"Retry-After": str(exc.retry_after_s)}
+            raise ApiError(429, str(exc), code="too_many_requests", headers=retry) from None
         if body.stream:
             return StreamingResponse(_stream(sub, body.model, is_chat), media_type="text/event-stream")
         while True:
@@ -187,7 +249,8 @@ def _errors(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
         kind = "invalid_request_error" if exc.status < 500 else "server_error"
-        return JSONResponse(error_body(exc.message, kind, exc.param, exc.code), status_code=exc.status)
+        body = error_body(exc.message, kind, exc.param, exc.code)
+        return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

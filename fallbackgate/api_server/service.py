@@ -5,7 +5,9 @@ requests between steps (so concurrent requests share every forward), records eac
 request to the ledger (one run per server start), leaves a sampled request's audit to the background
 audit worker (served logits and a task in the ledger, never an audit on the serving path) and hands
 sampled tokens back to each handler's asyncio queue. Draining stops admissions, lets in-flight requests
-finish for a grace period, then ends the rest as interrupted and marks the run incomplete.
+finish for a grace period, then ends the rest as interrupted (recorded as cancelled requests: what they
+had produced) and marks the run incomplete. Admission is bounded: beyond ``max_num_seqs`` running and
+``max_queued`` waiting requests a submission is refused (Overloaded) rather than queued.
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ from fallbackgate.recording import RunRecorder
 
 class Unavailable(RuntimeError):
     """The server is draining or its engine loop has stopped."""
+
+
+class Overloaded(RuntimeError):
+    """The admission queue is full: the client should retry later."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s  # what the Retry-After header says
 
 
 @dataclasses.dataclass(slots=True)
@@ -66,6 +76,7 @@ class Submission:
     prompt: str  # the text as received (recorded)
     loop: asyncio.AbstractEventLoop  # the handler's event loop
     queue: asyncio.Queue[Reply]  # what the engine loop hands back, in order
+    is_audited: bool = False  # chosen for audit at admission: only then are its full logits kept
 
 
 class EngineService:
@@ -81,6 +92,7 @@ class EngineService:
         slos: Mapping[str, Mapping[str, Any]],
         audit_rate: float,
         seed: int = 0,
+        max_queued: int = 128,
     ) -> None:
         self.engine, self.recorder, self.metrics = engine, recorder, metrics
         self.classes, self.slos = frozenset(classes), slos  # the class names requests may name; class -> SLO
@@ -89,6 +101,9 @@ class EngineService:
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._pending: dict[str, Submission] = {}
+        self.max_queued = max_queued  # requests waiting for a decode slot at most (beyond them: Overloaded)
+        self._num_open = 0  # submitted and not yet answered (running, waiting, or in the inbox)
+        self.num_cancelled = 0  # requests still running at shutdown, recorded as cancelled
         self._is_draining = False
         self._deadline: float | None = None
         self.num_interrupted = 0
@@ -104,12 +119,21 @@ class EngineService:
         self._thread.start()
 
     def submit(self, submission: Submission) -> None:
-        """Queue a request for the loop (Unavailable while draining or after a failure)."""
+        """Queue a request for the loop (Unavailable while draining or after a failure; Overloaded when
+        `max_queued` requests already wait beyond the engine's `max_num_seqs` running ones)."""
         with self._lock:
             if self._is_draining:
                 raise Unavailable("the server is shutting down")
             if not self.is_alive:
                 raise Unavailable(f"the engine loop has stopped: {self.error}")
+            running = self.engine.config.max_num_seqs
+            if self._num_open >= running + self.max_queued:
+                raise Overloaded(
+                    f"the server is at capacity: {running} requests running and {self.max_queued} waiting "
+                    "(--max-queued); retry later",
+                    retry_after_s=1,
+                )
+            self._num_open += 1
             self._inbox.append(submission)
         self._wakeup.set()
 
@@ -150,8 +174,11 @@ class EngineService:
         with self._lock:
             inbox, self._inbox = self._inbox, []
         for sub in inbox:
+            sub.is_audited = self.recorder is not None and self.rng.random() < self.audit_rate
             try:
-                self.engine.add_request(sub.token_ids, sub.params, sub.request_id, sub.request_class)
+                self.engine.add_request(
+                    sub.token_ids, sub.params, sub.request_id, sub.request_class, is_logits_kept=sub.is_audited
+                )
             except (EngineError, ValueError) as exc:
                 self._push(sub, Failed(str(exc)))
                 continue
@@ -176,20 +203,29 @@ class EngineService:
     def _finish(self, sub: Submission, output: RequestOutput) -> None:
         if self.recorder is not None:
             self.recorder.on_request(output, prompt=sub.prompt)
-            if self.rng.random() < self.audit_rate:
+            if sub.is_audited:
                 self.recorder.defer_audits([output])
+                output.output_logits = None  # stored: the response does not need them
+            self.recorder.forget(output.request_id)
         self.metrics.in_flight.dec()
         self.metrics.on_finish(output, self.slos.get(sub.request_class), "ok")
         is_stop = bool(output.output_token_ids) and output.output_token_ids[-1] in sub.params.stop_token_ids
         self._push(sub, Done(output, "stop" if is_stop else "length"))
 
     def _interrupt_all(self) -> None:
-        for sub in list(self._pending.values()):
+        """Past the grace period: every request still running ends; its row records it as cancelled."""
+        for rid, sub in list(self._pending.items()):
+            if self.recorder is not None:
+                self.recorder.on_request(self.engine.partial_output(rid), prompt=sub.prompt, status="cancelled")
+                self.recorder.forget(rid)
+                self.num_cancelled += 1
             self._push(sub, Failed("interrupted: the server shut down before this request finished"))
             self.num_interrupted += 1
             self.metrics.requests.labels(sub.request_class, "interrupted").inc()
         self._pending.clear()
 
-    @staticmethod
-    def _push(sub: Submission, item: Reply) -> None:
+    def _push(self, sub: Submission, item: Reply) -> None:
+        if not isinstance(item, Token):
+            with self._lock:
+                self._num_open -= 1  # its final reply: it no longer counts against the admission queue
         sub.loop.call_soon_threadsafe(sub.queue.put_nowait, item)

@@ -192,10 +192,17 @@ def kl_distribution(kls: list[float]) -> dict[str, float | int]:
     }
 
 
-def choose_audited(outputs: list[RequestOutput], sample_rate: float, seed: int) -> list[RequestOutput]:
-    """The requests to audit: all at rate 1, else a seeded sample (at least one)."""
+def audited_ids(request_ids: list[str], sample_rate: float, seed: int) -> set[str]:
+    """The ids of the requests to audit, chosen before they are served (so only these keep full logits): all at
+    rate 1, else a seeded sample in submission order (at least the first)."""
     if sample_rate >= 1.0:
-        return list(outputs)
+        return set(request_ids)
     rng = random.Random(seed)
-    chosen = [o for o in outputs if rng.random() < sample_rate]
-    return chosen or outputs[:1]
+    chosen = {rid for rid in request_ids if rng.random() < sample_rate}
+    return chosen or set(request_ids[:1])
+
+
+def choose_audited(outputs: list[RequestOutput], sample_rate: float, seed: int) -> list[RequestOutput]:
+    """The requests to audit, in order: those :func:`audited_ids` chose."""
+    chosen = audited_ids([o.request_id for o in outputs], sample_rate, seed)
+    return [o for o in outputs if o.request_id in chosen]

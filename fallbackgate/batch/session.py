@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -65,8 +65,12 @@ def run_prompts(
     settings: RunSettings,
     on_step: StepHook | None = None,
     is_progress_shown: bool = True,
+    logits_kept_ids: Collection[str] | None = None,
 ) -> RunOutcome:
-    """Submit every prompt, step the engine until all finish, decode the outputs."""
+    """Submit every prompt, step the engine until all finish, decode the outputs.
+
+    ``logits_kept_ids``: the requests whose full output logits are kept (those to be audited); None: all.
+    """
     tokenizer = engine.tokenizer
     stop_ids = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
     for spec in specs:
@@ -75,8 +79,10 @@ def run_prompts(
             temperature=settings.temperature,
             stop_token_ids=stop_ids,
         )
-        engine.add_request(tokenizer.encode(spec.prompt), params, spec.request_id, spec.request_class)
-    total = sum(engine.sequences[s.request_id].params.max_new_tokens for s in specs)
+        is_kept = logits_kept_ids is None or spec.request_id in logits_kept_ids
+        rid = spec.request_id
+        engine.add_request(tokenizer.encode(spec.prompt), params, rid, spec.request_class, is_logits_kept=is_kept)
+    total = sum(spec.max_new_tokens or settings.max_new_tokens for spec in specs)
     steps: list[StepResult] = []
     started = time.perf_counter()
     with tqdm(total=total, disable=not is_progress_shown, unit="tok", desc="decoding") as bar:
@@ -86,7 +92,7 @@ def run_prompts(
             if on_step is not None:
                 on_step(engine.last_plan, result)
             bar.update(len(result.sampled_token_ids))
-    outputs = [engine.finished[s.request_id] for s in specs]
+    outputs = [engine.finished.pop(s.request_id) for s in specs]
     texts = [tokenizer.decode(o.output_token_ids, skip_special_tokens=True) for o in outputs]
     wall_s = time.perf_counter() - started
     return RunOutcome(specs, outputs, texts, steps, wall_s, memory_summary(engine), engine.config.profile.name)

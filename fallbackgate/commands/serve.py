@@ -5,8 +5,10 @@ background audits and Prometheus metrics at ``/metrics``.
 One ledger run per server start. ``audit.sample_rate`` of the requests (``--audit-rate`` without a policy)
 are left to an audit worker process started beside the server with the lowest CPU priority and one thread
 (``fallbackgate audit --run ID --follow``), never audited on the serving path. SIGTERM or SIGINT: stop
-accepting, let in-flight requests finish for ``--grace-s``, end the rest as interrupted (run marked
-incomplete), flush the ledger, exit 0.
+accepting, let in-flight requests finish for ``--grace-s``, end the rest as interrupted (each recorded as a
+cancelled request with what it had produced; the run marked incomplete), flush the ledger, exit 0. Bodies
+over ``--max-body-mb`` get 413 before they are read; beyond ``--max-num-seqs`` running and ``--max-queued``
+waiting requests, new ones get 429 with ``Retry-After``.
 
 Exit status: 0 after a clean shutdown, 2 for bad arguments, policy, model or ledger.
 """
@@ -29,6 +31,7 @@ from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.apply import policy_from_args
 
 DEFAULT_AUDIT_RATE = 0.1  # without a policy file (a policy's audit.sample_rate otherwise)
+DEFAULT_MAX_QUEUED = 128  # requests waiting for a decode slot (each holds its prompt's token ids)
 
 
 def add_parser(subparsers: Any) -> None:
@@ -43,6 +46,15 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--audit-rate", type=float, default=None, help="fraction audited without a policy (default 0.1)")
     p.add_argument("--audit-workers", type=int, default=1, help="background audit processes (0: leave to others)")
     p.add_argument("--grace-s", type=float, default=30.0, help="seconds in-flight requests get at shutdown")
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=DEFAULT_MAX_QUEUED,
+        help=f"requests waiting beyond the running ones at most; more get 429 (default {DEFAULT_MAX_QUEUED})",
+    )
+    p.add_argument(
+        "--max-body-mb", type=float, default=1.0, help="largest request body; larger ones get 413 (default 1)"
+    )
     p.add_argument("--device-budget-mb", type=float, default=None)
     p.add_argument("--host-budget-mb", type=float, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together at most")
@@ -60,6 +72,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--audit-workers must be 0..16, got {args.audit_workers}")
     if not 0.0 <= args.grace_s <= 3600.0:
         raise ValueError(f"--grace-s must be 0..3600, got {args.grace_s}")
+    if not 0 <= args.max_queued <= 1_000_000:
+        raise ValueError(f"--max-queued must be 0..1000000, got {args.max_queued}")
+    if not 0.001 <= args.max_body_mb <= 1024:
+        raise ValueError(f"--max-body-mb must be 0.001..1024, got {args.max_body_mb}")
 
 
 def _setup(args: argparse.Namespace) -> tuple[Assembly, LedgerWriter | None, float]:
@@ -106,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         slos=built.classes.slos,
         audit_rate=rate if writer else 0.0,
         seed=args.seed,
+        max_queued=args.max_queued,
     )
     workers = _start_audit_workers(args, writer, run_id) if writer is not None and rate > 0 else []
 
@@ -119,9 +136,13 @@ def run(args: argparse.Namespace) -> int:
                 proc.wait(timeout=args.grace_s)
             except subprocess.TimeoutExpired:
                 proc.terminate()  # its claims expire; any `fallbackgate audit` finishes them
-        print(f"fallbackgate serve: run {run_id} {status}; {service.num_interrupted} request(s) interrupted")
+        print(
+            f"fallbackgate serve: run {run_id} {status}; {service.num_interrupted} request(s) interrupted, "
+            f"{service.num_cancelled} recorded as cancelled"
+        )
 
-    info = ServerInfo(pathlib.Path(engine.config.model_dir).name, run_id, built.classes.default, shutdown)
+    name = pathlib.Path(engine.config.model_dir).name
+    info = ServerInfo(name, run_id, built.classes.default, shutdown, max_body_bytes=int(args.max_body_mb * 2**20))
     app = build_app(service, info)
     print(
         f"fallbackgate serve: http://{args.host}:{args.port}/v1 (model {info.model_name!r}, run {run_id})", flush=True

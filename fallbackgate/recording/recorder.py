@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import transformers
 
-from fallbackgate.audit.auditor import choose_audited
+from fallbackgate.audit.auditor import audited_ids, choose_audited
 from fallbackgate.audit.gate import RunVerdict, evaluate_run
 from fallbackgate.audit.run_audit import audit_outputs
 from fallbackgate.audit.stats import PositionDiff, RequestDiffStats
@@ -102,22 +102,30 @@ class RunRecorder:
         """Record one engine step and its events."""
         self.writer.record_step(plan, result)
 
-    def on_request(self, output: RequestOutput, prompt: str | None = None) -> None:
-        """Record a finished request with its class's SLO and quality budget."""
+    def on_request(self, output: RequestOutput, prompt: str | None = None, status: str = "finished") -> None:
+        """Record a request that ended with ``status`` ("finished"; "cancelled": what it had produced when the
+        server shut down) with its class's SLO and quality budget."""
         name = output.request_class
-        self.writer.record_request(
-            output, prompt=prompt, budget=self.classes.budgets.get(name), slo=self.classes.slos.get(name)
-        )
+        budget, slo = self.classes.budgets.get(name), self.classes.slos.get(name)
+        self.writer.record_request(output, prompt=prompt, budget=budget, slo=slo, status=status)
 
     def serve(self, specs: list[PromptSpec], settings: RunSettings, progress: bool = False) -> RunOutcome:
-        """Serve ``specs`` on the engine recording every step; a run that raises is marked failed first."""
+        """Serve ``specs`` on the engine recording every step; a run that raises is marked failed first. Only
+        the requests :meth:`finish` will audit keep their full logits."""
+        kept = audited_ids([s.request_id for s in specs], self.audit_rate, self.seed)
         with self._failing():
-            return run_prompts(self.engine, specs, settings, self.on_step, progress)
+            return run_prompts(self.engine, specs, settings, self.on_step, progress, logits_kept_ids=kept)
 
     def defer_audits(self, outputs: Sequence[RequestOutput]) -> None:
-        """Leave these requests' audits to workers: their served logits and a task each in the ledger."""
+        """Leave these requests' audits to workers: their served logits (copied out: the caller may drop them)
+        and a task each in the ledger."""
         self.writer.queue_audits(outputs, with_run_task=False)
         self.num_deferred += len(outputs)
+
+    def forget(self, request_id: str) -> None:
+        """Nothing more will be recorded for this request through this recorder (its audit, if any, is a
+        worker's): the writer releases what it tracks for it."""
+        self.writer.forget_request(request_id)
 
     def record_audit(
         self,
@@ -149,6 +157,8 @@ class RunRecorder:
                 self.defer_audits(audited)
             else:
                 self._audit_inline(audited)
+            for output in audited:  # stored or audited: the full logits are not needed any more
+                output.output_logits = None
         return self.close(memory=outcome.memory)
 
     def close(self, status: str = "complete", *, memory: dict[str, Any] | None = None) -> RunVerdict | None:
