@@ -89,7 +89,7 @@ class Request(Base):
     verdict: Mapped[str | None] = mapped_column(String(16))  # "pass", "fail" or None before the gate
     tag_counts: Mapped[dict[str, int] | None] = mapped_column(JSON(none_as_null=True))
     token_ids: Mapped[list[int] | None] = mapped_column(JSON(none_as_null=True))  # prompt then output tokens
-    status: Mapped[str | None] = mapped_column(String(16))  # "finished" or "cancelled" (None: before 0006)
+    status: Mapped[str | None] = mapped_column(String(16))  # "finished" or "cancelled" (None: before 0007)
     __table_args__ = (Index("ux_requests_run_request", "run_id", "request_id", unique=True),)
 
 
