@@ -107,9 +107,9 @@ class Engine(BaselineAccess):
 
         `num_scored_tokens` = k > 0 keeps the prefill logits of the last k prompt positions; they come back as
         `RequestOutput.prompt_logits` [k, vocab] (teacher-forced scoring through the engine's own path).
-        `is_logits_kept` False: the full logits of its output tokens are not kept (`output_logits` None), only
-        what sampling itself reports (``SamplingParams.num_top_logprobs``); servers keep them for audited
-        requests alone.
+        `is_logits_kept` False: the full logits of its output tokens are dropped when it ends (`output_logits`
+        None; only what sampling itself reports, ``SamplingParams.num_top_logprobs``) unless it read a KV block
+        anywhere but on device (such requests are audited by risk); servers keep them for audited requests.
         """
         params = params or SamplingParams()
         request_id = request_id or f"req-{self.num_added}"
@@ -215,13 +215,16 @@ class Engine(BaselineAccess):
         self, plan: StepPlan, chosen: list[tuple[Sequence, int]], logits: torch.Tensor, log: EventLog, started: float
     ) -> StepResult:
         self._end_step(log)
-        sampled, kept, finished = {}, {}, []
+        sampled, kept, own, finished = {}, {}, {}, []
         row = 0
         for seq, num in chosen:
             seq.num_computed_tokens += num
             if seq.num_computed_tokens == seq.num_tokens:
-                if seq.is_logits_kept:  # a copy of its own row: a view would hold the whole step's logits
-                    kept[seq.request_id] = logits[row].detach().to("cpu", copy=True)
+                # every running request keeps a copy of its own row (a view would hold the whole step's logits):
+                # whether it is audited by risk is known only when it ends; `_output` drops the rest
+                own[seq.request_id] = logits[row].detach().to("cpu", copy=True)
+                if seq.is_logits_kept:
+                    kept[seq.request_id] = own[seq.request_id]
                 token = sampled[seq.request_id] = sample(logits[row], seq.params, seq.generator)
                 if seq.params.num_top_logprobs:  # computed now: the full row is not kept
                     seq.output_logprobs.append(top_logprobs(logits[row], token, seq.params.num_top_logprobs))
@@ -232,10 +235,12 @@ class Engine(BaselineAccess):
         now = time.perf_counter()
         for event in events:
             if event.request_id in self.sequences:
-                counts = self.sequences[event.request_id].tag_counts
-                counts[event.tag.value] = counts.get(event.tag.value, 0) + event.count
+                seq = self.sequences[event.request_id]
+                seq.tag_counts[event.tag.value] = seq.tag_counts.get(event.tag.value, 0) + event.count
+                if event.object_kind is ObjectKind.KV_BLOCK and event.tag is not Tag.RESIDENT:
+                    seq.has_off_device_kv = True
         for request_id, token in sampled.items():
-            if self._append_token(self.sequences[request_id], token, kept.get(request_id), now):
+            if self._append_token(self.sequences[request_id], token, own.get(request_id), now):
                 finished.append(request_id)
         pool = self.kv_store.device_pool
         return StepResult(
@@ -297,6 +302,10 @@ class Engine(BaselineAccess):
         seq.finish_s, seq.modeled_finish_s = time.perf_counter(), self.modeled_clock_s
         return self._output(seq)
 
+    @staticmethod
+    def _is_kept(seq: Sequence) -> bool:
+        return seq.is_logits_kept or seq.has_off_device_kv
+
     def _output(self, seq: Sequence) -> RequestOutput:
         n = len(seq.output_token_ids)
         tpot = (seq.modeled_finish_s - seq.modeled_first_token_s) / (n - 1) if n > 1 else 0.0
@@ -305,7 +314,7 @@ class Engine(BaselineAccess):
             seq.request_class,
             seq.prompt_token_ids,
             list(seq.output_token_ids),
-            torch.stack(seq.output_logits) if seq.is_logits_kept and seq.output_logits else None,
+            torch.stack(seq.output_logits) if seq.output_logits and self._is_kept(seq) else None,
             seq.arrival_s,
             seq.first_token_s,
             seq.finish_s,

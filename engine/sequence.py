@@ -60,7 +60,8 @@ class Sequence:
     request_class: str = "default"
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    is_logits_kept: bool = True  # False: output logits are not kept (only `output_logprobs`, when asked for)
+    is_logits_kept: bool = True  # False: output logits dropped at the end (only `output_logprobs`, when asked)
+    has_off_device_kv: bool = False  # read a KV block that was not resident: its logits are kept (audit by risk)
     output_logits: list[torch.Tensor] = dataclasses.field(default_factory=list)  # kept rows, one per output token
     output_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # when num_top_logprobs > 0
     num_computed_tokens: int = 0  # tokens whose KV is in the store
