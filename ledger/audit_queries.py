@@ -59,14 +59,19 @@ def request_tokens(ledger: Ledger, run_id: int, request_id: str) -> tuple[list[i
 
 def step_event_counts(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
     """Per step: the event rows the engine said it produced (``expected``) and those found (``found``)."""
+    return _expected_and_found(ledger, run_id, EventRow, Step.num_events)
+
+
+def _expected_and_found(ledger: Ledger, run_id: int, table: Any, expected: Any) -> list[dict[str, Any]]:
+    """Per step of the run: the step row's count `expected` and the rows of `table` found for that step."""
     found = (
-        select(EventRow.step_id, func.count().label("found"))
-        .where(EventRow.run_id == run_id)
-        .group_by(EventRow.step_id)
+        select(table.step_id, func.count().label("found"))
+        .where(table.run_id == run_id)
+        .group_by(table.step_id)
         .subquery()
     )
     stmt = (
-        select(Step.step_id, Step.num_events.label("expected"), func.coalesce(found.c.found, 0).label("found"))
+        select(Step.step_id, expected.label("expected"), func.coalesce(found.c.found, 0).label("found"))
         .outerjoin(found, found.c.step_id == Step.step_id)
         .where(Step.run_id == run_id)
         .order_by(Step.step_id)
@@ -171,19 +176,7 @@ def step_request_positions(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
 
 def step_row_counts(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
     """Per step: the requests the engine scheduled (``expected``) and the step_requests rows found."""
-    found = (
-        select(StepRequest.step_id, func.count().label("found"))
-        .where(StepRequest.run_id == run_id)
-        .group_by(StepRequest.step_id)
-        .subquery()
-    )
-    stmt = (
-        select(Step.step_id, Step.num_requests.label("expected"), func.coalesce(found.c.found, 0).label("found"))
-        .outerjoin(found, found.c.step_id == Step.step_id)
-        .where(Step.run_id == run_id)
-        .order_by(Step.step_id)
-    )
-    return _all(ledger, stmt)
+    return _expected_and_found(ledger, run_id, StepRequest, Step.num_requests)
 
 
 def _pairs_without_row(ledger: Ledger, run_id: int, table: Any) -> list[tuple[int, str]]:
