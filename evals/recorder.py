@@ -7,10 +7,8 @@ audited as ``fallbackgate run`` audits them (:func:`fallbackgate.audit.auditor.a
 
 from __future__ import annotations
 
-import random
-
 from fallbackgate.assembly import Assembly
-from fallbackgate.audit.auditor import audit_output, numeric_floor
+from fallbackgate.audit.auditor import AuditSampler, audit_output, numeric_floor
 from fallbackgate.audit.gate import RunVerdict
 from fallbackgate.audit.stats import PositionDiff, RequestDiffStats, audit
 from fallbackgate.engine.engine import Engine
@@ -53,8 +51,7 @@ class EvalRecorder:
         self._opened = None if isinstance(ledger, Ledger) else open_ledger(ledger)
         self.recorder: RunRecorder | None = assembly.recorder(LedgerWriter(self._opened or ledger), note=note)
         self.run_id = self.recorder.run_id
-        self.audit_rate = assembly.audit_rate
-        self._rng = random.Random(assembly.settings.seed)
+        self._sampler = AuditSampler(assembly.audit_rate, assembly.settings.seed)
         self._floor: float | None = None
         self.verdict: RunVerdict | None = None
 
@@ -71,7 +68,7 @@ class EvalRecorder:
         """Record a finished request; audit it with probability `audit_rate` (the first one always)."""
         recorder = self.recorder
         recorder.on_request(output)
-        if recorder.num_audited and self._rng.random() >= self.audit_rate:
+        if recorder.num_audited and not self._sampler.draw():
             return
         if output.prompt_logits is not None:
             diffs, stats = audit_scored(self.engine, output)

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import random
 import threading
 import time
 from collections.abc import Collection, Mapping
 from typing import Any
 
 from fallbackgate.api_server.metrics import ServerMetrics
+from fallbackgate.audit.auditor import AuditSampler
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import EngineError
 from fallbackgate.engine.messages import RequestOutput
@@ -96,7 +96,7 @@ class EngineService:
     ) -> None:
         self.engine, self.recorder, self.metrics = engine, recorder, metrics
         self.classes, self.slos = frozenset(classes), slos  # the class names requests may name; class -> SLO
-        self.audit_rate, self.rng = audit_rate, random.Random(seed)
+        self.sampler = AuditSampler(audit_rate, seed)
         self._inbox: list[Submission] = []
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
@@ -174,7 +174,7 @@ class EngineService:
         with self._lock:
             inbox, self._inbox = self._inbox, []
         for sub in inbox:
-            sub.is_audited = self.recorder is not None and self.rng.random() < self.audit_rate
+            sub.is_audited = self.recorder is not None and self.sampler.draw()
             try:
                 self.engine.add_request(
                     sub.token_ids, sub.params, sub.request_id, sub.request_class, is_logits_kept=sub.is_audited

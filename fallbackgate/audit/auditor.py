@@ -192,6 +192,19 @@ def kl_distribution(kls: list[float]) -> dict[str, float | int]:
     }
 
 
+class AuditSampler:
+    """Seeded audit draws, one per request, for streams whose requests are not known up front (a server, an
+    lm-eval run); batches choose theirs up front with :func:`audited_ids`."""
+
+    def __init__(self, sample_rate: float, seed: int) -> None:
+        self.sample_rate = sample_rate
+        self._rng = random.Random(seed)
+
+    def draw(self) -> bool:
+        """Whether the next request is audited (probability `sample_rate`)."""
+        return self._rng.random() < self.sample_rate
+
+
 def audited_ids(request_ids: list[str], sample_rate: float, seed: int) -> set[str]:
     """The ids of the requests to audit, chosen before they are served (so only these keep full logits): all at
     rate 1, else a seeded sample in submission order (at least the first)."""
