@@ -110,7 +110,13 @@ def test_synth_shapes_are_the_published_ones() -> None:
         num = sum(torch.Size(s).numel() for _, s in dense)
         num += sum(e * two_i * h * 3 // 2 for e, two_i, h in experts.values())
         counts[name] = round(num / 1e9, 2)
-    assert counts == {"olmoe-1b-7b": 6.92, "qwen3-30b-a3b": 30.53, "mixtral-8x7b": 46.7, "deepseek-v2-lite": 15.71}
+    assert counts == {
+        "olmoe-1b-7b": 6.92,
+        "qwen3-30b-a3b": 30.53,
+        "mixtral-8x7b": 46.7,
+        "deepseek-v3": 671.03,
+        "deepseek-v2-lite": 15.71,
+    }
 
 
 def test_synth_writes_shards_an_index_and_a_manifest_that_transformers_and_the_engine_read(
@@ -120,8 +126,9 @@ def test_synth_writes_shards_an_index_and_a_manifest_that_transformers_and_the_e
     from fallbackgate.engine.config import EngineConfig
     from fallbackgate.engine.engine import Engine
 
-    fields = dict(PUBLISHED["mixtral-8x7b"][1], hidden_size=64, intermediate_size=48, num_attention_heads=4,
-                  num_key_value_heads=2)
+    fields = dict(
+        PUBLISHED["mixtral-8x7b"][1], hidden_size=64, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2
+    )
     bundled = json.loads((CHECKPOINT_DIR / "config.json").read_text())
     config = build_config("mixtral", fields, 2, bundled)
     out = tmp_path / "mixtral-small"
@@ -152,8 +159,18 @@ def test_synth_bad_input_exits_2(tmp_path: pathlib.Path, capsys, monkeypatch: py
 
 def test_bf16_checkpoint_reports_its_dtype_in_the_cli(tmp_path: pathlib.Path, capsys) -> None:
     path = make_checkpoint("olmoe", tmp_path / "olmoe-bf16", dtype=torch.bfloat16)
-    code, text = _run(capsys, "run", "--model", str(path), "--no-ledger", "--quiet", "--max-new-tokens", "2",
-                      "--json", str(tmp_path / "out.json"))
+    code, text = _run(
+        capsys,
+        "run",
+        "--model",
+        str(path),
+        "--no-ledger",
+        "--quiet",
+        "--max-new-tokens",
+        "2",
+        "--json",
+        str(tmp_path / "out.json"),
+    )
     assert code == 0
     memory = json.loads((tmp_path / "out.json").read_text())["memory"]
     assert memory["dtype"] == "bfloat16" and memory["peak_device_pool_bytes"] <= memory["device_budget_bytes"]

@@ -52,7 +52,8 @@ class CopyVerifier:
     @property
     def is_possible(self) -> bool:
         """False when the compute dtype cannot be cast back to the checkpoint's exactly."""
-        return self.store.reader.compute_dtype.itemsize >= self.checkpoint_dtype.itemsize
+        reader = self.store.reader
+        return reader.is_block_scaled or reader.compute_dtype.itemsize >= self.checkpoint_dtype.itemsize
 
     def verify_step(self, step_id: int) -> list[Verification]:
         """Verify sampled copies; discard those that fail. One Verification per copy checked."""
@@ -75,9 +76,14 @@ class CopyVerifier:
         entry = self.store.entries[key]
         copy = entry.device if tier is Tier.DEVICE else entry.host
         assert copy is not None
-        dtype = self.checkpoint_dtype
-        as_stored = ExpertWeights(copy.gate_up.to("cpu", dtype), copy.down.to("cpu", dtype))
-        passed = weights_digest(as_stored) == self.store.reader.digests[key]
+        reader = self.store.reader
+        if reader.is_block_scaled:  # FP8: a copy is the dequantized weights a verified read produced
+            as_computed = ExpertWeights(copy.gate_up.to("cpu"), copy.down.to("cpu"))
+            passed = weights_digest(as_computed) == reader.compute_digest(key)
+        else:
+            dtype = self.checkpoint_dtype
+            as_stored = ExpertWeights(copy.gate_up.to("cpu", dtype), copy.down.to("cpu", dtype))
+            passed = weights_digest(as_stored) == reader.digests[key]
         note = ""
         if not passed:
             note = f"{tier.value} copy differs from the checkpoint's manifest"

@@ -7,6 +7,10 @@ An expert's matrices are found by name, in either layout transformers reads:
 - fused: ``….layers.L.<mlp>.experts.gate_up_proj`` ``[E, 2I, H]`` and ``….experts.down_proj`` ``[E, H, I]``,
   read one expert's rows with ``get_slice``.
 
+Block-scaled FP8 checkpoints (DeepSeek-V3, Qwen3-FP8 as published) hold each per-expert matrix as e4m3
+codes with a ``….weight_scale_inv`` beside it: the codes and scales stream from disk (about half a bf16
+expert's bytes) and are dequantized when the expert is read, as transformers dequantizes them.
+
 Integrity: a manifest (``fallbackgate-manifest.json`` beside the weights) records, per expert, the tensors
 it maps to and an xxh3-64 of its bytes (gate_up then down, in the checkpoint's dtype). It is written by
 ``fallbackgate.synth`` from the tensors it generated, or by ``fallbackgate verify --model DIR``; every disk
@@ -27,6 +31,7 @@ import xxhash
 
 from fallbackgate.engine.errors import CheckpointError, ChecksumError
 from fallbackgate.engine.experts.weights import ExpertWeights
+from fallbackgate.engine.model import fp8
 from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
 
 ExpertKey = tuple[int, int]  # (layer, expert_id)
@@ -45,10 +50,14 @@ class ExpertSource:
     """Where one expert's bytes are: (tensor name, row of a fused tensor or None) per part, in byte order."""
 
     parts: tuple[tuple[str, int | None], ...]  # (gate, up, down) per expert, or (gate_up, down) fused
+    scale_parts: tuple[str, ...] = ()  # FP8: each part's weight_scale_inv tensor, in the order of `parts`
 
 
 def is_expert_tensor(name: str) -> bool:
-    """True for a routed expert's tensor (either layout); shared experts and routers are dense."""
+    """True for a routed expert's tensor (either layout, FP8 scales included); shared experts and routers
+    are dense."""
+    if fp8.is_scale_tensor(name):
+        name = name[: -len(fp8.SCALE_SUFFIX)]
     return bool(_PER_EXPERT.match(name) or _FUSED.match(name))
 
 
@@ -67,23 +76,48 @@ def map_experts(files: CheckpointFiles) -> dict[ExpertKey, ExpertSource]:
         missing = {"gate_proj", "up_proj", "down_proj"} - set(roles)
         if missing:
             raise CheckpointError(f"{files.path}: expert {key} lacks tensor(s) {sorted(missing)} (has {roles})")
-        sources[key] = ExpertSource(tuple((roles[r], None) for r in ("gate_proj", "up_proj", "down_proj")))
+        names = [roles[r] for r in ("gate_proj", "up_proj", "down_proj")]
+        sources[key] = ExpertSource(tuple((n, None) for n in names), _scale_parts(files, key, names))
     for layer, roles in fused.items():
         if set(roles) != {"gate_up_proj", "down_proj"}:
             raise CheckpointError(f"{files.path}: layer {layer} has fused expert tensors {sorted(roles.values())}")
         num_experts = files.shape(roles["gate_up_proj"])[0]
+        if any(fp8.scale_name(name) in files.file_by_tensor for name in roles.values()):
+            raise CheckpointError(f"{files.path}: layer {layer}: FP8 scales for fused expert tensors are not supported")
         for expert_id in range(num_experts):
             parts = ((roles["gate_up_proj"], expert_id), (roles["down_proj"], expert_id))
             sources[(layer, expert_id)] = ExpertSource(parts)
     return sources
 
 
-def weights_digest(weights: ExpertWeights) -> str:
-    """xxh3-64 (hex) of an expert's bytes: gate_up then down, in their dtype."""
+def _scale_parts(files: CheckpointFiles, key: ExpertKey, names: list[str]) -> tuple[str, ...]:
+    scales = [fp8.scale_name(name) for name in names]
+    found = [name in files.file_by_tensor for name in scales]
+    if any(found) and not all(found):
+        missing = [name for name, is_found in zip(scales, found, strict=True) if not is_found]
+        raise CheckpointError(f"{files.path}: FP8 expert {key} lacks scale tensor(s) {missing}")
+    return tuple(scales) if all(found) else ()
+
+
+def weights_digest(weights: ExpertWeights, scales: tuple[torch.Tensor, ...] = ()) -> str:
+    """xxh3-64 (hex) of an expert's bytes: gate_up then down, in their dtype, then any FP8 scales."""
     digest = xxhash.xxh3_64()
-    for tensor in (weights.gate_up, weights.down):
+    for tensor in (weights.gate_up, weights.down, *scales):
         digest.update(tensor.detach().contiguous().view(torch.uint8).numpy())
     return digest.hexdigest()
+
+
+def read_scales(files: CheckpointFiles, source: ExpertSource) -> tuple[torch.Tensor, ...]:
+    """An FP8 expert's block scales (gate, up, down), in fresh memory; empty for other checkpoints."""
+    raw = files.read_parts([(name, None) for name in source.scale_parts])
+    return tuple(
+        r.view(files.dtype(name)).view(files.shape(name)) for r, name in zip(raw, source.scale_parts, strict=True)
+    )
+
+
+def source_digest(files: CheckpointFiles, source: ExpertSource) -> str:
+    """The manifest's digest of one expert as the files hold it (codes and scales for FP8)."""
+    return weights_digest(read_source(files, source), read_scales(files, source))
 
 
 def _key_text(key: ExpertKey) -> str:
@@ -94,6 +128,7 @@ def write_manifest(path: pathlib.Path, digests: dict[ExpertKey, str], sources: d
     """Write the manifest: per expert its tensors and xxh3-64 digest."""
     experts = {
         _key_text(key): {"parts": [list(p) for p in sources[key].parts], "xxh3_64": digests[key]}
+        | ({"scale_parts": list(sources[key].scale_parts)} if sources[key].scale_parts else {})
         for key in sorted(digests)
     }
     body = {"format_version": MANIFEST_VERSION, "hash": "xxh3_64", "experts": experts}
@@ -117,7 +152,8 @@ def read_manifest(path: pathlib.Path) -> dict[ExpertKey, tuple[ExpertSource, str
         for text, entry in body["experts"].items():
             layer, expert = (int(x) for x in text.split(":"))
             parts = tuple((str(n), None if i is None else int(i)) for n, i in entry["parts"])
-            out[(layer, expert)] = (ExpertSource(parts), str(entry["xxh3_64"]))
+            scale_parts = tuple(str(n) for n in entry.get("scale_parts", ()))
+            out[(layer, expert)] = (ExpertSource(parts, scale_parts), str(entry["xxh3_64"]))
         return out
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{file}: not a fallbackgate manifest: {exc}") from exc
@@ -185,7 +221,7 @@ def build_manifest(path: pathlib.Path, on_expert: Callable[[], None] | None = No
         raise CheckpointError(f"{path}: no routed-expert tensors found (names like ...experts.0.gate_proj.weight)")
     digests = {}
     for key in sorted(sources):
-        digests[key] = weights_digest(read_source(files, sources[key]))
+        digests[key] = source_digest(files, sources[key])
         if on_expert is not None:
             on_expert()
     write_manifest(path, digests, sources)
@@ -210,20 +246,44 @@ class ExpertReader:
                 )
             self.digests[key] = digest
         self.is_checksum_verified = True  # tests turn this off to plant a fault
+        self.is_block_scaled = any(source.scale_parts for source in self.sources.values())  # an FP8 checkpoint
+        self.compute_digests: dict[ExpertKey, str] = {}  # FP8: digest of the dequantized weights a verified read gave
 
     def read_raw(self, key: ExpertKey) -> ExpertWeights:
         """The expert's matrices in the checkpoint's dtype, unverified ([2I, H] and [H, I])."""
         return read_source(self.files, self.sources[key])
 
     def read(self, key: ExpertKey) -> ExpertWeights:
-        """Read, verify against the manifest, and cast to the compute dtype."""
-        weights = self.read_raw(key)
-        if self.is_checksum_verified and weights_digest(weights) != self.digests[key]:
-            names = ", ".join(name for name, _ in self.sources[key].parts)
+        """Read, verify against the manifest, and cast (FP8: dequantize) to the compute dtype."""
+        weights, source = self.read_raw(key), self.sources[key]
+        scales = read_scales(self.files, source)
+        if self.is_checksum_verified and weights_digest(weights, scales) != self.digests[key]:
+            names = ", ".join(name for name, _ in source.parts)
             raise ChecksumError(f"expert {key}: bytes of {names} do not match the manifest's xxh3-64")
-        if weights.gate_up.dtype != self.compute_dtype:
+        if scales:
+            weights = self._dequantize(weights, scales, key)
+            self.compute_digests[key] = weights_digest(weights)
+        elif weights.gate_up.dtype != self.compute_dtype:
             weights = ExpertWeights(weights.gate_up.to(self.compute_dtype), weights.down.to(self.compute_dtype))
         return weights
+
+    def compute_digest(self, key: ExpertKey) -> str:
+        """FP8: the digest a correct copy of expert `key` in the compute dtype has (read once if unknown)."""
+        if key not in self.compute_digests:
+            self.read(key)
+        return self.compute_digests[key]
+
+    def _dequantize(self, weights: ExpertWeights, scales: tuple[torch.Tensor, ...], key: ExpertKey) -> ExpertWeights:
+        """Gate, up and down dequantized each with its own scales (as transformers does before it
+        concatenates gate and up), in the compute dtype."""
+        gate_rows = self.files.shape(self.sources[key].parts[0][0])[0]
+        names = [name for name, _ in self.sources[key].parts]
+        gate, up = weights.gate_up[:gate_rows], weights.gate_up[gate_rows:]
+        gate, up, down = (
+            fp8.dequantize(w, s, self.compute_dtype, n)
+            for w, s, n in zip((gate, up, weights.down), scales, names, strict=True)
+        )
+        return ExpertWeights(torch.cat([gate, up]), down)
 
     @property
     def num_params_per_expert(self) -> int:
@@ -233,9 +293,12 @@ class ExpertReader:
 
     @property
     def checkpoint_bytes_per_expert(self) -> int:
-        """Bytes one expert occupies in the checkpoint files."""
+        """Bytes one expert occupies in the checkpoint files (FP8: codes and scales)."""
         key = next(iter(self.sources))
-        return self.num_params_per_expert * self.files.element_size(self.sources[key].parts[0][0])
+        scale_bytes = sum(
+            _num_elements(self.files, n, None) * self.files.element_size(n) for n in self.sources[key].scale_parts
+        )
+        return self.num_params_per_expert * self.files.element_size(self.sources[key].parts[0][0]) + scale_bytes
 
     @functools.cached_property
     def matrix_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -26,10 +26,11 @@ from safetensors import safe_open
 
 from fallbackgate.engine.errors import CheckpointError
 from fallbackgate.engine.experts.span_pool import SpanPool
+from fallbackgate.engine.model.fp8 import FP8_DTYPES
 
 INDEX_FILE = "model.safetensors.index.json"
 DIRECT_ALIGN = 4096  # O_DIRECT offset, length and buffer alignment (the largest common logical block size)
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64, **FP8_DTYPES}
 
 
 class CheckpointFiles:

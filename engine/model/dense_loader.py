@@ -2,7 +2,8 @@
 
 Checkpoint names are mapped to the model's with transformers' own renamings for the model type (e.g.
 Mixtral's ``block_sparse_moe`` -> ``mlp``); dtypes follow transformers' rules (the compute dtype, with the
-model's ``_keep_in_fp32_modules_strict`` kept in fp32 for bf16/fp16). Non-persistent buffers (rotary
+model's ``_keep_in_fp32_modules_strict`` kept in fp32 for bf16/fp16); a block-scaled FP8 weight is
+dequantized with its ``weight_scale_inv`` as transformers dequantizes it. Non-persistent buffers (rotary
 frequencies) are recomputed by the model's own initialiser. Anything left on meta is a missing tensor.
 """
 
@@ -17,6 +18,7 @@ from transformers import PreTrainedModel
 
 from fallbackgate.engine.errors import CheckpointError
 from fallbackgate.engine.experts.reader import is_expert_tensor
+from fallbackgate.engine.model import fp8
 from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
 
 
@@ -57,7 +59,7 @@ def load_dense_weights(model: PreTrainedModel, files: CheckpointFiles, compute: 
     expected = {n: p for n, p in model.named_parameters(remove_duplicate=False)} | dict(model.named_buffers())
     digests: dict[str, str] = {}
     for source in files.names():
-        if is_expert_tensor(source):
+        if is_expert_tensor(source) or fp8.is_scale_tensor(source):
             continue
         name = rename(source)
         if name not in expected:
@@ -68,7 +70,10 @@ def load_dense_weights(model: PreTrainedModel, files: CheckpointFiles, compute: 
                 f"{files.file_of(source)}: tensor {source} has shape {tuple(tensor.shape)}, the model expects "
                 f"{tuple(expected[name].shape)} for {name}"
             )
-        tensor = tensor.to(_target_dtype(model, name, tensor, compute))
+        if fp8.is_fp8(tensor.dtype):
+            tensor = _dequantized(files, source, tensor, _target_dtype(model, name, expected[name], compute))
+        else:
+            tensor = tensor.to(_target_dtype(model, name, tensor, compute))
         module, leaf = _owner(model, name)
         if leaf in module._parameters:
             module._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
@@ -82,6 +87,16 @@ def load_dense_weights(model: PreTrainedModel, files: CheckpointFiles, compute: 
     if missing:
         raise CheckpointError(f"{files.path}: tensor(s) missing from the checkpoint: {', '.join(missing[:5])}")
     return digests
+
+
+def _dequantized(files: CheckpointFiles, source: str, codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    scales = fp8.scale_name(source)
+    if scales not in files.file_by_tensor:
+        raise CheckpointError(f"{files.file_of(source)}: FP8 tensor {source} has no {scales} beside it")
+    try:
+        return fp8.dequantize(codes, files.read(scales), dtype, source)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{files.file_of(source)}: {exc}") from None
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from fallbackgate.engine.errors import CheckpointError
 from fallbackgate.engine.experts.reader import ExpertReader, map_experts
+from fallbackgate.engine.model import fp8
 from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
 from fallbackgate.engine.model.dense_loader import load_dense_weights
 
@@ -151,6 +152,17 @@ def _checkpoint_dtype(files: CheckpointFiles, sources: dict) -> torch.dtype:
     return files.dtype(name)
 
 
+def _config_dtype(config: dict) -> torch.dtype:
+    """An FP8 checkpoint's compute dtype: the one its config names (bf16 when it names none)."""
+    name = config.get("dtype") or config.get("torch_dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return (
+        dtype
+        if isinstance(dtype, torch.dtype) and dtype.is_floating_point and not fp8.is_fp8(dtype)
+        else (fp8.DEFAULT_COMPUTE_DTYPE)
+    )
+
+
 def load_checkpoint(
     path: str | pathlib.Path, *, dtype: torch.dtype | None = None, is_tokenizer_required: bool = False
 ) -> LoadedCheckpoint:
@@ -164,7 +176,7 @@ def load_checkpoint(
     _check_supported(path, config_dict)
     files = CheckpointFiles(path)
     checkpoint_dtype = _checkpoint_dtype(files, map_experts(files))
-    compute = dtype or checkpoint_dtype
+    compute = dtype or (_config_dtype(config_dict) if fp8.is_fp8(checkpoint_dtype) else checkpoint_dtype)
     from fallbackgate.engine.experts.hook import EXPERTS_IMPLEMENTATION, register_experts_function
 
     register_experts_function()

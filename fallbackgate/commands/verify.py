@@ -16,7 +16,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from fallbackgate.engine.errors import CheckpointError
-from fallbackgate.engine.experts.reader import build_manifest, map_experts, read_manifest, read_source, weights_digest
+from fallbackgate.engine.experts.reader import build_manifest, map_experts, read_manifest, source_digest
 from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
 
 
@@ -54,7 +54,7 @@ def _check(path: pathlib.Path, is_quiet: bool) -> int:
         listed = manifest.get(key)
         if listed is None or listed[0] != sources[key]:
             bad.append(f"expert {key}: not in the manifest as mapped here")
-        elif weights_digest(read_source(files, sources[key])) != listed[1]:
+        elif source_digest(files, sources[key]) != listed[1]:
             bad.append(f"expert {key}: {', '.join(n for n, _ in sources[key].parts)} differ from the manifest")
     bad += [f"expert {key}: in the manifest, not in the files" for key in sorted(set(manifest) - set(sources))]
     for line in bad:

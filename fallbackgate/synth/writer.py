@@ -2,7 +2,9 @@
 
 Tensors are named as published checkpoints name them (dense weights as transformers names its parameters;
 routed experts one tensor per matrix: ``experts.E.gate_proj/up_proj/down_proj.weight``, Mixtral's
-``w1/w3/w2``), so transformers' own ``from_pretrained`` loads the result. The expert manifest's digests are
+``w1/w3/w2``), so transformers' own ``from_pretrained`` loads the result. With an FP8 block every linear
+weight but the embeddings, the head and the routers is stored block-scaled e4m3 with its ``weight_scale_inv``
+and the config carries the ``quantization_config`` DeepSeek-V3 and Qwen3-FP8 publish. The expert manifest's digests are
 taken from the generated tensors themselves, never by reading the files back.
 """
 
@@ -19,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from fallbackgate.engine.experts.reader import map_experts, weights_digest, write_manifest
 from fallbackgate.engine.experts.weights import ExpertWeights
+from fallbackgate.engine.model import fp8
 from fallbackgate.engine.model.checkpoint_files import INDEX_FILE, CheckpointFiles
 from fallbackgate.engine.model.loader import find_experts_modules
 
@@ -60,12 +63,29 @@ def planned_tensors(config: PretrainedConfig) -> tuple[list[tuple[str, tuple[int
     return dense, {layer: tuple(m.gate_up_proj.shape) for layer, m in experts.items()}
 
 
-def total_bytes(config: PretrainedConfig, dtype: torch.dtype) -> int:
+def total_bytes(config: PretrainedConfig, dtype: torch.dtype, fp8_block: tuple[int, int] | None = None) -> int:
     """Bytes of every tensor the checkpoint will hold."""
     dense, experts = planned_tensors(config)
-    num = sum(_numel(shape) for _, shape in dense)
-    num += sum(e * two_i * h + e * h * (two_i // 2) for e, two_i, h in experts.values())
-    return num * dtype.itemsize
+    shapes = [(name, shape) for name, shape in dense]
+    for e, two_i, h in experts.values():
+        shapes += [("experts.w.weight", (two_i // 2, h))] * (2 * e) + [("experts.w.weight", (h, two_i // 2))] * e
+    total = 0
+    for name, shape in shapes:
+        if _is_fp8_stored(name, shape, fp8_block):
+            assert fp8_block is not None
+            total += _numel(shape) + 4 * (shape[0] // fp8_block[0]) * (shape[1] // fp8_block[1])
+        else:
+            total += _numel(shape) * dtype.itemsize
+    return total
+
+
+def _is_fp8_stored(name: str, shape: tuple[int, ...], fp8_block: tuple[int, int] | None) -> bool:
+    """Linear weights other than embeddings, head and routers, when they tile into FP8 blocks."""
+    if fp8_block is None or len(shape) != 2 or not name.endswith(".weight"):
+        return False
+    if any(part in name for part in ("embed_tokens", "lm_head", "norm")) or name.endswith("mlp.gate.weight"):
+        return False
+    return shape[0] % fp8_block[0] == 0 and shape[1] % fp8_block[1] == 0
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -86,8 +106,20 @@ def _layer_of(name: str) -> int:
     return int(parts[parts.index("layers") + 1]) if "layers" in parts else -1
 
 
+def _stored(name: str, tensor: torch.Tensor, fp8_block: tuple[int, int] | None) -> list[tuple[str, torch.Tensor]]:
+    if not _is_fp8_stored(name, tuple(tensor.shape), fp8_block):
+        return [(name, tensor)]
+    assert fp8_block is not None
+    codes, scales = fp8.quantize_blocks(tensor, fp8_block)
+    return [(name, codes), (fp8.scale_name(name), scales)]
+
+
 def _tensors(
-    config: PretrainedConfig, dtype: torch.dtype, gen: torch.Generator, digests: dict
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    digests: dict,
+    fp8_block: tuple[int, int] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     dense, experts = planned_tensors(config)
     gate_name, up_name, down_name = _EXPERT_NAMES.get(config.model_type, _DEFAULT_NAMES)
@@ -96,7 +128,7 @@ def _tensors(
         by_layer.setdefault(_layer_of(name), []).append((name, shape))
     for layer in sorted(by_layer):
         for name, shape in by_layer[layer]:
-            yield name, _random(shape, name, dtype, gen)
+            yield from _stored(name, _random(shape, name, dtype, gen), fp8_block)
         if layer not in experts:
             continue
         num_experts, two_i, hidden = experts[layer]
@@ -105,15 +137,24 @@ def _tensors(
             gate = _random((two_i // 2, hidden), "w", dtype, gen)
             up = _random((two_i // 2, hidden), "w", dtype, gen)
             down = _random((hidden, two_i // 2), "w", dtype, gen)
-            digests[(layer, e)] = weights_digest(ExpertWeights(torch.cat([gate, up]), down))
-            yield f"{prefix}.{e}.{gate_name}.weight", gate
-            yield f"{prefix}.{e}.{up_name}.weight", up
-            yield f"{prefix}.{e}.{down_name}.weight", down
+            stored = [
+                _stored(f"{prefix}.{e}.{role}.weight", tensor, fp8_block)
+                for role, tensor in ((gate_name, gate), (up_name, up), (down_name, down))
+            ]
+            (gate, *gate_scale), (up, *up_scale), (down, *down_scale) = ([t for _, t in s] for s in stored)
+            scales = (*gate_scale, *up_scale, *down_scale)
+            digests[(layer, e)] = weights_digest(
+                ExpertWeights(torch.cat([gate.view(torch.uint8), up.view(torch.uint8)]), down), scales
+            )
+            for pieces in stored:
+                yield from pieces
 
 
-def check_disk(config: PretrainedConfig, dtype: torch.dtype, out: pathlib.Path) -> int:
+def check_disk(
+    config: PretrainedConfig, dtype: torch.dtype, out: pathlib.Path, fp8_block: tuple[int, int] | None = None
+) -> int:
     """The bytes the checkpoint needs; SynthError when the disk under `out` has less free (2 % margin)."""
-    needed = total_bytes(config, dtype)
+    needed = total_bytes(config, dtype, fp8_block)
     existing = next(p for p in (out, *out.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     if needed * 1.02 + (64 << 20) > free:
@@ -129,15 +170,26 @@ def write_checkpoint(
     shard_bytes: int = 2 << 30,
     seed: int = 0,
     on_bytes: Callable[[int], None] | None = None,
+    fp8_block: tuple[int, int] | None = None,
 ) -> int:
-    """Write config, shards, index, manifest and tokenizer into `out`; returns the bytes of weights."""
-    check_disk(config, dtype, out)
+    """Write config, shards, index, manifest and tokenizer into `out`; returns the bytes of weights.
+
+    With `fp8_block` (e.g. (128, 128)) linear weights are stored block-scaled FP8 and `dtype` is the
+    compute dtype the config names."""
+    check_disk(config, dtype, out, fp8_block)
+    if fp8_block is not None:
+        config.quantization_config = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(fp8_block),
+        }
     out.mkdir(parents=True, exist_ok=True)
     gen, digests = torch.Generator().manual_seed(seed), {}
     shards: list[list[str]] = [[]]
     pending: dict[str, torch.Tensor] = {}
     pending_bytes = written = 0
-    for name, tensor in _tensors(config, dtype, gen, digests):
+    for name, tensor in _tensors(config, dtype, gen, digests, fp8_block):
         pending[name] = tensor
         pending_bytes += tensor.numel() * tensor.element_size()
         if pending_bytes >= shard_bytes:
