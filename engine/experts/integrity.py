@@ -76,6 +76,8 @@ class CopyVerifier:
         entry = self.store.entries[key]
         copy = entry.device if tier is Tier.DEVICE else entry.host
         assert copy is not None
+        if tier is Tier.DEVICE and entry.ready is not None:  # a side-stream copy may still be writing it
+            entry.ready.synchronize()
         reader = self.store.reader
         if reader.is_block_scaled:  # FP8: a copy is the dequantized weights a verified read produced
             as_computed = ExpertWeights(copy.gate_up.to("cpu"), copy.down.to("cpu"))

@@ -2,8 +2,12 @@
 
 GPU readiness on a small real-shaped checkpoint (``.ci/gpu-check`` builds one and runs this), three checks:
 
-1. exactness: greedy tokens of the engine at a tight device budget equal transformers' own (same dtype,
-   eager experts, one prompt at a time), and the largest logit difference is reported;
+1. exactness, under identical batch shapes only: the engine at a tight device budget serving one request at
+   a time gives transformers' own greedy tokens (same dtype, eager experts, one prompt at a time). Batched,
+   the matmul shapes differ and bf16 sums round differently, so tokens are not compared; its logits must
+   stay within the measured bf16 floor (``--floor-factor`` × the largest logit difference between
+   transformers' two correct kernels, eager and ``grouped_mm``, on the same prompts), compared up to and
+   including the first step where tokens part;
 2. memory: ``torch.cuda.max_memory_allocated()`` stays under dense bytes + device budget + ``--slack-mb``
    (activations, attention workspace and the allocator's rounding, which the budget does not count);
 3. speed: tokens/s of the engine against accelerate's offload given the same GPU memory
@@ -46,9 +50,12 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def reference(model_dir: str, prompts: list[list[int]], new_tokens: int, device: torch.device) -> dict[str, Any]:
-    """transformers' greedy decoding, eager experts, one prompt at a time: tokens and per-step logits."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, experts_implementation="eager")
+def reference(
+    model_dir: str, prompts: list[list[int]], new_tokens: int, device: torch.device, experts: str = "eager"
+) -> dict[str, Any]:
+    """transformers' greedy decoding with its `experts` kernel, one prompt at a time: tokens and per-step
+    logits."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, experts_implementation=experts)
     model = model.to(device).eval()
     tokens, logits = [], []
     with torch.inference_mode():
@@ -78,8 +85,24 @@ def budget_assembly(model: str, budget: int, device: str, num_seqs: int) -> Asse
     return exact_assembly(model, Overrides(device_budget_bytes=budget, device=device), max_num_seqs=num_seqs)
 
 
-def run_engine(args: argparse.Namespace, prompts: list[list[int]], device: torch.device) -> dict[str, Any]:
-    """The engine at a tight budget: `--expert-fraction` of the experts plus every request's KV."""
+def max_dlogit_until_tokens_part(
+    tokens: list[list[int]], logits: list[torch.Tensor], ref_tokens: list[list[int]], ref_logits: list[torch.Tensor]
+) -> float:
+    """The largest |logit difference| per request over the steps up to and including the first where the
+    tokens differ (later steps see different prefixes)."""
+    worst = 0.0
+    for mine, mine_logits, theirs, their_logits in zip(tokens, logits, ref_tokens, ref_logits, strict=True):
+        parted = next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), len(mine) - 1)
+        rows = slice(0, parted + 1)
+        worst = max(worst, (mine_logits[rows].float() - their_logits[rows].float()).abs().max().item())
+    return worst
+
+
+def run_engine(
+    args: argparse.Namespace, prompts: list[list[int]], device: torch.device, num_seqs: int
+) -> dict[str, Any]:
+    """The engine at a tight budget (`--expert-fraction` of the experts plus every request's KV), at most
+    `num_seqs` requests in a batch."""
     probe = probe_assembly(args.model).engine  # sizes only: it reads no expert
     num_experts = len(probe.expert_store.entries)
     kv_bytes = sum(-(-(len(p) + args.new_tokens) // 16) for p in prompts) * probe.kv_store.num_layers
@@ -89,7 +112,7 @@ def run_engine(args: argparse.Namespace, prompts: list[list[int]], device: torch
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    engine = budget_assembly(args.model, budget, device.type, len(prompts)).engine
+    engine = budget_assembly(args.model, budget, device.type, num_seqs).engine
     _synchronize(device)
     started = time.perf_counter()
     outputs = engine.generate(prompts, SamplingParams(max_new_tokens=args.new_tokens))
@@ -139,23 +162,34 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     prompts = _prompts(args.model, args.num_prompts)
     ref = reference(args.model, prompts, args.new_tokens, device)
-    eng = run_engine(args, prompts, device)
-    dlogit = max((a - b).abs().max().item() for a, b in zip(eng["logits"], ref["logits"], strict=True))
+    grouped = reference(args.model, prompts, args.new_tokens, device, "grouped_mm")
+    floor = max_dlogit_until_tokens_part(grouped["tokens"], grouped["logits"], ref["tokens"], ref["logits"])
+    single = run_engine(args, prompts, device, num_seqs=1)
+    batched = run_engine(args, prompts, device, num_seqs=len(prompts))
+    batched_dlogit = max_dlogit_until_tokens_part(batched["tokens"], batched["logits"], ref["tokens"], ref["logits"])
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "tokens_equal": eng["tokens"] == ref["tokens"],
-        "max_abs_dlogit": dlogit,
-        **{k: v for k, v in eng.items() if k not in ("tokens", "logits")},
+        "tokens_equal_one_at_a_time": single["tokens"] == ref["tokens"],
+        "max_abs_dlogit_one_at_a_time": max_dlogit_until_tokens_part(
+            single["tokens"], single["logits"], ref["tokens"], ref["logits"]
+        ),
+        "bf16_floor_eager_vs_grouped_mm": floor,
+        "max_abs_dlogit_batched": batched_dlogit,
+        "batched_logit_limit": args.floor_factor * floor,
+        "tokens_equal_batched_informational": batched["tokens"] == ref["tokens"],
+        **{k: v for k, v in batched.items() if k not in ("tokens", "logits")},
         "slack_bytes": args.slack_mb * MIB,
     }
-    peak = eng["max_memory_allocated"]
-    limit = eng["dense_bytes"] + eng["device_budget_bytes"] + args.slack_mb * MIB
+    result["batched_within_floor"] = batched_dlogit <= result["batched_logit_limit"]
+    peak = batched["max_memory_allocated"]
+    limit = batched["dense_bytes"] + batched["device_budget_bytes"] + args.slack_mb * MIB
     result["memory_within_limit"] = peak is None or peak <= limit
-    args.dense_bytes = eng["dense_bytes"]
-    result["accelerate_tokens_per_s"] = run_accelerate(args, prompts, eng["device_budget_bytes"], device)
-    result["engine_over_accelerate"] = eng["tokens_per_s"] / result["accelerate_tokens_per_s"]
-    result["passed"] = result["tokens_equal"] and result["memory_within_limit"]
+    args.dense_bytes = batched["dense_bytes"]
+    result["accelerate_tokens_per_s"] = run_accelerate(args, prompts, batched["device_budget_bytes"], device)
+    result["engine_over_accelerate"] = batched["tokens_per_s"] / result["accelerate_tokens_per_s"]
+    checks = ("tokens_equal_one_at_a_time", "batched_within_floor", "memory_within_limit")
+    result["passed"] = all(result[name] for name in checks)
     return result
 
 
@@ -168,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--expert-fraction", type=float, default=0.25, help="share of experts the budget holds")
     p.add_argument("--slack-mb", type=int, default=512, help="GPU memory allowed beyond dense + budget")
+    p.add_argument(
+        "--floor-factor", type=float, default=2.0, help="batched logits may differ by this × the measured bf16 floor"
+    )
     args = p.parse_args(argv)
     if not (pathlib.Path(args.model) / "config.json").is_file():
         print(f"error: --model {args.model}: no config.json", file=sys.stderr)
