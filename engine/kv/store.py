@@ -13,13 +13,16 @@ from __future__ import annotations
 import torch
 
 from fallbackgate.engine.device_pool import Scratch, TierPool
-from fallbackgate.engine.errors import ChecksumError, EngineError
+from fallbackgate.engine.errors import BudgetError, ChecksumError, EngineError
 from fallbackgate.engine.kv.block import KVBlock, KVBlockKey, SpillMode, Staged
 from fallbackgate.engine.kv.codec import dequantize_kv, quant_kv_nbytes, quant_to, quantize_kv, read_quant, write_quant
+from fallbackgate.engine.kv.slots import SlotTier
 from fallbackgate.engine.kv.spill import SpillDir
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 __all__ = ["KVBlock", "KVBlockKey", "KVStore", "SpillMode", "Staged"]
+
+INITIAL_SLOTS_PER_LAYER = 64  # device and host slot tensors start this large (or at their budget), then double
 
 class KVStore:
     """Block tables for all live requests; byte-accurate device and host accounting."""
@@ -32,20 +35,50 @@ class KVStore:
         value_dim: int,
         block_size: int,
         device_pool: TierPool,
-        host_pool: TierPool,
+        host_pool: TierPool | None,
         spill: SpillDir,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
     ) -> None:
+        """`host_pool` None (or a zero budget): no host tier; full copies that leave the device go to disk."""
         self.num_layers, self.num_kv_heads, self.block_size = num_layers, num_kv_heads, block_size
         self.dtype = dtype  # the model's: K and V are stored as attention produced them
         self.key_dim, self.value_dim = key_dim, value_dim
-        self.device_pool, self.host_pool, self.spill, self.device = device_pool, host_pool, spill, device
+        self.host_pool = host_pool if host_pool is not None else TierPool("host", 0)
+        self.device_pool, self.spill, self.device = device_pool, spill, device
         self.block_shape = (num_kv_heads, block_size, key_dim + value_dim)  # K and V side by side per token
         self.bytes_per_block = num_kv_heads * block_size * (key_dim + value_dim) * dtype.itemsize
+        self.device_slots = self._slot_tier("device", device_pool, device)
+        self.host_slots = self._slot_tier("host", self.host_pool, torch.device("cpu"))
         self.tables: dict[str, list[list[KVBlock]]] = {}  # request -> layer -> blocks
         self.num_tokens: dict[str, int] = {}
         self.scratch: dict[KVBlockKey, Staged] = {}
+
+    def _slot_tier(self, name: str, pool: TierPool, device: torch.device) -> SlotTier | None:
+        max_slots = pool.budget_bytes // self.bytes_per_block
+        if max_slots == 0:
+            return None
+        tier = SlotTier(
+            name,
+            self.num_layers,
+            self.block_shape,
+            self.dtype,
+            device,
+            min(INITIAL_SLOTS_PER_LAYER, max_slots // self.num_layers),
+            max_slots,
+            is_pinned=name == "host" and self.device.type == "cuda",
+        )
+        tier.on_moved.append(lambda layer, _: self._repoint(layer))
+        return tier
+
+    def _repoint(self, layer: int) -> None:
+        """A layer's slot tensor was reallocated: its blocks' views follow it."""
+        for table in self.tables.values():
+            for block in table[layer]:
+                if block.device_slot is not None:
+                    block.device = self.device_slots.view(layer, block.device_slot)
+                if block.host_slot is not None:
+                    block.host = self.host_slots.view(layer, block.host_slot)
 
     # --- block tables --------------------------------------------------------------------------
     def add_sequence(self, request_id: str) -> None:
@@ -124,11 +157,23 @@ class KVStore:
         return restored
 
     def _reserve_device(self, block: KVBlock, values: torch.Tensor | None) -> None:
+        """Give `block` a device slot holding `values` (zeros when None)."""
+        if self.device_slots is None:
+            raise BudgetError(f"device budget {self.device_pool.budget_bytes} B holds no KV block")
         self.device_pool.reserve(ObjectKind.KV_BLOCK, self.bytes_per_block)
+        layer = block.key[1]
+        block.device_slot = self.device_slots.take(layer)
+        block.device = self.device_slots.view(layer, block.device_slot)
         if values is None:
-            block.device = torch.zeros(self.block_shape, device=self.device, dtype=self.dtype)
-        else:  # a freshly loaded or staged tensor that nothing else holds: it becomes the slot
-            block.device = values
+            block.device.zero_()
+        else:
+            block.device.copy_(values)
+
+    def _release_device(self, block: KVBlock) -> None:
+        assert self.device_slots is not None and block.device_slot is not None
+        self.device_slots.give_back(block.key[1], block.device_slot)
+        block.device, block.device_slot = None, None
+        self.device_pool.release(ObjectKind.KV_BLOCK, self.bytes_per_block)
 
     # --- reads and writes during a forward -----------------------------------------------------
     def write(self, request_id: str, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -267,8 +312,7 @@ class KVStore:
         if block.device is None:
             raise EngineError(f"KV block {block.key} is not on device")
         written = self._write_copy(block, mode)
-        block.device = None
-        self.device_pool.release(ObjectKind.KV_BLOCK, self.bytes_per_block)
+        self._release_device(block)
         return written
 
     def _write_copy(self, block: KVBlock, mode: SpillMode) -> int:
@@ -277,8 +321,12 @@ class KVStore:
             return self._write_copy(block, SpillMode.HOST_FULL) + self._write_copy(block, quant_mode)
         tensor = block.device.cpu()
         if mode is SpillMode.HOST_FULL and block.host is None:
+            if self.host_slots is None:
+                raise BudgetError(f"host budget {self.host_pool.budget_bytes} B holds no KV block")
             self.host_pool.reserve(ObjectKind.KV_BLOCK, self.bytes_per_block)
-            block.host = tensor.pin_memory() if self.device.type == "cuda" else tensor.clone()
+            block.host_slot = self.host_slots.take(block.key[1])
+            block.host = self.host_slots.view(block.key[1], block.host_slot)
+            block.host.copy_(tensor)
             return self.bytes_per_block
         if mode in (SpillMode.HOST_INT8, SpillMode.HOST_INT4) and block.host_q is None:
             quant = quantize_kv(tensor, 8 if mode is SpillMode.HOST_INT8 else 4, self.key_dim)
@@ -309,11 +357,12 @@ class KVStore:
 
     def _drop_copies(self, block: KVBlock, keep_device: bool) -> None:
         if block.device is not None and not keep_device:
-            block.device = None
-            self.device_pool.release(ObjectKind.KV_BLOCK, self.bytes_per_block)
+            self._release_device(block)
         if block.host is not None:
+            assert self.host_slots is not None and block.host_slot is not None
+            self.host_slots.give_back(block.key[1], block.host_slot)
             self.host_pool.release(ObjectKind.KV_BLOCK, self.bytes_per_block)
-            block.host = None
+            block.host, block.host_slot = None, None
         if block.host_q is not None:
             self.host_pool.release(ObjectKind.KV_BLOCK, block.host_q.num_bytes)
             block.host_q = None
