@@ -170,7 +170,7 @@ class Engine(BaselineAccess):
                 note="resume: tail block",
             )
         self.scheduler.restored.clear()
-        self.runner.resolve_kv(plan.step_id, chosen, log, self.is_observe)
+        self.runner.resolve_kv(plan.step_id, chosen, log, self.is_observe, self.scheduler.is_layer_staged)
         return log
 
     def _forward(self, plan: StepPlan, chosen: list[tuple[Sequence, int]], log: EventLog) -> torch.Tensor:

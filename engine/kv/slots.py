@@ -82,7 +82,7 @@ class SlotTier:
         old = self.tensors[layer]
         capacity = old.shape[1]
         if capacity >= self.max_slots:
-            raise BudgetError(f"{self.name} KV slots of layer {layer}: all {capacity} taken (the most the budget holds)")
+            raise BudgetError(f"{self.name} KV slots of layer {layer}: all {capacity} taken (what the budget holds)")
         new_capacity = min(self.max_slots, 2 * capacity)
         grown = self._allocate(new_capacity)
         grown[:, :capacity].copy_(old)

@@ -24,6 +24,7 @@ __all__ = ["KVBlock", "KVBlockKey", "KVStore", "SpillMode", "Staged"]
 
 INITIAL_SLOTS_PER_LAYER = 64  # device and host slot tensors start this large (or at their budget), then double
 
+
 class KVStore:
     """Block tables for all live requests; byte-accurate device and host accounting."""
 
@@ -132,6 +133,12 @@ class KVStore:
             num_bytes += num_blocks * self.bytes_per_block if num_blocks > 1 else 0
         return num_bytes
 
+    @property
+    def max_stage_bytes(self) -> int:
+        """Device bytes one off-device block's staging takes at its peak, whatever its copy (a dequantization:
+        the quantized bytes, at most a block's, the fp32 block they expand to, and the result)."""
+        return 2 * self.bytes_per_block + self.bytes_per_block // self.dtype.itemsize * 4
+
     def can_append(self, request_id: str, num_new_tokens: int) -> bool:
         return self.device_pool.can_reserve(self.bytes_to_append(request_id, num_new_tokens))
 
@@ -230,6 +237,12 @@ class KVStore:
         staged.key = block.key
         self.scratch[block.key] = staged
         return staged
+
+    def load(self, block: KVBlock, tag: Tag) -> Staged:
+        """Read an off-device block with `tag`'s computation into a fresh device tensor that the caller
+        holds for a moment (per-layer staging copies it into a layer buffer and counts its bytes); any
+        dequantization's working set is counted while it runs."""
+        return self._stage_tensor(block, tag)
 
     def stage_bytes(self, block: KVBlock, tag: Tag) -> int:
         """Device bytes staging `block` with `tag` needs at its peak (the block, plus a dequantization's
