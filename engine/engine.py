@@ -135,7 +135,7 @@ class Engine(BaselineAccess):
         if prompt_token_ids and len(prompt_token_ids) + params.max_new_tokens > limit:
             raise PromptError(
                 f"request {request_id!r}: prompt ({len(prompt_token_ids)} tokens) + max_new_tokens "
-                f"({params.max_new_tokens}) exceeds the length limit {limit} = {self.length_limit_reason}"
+                f"({params.max_new_tokens}) exceeds the model length limit {limit} = {self.length_limit_reason}"
             )
         check_prompt(request_id, prompt_token_ids, params, limit, int(self.model_config.vocab_size), num_scored_tokens)
 
