@@ -86,11 +86,14 @@ class SpillDir:
         of the free space on the parent's file system now)."""
         parent = pathlib.Path(parent)
         self.removed_stale = remove_stale(parent) if parent.is_dir() else []
-        self.root = parent / f"{DIR_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        name = f"{DIR_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.root = parent / name
+        making = parent / f".{name}"  # locked before it takes a name another start's cleanup looks at
         try:
-            self.root.mkdir(parents=True, exist_ok=False)
-            lock_fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+            making.mkdir(parents=True, exist_ok=False)
+            lock_fd = os.open(making / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
             fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            making.rename(self.root)
         except OSError as exc:
             raise EngineError(f"spill directory {parent} is not writable: {exc}") from exc
         self.max_bytes = int(0.9 * shutil.disk_usage(self.root).free) if max_bytes is None else int(max_bytes)

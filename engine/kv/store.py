@@ -1,8 +1,11 @@
 """Paged, tiered KV store: per-request block tables of fixed-size blocks (block_size tokens × one layer).
 
 A block's copies may live on device (full precision), on host (full and/or int8/int4 quantized,
-keys per channel and values per token as in KIVI) and on disk (same choices). Blocks needed by a step
-that are not on device are staged into per-step scratch (exact_load, kv_dequant) or rebuilt (recompute).
+keys per channel and values per token as in KIVI) and on disk (same choices). Full-precision device and
+host copies are slots of one pooled tensor per layer per tier (`slots.py`); a block's slot index is its
+block-table entry, and a request's device blocks of a layer are gathered with one index. Blocks needed by
+a step that are not on device are staged into per-step scratch (exact_load, kv_dequant) or rebuilt
+(recompute), or, when the step's KV does not fit at once, read layer by layer (`layer_read.py`).
 Every device byte is counted in the device pool: blocks as KV_BLOCK, staged blocks (and a dequantization's
 working set while it runs) as Scratch.KV_STAGED. Mechanism only: callers decide what to spill, where, and
 how to bring it back, and make room before staging.
@@ -13,19 +16,17 @@ from __future__ import annotations
 import torch
 
 from fallbackgate.engine.device_pool import Scratch, TierPool
-from fallbackgate.engine.errors import BudgetError, ChecksumError, EngineError
+from fallbackgate.engine.errors import ChecksumError, EngineError
 from fallbackgate.engine.kv.block import KVBlock, KVBlockKey, SpillMode, Staged
-from fallbackgate.engine.kv.codec import dequantize_kv, quant_kv_nbytes, quant_to, quantize_kv, read_quant, write_quant
-from fallbackgate.engine.kv.slots import SlotTier
+from fallbackgate.engine.kv.codec import dequantize_kv, quant_to, read_quant
+from fallbackgate.engine.kv.copies import KVCopies
 from fallbackgate.engine.kv.spill import SpillDir
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 __all__ = ["KVBlock", "KVBlockKey", "KVStore", "SpillMode", "Staged"]
 
-INITIAL_SLOTS_PER_LAYER = 64  # device and host slot tensors start this large (or at their budget), then double
 
-
-class KVStore:
+class KVStore(KVCopies):
     """Block tables for all live requests; byte-accurate device and host accounting."""
 
     def __init__(
@@ -54,32 +55,6 @@ class KVStore:
         self.tables: dict[str, list[list[KVBlock]]] = {}  # request -> layer -> blocks
         self.num_tokens: dict[str, int] = {}
         self.scratch: dict[KVBlockKey, Staged] = {}
-
-    def _slot_tier(self, name: str, pool: TierPool, device: torch.device) -> SlotTier | None:
-        max_slots = pool.budget_bytes // self.bytes_per_block
-        if max_slots == 0:
-            return None
-        tier = SlotTier(
-            name,
-            self.num_layers,
-            self.block_shape,
-            self.dtype,
-            device,
-            min(INITIAL_SLOTS_PER_LAYER, max_slots // self.num_layers),
-            max_slots,
-            is_pinned=name == "host" and self.device.type == "cuda",
-        )
-        tier.on_moved.append(lambda layer, _: self._repoint(layer))
-        return tier
-
-    def _repoint(self, layer: int) -> None:
-        """A layer's slot tensor was reallocated: its blocks' views follow it."""
-        for table in self.tables.values():
-            for block in table[layer]:
-                if block.device_slot is not None:
-                    block.device = self.device_slots.view(layer, block.device_slot)
-                if block.host_slot is not None:
-                    block.host = self.host_slots.view(layer, block.host_slot)
 
     # --- block tables --------------------------------------------------------------------------
     def add_sequence(self, request_id: str) -> None:
@@ -163,25 +138,6 @@ class KVStore:
         self.num_tokens[request_id] = used + num_new_tokens
         return restored
 
-    def _reserve_device(self, block: KVBlock, values: torch.Tensor | None) -> None:
-        """Give `block` a device slot holding `values` (zeros when None)."""
-        if self.device_slots is None:
-            raise BudgetError(f"device budget {self.device_pool.budget_bytes} B holds no KV block")
-        self.device_pool.reserve(ObjectKind.KV_BLOCK, self.bytes_per_block)
-        layer = block.key[1]
-        block.device_slot = self.device_slots.take(layer)
-        block.device = self.device_slots.view(layer, block.device_slot)
-        if values is None:
-            block.device.zero_()
-        else:
-            block.device.copy_(values)
-
-    def _release_device(self, block: KVBlock) -> None:
-        assert self.device_slots is not None and block.device_slot is not None
-        self.device_slots.give_back(block.key[1], block.device_slot)
-        block.device, block.device_slot = None, None
-        self.device_pool.release(ObjectKind.KV_BLOCK, self.bytes_per_block)
-
     # --- reads and writes during a forward -----------------------------------------------------
     def write(self, request_id: str, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write K [kv_heads, n, key_dim] and V [kv_heads, n, value_dim] for positions start.. ."""
@@ -206,8 +162,15 @@ class KVStore:
 
     def gather(self, request_id: str, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K [kv_heads, length, key_dim] and V [kv_heads, length, value_dim], from device or scratch."""
+        blocks = self.tables[request_id][layer][: -(-length // self.block_size)]
+        if len(blocks) > 1 and self.device_slots is not None and all(b.device_slot is not None for b in blocks):
+            heads, block_size, width = self.block_shape  # all on device: one copy by slot index
+            out = torch.empty((heads, len(blocks), block_size, width), dtype=self.dtype, device=self.device)
+            self.device_slots.gather_into(layer, [b.device_slot for b in blocks], out)
+            both = out.view(heads, len(blocks) * block_size, width)[:, :length]
+            return both[..., : self.key_dim], both[..., self.key_dim :]
         parts = []
-        for block in self.tables[request_id][layer][: -(-length // self.block_size)]:
+        for block in blocks:
             if block.device is not None:
                 parts.append(block.device)
             elif block.key in self.scratch:
@@ -318,71 +281,3 @@ class KVStore:
         blocks = sum(b.device.nbytes for t in self.tables.values() for bs in t for b in bs if b.device is not None)
         staged = sum(s.tensor.nbytes for s in self.scratch.values())
         return {ObjectKind.KV_BLOCK.value: blocks, Scratch.KV_STAGED.value: staged}
-
-    # --- spilling ------------------------------------------------------------------------------
-    def spill_block(self, block: KVBlock, mode: SpillMode) -> int:
-        """Write a copy per `mode`, then free the device slot. Returns bytes written."""
-        if block.device is None:
-            raise EngineError(f"KV block {block.key} is not on device")
-        written = self._write_copy(block, mode)
-        self._release_device(block)
-        return written
-
-    def _write_copy(self, block: KVBlock, mode: SpillMode) -> int:
-        if mode in (SpillMode.HOST_FULL_AND_INT8, SpillMode.HOST_FULL_AND_INT4):
-            quant_mode = SpillMode.HOST_INT8 if mode is SpillMode.HOST_FULL_AND_INT8 else SpillMode.HOST_INT4
-            return self._write_copy(block, SpillMode.HOST_FULL) + self._write_copy(block, quant_mode)
-        tensor = block.device.cpu()
-        if mode is SpillMode.HOST_FULL and block.host is None:
-            if self.host_slots is None:
-                raise BudgetError(f"host budget {self.host_pool.budget_bytes} B holds no KV block")
-            self.host_pool.reserve(ObjectKind.KV_BLOCK, self.bytes_per_block)
-            block.host_slot = self.host_slots.take(block.key[1])
-            block.host = self.host_slots.view(block.key[1], block.host_slot)
-            block.host.copy_(tensor)
-            return self.bytes_per_block
-        if mode in (SpillMode.HOST_INT8, SpillMode.HOST_INT4) and block.host_q is None:
-            quant = quantize_kv(tensor, 8 if mode is SpillMode.HOST_INT8 else 4, self.key_dim)
-            self.host_pool.reserve(ObjectKind.KV_BLOCK, quant.num_bytes)
-            block.host_q = quant
-            return quant.num_bytes
-        if mode is SpillMode.DISK_FULL and block.disk is None:
-            block.disk = self.spill.write("kv-" + "-".join(map(str, block.key)), tensor)
-            return self.bytes_per_block
-        if mode is SpillMode.DISK_INT8 and block.disk_q is None:
-            block.disk_q = write_quant(
-                self.spill, "kvq-" + "-".join(map(str, block.key)), quantize_kv(tensor, 8, self.key_dim)
-            )
-            return block.disk_q.num_bytes
-        return 0
-
-    def spill_cost_fits_host(self, mode: SpillMode) -> bool:
-        """Whether a host copy in `mode` fits the host budget now."""
-        if mode is SpillMode.HOST_FULL:
-            return self.host_pool.can_reserve(self.bytes_per_block)
-        bits = 4 if mode in (SpillMode.HOST_INT4, SpillMode.HOST_FULL_AND_INT4) else 8
-        quant_bytes = quant_kv_nbytes(self.block_shape, bits, self.key_dim)
-        if mode in (SpillMode.HOST_INT8, SpillMode.HOST_INT4):
-            return self.host_pool.can_reserve(quant_bytes)
-        if mode in (SpillMode.HOST_FULL_AND_INT8, SpillMode.HOST_FULL_AND_INT4):
-            return self.host_pool.can_reserve(self.bytes_per_block + quant_bytes)
-        return True
-
-    def _drop_copies(self, block: KVBlock, keep_device: bool) -> None:
-        if block.device is not None and not keep_device:
-            self._release_device(block)
-        if block.host is not None:
-            assert self.host_slots is not None and block.host_slot is not None
-            self.host_slots.give_back(block.key[1], block.host_slot)
-            self.host_pool.release(ObjectKind.KV_BLOCK, self.bytes_per_block)
-            block.host, block.host_slot = None, None
-        if block.host_q is not None:
-            self.host_pool.release(ObjectKind.KV_BLOCK, block.host_q.num_bytes)
-            block.host_q = None
-        if block.disk is not None:
-            self.spill.delete(block.disk)
-            block.disk = None
-        if block.disk_q is not None:
-            for record in block.disk_q.records:
-                self.spill.delete(record)
-            block.disk_q = None
