@@ -126,13 +126,15 @@ class Scheduler:
                 return partial
             victim = self._preemption_victim(seq, chosen) if may_preempt else None
             if victim is None:
-                return self._fit_layered(seq, num, chosen) if may_preempt or not self.running else 0
+                is_alone = not chosen and (may_preempt or not self.running)  # waiting would not help it
+                return self._fit_layered(seq, num, chosen) if is_alone else 0
             self.preempt(victim)
         return 0
 
     def _fit_layered(self, seq: Sequence, num: int, chosen: list[tuple[Sequence, int]]) -> int:
-        """Largest token count <= num that fits with per-layer staging (nothing else left to preempt, or
-        nothing running): only the blocks the step writes must be on device; the step is marked layered."""
+        """Largest token count <= num that fits with per-layer staging (the request alone in the step, with
+        nothing left to preempt): only the blocks the step writes must be on device; the step is marked
+        layered."""
         fitted = num if self._try_room_layered(seq, num, chosen) else self._largest_fitting(seq, num - 1, True)
         self.is_layer_staged = self.is_layer_staged or fitted > 0
         return fitted
