@@ -103,7 +103,6 @@ def test_a_request_with_4x_the_kv_room_runs_with_the_tokens_of_the_all_in_ram_ru
     _check_outgrows_the_room(checkpoint_factory("qwen3_moe"), tmp_path)
 
 
-@pytest.mark.slow
 def test_on_the_bundled_model_a_request_with_4x_the_kv_room_runs_exactly(tmp_path: pathlib.Path) -> None:
     _check_outgrows_the_room(CHECKPOINT_DIR, tmp_path)
 
