@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 from transformers import PreTrainedModel
@@ -50,6 +51,7 @@ class ModelRunner:
         self.step_kv_keys: set[tuple[str, int, int]] = set()  # blocks the current step reads: never spilled
         self.is_per_layer = False  # the current step stages off-device KV layer by layer
         self.layer_plan: dict[tuple[str, int, int], ServePlan] = {}  # per-layer step: how each read is served
+        self.layer_staging_s = 0.0  # wall seconds spent laying out per-layer K/V since the caller last reset it
 
     # --- KV blocks a step reads ------------------------------------------------------------------
     def resolve_kv(
@@ -145,6 +147,15 @@ class ModelRunner:
         request's K/V of `layer` in one buffer, reading its off-device blocks into their places; the
         buffer's bytes are held (KV_GATHER for copied resident blocks, KV_STAGED for staged ones) until the
         executor releases the layer's gather."""
+        started = time.perf_counter()
+        try:
+            return self._layer_update(layer, key_states, value_states)
+        finally:
+            self.layer_staging_s += time.perf_counter() - started
+
+    def _layer_update(
+        self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         executor, kv = self.executor, self.executor.kv_store
         batch = executor.ctx.batch
         executor.release_gather()
