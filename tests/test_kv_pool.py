@@ -58,6 +58,31 @@ def _all_in_ram(model: pathlib.Path) -> tuple[list[int], torch.Tensor, int, int]
     return out.output_token_ids, out.output_logits, num_blocks * kv.num_layers * kv.bytes_per_block, expert
 
 
+def _check_layer_buffers(engine: Engine) -> list[int]:
+    """After every per-layer update: the laid-out K/V's storages are exactly the bytes the pool counts for
+    them (kv_gather for copied resident blocks, kv_staged for staged ones), and the pool is within budget.
+    Returns a one-item list counting the updates checked."""
+    runner, executor, kv = engine.runner, engine.executor, engine.kv_store
+    layer_update, checked = runner.layer_update, [0]
+
+    def checked_update(layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
+        result = layer_update(layer, key_states, value_states)
+        pool = kv.device_pool
+        slot_storages = {t.untyped_storage().data_ptr() for t in kv.device_slots.tensors}  # blocks read in place
+        buffers = {k.untyped_storage().data_ptr(): k.untyped_storage().nbytes() for k, _ in executor.layer_kv}
+        copied = sum(n for ptr, n in buffers.items() if ptr not in slot_storages)
+        assert copied == executor.num_gather_bytes_held + executor.num_staged_bytes_held
+        scratch = sum(s.tensor.nbytes for s in kv.scratch.values())
+        assert pool.used_bytes_by_kind[Scratch.KV_STAGED] == executor.num_staged_bytes_held + scratch
+        assert pool.used_bytes_by_kind[Scratch.KV_GATHER] == executor.num_gather_bytes_held
+        assert pool.used_bytes <= pool.budget_bytes
+        checked[0] += 1
+        return result
+
+    runner.layer_update = checked_update
+    return checked
+
+
 def _check_outgrows_the_room(model: pathlib.Path, tmp_path: pathlib.Path) -> None:
     tokens, logits, kv_bytes, expert_bytes = _all_in_ram(model)
     floor = 2 * expert_bytes  # top_k experts: what KV may never take
@@ -73,6 +98,7 @@ def _check_outgrows_the_room(model: pathlib.Path, tmp_path: pathlib.Path) -> Non
     engine = Engine(config, ExactLRUController())
     pool = engine.kv_store.device_pool
     assert engine.scheduler.expert_floor_bytes == floor
+    num_checked = _check_layer_buffers(engine)
     assert kv_bytes >= 4 * (pool.budget_bytes - floor)
     before = _io()
     engine.add_request(_prompt(engine), SamplingParams(max_new_tokens=NEW_TOKENS), "big")
@@ -89,7 +115,7 @@ def _check_outgrows_the_room(model: pathlib.Path, tmp_path: pathlib.Path) -> Non
     assert out.output_token_ids == tokens
     torch.testing.assert_close(out.output_logits, logits, rtol=1e-4, atol=1e-4)  # prefill chunks differ in size
     assert pool.peak_used_bytes <= pool.budget_bytes and pool.peak_bytes_by_kind[Scratch.KV_STAGED] > 0
-    assert per_layer_steps > 0 and disk_loads > 0
+    assert per_layer_steps > 0 and disk_loads > 0 and num_checked[0] > 0
     # every block read from disk was read from the spill files, and the kernel saw those bytes go by
     assert spill.num_read_bytes >= disk_loads * engine.kv_store.bytes_per_block
     assert after["rchar"] - before["rchar"] >= spill.num_read_bytes
