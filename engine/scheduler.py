@@ -161,7 +161,7 @@ class Scheduler:
         return (
             pool.can_reserve(need)
             and held <= pool.budget_bytes - self.expert_floor_bytes
-            and held + layer <= (pool.budget_bytes)
+            and held + layer <= pool.budget_bytes
         )
 
     def _try_room_layered(self, seq: Sequence, num: int, chosen: list[tuple[Sequence, int]]) -> bool:
