@@ -131,8 +131,28 @@ class Engine(BaselineAccess):
         """Raise PromptError for a request this engine would refuse (callers check before recording)."""
         if request_id in self._used_ids:
             raise PromptError(f"request id {request_id!r} is already in use")
-        limit = min(self.config.max_model_len, int(getattr(self.model_config, "max_position_embeddings", 1 << 30)))
+        limit = self.max_model_len
+        if prompt_token_ids and len(prompt_token_ids) + params.max_new_tokens > limit:
+            raise PromptError(
+                f"request {request_id!r}: prompt ({len(prompt_token_ids)} tokens) + max_new_tokens "
+                f"({params.max_new_tokens}) exceeds the model length limit {limit} = {self.length_limit_reason}"
+            )
         check_prompt(request_id, prompt_token_ids, params, limit, int(self.model_config.vocab_size), num_scored_tokens)
+
+    @property
+    def max_model_len(self) -> int:
+        """Tokens per request the engine accepts: the configured max_model_len capped by the model's positions."""
+        positions = getattr(self.model_config, "max_position_embeddings", None)
+        return min(self.config.max_model_len, int(positions)) if positions else self.config.max_model_len
+
+    @property
+    def length_limit_reason(self) -> str:
+        """Where `max_model_len` comes from, for messages ("min(max_model_len 4096, max_position_embeddings 1024)")."""
+        positions = getattr(self.model_config, "max_position_embeddings", None)
+        if not positions:
+            return f"max_model_len {self.config.max_model_len} (the model states no position limit)"
+        capped = " (capped by the model's positions)" if int(positions) < self.config.max_model_len else ""
+        return f"min(max_model_len {self.config.max_model_len}, max_position_embeddings {int(positions)}){capped}"
 
     def close(self) -> None:
         """Stop the expert read threads, release the host room of reads in flight and remove the spill
@@ -170,7 +190,7 @@ class Engine(BaselineAccess):
                 note="resume: tail block",
             )
         self.scheduler.restored.clear()
-        self.runner.resolve_kv(plan.step_id, chosen, log, self.is_observe)
+        self.runner.resolve_kv(plan.step_id, chosen, log, self.is_observe, self.scheduler.is_layer_staged)
         return log
 
     def _forward(self, plan: StepPlan, chosen: list[tuple[Sequence, int]], log: EventLog) -> torch.Tensor:

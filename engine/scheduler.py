@@ -6,6 +6,7 @@ from collections import deque
 from collections.abc import Callable
 
 from fallbackgate.engine.config import EngineConfig
+from fallbackgate.engine.device_pool import Scratch
 from fallbackgate.engine.errors import BudgetError
 from fallbackgate.engine.kv.store import KVBlockKey, KVStore, Staged
 from fallbackgate.engine.messages import StepKind, StepPlan
@@ -35,24 +36,33 @@ class Scheduler:
         self.restored: list[tuple[str, Staged]] = []  # tail blocks brought back on resume, for the step's log
         self.step_id = 0
         self.chosen: list[tuple[Sequence, int]] = []  # the step being scheduled, so far
+        self.is_layer_staged = False  # the step's KV does not fit at once: off-device blocks are staged per layer
 
     def add(self, seq: Sequence) -> None:
         self.check_fits_alone(seq.request_id, seq.num_tokens + seq.params.max_new_tokens)
         self.waiting.append(seq)
 
     def check_fits_alone(self, request_id: str, num_tokens: int) -> None:
-        """Refuse a request that could not run even alone at its full length: all its KV blocks must fit
-        beside the expert floor, and beside one layer's gathered K/V (read blocks are on device or staged)."""
+        """Refuse a request that could not run even alone at its full length. It runs with all its KV blocks
+        on device when they fit beside the expert floor (and beside one layer's gathered K/V); else with only
+        the blocks it writes on device (one per layer) and one layer's K/V laid out at a time, staged from
+        wherever its blocks are (per-layer staging), which must fit the budget with one block's staging."""
         kv, pool = self.kv_store, self.kv_store.device_pool
         num_blocks = -(-num_tokens // kv.block_size)
         blocks = num_blocks * kv.num_layers * kv.bytes_per_block
         gathered = kv.gather_bytes([num_tokens])
-        if blocks > pool.budget_bytes - self.expert_floor_bytes or blocks + gathered > pool.budget_bytes:
-            raise BudgetError(
-                f"request {request_id}: {num_tokens} tokens need {blocks} B of KV blocks on device (plus {gathered} B "
-                f"of one layer's gathered K/V), but the device budget is {pool.budget_bytes} B with "
-                f"{self.expert_floor_bytes} B kept for expert slots; raise the device budget or lower max_new_tokens"
-            )
+        kv_cap = pool.budget_bytes - self.expert_floor_bytes
+        if blocks <= kv_cap and blocks + gathered <= pool.budget_bytes:
+            return
+        written = kv.num_layers * kv.bytes_per_block
+        if written <= kv_cap and written + gathered + kv.max_stage_bytes <= pool.budget_bytes:
+            return
+        raise BudgetError(
+            f"request {request_id}: {num_tokens} tokens need {blocks} B of KV blocks, and even staged layer by layer "
+            f"one layer's K/V ({gathered} B) beside the {written} B it writes and {kv.max_stage_bytes} B of staging, "
+            f"but the device budget is {pool.budget_bytes} B with {self.expert_floor_bytes} B kept for expert slots; "
+            "raise the device budget or lower max_new_tokens"
+        )
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -60,6 +70,7 @@ class Scheduler:
     def schedule(self) -> tuple[StepPlan, list[tuple[Sequence, int]]]:
         """Pick (sequence, num_tokens) pairs for the next forward and build its plan."""
         self.step_id += 1
+        self.is_layer_staged = False
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Sequence, int]] = []
         self.chosen = chosen
@@ -115,9 +126,18 @@ class Scheduler:
                 return partial
             victim = self._preemption_victim(seq, chosen) if may_preempt else None
             if victim is None:
-                return 0
+                is_alone = not chosen and (may_preempt or not self.running)  # waiting would not help it
+                return self._fit_layered(seq, num, chosen) if is_alone else 0
             self.preempt(victim)
         return 0
+
+    def _fit_layered(self, seq: Sequence, num: int, chosen: list[tuple[Sequence, int]]) -> int:
+        """Largest token count <= num that fits with per-layer staging (the request alone in the step, with
+        nothing left to preempt): only the blocks the step writes must be on device; the step is marked
+        layered."""
+        fitted = num if self._try_room_layered(seq, num, chosen) else self._largest_fitting(seq, num - 1, True)
+        self.is_layer_staged = self.is_layer_staged or fitted > 0
+        return fitted
 
     def _fits(self, seq: Sequence, num: int) -> bool:
         """Whether `seq` can join this step with `num` tokens: its new KV blocks fit the device pool now,
@@ -129,6 +149,29 @@ class Scheduler:
         kv_cap = pool.budget_bytes - self.expert_floor_bytes
         need = self.kv_store.bytes_to_append(seq.request_id, num)
         return pool.can_reserve(need) and kv_after <= kv_cap and kv_after + gathered <= pool.budget_bytes
+
+    def _fits_layered(self, seq: Sequence, num: int) -> bool:
+        """Whether `seq` can join with `num` tokens when the step stages per layer: its new blocks fit now,
+        the blocks held stay within the KV cap, and with one layer's K/V laid out (and one block's staging)
+        within the budget."""
+        kv, pool = self.kv_store, self.kv_store.device_pool
+        need = kv.bytes_to_append(seq.request_id, num)
+        held = pool.used_bytes_by_kind[ObjectKind.KV_BLOCK] + pool.used_bytes_by_kind[Scratch.KV_STAGED] + need
+        layer = self._gathered_bytes(seq, num) + kv.max_stage_bytes
+        return (
+            pool.can_reserve(need)
+            and held <= pool.budget_bytes - self.expert_floor_bytes
+            and held + layer <= pool.budget_bytes
+        )
+
+    def _try_room_layered(self, seq: Sequence, num: int, chosen: list[tuple[Sequence, int]]) -> bool:
+        if self._fits_layered(seq, num):
+            return True
+        kv, pool = self.kv_store, self.kv_store.device_pool
+        need = kv.bytes_to_append(seq.request_id, num)
+        is_kv_only = pool.used_bytes_by_kind[ObjectKind.KV_BLOCK] + need > pool.budget_bytes - self.expert_floor_bytes
+        pinned = self._pinned_tails(chosen, seq, is_whole_pinned=False)
+        return self.make_room(need, pinned, lambda: self._fits_layered(seq, num), is_kv_only)
 
     def _kv_after(self, seq: Sequence, num: int) -> int:
         """Device KV bytes once `seq` joins with `num` tokens: blocks held, its new blocks, the step's staging."""
@@ -153,21 +196,26 @@ class Scheduler:
         is_kv_only = self._kv_after(seq, num) > self.kv_store.device_pool.budget_bytes - self.expert_floor_bytes
         return self.make_room(need, self._pinned_tails(chosen, seq), lambda: self._fits(seq, num), is_kv_only)
 
-    def _largest_fitting(self, seq: Sequence, num: int) -> int:
+    def _largest_fitting(self, seq: Sequence, num: int, is_layered: bool = False) -> int:
         """Binary search for the most tokens (<= num) that fit on device as it is now (a prefill chunk)."""
+        fits = self._fits_layered if is_layered else self._fits
         low, high = 0, num
         while low < high:
             mid = (low + high + 1) // 2
-            if self._fits(seq, mid):
+            if fits(seq, mid):
                 low = mid
             else:
                 high = mid - 1
         return low
 
-    def _pinned_tails(self, chosen: list[tuple[Sequence, int]], seq: Sequence) -> set[KVBlockKey]:
-        """Blocks that must stay on device: every running tail, and every block of this step's requests
-        (spilling one would only move its bytes from a slot to the step's staging scratch)."""
-        pinned = self.kv_store.block_keys([s.request_id for s, _ in [*chosen, (seq, 0)]])
+    def _pinned_tails(
+        self, chosen: list[tuple[Sequence, int]], seq: Sequence, is_whole_pinned: bool = True
+    ) -> set[KVBlockKey]:
+        """Blocks that must stay on device: every running tail, and (`is_whole_pinned`) every block of this
+        step's requests (spilling one would only move its bytes from a slot to the step's staging scratch;
+        with per-layer staging it frees room for all the layers but the one being read)."""
+        members = [*chosen, (seq, 0)] if is_whole_pinned else []
+        pinned = self.kv_store.block_keys([s.request_id for s, _ in members])
         size = self.config.block_size
         writing = {s.request_id: s.num_computed_tokens for s, _ in chosen}
         for other in self.running + [seq]:

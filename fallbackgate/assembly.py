@@ -152,6 +152,16 @@ _ENGINE_DEFAULTS = {field.name: field.default for field in dataclasses.fields(En
 """EngineConfig's defaults, for the overrides whose None means "the engine's default"."""
 
 
+def _max_model_len(policy: Policy, overrides: Overrides) -> int:
+    """Tokens per request: the caller's exact override, else the policy's, else the engine's default (the engine
+    caps it by the model's positions)."""
+    if overrides.max_model_len is not None:
+        return overrides.max_model_len
+    if policy.memory.max_model_len is not None:
+        return policy.memory.max_model_len
+    return int(_ENGINE_DEFAULTS["max_model_len"])
+
+
 def engine_config(policy: Policy, settings: RunSettings, overrides: Overrides) -> EngineConfig:
     """The engine configuration: the settings with the policy's hardware profile, low-bit copies and mode."""
 
@@ -168,7 +178,7 @@ def engine_config(policy: Policy, settings: RunSettings, overrides: Overrides) -
         block_size=settings.block_size,
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_model_len=_ENGINE_DEFAULTS["max_model_len"] if overrides.max_model_len is None else overrides.max_model_len,
+        max_model_len=_max_model_len(policy, overrides),
         preempt_mode=settings.preempt_mode,
         expert_lowbit_bits=policy.controller.expert_lowbit_bits,
         profile=hardware_profile(policy),

@@ -174,15 +174,14 @@ def test_full_spill_disk_fails_the_run_cleanly(
 ) -> None:
     import errno
 
+    from fallbackgate.engine.kv import spill
+
     (tmp_path / "spill").mkdir()
-    write_bytes = pathlib.Path.write_bytes
 
-    def full(self: pathlib.Path, data: bytes) -> int:
-        if "fallbackgate-spill-" in str(self) and not self.name.startswith("."):
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return write_bytes(self, data)
+    def full(fd: int, data: bytes, offset: int) -> int:  # the spill's segment writes: the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(pathlib.Path, "write_bytes", full)
+    monkeypatch.setattr(spill.os, "pwrite", full)
     ledger = tmp_path / "l.sqlite"
     assert main(_run_forcing_disk_spills(tmp_path, ledger)) == 2
     err = capsys.readouterr().err

@@ -92,7 +92,7 @@ def _host_account(engine: Engine) -> tuple[int, int]:
             held += sum(map(held_bytes, entry.lowbit))
     for table in kv.tables.values():
         for block in (b for blocks in table for b in blocks):
-            held += storage_bytes(block.host) if block.host is not None else 0
+            held += block.host.nbytes if block.host is not None else 0  # a slot of the host tier tensor
             if block.host_q is not None and block.host_q.keys is not None and block.host_q.values is not None:
                 held += held_bytes(block.host_q.keys) + held_bytes(block.host_q.values)
     pool = engine.kv_store.host_pool

@@ -26,6 +26,8 @@ from fallbackgate.engine.kv.store import KVBlockKey, KVStore, SpillMode
 from fallbackgate.engine.step_context import StepContext, StepUses
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
+KVLayerUpdate = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
 
 class Executor:
     """Owns the stores and the controller; the experts hook and the paged cache call into it."""
@@ -55,6 +57,9 @@ class Executor:
         self.ctx: StepContext | None = None
         self.pending_modeled_s = 0.0  # spill traffic between forwards, charged to the next step
         self.num_gather_bytes_held = 0  # device pool bytes of the current layer's gathered K/V
+        self.num_staged_bytes_held = 0  # device pool bytes of the current layer's per-layer staged KV blocks
+        # set by the model runner for a step whose KV is staged layer by layer: replaces `kv_update`'s body
+        self.kv_layer_update: KVLayerUpdate | None = None
         self.routers, self.top_k = routers, top_k
         self.layer_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per request K, V of the current layer
         self.audit_weights = AuditWeights(expert_store.reader, audit_cache_bytes)  # the baselines' expert copies
@@ -271,6 +276,8 @@ class Executor:
         Gathered copies are counted in the device pool (Scratch.KV_GATHER) until this layer's attention
         is done: the next experts call, the next layer's update, or the end of the forward releases them.
         """
+        if self.kv_layer_update is not None:
+            return self.kv_layer_update(layer, key_states, value_states)
         batch = self.ctx.batch
         self.release_gather()
         num_bytes = self.kv_store.gather_bytes([s + n for s, n in zip(batch.starts, batch.lengths, strict=True)])
@@ -296,6 +303,9 @@ class Executor:
         if self.num_gather_bytes_held:
             self.kv_store.device_pool.release(Scratch.KV_GATHER, self.num_gather_bytes_held)
             self.num_gather_bytes_held = 0
+        if self.num_staged_bytes_held:
+            self.kv_store.device_pool.release(Scratch.KV_STAGED, self.num_staged_bytes_held)
+            self.num_staged_bytes_held = 0
 
     # --- room on device ------------------------------------------------------------------------
     def step_kv_keys(self) -> set[KVBlockKey]:

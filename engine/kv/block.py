@@ -33,8 +33,10 @@ class KVBlock:
 
     key: KVBlockKey
     num_tokens: int = 0  # filled positions
-    device: torch.Tensor | None = None  # [kv_heads, block_size, key_dim + value_dim] fp32
-    host: torch.Tensor | None = None  # full-precision host copy
+    device: torch.Tensor | None = None  # [kv_heads, block_size, key_dim + value_dim]: a view of its device slot
+    host: torch.Tensor | None = None  # full-precision host copy: a view of its host slot
+    device_slot: int | None = None  # its slot in the layer's device tensor (the block-table entry)
+    host_slot: int | None = None  # its slot in the layer's host tensor
     host_q: QuantKV | None = None  # quantized host copy
     disk: SpillRecord | None = None  # full-precision disk copy
     disk_q: QuantKV | None = None  # quantized disk copy (records inside)

@@ -1,8 +1,18 @@
-"""The disk tier: tensors written as files under a spill directory, one CRC32 per page."""
+"""The disk tier: tensors written at offsets into a few large segment files, one CRC32 per page.
+
+A SpillDir owns one directory ``fallbackgate-spill-<pid>-<id>`` under its parent and holds an exclusive
+``flock`` on the ``.lock`` file inside it while it lives. Its records are extents of segment files
+(``seg-<n>.bin``, each at most `segment_bytes`) allocated by size: a freed extent is reused by the next
+write of the same size (KV blocks and their quantized parts come in a handful of sizes), so a long run
+keeps a few files, not one per block. The directory is removed on `close`, when the object is collected,
+at interpreter exit, and, after a crash, by the next SpillDir opened under the same parent: a directory
+whose lock nobody holds belongs to no live process.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import pathlib
 import shutil
@@ -16,13 +26,17 @@ import torch
 from fallbackgate.engine.errors import ChecksumError, EngineError
 
 PAGE_BYTES = 64 * 1024
+SEGMENT_BYTES = 256 * 1024 * 1024  # one segment file's size at most
+DIR_PREFIX = "fallbackgate-spill-"
+LOCK_NAME = ".lock"
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
 class SpillRecord:
     """Where a spilled tensor lives and how to check it."""
 
-    path: pathlib.Path  # file holding the raw bytes
+    path: pathlib.Path  # segment file holding the raw bytes
+    offset: int  # byte offset of the tensor in that file
     dtype: torch.dtype  # element type
     shape: tuple[int, ...]  # tensor shape
     page_crcs: tuple[int, ...]  # CRC32 of each PAGE_BYTES page, in order
@@ -32,51 +46,135 @@ class SpillRecord:
         return int(np.prod(self.shape)) * torch.empty((), dtype=self.dtype).element_size()
 
 
-class SpillDir:
-    """Writes and reads tensors under one directory; every read verifies every page's checksum."""
-
-    def __init__(self, parent: str | os.PathLike[str]) -> None:
-        """Files go into a fresh `fallbackgate-spill-<id>` directory under `parent` (so engines sharing a
-        spill directory never collide); it is removed when this object is garbage collected or at exit."""
-        self.root = pathlib.Path(parent) / f"fallbackgate-spill-{uuid.uuid4().hex[:12]}"
+def remove_stale(parent: pathlib.Path) -> list[pathlib.Path]:
+    """Remove spill directories under `parent` that no live SpillDir holds (a crashed process's); returns
+    the directories removed."""
+    removed = []
+    for candidate in parent.glob(f"{DIR_PREFIX}*"):
+        lock = candidate / LOCK_NAME
         try:
-            self.root.mkdir(parents=True, exist_ok=False)
-            probe = self.root / ".fallbackgate-write-probe"
-            probe.write_bytes(b"ok")
-            probe.unlink()
+            fd = os.open(lock, os.O_RDWR)
+        except OSError:  # no lock file: an older layout or a directory being made; old enough ones go
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)  # a live process holds it
+            continue
+        shutil.rmtree(candidate, ignore_errors=True)
+        os.close(fd)
+        removed.append(candidate)
+    return removed
+
+
+def _close_dir(root: pathlib.Path, fds: list[int], lock_fd: int) -> None:
+    for fd in fds:
+        os.close(fd)
+    fds.clear()
+    shutil.rmtree(root, ignore_errors=True)
+    os.close(lock_fd)
+
+
+class SpillDir:
+    """Writes and reads tensors at offsets in a few segment files; every read verifies every page."""
+
+    def __init__(
+        self, parent: str | os.PathLike[str], max_bytes: int | None = None, segment_bytes: int = SEGMENT_BYTES
+    ) -> None:
+        """Files go into a fresh ``fallbackgate-spill-<pid>-<id>`` directory under `parent` (stale ones of
+        dead processes are removed first). `max_bytes` caps the bytes the segment files may hold (None: 90 %
+        of the free space on the parent's file system now)."""
+        parent = pathlib.Path(parent)
+        self.removed_stale = remove_stale(parent) if parent.is_dir() else []
+        name = f"{DIR_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.root = parent / name
+        making = parent / f".{name}"  # locked before it takes a name another start's cleanup looks at
+        try:
+            making.mkdir(parents=True, exist_ok=False)
+            lock_fd = os.open(making / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            making.rename(self.root)
         except OSError as exc:
             raise EngineError(f"spill directory {parent} is not writable: {exc}") from exc
-        self._finalizer = weakref.finalize(self, shutil.rmtree, self.root, ignore_errors=True)
+        self.max_bytes = int(0.9 * shutil.disk_usage(self.root).free) if max_bytes is None else int(max_bytes)
+        self.segment_bytes = int(segment_bytes)
+        self.paths: list[pathlib.Path] = []  # segment files in creation order
+        self.fds: list[int] = []  # their open descriptors
+        self.ends: list[int] = []  # bytes allocated at each segment's end so far
+        self.free_extents: dict[int, list[tuple[int, int]]] = {}  # size -> (segment, offset) extents to reuse
+        self.num_live_bytes = 0  # bytes of records written and not deleted
+        self.num_written_bytes = 0  # bytes written, ever
+        self.num_read_bytes = 0  # bytes read, ever
+        self._finalizer = weakref.finalize(self, _close_dir, self.root, self.fds, lock_fd)
         self.is_checksum_verified = True  # tests turn this off to plant a fault
 
+    @property
+    def num_file_bytes(self) -> int:
+        """Bytes the segment files span (live and reusable extents)."""
+        return sum(self.ends)
+
     def close(self) -> None:
-        """Remove the directory and everything spilled into it now (the engine is done with it)."""
+        """Close the files and remove the directory and everything spilled into it now."""
         self._finalizer()
 
+    def _allocate(self, num_bytes: int) -> tuple[int, int]:
+        extents = self.free_extents.get(num_bytes)
+        if extents:
+            return extents.pop()
+        if self.num_file_bytes + num_bytes > self.max_bytes:
+            raise EngineError(
+                f"spill directory {self.root.parent}: cannot write {num_bytes} B, its cap of {self.max_bytes} B is "
+                f"reached ({self.num_live_bytes} B live)"
+            )
+        if not self.fds or self.ends[-1] + num_bytes > self.segment_bytes:
+            path = self.root / f"seg-{len(self.paths)}.bin"
+            self.fds.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+            self.paths.append(path)
+            self.ends.append(0)
+        offset = self.ends[-1]
+        self.ends[-1] += num_bytes
+        return len(self.fds) - 1, offset
+
     def write(self, name: str, tensor: torch.Tensor) -> SpillRecord:
-        """Write `tensor` to `<root>/<name>.bin` and return its record."""
+        """Write `tensor` into a segment file and return its record (`name` is kept for error messages)."""
         data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
         crcs = tuple(zlib.crc32(data[i : i + PAGE_BYTES]) for i in range(0, len(data), PAGE_BYTES))
-        path = self.root / f"{name}.bin"
+        segment, offset = self._allocate(len(data))
         try:
-            path.write_bytes(data)
+            written = os.pwrite(self.fds[segment], data, offset)
+            if written != len(data):
+                raise OSError(28, f"short write ({written} of {len(data)} B)")
         except OSError as exc:  # a full disk or a vanished directory: say which, never a bare traceback
-            path.unlink(missing_ok=True)
+            self.free_extents.setdefault(len(data), []).append((segment, offset))
             where = f"spill directory {self.root.parent}"
-            raise EngineError(f"{where}: cannot write {len(data)} B ({exc.strerror})") from None
-        return SpillRecord(path=path, dtype=tensor.dtype, shape=tuple(tensor.shape), page_crcs=crcs)
+            raise EngineError(f"{where}: cannot write {name} ({len(data)} B: {exc.strerror})") from None
+        self.num_live_bytes += len(data)
+        self.num_written_bytes += len(data)
+        return SpillRecord(self.paths[segment], offset, tensor.dtype, tuple(tensor.shape), crcs)
 
     def read(self, record: SpillRecord) -> torch.Tensor:
         """Read a tensor back; raises ChecksumError if any page does not match its CRC."""
-        data = record.path.read_bytes()
+        num_bytes = record.num_bytes
+        raw = torch.empty(num_bytes, dtype=torch.uint8)
+        self.read_into(record, raw)
+        return raw.view(record.dtype).reshape(record.shape)
+
+    def read_into(self, record: SpillRecord, out: torch.Tensor) -> None:
+        """Read a record's bytes into the contiguous CPU uint8 tensor `out` (checksums verified)."""
+        view = memoryview(out.numpy())
+        got = os.preadv(self.fds[self.paths.index(record.path)], [view], record.offset)
+        self.num_read_bytes += got
+        if got != record.num_bytes:
+            raise ChecksumError(f"{record.path.name}@{record.offset}: {got} of {record.num_bytes} B read")
         if self.is_checksum_verified:
             for page, expected in enumerate(record.page_crcs):
-                chunk = data[page * PAGE_BYTES : (page + 1) * PAGE_BYTES]
-                if zlib.crc32(chunk) != expected:
-                    raise ChecksumError(f"{record.path.name}: page {page} checksum mismatch")
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return raw.view(record.dtype).reshape(record.shape).clone()
+                if zlib.crc32(view[page * PAGE_BYTES : (page + 1) * PAGE_BYTES]) != expected:
+                    raise ChecksumError(f"{record.path.name}@{record.offset}: page {page} checksum mismatch")
 
     def delete(self, record: SpillRecord) -> None:
-        """Remove a spilled file (missing files are fine)."""
-        record.path.unlink(missing_ok=True)
+        """Free a record's extent for reuse (a record of a closed or foreign directory is ignored)."""
+        if record.path not in self.paths:
+            return
+        segment = self.paths.index(record.path)
+        self.free_extents.setdefault(record.num_bytes, []).append((segment, record.offset))
+        self.num_live_bytes -= record.num_bytes

@@ -1,8 +1,11 @@
 """Paged, tiered KV store: per-request block tables of fixed-size blocks (block_size tokens × one layer).
 
 A block's copies may live on device (full precision), on host (full and/or int8/int4 quantized,
-keys per channel and values per token as in KIVI) and on disk (same choices). Blocks needed by a step
-that are not on device are staged into per-step scratch (exact_load, kv_dequant) or rebuilt (recompute).
+keys per channel and values per token as in KIVI) and on disk (same choices). Full-precision device and
+host copies are slots of one pooled tensor per layer per tier (`slots.py`); a block's slot index is its
+block-table entry, and a request's device blocks of a layer are gathered with one index. Blocks needed by
+a step that are not on device are staged into per-step scratch (exact_load, kv_dequant) or rebuilt
+(recompute), or, when the step's KV does not fit at once, read layer by layer (`layer_read.py`).
 Every device byte is counted in the device pool: blocks as KV_BLOCK, staged blocks (and a dequantization's
 working set while it runs) as Scratch.KV_STAGED. Mechanism only: callers decide what to spill, where, and
 how to bring it back, and make room before staging.
@@ -15,13 +18,15 @@ import torch
 from fallbackgate.engine.device_pool import Scratch, TierPool
 from fallbackgate.engine.errors import ChecksumError, EngineError
 from fallbackgate.engine.kv.block import KVBlock, KVBlockKey, SpillMode, Staged
-from fallbackgate.engine.kv.codec import dequantize_kv, quant_kv_nbytes, quant_to, quantize_kv, read_quant, write_quant
+from fallbackgate.engine.kv.codec import dequantize_kv, quant_to, read_quant
+from fallbackgate.engine.kv.copies import KVCopies
 from fallbackgate.engine.kv.spill import SpillDir
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 __all__ = ["KVBlock", "KVBlockKey", "KVStore", "SpillMode", "Staged"]
 
-class KVStore:
+
+class KVStore(KVCopies):
     """Block tables for all live requests; byte-accurate device and host accounting."""
 
     def __init__(
@@ -32,17 +37,21 @@ class KVStore:
         value_dim: int,
         block_size: int,
         device_pool: TierPool,
-        host_pool: TierPool,
+        host_pool: TierPool | None,
         spill: SpillDir,
         device: torch.device,
         dtype: torch.dtype = torch.float32,
     ) -> None:
+        """`host_pool` None (or a zero budget): no host tier; full copies that leave the device go to disk."""
         self.num_layers, self.num_kv_heads, self.block_size = num_layers, num_kv_heads, block_size
         self.dtype = dtype  # the model's: K and V are stored as attention produced them
         self.key_dim, self.value_dim = key_dim, value_dim
-        self.device_pool, self.host_pool, self.spill, self.device = device_pool, host_pool, spill, device
+        self.host_pool = host_pool if host_pool is not None else TierPool("host", 0)
+        self.device_pool, self.spill, self.device = device_pool, spill, device
         self.block_shape = (num_kv_heads, block_size, key_dim + value_dim)  # K and V side by side per token
         self.bytes_per_block = num_kv_heads * block_size * (key_dim + value_dim) * dtype.itemsize
+        self.device_slots = self._slot_tier("device", device_pool, device)
+        self.host_slots = self._slot_tier("host", self.host_pool, torch.device("cpu"))
         self.tables: dict[str, list[list[KVBlock]]] = {}  # request -> layer -> blocks
         self.num_tokens: dict[str, int] = {}
         self.scratch: dict[KVBlockKey, Staged] = {}
@@ -99,6 +108,12 @@ class KVStore:
             num_bytes += num_blocks * self.bytes_per_block if num_blocks > 1 else 0
         return num_bytes
 
+    @property
+    def max_stage_bytes(self) -> int:
+        """Device bytes one off-device block's staging takes at its peak, whatever its copy (a dequantization:
+        the quantized bytes, at most a block's, the fp32 block they expand to, and the result)."""
+        return 2 * self.bytes_per_block + self.bytes_per_block // self.dtype.itemsize * 4
+
     def can_append(self, request_id: str, num_new_tokens: int) -> bool:
         return self.device_pool.can_reserve(self.bytes_to_append(request_id, num_new_tokens))
 
@@ -122,13 +137,6 @@ class KVStore:
                         restored.append(staged)
         self.num_tokens[request_id] = used + num_new_tokens
         return restored
-
-    def _reserve_device(self, block: KVBlock, values: torch.Tensor | None) -> None:
-        self.device_pool.reserve(ObjectKind.KV_BLOCK, self.bytes_per_block)
-        if values is None:
-            block.device = torch.zeros(self.block_shape, device=self.device, dtype=self.dtype)
-        else:  # a freshly loaded or staged tensor that nothing else holds: it becomes the slot
-            block.device = values
 
     # --- reads and writes during a forward -----------------------------------------------------
     def write(self, request_id: str, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -154,8 +162,15 @@ class KVStore:
 
     def gather(self, request_id: str, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K [kv_heads, length, key_dim] and V [kv_heads, length, value_dim], from device or scratch."""
+        blocks = self.tables[request_id][layer][: -(-length // self.block_size)]
+        if len(blocks) > 1 and self.device_slots is not None and all(b.device_slot is not None for b in blocks):
+            heads, block_size, width = self.block_shape  # all on device: one copy by slot index
+            out = torch.empty((heads, len(blocks), block_size, width), dtype=self.dtype, device=self.device)
+            self.device_slots.gather_into(layer, [b.device_slot for b in blocks], out)
+            both = out.view(heads, len(blocks) * block_size, width)[:, :length]
+            return both[..., : self.key_dim], both[..., self.key_dim :]
         parts = []
-        for block in self.tables[request_id][layer][: -(-length // self.block_size)]:
+        for block in blocks:
             if block.device is not None:
                 parts.append(block.device)
             elif block.key in self.scratch:
@@ -185,6 +200,12 @@ class KVStore:
         staged.key = block.key
         self.scratch[block.key] = staged
         return staged
+
+    def load(self, block: KVBlock, tag: Tag) -> Staged:
+        """Read an off-device block with `tag`'s computation into a fresh device tensor that the caller
+        holds for a moment (per-layer staging copies it into a layer buffer and counts its bytes); any
+        dequantization's working set is counted while it runs."""
+        return self._stage_tensor(block, tag)
 
     def stage_bytes(self, block: KVBlock, tag: Tag) -> int:
         """Device bytes staging `block` with `tag` needs at its peak (the block, plus a dequantization's
@@ -260,67 +281,3 @@ class KVStore:
         blocks = sum(b.device.nbytes for t in self.tables.values() for bs in t for b in bs if b.device is not None)
         staged = sum(s.tensor.nbytes for s in self.scratch.values())
         return {ObjectKind.KV_BLOCK.value: blocks, Scratch.KV_STAGED.value: staged}
-
-    # --- spilling ------------------------------------------------------------------------------
-    def spill_block(self, block: KVBlock, mode: SpillMode) -> int:
-        """Write a copy per `mode`, then free the device slot. Returns bytes written."""
-        if block.device is None:
-            raise EngineError(f"KV block {block.key} is not on device")
-        written = self._write_copy(block, mode)
-        block.device = None
-        self.device_pool.release(ObjectKind.KV_BLOCK, self.bytes_per_block)
-        return written
-
-    def _write_copy(self, block: KVBlock, mode: SpillMode) -> int:
-        if mode in (SpillMode.HOST_FULL_AND_INT8, SpillMode.HOST_FULL_AND_INT4):
-            quant_mode = SpillMode.HOST_INT8 if mode is SpillMode.HOST_FULL_AND_INT8 else SpillMode.HOST_INT4
-            return self._write_copy(block, SpillMode.HOST_FULL) + self._write_copy(block, quant_mode)
-        tensor = block.device.cpu()
-        if mode is SpillMode.HOST_FULL and block.host is None:
-            self.host_pool.reserve(ObjectKind.KV_BLOCK, self.bytes_per_block)
-            block.host = tensor.pin_memory() if self.device.type == "cuda" else tensor.clone()
-            return self.bytes_per_block
-        if mode in (SpillMode.HOST_INT8, SpillMode.HOST_INT4) and block.host_q is None:
-            quant = quantize_kv(tensor, 8 if mode is SpillMode.HOST_INT8 else 4, self.key_dim)
-            self.host_pool.reserve(ObjectKind.KV_BLOCK, quant.num_bytes)
-            block.host_q = quant
-            return quant.num_bytes
-        if mode is SpillMode.DISK_FULL and block.disk is None:
-            block.disk = self.spill.write("kv-" + "-".join(map(str, block.key)), tensor)
-            return self.bytes_per_block
-        if mode is SpillMode.DISK_INT8 and block.disk_q is None:
-            block.disk_q = write_quant(
-                self.spill, "kvq-" + "-".join(map(str, block.key)), quantize_kv(tensor, 8, self.key_dim)
-            )
-            return block.disk_q.num_bytes
-        return 0
-
-    def spill_cost_fits_host(self, mode: SpillMode) -> bool:
-        """Whether a host copy in `mode` fits the host budget now."""
-        if mode is SpillMode.HOST_FULL:
-            return self.host_pool.can_reserve(self.bytes_per_block)
-        bits = 4 if mode in (SpillMode.HOST_INT4, SpillMode.HOST_FULL_AND_INT4) else 8
-        quant_bytes = quant_kv_nbytes(self.block_shape, bits, self.key_dim)
-        if mode in (SpillMode.HOST_INT8, SpillMode.HOST_INT4):
-            return self.host_pool.can_reserve(quant_bytes)
-        if mode in (SpillMode.HOST_FULL_AND_INT8, SpillMode.HOST_FULL_AND_INT4):
-            return self.host_pool.can_reserve(self.bytes_per_block + quant_bytes)
-        return True
-
-    def _drop_copies(self, block: KVBlock, keep_device: bool) -> None:
-        if block.device is not None and not keep_device:
-            block.device = None
-            self.device_pool.release(ObjectKind.KV_BLOCK, self.bytes_per_block)
-        if block.host is not None:
-            self.host_pool.release(ObjectKind.KV_BLOCK, self.bytes_per_block)
-            block.host = None
-        if block.host_q is not None:
-            self.host_pool.release(ObjectKind.KV_BLOCK, block.host_q.num_bytes)
-            block.host_q = None
-        if block.disk is not None:
-            self.spill.delete(block.disk)
-            block.disk = None
-        if block.disk_q is not None:
-            for record in block.disk_q.records:
-                self.spill.delete(record)
-            block.disk_q = None

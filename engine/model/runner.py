@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
+
 import torch
 from transformers import PreTrainedModel
 
 from fallbackgate.engine.controller import KVMiss
+from fallbackgate.engine.device_pool import Scratch
 from fallbackgate.engine.errors import ChecksumError, EngineError
 from fallbackgate.engine.experts.executor import Executor
+from fallbackgate.engine.kv.layer_read import plan_layer_read, read_layer
 from fallbackgate.engine.kv.paged_cache import PagedCache
 from fallbackgate.engine.kv.store import KVBlock, Staged
 from fallbackgate.engine.sequence import Sequence
 from fallbackgate.engine.step_context import EventLog, ForwardBatch, StepContext
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class ServePlan:
+    """How one off-device KV block is served this step, as decided before the forward."""
+
+    request_id: str  # the reading request
+    tag: Tag  # the tag served (observe mode may serve exactly what the controller would not)
+    decided_tag: Tag  # the controller's choice
+    note: str  # the decision's reason
+    predicted_cost: float  # the controller's predicted cost of `decided_tag` (0 in observe mode)
+    quant_bits: int  # bits of the block's quantized copy (0: none)
 
 
 class ModelRunner:
@@ -32,69 +49,153 @@ class ModelRunner:
         self.dense_flops_per_token = dense_flops_per_token  # 2 × dense parameters
         self.attn_flops_per_pair = attn_flops_per_pair  # per (query, key) pair, all layers
         self.step_kv_keys: set[tuple[str, int, int]] = set()  # blocks the current step reads: never spilled
+        self.is_per_layer = False  # the current step stages off-device KV layer by layer
+        self.layer_plan: dict[tuple[str, int, int], ServePlan] = {}  # per-layer step: how each read is served
+        self.layer_staging_s = 0.0  # wall seconds spent laying out per-layer K/V since the caller last reset it
 
     # --- KV blocks a step reads ------------------------------------------------------------------
-    def resolve_kv(self, step_id: int, chosen: list[tuple[Sequence, int]], log: EventLog, is_observe: bool) -> None:
-        """Stage or rebuild every off-device block the chosen requests read; run recompute passes."""
+    def resolve_kv(
+        self,
+        step_id: int,
+        chosen: list[tuple[Sequence, int]],
+        log: EventLog,
+        is_observe: bool,
+        is_per_layer: bool = False,
+    ) -> None:
+        """Decide how every off-device block the chosen requests read is served, and stage it now; with
+        `is_per_layer` (the step's KV does not fit the device at once) blocks served by a read are staged
+        layer by layer during the forward instead (`layer_update`); rebuilt ones are staged now either way,
+        and the recompute passes run."""
         kv = self.executor.kv_store
         self.step_kv_keys = kv.block_keys([seq.request_id for seq, _ in chosen])
+        self.layer_plan.clear()
+        self.is_per_layer = is_per_layer
         for seq, _ in chosen:
             start = seq.num_computed_tokens
             rebuild_from: int | None = None
             for layer in range(kv.num_layers):
                 for block in kv.blocks(seq.request_id, layer)[: start // kv.block_size]:
                     if block.device is None and block.key not in kv.scratch:
-                        tag = self._stage_block(step_id, seq, block, log, is_observe)
+                        tag = self._serve_block(step_id, seq, block, log, is_observe)
                         if tag is Tag.RECOMPUTE:
                             index = block.key[2]
                             rebuild_from = index if rebuild_from is None else min(rebuild_from, index)
             if rebuild_from is not None:
                 self._recompute(step_id, seq, rebuild_from * kv.block_size, start, log, is_observe)
 
-    def _stage_block(self, step_id: int, seq: Sequence, block: KVBlock, log: EventLog, is_observe: bool) -> Tag:
-        kv, profile = self.executor.kv_store, self.executor.profile
+    def _decide(self, step_id: int, seq: Sequence, block: KVBlock, is_observe: bool) -> ServePlan:
+        kv = self.executor.kv_store
         exact_tier = Tier.HOST if block.host is not None else Tier.DISK if block.disk is not None else None
         quant = block.host_q or block.disk_q
         quant_tier = Tier.HOST if block.host_q is not None else Tier.DISK if block.disk_q is not None else None
-        decision = self.executor.controller.kv_action(
-            KVMiss(
-                step_id,
-                seq.request_id,
-                seq.request_class,
-                block.key[1],
-                block.key[2],
-                exact_tier,
-                quant_tier,
-                quant.bits if quant else 0,
-                kv.bytes_per_block,
-            )
+        miss = KVMiss(
+            step_id,
+            seq.request_id,
+            seq.request_class,
+            block.key[1],
+            block.key[2],
+            exact_tier,
+            quant_tier,
+            quant.bits if quant else 0,
+            kv.bytes_per_block,
         )
+        decision = self.executor.controller.kv_action(miss)
         tag, note = decision.tag, decision.reason
         if is_observe and tag is not Tag.EXACT_LOAD:  # observe serves exactly: the full copy, else a rebuild
             served = Tag.EXACT_LOAD if exact_tier else Tag.RECOMPUTE
             note, tag = (f"observe: would serve {tag.value}" if served is not tag else note), served
         if (tag is Tag.EXACT_LOAD and exact_tier is None) or (tag is Tag.KV_DEQUANT and quant_tier is None):
             raise EngineError(f"controller chose {tag.value} for KV block {block.key} which has no such copy")
+        cost = decision.predicted_cost if not is_observe else 0.0
+        return ServePlan(seq.request_id, tag, decision.tag, note, cost, quant.bits if quant else 0)
+
+    def _serve_block(self, step_id: int, seq: Sequence, block: KVBlock, log: EventLog, is_observe: bool) -> Tag:
+        """Decide, then stage now (or, per layer, leave a read for the layer's update); returns the tag."""
+        plan = self._decide(step_id, seq, block, is_observe)
+        if self.is_per_layer and plan.tag is not Tag.RECOMPUTE:
+            self.layer_plan[block.key] = plan
+            return plan.tag
+        note = plan.note
         try:
-            staged = self._stage(block, tag)
+            staged = self._stage(block, plan.tag)
         except ChecksumError as exc:
             staged, note = self._stage(block, Tag.RECOMPUTE), f"{exc}; recovered by recompute"
-        cost = decision.predicted_cost if staged.tag is decision.tag and not is_observe else 0.0
+        self._log_staged(log, block, staged, plan, note)
+        return staged.tag
+
+    def _log_staged(self, log: EventLog, block: KVBlock, staged: Staged, plan: ServePlan, note: str) -> None:
         log.add_transfer(
-            profile,
-            seq.request_id,
+            self.executor.profile,
+            plan.request_id,
             block.key[1],
             ObjectKind.KV_BLOCK,
             staged.tag,
             staged.bytes_moved,
             staged.source_tier,
-            predicted_cost=cost,
+            predicted_cost=plan.predicted_cost if staged.tag is plan.decided_tag else 0.0,
             note=note,
             object_id=block.key[2] if staged.tag is not Tag.EXACT_LOAD else None,
-            bits=quant.bits if staged.tag is Tag.KV_DEQUANT and quant else 0,
+            bits=plan.quant_bits if staged.tag is Tag.KV_DEQUANT else 0,
         )
         self.executor.uses.used_kv_block_keys.append(block.key)
-        return staged.tag
+
+    # --- per-layer staging -----------------------------------------------------------------------
+    def layer_update(
+        self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The executor's KV update in a per-layer step: write this forward's K/V, then lay out each
+        request's K/V of `layer` in one buffer, reading its off-device blocks into their places; the
+        buffer's bytes are held (KV_GATHER for copied resident blocks, KV_STAGED for staged ones) until the
+        executor releases the layer's gather."""
+        started = time.perf_counter()
+        try:
+            return self._layer_update(layer, key_states, value_states)
+        finally:
+            self.layer_staging_s += time.perf_counter() - started
+
+    def _layer_update(
+        self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        executor, kv = self.executor, self.executor.kv_store
+        batch = executor.ctx.batch
+        executor.release_gather()
+        reads = []
+        for request_id, start, length in zip(batch.request_ids, batch.starts, batch.lengths, strict=True):
+            reads.append(plan_layer_read(kv, request_id, layer, start + length))
+        resident = sum(r.num_resident for r in reads if r.num_blocks > 1) * kv.bytes_per_block
+        staged = sum(r.num_staged for r in reads) * kv.bytes_per_block
+        what = f"layer {layer}'s K/V laid out for attention"
+        executor.ensure_room(resident + staged, what, pinned_kv=self.step_kv_keys)
+        kv.device_pool.reserve(Scratch.KV_GATHER, resident)
+        executor.num_gather_bytes_held = resident
+        kv.device_pool.reserve(Scratch.KV_STAGED, staged)
+        executor.num_staged_bytes_held = staged
+        offset = 0
+        for request_id, start, length in zip(batch.request_ids, batch.starts, batch.lengths, strict=True):
+            kv.write(request_id, layer, start, key_states[0, :, offset : offset + length],
+                     value_states[0, :, offset : offset + length])  # fmt: skip
+            executor.layer_kv.append(read_layer(kv, request_id, layer, start + length, self._stage_into))
+            num_resident = kv.num_device_blocks(request_id, layer, start + length)
+            if num_resident:
+                executor.ctx.log.add_kv_reads(request_id, layer, num_resident)
+            offset += length
+        return key_states, value_states
+
+    def _stage_into(self, block: KVBlock, out: torch.Tensor) -> None:
+        """Read an off-device block, as decided before the forward, into its place `out` of a layer buffer."""
+        kv, plan = self.executor.kv_store, self.layer_plan.get(block.key)
+        if plan is None:
+            raise EngineError(f"KV block {block.key} read by a per-layer step but not planned")
+        need = kv.stage_bytes(block, plan.tag)
+        self.executor.ensure_room(need, f"staging KV block {block.key} ({plan.tag.value})", pinned_kv=self.step_kv_keys)
+        with kv.device_pool.held(Scratch.KV_STAGED, kv.bytes_per_block):  # the read copy, until it is placed
+            try:
+                staged = kv.load(block, plan.tag)
+            except ChecksumError as exc:
+                raise EngineError(f"{exc}: a per-layer step cannot rebuild KV block {block.key}") from exc
+            out.copy_(staged.tensor)
+            staged.tensor = out  # the read copy is dropped here
+        self._log_staged(self.executor.ctx.log, block, staged, plan, plan.note)
 
     def _recompute(self, step_id: int, seq: Sequence, begin: int, end: int, log: EventLog, is_observe: bool) -> None:
         """Re-run the model over tokens [begin, end) so their KV is rebuilt into the staged blocks."""
@@ -137,6 +238,7 @@ class ModelRunner:
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(batch.starts, batch.lengths, strict=True)])
         input_ids = torch.tensor([token_ids], device=self.device)
         keep = torch.tensor(logits_rows or [len(token_ids) - 1], device=self.device)
+        self.executor.kv_layer_update = self.layer_update if self.is_per_layer else None
         try:
             with torch.inference_mode():
                 out = self.model(
@@ -147,6 +249,7 @@ class ModelRunner:
                     logits_to_keep=keep,
                 )
         finally:
+            self.executor.kv_layer_update = None
             self.executor.release_gather()
             self.executor.uses.used_expert_keys.extend(ctx.used_expert_keys)
             self.executor.uses.deferred_expert_keys.extend(ctx.deferred_expert_keys)

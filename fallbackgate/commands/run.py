@@ -65,6 +65,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together at most (default 8)")
     p.add_argument("--preempt", choices=PREEMPT_MODES, default=None, help="what preemption does to KV")
     p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + output tokens per request (default 2048), capped by the model's max_position_embeddings",
+    )
+    p.add_argument(
         "--profile",
         choices=PROFILE_NAMES,
         default=None,
@@ -123,6 +129,8 @@ def check_args(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and not 1 <= value <= 1 << 16:
             raise ValueError(f"--{flag.replace('_', '-')} must be 1..65536, got {value}")
+    if args.max_model_len is not None and not 1 <= args.max_model_len <= 1 << 24:
+        raise ValueError(f"--max-model-len must be 1..16777216, got {args.max_model_len}")
     if args.block_size is not None and args.block_size & (args.block_size - 1):
         raise ValueError(f"--block-size: block_size must be a power of two, got {args.block_size}")
     if args.audit_rate is not None and not 0.0 < args.audit_rate <= 1.0:

@@ -58,6 +58,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--device-budget-mb", type=float, default=None)
     p.add_argument("--host-budget-mb", type=float, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together at most")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + output tokens per request (default 2048), capped by the model's max_position_embeddings",
+    )
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
@@ -68,6 +74,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be 1..65535, got {args.port}")
     if args.audit_rate is not None and not 0.0 <= args.audit_rate <= 1.0:
         raise ValueError(f"--audit-rate must be in [0, 1], got {args.audit_rate}")
+    if args.max_model_len is not None and not 1 <= args.max_model_len <= 1 << 24:
+        raise ValueError(f"--max-model-len must be 1..16777216, got {args.max_model_len}")
     if not 0 <= args.audit_workers <= 16:
         raise ValueError(f"--audit-workers must be 0..16, got {args.audit_workers}")
     if not 0.0 <= args.grace_s <= 3600.0:

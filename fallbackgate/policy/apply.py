@@ -21,6 +21,7 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "block_size": ("memory", "block_size"),
     "max_num_seqs": ("memory", "max_num_seqs"),
     "preempt": ("memory", "preempt_mode"),
+    "max_model_len": ("memory", "max_model_len"),
     "profile": ("hardware", "profile"),
     "audit_rate": ("audit", "sample_rate"),
     "mode": ("audit", "mode"),

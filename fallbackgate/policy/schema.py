@@ -87,6 +87,8 @@ class MemorySpec(_Strict):
     block_size: Annotated[int, Field(ge=1, le=1024)] = 16
     max_num_seqs: Annotated[int, Field(ge=1, le=1024)] = 8
     preempt_mode: PreemptModeName = PreemptMode.SWAP.value
+    # prompt + output tokens per request; null: the engine's default; either way capped by the model's positions
+    max_model_len: Annotated[int, Field(ge=1, le=1 << 24)] | None = None
 
     @field_validator("block_size")
     @classmethod

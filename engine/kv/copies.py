@@ -1,0 +1,147 @@
+"""Where a KV block's copies live: device and host slots of the pooled tensors, and the copies it leaves
+behind on host or disk when it leaves the device (the spilling half of :class:`KVStore`)."""
+
+from __future__ import annotations
+
+import torch
+
+from fallbackgate.engine.device_pool import TierPool
+from fallbackgate.engine.errors import BudgetError, EngineError
+from fallbackgate.engine.kv.block import KVBlock, SpillMode
+from fallbackgate.engine.kv.codec import quant_kv_nbytes, quantize_kv, write_quant
+from fallbackgate.engine.kv.slots import SlotTier
+from fallbackgate.engine.kv.spill import SpillDir
+from fallbackgate.engine.tags import ObjectKind
+
+INITIAL_SLOTS_PER_LAYER = 64  # device and host slot tensors start this large (or at their budget), then double
+
+
+class KVCopies:
+    """Slots and copies of KV blocks; :class:`KVStore` holds the block tables and the staging."""
+
+    num_layers: int
+    key_dim: int
+    bytes_per_block: int
+    block_shape: tuple[int, int, int]
+    dtype: torch.dtype
+    device: torch.device
+    device_pool: TierPool
+    host_pool: TierPool
+    spill: SpillDir
+    device_slots: SlotTier | None
+    host_slots: SlotTier | None
+    tables: dict[str, list[list[KVBlock]]]
+
+    # --- slots ---------------------------------------------------------------------------------
+    def _slot_tier(self, name: str, pool: TierPool, device: torch.device) -> SlotTier | None:
+        max_slots = pool.budget_bytes // self.bytes_per_block
+        if max_slots == 0:
+            return None
+        tier = SlotTier(
+            name,
+            self.num_layers,
+            self.block_shape,
+            self.dtype,
+            device,
+            min(INITIAL_SLOTS_PER_LAYER, max_slots // self.num_layers),
+            max_slots,
+            is_pinned=name == "host" and self.device.type == "cuda",
+        )
+        tier.on_moved.append(lambda layer, _: self._repoint(layer))
+        return tier
+
+    def _repoint(self, layer: int) -> None:
+        """A layer's slot tensor was reallocated: its blocks' views follow it."""
+        for table in self.tables.values():
+            for block in table[layer]:
+                if block.device_slot is not None:
+                    block.device = self.device_slots.view(layer, block.device_slot)
+                if block.host_slot is not None:
+                    block.host = self.host_slots.view(layer, block.host_slot)
+
+    def _reserve_device(self, block: KVBlock, values: torch.Tensor | None) -> None:
+        """Give `block` a device slot holding `values` (zeros when None)."""
+        if self.device_slots is None:
+            raise BudgetError(f"device budget {self.device_pool.budget_bytes} B holds no KV block")
+        self.device_pool.reserve(ObjectKind.KV_BLOCK, self.bytes_per_block)
+        layer = block.key[1]
+        block.device_slot = self.device_slots.take(layer)
+        block.device = self.device_slots.view(layer, block.device_slot)
+        if values is None:
+            block.device.zero_()
+        else:
+            block.device.copy_(values)
+
+    def _release_device(self, block: KVBlock) -> None:
+        assert self.device_slots is not None and block.device_slot is not None
+        self.device_slots.give_back(block.key[1], block.device_slot)
+        block.device, block.device_slot = None, None
+        self.device_pool.release(ObjectKind.KV_BLOCK, self.bytes_per_block)
+
+    # --- spilling ------------------------------------------------------------------------------
+    def spill_block(self, block: KVBlock, mode: SpillMode) -> int:
+        """Write a copy per `mode`, then free the device slot. Returns bytes written."""
+        if block.device is None:
+            raise EngineError(f"KV block {block.key} is not on device")
+        written = self._write_copy(block, mode)
+        self._release_device(block)
+        return written
+
+    def _write_copy(self, block: KVBlock, mode: SpillMode) -> int:
+        if mode in (SpillMode.HOST_FULL_AND_INT8, SpillMode.HOST_FULL_AND_INT4):
+            quant_mode = SpillMode.HOST_INT8 if mode is SpillMode.HOST_FULL_AND_INT8 else SpillMode.HOST_INT4
+            return self._write_copy(block, SpillMode.HOST_FULL) + self._write_copy(block, quant_mode)
+        tensor = block.device.cpu()
+        if mode is SpillMode.HOST_FULL and block.host is None:
+            if self.host_slots is None:
+                raise BudgetError(f"host budget {self.host_pool.budget_bytes} B holds no KV block")
+            self.host_pool.reserve(ObjectKind.KV_BLOCK, self.bytes_per_block)
+            block.host_slot = self.host_slots.take(block.key[1])
+            block.host = self.host_slots.view(block.key[1], block.host_slot)
+            block.host.copy_(tensor)
+            return self.bytes_per_block
+        if mode in (SpillMode.HOST_INT8, SpillMode.HOST_INT4) and block.host_q is None:
+            quant = quantize_kv(tensor, 8 if mode is SpillMode.HOST_INT8 else 4, self.key_dim)
+            self.host_pool.reserve(ObjectKind.KV_BLOCK, quant.num_bytes)
+            block.host_q = quant
+            return quant.num_bytes
+        if mode is SpillMode.DISK_FULL and block.disk is None:
+            block.disk = self.spill.write("kv-" + "-".join(map(str, block.key)), tensor)
+            return self.bytes_per_block
+        if mode is SpillMode.DISK_INT8 and block.disk_q is None:
+            block.disk_q = write_quant(
+                self.spill, "kvq-" + "-".join(map(str, block.key)), quantize_kv(tensor, 8, self.key_dim)
+            )
+            return block.disk_q.num_bytes
+        return 0
+
+    def spill_cost_fits_host(self, mode: SpillMode) -> bool:
+        """Whether a host copy in `mode` fits the host budget now."""
+        if mode is SpillMode.HOST_FULL:
+            return self.host_pool.can_reserve(self.bytes_per_block)
+        bits = 4 if mode in (SpillMode.HOST_INT4, SpillMode.HOST_FULL_AND_INT4) else 8
+        quant_bytes = quant_kv_nbytes(self.block_shape, bits, self.key_dim)
+        if mode in (SpillMode.HOST_INT8, SpillMode.HOST_INT4):
+            return self.host_pool.can_reserve(quant_bytes)
+        if mode in (SpillMode.HOST_FULL_AND_INT8, SpillMode.HOST_FULL_AND_INT4):
+            return self.host_pool.can_reserve(self.bytes_per_block + quant_bytes)
+        return True
+
+    def _drop_copies(self, block: KVBlock, keep_device: bool) -> None:
+        if block.device is not None and not keep_device:
+            self._release_device(block)
+        if block.host is not None:
+            assert self.host_slots is not None and block.host_slot is not None
+            self.host_slots.give_back(block.key[1], block.host_slot)
+            self.host_pool.release(ObjectKind.KV_BLOCK, self.bytes_per_block)
+            block.host, block.host_slot = None, None
+        if block.host_q is not None:
+            self.host_pool.release(ObjectKind.KV_BLOCK, block.host_q.num_bytes)
+            block.host_q = None
+        if block.disk is not None:
+            self.spill.delete(block.disk)
+            block.disk = None
+        if block.disk_q is not None:
+            for record in block.disk_q.records:
+                self.spill.delete(record)
+            block.disk_q = None
