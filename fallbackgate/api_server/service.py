@@ -157,6 +157,13 @@ class EngineService:
             self._cancels[request_id] = why
         self._wakeup.set()
 
+    def stop_admitting(self) -> None:
+        """Refuse new requests from now on (the server is told to stop); in-flight ones keep being served, and
+        one ended from now on (its stream closed by the shutdown) counts as interrupted."""
+        with self._lock:
+            self._is_draining = True
+        self._wakeup.set()
+
     def drain(self, grace_s: float) -> str:
         """Stop admitting, let in-flight requests finish for `grace_s`, end the rest; returns the run status
         ("complete", "incomplete" when requests were interrupted, "failed" after an engine error)."""
@@ -223,6 +230,8 @@ class EngineService:
             self.recorder.on_request(output, prompt=sub.prompt, status="cancelled")
             self.recorder.forget(sub.request_id)
             self.num_cancelled += 1
+        if self._is_draining:  # ended during shutdown (the server closes the streams it waited for): the run is cut
+            self.num_interrupted += 1
         self.metrics.in_flight.dec()
         self.metrics.requests.labels(sub.request_class, outcome).inc()
         self._push(sub, reply)

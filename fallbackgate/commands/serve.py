@@ -22,6 +22,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from fallbackgate.assembly import Assembly, Overrides, assemble, no_policy
@@ -173,10 +174,24 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"fallbackgate serve: http://{args.host}:{args.port}/v1 (model {info.model_name!r}, run {run_id})", flush=True
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=int(args.grace_s) or None
     )
+    _serve_until_stopped(config, service.stop_admitting)
     return 0
+
+
+def _serve_until_stopped(config: Any, on_exit: Callable[[], None]) -> None:
+    """Run uvicorn; `on_exit` is called as soon as a stop signal arrives (before uvicorn waits for the open
+    connections and then closes the streams still open)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            on_exit()
+            super().handle_exit(sig, frame)
+
+    Server(config).run()
 
 
 def _start_audit_workers(args: argparse.Namespace, writer: LedgerWriter, run_id: int | None) -> list[subprocess.Popen]:
