@@ -209,7 +209,8 @@ def _errors(app: FastAPI) -> None:
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+        why = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        message = f"{where}: {why}" if where else why
         return JSONResponse(error_body(message, param=where, code="invalid_value"), status_code=400)
 
     @app.exception_handler(HTTPException)

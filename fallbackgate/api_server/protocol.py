@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_TOP_LOGPROBS = 20  # the most alternatives per position a request may ask for
@@ -28,7 +28,31 @@ DEFAULT_CHAT_TEMPLATE = (
 "assistant:"."""
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
-TokenIds = Annotated[list[int], Field(min_length=1)]
+
+
+def _listed(value: Any) -> Any:
+    """One string stands for a list of one."""
+    return [value] if isinstance(value, str) else value
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+
+
+def _prompts(value: Any) -> list[str | list[int]]:
+    """The four prompt forms as one list of prompts (texts or token-id lists), each non-empty."""
+    if isinstance(value, str) or _is_ids(value) and value:
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise ValueError("must be a string, a list of strings, a list of token ids or a list of token-id lists")
+    if len(value) > MAX_PROMPTS:
+        raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(value)}")
+    for index, prompt in enumerate(value):
+        if not (isinstance(prompt, str) or _is_ids(prompt)):
+            raise ValueError(f"prompt {index} is neither a string nor a list of token ids")
+        if not prompt:
+            raise ValueError(f"prompt {index} is empty")
+    return value
 
 
 class FallbackgateOptions(BaseModel):
@@ -47,7 +71,7 @@ class _Common(BaseModel):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
-    stop: NonEmptyText | Annotated[list[NonEmptyText], Field(max_length=MAX_STOPS)] | None = None
+    stop: Annotated[list[NonEmptyText], BeforeValidator(_listed), Field(max_length=MAX_STOPS)] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     n: Literal[1] = 1
@@ -66,18 +90,13 @@ class _Common(BaseModel):
     @property
     def stop_strings(self) -> tuple[str, ...]:
         """The stop strings as a tuple (none: empty)."""
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return tuple(self.stop or ())
 
 
 class CompletionRequest(_Common):
     """POST /v1/completions."""
 
-    prompt: (
-        NonEmptyText
-        | Annotated[list[NonEmptyText], Field(min_length=1, max_length=MAX_PROMPTS)]
-        | TokenIds
-        | (Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
-    )
+    prompt: Annotated[list[str | list[int]], BeforeValidator(_prompts)]  # one entry per prompt: text or token ids
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     best_of: Literal[1] | None = None
@@ -95,12 +114,7 @@ class CompletionRequest(_Common):
     @property
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: its text, or its token ids."""
-        prompt = self.prompt
-        if isinstance(prompt, str):
-            return [prompt]
-        if all(isinstance(x, int) for x in prompt):
-            return [list(prompt)]  # type: ignore[arg-type]
-        return list(prompt)  # type: ignore[arg-type]
+        return self.prompt
 
 
 class ChatMessage(BaseModel):

@@ -87,6 +87,7 @@ class Submission:
     queue: asyncio.Queue[Reply]  # what the engine loop hands back, in order
     stop_strings: StopStrings = dataclasses.field(default_factory=lambda: StopStrings(()))  # ends it when met
     deadline_s: float | None = None  # time.monotonic() past which it is ended as timed out (None: never)
+    is_streamed: bool = True  # its handler wants every Token; a whole response waits for Done or Failed only
     is_audited: bool = False  # chosen for audit at admission: only then are its full logits kept
     num_checked_chars: int = 0  # characters of its decoded output already searched for stop strings
 
@@ -248,7 +249,8 @@ class EngineService:
                 sub = self._pending[rid]
                 text = self._stopped_text(sub) if sub.stop_strings else None
                 if text is None:
-                    self._push(sub, Token(token))
+                    if sub.is_streamed:
+                        self._push(sub, Token(token))
                 else:  # a stop string: it ends here, as finished
                     del self._pending[rid]
                     self._finish(sub, self.engine.abort_request(rid), text)

@@ -106,6 +106,7 @@ class Responder:
                 asyncio.Queue(),
                 stop_strings=StopStrings(body.stop_strings),
                 deadline_s=deadline,
+                is_streamed=body.stream,
             )
             for i, p in enumerate(prompts)
         ]
@@ -152,13 +153,12 @@ class Responder:
                 while True:
                     try:
                         item = await asyncio.wait_for(sub.queue.get(), DISCONNECT_POLL_S)
-                    except TimeoutError:
+                    except TimeoutError:  # a whole response gets no Token replies: nothing comes until it ends
                         if await request.is_disconnected():
                             raise ApiError(499, GONE, code="cancelled") from None
                         continue
                     if isinstance(item, Failed):
-                        kind = "timeout" if item.code == "timeout" else None
-                        raise ApiError(item.status, item.message, code=item.code or kind)
+                        raise ApiError(item.status, item.message, code=item.code)
                     if isinstance(item, Done):
                         replies.append(item)
                         break

@@ -177,13 +177,13 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=int(args.grace_s) or None
     )
-    _serve_until_stopped(config, service.stop_admitting)
-    return 0
+    return 0 if _serve_until_stopped(config, service.stop_admitting) else 3
 
 
-def _serve_until_stopped(config: Any, on_exit: Callable[[], None]) -> None:
-    """Run uvicorn; `on_exit` is called as soon as a stop signal arrives (before uvicorn waits for the open
-    connections and then closes the streams still open)."""
+def _serve_until_stopped(config: Any, on_exit: Callable[[], None]) -> bool:
+    """Run uvicorn as ``uvicorn.run`` does (the stop signal it raises again at the end is swallowed); `on_exit`
+    is called as soon as a stop signal arrives, before uvicorn waits for the open connections and then closes
+    the streams still open. Returns whether the server started (uvicorn.run exits 3 when it did not)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -191,7 +191,12 @@ def _serve_until_stopped(config: Any, on_exit: Callable[[], None]) -> None:
             on_exit()
             super().handle_exit(sig, frame)
 
-    Server(config).run()
+    server = Server(config)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    return server.started
 
 
 def _start_audit_workers(args: argparse.Namespace, writer: LedgerWriter, run_id: int | None) -> list[subprocess.Popen]:
