@@ -10,7 +10,6 @@ import json
 import os
 import pathlib
 
-import jinja2
 import pytest
 
 from fallbackgate.api_server.protocol import DEFAULT_CHAT_TEMPLATE
@@ -89,13 +88,14 @@ def test_lm_eval_api_models_against_serve_equal_the_fallbackgate_model(tmp_path:
 def _check_chat_generations(chat: dict, ours) -> None:
     """Each chat generation is the engine's greedy continuation of the templated messages, cut at the first of
     the four stop strings local-chat-completions sends."""
-    template = jinja2.Template(DEFAULT_CHAT_TEMPLATE)
     samples = chat["samples"]["fg_names"]
     assert len(samples) == LIMIT
     for sample in samples:
-        prompt, gen_kwargs = sample["arguments"]["gen_args_0"]["arg_0"], sample["arguments"]["gen_args_0"]["arg_1"]
-        messages = json.loads(prompt)
-        text = template.render(messages=messages, add_generation_prompt=True)
+        ((chat_str, gen_kwargs),) = sample["arguments"]  # (the messages as JSON, lm-eval's generation kwargs)
+        messages = json.loads(chat_str.prompt if hasattr(chat_str, "prompt") else chat_str[0])
+        text = ours.tokenizer.apply_chat_template(
+            messages, chat_template=DEFAULT_CHAT_TEMPLATE, add_generation_prompt=True, tokenize=False
+        )
         params = SamplingParams(
             max_new_tokens=gen_kwargs["max_gen_toks"], temperature=0.0, stop_token_ids=(ours.tokenizer.eos_token_id,)
         )
