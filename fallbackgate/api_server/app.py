@@ -4,7 +4,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": tru
 events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Errors are OpenAI-shaped
 JSON (``{"error": {"message", "type", "param", "code"}}``); an unknown quality class is a 400 that lists
 the classes; a body over the limit is a 413 before it is read; a full admission queue is a 429 with
-``Retry-After``. Every response carries the request's ledger id, class and tag counts in ``fallbackgate``.
+``Retry-After``; a request past its time limit is a 504; with an API key, a /v1/ request without it is a
+401. Every response carries the request's ledger id, class and tag counts in ``fallbackgate``. What each
+request may ask is in :mod:`protocol`; how it is served, in :mod:`serving`.
 """
 
 from __future__ import annotations
