@@ -20,7 +20,7 @@ from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.engine.model.build import build_stores, fill_expert_tiers, probe_kv_shapes, resolve_device
 from fallbackgate.engine.model.loader import find_routers, load_checkpoint
 from fallbackgate.engine.model.runner import ModelRunner
-from fallbackgate.engine.sampler import sample, top_logprobs
+from fallbackgate.engine.sampler import rows_logprobs, sample, top_logprobs
 from fallbackgate.engine.scheduler import Scheduler
 from fallbackgate.engine.sequence import SamplingParams, Sequence, check_prompt
 from fallbackgate.engine.step_context import EventLog, ForwardBatch, StepUses, log_rebuilt
@@ -198,6 +198,7 @@ class Engine(BaselineAccess):
         owners: list[int] = []
         rows: list[int] = []
         scored: list[tuple[Sequence, int, int]] = []  # (sequence, prompt position, packed row) kept for scoring
+        prompt_rows: list[tuple[Sequence, int, int]] = []  # (sequence, prompt position, packed row): logprobs asked
         for index, (seq, num) in enumerate(chosen):
             start = seq.num_computed_tokens
             offset = len(token_ids)
@@ -207,6 +208,9 @@ class Engine(BaselineAccess):
                 rows.append(len(token_ids) - 1)
             kept = seq.scored_positions
             scored += [(seq, p, offset + p - start) for p in range(max(start, kept.start), min(start + num, kept.stop))]
+            if seq.params.num_prompt_logprobs is not None:
+                end = min(start + num, len(seq.prompt_token_ids) - 1)  # the last prompt position predicts an output
+                prompt_rows += [(seq, p, offset + p - start) for p in range(start, end)]
             log_rebuilt(
                 log,
                 seq.request_id,
@@ -222,14 +226,31 @@ class Engine(BaselineAccess):
             torch.tensor(owners),
             [s.request_class for s, _ in chosen],
         )
-        if not scored:
+        if not scored and not prompt_rows:
             return self.runner.forward(plan.step_id, batch, token_ids, rows, log, self.is_observe)
-        logits = self.runner.forward(
-            plan.step_id, batch, token_ids, rows + [r for _, _, r in scored], log, self.is_observe
-        )
+        extra = [r for _, _, r in scored] + [r for _, _, r in prompt_rows]
+        logits = self.runner.forward(plan.step_id, batch, token_ids, rows + extra, log, self.is_observe)
         for i, (seq, position, _) in enumerate(scored, start=len(rows)):
             seq.prompt_logits[position] = logits[i].detach().cpu()
+        self._keep_prompt_logprobs(prompt_rows, logits[len(rows) + len(scored) :])
         return logits[: len(rows)]
+
+    @staticmethod
+    def _keep_prompt_logprobs(prompt_rows: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> None:
+        """Each asked prompt position's log-probability of the token after it (and its top-k), from `logits`
+        [len(prompt_rows), vocab] in one log-softmax per request; the rows themselves are not kept."""
+        start = 0
+        while start < len(prompt_rows):
+            seq = prompt_rows[start][0]
+            stop = start
+            while stop < len(prompt_rows) and prompt_rows[stop][0] is seq:
+                stop += 1
+            positions = [p for _, p, _ in prompt_rows[start:stop]]
+            targets = [seq.prompt_token_ids[p + 1] for p in positions]
+            k = seq.params.num_prompt_logprobs or 0
+            for position, got in zip(positions, rows_logprobs(logits[start:stop], targets, k), strict=True):
+                seq.prompt_logprobs[position] = got
+            start = stop
 
     def _finish_step(
         self, plan: StepPlan, chosen: list[tuple[Sequence, int]], logits: torch.Tensor, log: EventLog, started: float
@@ -246,7 +267,7 @@ class Engine(BaselineAccess):
                 if seq.is_logits_kept:
                     kept[seq.request_id] = own[seq.request_id]
                 token = sampled[seq.request_id] = sample(logits[row], seq.params, seq.generator)
-                if seq.params.num_top_logprobs:  # computed now: the full row is not kept
+                if seq.params.num_top_logprobs is not None:  # computed now: the full row is not kept
                     seq.output_logprobs.append(top_logprobs(logits[row], token, seq.params.num_top_logprobs))
                 row += 1
         events = log.events()
@@ -322,6 +343,15 @@ class Engine(BaselineAccess):
         seq.finish_s, seq.modeled_finish_s = time.perf_counter(), self.modeled_clock_s
         return self._output(seq)
 
+    def abort_request(self, request_id: str) -> RequestOutput:
+        """End the unfinished request `request_id` now, between steps (its client went away, its time ran out):
+        it leaves the scheduler, every copy of its KV blocks is freed; returns what it had produced."""
+        output = self.partial_output(request_id)
+        seq = self.sequences.pop(request_id)
+        self.scheduler.abort(seq)
+        self.kv_store.free_sequence(request_id)
+        return output
+
     @staticmethod
     def _is_kept(seq: Sequence) -> bool:
         return seq.is_logits_kept or seq.has_off_device_kv
@@ -343,7 +373,8 @@ class Engine(BaselineAccess):
             dict(seq.tag_counts),
             seq.num_preemptions,
             seq.pop_prompt_logits(),
-            seq.output_logprobs if seq.params.num_top_logprobs else None,
+            seq.output_logprobs if seq.params.num_top_logprobs is not None else None,
+            seq.pop_prompt_logprobs(),
         )
 
     # --- memory pressure -----------------------------------------------------------------------

@@ -113,7 +113,9 @@ class RequestOutput:
     prompt_logits: torch.Tensor | None = None  # [num_scored_tokens, vocab] fp32 prefill logits at the last prompt
     # positions (row i at position len(prompt) - num_scored_tokens + i; the last row produced the first output
     # token); None unless scoring was requested
-    output_logprobs: list[TokenLogprobs] | None = None  # per output token, when SamplingParams.num_top_logprobs > 0
+    output_logprobs: list[TokenLogprobs] | None = None  # per output token, when SamplingParams.num_top_logprobs is set
+    prompt_logprobs: list[TokenLogprobs] | None = None  # per prompt token after the first, when
+    # SamplingParams.num_prompt_logprobs is set (row i: token i + 1 given tokens 0..i)
 
     @property
     def ttft_s(self) -> float:

@@ -26,3 +26,15 @@ def top_logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     logp = torch.log_softmax(logits.float(), dim=-1)
     values, ids = torch.topk(logp, min(k, logp.shape[-1]))
     return TokenLogprobs(token, float(logp[token]), tuple(ids.tolist()), tuple(values.tolist()))
+
+
+def rows_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """:func:`top_logprobs` of each row of fp32 `logits` [n, vocab] for its target, in one log-softmax (as
+    teacher-forced scoring computes them)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    picked = logp.gather(1, torch.tensor(targets, dtype=torch.long, device=logp.device)[:, None])[:, 0].tolist()
+    values, ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+    return [
+        TokenLogprobs(t, p, tuple(i), tuple(v))
+        for t, p, i, v in zip(targets, picked, ids.tolist(), values.tolist(), strict=True)
+    ]

@@ -246,6 +246,15 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         self.running.remove(seq)
 
+    def abort(self, seq: Sequence) -> None:
+        """Take an unfinished request out of whichever queue holds it (between steps)."""
+        for queue in (self.waiting, self.running, self.swapped):
+            for index, other in enumerate(queue):
+                if other is seq:
+                    del queue[index]
+                    break
+        seq.status = SequenceStatus.FINISHED
+
     def _plan(self, chosen: list[tuple[Sequence, int]], resumed: list[str], preempted_before: set[str]) -> StepPlan:
         kinds = {num == 1 and seq.num_computed_tokens >= len(seq.prompt_token_ids) for seq, num in chosen}
         kind = StepKind.DECODE if kinds == {True} else StepKind.PREFILL if kinds == {False} else StepKind.MIXED

@@ -37,7 +37,10 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus sampling mass
     seed: int | None = None  # per-request seed (seeded sampling)
     stop_token_ids: tuple[int, ...] = ()  # end generation on these tokens
-    num_top_logprobs: int = 0  # > 0: each output token's log-probability and the top-k, computed when sampled
+    num_top_logprobs: int | None = None  # k (>= 0): each output token's log-probability and the top-k, computed
+    # when sampled (the full row is not kept); None: none
+    num_prompt_logprobs: int | None = None  # k (>= 0): each prompt token after the first gets its log-probability
+    # and the top-k, computed at prefill from the position before it (the rows are not kept); None: none
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -46,8 +49,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.num_top_logprobs < 0:
-            raise ValueError(f"num_top_logprobs must be >= 0, got {self.num_top_logprobs}")
+        for name in ("num_top_logprobs", "num_prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0 or None, got {value}")
 
 
 @dataclasses.dataclass(slots=True)
@@ -63,7 +68,9 @@ class Sequence:
     is_logits_kept: bool = True  # False: output logits dropped at the end (only `output_logprobs`, when asked)
     has_off_device_kv: bool = False  # read a KV block that was not resident: its logits are kept (audit by risk)
     output_logits: list[torch.Tensor] = dataclasses.field(default_factory=list)  # kept rows, one per output token
-    output_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # when num_top_logprobs > 0
+    output_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # when num_top_logprobs is set
+    prompt_logprobs: dict[int, TokenLogprobs] = dataclasses.field(default_factory=dict)  # prompt position p -> the
+    # log-probability of the token at p + 1 (when num_prompt_logprobs is set; a re-prefill overwrites)
     num_computed_tokens: int = 0  # tokens whose KV is in the store
     num_recompute_tokens: int = 0  # tokens computed before a drop-preemption, to be rebuilt
     num_preemptions: int = 0
@@ -93,6 +100,14 @@ class Sequence:
         stacked = torch.stack([self.prompt_logits[p] for p in self.scored_positions])
         self.prompt_logits = {}
         return stacked
+
+    def pop_prompt_logprobs(self) -> list[TokenLogprobs] | None:
+        """The log-probabilities of prompt tokens 1.. in order (None unless asked), released from the sequence."""
+        if self.params.num_prompt_logprobs is None:
+            return None
+        kept, self.prompt_logprobs = self.prompt_logprobs, {}
+        positions = range(len(self.prompt_token_ids) - 1)
+        return [kept[p] for p in positions] if all(p in kept for p in positions) else None  # None: ended unfilled
 
     @property
     def scored_positions(self) -> range:

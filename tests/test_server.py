@@ -33,10 +33,10 @@ MODEL = "checkpoint"  # the bundled model's directory name, as /v1/models lists 
 class Server:
     """A `fallbackgate serve` subprocess."""
 
-    def __init__(self, ledger: str, *extra: str) -> None:
+    def __init__(self, ledger: str, *extra: str, policy: pathlib.Path = POLICY) -> None:
         self.port = free_port()
         self.ledger = ledger
-        cmd = [sys.executable, "-m", "fallbackgate", "serve", "--policy", str(POLICY), "--port", str(self.port)]
+        cmd = [sys.executable, "-m", "fallbackgate", "serve", "--policy", str(policy), "--port", str(self.port)]
         cmd += ["--ledger", ledger, "--grace-s", "20", *extra]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}

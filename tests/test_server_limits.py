@@ -150,3 +150,62 @@ def test_requests_still_running_at_shutdown_are_recorded_as_cancelled(tmp_path: 
     assert cancelled and all(r.num_output_tokens < 200 for r in cancelled)  # what each had produced by then
     assert all(len(r.token_ids) > r.num_output_tokens for r in cancelled)  # its prompt, then its output so far
     assert status == "incomplete"
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory: pytest.TempPathFactory):
+    ledger = str(tmp_path_factory.mktemp("guarded") / "ledger.sqlite")
+    srv = Server(ledger, "--api-key", "sesame", "--request-timeout-s", "3", "--audit-workers", "0")
+    yield srv
+    if srv.proc.poll() is None:
+        srv.stop()
+
+
+def _auth(key: str = "sesame") -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _metric(srv: Server, name: str) -> float:
+    text = httpx.get(f"{srv.base}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_api_key_is_required_on_v1_routes(guarded: Server) -> None:
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    for headers in ({}, _auth("wrong")):
+        reply = httpx.post(f"{guarded.base}/v1/completions", json=body, headers=headers, timeout=30)
+        assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key", reply.text
+    assert httpx.get(f"{guarded.base}/v1/models", timeout=30).status_code == 401
+    assert httpx.get(f"{guarded.base}/health", timeout=30).status_code == 200  # probes stay open
+    served = guarded.client().with_options(api_key="sesame").completions.create(**body)
+    assert served.usage.completion_tokens == 2
+
+
+def test_a_request_past_its_time_limit_ends_with_504(guarded: Server) -> None:
+    url = f"{guarded.base}/v1/completions"
+    started = time.monotonic()
+    body = {"model": MODEL, "prompt": "The king said", "max_tokens": 1000, "temperature": 0}
+    reply = httpx.post(url, json=body, headers=_auth(), timeout=120)
+    assert reply.status_code == 504 and reply.json()["error"]["code"] == "timeout", reply.text
+    assert 3.0 <= time.monotonic() - started < 30
+    asked = body | {"max_tokens": 1000, "fallbackgate": {"timeout_s": 0.5}}  # the body's own, shorter limit
+    started = time.monotonic()
+    assert httpx.post(url, json=asked, headers=_auth(), timeout=120).status_code == 504
+    assert time.monotonic() - started < 3.0
+
+
+def test_a_client_that_disconnects_ends_its_request_in_the_engine(guarded: Server) -> None:
+    url = f"{guarded.base}/v1/completions"
+    before = _metric(guarded, 'fallbackgate_requests_total{outcome="cancelled"')
+    stream = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "stream": True}
+    with httpx.stream("POST", url, json=stream, headers=_auth(), timeout=60) as reply:
+        assert next(line for line in reply.iter_lines() if line.startswith("data: "))
+    try:  # the whole-response kind: the client gives up after 0.5 s
+        httpx.post(url, json=stream | {"stream": False}, headers=_auth(), timeout=0.5)
+    except httpx.TimeoutException:
+        pass
+    deadline = time.monotonic() + 10
+    while _metric(guarded, 'fallbackgate_requests_total{outcome="cancelled"') < before + 2:
+        assert time.monotonic() < deadline, "the disconnected requests were not cancelled"
+        time.sleep(0.1)
+    assert _metric(guarded, "fallbackgate_requests_in_flight") == 0  # both left the engine, well before 3 s

@@ -4,13 +4,16 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": tru
 events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Errors are OpenAI-shaped
 JSON (``{"error": {"message", "type", "param", "code"}}``); an unknown quality class is a 400 that lists
 the classes; a body over the limit is a 413 before it is read; a full admission queue is a 429 with
-``Retry-After``. Every response carries the request's ledger id, class and tag counts in ``fallbackgate``.
+``Retry-After``; a request past its time limit is a 504; with an API key, a /v1/ request without it is a
+401. Every response carries the request's ledger id, class and tag counts in ``fallbackgate``. What each
+request may ask is in :mod:`protocol`; how it is served, in :mod:`serving`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -18,44 +21,20 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fallbackgate.api_server.protocol import (
-    DEFAULT_CHAT_TEMPLATE,
-    DEFAULT_MAX_TOKENS,
-    ChatRequest,
-    CompletionRequest,
-    chunk_body,
-    completion_body,
-    error_body,
-    new_id,
-)
-from fallbackgate.api_server.service import Done, EngineService, Failed, Overloaded, Submission, Unavailable
-from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.api_server.protocol import DEFAULT_CHAT_TEMPLATE, ChatRequest, CompletionRequest
+from fallbackgate.api_server.responses import error_body
+from fallbackgate.api_server.service import EngineService
+from fallbackgate.api_server.serving import ApiError, Prompt, Responder, Route
 
 CLASS_HEADER = "X-Fallbackgate-Class"
 
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413) before it is read
-
-
-class ApiError(Exception):
-    """An error the client gets as OpenAI-shaped JSON."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
 
 
 class BodyLimit:
@@ -102,6 +81,26 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+class ApiKey:
+    """ASGI middleware: a /v1/ request without ``Authorization: Bearer <key>`` gets 401 (``/health`` and
+    ``/metrics`` stay open)."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = "a valid API key is needed: send 'Authorization: Bearer <key>' (serve --api-key)"
+                body = json.dumps(error_body(message, code="invalid_api_key")).encode()
+                headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+                await send({"type": "http.response.start", "status": 401, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
 @dataclasses.dataclass(slots=True)
 class ServerInfo:
     """What the routes need besides the service."""
@@ -111,6 +110,8 @@ class ServerInfo:
     default_class: str  # a request naming no class gets this one
     on_shutdown: Callable[[], None]  # drains the engine and closes the run
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413 before they are read
+    request_timeout_s: float | None = None  # a request's time limit unless its body names a shorter one
+    api_key: str | None = None  # when set, /v1/ routes need "Authorization: Bearer <api_key>"
 
 
 def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
@@ -124,8 +125,11 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
 
     app = FastAPI(title="fallbackgate", lifespan=lifespan)
     app.add_middleware(BodyLimit, max_bytes=info.max_body_bytes)
+    if info.api_key is not None:
+        app.add_middleware(ApiKey, key=info.api_key)
     _errors(app)
     tokenizer = service.engine.tokenizer
+    responder = Responder(service)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -146,18 +150,29 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _serve(body, body.prompt, tokenizer.encode(body.prompt), False, request)
+        route = _route(body, request)
+        prompts = [_prompt(p, i) for i, p in enumerate(body.prompts)]
+        return await responder.serve(route, prompts, request)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Response:
+        route = _route(body, request)
         messages = [m.model_dump() for m in body.messages]
         template = getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
         text = tokenizer.apply_chat_template(
             messages, chat_template=template, add_generation_prompt=True, tokenize=False
         )
-        return await _serve(body, text, tokenizer.encode(text), True, request)
+        return await responder.serve(route, [Prompt(text, tokenizer.encode(text))], request)
 
-    async def _serve(body: Any, text: str, token_ids: list[int], is_chat: bool, request: Request) -> Response:
+    def _prompt(prompt: str | list[int], index: int) -> Prompt:
+        if isinstance(prompt, str):
+            return Prompt(prompt, tokenizer.encode(prompt))
+        vocab = int(service.engine.model_config.vocab_size)
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            raise ApiError(400, f"prompt {index}: token ids must be in [0, {vocab})", "prompt", "invalid_value")
+        return Prompt(tokenizer.decode(prompt), list(prompt))
+
+    def _route(body: CompletionRequest | ChatRequest, request: Request) -> Route:
         if body.model != info.model_name:
             raise ApiError(
                 404,
@@ -165,36 +180,9 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
                 "model",
                 "model_not_found",
             )
-        request_class = _class_of(body, request)
-        max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_MAX_TOKENS
-        stop = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
-        params = SamplingParams(
-            max_new_tokens=max_tokens, temperature=body.temperature, seed=body.seed, stop_token_ids=stop
-        )
-        rid = new_id("chatcmpl" if is_chat else "cmpl")
-        queue: asyncio.Queue = asyncio.Queue()
-        sub = Submission(rid, token_ids, params, request_class, text, asyncio.get_running_loop(), queue)
-        try:
-            service.submit(sub)
-        except Unavailable as exc:
-            raise ApiError(503, str(exc), code="unavailable") from None
-        except Overloaded as exc:
-            retry = {"Retry-After": str(exc.retry_after_s)}
-            raise ApiError(429, str(exc), code="too_many_requests", headers=retry) from None
-        if body.stream:
-            return StreamingResponse(_stream(sub, body.model, is_chat), media_type="text/event-stream")
-        while True:
-            item = await queue.get()
-            if isinstance(item, Failed):
-                raise ApiError(400 if "interrupted" not in item.message else 503, item.message)
-            if isinstance(item, Done):
-                output = item.output
-                content = tokenizer.decode(output.output_token_ids, skip_special_tokens=True)
-                extra = _extra(output, info.run_id)
-                num = (len(output.prompt_token_ids), len(output.output_token_ids))
-                return JSONResponse(
-                    completion_body(rid, body.model, content, item.finish_reason, extra, *num, is_chat)
-                )
+        asked = body.fallbackgate.timeout_s if body.fallbackgate is not None else None
+        limits = [t for t in (asked, info.request_timeout_s) if t is not None]
+        return Route(body, _class_of(body, request), info.run_id, min(limits) if limits else None)
 
     def _class_of(body: Any, request: Request) -> str:
         named = body.fallbackgate.request_class if body.fallbackgate is not None else None
@@ -209,40 +197,7 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
             )
         return named
 
-    async def _stream(sub: Submission, model: str, is_chat: bool) -> AsyncIterator[str]:
-        ids: list[int] = []
-        sent = ""
-        while True:
-            item = await sub.queue.get()
-            if isinstance(item, Failed):
-                yield f"data: {json.dumps(error_body(item.message))}\n\n"
-                break
-            ids = list(item.output.output_token_ids) if isinstance(item, Done) else [*ids, item.token_id]
-            text = tokenizer.decode(ids, skip_special_tokens=True)
-            delta, sent = (text[len(sent) :], text) if text.startswith(sent) else ("", sent)
-            if isinstance(item, Done):
-                if delta:
-                    yield f"data: {json.dumps(chunk_body(sub.request_id, model, delta, None, is_chat))}\n\n"
-                extra = _extra(item.output, info.run_id)
-                final = chunk_body(sub.request_id, model, "", item.finish_reason, is_chat, extra)
-                yield f"data: {json.dumps(final)}\n\n"
-                break
-            if delta:
-                yield f"data: {json.dumps(chunk_body(sub.request_id, model, delta, None, is_chat))}\n\n"
-        yield "data: [DONE]\n\n"
-
     return app
-
-
-def _extra(output: Any, run_id: int | None) -> dict[str, Any]:
-    return {
-        "request_id": output.request_id,
-        "run_id": run_id,
-        "class": output.request_class,
-        "tag_counts": dict(output.tag_counts),
-        "ttft_s": output.ttft_s,
-        "tpot_s": output.tpot_s,
-    }
 
 
 def _errors(app: FastAPI) -> None:
@@ -256,7 +211,8 @@ def _errors(app: FastAPI) -> None:
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+        why = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        message = f"{where}: {why}" if where else why
         return JSONResponse(error_body(message, param=where, code="invalid_value"), status_code=400)
 
     @app.exception_handler(HTTPException)

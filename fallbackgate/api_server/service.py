@@ -8,6 +8,11 @@ sampled tokens back to each handler's asyncio queue. Draining stops admissions, 
 finish for a grace period, then ends the rest as interrupted (recorded as cancelled requests: what they
 had produced) and marks the run incomplete. Admission is bounded: beyond ``max_num_seqs`` running and
 ``max_queued`` waiting requests a submission is refused (Overloaded) rather than queued.
+
+Between steps the loop also ends requests early, each leaving the engine with its KV freed: at the first
+occurrence of one of its stop strings (recorded as finished, its text cut before the stop), past its
+deadline (recorded as cancelled, the handler told "timeout") and when its handler cancels it because the
+client went away (recorded as cancelled).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from fallbackgate.api_server.metrics import ServerMetrics
+from fallbackgate.api_server.stops import StopStrings
 from fallbackgate.audit.auditor import AuditSampler
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import EngineError
@@ -52,14 +58,17 @@ class Done:
     """The request finished."""
 
     output: RequestOutput  # everything the engine produced for it
-    finish_reason: str  # "stop" (a stop token) or "length"
+    finish_reason: str  # "stop" (a stop token or string) or "length"
+    text: str | None = None  # the text cut before the stop string that ended it (None: decode every token)
 
 
 @dataclasses.dataclass(slots=True)
 class Failed:
     """The request ended without finishing."""
 
-    message: str  # why: refused, interrupted by shutdown, or the engine failed
+    message: str  # why: refused, interrupted by shutdown, timed out, cancelled, or the engine failed
+    status: int = 400  # the HTTP status it means: 400 refused, 503 interrupted, 504 timed out, 500 engine failed
+    code: str | None = None  # the OpenAI error code ("timeout", "cancelled", ...)
 
 
 Reply = Token | Done | Failed
@@ -76,7 +85,11 @@ class Submission:
     prompt: str  # the text as received (recorded)
     loop: asyncio.AbstractEventLoop  # the handler's event loop
     queue: asyncio.Queue[Reply]  # what the engine loop hands back, in order
+    stop_strings: StopStrings = dataclasses.field(default_factory=lambda: StopStrings(()))  # ends it when met
+    deadline_s: float | None = None  # time.monotonic() past which it is ended as timed out (None: never)
+    is_streamed: bool = True  # its handler wants every Token; a whole response waits for Done or Failed only
     is_audited: bool = False  # chosen for audit at admission: only then are its full logits kept
+    num_checked_chars: int = 0  # characters of its decoded output already searched for stop strings
 
 
 class EngineService:
@@ -101,6 +114,7 @@ class EngineService:
         self._lock = threading.Lock()
         self._wakeup = threading.Event()
         self._pending: dict[str, Submission] = {}
+        self._cancels: dict[str, str] = {}  # request id -> why its handler cancelled it (taken between steps)
         self.max_queued = max_queued  # requests waiting for a decode slot at most (beyond them: Overloaded)
         self._num_open = 0  # submitted and not yet answered (running, waiting, or in the inbox)
         self.num_cancelled = 0  # requests still running at shutdown, recorded as cancelled
@@ -118,23 +132,37 @@ class EngineService:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, submission: Submission) -> None:
-        """Queue a request for the loop (Unavailable while draining or after a failure; Overloaded when
-        `max_queued` requests already wait beyond the engine's `max_num_seqs` running ones)."""
+    def submit(self, *submissions: Submission) -> None:
+        """Queue requests for the loop, all or none (Unavailable while draining or after a failure; Overloaded
+        when `max_queued` requests already wait beyond the engine's `max_num_seqs` running ones)."""
         with self._lock:
             if self._is_draining:
                 raise Unavailable("the server is shutting down")
             if not self.is_alive:
                 raise Unavailable(f"the engine loop has stopped: {self.error}")
             running = self.engine.config.max_num_seqs
-            if self._num_open >= running + self.max_queued:
+            if self._num_open + len(submissions) > running + self.max_queued:
                 raise Overloaded(
                     f"the server is at capacity: {running} requests running and {self.max_queued} waiting "
                     "(--max-queued); retry later",
                     retry_after_s=1,
                 )
-            self._num_open += 1
-            self._inbox.append(submission)
+            self._num_open += len(submissions)
+            self._inbox += submissions
+        self._wakeup.set()
+
+    def cancel(self, request_id: str, why: str) -> None:
+        """End a request before it finishes (its client went away): between steps it leaves the engine, its KV
+        freed, and is recorded as cancelled. A request that already ended is left alone."""
+        with self._lock:
+            self._cancels[request_id] = why
+        self._wakeup.set()
+
+    def stop_admitting(self) -> None:
+        """Refuse new requests from now on (the server is told to stop); in-flight ones keep being served, and
+        one ended from now on (its stream closed by the shutdown) counts as interrupted."""
+        with self._lock:
+            self._is_draining = True
         self._wakeup.set()
 
     def drain(self, grace_s: float) -> str:
@@ -167,13 +195,18 @@ class EngineService:
         except BaseException as exc:  # noqa: BLE001 - every waiting handler gets the error; the run is failed
             self.error = exc
             for sub in list(self._pending.values()):
-                self._push(sub, Failed(f"engine failed: {exc}"))
+                self._push(sub, Failed(f"engine failed: {exc}", 500))
             self._pending.clear()
 
     def _admit(self) -> None:
         with self._lock:
             inbox, self._inbox = self._inbox, []
+            cancels, self._cancels = self._cancels, {}
+        now = time.monotonic()
         for sub in inbox:
+            if sub.request_id in cancels:
+                self._push(sub, Failed(cancels.pop(sub.request_id), 499, "cancelled"))
+                continue
             sub.is_audited = self.recorder is not None and self.sampler.draw()
             try:
                 self.engine.add_request(
@@ -184,6 +217,25 @@ class EngineService:
                 continue
             self._pending[sub.request_id] = sub
             self.metrics.in_flight.inc()
+        for rid, why in cancels.items():
+            if rid in self._pending:
+                self._end_early(self._pending[rid], Failed(why, 499, "cancelled"), "cancelled")
+        for sub in [s for s in self._pending.values() if s.deadline_s is not None and now > s.deadline_s]:
+            self._end_early(sub, Failed("timeout: the request ran past its time limit", 504, "timeout"), "timeout")
+
+    def _end_early(self, sub: Submission, reply: Failed, outcome: str) -> None:
+        """End an admitted request between steps, record it as cancelled and tell its handler `reply`."""
+        output = self.engine.abort_request(sub.request_id)
+        del self._pending[sub.request_id]
+        if self.recorder is not None:
+            self.recorder.on_request(output, prompt=sub.prompt, status="cancelled")
+            self.recorder.forget(sub.request_id)
+            self.num_cancelled += 1
+        if self._is_draining:  # ended during shutdown (the server closes the streams it waited for): the run is cut
+            self.num_interrupted += 1
+        self.metrics.in_flight.dec()
+        self.metrics.requests.labels(sub.request_class, outcome).inc()
+        self._push(sub, reply)
 
     def _step(self) -> None:
         result = self.engine.step()
@@ -194,13 +246,29 @@ class EngineService:
         self.metrics.on_step(result, self.engine, classes)
         for rid, token in result.sampled_token_ids.items():
             if rid in self._pending and rid not in result.finished_ids:
-                self._push(self._pending[rid], Token(token))
+                sub = self._pending[rid]
+                text = self._stopped_text(sub) if sub.stop_strings else None
+                if text is None:
+                    if sub.is_streamed:
+                        self._push(sub, Token(token))
+                else:  # a stop string: it ends here, as finished
+                    del self._pending[rid]
+                    self._finish(sub, self.engine.abort_request(rid), text)
         for rid in result.finished_ids:
             output = self.engine.finished.pop(rid)
             sub = self._pending.pop(rid)
-            self._finish(sub, output)
+            text = self._stopped_text(sub, output.output_token_ids) if sub.stop_strings else None
+            self._finish(sub, output, text)
 
-    def _finish(self, sub: Submission, output: RequestOutput) -> None:
+    def _stopped_text(self, sub: Submission, token_ids: list[int] | None = None) -> str | None:
+        """The output text cut before its first stop string, or None while no stop string has appeared."""
+        ids = token_ids if token_ids is not None else self.engine.sequences[sub.request_id].output_token_ids
+        text = self.engine.tokenizer.decode(ids, skip_special_tokens=True)
+        at = sub.stop_strings.first(text, sub.stop_strings.search_start(sub.num_checked_chars))
+        sub.num_checked_chars = len(text)
+        return None if at is None else text[:at]
+
+    def _finish(self, sub: Submission, output: RequestOutput, stopped_text: str | None = None) -> None:
         if self.recorder is not None:
             self.recorder.on_request(output, prompt=sub.prompt)
             if sub.is_audited:
@@ -210,7 +278,8 @@ class EngineService:
         self.metrics.in_flight.dec()
         self.metrics.on_finish(output, self.slos.get(sub.request_class), "ok")
         is_stop = bool(output.output_token_ids) and output.output_token_ids[-1] in sub.params.stop_token_ids
-        self._push(sub, Done(output, "stop" if is_stop else "length"))
+        is_stop = is_stop or stopped_text is not None
+        self._push(sub, Done(output, "stop" if is_stop else "length", stopped_text))
 
     def _interrupt_all(self) -> None:
         """Past the grace period: every request still running ends; its row records it as cancelled."""
@@ -219,7 +288,7 @@ class EngineService:
                 self.recorder.on_request(self.engine.partial_output(rid), prompt=sub.prompt, status="cancelled")
                 self.recorder.forget(rid)
                 self.num_cancelled += 1
-            self._push(sub, Failed("interrupted: the server shut down before this request finished"))
+            self._push(sub, Failed("interrupted: the server shut down before this request finished", 503))
             self.num_interrupted += 1
             self.metrics.requests.labels(sub.request_class, "interrupted").inc()
         self._pending.clear()

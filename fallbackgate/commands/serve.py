@@ -8,7 +8,9 @@ are left to an audit worker process started beside the server with the lowest CP
 accepting, let in-flight requests finish for ``--grace-s``, end the rest as interrupted (each recorded as a
 cancelled request with what it had produced; the run marked incomplete), flush the ledger, exit 0. Bodies
 over ``--max-body-mb`` get 413 before they are read; beyond ``--max-num-seqs`` running and ``--max-queued``
-waiting requests, new ones get 429 with ``Retry-After``.
+waiting requests, new ones get 429 with ``Retry-After``. ``--request-timeout-s`` ends a request running longer
+(504); a client that disconnects ends its request; ``--api-key`` (or ``$FALLBACKGATE_API_KEY``) closes the
+/v1/ routes to requests without ``Authorization: Bearer KEY``.
 
 Exit status: 0 after a clean shutdown, 2 for bad arguments, policy, model or ledger.
 """
@@ -20,6 +22,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from fallbackgate.assembly import Assembly, Overrides, assemble, no_policy
@@ -31,6 +34,7 @@ from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.apply import policy_from_args
 
 DEFAULT_AUDIT_RATE = 0.1  # without a policy file (a policy's audit.sample_rate otherwise)
+API_KEY_VAR = "FALLBACKGATE_API_KEY"  # the key, kept off the command line
 DEFAULT_MAX_QUEUED = 128  # requests waiting for a decode slot (each holds its prompt's token ids)
 
 
@@ -54,6 +58,17 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument(
         "--max-body-mb", type=float, default=1.0, help="largest request body; larger ones get 413 (default 1)"
+    )
+    p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=None,
+        help="a request still running this long after it arrived is ended (504; recorded as cancelled)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_VAR),
+        help=f"require 'Authorization: Bearer KEY' on /v1/ routes (default: ${API_KEY_VAR}; none: open)",
     )
     p.add_argument("--device-budget-mb", type=float, default=None)
     p.add_argument("--host-budget-mb", type=float, default=None)
@@ -84,6 +99,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-queued must be 0..1000000, got {args.max_queued}")
     if not 0.001 <= args.max_body_mb <= 1024:
         raise ValueError(f"--max-body-mb must be 0.001..1024, got {args.max_body_mb}")
+    if args.request_timeout_s is not None and not 0.0 < args.request_timeout_s <= 86_400.0:
+        raise ValueError(f"--request-timeout-s must be in (0, 86400], got {args.request_timeout_s}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key must not be empty")
 
 
 def _setup(args: argparse.Namespace) -> tuple[Assembly, LedgerWriter | None, float]:
@@ -150,15 +169,42 @@ def run(args: argparse.Namespace) -> int:
         )
 
     name = pathlib.Path(engine.config.model_dir).name
-    info = ServerInfo(name, run_id, built.classes.default, shutdown, max_body_bytes=int(args.max_body_mb * 2**20))
+    info = ServerInfo(
+        name,
+        run_id,
+        built.classes.default,
+        shutdown,
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        request_timeout_s=args.request_timeout_s,
+        api_key=args.api_key,
+    )
     app = build_app(service, info)
     print(
         f"fallbackgate serve: http://{args.host}:{args.port}/v1 (model {info.model_name!r}, run {run_id})", flush=True
     )
-    uvicorn.run(
+    config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=int(args.grace_s) or None
     )
-    return 0
+    return 0 if _serve_until_stopped(config, service.stop_admitting) else 3
+
+
+def _serve_until_stopped(config: Any, on_exit: Callable[[], None]) -> bool:
+    """Run uvicorn as ``uvicorn.run`` does (the stop signal it raises again at the end is swallowed); `on_exit`
+    is called as soon as a stop signal arrives, before uvicorn waits for the open connections and then closes
+    the streams still open. Returns whether the server started (uvicorn.run exits 3 when it did not)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            on_exit()
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    return server.started
 
 
 def _start_audit_workers(args: argparse.Namespace, writer: LedgerWriter, run_id: int | None) -> list[subprocess.Popen]:
