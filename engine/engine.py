@@ -14,6 +14,7 @@ from fallbackgate.engine.controller import Controller, ControllerView
 from fallbackgate.engine.errors import PromptError
 from fallbackgate.engine.experts.executor import Executor
 from fallbackgate.engine.experts.integrity import CopyVerifier
+from fallbackgate.engine.io import IOScheduler
 from fallbackgate.engine.kv import paged_attention
 from fallbackgate.engine.kv.store import KVBlockKey, SpillMode
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
@@ -60,7 +61,11 @@ class Engine(BaselineAccess):
         self._used_ids: set[str] = set()  # every id accepted, never reused (a str in a set: ~100 bytes each)
         self.scheduler = Scheduler(config, self.kv_store, self._make_room_for_kv, expert_floor, self._preempt)
         uses = StepUses()
-        self._view = LiveView(self.expert_store, self.kv_store, config.profile, self.sequences, self.scheduler, uses)
+        self.io = IOScheduler(num_workers=max(1, config.num_io_threads or 0))  # the disk's one queue (workers
+        # start on first use)
+        self._view = LiveView(
+            self.expert_store, self.kv_store, config.profile, self.sequences, self.scheduler, uses, self.io
+        )
         first = next(iter(loaded.experts_by_layer.values()))
         self.executor = Executor(
             self.expert_store,
@@ -139,6 +144,7 @@ class Engine(BaselineAccess):
         directory (the engine serves no more afterwards)."""
         self.expert_store.close()
         self.kv_store.spill.close()
+        self.io.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -185,6 +185,12 @@ class IOScheduler:
         return records
 
     # --- lifetime --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the workers now rather than on the first submission (so a timing does not include it)."""
+        with self._lock:
+            if not self._is_closed:
+                self._start_workers()
+
     def forget_file(self, path: str | os.PathLike[str]) -> None:
         """Close the descriptors kept for `path` (before it is removed or replaced)."""
         name = os.fspath(path)
