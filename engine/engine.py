@@ -157,12 +157,12 @@ class Engine(BaselineAccess):
         plan.is_observe = self.is_observe
         self.last_plan = plan
         self.controller.on_step_start(plan, self.view())
-        log = self._prepare(plan, chosen)
+        log = self._prepare(plan, chosen, started)
         logits = self._forward(plan, chosen, log)
         return self._finish_step(plan, chosen, logits, log, started)
 
-    def _prepare(self, plan: StepPlan, chosen: list[tuple[Sequence, int]]) -> EventLog:
-        log = EventLog(plan.step_id)
+    def _prepare(self, plan: StepPlan, chosen: list[tuple[Sequence, int]], started: float) -> EventLog:
+        log = EventLog(plan.step_id, started)
         log.modeled_transfer_s += self.executor.take_pending_modeled_s()
         for request_id, staged in self.scheduler.restored:
             log.add_transfer(
@@ -264,6 +264,7 @@ class Engine(BaselineAccess):
             self.expert_store.read_ahead.end_step(),
             self.verifier.verify_step(plan.step_id),
             log.kv_resident_reads,
+            list(log.kv_stagings.values()),
         )
 
     def _end_step(self, log: EventLog) -> None:

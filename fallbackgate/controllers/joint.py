@@ -74,6 +74,7 @@ class JointController(Controller):
         self.view: ControllerView | None = None  # the engine's view, read to size quantization errors
         self.kv_plan: dict[KVBlockKey, Decision] = {}  # late exact KV copies served otherwise this step
         self.arbitrations: list[Arbitration] = []  # every late exact KV copy and what was served
+        self.num_arbitrations_taken = 0  # how many of them take_arbitrations has handed out
         self.recomputing: set[str] = set()  # requests whose rebuild pass this step is already charged
 
     # --- per step --------------------------------------------------------------------------------
@@ -109,6 +110,12 @@ class JointController(Controller):
                         decided = arbitrate(self, block, budget, start, view)
                         if decided is not None:
                             self.arbitrations.append(decided)
+
+    def take_arbitrations(self) -> list[Arbitration]:
+        """The arbitrations decided since the last call (what a recorder writes to the ledger)."""
+        taken = self.arbitrations[self.num_arbitrations_taken :]
+        self.num_arbitrations_taken = len(self.arbitrations)
+        return taken
 
     def _load_s(self, view: ControllerView, key: ExpertKey) -> float:
         return sum(self.link.legs(view.bytes_per_expert, view.expert_home(key)).values())
