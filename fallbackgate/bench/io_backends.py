@@ -5,7 +5,9 @@ calling ``os.preadv`` against an ``O_DIRECT`` descriptor, or one thread driving 
 ``liburing`` package (skipped when it is not installed). Random aligned reads of 64 KiB and 1 MiB at queue
 depth 1, 4 and 16 against a scratch file on DIR's file system (written, fsynced and dropped from the page
 cache first); per point: reads/s, MB/s, median and p99 latency. The I/O scheduler
-(:mod:`fallbackgate.engine.io`) uses the threads: see the README for the numbers.
+(:mod:`fallbackgate.engine.io`) uses the threads: on this 2-core machine neither won consistently (two runs
+of 1.5 s per point: io_uring ahead at 64 KiB/QD 4 and 1 MiB/QD 4-16 in one, threads ahead at 64 KiB/QD 16
+and 1 MiB/QD 1 in the other), and threads need no extra package.
 """
 
 from __future__ import annotations
