@@ -108,14 +108,19 @@ def test_a_failed_transfer_fails_alone(scratch: tuple[pathlib.Path, bytes], tmp_
         past_end = io.submit_read(path, 4 * MIB - 100, 200, ObjectKind.EXPERT, "9:9", ["victim"])
         missing = io.submit_read(tmp_path / "absent.bin", 0, 4096, ObjectKind.EXPERT, "9:8", ["victim"])
         fine = io.submit_read(path, 0, 4096, ObjectKind.EXPERT, "0:0", ["bystander"])
-        with pytest.raises(IOSchedulerError, match=r"read of 200 bytes at 4194204 of .*data.bin: short read"):
+        short = r"read of 200 bytes at 4194204 of .*data.bin: ShortReadError: short read: 100 of 200"
+        with pytest.raises(IOSchedulerError, match=short):
             io.wait(past_end)
         with pytest.raises(IOSchedulerError, match="absent.bin"):
             io.wait(missing)
         assert bytes(io.wait(fine)) == content[:4096]
+        read_only = io.submit_read(path, 0, 4096, ObjectKind.EXPERT, "9:7", into=memoryview(bytes(4096)))
+        with pytest.raises(IOSchedulerError, match="TypeError"):  # a bad buffer fails its read, not the worker
+            io.wait(read_only)
+        assert bytes(io.wait(io.submit_read(path, 4096, 4096, ObjectKind.EXPERT, "0:1"))) == content[4096:8192]
         completed = io.take_completed()
-        assert {r.object_id for r in completed} == {"9:9", "9:8", "0:0"} and io.take_completed() == []
-        assert sum(1 for r in completed if r.error) == 2
+        assert {r.object_id for r in completed} == {"9:9", "9:8", "9:7", "0:0", "0:1"} and io.take_completed() == []
+        assert sum(1 for r in completed if r.error) == 3
         with pytest.raises(ValueError, match="into a buffer of 10"):
             io.submit_read(path, 0, 4096, ObjectKind.EXPERT, "0:0", into=bytearray(10))
         with pytest.raises(ValueError, match="must be positive"):

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from fallbackgate.engine.io.direct import ALIGN, open_direct
 from fallbackgate.engine.io.requests import IOEntry, IOOp, IORecord, IOSnapshot
-from fallbackgate.engine.io.transfer import Bounce, Buffer, ShortReadError, read_into, write_from
+from fallbackgate.engine.io.transfer import Bounce, Buffer, read_into, write_from
 from fallbackgate.engine.tags import ObjectKind
 
 
@@ -247,8 +247,8 @@ class IOScheduler:
                     is_aligned = r.offset % ALIGN == 0 and r.num_bytes % ALIGN == 0
                     fd, is_direct = self._fd(r.path, True, ticket.is_direct_wanted and is_aligned)
                     write_from(fd, is_direct, r, memoryview(ticket.buffer).cast("B"), bounce)
-            except (OSError, ValueError, ShortReadError) as exc:
-                ticket.record.error = str(exc) or type(exc).__name__
+            except Exception as exc:  # noqa: BLE001 - the fault stays with its transfer; the worker goes on
+                ticket.record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             self._finish(ticket)
 
     def _finish(self, ticket: Ticket) -> None:
