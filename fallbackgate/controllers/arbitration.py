@@ -5,8 +5,10 @@ step's link time competes with the step's expert loads; if the request's class a
 back to the option the measured profile predicts fastest among those that fit: ``recompute`` (the same
 math: the request's tokens from the block on run again; compute time) or ``kv_dequant`` from a quantized
 copy (the bytes it is stored in: int8 or packed int4 codes with their scales; its predicted quality cost
-against the request's budget). Otherwise the exact copy loads late and the slip is recorded. Every choice is
-kept with its reason.
+against the request's budget). Otherwise the exact copy loads late and the slip is recorded. An expert load
+that arrives late is arbitrated by the joint controller among its expert fallbacks
+(:func:`expert_arbitration` records it). Every choice is kept with every option weighed, its predicted
+arrival against the step's deadline, and its reason; the run recorder writes them to the ledger.
 """
 
 from __future__ import annotations
@@ -16,19 +18,20 @@ from typing import Protocol
 
 from fallbackgate.controllers.cost import CostModel
 from fallbackgate.controllers.link import LinkBudget
-from fallbackgate.engine.controller import ControllerView, Decision, KVBlockInfo
+from fallbackgate.engine.controller import ControllerView, Decision, ExpertMiss, KVBlockInfo
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.kv.block import KVBlockKey
-from fallbackgate.engine.tags import Tag, Tier
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.policy.budgets import RequestBudget
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ArbitrationOption:
-    """One way to serve a late exact KV copy, as the controller weighed it."""
+    """One way to serve a late object, as the controller weighed it."""
 
-    tag: Tag  # exact_load (late), recompute or kv_dequant
-    predicted_s: float  # predicted seconds of link (exact_load, kv_dequant) or CPU (recompute) it takes
+    tag: Tag  # exact_load (late); for a KV block recompute or kv_dequant; for an expert a fallback tag
+    predicted_s: float  # predicted seconds of link (loads, kv_dequant, expert_lowbit) or CPU (recompute,
+    # cpu_execute) it takes; 0 for expert_defer
     predicted_cost: float  # predicted quality cost in nats (0 for exact and equivalent tags)
     is_feasible: bool  # allowed by the request's class and fits the step's time and the quality budget
     note: str = ""  # why it is not feasible ("" when it is)
@@ -36,17 +39,19 @@ class ArbitrationOption:
 
 @dataclasses.dataclass(slots=True)
 class Arbitration:
-    """One late exact KV copy, the options, and what the controller served instead (or why it did not)."""
+    """One late object (an exact KV copy or an expert load), the options, and what the controller served
+    instead (or why it did not)."""
 
     step_id: int  # step of the decision
-    block_key: KVBlockKey  # (request id, layer, block index)
-    choice: Tag  # recompute, kv_dequant, or exact_load (late)
+    object_key: tuple[str, int, int]  # (request id, layer, KV block index or expert id)
+    choice: Tag  # the tag served: a fallback, or exact_load (late)
     reason: str  # predicted times and the deciding limit
     late: str = ""  # what was late: the exact copy's link time against the link time left
     options: tuple[ArbitrationOption, ...] = ()  # every option weighed, the chosen one among them
     deadline_s: float = 0.0  # the step's link time, seconds from the step's start
     predicted_arrival_s: float = 0.0  # when the choice was predicted usable, seconds from the step's start
     predicted_cost: float = 0.0  # predicted nats of the choice
+    object_kind: ObjectKind = ObjectKind.KV_BLOCK  # what was late
 
 
 class StepState(Protocol):
@@ -150,3 +155,27 @@ def _decided(
 ) -> Arbitration:
     deadline = ctrl.link.deadline_s
     return Arbitration(ctrl.step_id, block.key, choice, reason, late, tuple(options), deadline, arrival_s, cost)
+
+
+def expert_arbitration(
+    step_id: int,
+    miss: ExpertMiss,
+    link: LinkBudget,
+    late_s: float,
+    weighed: list[tuple[Tag, float, float, bool]],
+    chosen: tuple[Tag, float, float],
+    reason: str,
+) -> Arbitration:
+    """A late expert load's arbitration: the late load, every fallback weighed as (tag, predicted seconds,
+    predicted nats, feasible), and the choice as (tag, predicted nats, predicted arrival in seconds from the
+    step's start)."""
+    choice, cost, arrival_s = chosen
+    left_ms = 1e3 * max(0.0, link.left_s.get(Tier.HOST, 0.0))
+    late = f"expert load late ({1e3 * late_s:.3f} ms of link, {left_ms:.3f} ms left)"
+    options = [ArbitrationOption(Tag.EXACT_LOAD, late_s, 0.0, False, "arrives after the deadline")]
+    for tag, seconds, cost, is_feasible in weighed:
+        note = "" if is_feasible else "not allowed for the class or over the quality budget"
+        options.append(ArbitrationOption(tag, seconds, cost, is_feasible, note))
+    key = (miss.request_id, miss.layer, miss.expert_id)
+    deadline = link.deadline_s
+    return Arbitration(step_id, key, choice, reason, late, tuple(options), deadline, arrival_s, cost, ObjectKind.EXPERT)

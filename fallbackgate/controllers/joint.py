@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fallbackgate.controllers.arbitration import Arbitration, arbitrate
+from fallbackgate.controllers.arbitration import Arbitration, arbitrate, expert_arbitration
 from fallbackgate.controllers.base import Recency
 from fallbackgate.controllers.cost import CostModel, lowbit_error_energy
 from fallbackgate.controllers.joint_memory import rebalance
@@ -140,17 +140,54 @@ class JointController(Controller):
         self.link.release_s(Tier.HOST, reserve)
         if in_time:
             return self._load(miss, budget, "")
-        for tag, cost in self._expert_fallbacks(miss):
-            if budget.fits(tag, cost):
+        candidates = self._expert_fallbacks(miss)
+        feasible = [budget.fits(tag, cost) for tag, cost in candidates]  # before any of them is spent
+        late_s = sum(self.link.legs(miss.num_bytes, miss.home).values())
+        for (tag, cost), is_feasible in zip(candidates, feasible, strict=True):
+            if is_feasible:
                 budget.spend(tag, cost, True)
+                arrival = 0.0  # expert_defer: nothing arrives, the expert's share is skipped
                 if tag is Tag.EXPERT_LOWBIT:
                     self.link.take(self._lowbit_bytes(), Tier.HOST)
+                    arrival = self.link.used_s(Tier.HOST)
                 if tag is Tag.CPU_EXECUTE:  # the step's CPU experts run one after another: their times add up
                     self.cpu_left_s -= cpu_expert_s(self.link.profile, miss)
+                    arrival = self.link.deadline_s - self.cpu_left_s
+                self._note_late_expert(miss, late_s, candidates, feasible, tag, cost, "deadline", arrival)
                 return Decision(tag, cost, "deadline")
         reason = "slo slip: quality budget spent" if budget.is_spent else "slo slip: no allowed fallback fits"
         self.slips.append(Slip(self.step_id, miss.request_id, ObjectKind.EXPERT.value, reason))
-        return self._load(miss, budget, reason)
+        decision = self._load(miss, budget, reason)
+        arrival = self.link.used_s(miss.home)
+        self._note_late_expert(miss, late_s, candidates, feasible, Tag.EXACT_LOAD, 0.0, reason, arrival)
+        return decision
+
+    def _note_late_expert(
+        self,
+        miss: ExpertMiss,
+        late_s: float,
+        candidates: list[tuple[Tag, float]],
+        feasible: list[bool],
+        choice: Tag,
+        cost: float,
+        reason: str,
+        arrival_s: float,
+    ) -> None:
+        """Keep a late expert load's arbitration: the late load, every fallback weighed, the choice."""
+        if self.is_observe:  # observe serves exactly and decides nothing, as for KV copies
+            return
+        pairs = zip(candidates, feasible, strict=True)
+        weighed = [(tag, self._fallback_s(miss, tag), option_cost, ok) for (tag, option_cost), ok in pairs]
+        decided = expert_arbitration(self.step_id, miss, self.link, late_s, weighed, (choice, cost, arrival_s), reason)
+        self.arbitrations.append(decided)
+
+    def _fallback_s(self, miss: ExpertMiss, tag: Tag) -> float:
+        """Predicted seconds an expert fallback takes: CPU time, the low-bit copy's link time, or none."""
+        if tag is Tag.CPU_EXECUTE:
+            return cpu_expert_s(self.link.profile, miss)
+        if tag is Tag.EXPERT_LOWBIT:
+            return sum(self.link.legs(self._lowbit_bytes(), Tier.HOST).values())
+        return 0.0
 
     def _load(self, miss: ExpertMiss, budget: RequestBudget, reason: str) -> Decision:
         self.link.take(miss.num_bytes, miss.home)

@@ -11,23 +11,23 @@ from fallbackgate.engine.tags import ObjectKind
 
 
 def arbitration_rows(arbitrations: Sequence[Arbitration], result: StepResult) -> list[dict[str, Any]]:
-    """One ``arbitrations`` row (without ``run_id``) per decision of `result`'s step: its measured arrival is
-    when the engine had the block usable (``StepResult.kv_stagings``), the stall how far past the step's
-    deadline that was."""
+    """One ``arbitrations`` row (without ``run_id``) per decision of `result`'s step: a KV block's measured
+    arrival is when the engine had it usable (``StepResult.kv_stagings``), the stall how far past the step's
+    deadline that was; an expert's stay NULL (the expert path reports no per-expert arrival yet)."""
     ready = {(s.request_id, s.layer, s.block_index): s.ready_s for s in result.kv_stagings}
     rows = []
     for a in arbitrations:
         if a.step_id != result.step_id:
             raise ValueError(f"arbitration of step {a.step_id} recorded with step {result.step_id}")
-        request_id, layer, block_index = a.block_key
-        measured = ready.get(a.block_key)
+        request_id, layer, object_id = a.object_key
+        measured = ready.get(a.object_key) if a.object_kind is ObjectKind.KV_BLOCK else None
         rows.append(
             {
                 "step_id": a.step_id,
                 "request_id": request_id,
                 "layer": layer,
-                "object_kind": ObjectKind.KV_BLOCK.value,
-                "object_id": block_index,
+                "object_kind": a.object_kind.value,
+                "object_id": object_id,
                 "late": a.late,
                 "options": [
                     {
