@@ -91,7 +91,7 @@ def _disk_rows(profile: HardwareProfile) -> list[tuple[str, str]]:
     rows = [(f"disk reads ({'O_DIRECT' if table.is_direct else 'buffered'})", f"qd 1 | qd {deepest}")]
     for size in sorted({p.num_bytes for p in reads}):
         at = {p.queue_depth: p for p in reads if p.num_bytes == size}
-        cells = [f"{at[d].latency_s * 1e3:7.3f} ms {at[d].bytes_per_s / 1e9:5.2f} GB/s" for d in (1, deepest)]
+        cells = [f"{at[d].latency_s * 1e3:8.3f} ms {at[d].bytes_per_s / 1e6:7.1f} MB/s" for d in (1, deepest)]
         rows.append((f"  {size // 1024:>6d} KiB", " | ".join(cells)))
     return rows
 
