@@ -134,3 +134,14 @@ def test_profile_disk_only_measures_the_table_into_the_cached_profile(
     assert len(store.load_profile_file(store.cache_path()).disk.points) == 3 * 2 * 2
     with pytest.raises(SystemExit):
         main(["profile", "--disk-only", "--disk-dir", str(tmp_path / "absent")])
+
+
+def test_a_policy_disk_rate_replaces_the_measured_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fallbackgate.policy import loader
+    from fallbackgate.policy.schema import HardwareSpec, Policy
+
+    measured = dataclasses.replace(CPU_BOX, name="measured", disk=_table())
+    monkeypatch.setattr(loader, "resolve_profile", lambda name: measured)
+    assert loader.hardware_profile(Policy(hardware=HardwareSpec(device_flops=1e9))).disk == measured.disk
+    overridden = loader.hardware_profile(Policy(hardware=HardwareSpec(disk_to_host_bytes_per_s=1e6)))
+    assert overridden.disk is None and overridden.disk_read_s(MIB) == pytest.approx(MIB / 1e6)
