@@ -13,6 +13,7 @@ from typing import NamedTuple, Protocol
 
 from fallbackgate.engine.experts.reader import ExpertKey
 from fallbackgate.engine.hardware import HardwareProfile
+from fallbackgate.engine.io.requests import IOSnapshot
 from fallbackgate.engine.kv.block import KVBlockKey, SpillMode
 from fallbackgate.engine.messages import StepPlan
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
@@ -217,6 +218,11 @@ class ControllerView(Protocol):
     def kv_quant_error_energy(self, key: KVBlockKey) -> float | None:
         """Relative error energy ‖x − Q(x)‖² / ‖x‖² of the block's quantized copy, estimated from its group
         scales; None when it has no quantized copy in memory."""
+        ...
+
+    def io_snapshot(self) -> IOSnapshot:
+        """The disk's I/O queue now: transfers in flight and queued, their bytes, and the requests waiting on
+        them (every expert and KV read or write goes through the one scheduler)."""
         ...
 
 

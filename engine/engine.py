@@ -14,6 +14,7 @@ from fallbackgate.engine.controller import Controller, ControllerView
 from fallbackgate.engine.errors import PromptError
 from fallbackgate.engine.experts.executor import Executor
 from fallbackgate.engine.experts.integrity import CopyVerifier
+from fallbackgate.engine.io import IOScheduler
 from fallbackgate.engine.kv import paged_attention
 from fallbackgate.engine.kv.store import KVBlockKey, SpillMode
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
@@ -60,7 +61,11 @@ class Engine(BaselineAccess):
         self._used_ids: set[str] = set()  # every id accepted, never reused (a str in a set: ~100 bytes each)
         self.scheduler = Scheduler(config, self.kv_store, self._make_room_for_kv, expert_floor, self._preempt)
         uses = StepUses()
-        self._view = LiveView(self.expert_store, self.kv_store, config.profile, self.sequences, self.scheduler, uses)
+        self.io = IOScheduler(num_workers=max(1, config.num_io_threads or 0))  # the disk's one queue (workers
+        # start on first use)
+        self._view = LiveView(
+            self.expert_store, self.kv_store, config.profile, self.sequences, self.scheduler, uses, self.io
+        )
         first = next(iter(loaded.experts_by_layer.values()))
         self.executor = Executor(
             self.expert_store,
@@ -159,6 +164,7 @@ class Engine(BaselineAccess):
         directory (the engine serves no more afterwards)."""
         self.expert_store.close()
         self.kv_store.spill.close()
+        self.io.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -171,12 +177,12 @@ class Engine(BaselineAccess):
         plan.is_observe = self.is_observe
         self.last_plan = plan
         self.controller.on_step_start(plan, self.view())
-        log = self._prepare(plan, chosen)
+        log = self._prepare(plan, chosen, started)
         logits = self._forward(plan, chosen, log)
         return self._finish_step(plan, chosen, logits, log, started)
 
-    def _prepare(self, plan: StepPlan, chosen: list[tuple[Sequence, int]]) -> EventLog:
-        log = EventLog(plan.step_id)
+    def _prepare(self, plan: StepPlan, chosen: list[tuple[Sequence, int]], started: float) -> EventLog:
+        log = EventLog(plan.step_id, started)
         log.modeled_transfer_s += self.executor.take_pending_modeled_s()
         for request_id, staged in self.scheduler.restored:
             log.add_transfer(
@@ -299,6 +305,7 @@ class Engine(BaselineAccess):
             self.expert_store.read_ahead.end_step(),
             self.verifier.verify_step(plan.step_id),
             log.kv_resident_reads,
+            list(log.kv_stagings.values()),
         )
 
     def _end_step(self, log: EventLog) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from fallbackgate.engine.disk_model import DiskTable
 from fallbackgate.engine.tags import Tier
 
 
@@ -74,6 +75,8 @@ class HardwareProfile:
     machine: str = ""  # the machine key the measurement belongs to
     expert_curves: dict[str, ExpertCurve] = dataclasses.field(default_factory=dict)
     # per "cpu/<dtype>" or "device/<dtype>": measured expert-call time by token count
+    disk: DiskTable | None = None  # the disk's latency and bandwidth by size and queue depth (None: profiles
+    # measured before the table existed, and the what-ifs: the scalar disk rates stand in)
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -81,6 +84,9 @@ class HardwareProfile:
             if field.name == "expert_curves":
                 curves = {k: v if isinstance(v, ExpertCurve) else ExpertCurve(**v) for k, v in value.items()}
                 object.__setattr__(self, "expert_curves", curves)
+            elif field.name == "disk":
+                if isinstance(value, dict):
+                    object.__setattr__(self, "disk", DiskTable(**value))
             elif field.name in _MAY_BE_ZERO:
                 if not value >= 0:
                     raise ValueError(f"hardware profile field {field.name} must be >= 0, got {value}")
@@ -93,7 +99,7 @@ class HardwareProfile:
             return 0.0
         seconds = self.link_latency_s
         if source is Tier.DISK:
-            seconds += num_bytes / self.disk_to_host_bytes_per_s
+            seconds += self.disk_read_s(num_bytes)
             if target is Tier.DEVICE:
                 seconds += num_bytes / self.host_to_device_bytes_per_s
         elif source is Tier.HOST and target is Tier.DEVICE:
@@ -101,8 +107,23 @@ class HardwareProfile:
         elif source is Tier.DEVICE and target is Tier.HOST:
             seconds += num_bytes / self.device_to_host_bytes_per_s
         elif target is Tier.DISK:
-            seconds += num_bytes / self.host_to_disk_bytes_per_s
+            rate = self.host_to_disk_bytes_per_s
+            seconds += self.disk.write_s(num_bytes) if self.disk is not None else num_bytes / rate
         return seconds
+
+    def disk_read_s(self, num_bytes: int, queue_depth: int = 1) -> float:
+        """Predicted seconds from submission to arrival of one disk read of `num_bytes` that finds
+        `queue_depth` transfers (itself included) on the disk: the measured table, else the scalar rate."""
+        if self.disk is not None:
+            return self.disk.read_s(num_bytes, queue_depth)
+        return max(1, queue_depth) * num_bytes / self.disk_to_host_bytes_per_s
+
+    def disk_read_busy_s(self, num_bytes: int, queue_depth: int = 1) -> float:
+        """Seconds of disk time one read of `num_bytes` takes among `queue_depth` sharing the disk (what
+        queued reads add up to): its bytes over the measured rate at that depth, else the scalar rate."""
+        if self.disk is not None:
+            return self.disk.read_busy_s(num_bytes, queue_depth)
+        return num_bytes / self.disk_to_host_bytes_per_s
 
     def device_compute_s(self, flops: float) -> float:
         """Modeled seconds for `flops` of device work."""

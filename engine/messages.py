@@ -57,6 +57,18 @@ class Verification:
     note: str = ""  # what was wrong and what was done about it
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVStaging:
+    """When one off-device KV block a step read became usable, measured from the step's start."""
+
+    request_id: str  # owner
+    layer: int  # decoder layer
+    block_index: int  # index in the request's block table
+    tag: Tag  # how it was made usable: exact_load, kv_dequant or recompute
+    bytes_moved: int  # bytes read for it (0 for recompute)
+    ready_s: float  # seconds from the step's start until usable (a recompute: its rebuild pass ended)
+
+
 @dataclasses.dataclass(slots=True)
 class StepPlan:
     """What the scheduler decided to run in one step."""
@@ -91,6 +103,8 @@ class StepResult:
     verifications: list[Verification] = dataclasses.field(default_factory=list)  # sampled copies checked
     kv_resident_reads: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)  # request -> layer
     # -> KV blocks read on device (off-device reads are events: exact_load, kv_dequant, recompute)
+    kv_stagings: list[KVStaging] = dataclasses.field(default_factory=list)  # off-device KV blocks made usable,
+    # with when (what an arbitration's measured arrival is)
 
 
 @dataclasses.dataclass(slots=True)

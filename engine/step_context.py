@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Protocol
 
 import torch
 
 from fallbackgate.engine.hardware import HardwareProfile
-from fallbackgate.engine.messages import Event
+from fallbackgate.engine.messages import Event, KVStaging
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 _EventKey = tuple[str, int, ObjectKind, Tag, Tier | None, str, int, bool]
@@ -28,8 +29,10 @@ class ForwardBatch:
 class EventLog:
     """Aggregates actions into one Event per step × request × layer × kind × tag (× source, note)."""
 
-    def __init__(self, step_id: int) -> None:
+    def __init__(self, step_id: int, started_s: float | None = None) -> None:
         self.step_id = step_id
+        self.started_s = time.perf_counter() if started_s is None else started_s  # the step's start (perf_counter)
+        self.kv_stagings: dict[tuple[str, int, int], KVStaging] = {}  # off-device blocks made usable, with when
         self._events: dict[_EventKey, Event] = {}
         self.modeled_transfer_s = 0.0  # serialised link time of this step
         self.modeled_compute_s = 0.0  # device + CPU compute time of this step
@@ -107,6 +110,18 @@ class EventLog:
             object_id=object_id,
             bits=bits,
         )
+
+    def add_staging(self, key: tuple[str, int, int], tag: Tag, bytes_moved: int) -> None:
+        """Note that KV block `key` is usable now (served with `tag`)."""
+        ready = time.perf_counter() - self.started_s
+        self.kv_stagings[key] = KVStaging(key[0], key[1], key[2], tag, bytes_moved, ready)
+
+    def mark_rebuilt(self, request_id: str) -> None:
+        """The request's rebuild pass ended: its blocks staged for recompute are usable now."""
+        ready = time.perf_counter() - self.started_s
+        for key, staging in list(self.kv_stagings.items()):
+            if key[0] == request_id and staging.tag is Tag.RECOMPUTE:
+                self.kv_stagings[key] = dataclasses.replace(staging, ready_s=ready)
 
     def add_kv_reads(self, request_id: str, layer: int, count: int) -> None:
         """Record `count` KV blocks read where they live on device (counted, not one event each)."""

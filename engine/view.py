@@ -13,6 +13,7 @@ from fallbackgate.engine.experts.quant import lowbit_expert_nbytes
 from fallbackgate.engine.experts.reader import ExpertKey
 from fallbackgate.engine.experts.store import ExpertStore
 from fallbackgate.engine.hardware import HardwareProfile
+from fallbackgate.engine.io import EMPTY_SNAPSHOT, IOScheduler, IOSnapshot
 from fallbackgate.engine.kv.block import KVBlock, KVBlockKey
 from fallbackgate.engine.kv.codec import quant_kv_nbytes, relative_error_energy
 from fallbackgate.engine.kv.store import KVStore
@@ -41,7 +42,7 @@ class LiveView:
     """Controllers' read-only view of a running engine (see the module docstring); each query is documented
     on :class:`~fallbackgate.engine.controller.ControllerView`."""
 
-    __slots__ = ("_experts", "_kv", "_profile", "_scheduler", "_sequences", "_uses")
+    __slots__ = ("_experts", "_io", "_kv", "_profile", "_scheduler", "_sequences", "_uses")
 
     def __init__(
         self,
@@ -51,9 +52,14 @@ class LiveView:
         sequences: Mapping[str, Sequence],
         scheduler: Scheduler,
         uses: StepUses,
+        io: IOScheduler | None = None,
     ) -> None:
         self._experts, self._kv, self._profile = expert_store, kv_store, profile
         self._sequences, self._scheduler, self._uses = sequences, scheduler, uses
+        self._io = io
+
+    def io_snapshot(self) -> IOSnapshot:
+        return self._io.snapshot() if self._io is not None else EMPTY_SNAPSHOT
 
     @property
     def profile(self) -> HardwareProfile:

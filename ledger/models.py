@@ -290,3 +290,31 @@ class Calibration(Base):
     num_samples: Mapped[int] = mapped_column(Integer, default=0)
     run_ids: Mapped[list[int] | None] = mapped_column(JSON(none_as_null=True))
     __table_args__ = (Index("ix_calibrations_tag_layer", "tag", "layer", "fitted_at"),)
+
+
+class ArbitrationRow(Base):
+    """One dual-miss arbitration: what was late in a step, the options with their predicted time and quality
+    cost, the controller's choice, its predicted and measured arrival against the step's deadline, and the
+    quality cost the audit measured afterwards."""
+
+    __tablename__ = "arbitrations"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = _run_fk()
+    step_id: Mapped[int] = mapped_column(Integer)
+    request_id: Mapped[str] = mapped_column(String(128))  # the request whose object was late
+    layer: Mapped[int] = mapped_column(Integer)
+    object_kind: Mapped[str] = mapped_column(String(16))  # kv_block or expert
+    object_id: Mapped[int] = mapped_column(Integer)  # KV block index in the request's table, or expert id
+    late: Mapped[str] = mapped_column(Text)  # what was late: its predicted link time against the time left
+    options: Mapped[list[dict[str, Any]]] = mapped_column(JSON)  # [{tag, predicted_s, predicted_cost,
+    # is_feasible, note}]: every option weighed
+    choice: Mapped[str] = mapped_column(String(32))  # the tag served
+    reason: Mapped[str] = mapped_column(Text)  # the controller's reason
+    predicted_cost: Mapped[float] = mapped_column(Float)  # predicted nats of the choice
+    deadline_s: Mapped[float] = mapped_column(Float)  # the step's link time, seconds from its start
+    predicted_arrival_s: Mapped[float] = mapped_column(Float)  # when the choice was predicted usable
+    measured_arrival_s: Mapped[float | None] = mapped_column(Float)  # when it was usable (None: not staged)
+    stall_s: Mapped[float | None] = mapped_column(Float)  # measured arrival past the deadline (0: in time)
+    audited_cost: Mapped[float | None] = mapped_column(Float)  # KL the audit measured at the position the step
+    # sampled for the request (None until audited; shared with the step's other actions for that request)
+    __table_args__ = (Index("ix_arbitrations_run_step", "run_id", "step_id"),)

@@ -20,11 +20,13 @@ from sqlalchemy import delete, insert, update
 
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.engine.tags import Tag
+from fallbackgate.ledger.arbitration_queries import fill_audited_costs
 from fallbackgate.ledger.audit_queue import add_tasks, served_rows
 from fallbackgate.ledger.audit_rows import verdict_row
 from fallbackgate.ledger.db import Ledger, LedgerError, begin_write
 from fallbackgate.ledger.models import (
     RUN_STATUSES,
+    ArbitrationRow,
     Calibration,
     EventRow,
     Request,
@@ -123,6 +125,18 @@ class LedgerWriter:
             is_due = len(self._held) >= self.handoff_steps
         if is_due:
             self._handoff()
+
+    def record_arbitrations(self, rows: Sequence[Mapping[str, Any]], *, run_id: int | None = None) -> None:
+        """Record a step's arbitrations: rows with the ``arbitrations`` columns but ``run_id`` and ``id``
+        (see :func:`fallbackgate.recording.arbitrations.arbitration_rows`)."""
+        rid = self._run(run_id)
+        if rows:
+            self._put(RowsMessage(ArbitrationRow.__table__, [{**row, "run_id": rid} for row in rows]))
+
+    def fill_arbitration_costs(self, *, run_id: int | None = None) -> None:
+        """After the audit's diffs: each arbitration's audited cost, from the position its step sampled."""
+        rid = self._run(run_id)
+        self._put(OpMessage(lambda conn: fill_audited_costs(conn, rid)))
 
     def _take_held(self) -> list[Message]:
         with self._held_lock:

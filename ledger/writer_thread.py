@@ -20,6 +20,7 @@ from fallbackgate.ledger.audit_rows import diff_rows
 from fallbackgate.ledger.bulk import insert_rows
 from fallbackgate.ledger.db import Ledger, LedgerError, begin_write
 from fallbackgate.ledger.models import (
+    ArbitrationRow,
     Calibration,
     EventObjectsRow,
     EventRow,
@@ -39,6 +40,7 @@ _TABLE_ORDER: tuple[Table, ...] = tuple(
     for m in (
         Step,
         StepRequest,
+        ArbitrationRow,
         EventRow,
         EventObjectsRow,
         VerificationRow,

@@ -9,6 +9,7 @@ from types import MappingProxyType
 
 from fallbackgate.engine.controller import KVBlockInfo
 from fallbackgate.engine.hardware import HardwareProfile
+from fallbackgate.engine.io import EMPTY_SNAPSHOT, IOSnapshot
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 ExpertKey = tuple[int, int]
@@ -47,6 +48,7 @@ class StaticView:
     staged_kv_tags: Mapping[KVBlockKey, Tag] = dataclasses.field(default_factory=_frozen)
     quant_error_energies: Mapping[KVBlockKey, float] = dataclasses.field(default_factory=_frozen)
     quantized_copy_bytes: Mapping[tuple[ObjectKind, int], int] = dataclasses.field(default_factory=_frozen)
+    io: IOSnapshot = EMPTY_SNAPSHOT
 
     def __post_init__(self) -> None:
         names = ("request_classes", "device_bytes_by_kind", "expert_homes", "kv_tokens", "staged_kv_tags")
@@ -88,3 +90,6 @@ class StaticView:
 
     def kv_quant_error_energy(self, key: KVBlockKey) -> float | None:
         return self.quant_error_energies.get(key)
+
+    def io_snapshot(self) -> IOSnapshot:
+        return self.io

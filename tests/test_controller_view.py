@@ -3,6 +3,7 @@ snapshots only, served by a live engine and by plain data alike."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import pathlib
 import random
@@ -27,6 +28,7 @@ from fallbackgate.engine.controller import (
 )
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.hardware import CPU_BOX, HardwareProfile
+from fallbackgate.engine.io import IOOp
 from fallbackgate.engine.messages import StepKind, StepPlan
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
@@ -36,7 +38,7 @@ from tests.test_engine_exact import sizes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MEMBERS = {name for name in vars(ControllerView) if not name.startswith("_")}
-PLAIN = (int, float, str, bool, type(None), Tier, Tag, ObjectKind, HardwareProfile)
+PLAIN = (int, float, str, bool, type(None), Tier, Tag, ObjectKind, IOOp, HardwareProfile)
 
 
 def _queries_made_by_controllers() -> set[str]:
@@ -52,7 +54,10 @@ def _immutable_parts(value: Any, where: str) -> Iterator[str]:
     """Names of every part of `value` that is not a plain value or an immutable collection of them."""
     if isinstance(value, PLAIN):
         return
-    if isinstance(value, tuple):  # tuples and NamedTuple snapshots
+    if dataclasses.is_dataclass(value) and type(value).__dataclass_params__.frozen:  # the I/O queue's snapshot
+        for field in dataclasses.fields(value):
+            yield from _immutable_parts(getattr(value, field.name), f"{where}.{field.name}")
+    elif isinstance(value, tuple):  # tuples and NamedTuple snapshots
         for i, item in enumerate(value):
             yield from _immutable_parts(item, f"{where}[{i}]")
     elif isinstance(value, MappingProxyType):
@@ -88,6 +93,7 @@ class ViewProbe(Controller):
             "device_kv_blocks": blocks,
             "staged_kv_tag": [view.staged_kv_tag(k) for k in view.used_kv_block_keys],
             "kv_quant_error_energy": [view.kv_quant_error_energy(b.key) for b in blocks],
+            "io_snapshot": view.io_snapshot(),
         }
         assert set(answers) == MEMBERS
         self.num_device_blocks += len(blocks)

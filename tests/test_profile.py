@@ -70,7 +70,7 @@ def test_measured_profile_is_measured_once_then_cached(tmp_path: pathlib.Path, m
     monkeypatch.setenv(store.ENV_CACHE, str(tmp_path))
     calls = []
 
-    def fake_measure(quiet: bool = False) -> tuple[HardwareProfile, dict]:
+    def fake_measure(*args: object, **kwargs: object) -> tuple[HardwareProfile, dict]:
         calls.append(1)
         return dataclasses.replace(CPU_BOX, name="measured", is_measured=True, machine=store.machine_key()), {}
 

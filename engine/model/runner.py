@@ -138,6 +138,7 @@ class ModelRunner:
             bits=plan.quant_bits if staged.tag is Tag.KV_DEQUANT else 0,
         )
         self.executor.uses.used_kv_block_keys.append(block.key)
+        log.add_staging(block.key, staged.tag, staged.bytes_moved)
 
     # --- per-layer staging -----------------------------------------------------------------------
     def layer_update(
@@ -213,6 +214,7 @@ class ModelRunner:
             self.forward(step_id, batch, token_ids, [], log, is_observe=is_observe)
         finally:
             log.is_rebuild_pass = False
+        log.mark_rebuilt(seq.request_id)
 
     def _stage(self, block: KVBlock, tag: Tag) -> Staged:
         """Stage `block` after making device room for it (never by spilling this step's blocks)."""

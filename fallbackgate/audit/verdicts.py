@@ -7,6 +7,7 @@ from typing import Any
 from sqlalchemy import Connection, insert, update
 
 from fallbackgate.audit.gate import RequestVerdict, RunVerdict
+from fallbackgate.ledger.arbitration_queries import fill_audited_costs
 from fallbackgate.ledger.audit_rows import verdict_row
 from fallbackgate.ledger.models import Request, VerdictRow
 from fallbackgate.ledger.writer import LedgerWriter
@@ -25,7 +26,9 @@ def _located(v: RequestVerdict) -> dict[str, Any]:
 
 
 def record_verdicts(writer: LedgerWriter, verdict: RunVerdict) -> None:
-    """Write every request's verdict and the run's verdict into the ledger (queued on `writer`)."""
+    """Write every request's verdict and the run's verdict into the ledger (queued on `writer`), and each
+    arbitration's audited cost (the diffs are written by now)."""
+    writer.fill_arbitration_costs(run_id=verdict.run_id)
     for v in verdict.requests:
         writer.record_verdict(v.request_id, v.passed, v.reason, **_located(v), run_id=verdict.run_id)
     writer.record_verdict(None, verdict.passed, "; ".join(verdict.reasons) or "ok", run_id=verdict.run_id)
@@ -33,7 +36,8 @@ def record_verdicts(writer: LedgerWriter, verdict: RunVerdict) -> None:
 
 def write_verdicts(conn: Connection, verdict: RunVerdict) -> None:
     """Insert every request's verdict and the run's, and mark each request pass/fail, inside `conn`'s
-    transaction (what an audit worker commits together with its task)."""
+    transaction (what an audit worker commits together with its task), and each arbitration's audited cost."""
+    fill_audited_costs(conn, verdict.run_id)
     rows = [verdict_row(verdict.run_id, v.request_id, v.passed, v.reason, **_located(v)) for v in verdict.requests]
     rows.append(verdict_row(verdict.run_id, None, verdict.passed, "; ".join(verdict.reasons) or "ok"))
     conn.execute(insert(VerdictRow.__table__), rows)

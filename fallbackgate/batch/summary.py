@@ -62,5 +62,7 @@ def print_slips(controller: Controller, out: TextIO) -> None:
         )
     arbitrations = getattr(controller, "arbitrations", [])
     if arbitrations:
-        choices = Counter(a.choice.value for a in arbitrations)
-        print(f"late exact KV copies arbitrated against expert loads: {len(arbitrations)} {dict(choices)}", file=out)
+        for kind in ("kv_block", "expert"):
+            choices = Counter(a.choice.value for a in arbitrations if getattr(a, "object_kind", kind) == kind)
+            if choices:
+                print(f"late {kind} arbitrations: {sum(choices.values())} {dict(choices)}", file=out)

@@ -5,8 +5,10 @@ step's link time competes with the step's expert loads; if the request's class a
 back to the option the measured profile predicts fastest among those that fit: ``recompute`` (the same
 math: the request's tokens from the block on run again; compute time) or ``kv_dequant`` from a quantized
 copy (the bytes it is stored in: int8 or packed int4 codes with their scales; its predicted quality cost
-against the request's budget). Otherwise the exact copy loads late and the slip is recorded. Every choice is
-kept with its reason.
+against the request's budget). Otherwise the exact copy loads late and the slip is recorded. An expert load
+that arrives late is arbitrated by the joint controller among its expert fallbacks
+(:func:`expert_arbitration` records it). Every choice is kept with every option weighed, its predicted
+arrival against the step's deadline, and its reason; the run recorder writes them to the ledger.
 """
 
 from __future__ import annotations
@@ -16,21 +18,40 @@ from typing import Protocol
 
 from fallbackgate.controllers.cost import CostModel
 from fallbackgate.controllers.link import LinkBudget
-from fallbackgate.engine.controller import ControllerView, Decision, KVBlockInfo
+from fallbackgate.engine.controller import ControllerView, Decision, ExpertMiss, KVBlockInfo
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.kv.block import KVBlockKey
-from fallbackgate.engine.tags import Tag, Tier
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.policy.budgets import RequestBudget
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArbitrationOption:
+    """One way to serve a late object, as the controller weighed it."""
+
+    tag: Tag  # exact_load (late); for a KV block recompute or kv_dequant; for an expert a fallback tag
+    predicted_s: float  # predicted seconds of link (loads, kv_dequant, expert_lowbit) or CPU (recompute,
+    # cpu_execute) it takes; 0 for expert_defer
+    predicted_cost: float  # predicted quality cost in nats (0 for exact and equivalent tags)
+    is_feasible: bool  # allowed by the request's class and fits the step's time and the quality budget
+    note: str = ""  # why it is not feasible ("" when it is)
 
 
 @dataclasses.dataclass(slots=True)
 class Arbitration:
-    """One late exact KV copy and what the controller served instead (or why it did not)."""
+    """One late object (an exact KV copy or an expert load), the options, and what the controller served
+    instead (or why it did not)."""
 
     step_id: int  # step of the decision
-    block_key: KVBlockKey  # (request id, layer, block index)
-    choice: Tag  # recompute, kv_dequant, or exact_load (late)
+    object_key: tuple[str, int, int]  # (request id, layer, KV block index or expert id)
+    choice: Tag  # the tag served: a fallback, or exact_load (late)
     reason: str  # predicted times and the deciding limit
+    late: str = ""  # what was late: the exact copy's link time against the link time left
+    options: tuple[ArbitrationOption, ...] = ()  # every option weighed, the chosen one among them
+    deadline_s: float = 0.0  # the step's link time, seconds from the step's start
+    predicted_arrival_s: float = 0.0  # when the choice was predicted usable, seconds from the step's start
+    predicted_cost: float = 0.0  # predicted nats of the choice
+    object_kind: ObjectKind = ObjectKind.KV_BLOCK  # what was late
 
 
 class StepState(Protocol):
@@ -68,30 +89,93 @@ def arbitrate(
     if link.fits(block_bytes, source):
         link.take(block_bytes, source)
         return None
-    load_ms = 1e3 * sum(link.legs(block_bytes, source).values())
+    load_s = sum(link.legs(block_bytes, source).values())
     left_ms = 1e3 * max(0.0, link.left_s.get(Tier.HOST, 0.0))
-    late = f"exact copy late ({load_ms:.3f} ms of link, {left_ms:.3f} ms left)"
-    options: list[tuple[float, Tag, float]] = []  # (predicted seconds, tag, predicted nats)
-    tags = budget.limits.allowed_tags
-    if Tag.RECOMPUTE.value in tags:  # one rebuild pass per request covers all its late blocks: charged once
-        is_charged = block.key[0] in ctrl.recomputing
-        seconds = recompute_s(link.profile, view, max(1, start - block.key[2] * view.block_size), ctrl.top_k)
-        if is_charged or seconds <= ctrl.cpu_left_s:
-            options.append((0.0 if is_charged else seconds, Tag.RECOMPUTE, 0.0))
-    if block.quant_tier is not None and Tag.KV_DEQUANT.value in tags:
-        quant_source, quant_bytes = block.quant_tier, block.quant_bytes
-        cost = ctrl.cost.kv_cost(block.key[1], ctrl.kv_error_energy(block.key, block.quant_bits))
-        if link.fits(quant_bytes, quant_source) and budget.fits(Tag.KV_DEQUANT, cost):
-            options.append((sum(link.legs(quant_bytes, quant_source).values()), Tag.KV_DEQUANT, cost))
-    if not options:
+    late = f"exact copy late ({1e3 * load_s:.3f} ms of link, {left_ms:.3f} ms left)"
+    options = [ArbitrationOption(Tag.EXACT_LOAD, load_s, 0.0, False, "arrives after the deadline")]
+    options += [_recompute_option(ctrl, block, budget, start, view), _dequant_option(ctrl, block, budget)]
+    feasible = [o for o in options if o.is_feasible]
+    if not feasible:
         link.take(block_bytes, source)
-        return Arbitration(ctrl.step_id, block.key, Tag.EXACT_LOAD, f"{late}; no allowed fallback fits: slo slip")
-    seconds, tag, cost = min(options, key=lambda o: (o[0], o[2]))
-    if tag is Tag.RECOMPUTE:
-        ctrl.cpu_left_s -= seconds
+        reason = f"{late}; no allowed fallback fits: slo slip"
+        return _decided(ctrl, block, Tag.EXACT_LOAD, reason, late, options, link.used_s(source), 0.0)
+    chosen = min(feasible, key=lambda o: (o.predicted_s, o.predicted_cost))
+    if chosen.tag is Tag.RECOMPUTE:
+        ctrl.cpu_left_s -= chosen.predicted_s
         ctrl.recomputing.add(block.key[0])
+        arrival = link.deadline_s - ctrl.cpu_left_s
     else:
         link.take(block.quant_bytes, block.quant_tier)
-    budget.spend(tag, cost, False)  # spent when planned, so the next late block sees what is left
-    ctrl.kv_plan[block.key] = Decision(tag, cost, f"{late}; {tag.value} predicted {1e3 * seconds:.3f} ms")
-    return Arbitration(ctrl.step_id, block.key, tag, ctrl.kv_plan[block.key].reason)
+        arrival = link.used_s(block.quant_tier)
+    budget.spend(chosen.tag, chosen.predicted_cost, False)  # spent when planned: the next late block sees the rest
+    reason = f"{late}; {chosen.tag.value} predicted {1e3 * chosen.predicted_s:.3f} ms"
+    ctrl.kv_plan[block.key] = Decision(chosen.tag, chosen.predicted_cost, reason)
+    return _decided(ctrl, block, chosen.tag, reason, late, options, arrival, chosen.predicted_cost)
+
+
+def _recompute_option(
+    ctrl: StepState, block: KVBlockInfo, budget: RequestBudget, start: int, view: ControllerView
+) -> ArbitrationOption:
+    """Rebuild from tokens: one pass per request covers all its late blocks, so it is charged once."""
+    is_charged = block.key[0] in ctrl.recomputing
+    seconds = recompute_s(ctrl.link.profile, view, max(1, start - block.key[2] * view.block_size), ctrl.top_k)
+    seconds = 0.0 if is_charged else seconds
+    if Tag.RECOMPUTE.value not in budget.limits.allowed_tags:
+        return ArbitrationOption(Tag.RECOMPUTE, seconds, 0.0, False, "not allowed for the class")
+    if not is_charged and seconds > ctrl.cpu_left_s:
+        return ArbitrationOption(Tag.RECOMPUTE, seconds, 0.0, False, "past the step's CPU time")
+    return ArbitrationOption(Tag.RECOMPUTE, seconds, 0.0, True)
+
+
+def _dequant_option(ctrl: StepState, block: KVBlockInfo, budget: RequestBudget) -> ArbitrationOption:
+    """Read the quantized copy: its bytes on its link, its predicted cost against the budget."""
+    if block.quant_tier is None:
+        return ArbitrationOption(Tag.KV_DEQUANT, 0.0, 0.0, False, "no quantized copy")
+    link, quant_bytes = ctrl.link, block.quant_bytes
+    seconds = sum(link.legs(quant_bytes, block.quant_tier).values())
+    cost = ctrl.cost.kv_cost(block.key[1], ctrl.kv_error_energy(block.key, block.quant_bits))
+    if Tag.KV_DEQUANT.value not in budget.limits.allowed_tags:
+        return ArbitrationOption(Tag.KV_DEQUANT, seconds, cost, False, "not allowed for the class")
+    if not link.fits(quant_bytes, block.quant_tier):
+        return ArbitrationOption(Tag.KV_DEQUANT, seconds, cost, False, "arrives after the deadline")
+    if not budget.fits(Tag.KV_DEQUANT, cost):
+        return ArbitrationOption(Tag.KV_DEQUANT, seconds, cost, False, "over the quality budget")
+    return ArbitrationOption(Tag.KV_DEQUANT, seconds, cost, True)
+
+
+def _decided(
+    ctrl: StepState,
+    block: KVBlockInfo,
+    choice: Tag,
+    reason: str,
+    late: str,
+    options: list[ArbitrationOption],
+    arrival_s: float,
+    cost: float,
+) -> Arbitration:
+    deadline = ctrl.link.deadline_s
+    return Arbitration(ctrl.step_id, block.key, choice, reason, late, tuple(options), deadline, arrival_s, cost)
+
+
+def expert_arbitration(
+    step_id: int,
+    miss: ExpertMiss,
+    link: LinkBudget,
+    late_s: float,
+    weighed: list[tuple[Tag, float, float, bool]],
+    chosen: tuple[Tag, float, float],
+    reason: str,
+) -> Arbitration:
+    """A late expert load's arbitration: the late load, every fallback weighed as (tag, predicted seconds,
+    predicted nats, feasible), and the choice as (tag, predicted nats, predicted arrival in seconds from the
+    step's start)."""
+    choice, cost, arrival_s = chosen
+    left_ms = 1e3 * max(0.0, link.left_s.get(Tier.HOST, 0.0))
+    late = f"expert load late ({1e3 * late_s:.3f} ms of link, {left_ms:.3f} ms left)"
+    options = [ArbitrationOption(Tag.EXACT_LOAD, late_s, 0.0, False, "arrives after the deadline")]
+    for tag, seconds, cost, is_feasible in weighed:
+        note = "" if is_feasible else "not allowed for the class or over the quality budget"
+        options.append(ArbitrationOption(tag, seconds, cost, is_feasible, note))
+    key = (miss.request_id, miss.layer, miss.expert_id)
+    deadline = link.deadline_s
+    return Arbitration(step_id, key, choice, reason, late, tuple(options), deadline, arrival_s, cost, ObjectKind.EXPERT)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from fallbackgate.controllers.arbitration import Arbitration, arbitrate
+from fallbackgate.controllers.arbitration import Arbitration, arbitrate, expert_arbitration
 from fallbackgate.controllers.base import Recency
 from fallbackgate.controllers.cost import CostModel, lowbit_error_energy
 from fallbackgate.controllers.joint_memory import rebalance
@@ -74,6 +74,7 @@ class JointController(Controller):
         self.view: ControllerView | None = None  # the engine's view, read to size quantization errors
         self.kv_plan: dict[KVBlockKey, Decision] = {}  # late exact KV copies served otherwise this step
         self.arbitrations: list[Arbitration] = []  # every late exact KV copy and what was served
+        self.num_arbitrations_taken = 0  # how many of them take_arbitrations has handed out
         self.recomputing: set[str] = set()  # requests whose rebuild pass this step is already charged
 
     # --- per step --------------------------------------------------------------------------------
@@ -82,7 +83,7 @@ class JointController(Controller):
         self.step_id, self.is_observe = plan.step_id, plan.is_observe
         self.loading.clear()
         deadline = step_deadline_s(self.policy, plan, view)
-        self.link.reset(deadline)
+        self.link.reset(deadline, view.io_snapshot())
         self.cpu_left_s = deadline
         base = view.num_layers * self.top_k
         for rid in plan.request_ids:
@@ -110,6 +111,12 @@ class JointController(Controller):
                         if decided is not None:
                             self.arbitrations.append(decided)
 
+    def take_arbitrations(self) -> list[Arbitration]:
+        """The arbitrations decided since the last call (what a recorder writes to the ledger)."""
+        taken = self.arbitrations[self.num_arbitrations_taken :]
+        self.num_arbitrations_taken = len(self.arbitrations)
+        return taken
+
     def _load_s(self, view: ControllerView, key: ExpertKey) -> float:
         return sum(self.link.legs(view.bytes_per_expert, view.expert_home(key)).values())
 
@@ -133,17 +140,54 @@ class JointController(Controller):
         self.link.release_s(Tier.HOST, reserve)
         if in_time:
             return self._load(miss, budget, "")
-        for tag, cost in self._expert_fallbacks(miss):
-            if budget.fits(tag, cost):
+        candidates = self._expert_fallbacks(miss)
+        feasible = [budget.fits(tag, cost) for tag, cost in candidates]  # before any of them is spent
+        late_s = sum(self.link.legs(miss.num_bytes, miss.home).values())
+        for (tag, cost), is_feasible in zip(candidates, feasible, strict=True):
+            if is_feasible:
                 budget.spend(tag, cost, True)
+                arrival = 0.0  # expert_defer: nothing arrives, the expert's share is skipped
                 if tag is Tag.EXPERT_LOWBIT:
                     self.link.take(self._lowbit_bytes(), Tier.HOST)
+                    arrival = self.link.used_s(Tier.HOST)
                 if tag is Tag.CPU_EXECUTE:  # the step's CPU experts run one after another: their times add up
                     self.cpu_left_s -= cpu_expert_s(self.link.profile, miss)
+                    arrival = self.link.deadline_s - self.cpu_left_s
+                self._note_late_expert(miss, late_s, candidates, feasible, tag, cost, "deadline", arrival)
                 return Decision(tag, cost, "deadline")
         reason = "slo slip: quality budget spent" if budget.is_spent else "slo slip: no allowed fallback fits"
         self.slips.append(Slip(self.step_id, miss.request_id, ObjectKind.EXPERT.value, reason))
-        return self._load(miss, budget, reason)
+        decision = self._load(miss, budget, reason)
+        arrival = self.link.used_s(miss.home)
+        self._note_late_expert(miss, late_s, candidates, feasible, Tag.EXACT_LOAD, 0.0, reason, arrival)
+        return decision
+
+    def _note_late_expert(
+        self,
+        miss: ExpertMiss,
+        late_s: float,
+        candidates: list[tuple[Tag, float]],
+        feasible: list[bool],
+        choice: Tag,
+        cost: float,
+        reason: str,
+        arrival_s: float,
+    ) -> None:
+        """Keep a late expert load's arbitration: the late load, every fallback weighed, the choice."""
+        if self.is_observe:  # observe serves exactly and decides nothing, as for KV copies
+            return
+        pairs = zip(candidates, feasible, strict=True)
+        weighed = [(tag, self._fallback_s(miss, tag), option_cost, ok) for (tag, option_cost), ok in pairs]
+        decided = expert_arbitration(self.step_id, miss, self.link, late_s, weighed, (choice, cost, arrival_s), reason)
+        self.arbitrations.append(decided)
+
+    def _fallback_s(self, miss: ExpertMiss, tag: Tag) -> float:
+        """Predicted seconds an expert fallback takes: CPU time, the low-bit copy's link time, or none."""
+        if tag is Tag.CPU_EXECUTE:
+            return cpu_expert_s(self.link.profile, miss)
+        if tag is Tag.EXPERT_LOWBIT:
+            return sum(self.link.legs(self._lowbit_bytes(), Tier.HOST).values())
+        return 0.0
 
     def _load(self, miss: ExpertMiss, budget: RequestBudget, reason: str) -> Decision:
         self.link.take(miss.num_bytes, miss.home)

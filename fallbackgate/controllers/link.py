@@ -1,10 +1,16 @@
-"""One step's link time: transfers queue on the link of their tier pair and must arrive by the deadline."""
+"""One step's link time: transfers queue on the link of their tier pair and must arrive by the deadline.
+
+A disk read's time comes from the measured disk table (``HardwareProfile.disk``) at the queue depth it will
+meet: the transfers already on the engine's I/O queue when the step starts, plus the step's disk reads
+queued before it, up to the scheduler's transfers in flight at once.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
 from fallbackgate.engine.hardware import HardwareProfile
+from fallbackgate.engine.io import IOSnapshot
 from fallbackgate.engine.tags import Tier
 
 
@@ -18,11 +24,22 @@ class LinkBudget:
     profile: HardwareProfile
     deadline_s: float = 0.0
     left_s: dict[Tier, float] = dataclasses.field(default_factory=dict)
+    disk_depth_at_start: int = 0  # transfers on the I/O queue when the step started
+    disk_max_depth: int = 1  # transfers the I/O scheduler keeps in flight at once
+    num_disk_queued: int = 0  # disk reads this step has queued so far
 
-    def reset(self, deadline_s: float) -> None:
-        """Open a new step with `deadline_s` of link time on every link."""
+    def reset(self, deadline_s: float, io: IOSnapshot | None = None) -> None:
+        """Open a new step with `deadline_s` of link time on every link, behind the I/O queue `io`."""
         self.deadline_s = deadline_s
         self.left_s = {Tier.HOST: deadline_s, Tier.DISK: deadline_s}
+        self.disk_depth_at_start = io.depth if io is not None else 0
+        self.disk_max_depth = max(1, io.num_workers) if io is not None else 1
+        self.num_disk_queued = 0
+
+    @property
+    def disk_queue_depth(self) -> int:
+        """The queue depth the next disk read meets (itself included)."""
+        return min(self.disk_max_depth, self.disk_depth_at_start + self.num_disk_queued + 1)
 
     def legs(self, num_bytes: int, source: Tier | None) -> dict[Tier, float]:
         """Seconds `num_bytes` from `source` occupy each link (empty when nothing moves)."""
@@ -31,8 +48,12 @@ class LinkBudget:
         p = self.profile
         pcie = p.link_latency_s + num_bytes / p.host_to_device_bytes_per_s
         if source is Tier.DISK:
-            return {Tier.DISK: num_bytes / p.disk_to_host_bytes_per_s, Tier.HOST: pcie}
+            return {Tier.DISK: p.disk_read_busy_s(num_bytes, self.disk_queue_depth), Tier.HOST: pcie}
         return {Tier.HOST: pcie}
+
+    def disk_arrival_s(self, num_bytes: int) -> float:
+        """Predicted seconds from submission to arrival of the next disk read of `num_bytes`."""
+        return self.profile.disk_read_s(num_bytes, self.disk_queue_depth)
 
     def fits(self, num_bytes: int, source: Tier | None) -> bool:
         """Whether the transfer can still arrive before the deadline."""
@@ -42,6 +63,14 @@ class LinkBudget:
         """Queue the transfer (the link may go negative: a slipped deadline)."""
         for tier, seconds in self.legs(num_bytes, source).items():
             self.left_s[tier] = self.left_s.get(tier, 0.0) - seconds
+        if source is Tier.DISK and num_bytes > 0:
+            self.num_disk_queued += 1
+
+    def used_s(self, source: Tier | None) -> float:
+        """Link seconds queued so far this step on the links `source` uses (the latest of them): when a
+        transfer queued now would start arriving."""
+        tiers = [Tier.DISK, Tier.HOST] if source is Tier.DISK else [Tier.HOST]
+        return max(self.deadline_s - self.left_s.get(t, self.deadline_s) for t in tiers)
 
     def reserve_s(self, tier: Tier, seconds: float) -> None:
         """Hold `seconds` of one link back for later, higher-priority transfers."""

@@ -110,9 +110,12 @@ def loads_policy(text: str, source: str = "<policy>") -> Policy:
 
 
 def hardware_profile(policy: Policy) -> HardwareProfile:
-    """The policy's hardware profile: the named shipped profile with its overrides applied."""
+    """The policy's hardware profile: the named shipped profile with its overrides applied (a disk rate set
+    by the policy replaces the measured disk table, so that it is what predictions use)."""
     base = resolve_profile(policy.hardware.profile)
-    overrides = policy.hardware.overrides()
+    overrides: dict[str, object] = dict(policy.hardware.overrides())
     if not overrides:
         return base
+    if {"disk_to_host_bytes_per_s", "host_to_disk_bytes_per_s"} & set(overrides):
+        overrides["disk"] = None
     return dataclasses.replace(base, name=f"{base.name}+policy", **overrides)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 
+from fallbackgate.engine.disk_model import DiskTable
 from fallbackgate.engine.hardware import ExpertCurve, HardwareProfile
 from fallbackgate.profiling.measure import ExpertTiming
 from fallbackgate.profiling.names import MEASURED
@@ -83,11 +84,13 @@ def build_profile(
     num_moe_layers: int,
     bundled_expert_s: float,
     engine_steps: tuple[float, float, int, int, int] | None = None,
+    disk: DiskTable | None = None,
 ) -> HardwareProfile:
     """The measured profile; its scalar expert rates are `dtype`'s. `links` holds the four measured link
     rates by field name; a decoder layer's fixed dense cost is the bundled model's batch-1 decode step less
     the two routed experts of each MoE layer, per layer. `engine_steps` (the engine's decode step at batch 1
-    and 6, see ``measure_engine_steps``) gives the engine's own cost per step and per request."""
+    and 6, see ``measure_engine_steps``) gives the engine's own cost per step and per request; `disk` is the
+    disk's measured table (:mod:`fallbackgate.profiling.disk`)."""
     cpu, device = rooflines[f"cpu/{dtype}"], rooflines[f"device/{dtype}"]
     layer_s = max((decode_step_s - 2 * num_moe_layers * bundled_expert_s) / num_layers, 0.0)
     step_s = request_s = 0.0
@@ -117,4 +120,5 @@ def build_profile(
         measured_at=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         machine=machine,
         expert_curves=curves,
+        disk=disk,
     )

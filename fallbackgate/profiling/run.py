@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from fallbackgate.engine.hardware import HardwareProfile
+from fallbackgate.profiling.disk import disk_grid, measure_disk_table
 from fallbackgate.profiling.fit import build_profile, curve_errors, fit_curve, fit_errors, fit_roofline, group_timings
 from fallbackgate.profiling.machine import machine_key
 from fallbackgate.profiling.measure import (
@@ -28,13 +29,20 @@ COPY_BYTES = 128 * MIB
 
 
 def measure_machine(
-    disk_dir: pathlib.Path | None = None, dtype: torch.dtype = torch.bfloat16, quiet: bool = False
+    disk_dir: pathlib.Path | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    quiet: bool = False,
+    is_quick: bool = False,
 ) -> tuple[HardwareProfile, dict[str, Any]]:
-    """Measure every rate of the profile; returns it with the raw measurements (and the fit's errors)."""
+    """Measure every rate of the profile; returns it with the raw measurements (and the fit's errors).
+    `disk_dir` is the spill directory whose file system is measured (default: the temporary directory, where
+    the engine spills when given none); `is_quick` measures the disk on the smaller grid."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    bar = tqdm(total=5, desc="profile", disable=quiet, unit="part")
+    bar = tqdm(total=6, desc="profile", disable=quiet, unit="part")
     disk_dir = disk_dir or pathlib.Path(tempfile.gettempdir())
     write_rate, read_rate = measure_disk(disk_dir, DISK_BYTES)
+    bar.update()
+    disk_table = measure_disk_table(disk_dir, *disk_grid(is_quick))
     bar.update()
     to_device, to_host = measure_copies(device, COPY_BYTES)
     bar.update()
@@ -76,6 +84,7 @@ def measure_machine(
         num_moe_layers,
         bundled[0].seconds,
         engine_steps,
+        disk_table,
     )
     errors = {
         key: {"roofline": fit_errors(fits[key], group), "curve": curve_errors(curves[key], group)}

@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import sys
+import tempfile
 from typing import Any
 
 from fallbackgate.engine.hardware import HardwareProfile, get_profile
@@ -57,8 +58,11 @@ def load_profile_file(path: pathlib.Path) -> HardwareProfile:
         raise ProfileFileError(f"{path}: not a fallbackgate hardware profile ({exc})") from None
 
 
-def measured_profile(refresh: bool = False, quiet: bool = False) -> HardwareProfile:
-    """This machine's measured profile: ``$FALLBACKGATE_PROFILE``, else the cache, else measured now."""
+def measured_profile(
+    refresh: bool = False, quiet: bool = False, disk_dir: pathlib.Path | None = None, is_quick: bool = False
+) -> HardwareProfile:
+    """This machine's measured profile: ``$FALLBACKGATE_PROFILE``, else the cache, else measured now (the disk
+    of `disk_dir`, on the quick grid when `is_quick`)."""
     pinned = os.environ.get(ENV_PROFILE)
     if pinned and not refresh:
         return load_profile_file(pathlib.Path(pinned))
@@ -73,9 +77,27 @@ def measured_profile(refresh: bool = False, quiet: bool = False) -> HardwareProf
     if not quiet:
         note = f"measuring this machine once (cached in {path}; `fallbackgate profile --refresh` redoes it)"
         print(note, file=sys.stderr)
-    profile, raw = measure_machine(quiet=quiet)
+    profile, raw = measure_machine(disk_dir, quiet=quiet, is_quick=is_quick)
     save_profile(path, profile, raw)
     return profile
+
+
+def remeasure_disk(
+    profile: HardwareProfile, path: pathlib.Path, disk_dir: pathlib.Path | None = None, is_quick: bool = False
+) -> HardwareProfile:
+    """`profile` with its disk table measured again (on `disk_dir`'s file system), saved to `path` with the
+    raw measurements `path` already held."""
+    from fallbackgate.profiling.disk import disk_grid, measure_disk_table
+
+    disk_dir = disk_dir or pathlib.Path(tempfile.gettempdir())
+    table = measure_disk_table(disk_dir, *disk_grid(is_quick))
+    updated = dataclasses.replace(profile, disk=table)
+    try:
+        raw = json.loads(path.read_text()).get("raw", {}) if path.is_file() else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        raw = {}
+    save_profile(path, updated, raw)
+    return updated
 
 
 def resolve_profile(name: str) -> HardwareProfile:

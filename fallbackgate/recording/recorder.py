@@ -31,6 +31,7 @@ from fallbackgate.ledger import audit_queries
 from fallbackgate.ledger.db import LedgerError
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.schema import AuditMode
+from fallbackgate.recording.arbitrations import arbitration_rows
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -99,8 +100,12 @@ class RunRecorder:
 
     # --- while serving --------------------------------------------------------------------------
     def on_step(self, plan: StepPlan, result: StepResult) -> None:
-        """Record one engine step and its events."""
+        """Record one engine step, its events and its controller's arbitrations (with measured arrival)."""
         self.writer.record_step(plan, result)
+        take = getattr(self.engine.controller, "take_arbitrations", None)
+        decided = take() if take is not None else []
+        if decided:
+            self.writer.record_arbitrations(arbitration_rows(decided, result))
 
     def on_request(self, output: RequestOutput, prompt: str | None = None, status: str = "finished") -> None:
         """Record a request that ended with ``status`` ("finished"; "cancelled": what it had produced when the
