@@ -1,6 +1,6 @@
 """Does joint prediction add information? Three predictors over the trace's own accesses, scored by wrongly
-predicted bytes (predicted, not used; and the estimated share of those a prefetcher would fetch), covered miss bytes (predicted and recorded as a miss) and the stall
-those covered bytes would have saved on each device model.
+predicted bytes (predicted, not used), the estimated share of those a prefetcher would have fetched, covered
+miss bytes (predicted and recorded as a miss) and the link time that nets out on each device model.
 
 - router: for a request's token at layer l+1, the top-k experts by co-occurrence with its layer-l experts,
   learned online from the trace so far (no look-ahead);
