@@ -42,7 +42,7 @@ def router_predictions(experts: pd.DataFrame, num_layers: int, num_experts: int,
             if scores.any():
                 guess = np.argsort(-scores, kind="stable")[: min(top_k, int((scores > 0).sum()))]
                 num_predicted += len(guess)
-                num_correct += int(np.isin(guess, used).sum())
+                num_correct += len(set(guess.tolist()) & set(used.tolist()))
             counts[source_layer][np.ix_(used_before, used)] += 1
         previous = (*here, used)
     return num_predicted, num_correct

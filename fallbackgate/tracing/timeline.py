@@ -64,8 +64,12 @@ class Timeline:
         }
 
 
-def _codes(series: pd.Series, categories: list[str]) -> np.ndarray:
-    return pd.Categorical(series.astype(str), categories=categories).codes.astype(np.int64)
+def _codes(series: pd.Series, names: list[str]) -> np.ndarray:
+    """Each value's index in ``names`` (which holds every value)."""
+    categorical = series.astype("category")
+    index = {name: i for i, name in enumerate(names)}
+    mapping = np.array([index[str(c)] for c in categorical.cat.categories] + [-1], dtype=np.int64)
+    return mapping[categorical.cat.codes.to_numpy()]
 
 
 def build_timeline(trace: Trace) -> Timeline:
@@ -90,10 +94,12 @@ def build_timeline(trace: Trace) -> Timeline:
     num_layers = int(max(kv["layer"].max() if len(kv) else 0, model.get("num_layers", 1))) + 1
     kv_req = _codes(kv["request"], names)
     kv_keys = (kv_req * num_layers + kv["layer"].to_numpy(np.int64)) * (1 << 32) + kv["block"].to_numpy(np.int64)
-    pairs = pd.concat([experts[["step", "request"]], kv[["step", "request"]]]).astype({"request": str})
-    decode_steps = set(steps.loc[steps["phase"].astype(str) != "prefill", "step"].tolist())
-    pairs = pairs[pairs["step"].isin(decode_steps)].drop_duplicates()
-    decode_pairs = np.stack([np.searchsorted(step_ids, pairs["step"].to_numpy()), _codes(pairs["request"], names)], 1)
+    is_decode = (steps["phase"].astype(str) != "prefill").to_numpy()
+    pair_steps = np.concatenate([e_step, kv_step])
+    pair_codes = np.concatenate([_codes(experts["request"], names), kv_req])
+    unique = np.unique(pair_steps * len(names) + pair_codes)
+    decode_pairs = np.stack([unique // len(names), unique % len(names)], 1)
+    decode_pairs = decode_pairs[is_decode[decode_pairs[:, 0]]] if len(decode_pairs) else decode_pairs.reshape(0, 2)
     slo = requests.set_index("request")["slo_tpot_ns"].reindex(names).to_numpy(np.float64)
     budgets = trace.metadata.get("budgets") or {}
     base = (float(budgets.get("expert_bytes") or 0), float(budgets.get("kv_bytes") or 0))
