@@ -156,7 +156,8 @@ def test_step_tracer_expands_tensors_into_rows(tmp_path: Path) -> None:
         tiers = torch.zeros(2, 4, dtype=torch.int64)
         tiers[1, 3] = 1  # layer 1 expert 3 was on the host
         experts = ExpertStep(
-            token_request=torch.tensor([0, 1, 1]), topk_ids=torch.tensor([[[0, 1], [1, 2], [0, 2]], [[3, 0], [3, 1], [2, 3]]]),
+            token_request=torch.tensor([0, 1, 1]),
+            topk_ids=torch.tensor([[[0, 1], [1, 2], [0, 2]], [[3, 0], [3, 1], [2, 3]]]),
             topk_weights=torch.full((2, 3, 2), 0.5), tier_before=tiers, tag=tiers.clone(),
             bytes=tiers * 4096, wait_ns=tiers * 1000,
         )  # fmt: skip

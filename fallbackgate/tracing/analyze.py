@@ -57,7 +57,9 @@ def analyze_trace(trace: Trace, out_dir: Path) -> TraceAnalysis:
     by_name = {r.analysis.value: r for r in results}
     if by_name["co_burst"].rows:
         by_name["co_burst"].figures.append(
-            figures.co_burst_figure(by_name["co_burst"], out_dir / f"{name}-co_burst.png", f"{trace.workload}: co-burst")
+            figures.co_burst_figure(
+                by_name["co_burst"], out_dir / f"{name}-co_burst.png", f"{trace.workload}: co-burst"
+            )
         )
     grid_budgets, p99 = budget.budget_grid(timeline, devices[0])
     by_name["marginal_value"].figures.append(

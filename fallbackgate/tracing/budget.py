@@ -82,7 +82,9 @@ def split_costs(timeline: Timeline, device: DeviceModel, shares: np.ndarray, win
     return np.array(rows)
 
 
-def flips(timeline: Timeline, devices: list[DeviceModel], num_windows: int = 10, num_shares: int = 17) -> AnalysisResult:
+def flips(
+    timeline: Timeline, devices: list[DeviceModel], num_windows: int = 10, num_shares: int = 17
+) -> AnalysisResult:
     """The best static expert share of the total budget per time window, how often it changes, per device;
     and (analysis "devices") whether the devices disagree on the whole-trace best share."""
     shares = np.linspace(0, 1, num_shares)

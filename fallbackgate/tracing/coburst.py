@@ -74,14 +74,21 @@ def co_burst(trace: Trace, max_lag: int = 8, num_resamples: int = 400, seed: int
     boot = boot[np.isfinite(boot)]
     total = counts.sum(axis=0)
     n = total[0]
-    low, high = (np.percentile(boot, [2.5, 97.5]) if boot.size else (np.nan, np.nan))
+    low, high = np.percentile(boot, [2.5, 97.5]) if boot.size else (np.nan, np.nan)
     rows = [
         AnalysisRow(Analysis.CO_BURST, "p_expert_miss", total[1] / n, "share of cells"),
         AnalysisRow(Analysis.CO_BURST, "p_kv_miss", total[2] / n, "share of cells"),
         AnalysisRow(Analysis.CO_BURST, "p_both", total[3] / n, "share of cells"),
         AnalysisRow(Analysis.CO_BURST, "p_product", total[1] * total[2] / n**2, "share of cells"),
-        AnalysisRow(Analysis.CO_BURST, "lift", float(_lift(total)), "ratio", float(low), float(high),
-                    params={"num_cells": int(n), "num_resamples": num_resamples}),  # fmt: skip
+        AnalysisRow(
+            Analysis.CO_BURST,
+            "lift",
+            float(_lift(total)),
+            "ratio",
+            float(low),
+            float(high),
+            params={"num_cells": int(n), "num_resamples": num_resamples},
+        ),  # fmt: skip
     ]
     all_steps = trace.tables[TraceTable.STEPS].column("step").to_numpy()
     per_step = pd.DataFrame(counts[:, 1:3], index=steps).reindex(np.sort(all_steps), fill_value=0).to_numpy()

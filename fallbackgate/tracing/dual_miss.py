@@ -60,7 +60,9 @@ def dual_miss(trace: Trace, devices: list[DeviceModel]) -> AnalysisResult:
                                        params={"phase": phase, "context": str(bucket), "option": option}))  # fmt: skip
     recorded = devices[0] if devices and not devices[0].is_what_if else None
     for device in devices:
-        rest = options["predicted_ns"] - (recorded.read_ns(options["bytes"]) if recorded else 0) * (options["bytes"] > 0)
+        rest = options["predicted_ns"] - (recorded.read_ns(options["bytes"]) if recorded else 0) * (
+            options["bytes"] > 0
+        )
         options["cost"] = rest + device.read_ns(options["bytes"]) * (options["bytes"] > 0)
         for phase, group in options.groupby("phase"):
             tokens = crossover_tokens(group, "cost")

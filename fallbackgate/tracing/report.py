@@ -69,7 +69,11 @@ def _q2(a: TraceAnalysis, report_dir: Path) -> list[str]:
             f"The per-step miss series cross-correlate most at lag **{int(peak.value)}** steps (KV after experts when "
             f"positive): r = {_f(peak.params['r'])} [{_f(peak.params['ci_low'])}, {_f(peak.params['ci_high'])}]."
         )
-    verdict = "not independent" if lift.ci_low is not None and (lift.ci_low > 1 or lift.ci_high < 1) else "compatible with independence"
+    verdict = (
+        "not independent"
+        if lift.ci_low is not None and (lift.ci_low > 1 or lift.ci_high < 1)
+        else "compatible with independence"
+    )
     lines.append(f"Verdict: the two kinds of miss are **{verdict}** in this trace.")
     io = a.trace.tables[TraceTable.IO]
     lines.append(
@@ -98,8 +102,9 @@ def _q4(a: TraceAnalysis, report_dir: Path) -> list[str]:
              f"| net link time saved on {device} (s) |", "|---|---|---|---|---|---|"]  # fmt: skip
     for p in ("router", "kv_recency", "joint"):
         lines.append(
-            f"| {p} | {_f(r.value('precision', predictor=p))} | {_f(r.value('wrongly_predicted_bytes', predictor=p) / GIB)} "
-            f"| {_f(r.value('wrongly_fetched_bytes', predictor=p) / GIB)} | "
+            f"| {p} | {_f(r.value('precision', predictor=p))} | "
+            f"{_f(r.value('wrongly_predicted_bytes', predictor=p) / GIB)} | "
+            f"{_f(r.value('wrongly_fetched_bytes', predictor=p) / GIB)} | "
             f"{_f(r.value('covered_miss_bytes', predictor=p) / GIB)} | "
             f"{_f(r.value('net_link_time_saved_s', predictor=p, device=device))} |"
         )
@@ -152,7 +157,11 @@ def _planted(a: TraceAnalysis) -> list[str]:
         ("best expert share, phase A", p.expert_share_a, float(np.median(shares[:half]))),
         ("best expert share, phase B", p.expert_share_b, float(np.median(shares[half:]))),
         ("best-split flips", 1, flips.value("num_flips", device="measured")),
-        ("router precision", p.expected_router_precision(), a.result("prediction").value("precision", predictor="router")),
+        (
+            "router precision",
+            p.expected_router_precision(),
+            a.result("prediction").value("precision", predictor="router"),
+        ),
     ]
     for phase, name in ((0, "prefill"), (1, "decode")):
         found = a.result("dual_miss").value("recompute_crossover_tokens", device="measured", phase=name)
@@ -182,8 +191,11 @@ def build_report(analyses: list[TraceAnalysis], out_file: Path) -> str:
                   f"controller {meta.get('controller', '?')}, format v{meta.get('format_version')}."]  # fmt: skip
     lines.append("")
     if any(a.trace.metadata.get("source") == "synthetic" for a in analyses):
-        lines += ["**Synthetic traces say nothing about a real model**: they check that the analyses recover "
-                  "what was planted. Answers for the bundled model need traces recorded with `run --trace DIR`.", ""]  # fmt: skip
+        lines += [
+            "**Synthetic traces say nothing about a real model**: they check that the analyses recover what was "
+            "planted. Answers for the bundled model need traces recorded with `run --trace DIR`.",
+            "",
+        ]
     sections = (lambda a: _q1(a, report_dir), lambda a: _q2(a, report_dir), lambda a: _q3(a, report_dir),
                 lambda a: _q4(a, report_dir), _q5, _q6)  # fmt: skip
     for question, section in zip(QUESTIONS, sections, strict=True):

@@ -264,13 +264,22 @@ def write_planted_trace(directory: str | os.PathLike[str], planted: Planted | No
     metadata = {
         "source": "synthetic",
         "workload": f"planted-seed{planted.seed}",
-        "model": {"num_layers": planted.num_layers, "num_experts": planted.num_experts, "top_k": planted.top_k,
-                  "bytes_per_expert": planted.bytes_per_expert, "bytes_per_kv_block": planted.bytes_per_kv_block,
-                  "block_size": 16},  # fmt: skip
+        "model": {
+            "num_layers": planted.num_layers,
+            "num_experts": planted.num_experts,
+            "top_k": planted.top_k,
+            "bytes_per_expert": planted.bytes_per_expert,
+            "bytes_per_kv_block": planted.bytes_per_kv_block,
+            "block_size": 16,
+        },  # fmt: skip
         "budgets": {"expert_bytes": planted.total_budget_bytes // 2, "kv_bytes": planted.total_budget_bytes // 2},
         "controller": "planted",
-        "profile": {"device": "planted-disk", "latency_ns": planted.latency_ns,
-                    "bandwidth_bytes_per_s": planted.bandwidth_bytes_per_s, "queue_depth": 1},  # fmt: skip
+        "profile": {
+            "device": "planted-disk",
+            "latency_ns": planted.latency_ns,
+            "bandwidth_bytes_per_s": planted.bandwidth_bytes_per_s,
+            "queue_depth": 1,
+        },  # fmt: skip
         "planted": dataclasses.asdict(planted),
         "synthesized": ["all tables: a planted trace, not a recording"],
     }
