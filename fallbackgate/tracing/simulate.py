@@ -16,18 +16,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any
 
-import numpy as np
-
-from fallbackgate.controllers.registry import make_controller
-from fallbackgate.engine.controller import Controller, ExpertMiss, KVBlockInfo, KVMiss
+from fallbackgate.engine.controller import KVBlockInfo
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.kv.store import SpillMode
-from fallbackgate.engine.messages import StepKind, StepPlan
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.tracing.devices import DeviceModel
-from fallbackgate.tracing.timeline import Timeline
 
 ExpertKey = tuple[int, int]
 KVKey = tuple[str, int, int]

@@ -235,7 +235,8 @@ class Simulator:
             "expert_fraction": self.config.expert_fraction, "device": self.config.device.name,
             "expert_hits": t.hits["expert"], "kv_hits": t.hits["kv"], "misses_by_tag": dict(t.tags),
             "bytes_by_tag": dict(t.bytes_by_tag), "spill_bytes": t.spill_bytes, "prefetch_bytes": t.prefetch_bytes,
-            "num_invalid_decisions": t.num_invalid, "stall_s": outcome["stall_s"], "p99_tpot_ms": outcome["p99_tpot_ms"],
+            "num_invalid_decisions": t.num_invalid, "stall_s": outcome["stall_s"],
+            "p99_tpot_ms": outcome["p99_tpot_ms"],
             "slo_attainment": 1 - outcome["slo_violations"] / with_slo if with_slo else float("nan"),
         }  # fmt: skip
 
