@@ -57,12 +57,26 @@ class SimulatedView:
         self.classes = classes
         self.experts: dict[ExpertKey, None] = {}  # on device
         self.kv: dict[KVKey, tuple[Tier | None, Tier | None, int]] = {}  # (exact, quant tier, bits); device: exact
-        self.num_kv_on_device = 0
+        self.device_infos: dict[KVKey, KVBlockInfo] = {}  # the device blocks' infos
+        self._device_tuple: tuple[KVBlockInfo, ...] | None = ()  # device_kv_blocks(), until the next change
         self.running_ids: tuple[str, ...] = ()
         self.used_expert_keys: tuple[ExpertKey, ...] = ()
         self.used_kv_block_keys: tuple[KVKey, ...] = ()
         self.deferred_expert_keys: tuple[ExpertKey, ...] = ()
         self.max_block: dict[str, int] = collections.defaultdict(int)
+
+    @property
+    def num_kv_on_device(self) -> int:
+        return len(self.device_infos)
+
+    def set_kv(self, key: KVKey, copies: tuple[Tier | None, Tier | None, int]) -> None:
+        """Where a block's copies now are (exact tier, quantized tier, bits); device blocks keep one info."""
+        self.kv[key] = copies
+        if copies[0] is Tier.DEVICE:
+            self.device_infos[key] = self._info(key)
+        else:
+            self.device_infos.pop(key, None)
+        self._device_tuple = None
 
     @property
     def device_free_bytes(self) -> int:
@@ -102,7 +116,9 @@ class SimulatedView:
         return tuple(self._info(k) for k in keys if k in self.kv and self.kv[k][0] is not Tier.DEVICE)
 
     def device_kv_blocks(self) -> tuple[KVBlockInfo, ...]:
-        return tuple(self._info(k) for k, c in self.kv.items() if c[0] is Tier.DEVICE)
+        if self._device_tuple is None:
+            self._device_tuple = tuple(self.device_infos.values())
+        return self._device_tuple
 
     def staged_kv_tag(self, key: KVKey) -> Tag | None:
         return None

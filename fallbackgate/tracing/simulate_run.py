@@ -36,6 +36,7 @@ class SimulationInput:
     kv_rows: list[list[tuple[str, int, int]]]  # per step: (request, layer, block) in trace order
     expert_rows: list[list[tuple[int, int, str, float]]]  # per step: (layer, expert, request, router weight)
     classes: dict[str, str]  # request -> class
+    finished: list[list[str]]  # per step: requests whose last access it is (their KV is freed after it)
 
 
 def load_input(path: str) -> SimulationInput:
@@ -52,12 +53,14 @@ def load_input(path: str) -> SimulationInput:
                                  strict=True)) for s, g in experts.groupby("step", sort=False)}  # fmt: skip
     requests = pd.concat([kv[["step", "request"]], experts[["step", "request"]]]).drop_duplicates()
     by_step = requests.groupby("step")["request"].apply(list).to_dict()
+    last = requests.groupby("request")["step"].max()
+    finished = last.reset_index().groupby("step")["request"].apply(list).to_dict()
     table = trace.frame(TraceTable.REQUESTS)
     model = {k: int(v) for k, v in (trace.metadata.get("model") or {}).items() if isinstance(v, int | float)}
     return SimulationInput(
         timeline, model, step_ids, steps["phase"].astype(str).tolist(), [by_step.get(s, []) for s in step_ids],
         [kv_groups.get(s, []) for s in step_ids], [expert_groups.get(s, []) for s in step_ids],
-        dict(zip(table["request"], table["request_class"], strict=True)),
+        dict(zip(table["request"], table["request_class"], strict=True)), [finished.get(s, []) for s in step_ids],
     )  # fmt: skip
 
 
@@ -105,13 +108,11 @@ class Simulator:
         view = self.view
         if key in view.kv and view.kv[key][0] is Tier.DEVICE:
             exact, quant, bits = _copies(mode)
-            view.kv[key] = (exact, quant, bits)
-            view.num_kv_on_device -= 1
+            view.set_kv(key, (exact, quant, bits))
             self.tally.spill_bytes += (view.bytes_per_kv_block if exact else 0) + view.bytes_per_kv_block * bits // 16
 
     def place_kv(self, key: tuple[str, int, int]) -> None:
-        self.view.kv[key] = (Tier.DEVICE, None, 0)
-        self.view.num_kv_on_device += 1
+        self.view.set_kv(key, (Tier.DEVICE, None, 0))
 
     def kv_read(self, index: int, key: tuple[str, int, int], pinned: tuple[set, set]) -> int:
         """Serve one KV read; returns the bytes it moved on demand."""
@@ -122,7 +123,7 @@ class Simulator:
             if self.make_room(view.bytes_per_kv_block, *pinned):
                 self.place_kv(key)
             else:
-                view.kv[key] = (Tier.HOST, None, 0)
+                view.set_kv(key, (Tier.HOST, None, 0))
                 t.spill_bytes += view.bytes_per_kv_block
             return 0
         if copies[0] is Tier.DEVICE:
@@ -200,7 +201,18 @@ class Simulator:
         view.used_expert_keys, view.used_kv_block_keys = tuple(by_expert), tuple(kv_rows)
         view.deferred_expert_keys = tuple(self.deferred)
         self.step_end()
+        self.free(data.finished[index])
         return reads, moved
+
+    def free(self, request_ids: list[str]) -> None:
+        """Drop every KV block of requests that ended (as the engine frees a finished request's blocks)."""
+        view = self.view
+        gone = set(request_ids)
+        if gone:
+            for key in [k for k in view.kv if k[0] in gone]:
+                del view.kv[key]
+                if view.device_infos.pop(key, None) is not None:
+                    view._device_tuple = None
 
     def step_end(self) -> None:
         view, t = self.view, self.tally
