@@ -16,6 +16,7 @@ from fallbackgate.ledger.trace_queries import analysed_traces, trace_analyses
 from fallbackgate.tracing import TraceTable, TraceWriter, read_trace
 from fallbackgate.tracing.cachesim import stack_distances
 from fallbackgate.tracing.coburst import co_burst
+from fallbackgate.tracing.contention import overlap, union
 from fallbackgate.tracing.devices import DeviceModel, fit_measured
 from fallbackgate.tracing.recorder import ExpertStep, KVStep, StepTracer
 from fallbackgate.tracing.synthetic import Planted, write_planted_trace
@@ -70,6 +71,19 @@ def test_co_burst_recovers_planted_lift_and_lag(planted_report: tuple) -> None:
     assert peak["value"] == planted.kv_lag_steps
     lag0 = next(r for r in _rows(ledger, "co_burst", "cross_correlation") if r["params"]["lag"] == 0)
     assert peak["params"]["ci_low"] > lag0["ci_high"]  # the lagged peak is clear of the same-step correlation
+
+
+def test_io_overlap_is_the_shared_busy_time() -> None:
+    expert = union(np.array([0, 5, 30]), np.array([10, 12, 40]))  # busy [0, 12) and [30, 40): 22 ns
+    kv = union(np.array([8, 35]), np.array([20, 50]))  # busy [8, 20) and [35, 50): 27 ns
+    assert expert == [(0, 12), (30, 40)] and overlap(expert, kv) == 4 + 5
+
+
+def test_planted_reads_are_serial(planted_report: tuple) -> None:
+    _, _, ledger, text = planted_report
+    assert _rows(ledger, "co_burst", "io_overlap_share_expert")[0]["value"] == 0.0
+    assert _rows(ledger, "co_burst", "mean_queue_depth_at_submit")[0]["value"] == 1.0
+    assert "in flight with a KV read 0.0 %" in text
 
 
 def test_independent_misses_give_lift_one(tmp_path: Path) -> None:

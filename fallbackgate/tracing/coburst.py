@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from fallbackgate.tracing.contention import contention_rows
 from fallbackgate.tracing.reader import Trace
 from fallbackgate.tracing.results import Analysis, AnalysisResult, AnalysisRow
 from fallbackgate.tracing.schema import TraceTable
@@ -100,5 +101,5 @@ def co_burst(trace: Trace, max_lag: int = 8, num_resamples: int = 400, seed: int
         lag, r, lo, hi = max(finite, key=lambda c: c[1])
         rows.append(AnalysisRow(Analysis.CO_BURST, "peak_lag", float(lag), "steps (KV after experts)",
                                 params={"r": r, "ci_low": lo, "ci_high": hi}))  # fmt: skip
-    result.rows = rows
+    result.rows = rows + contention_rows(trace)
     return result

@@ -75,11 +75,17 @@ def _q2(a: TraceAnalysis, report_dir: Path) -> list[str]:
         else "compatible with independence"
     )
     lines.append(f"Verdict: the two kinds of miss are **{verdict}** in this trace.")
-    io = a.trace.tables[TraceTable.IO]
-    lines.append(
-        f"Contention: the trace has {io.num_rows} I/O rows; both kinds share one link in every device model here "
-        "(one queue, one bandwidth), so co-bursts add their bytes."
-    )
+    shares = {x.metric: x.value for x in r.rows if x.metric.startswith(("io_overlap", "mean_queue"))}
+    if shares:
+        lines.append(
+            f"Contention on the recorded I/O: an expert read was in flight with a KV read "
+            f"{100 * shares['io_overlap_share_expert']:.1f} % of the expert-read time "
+            f"({100 * shares['io_overlap_share_kv']:.1f} % of the KV-read time); reads met a queue depth of "
+            f"{_f(shares['mean_queue_depth_at_submit'])} at submit. The device models give both kinds one link "
+            "(one queue, one bandwidth), so co-bursts add their bytes."
+        )
+    else:
+        lines.append("Contention: the trace has no reads in its io table; nothing to measure.")
     return lines + ["", *_figures(a, "co_burst", report_dir)]
 
 
