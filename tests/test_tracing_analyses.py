@@ -189,3 +189,30 @@ def test_step_tracer_expands_tensors_into_rows(tmp_path: Path) -> None:
     assert kv_rows["block"].tolist() == [0, 1, 2, 0, 1, 2] and set(kv_rows["request"].astype(str)) == {"b"}
     assert kv_rows.loc[kv_rows["bytes"] > 0, ["layer", "block"]].values.tolist() == [[0, 2]]
     assert kv_rows["tier_before"].astype(str).tolist()[2] == "disk"
+
+
+def test_a_recorded_shape_trace_without_io_or_arbitration_is_analysed(tmp_path: Path) -> None:
+    """What the engine adapter writes (no I/O, no arbitration, no budgets) still gets every analysis it allows,
+    and the report says what is missing."""
+    rng = np.random.default_rng(0)
+    model = {"num_layers": 2, "num_experts": 4, "top_k": 2, "bytes_per_expert": 1000, "bytes_per_kv_block": 100}
+    with TraceWriter(tmp_path / "t", {"model": model, "workload": "adapter"}) as writer:
+        tracer = StepTracer(writer)
+        for step in range(30):
+            tiers = torch.tensor(rng.integers(0, 2, (2, 4)))
+            experts = ExpertStep(torch.tensor([0, 1]), torch.tensor(rng.integers(0, 4, (2, 2, 2))),
+                                 torch.full((2, 2, 2), 0.5), tiers, tiers, tiers * 1000, tiers * 50_000)  # fmt: skip
+            zeros = torch.zeros(2, 3, dtype=torch.int64)
+            kv = [
+                KVStep(r, torch.arange(3), torch.tensor(rng.integers(0, 2, (2, 3))), zeros, zeros, zeros)
+                for r in (0, 1)
+            ]
+            tracer.record_step(step, "decode", step * 10**6, (step + 1) * 10**6, ["x", "y"], 2, experts, kv)
+        writer.append(TraceTable.REQUESTS, request=["x", "y"], request_class=["c", "c"], slo_ttft_ns=None,
+                      slo_tpot_ns=[2 * 10**6, None], arrival_ns=[0, 0], first_token_ns=[1, 1],
+                      finish_ns=[30 * 10**6] * 2, prompt_tokens=[3, 3], output_tokens=[30, 30])  # fmt: skip
+    out = tmp_path / "report.md"
+    assert main(["report", "--trace", str(tmp_path / "t"), "--out", str(out), "--no-ledger"]) == 0
+    text = out.read_text()
+    assert "no arbitration rows" in text and "no reads in its io table" in text
+    assert "| nvme-pcie4 (what-if) |" in text and "| measured |" not in text  # nothing to fit a device on

@@ -67,7 +67,8 @@ def _q2(a: TraceAnalysis, report_dir: Path) -> list[str]:
     if peak:
         lines.append(
             f"The per-step miss series cross-correlate most at lag **{int(peak.value)}** steps (KV after experts when "
-            f"positive): r = {_f(peak.params['r'])} [{_f(peak.params['ci_low'])}, {_f(peak.params['ci_high'])}]."
+            f"positive): r = {_f(peak.params['r'])} [{_f(peak.params['ci_low'])}, {_f(peak.params['ci_high'])}]"
+            + (" (not significant: its interval contains 0)." if peak.params["ci_low"] <= 0 else ".")
         )
     verdict = (
         "not independent"
