@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from fallbackgate.tracing.schema import TraceTable
-from fallbackgate.tracing.writer import TraceFormatError, TraceWriter, _to_numpy
+from fallbackgate.tracing.writer import TraceFormatError, TraceWriter, to_numpy
 
 
 @dataclasses.dataclass(slots=True)
@@ -55,7 +55,7 @@ class KVStep:
 
 
 def _np(x: Any) -> np.ndarray:
-    return np.asarray(_to_numpy(x))
+    return np.asarray(to_numpy(x))
 
 
 class StepTracer:

@@ -78,6 +78,12 @@ class SimulatedView:
             self.device_infos.pop(key, None)
         self._device_tuple = None
 
+    def drop_kv(self, key: KVKey) -> None:
+        """Forget a block (its request ended)."""
+        del self.kv[key]
+        if self.device_infos.pop(key, None) is not None:
+            self._device_tuple = None
+
     @property
     def device_free_bytes(self) -> int:
         used = len(self.experts) * self.bytes_per_expert + self.num_kv_on_device * self.bytes_per_kv_block

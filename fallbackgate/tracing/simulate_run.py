@@ -210,9 +210,7 @@ class Simulator:
         gone = set(request_ids)
         if gone:
             for key in [k for k in view.kv if k[0] in gone]:
-                del view.kv[key]
-                if view.device_infos.pop(key, None) is not None:
-                    view._device_tuple = None
+                view.drop_kv(key)
 
     def step_end(self) -> None:
         view, t = self.view, self.tally

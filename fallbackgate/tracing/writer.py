@@ -36,7 +36,8 @@ class TraceFormatError(ValueError):
     """A trace (or a batch handed to a writer) does not match trace format v1; the message says where."""
 
 
-def _to_numpy(values: Any) -> Any:
+def to_numpy(values: Any) -> Any:
+    """A torch tensor as a numpy array (detached, on the CPU); anything else unchanged."""
     if hasattr(values, "detach"):  # a torch tensor, without importing torch here
         return values.detach().cpu().numpy()
     return values
@@ -69,7 +70,7 @@ def column_array(column: Column, values: Any, num_rows: int, where: str) -> pa.A
         if not column.is_nullable:
             raise TraceFormatError(f"{where}: is required")
         return pa.nulls(num_rows, column.type)
-    values = _to_numpy(values)
+    values = to_numpy(values)
     if len(values) != num_rows:
         raise TraceFormatError(f"{where}: has {len(values)} rows, the batch's first column has {num_rows}")
     if pa.types.is_dictionary(column.type):
@@ -133,7 +134,7 @@ class TraceWriter:
         given = [columns[c.name] for c in specs if columns.get(c.name) is not None]
         if not given:
             raise TraceFormatError(f"{table.value}: a batch needs its columns")
-        num_rows = len(_to_numpy(given[0]))
+        num_rows = len(to_numpy(given[0]))
         arrays = [column_array(c, columns.get(c.name), num_rows, f"{table.value}.{c.name}") for c in specs]
         self._pending[table].append(pa.RecordBatch.from_arrays(arrays, schema=arrow_schema(table)))
         self._num_pending[table] += num_rows
