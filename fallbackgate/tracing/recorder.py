@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from fallbackgate.tracing.schema import TraceTable
-from fallbackgate.tracing.writer import TraceFormatError, TraceWriter, to_numpy
+from fallbackgate.tracing.writer import Indexed, TraceFormatError, TraceWriter, to_numpy
 
 
 @dataclasses.dataclass(slots=True)
@@ -54,6 +54,20 @@ class KVStep:
     content_hash: Any = None  # [blocks] uint64 (None: not hashed)
 
 
+@dataclasses.dataclass(slots=True)
+class KVReads:
+    """A whole step's KV reads as flat arrays (one entry per request × layer × block read): the cheapest form."""
+
+    request_index: Any  # [n] int: index into the step's request ids
+    layer: Any  # [n] int
+    block: Any  # [n] int: block-table index
+    tier_before: Any  # [n] int: Tier code before the read
+    tag: Any  # [n] int: Tag code it was served with
+    bytes: Any  # [n] int
+    wait_ns: Any  # [n] int
+    content_hash: Any = None  # [n] uint64 (None: not hashed)
+
+
 def _np(x: Any) -> np.ndarray:
     return np.asarray(to_numpy(x))
 
@@ -64,18 +78,22 @@ class StepTracer:
     def __init__(self, writer: TraceWriter):
         self.writer = writer
 
-    def record_step(self, step: int, phase: int | str, start_ns: int, end_ns: int, request_ids: Sequence[str],
-                    num_tokens: int, experts: ExpertStep | None = None, kv: Sequence[KVStep] = ()) -> None:  # fmt: skip
+    def record_step(
+        self, step: int, phase: int | str, start_ns: int, end_ns: int, request_ids: Sequence[str], num_tokens: int,
+        experts: ExpertStep | None = None, kv: Sequence[KVStep] | KVReads = (),
+    ) -> None:  # fmt: skip
         """Write one step's row and its expert and KV accesses."""
         self.writer.append(TraceTable.STEPS, step=[step], phase=[phase], start_ns=[start_ns], end_ns=[end_ns],
                            batch=[len(request_ids)], tokens=[num_tokens])  # fmt: skip
-        names = np.asarray(list(request_ids), dtype=object)
+        names = list(request_ids)
         if experts is not None:
             self._experts(step, names, experts)
-        for read in kv:
-            self._kv(step, names, read)
+        if isinstance(kv, KVReads):
+            self._flat_kv(step, names, kv)
+        elif kv:
+            self._kv(step, names, kv)
 
-    def _experts(self, step: int, names: np.ndarray, e: ExpertStep) -> None:
+    def _experts(self, step: int, names: list[str], e: ExpertStep) -> None:
         ids = _np(e.topk_ids).astype(np.int64)
         if ids.ndim != 3:
             raise TraceFormatError(f"expert_access: topk_ids must be [layers, tokens, k], got shape {ids.shape}")
@@ -94,25 +112,47 @@ class StepTracer:
         predicted = np.zeros(len(key), bool) if e.is_predicted is None else _np(e.is_predicted).reshape(-1)[key]
         self.writer.append(
             TraceTable.EXPERT_ACCESS, step=np.full(len(key), step),
-            request=names[np.broadcast_to(token_request[None, :, None], ids.shape).reshape(-1)], layer=layer,
+            request=Indexed(names, np.broadcast_to(token_request[None, :, None], ids.shape).reshape(-1)), layer=layer,
             expert=flat, router_rank=np.broadcast_to(np.arange(k), ids.shape).reshape(-1),
             router_weight=_np(e.topk_weights).reshape(-1), tier_before=gather["tier_before"], tag=gather["tag"],
             bytes=np.where(first, gather["bytes"], 0), ns=np.where(first, gather["wait_ns"], 0),
             is_predicted=predicted,
         )  # fmt: skip
 
-    def _kv(self, step: int, names: np.ndarray, read: KVStep) -> None:
-        tier = _np(read.tier_before)
-        if tier.ndim != 2:
-            raise TraceFormatError(f"kv_access: tier_before must be [layers, blocks], got shape {tier.shape}")
-        num_layers, num_blocks = tier.shape
-        blocks = _np(read.block_ids).astype(np.int64)
-        if blocks.shape != (num_blocks,):
-            raise TraceFormatError(f"kv_access: block_ids must be [{num_blocks}], got shape {blocks.shape}")
-        hashes = None if read.content_hash is None else np.tile(_np(read.content_hash).astype(np.uint64), num_layers)
+    def _kv(self, step: int, names: list[str], reads: Sequence[KVStep]) -> None:
+        """All requests' KV reads of the step as one batch."""
+        parts: dict[str, list[np.ndarray]] = {
+            n: [] for n in ("request", "layer", "block", "hash", "tier", "tag", "bytes", "ns")
+        }
+        has_hash = all(read.content_hash is not None for read in reads)
+        for read in reads:
+            tier = _np(read.tier_before)
+            if tier.ndim != 2:
+                raise TraceFormatError(f"kv_access: tier_before must be [layers, blocks], got shape {tier.shape}")
+            num_layers, num_blocks = tier.shape
+            blocks = _np(read.block_ids).astype(np.int64)
+            if blocks.shape != (num_blocks,):
+                raise TraceFormatError(f"kv_access: block_ids must be [{num_blocks}], got shape {blocks.shape}")
+            parts["request"].append(np.full(tier.size, read.request_index))
+            parts["layer"].append(np.repeat(np.arange(num_layers), num_blocks))
+            parts["block"].append(np.tile(blocks, num_layers))
+            if has_hash:
+                parts["hash"].append(np.tile(_np(read.content_hash).astype(np.uint64), num_layers))
+            parts["tier"].append(tier.reshape(-1))
+            for name, values in (("tag", read.tag), ("bytes", read.bytes), ("ns", read.wait_ns)):
+                parts[name].append(_np(values).reshape(-1))
+        cat = {n: np.concatenate(v) if v else None for n, v in parts.items()}
         self.writer.append(
-            TraceTable.KV_ACCESS, step=np.full(tier.size, step), request=np.full(tier.size, names[read.request_index]),
-            layer=np.repeat(np.arange(num_layers), num_blocks), block=np.tile(blocks, num_layers),
-            content_hash=hashes, tier_before=tier.reshape(-1), tag=_np(read.tag).reshape(-1),
-            bytes=_np(read.bytes).reshape(-1), ns=_np(read.wait_ns).reshape(-1),
+            TraceTable.KV_ACCESS, step=np.full(len(cat["layer"]), step), request=Indexed(names, cat["request"]),
+            layer=cat["layer"], block=cat["block"], content_hash=cat["hash"], tier_before=cat["tier"], tag=cat["tag"],
+            bytes=cat["bytes"], ns=cat["ns"],
+        )  # fmt: skip
+
+    def _flat_kv(self, step: int, names: list[str], kv: KVReads) -> None:
+        layer = _np(kv.layer)
+        self.writer.append(
+            TraceTable.KV_ACCESS, step=np.full(len(layer), step), request=Indexed(names, _np(kv.request_index)),
+            layer=layer,
+            block=kv.block, content_hash=kv.content_hash, tier_before=kv.tier_before, tag=kv.tag, bytes=kv.bytes,
+            ns=kv.wait_ns,
         )  # fmt: skip
