@@ -18,7 +18,7 @@ from fallbackgate.tracing.cachesim import stack_distances
 from fallbackgate.tracing.coburst import co_burst
 from fallbackgate.tracing.contention import overlap, union
 from fallbackgate.tracing.devices import DeviceModel, fit_measured
-from fallbackgate.tracing.recorder import ExpertStep, KVStep, StepTracer
+from fallbackgate.tracing.recorder import ExpertStep, KVReads, KVStep, StepTracer
 from fallbackgate.tracing.synthetic import Planted, write_planted_trace
 from fallbackgate.tracing.timeline import build_timeline
 
@@ -216,3 +216,19 @@ def test_a_recorded_shape_trace_without_io_or_arbitration_is_analysed(tmp_path: 
     text = out.read_text()
     assert "no arbitration rows" in text and "no reads in its io table" in text
     assert "| nvme-pcie4 (what-if) |" in text and "| measured |" not in text  # nothing to fit a device on
+
+
+def test_flat_kv_reads_equal_per_request_ones(tmp_path: Path) -> None:
+    zeros = torch.zeros(2, 3, dtype=torch.int64)
+    tier = torch.tensor([[0, 1, 0], [2, 0, 0]])
+    for name, kv in (
+        ("per", [KVStep(1, torch.tensor([4, 5, 6]), tier, zeros, tier * 10, tier * 7)]),
+        ("flat", KVReads(torch.ones(6, dtype=torch.int64), torch.tensor([0, 0, 0, 1, 1, 1]),
+                         torch.tensor([4, 5, 6] * 2),
+                         tier.reshape(-1), zeros.reshape(-1), tier.reshape(-1) * 10, tier.reshape(-1) * 7)),
+    ):  # fmt: skip
+        with TraceWriter(tmp_path / name, {}) as writer:
+            StepTracer(writer).record_step(0, "decode", 0, 1, ["a", "b"], 2, None, kv)
+    per, flat = (read_trace(tmp_path / n).frame("kv_access") for n in ("per", "flat"))
+    assert per.astype(str).to_dict("records") == flat.astype(str).to_dict("records")
+    assert per["bytes"].tolist() == [0, 10, 0, 20, 0, 0] and set(per["request"].astype(str)) == {"b"}

@@ -121,3 +121,23 @@ def test_readme_table_is_the_schema() -> None:
     found = re.search(r"<!-- trace-format-v1 -->\n(.*?)\n<!-- /trace-format-v1 -->", text, re.S)
     assert found, "README has no trace format v1 table"
     assert found.group(1).strip() == markdown_table()
+
+
+def test_indexed_names_and_empty_rows(tmp_path: Path) -> None:
+    from fallbackgate.tracing.writer import Indexed
+
+    with TraceWriter(tmp_path / "t", {}, row_group_rows=2) as writer:
+        writer.append("kv_access", **{**_kv_batch(3, 0), "request": Indexed(["z", "y"], np.array([1, 0, 1]))})
+        writer.append("kv_access", **{**_kv_batch(2, 1), "request": ["q", "y"]})
+        writer.append("requests", request=["a", "b"], request_class=["c", "c"], slo_ttft_ns=None,
+                      slo_tpot_ns=[5, None], arrival_ns=[0, 0], first_token_ns=[None, 3], finish_ns=[None, None],
+                      prompt_tokens=[1, 2], output_tokens=[0, 1])  # fmt: skip
+        with pytest.raises(TraceFormatError, match="index must be 2 rows into 2 names"):
+            writer.append("kv_access", **{**_kv_batch(2, 2), "request": Indexed(["z", "y"], np.array([0, 2]))})
+        with pytest.raises(TraceFormatError, match="is required"):
+            writer.append("kv_access", **{**_kv_batch(2, 2), "bytes": [1, None]})
+    trace = read_trace(tmp_path / "t")
+    assert trace.frame("kv_access")["request"].astype(str).tolist() == ["y", "z", "y", "q", "y"]
+    requests = trace.frame("requests")
+    assert requests["slo_tpot_ns"].tolist()[0] == 5 and requests["slo_tpot_ns"].isna().tolist() == [False, True]
+    assert requests["finish_ns"].isna().all()
