@@ -1,9 +1,9 @@
 """The fallbackgate dashboard (Streamlit): ``fallbackgate dashboard --ledger URL`` or
 ``FALLBACKGATE_LEDGER=URL streamlit run dashboard/app.py``. Reads the ledger read-only.
 
-Pages (sidebar, or ``?page=overview|pareto|compare|drift|request|calibration|sweep``): Overview, Quality
+Pages (sidebar, or ``?page=overview|pareto|compare|drift|request|calibration|sweep|traces``): Overview, Quality
 vs speed (measured TPOT against audited KL), Compare runs (``&a=ID&b=ID``), Drift, Request drill-down,
-Calibration, Budget sweep.
+Calibration, Budget sweep, Traces (``&trace=PATH``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import streamlit as st
 from sqlalchemy.exc import SQLAlchemyError
 
 from fallbackgate.dashboard import data, filters
-from fallbackgate.dashboard.views import calibration, compare, drift, drilldown, overview, pareto, sweep
+from fallbackgate.dashboard.views import calibration, compare, drift, drilldown, overview, pareto, sweep, traces
 from fallbackgate.ledger.db import display_url
 
 REFRESH_S = 15  # the data layer's cache lifetime too
@@ -26,6 +26,7 @@ PAGES: dict[str, tuple[str, Callable[..., None]]] = {
     "request": ("Request drill-down", drilldown.render),
     "calibration": ("Calibration", calibration.render),
     "sweep": ("Budget sweep", sweep.render),
+    "traces": ("Traces", traces.render),
 }
 
 
@@ -48,6 +49,9 @@ def main() -> None:
         ledger = data.connect(url)
         if slug == "sweep":
             sweep.render(url, data.RunFilter(), ledger)
+            return
+        if slug == "traces":  # traces may have no run behind them
+            traces.render(url, data.RunFilter())
             return
         if not data.has_runs(url):
             st.info(f"The ledger {ledger.display_url} has no runs yet. Record one: `fallbackgate run --ledger URL`.")

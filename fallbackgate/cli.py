@@ -17,9 +17,11 @@ from fallbackgate.commands import (
     plan,
     policy,
     profile,
+    report,
     run,
     serve,
     sweep,
+    trace,
     verify,
     workload,
 )
@@ -30,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fallbackgate", description="Honest MoE inference under memory pressure.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     commands = (run, serve, plan, gate, audit, lmeval, dashboard, policy, parity, calibrate, sweep, verify, profile)
-    for module in (*commands, workload):
+    for module in (*commands, workload, trace, report):
         module.add_parser(subparsers)
     return parser
 

@@ -64,6 +64,7 @@ class Run(Base):
     numeric_floor: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))  # the control's stats
     note: Mapped[str | None] = mapped_column(Text)
     forced_tags: Mapped[list[str] | None] = mapped_column(JSON(none_as_null=True))  # tags --force turned on
+    trace_path: Mapped[str | None] = mapped_column(Text)  # the run's trace directory (run --trace DIR)
     __table_args__ = (Index("ix_runs_started_at", "started_at"),)
 
 
@@ -318,3 +319,23 @@ class ArbitrationRow(Base):
     audited_cost: Mapped[float | None] = mapped_column(Float)  # KL the audit measured at the position the step
     # sampled for the request (None until audited; shared with the step's other actions for that request)
     __table_args__ = (Index("ix_arbitrations_run_step", "run_id", "step_id"),)
+
+
+class TraceAnalysisRow(Base):
+    """One number ``fallbackgate trace analyze`` found in a trace (co-burst, marginal value, flips, ...)."""
+
+    __tablename__ = "trace_analyses"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int | None] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))  # the recorded run, if any
+    trace_path: Mapped[str] = mapped_column(Text)  # the trace directory analysed (absolute)
+    workload: Mapped[str] = mapped_column(String(128))  # the trace's workload name
+    analysis: Mapped[str] = mapped_column(String(32))  # co_burst, marginal_value, flips, dual_miss, ...
+    metric: Mapped[str] = mapped_column(String(64))  # e.g. "lift", "num_flips"
+    device: Mapped[str] = mapped_column(String(64), default="")  # the device model it was priced on
+    value: Mapped[float | None] = mapped_column(Float)  # NULL: not computable on this trace
+    ci_low: Mapped[float | None] = mapped_column(Float)  # 95 % interval, where the analysis gives one
+    ci_high: Mapped[float | None] = mapped_column(Float)
+    unit: Mapped[str] = mapped_column(String(32), default="")
+    params: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))  # lag, window, phase, ...
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    __table_args__ = (Index("ix_trace_analyses_trace", "trace_path", "analysis"),)

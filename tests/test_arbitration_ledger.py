@@ -9,6 +9,7 @@ import pathlib
 
 import pytest
 from alembic import command
+from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, inspect, text
 
 from fallbackgate.batch.prompts import PromptSpec
@@ -19,7 +20,7 @@ from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.tags import ObjectKind, Tag
 from fallbackgate.ledger.arbitration_queries import run_arbitrations
-from fallbackgate.ledger.db import alembic_config, head_revision, open_ledger
+from fallbackgate.ledger.db import alembic_config, open_ledger
 from fallbackgate.policy.schema import SLO, Policy, QualityBudget, RequestClass
 from fallbackgate.recording import record_and_judge
 from tests.test_engine_exact import sizes
@@ -106,7 +107,7 @@ def test_migration_0008_up_and_down_keeps_runs(tmp_path: pathlib.Path) -> None:
         conn.execute(text(run))
         assert "arbitrations" not in inspect(conn).get_table_names()
         command.upgrade(cfg, "0008")
-        assert head_revision() == "0008"
+        assert MigrationContext.configure(conn).get_current_revision() == "0008"
         assert "arbitrations" in inspect(conn).get_table_names()
         assert {i["name"] for i in inspect(conn).get_indexes("arbitrations")} == {"ix_arbitrations_run_step"}
         insert = (

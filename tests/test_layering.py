@@ -34,7 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("api_server",),  # the HTTP server
     ("recording",),  # the run recorder (serves a batch through batch's session)
     ("batch",),  # batch runs: prompt files, serving prompts, what a run prints
-    ("audit", "planning"),  # audit and gate; plans (from the cost model)
+    ("audit", "planning", "tracing"),  # audit and gate; plans (from the cost model); joint traces and analyses
     ("controllers",),
     ("policy",),
     ("profiling", "synth"),  # the measured hardware profile; the synthetic-checkpoint tool

@@ -1,0 +1,188 @@
+"""``fallbackgate trace analyze TRACE... --out DIR [--ledger URL | --no-ledger] [--run ID]``: every analysis of
+each trace (co-burst, marginal value, flips, dual-miss crossover, prediction, devices); PNG figures to DIR,
+the numbers to the ledger's ``trace_analyses`` table (the dashboard's Traces page reads them).
+
+``fallbackgate trace simulate TRACE --out FILE.json [--controllers A,B] [--budget-gib X,Y] [--expert-fractions F,G]
+[--devices all|measured,...] [--jobs N]``: the project's controllers over the trace without the model, every
+configuration of the grid in parallel processes; one JSON object per configuration (hits, misses and bytes
+by tag, stall, P99 TPOT, SLO attainment).
+
+``fallbackgate trace planted --out DIR [--seed S] [--steps N]``: write the planted synthetic trace CI checks
+the analyses on.
+
+Exit status: 0 on success, 2 for bad input (an unreadable trace, a bad ledger).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+from typing import Any
+
+from fallbackgate.commands.checks import check_output_path
+from fallbackgate.controllers.registry import registered_kinds
+from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
+from fallbackgate.tracing.analyze import TraceAnalysis, analyze_trace, store
+from fallbackgate.tracing.devices import device_models
+from fallbackgate.tracing.reader import Trace, read_trace
+from fallbackgate.tracing.simulate import SimulationConfig
+from fallbackgate.tracing.simulate_run import GIB, simulate_many
+from fallbackgate.tracing.synthetic import Planted, write_planted_trace
+from fallbackgate.tracing.writer import TraceFormatError
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register ``trace`` and its subcommands."""
+    p: argparse.ArgumentParser = subparsers.add_parser("trace", help="joint traces: analyse, or write a planted one")
+    sub = p.add_subparsers(dest="trace_command", required=True)
+    a = sub.add_parser("analyze", help="analyse traces: figures to --out, numbers to the ledger")
+    a.add_argument("traces", nargs="+", metavar="TRACE", help="trace directories (format v1)")
+    a.add_argument("--out", metavar="DIR", required=True, help="directory for the PNG figures")
+    a.add_argument("--ledger", default=None, help=f"ledger URL (default: ${ENV_VAR}, else {DEFAULT_LEDGER})")
+    a.add_argument("--no-ledger", action="store_true", help="write figures only")
+    a.add_argument("--run", type=int, default=None, help="the ledger run the traces were recorded by")
+    a.set_defaults(func=run_analyze)
+    m = sub.add_parser("simulate", help="the project's controllers over a trace, without the model")
+    m.add_argument("trace", metavar="TRACE", help="a trace directory (format v1)")
+    m.add_argument("--out", metavar="FILE.json", required=True, help="results, one object per configuration")
+    m.add_argument("--controllers", type=_names, default=None, help="comma-separated kinds (default: all registered)")
+    m.add_argument("--budget-gib", type=_floats, default=None, help="device budgets (default: the recorded total)")
+    m.add_argument(
+        "--expert-fractions", type=_floats, default=(), help="static split's expert shares (default: policy)"
+    )
+    m.add_argument("--devices", type=_names, default=("all",), help="device models by name prefix (default: all)")
+    m.add_argument("--jobs", type=int, default=None, help="processes (default: the CPUs)")
+    m.set_defaults(func=run_simulate)
+    s = sub.add_parser("planted", help="write the planted synthetic trace")
+    s.add_argument("--out", metavar="DIR", required=True, help="the trace directory to create (new or empty)")
+    s.add_argument("--seed", type=int, default=0, help="seed (default 0)")
+    s.add_argument("--steps", type=int, default=500, help="decode steps per phase (default 500)")
+    s.set_defaults(func=run_planted)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return names
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(not v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"numbers must be > 0, got {text!r}")
+    return values
+
+
+def analyze_paths(paths: list[str], out_dir: pathlib.Path, command: str) -> list[TraceAnalysis] | None:
+    """Read and analyse every trace; None (after printing why) when one cannot be read."""
+    analyses = []
+    for path in paths:
+        try:
+            analyses.append(analyze_trace(read_trace(path), out_dir))
+        except TraceFormatError as exc:
+            print(f"fallbackgate {command}: error: {exc}", file=sys.stderr)
+            return None
+    return analyses
+
+
+def store_all(analyses: list[TraceAnalysis], url: str | None, run_id: int | None, command: str) -> bool:
+    """Store every analysis in the ledger at ``url``; False (after printing why) when the ledger refuses."""
+    try:
+        with open_ledger(url) as ledger:
+            for analysis in analyses:
+                num = store(ledger, analysis, run_id)
+                print(f"{analysis.trace.path}: {num} rows to {ledger.display_url}")
+    except LedgerError as exc:
+        print(f"fallbackgate {command}: error: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+def run_analyze(args: argparse.Namespace) -> int:
+    """Entry point of ``fallbackgate trace analyze``."""
+    out = pathlib.Path(args.out)
+    if out.exists() and not out.is_dir():
+        print(f"fallbackgate trace analyze: error: --out {out}: not a directory", file=sys.stderr)
+        return 2
+    analyses = analyze_paths(args.traces, out, "trace analyze")
+    if analyses is None:
+        return 2
+    for analysis in analyses:
+        for result in analysis.results:
+            for figure in result.figures:
+                print(f"wrote {figure}")
+    if not args.no_ledger and not store_all(analyses, args.ledger, args.run, "trace analyze"):
+        return 2
+    return 0
+
+
+def run_planted(args: argparse.Namespace) -> int:
+    """Entry point of ``fallbackgate trace planted``."""
+    if args.steps < 20:
+        print(f"fallbackgate trace planted: error: --steps must be at least 20, got {args.steps}", file=sys.stderr)
+        return 2
+    try:
+        planted = write_planted_trace(args.out, Planted(seed=args.seed, num_steps_per_phase=args.steps))
+    except TraceFormatError as exc:
+        print(f"fallbackgate trace planted: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: planted lift {planted.expected_lift:.4g}, lag {planted.kv_lag_steps} steps")
+    return 0
+
+
+def simulation_configs(args: argparse.Namespace, trace: Trace) -> list[SimulationConfig]:
+    """The grid: controllers × budgets × devices (× expert fractions for the static split)."""
+    kinds = args.controllers or tuple(k.value for k in registered_kinds())
+    unknown = sorted(set(kinds) - {k.value for k in registered_kinds()})
+    if unknown:
+        raise ValueError(f"unknown controller(s) {unknown}; registered: {[k.value for k in registered_kinds()]}")
+    devices = device_models(trace)
+    if "all" not in args.devices:
+        devices = [d for d in devices if any(d.name.startswith(n) for n in args.devices)]
+    if not devices:
+        raise ValueError(
+            f"no device model matches {list(args.devices)}; known: {[d.name for d in device_models(trace)]}"
+        )
+    budgets = trace.metadata.get("budgets") or {}
+    recorded = (budgets.get("expert_bytes") or 0) + (budgets.get("kv_bytes") or 0)
+    if not args.budget_gib and not recorded:
+        raise ValueError("the trace records no budgets: give --budget-gib")
+    sizes = [int(g * GIB) for g in args.budget_gib] if args.budget_gib else [int(recorded)]
+    configs = []
+    for kind in kinds:
+        fractions = args.expert_fractions if kind == "static_split" and args.expert_fractions else (None,)
+        for size in sizes:
+            for device in devices:
+                configs += [SimulationConfig(kind, size, device, f) for f in fractions]
+    return configs
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """Entry point of ``fallbackgate trace simulate``."""
+    try:
+        check_output_path(args.out, "--out")
+        trace = read_trace(args.trace)
+        configs = simulation_configs(args, trace)
+    except (ValueError, TraceFormatError) as exc:
+        print(f"fallbackgate trace simulate: error: {exc}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    results = simulate_many(args.trace, configs, args.jobs)
+    elapsed = time.perf_counter() - started
+    pathlib.Path(args.out).write_text(json.dumps(results, indent=1))
+    for r in results:
+        head = f"{r['controller']:16s} {r['budget_gib']:7.3f} GiB {r['device']:24s} f={r['expert_fraction']}"
+        tail = (
+            r.get("error")
+            or f"stall {r['stall_s']:.3f} s  p99 TPOT {r['p99_tpot_ms']:.2f} ms  SLO {r['slo_attainment']:.2f}"
+        )
+        print(f"{head}  {tail}")
+    print(f"{len(configs)} configurations in {elapsed:.1f} s; wrote {args.out}")
+    return 0

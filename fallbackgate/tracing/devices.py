@@ -1,0 +1,79 @@
+"""Device models a trace's misses are priced on: the measured one (fitted from the trace's own I/O rows, or its
+profile) and two labelled what-ifs. A model prices one step's misses as
+``ceil(num_misses / queue_depth) × latency + bytes / bandwidth``: reads in flight overlap their latency, not
+their bytes (one link)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from fallbackgate.tracing.reader import Trace
+from fallbackgate.tracing.schema import TraceTable
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class DeviceModel:
+    """Where misses are served from, and what a read costs there."""
+
+    name: str  # e.g. "measured", "nvme-pcie4 (what-if)"
+    latency_ns: float  # fixed cost of one read
+    bandwidth_bytes_per_s: float  # bytes per second over the link
+    queue_depth: int = 1  # reads whose latency overlaps
+    is_what_if: bool = False  # assumed numbers, not measured on this machine
+    source: str = ""  # where the numbers come from
+
+    def read_ns(self, num_bytes: Any) -> Any:
+        """Time of single reads of ``num_bytes`` each."""
+        return self.latency_ns + np.asarray(num_bytes, dtype=np.float64) * 1e9 / self.bandwidth_bytes_per_s
+
+    def stall_ns(self, num_misses: Any, num_bytes: Any) -> np.ndarray:
+        """Stall of steps with ``num_misses`` reads totalling ``num_bytes`` (arrays, one entry per step)."""
+        misses = np.asarray(num_misses, dtype=np.float64)
+        rounds = np.ceil(misses / max(self.queue_depth, 1))
+        return rounds * self.latency_ns + np.asarray(num_bytes, dtype=np.float64) * 1e9 / self.bandwidth_bytes_per_s
+
+
+NVME_PCIE4 = DeviceModel(
+    "nvme-pcie4 (what-if)", 80_000, 6.5e9, 32, True,
+    "assumed: a PCIe 4 x4 NVMe SSD, ~80 us read latency at QD1, ~6.5 GB/s sequential read, QD 32",
+)  # fmt: skip
+HBM_PCIE5 = DeviceModel(
+    "hbm-pcie5 (what-if)", 5_000, 50e9, 2, True,
+    "assumed: GPU HBM as the fast tier, misses from host DRAM over PCIe 5 x16 (~50 GB/s effective, ~5 us per "
+    "copy, 2 copy engines)",
+)  # fmt: skip
+WHAT_IFS: tuple[DeviceModel, ...] = (NVME_PCIE4, HBM_PCIE5)
+
+
+def fit_measured(trace: Trace) -> DeviceModel | None:
+    """Latency and bandwidth fitted (least squares, duration = latency + bytes / bandwidth) to the trace's
+    reads; None when the reads are too few or all one size and the profile has no numbers either."""
+    io = trace.tables[TraceTable.IO]
+    if io.num_rows:
+        is_read = np.asarray(io.column("op").to_pandas() == "read")
+        sizes = io.column("bytes").to_numpy()[is_read].astype(np.float64)
+        durations = (io.column("end_ns").to_numpy() - io.column("start_ns").to_numpy())[is_read].astype(np.float64)
+        depth = io.column("queue_depth").to_numpy()[is_read]
+        if sizes.size >= 3 and np.unique(sizes).size >= 2:
+            slope, intercept = np.polyfit(sizes, durations, 1)
+            if slope > 0:
+                return DeviceModel(
+                    "measured", max(float(intercept), 0.0), 1e9 / float(slope), int(max(depth.max(), 1)), False,
+                    f"fitted to the trace's {sizes.size} reads (duration = latency + bytes / bandwidth)",
+                )  # fmt: skip
+    profile = trace.metadata.get("profile") or {}
+    if "latency_ns" in profile and "bandwidth_bytes_per_s" in profile:
+        return DeviceModel(
+            "measured", float(profile["latency_ns"]), float(profile["bandwidth_bytes_per_s"]),
+            int(profile.get("queue_depth", 1)), False, "the trace's recorded profile",
+        )  # fmt: skip
+    return None
+
+
+def device_models(trace: Trace) -> list[DeviceModel]:
+    """The measured model (when the trace allows one) followed by the what-ifs."""
+    measured = fit_measured(trace)
+    return ([measured] if measured else []) + list(WHAT_IFS)

@@ -1,0 +1,143 @@
+"""``fallbackgate trace simulate``: the project's own controllers, through the read-only ControllerView, over a
+trace's access sequence without the model — hits, misses, bytes by tag, stalls and SLO attainment under a
+device model.
+
+:class:`SimulatedView` keeps what the engine would: experts and KV blocks on device within one device budget,
+the nearest copy of every KV block taken off device, the keys used in the step. Per step the controller sees
+``on_step_start``; every off-device KV block read is a :class:`KVMiss` and every off-device expert a
+:class:`ExpertMiss`; room is made with its ``choose_victims``; ``on_step_end``'s spills, evictions and
+expert loads are applied. A KV block's first access is its write (it takes device room, never a miss).
+Simplified against the engine (stated in the results): experts' homes are the host; a lowbit or dequant
+read moves bits/16 of the full bytes; recompute and cpu_execute are counted, not timed; step-end expert
+loads are prefetches (link bytes, no stall).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from fallbackgate.engine.controller import KVBlockInfo
+from fallbackgate.engine.hardware import HardwareProfile
+from fallbackgate.engine.kv.store import SpillMode
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.tracing.devices import DeviceModel
+
+ExpertKey = tuple[int, int]
+KVKey = tuple[str, int, int]
+QUANT_BITS = 8  # bits of the quantized copies the simulator offers
+
+
+def profile_of(device: DeviceModel) -> HardwareProfile:
+    """A hardware profile whose links are the device model's (compute rates are the CPU box's)."""
+    bw, lat = device.bandwidth_bytes_per_s, device.latency_ns / 1e9
+    return HardwareProfile(f"trace:{device.name}", bw, bw, bw, bw, 40e9, 40e9, link_latency_s=max(lat, 1e-9))
+
+
+def _copies(mode: SpillMode) -> tuple[Tier | None, Tier | None, int]:
+    """(exact tier, quantized tier, bits) of the copy a spill leaves."""
+    text = mode.value
+    if text == "drop":
+        return None, None, 0
+    tier = Tier.DISK if text.startswith("disk") else Tier.HOST
+    bits = 8 if "int8" in text else 4 if "int4" in text else 0
+    return (tier if "full" in text else None), (tier if bits else None), bits
+
+
+class SimulatedView:
+    """The engine state a controller may read, kept by the simulator (read-only to the controller)."""
+
+    def __init__(self, device: DeviceModel, budget_bytes: int, num_layers: int, num_experts: int,
+                 bytes_per_expert: int, bytes_per_kv_block: int, block_size: int, classes: dict[str, str]):  # fmt: skip
+        self.profile = profile_of(device)
+        self.device_budget_bytes = int(budget_bytes)
+        self.num_layers, self.num_experts, self.block_size = num_layers, num_experts, block_size
+        self.bytes_per_expert, self.bytes_per_kv_block = bytes_per_expert, bytes_per_kv_block
+        self.compute_dtype, self.num_expert_params = "bfloat16", bytes_per_expert // 2
+        self.classes = classes
+        self.experts: dict[ExpertKey, None] = {}  # on device
+        self.kv: dict[KVKey, tuple[Tier | None, Tier | None, int]] = {}  # (exact, quant tier, bits); device: exact
+        self.device_infos: dict[KVKey, KVBlockInfo] = {}  # the device blocks' infos
+        self._device_tuple: tuple[KVBlockInfo, ...] | None = ()  # device_kv_blocks(), until the next change
+        self.running_ids: tuple[str, ...] = ()
+        self.used_expert_keys: tuple[ExpertKey, ...] = ()
+        self.used_kv_block_keys: tuple[KVKey, ...] = ()
+        self.deferred_expert_keys: tuple[ExpertKey, ...] = ()
+        self.max_block: dict[str, int] = collections.defaultdict(int)
+
+    @property
+    def num_kv_on_device(self) -> int:
+        return len(self.device_infos)
+
+    def set_kv(self, key: KVKey, copies: tuple[Tier | None, Tier | None, int]) -> None:
+        """Where a block's copies now are (exact tier, quantized tier, bits); device blocks keep one info."""
+        self.kv[key] = copies
+        if copies[0] is Tier.DEVICE:
+            self.device_infos[key] = self._info(key)
+        else:
+            self.device_infos.pop(key, None)
+        self._device_tuple = None
+
+    def drop_kv(self, key: KVKey) -> None:
+        """Forget a block (its request ended)."""
+        del self.kv[key]
+        if self.device_infos.pop(key, None) is not None:
+            self._device_tuple = None
+
+    @property
+    def device_free_bytes(self) -> int:
+        used = len(self.experts) * self.bytes_per_expert + self.num_kv_on_device * self.bytes_per_kv_block
+        return self.device_budget_bytes - used
+
+    def request_class(self, request_id: str) -> str:
+        return self.classes.get(request_id, "")
+
+    def device_used_bytes(self, kind: ObjectKind) -> int:
+        if kind is ObjectKind.EXPERT:
+            return len(self.experts) * self.bytes_per_expert
+        return self.num_kv_on_device * self.bytes_per_kv_block
+
+    def device_expert_keys(self) -> tuple[ExpertKey, ...]:
+        return tuple(self.experts)
+
+    def is_expert_on_device(self, key: ExpertKey) -> bool:
+        return key in self.experts
+
+    def expert_home(self, key: ExpertKey) -> Tier:
+        return Tier.HOST
+
+    def quantized_bytes(self, kind: ObjectKind, bits: int) -> int:
+        full = self.bytes_per_expert if kind is ObjectKind.EXPERT else self.bytes_per_kv_block
+        return full * bits // 16
+
+    def num_kv_tokens(self, request_id: str) -> int:
+        return (self.max_block[request_id] + 1) * self.block_size
+
+    def _info(self, key: KVKey) -> KVBlockInfo:
+        exact, quant, bits = self.kv[key]
+        return KVBlockInfo(key, self.block_size, exact, quant, bits, self.bytes_per_kv_block * bits // 16)
+
+    def off_device_kv_blocks(self, request_id: str, layer: int, num_blocks: int) -> tuple[KVBlockInfo, ...]:
+        keys = [(request_id, layer, b) for b in range(num_blocks)]
+        return tuple(self._info(k) for k in keys if k in self.kv and self.kv[k][0] is not Tier.DEVICE)
+
+    def device_kv_blocks(self) -> tuple[KVBlockInfo, ...]:
+        if self._device_tuple is None:
+            self._device_tuple = tuple(self.device_infos.values())
+        return self._device_tuple
+
+    def staged_kv_tag(self, key: KVKey) -> Tag | None:
+        return None
+
+    def kv_quant_error_energy(self, key: KVKey) -> float | None:
+        return None
+
+
+@dataclasses.dataclass(slots=True)
+class SimulationConfig:
+    """One configuration to simulate."""
+
+    controller: str  # a registered ControllerKind value
+    budget_bytes: int  # device budget shared by experts and KV
+    device: DeviceModel  # what misses cost
+    expert_fraction: float | None = None  # static split's expert share (None: the policy's)
