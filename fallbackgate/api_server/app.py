@@ -4,7 +4,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": tru
 events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Errors are OpenAI-shaped
 JSON (``{"error": {"message", "type", "param", "code"}}``); an unknown quality class is a 400 that lists
 the classes; a body over the limit is a 413 before it is read; a full admission queue is a 429 with
-``Retry-After``. Every response carries the request's ledger id, class and tag counts in ``fallbackgate``.
+``Retry-After``, a full ledger buffer (the ledger away) a 503 with ``Retry-After``. Every response carries the
+request's ledger id, class and tag counts in ``fallbackgate``.
 """
 
 from __future__ import annotations
@@ -130,6 +131,8 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         body = {"status": "ok" if service.is_alive else "failed", "model": info.model_name, "run_id": info.run_id}
+        if service.recorder is not None:
+            body["ledger"] = dataclasses.asdict(service.recorder.writer.buffer_state())
         return JSONResponse(body, status_code=200 if service.is_alive else 503)
 
     @app.get("/v1/models")
@@ -139,9 +142,12 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         if service.recorder is not None and info.run_id is not None:  # audits the background workers finished
-            loop = asyncio.get_running_loop()
-            ledger = service.recorder.writer.ledger
-            await loop.run_in_executor(None, service.metrics.poll_audits, ledger, info.run_id)
+            state = service.recorder.writer.buffer_state()
+            service.metrics.on_ledger(state)
+            if not state.is_retrying:
+                loop = asyncio.get_running_loop()
+                ledger = service.recorder.writer.ledger
+                await loop.run_in_executor(None, service.metrics.poll_audits, ledger, info.run_id)
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions", response_model=None)
@@ -180,7 +186,8 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
             raise ApiError(503, str(exc), code="unavailable") from None
         except Overloaded as exc:
             retry = {"Retry-After": str(exc.retry_after_s)}
-            raise ApiError(429, str(exc), code="too_many_requests", headers=retry) from None
+            code = "too_many_requests" if exc.status == 429 else "ledger_unavailable"
+            raise ApiError(exc.status, str(exc), code=code, headers=retry) from None
         if body.stream:
             return StreamingResponse(_stream(sub, body.model, is_chat), media_type="text/event-stream")
         while True:
