@@ -17,7 +17,7 @@ from typing import Any
 
 from sqlalchemy import Connection
 
-from fallbackgate.ledger.retry import Backoff
+from fallbackgate.ledger.retry import Backoff, Transaction
 from fallbackgate.ledger.rows import Rows
 
 Op = Callable[[Connection], None]
@@ -33,7 +33,7 @@ class Batch:
     ops: list[Op]  # statements run after the inserts
     num_queued: int  # queue items marked done once this batch commits (what flush() waits on)
     num_bytes: int = 0  # measured size, counted once the batch waits in the backlog
-    xid: int | None = None  # the PostgreSQL transaction id of its last attempt (None: none obtained)
+    txn: Transaction | None = None  # the PostgreSQL transaction of its last attempt (None: none obtained)
 
 
 def _value_bytes(value: Any) -> int:

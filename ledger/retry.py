@@ -5,8 +5,9 @@ A PostgreSQL server restarted or unreachable fails statements with ``Operational
 "terminating connection due to administrator command") or invalidates the connection; such a failure is
 transient, and the transaction did not commit — unless it was cut off during COMMIT itself. For that one
 case the writer asks for the transaction's id before writing (``txid_current()``) and, once the server is
-back, its fate (``txid_status()``, PostgreSQL 10+: "committed", "aborted" or "in progress"), so a batch is
-written exactly once. SQLite ledgers are local files: their errors are never treated as transient.
+back, its fate (``txid_status()``, PostgreSQL 10+: "committed", "aborted" or "in progress"; a transaction
+still in progress has its lost session ended first), so a batch is written exactly once. SQLite ledgers are
+local files: their errors are never treated as transient.
 """
 
 from __future__ import annotations
@@ -61,16 +62,29 @@ class Backoff:
         return 0.0 if self.first_failure is None else time.monotonic() - self.first_failure
 
 
-def transaction_id(conn: Connection) -> int | None:
-    """The id of ``conn``'s transaction (assigned now) on PostgreSQL; None elsewhere."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Transaction:
+    """A PostgreSQL transaction whose fate may have to be asked about later."""
+
+    xid: int  # its transaction id (txid_current())
+    backend_pid: int  # the server process of its session (pg_backend_pid())
+
+
+def transaction_id(conn: Connection) -> Transaction | None:
+    """``conn``'s transaction (its id assigned now) on PostgreSQL; None elsewhere."""
     if conn.dialect.name != "postgresql":
         return None
-    return int(conn.execute(text("SELECT txid_current()")).scalar_one())
+    row = conn.execute(text("SELECT txid_current(), pg_backend_pid()")).one()
+    return Transaction(int(row[0]), int(row[1]))
 
 
-def transaction_status(engine: Engine, xid: int) -> str:
-    """What became of transaction ``xid``: "committed", "aborted" or "in progress" (PostgreSQL's
-    ``txid_status``; a transaction the server lost in a crash reads "aborted")."""
+def transaction_status(engine: Engine, txn: Transaction) -> str:
+    """What became of ``txn``: "committed", "aborted" or "in progress" (PostgreSQL's ``txid_status``; a
+    transaction the server lost in a crash reads "aborted"). One still in progress belongs to a session the
+    client lost (a partition: the server has not noticed): that session is ended, so the next ask settles it."""
     with engine.connect() as conn:
-        status = conn.execute(text("SELECT txid_status(:xid)"), {"xid": xid}).scalar_one()
+        status = conn.execute(text("SELECT txid_status(:xid)"), {"xid": txn.xid}).scalar_one()
+        if status == "in progress":
+            conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": txn.backend_pid})
+            conn.commit()
     return str(status) if status is not None else "aborted"

@@ -268,15 +268,15 @@ class WriterThread:
             return True
         engine = self.ledger.engine
         try:
-            if batch.xid is not None:  # the last attempt was cut off: did its COMMIT land?
-                status = transaction_status(engine, batch.xid)
+            if batch.txn is not None:  # the last attempt was cut off: did its COMMIT land?
+                status = transaction_status(engine, batch.txn)
                 if status == "committed":
                     return True
-                if status == "in progress":  # the old session still holds it: ask again later
+                if status == "in progress":  # its lost session was just ended: ask again at the next try
                     return False
-                batch.xid = None
+                batch.txn = None
             with begin_write(engine) as conn:
-                batch.xid = transaction_id(conn)
+                batch.txn = transaction_id(conn)
                 for table in _TABLE_ORDER:
                     insert_rows(conn, table, batch.rows.get(table, ()), TUPLE_COLUMNS.get(table, ()))
                 for op in batch.ops:

@@ -35,6 +35,14 @@ class Cluster:
         """The test database, as a SQLAlchemy URL."""
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/fg_outage"
 
+    def new_database(self, name: str) -> str:
+        """Create an empty database ``name`` (a test's own, on a shared cluster); its SQLAlchemy URL."""
+        import psycopg
+
+        with psycopg.connect(host="127.0.0.1", port=self.port, user="postgres", autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')  # names come from the tests, not from input
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{name}"
+
     def _ctl(self, *args: str) -> None:
         opts = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off"
         cmd = [str(self.bindir / "pg_ctl"), "-D", str(self.root / "data"), "-o", opts, "-l", str(self.root / "log")]
@@ -66,10 +74,7 @@ def pg_cluster() -> Iterator[Cluster]:
     subprocess.run(_as_postgres(initdb), check=True, capture_output=True, timeout=60)
     cluster.start()
     try:
-        import psycopg
-
-        with psycopg.connect(host="127.0.0.1", port=cluster.port, user="postgres", autocommit=True) as conn:
-            conn.execute('CREATE DATABASE "fg_outage"')
+        cluster.new_database("fg_outage")
         yield cluster
     finally:
         with contextlib.suppress(subprocess.SubprocessError):

@@ -5,6 +5,7 @@ Every row recorded is found exactly once afterwards."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -20,10 +21,19 @@ from fallbackgate.ledger.writer import LedgerWriter
 from tests.pg_cluster import Cluster, pg_cluster
 
 
-@pytest.fixture(name="cluster")
-def cluster_fixture() -> Iterator[Cluster]:
+@pytest.fixture(name="shared_cluster", scope="module")
+def shared_cluster_fixture() -> Iterator[Cluster]:
     with pg_cluster() as cluster:
         yield cluster
+
+
+@pytest.fixture(name="url")
+def url_fixture(shared_cluster: Cluster) -> str:
+    """A fresh database on the module's cluster (running: every test that stops it starts it again)."""
+    return shared_cluster.new_database(f"fg_{next(_databases)}")
+
+
+_databases = itertools.count()
 
 
 def _record(writer: LedgerWriter, layers: range) -> None:
@@ -40,8 +50,9 @@ def _lost_connection() -> OperationalError:
     return OperationalError("COMMIT", {}, Exception("server closed the connection unexpectedly"), True)
 
 
-def test_writes_through_a_server_restart_land_exactly_once(cluster: Cluster) -> None:
-    with open_ledger(cluster.url) as ledger:
+def test_writes_through_a_server_restart_land_exactly_once(shared_cluster: Cluster, url: str) -> None:
+    cluster = shared_cluster
+    with open_ledger(url) as ledger:
         writer = LedgerWriter(ledger, flush_interval_s=0.02)
         writer.start_run(note="restart")
         done = threading.Event()
@@ -72,45 +83,58 @@ def test_writes_through_a_server_restart_land_exactly_once(cluster: Cluster) -> 
         assert _layers(ledger) == list(range(num_recorded[0]))  # none lost, none twice
 
 
-@contextlib.contextmanager
-def _failing_once(real, when: str, calls: list[str]):  # noqa: ANN001, ANN202 - wraps begin_write
+def _cut_off_once(real, when: str, calls: list[str], leaked: list):  # noqa: ANN001, ANN202 - wraps begin_write
+    """A begin_write whose first transaction is cut off: "after_commit" (committed, then the acknowledgement
+    is lost), "before_commit" (rolled back) or "in_progress" (the session stays open, its transaction too)."""
+
     @contextlib.contextmanager
     def begin_write(engine):  # noqa: ANN001, ANN202
-        first = not calls
+        is_first = not calls
         calls.append(when)
-        if first and when == "before_commit":
-            with real(engine) as conn:
-                yield conn
+        if is_first and when == "in_progress":
+            conn = engine.connect()
+            leaked.append(conn)
+            conn.begin()
+            yield conn
+            raise _lost_connection()
+        with real(engine) as conn:
+            yield conn
+            if is_first and when == "before_commit":
                 raise _lost_connection()  # inside the transaction: it rolls back
-        else:
-            with real(engine) as conn:
-                yield conn
-            if first:  # committed, and then the acknowledgement is lost
-                raise _lost_connection()
+        if is_first and when == "after_commit":
+            raise _lost_connection()
 
-    yield begin_write
+    return begin_write
 
 
-@pytest.mark.parametrize("when", ["after_commit", "before_commit"])
-def test_a_cut_off_batch_is_written_once(cluster: Cluster, monkeypatch: pytest.MonkeyPatch, when: str) -> None:
-    with open_ledger(cluster.url) as ledger:
+@pytest.mark.parametrize("when", ["after_commit", "before_commit", "in_progress"])
+def test_a_cut_off_batch_is_written_once(url: str, monkeypatch: pytest.MonkeyPatch, when: str) -> None:
+    with open_ledger(url) as ledger:
         writer = LedgerWriter(ledger, flush_interval_s=0.02)
         writer.start_run(note=when)
         calls: list[str] = []
-        with _failing_once(writer_thread.begin_write, when, calls) as fake:
-            monkeypatch.setattr(writer_thread, "begin_write", fake)
-            _record(writer, range(50))
-            writer.flush()
+        leaked: list = []
+        monkeypatch.setattr(writer_thread, "begin_write", _cut_off_once(writer_thread.begin_write, when, calls, leaked))
+        _record(writer, range(50))
+        writer.flush()
+        monkeypatch.undo()
         state = writer.buffer_state()
         writer.close()
-        assert len(calls) >= 1 and state.num_retries >= 1, (calls, state)
-        # after_commit: the retry asked txid_status and found it committed; before_commit: it wrote again
+        assert state.num_retries >= 1, state
+        # after_commit: asked (txid_status), found committed, not written again; before_commit: written again;
+        # in_progress: its session ended (pg_terminate_backend), then found aborted and written again
         assert len(calls) == (1 if when == "after_commit" else 2), calls
         assert _layers(ledger) == list(range(50))
+        if leaked:
+            with pytest.raises(OperationalError):  # the lost session was ended by the writer
+                leaked[0].execute(select(1))
+            with contextlib.suppress(Exception):
+                leaked[0].close()
 
 
-def test_the_buffer_bound_is_measured_and_reached(cluster: Cluster) -> None:
-    with open_ledger(cluster.url) as ledger:
+def test_the_buffer_bound_is_measured_and_reached(shared_cluster: Cluster, url: str) -> None:
+    cluster = shared_cluster
+    with open_ledger(url) as ledger:
         writer = LedgerWriter(ledger, flush_interval_s=0.02, buffer_bytes=50_000)
         writer.start_run(note="bound")
         cluster.stop()
