@@ -216,12 +216,13 @@ class WriterThread:
         while not stop and (remaining := deadline - time.monotonic()) > 0:
             try:
                 items: list[Any] = [self.queue.get(timeout=remaining)]
+                num_queued = 1
             except queue.Empty:
                 held = self.take_held()
-                if held:
-                    self.backlog.keep(self._drain([GroupMessage(held)], 0)[1])
-                continue
-            stop, batch = self._drain(items, 1)
+                if not held:
+                    continue
+                items, num_queued = [GroupMessage(held)], 0
+            stop, batch = self._drain(items, num_queued)
             self.backlog.keep(batch)
         if stop:
             time.sleep(max(0.0, deadline - time.monotonic()))

@@ -157,3 +157,18 @@ def test_the_buffer_bound_is_measured_and_reached(shared_cluster: Cluster, url: 
         assert _layers(ledger) == list(range(num))
         with ledger.engine.connect() as conn:
             assert conn.execute(select(func.count()).select_from(Calibration)).scalar_one() == num
+
+
+def test_close_while_the_server_is_away_waits_for_it_and_writes_everything(shared_cluster: Cluster, url: str) -> None:
+    with open_ledger(url) as ledger:
+        writer = LedgerWriter(ledger, flush_interval_s=0.02)
+        writer.start_run(note="close")
+        shared_cluster.stop()
+        _record(writer, range(30))
+        time.sleep(0.5)  # the first write has failed: the rows wait
+        assert writer.buffer_state().is_retrying
+        later = threading.Timer(1.5, shared_cluster.start)
+        later.start()
+        writer.close()  # the stop arrives during the outage: it waits, then writes
+        later.join()
+        assert _layers(ledger) == list(range(30))
