@@ -107,8 +107,11 @@ class Engine(BaselineAccess):
         request_class: str = "default",
         num_scored_tokens: int = 0,
         is_logits_kept: bool = True,
+        arrival_s: float | None = None,
     ) -> str:
         """Queue a request; returns its id (default: ``req-<n>`` for the n-th request accepted).
+
+        `arrival_s`: when the request arrived (``time.perf_counter``; default: now), what its TTFT counts from.
 
         `num_scored_tokens` = k > 0 keeps the prefill logits of the last k prompt positions; they come back as
         `RequestOutput.prompt_logits` [k, vocab] (teacher-forced scoring through the engine's own path).
@@ -121,6 +124,8 @@ class Engine(BaselineAccess):
         self.check_request(prompt_token_ids, params, request_id, num_scored_tokens)
         seq = Sequence(request_id, list(prompt_token_ids), params, request_class, is_logits_kept=is_logits_kept)
         seq.num_scored_tokens = num_scored_tokens
+        if arrival_s is not None:
+            seq.arrival_s = arrival_s
         seq.modeled_arrival_s = self.modeled_clock_s
         seed = params.seed if params.seed is not None else self.config.seed + self.num_added
         seq.generator = torch.Generator().manual_seed(seed)

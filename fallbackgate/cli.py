@@ -13,6 +13,7 @@ from fallbackgate.commands import (
     dashboard,
     gate,
     lmeval,
+    load,
     parity,
     plan,
     policy,
@@ -32,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fallbackgate", description="Honest MoE inference under memory pressure.")
     subparsers = parser.add_subparsers(dest="command", required=True)
     commands = (run, serve, plan, gate, audit, lmeval, dashboard, policy, parity, calibrate, sweep, verify, profile)
-    for module in (*commands, workload, trace, report):
+    for module in (*commands, workload, load, trace, report):
         module.add_parser(subparsers)
     return parser
 

@@ -34,6 +34,16 @@ WRITE_TRANSACTION = "fallbackgate_write"
 """Execution option: a SQLite transaction that will write starts with BEGIN IMMEDIATE (see begin_write)."""
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 _PG_UPGRADE_LOCK = 0x66_67_6C_65_64  # "fgled": advisory lock id held while upgrading
+# A server that stops answering (a network partition, no reset) fails a connection within about 10 s rather than
+# the kernel's minutes: the writer then keeps its batch and retries (ledger/retry.py).
+_PG_CONNECT_ARGS = {
+    "connect_timeout": 5,
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 10_000,  # milliseconds sent data may stay unacknowledged
+}
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
 
 
@@ -193,7 +203,7 @@ def _make_engine(url: URL, read_only: bool) -> Engine:
             if path is not None:
                 _check_sqlite_path(path, read_only)
             return _sqlite_engine(url, path, read_only)
-        connect_args = {"connect_timeout": 5} if url.get_backend_name() == "postgresql" else {}
+        connect_args = _PG_CONNECT_ARGS if url.get_backend_name() == "postgresql" else {}
         return create_engine(url, connect_args=connect_args, pool_pre_ping=True)
     except NoSuchModuleError:
         raise LedgerError(f"unknown database kind {url.drivername!r} in ledger URL") from None

@@ -3,7 +3,9 @@
 Callers put messages on a bounded queue (``put`` blocks only when it is full); one background thread
 (:mod:`fallbackgate.ledger.writer_thread`) turns them into rows and writes them with bulk inserts, one transaction
 per batch, every ``flush_interval_s`` or as soon as ``batch_size`` rows are pending. A process killed mid-run leaves
-every batch committed so far and the run still "running" (reported as incomplete).
+every batch committed so far and the run still "running" (reported as incomplete). A PostgreSQL ledger that goes
+away (restarted, unreachable) for up to ``retry_s`` loses nothing: batches wait in memory, measured against
+``buffer_bytes``, and are written once, in order, when it answers again.
 
 The writer keeps references to the recorded messages until they are written: do not mutate them.
 """
@@ -23,6 +25,7 @@ from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger.arbitration_queries import fill_audited_costs
 from fallbackgate.ledger.audit_queue import add_tasks, served_rows
 from fallbackgate.ledger.audit_rows import verdict_row
+from fallbackgate.ledger.backlog import DEFAULT_BUFFER_BYTES, BufferState
 from fallbackgate.ledger.db import Ledger, LedgerError, begin_write
 from fallbackgate.ledger.models import (
     RUN_STATUSES,
@@ -37,6 +40,7 @@ from fallbackgate.ledger.models import (
     VerificationRow,
     utcnow,
 )
+from fallbackgate.ledger.retry import DEFAULT_RETRY_S
 from fallbackgate.ledger.rows import value, verification_rows
 from fallbackgate.ledger.writer_thread import (
     FLUSH,
@@ -65,6 +69,8 @@ class LedgerWriter:
         flush_interval_s: float = 0.2,
         max_queue: int = 10_000,
         handoff_steps: int = 16,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        retry_s: float = DEFAULT_RETRY_S,
     ) -> None:
         if ledger.read_only:
             raise LedgerError(f"ledger {ledger.display_url} was opened read-only; cannot write")
@@ -75,11 +81,27 @@ class LedgerWriter:
         self.run_id: int | None = None
         self._closed = False
         self._writer = WriterThread(
-            ledger, self._take_held, batch_size=batch_size, flush_interval_s=flush_interval_s, max_queue=max_queue
+            ledger,
+            self._take_held,
+            batch_size=batch_size,
+            flush_interval_s=flush_interval_s,
+            max_queue=max_queue,
+            buffer_bytes=buffer_bytes,
+            retry_s=retry_s,
         )
         atexit.register(self._close_at_exit)  # a normal interpreter exit still writes what was recorded
 
     # ---- caller side -------------------------------------------------------------------------
+    def buffer_state(self) -> BufferState:
+        """Where writes stand: retrying after a lost connection, and the measured bytes waiting."""
+        return self._writer.backlog.state()
+
+    @property
+    def is_buffer_full(self) -> bool:
+        """True while the rows waiting for an absent database reach ``buffer_bytes`` (a server then refuses
+        new requests rather than serve them unrecorded)."""
+        return self._writer.backlog.is_full
+
     def start_run(
         self,
         *,

@@ -1,7 +1,8 @@
 """The background half of :class:`fallbackgate.ledger.writer.LedgerWriter`: one thread drains a queue into batches.
 
 Each batch is written with bulk inserts in one transaction, every ``flush_interval_s`` or as soon as
-``batch_size`` rows are pending. A failure is kept and surfaced to the caller on its next call.
+``batch_size`` rows are pending. A lost connection is retried (see :class:`WriterThread`); any other failure
+is kept and surfaced to the caller on its next call.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, Table
+from sqlalchemy import Table
 
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.ledger.audit_rows import diff_rows
+from fallbackgate.ledger.backlog import DEFAULT_BUFFER_BYTES, Backlog, Batch, Op
 from fallbackgate.ledger.bulk import insert_rows
 from fallbackgate.ledger.db import Ledger, LedgerError, begin_write
 from fallbackgate.ledger.models import (
@@ -33,6 +35,7 @@ from fallbackgate.ledger.models import (
     VerdictRow,
     VerificationRow,
 )
+from fallbackgate.ledger.retry import DEFAULT_RETRY_S, is_transient, transaction_id, transaction_status
 from fallbackgate.ledger.rows import TUPLE_COLUMNS, Rows, request_row, step_rows
 
 _TABLE_ORDER: tuple[Table, ...] = tuple(
@@ -52,7 +55,6 @@ _TABLE_ORDER: tuple[Table, ...] = tuple(
         Calibration,
     )
 )
-Op = Callable[[Connection], None]
 
 
 @dataclasses.dataclass(slots=True)
@@ -132,7 +134,14 @@ FLUSH = FlushMessage()
 
 
 class WriterThread:
-    """Turns queued messages into rows and writes them in batches on a daemon thread."""
+    """Turns queued messages into rows and writes them in batches on a daemon thread.
+
+    A write that fails on a lost or refused connection (:func:`~fallbackgate.ledger.retry.is_transient`) is
+    kept with everything queued after it in a :class:`~fallbackgate.ledger.backlog.Backlog` and retried, in
+    order, with exponential backoff for up to ``retry_s``; a batch whose COMMIT was cut off is asked about
+    (its transaction id) before it is written again, so nothing is written twice. Any other failure, or an
+    outage past ``retry_s``, is kept and surfaced to the caller on its next call.
+    """
 
     def __init__(
         self,
@@ -142,6 +151,8 @@ class WriterThread:
         batch_size: int,
         flush_interval_s: float,
         max_queue: int,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        retry_s: float = DEFAULT_RETRY_S,
     ) -> None:
         self.ledger = ledger
         self.batch_size = batch_size
@@ -149,6 +160,7 @@ class WriterThread:
         self.take_held = take_held  # the caller's held steps, collected when the queue is quiet
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=max_queue)
         self.error: BaseException | None = None
+        self.backlog = Backlog(buffer_bytes, retry_s)
         self._sample_steps: dict[tuple[int, str], list[int]] = {}
         self._thread = threading.Thread(target=self._loop, name="ledger-writer", daemon=True)
         self._thread.start()
@@ -171,7 +183,10 @@ class WriterThread:
 
     def _loop(self) -> None:
         stop = False
-        while not stop:
+        while not stop or self.backlog:
+            if self.backlog:
+                stop = self._retry(stop)
+                continue
             try:
                 items: list[Any] = [self.queue.get(timeout=self.flush_interval_s)]
                 num_queued = 1
@@ -180,12 +195,52 @@ class WriterThread:
                 if not held:
                     continue
                 items, num_queued = [GroupMessage(held)], 0
-            stop, num_queued = self._drain(items, num_queued)
-            for _ in range(num_queued):
-                self.queue.task_done()
+            stop, batch = self._drain(items, num_queued)
+            if self._attempt(batch):
+                self._done(batch)
+            else:
+                self.backlog.keep(batch)
 
-    def _drain(self, items: list[Any], num_queued: int) -> tuple[bool, int]:
-        """Expand items (and whatever arrives within the flush interval) into one batch and write it."""
+    def _retry(self, stop: bool) -> bool:
+        """Wait out one backoff step (turning what arrives meanwhile into batches behind the backlog), then
+        write the backlog in order until a write fails again. Returns whether a stop has been queued."""
+        wait_s = self.backlog.backoff.failed()
+        if wait_s == float("inf"):  # away too long: fail for good, release whoever waits on a flush
+            self.error = self.error or LedgerError(
+                f"ledger {self.ledger.display_url} unreachable for {self.backlog.backoff.retry_s:.0f} s "
+                f"({self.backlog.last_error}); {self.backlog.num_bytes} bytes of rows not written"
+            )
+            while self.backlog:
+                self._done(self.backlog.pop())
+            self.backlog.backoff.succeeded()
+            return stop
+        deadline = time.monotonic() + wait_s
+        while not stop and (remaining := deadline - time.monotonic()) > 0:
+            try:
+                items: list[Any] = [self.queue.get(timeout=remaining)]
+                num_queued = 1
+            except queue.Empty:
+                held = self.take_held()
+                if not held:
+                    continue
+                items, num_queued = [GroupMessage(held)], 0
+            stop, batch = self._drain(items, num_queued)
+            self.backlog.keep(batch)
+        if stop:
+            time.sleep(max(0.0, deadline - time.monotonic()))
+        while self.backlog:
+            if not self._attempt(self.backlog.batches[0]):
+                return stop
+            self._done(self.backlog.pop())
+        self.backlog.backoff.succeeded()
+        return stop
+
+    def _done(self, batch: Batch) -> None:
+        for _ in range(batch.num_queued):
+            self.queue.task_done()
+
+    def _drain(self, items: list[Any], num_queued: int) -> tuple[bool, Batch]:
+        """Expand items (and whatever arrives within the flush interval) into one batch."""
         deadline = time.monotonic() + self.flush_interval_s
         rows: Rows = {}
         ops: list[Op] = []
@@ -207,21 +262,34 @@ class WriterThread:
                 num_queued += 1
             except queue.Empty:
                 break
-        self._write(rows, ops)
-        return stop, num_queued
+        return stop, Batch(rows, ops, num_queued)
 
-    def _write(self, rows: Rows, ops: list[Op]) -> None:
-        if not rows and not ops:
-            return
+    def _attempt(self, batch: Batch) -> bool:
+        """Write ``batch`` in one transaction: True when it is written (or failed for good: the error is
+        kept), False when the database was away and the batch must be tried again."""
+        if not batch.rows and not batch.ops:
+            return True
+        engine = self.ledger.engine
         try:
-            with begin_write(self.ledger.engine) as conn:
+            if batch.txn is not None:  # the last attempt was cut off: did its COMMIT land?
+                status = transaction_status(engine, batch.txn)
+                if status == "committed":
+                    return True
+                if status == "in progress":  # its lost session was just ended: ask again at the next try
+                    return False
+                batch.txn = None
+            with begin_write(engine) as conn:
+                batch.txn = transaction_id(conn)
                 for table in _TABLE_ORDER:
-                    insert_rows(conn, table, rows.get(table, ()), TUPLE_COLUMNS.get(table, ()))
-                for op in ops:
+                    insert_rows(conn, table, batch.rows.get(table, ()), TUPLE_COLUMNS.get(table, ()))
+                for op in batch.ops:
                     op(conn)
-        except Exception as exc:  # noqa: BLE001 - surfaced to the caller on its next call
-            if self.error is None:
-                self.error = exc
+        except Exception as exc:  # noqa: BLE001 - retried, or surfaced to the caller on its next call
+            if is_transient(exc, engine.dialect.name):
+                self.backlog.note_error(exc)
+                return False
+            self.error = self.error or exc
+        return True
 
     def _expand(self, item: Message, rows: Rows, ops: list[Op]) -> int:
         """Turn one message into pending rows or statements; returns how many."""

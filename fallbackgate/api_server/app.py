@@ -4,9 +4,10 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``"stream": tru
 events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text). Errors are OpenAI-shaped
 JSON (``{"error": {"message", "type", "param", "code"}}``); an unknown quality class is a 400 that lists
 the classes; a body over the limit is a 413 before it is read; a full admission queue is a 429 with
-``Retry-After``; a request past its time limit is a 504; with an API key, a /v1/ request without it is a
-401. Every response carries the request's ledger id, class and tag counts in ``fallbackgate``. What each
-request may ask is in :mod:`protocol`; how it is served, in :mod:`serving`.
+``Retry-After``, a full ledger buffer (the ledger away) a 503 with ``Retry-After``; a request past its
+time limit is a 504; with an API key, a /v1/ request without it is a 401. Every response carries the
+request's ledger id, class and tag counts in ``fallbackgate``. What each request may ask is in
+:mod:`protocol`; how it is served, in :mod:`serving`.
 """
 
 from __future__ import annotations
@@ -134,6 +135,8 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
     @app.get("/health")
     async def health() -> JSONResponse:
         body = {"status": "ok" if service.is_alive else "failed", "model": info.model_name, "run_id": info.run_id}
+        if service.recorder is not None:
+            body["ledger"] = dataclasses.asdict(service.recorder.writer.buffer_state())
         return JSONResponse(body, status_code=200 if service.is_alive else 503)
 
     @app.get("/v1/models")
@@ -143,9 +146,12 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         if service.recorder is not None and info.run_id is not None:  # audits the background workers finished
-            loop = asyncio.get_running_loop()
-            ledger = service.recorder.writer.ledger
-            await loop.run_in_executor(None, service.metrics.poll_audits, ledger, info.run_id)
+            state = service.recorder.writer.buffer_state()
+            service.metrics.on_ledger(state)
+            if not state.is_retrying:
+                loop = asyncio.get_running_loop()
+                ledger = service.recorder.writer.ledger
+                await loop.run_in_executor(None, service.metrics.poll_audits, ledger, info.run_id)
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions", response_model=None)

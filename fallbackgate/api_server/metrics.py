@@ -6,16 +6,19 @@ background workers wrote to the ledger (audited KL, gate failures). Times are me
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from sqlalchemy import select
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.messages import RequestOutput, StepResult
 from fallbackgate.engine.tags import ObjectKind, Tag
+from fallbackgate.ledger.backlog import BufferState
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.models import Request, RequestStatRow, VerdictRow
 
@@ -102,6 +105,21 @@ class ServerMetrics:
         self.gate_failures = Counter(
             "fallbackgate_gate_failures", "Audited requests the gate failed", ["request_class"], registry=r
         )
+        self.ledger_buffered = Gauge(
+            "fallbackgate_ledger_buffered_bytes", "Measured bytes of records waiting for an absent ledger", registry=r
+        )
+        self.ledger_buffer = Gauge(
+            "fallbackgate_ledger_buffer_bytes", "Records waiting at most before new requests get 503", registry=r
+        )
+        self.ledger_retrying = Gauge(
+            "fallbackgate_ledger_retrying", "1 while ledger writes fail and are retried, else 0", registry=r
+        )
+        self.ledger_outage = Gauge(
+            "fallbackgate_ledger_outage_seconds", "Seconds since the current ledger outage began", registry=r
+        )
+        self.ledger_retries = Gauge(
+            "fallbackgate_ledger_write_retries", "Ledger write attempts after a failure, since start", registry=r
+        )
         self._hits = self._misses = 0
         self._seen_stats: set[str] = set()
         self._seen_verdicts = 0
@@ -161,8 +179,21 @@ class ServerMetrics:
             self._slo_counts[(cls, name)] = (met + int(is_met), checked + 1)
             self.slo_attainment.labels(cls, name).set((met + int(is_met)) / (checked + 1))
 
+    def on_ledger(self, state: BufferState) -> None:
+        """The ledger writer's buffer and retries (see :class:`~fallbackgate.ledger.backlog.BufferState`)."""
+        self.ledger_buffered.set(state.buffered_bytes)
+        self.ledger_buffer.set(state.buffer_bytes)
+        self.ledger_retrying.set(int(state.is_retrying))
+        self.ledger_outage.set(state.outage_s)
+        self.ledger_retries.set(state.num_retries)
+
     def poll_audits(self, ledger: Ledger, run_id: int) -> None:
-        """Observe the audits and verdicts background workers wrote for this run since the last poll."""
+        """Observe the audits and verdicts background workers wrote for this run since the last poll (none
+        while the ledger does not answer: the next poll picks them up)."""
+        with contextlib.suppress(OperationalError, InterfaceError):
+            self._poll_audits(ledger, run_id)
+
+    def _poll_audits(self, ledger: Ledger, run_id: int) -> None:
         with self._lock, ledger.engine.connect() as conn:
             stats = conn.execute(
                 select(RequestStatRow.request_id, RequestStatRow.mean_kl, RequestStatRow.max_kl, Request.request_class)

@@ -7,7 +7,9 @@ audit worker (served logits and a task in the ledger, never an audit on the serv
 sampled tokens back to each handler's asyncio queue. Draining stops admissions, lets in-flight requests
 finish for a grace period, then ends the rest as interrupted (recorded as cancelled requests: what they
 had produced) and marks the run incomplete. Admission is bounded: beyond ``max_num_seqs`` running and
-``max_queued`` waiting requests a submission is refused (Overloaded) rather than queued.
+``max_queued`` waiting requests a submission is refused (Overloaded) rather than queued, and so is every new one
+while the ledger is away and the records waiting for it reach the writer's buffer bound (requests already admitted
+run on: nothing is served unrecorded).
 
 Between steps the loop also ends requests early, each leaving the engine with its KV freed: at the first
 occurrence of one of its stop strings (recorded as finished, its text cut before the stop), past its
@@ -33,17 +35,20 @@ from fallbackgate.engine.messages import RequestOutput
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.recording import RunRecorder
 
+LEDGER_RETRY_AFTER_S = 5  # Retry-After of a request refused while the ledger's buffer is full
+
 
 class Unavailable(RuntimeError):
     """The server is draining or its engine loop has stopped."""
 
 
 class Overloaded(RuntimeError):
-    """The admission queue is full: the client should retry later."""
+    """The admission queue is full, or the ledger's buffer is: the client should retry later."""
 
-    def __init__(self, message: str, retry_after_s: int) -> None:
+    def __init__(self, message: str, retry_after_s: int, status: int = 429) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s  # what the Retry-After header says
+        self.status = status  # 429: the queue is full; 503: the ledger is away and its buffer full
 
 
 @dataclasses.dataclass(slots=True)
@@ -140,6 +145,14 @@ class EngineService:
                 raise Unavailable("the server is shutting down")
             if not self.is_alive:
                 raise Unavailable(f"the engine loop has stopped: {self.error}")
+            if self.recorder is not None and self.recorder.writer.is_buffer_full:
+                state = self.recorder.writer.buffer_state()
+                raise Overloaded(
+                    f"the ledger is unreachable ({state.last_error}) and {state.buffered_bytes} bytes of records "
+                    f"wait for it (--ledger-buffer-mb); retry later",
+                    retry_after_s=LEDGER_RETRY_AFTER_S,
+                    status=503,
+                )
             running = self.engine.config.max_num_seqs
             if self._num_open + len(submissions) > running + self.max_queued:
                 raise Overloaded(

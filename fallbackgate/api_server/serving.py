@@ -116,7 +116,8 @@ class Responder:
             raise ApiError(503, str(exc), code="unavailable") from None
         except Overloaded as exc:
             retry = {"Retry-After": str(exc.retry_after_s)}
-            raise ApiError(429, str(exc), code="too_many_requests", headers=retry) from None
+            code = "too_many_requests" if exc.status == 429 else "ledger_unavailable"
+            raise ApiError(exc.status, str(exc), code=code, headers=retry) from None
         if body.stream:
             return StreamingResponse(self._stream(subs[0], route, is_chat), media_type="text/event-stream")
         replies = await self._collect(subs, request)

@@ -14,7 +14,8 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from sqlalchemy import Connection, update
 
@@ -30,9 +31,11 @@ from fallbackgate.ledger.audit_rows import diff_rows
 from fallbackgate.ledger.bulk import insert_rows
 from fallbackgate.ledger.db import Ledger, begin_write
 from fallbackgate.ledger.models import RequestStatRow, Run, VerificationRow
+from fallbackgate.ledger.retry import DEFAULT_RETRY_S, Backoff, is_transient
 from fallbackgate.ledger.rows import Rows, verification_rows
 
 POLL_S = 0.5  # wait between claims while other workers hold the remaining tasks
+T = TypeVar("T")
 
 
 def worker_name() -> str:
@@ -47,6 +50,7 @@ class WorkerStats:
     num_requests: int = 0  # request tasks completed
     num_runs: int = 0  # runs judged
     num_lost: int = 0  # tasks whose lease another worker took over before this one finished
+    num_reconnects: int = 0  # ledger calls retried after a lost or refused connection
 
 
 class _Heartbeat:
@@ -65,6 +69,9 @@ class _Heartbeat:
             except LeaseLost as exc:
                 self.lost = exc
                 return
+            except Exception as exc:  # a ledger away: renew at the next beat (the lease may outlast it)
+                if not is_transient(exc, self.ledger.engine.dialect.name):
+                    raise
 
     def __enter__(self) -> _Heartbeat:
         self.thread.start()
@@ -78,32 +85,54 @@ class _Heartbeat:
 class AuditWorker:
     """Claims and does audit tasks until none is left (or `max_tasks` are done)."""
 
-    def __init__(self, ledger: Ledger, lease_s: float = 60.0, run_id: int | None = None) -> None:
+    def __init__(
+        self, ledger: Ledger, lease_s: float = 60.0, run_id: int | None = None, retry_s: float = DEFAULT_RETRY_S
+    ) -> None:
         self.ledger, self.lease_s, self.run_id = ledger, lease_s, run_id
+        self.retry_s = retry_s  # how long the ledger may stay away before the worker gives up
         self.name = worker_name()
         self.engines: dict[tuple[str, str | None, int], BaselineEngine] = {}
         self.stats = WorkerStats()
 
     def run(self, max_tasks: int | None = None, follow: bool = False) -> WorkerStats:
         """Work until every task (of the run, when one was named) is done; with `follow`, also until the
-        named run has finished serving (a server keeps adding tasks)."""
+        named run has finished serving (a server keeps adding tasks). A ledger that goes away is waited for
+        (reconnecting with backoff, for up to `retry_s`); a task cut off by it is done again under the same
+        claim, whose fencing token keeps its result from being written twice."""
         num_done = 0
         while max_tasks is None or num_done < max_tasks:
-            held = audit_queue.claim(self.ledger, self.name, self.lease_s, self.run_id)
+            held = self._retrying(lambda: audit_queue.claim(self.ledger, self.name, self.lease_s, self.run_id))
             if held is None:
-                counts = audit_queue.task_counts(self.ledger, self.run_id)
-                is_serving = follow and self._is_serving()
+                counts = self._retrying(lambda: audit_queue.task_counts(self.ledger, self.run_id))
+                is_serving = follow and self._retrying(self._is_serving)
                 if not counts.get("pending") and not counts.get("claimed") and not is_serving:
                     break
                 time.sleep(POLL_S)  # the rest is held by others (or waits for their leases to expire)
                 continue
             try:
                 with _Heartbeat(self.ledger, held, self.lease_s):
-                    self.do(held)
+                    self._retrying(lambda: self.do(held))  # noqa: B023 - called at once, in this iteration
             except LeaseLost:
                 self.stats.num_lost += 1
             num_done += 1
         return self.stats
+
+    def _retrying(self, call: Callable[[], T]) -> T:
+        """``call()``, again after each lost or refused connection, with backoff, until `retry_s` passes."""
+        backoff = Backoff(self.retry_s)
+        while True:
+            try:
+                result = call()
+            except Exception as exc:
+                if not is_transient(exc, self.ledger.engine.dialect.name):
+                    raise
+                wait_s = backoff.failed()
+                if wait_s == float("inf"):
+                    raise
+                self.stats.num_reconnects += 1
+                time.sleep(wait_s)
+                continue
+            return result
 
     def _is_serving(self) -> bool:
         run = queries.get_run(self.ledger, self.run_id) if self.run_id is not None else None

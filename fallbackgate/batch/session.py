@@ -67,35 +67,59 @@ def run_prompts(
     is_progress_shown: bool = True,
     logits_kept_ids: Collection[str] | None = None,
 ) -> RunOutcome:
-    """Submit every prompt, step the engine until all finish, decode the outputs.
+    """Submit every prompt at its arrival time, step the engine until all finish, decode the outputs.
 
-    ``logits_kept_ids``: the requests whose full output logits are kept (those to be audited); None: all.
+    A prompt with ``arrival_s`` is submitted once the wall clock since the run's start reaches it (the engine
+    idles, sleeping, while nothing is due and nothing runs); one without arrives at the start. Its TTFT counts
+    from its arrival, so a request that arrives during a step waits for it on its own clock. Outputs come back
+    in prompt order. ``logits_kept_ids``: the requests whose full output logits are kept (those to be audited);
+    None: all.
     """
-    tokenizer = engine.tokenizer
-    stop_ids = tuple(i for i in (tokenizer.eos_token_id,) if i is not None)
-    for spec in specs:
-        params = SamplingParams(
-            max_new_tokens=spec.max_new_tokens or settings.max_new_tokens,
-            temperature=settings.temperature,
-            stop_token_ids=stop_ids,
-        )
-        is_kept = logits_kept_ids is None or spec.request_id in logits_kept_ids
-        rid = spec.request_id
-        engine.add_request(tokenizer.encode(spec.prompt), params, rid, spec.request_class, is_logits_kept=is_kept)
+    stop_ids = tuple(i for i in (engine.tokenizer.eos_token_id,) if i is not None)
+    due = sorted(specs, key=lambda spec: spec.arrival_s or 0.0)  # stable: equal arrivals keep file order
     total = sum(spec.max_new_tokens or settings.max_new_tokens for spec in specs)
     steps: list[StepResult] = []
+    num_submitted = 0
     started = time.perf_counter()
     with tqdm(total=total, disable=not is_progress_shown, unit="tok", desc="decoding") as bar:
-        while engine.has_unfinished():
+        while num_submitted < len(due) or engine.has_unfinished():
+            now = time.perf_counter()
+            while num_submitted < len(due) and (arrival := started + (due[num_submitted].arrival_s or 0.0)) <= now:
+                _submit(engine, due[num_submitted], settings, stop_ids, logits_kept_ids, arrival)
+                num_submitted += 1
+            if not engine.has_unfinished():  # idle until the next arrival
+                time.sleep(max(0.0, started + (due[num_submitted].arrival_s or 0.0) - time.perf_counter()))
+                continue
             result = engine.step()
             steps.append(result)
             if on_step is not None:
                 on_step(engine.last_plan, result)
             bar.update(len(result.sampled_token_ids))
     outputs = [engine.finished.pop(s.request_id) for s in specs]
-    texts = [tokenizer.decode(o.output_token_ids, skip_special_tokens=True) for o in outputs]
+    texts = [engine.tokenizer.decode(o.output_token_ids, skip_special_tokens=True) for o in outputs]
     wall_s = time.perf_counter() - started
     return RunOutcome(specs, outputs, texts, steps, wall_s, memory_summary(engine), engine.config.profile.name)
+
+
+def _submit(
+    engine: Engine,
+    spec: PromptSpec,
+    settings: RunSettings,
+    stop_ids: tuple[int, ...],
+    logits_kept_ids: Collection[str] | None,
+    arrival: float,
+) -> None:
+    """Tokenize ``spec`` and add it to the engine as having arrived at ``arrival`` (``time.perf_counter``)."""
+    params = SamplingParams(
+        max_new_tokens=spec.max_new_tokens or settings.max_new_tokens,
+        temperature=settings.temperature,
+        stop_token_ids=stop_ids,
+    )
+    is_kept = logits_kept_ids is None or spec.request_id in logits_kept_ids
+    token_ids = engine.tokenizer.encode(spec.prompt)
+    engine.add_request(
+        token_ids, params, spec.request_id, spec.request_class, is_logits_kept=is_kept, arrival_s=arrival
+    )
 
 
 def memory_summary(engine: Engine) -> dict[str, Any]:

@@ -10,7 +10,10 @@ cancelled request with what it had produced; the run marked incomplete), flush t
 over ``--max-body-mb`` get 413 before they are read; beyond ``--max-num-seqs`` running and ``--max-queued``
 waiting requests, new ones get 429 with ``Retry-After``. ``--request-timeout-s`` ends a request running longer
 (504); a client that disconnects ends its request; ``--api-key`` (or ``$FALLBACKGATE_API_KEY``) closes the
-/v1/ routes to requests without ``Authorization: Bearer KEY``.
+/v1/ routes to requests without ``Authorization: Bearer KEY``. A PostgreSQL ledger may go away (restart,
+network) for up to ``--ledger-retry-s``: serving goes on, records wait in memory and are written once when it
+returns; while they reach ``--ledger-buffer-mb`` new requests get 503 with ``Retry-After`` (admitted ones run
+on). Audit workers reconnect.
 
 Exit status: 0 after a clean shutdown, 2 for bad arguments, policy, model or ledger.
 """
@@ -29,12 +32,15 @@ from fallbackgate.assembly import Assembly, Overrides, assemble, no_policy
 from fallbackgate.batch.prompts import PromptsFileError
 from fallbackgate.batch.session import memory_summary
 from fallbackgate.engine.errors import EngineError
+from fallbackgate.ledger.backlog import DEFAULT_BUFFER_BYTES
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
+from fallbackgate.ledger.retry import DEFAULT_RETRY_S
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.apply import policy_from_args
 
 DEFAULT_AUDIT_RATE = 0.1  # without a policy file (a policy's audit.sample_rate otherwise)
 API_KEY_VAR = "FALLBACKGATE_API_KEY"  # the key, kept off the command line
+DEFAULT_LEDGER_BUFFER_MB = DEFAULT_BUFFER_BYTES / 2**20
 DEFAULT_MAX_QUEUED = 128  # requests waiting for a decode slot (each holds its prompt's token ids)
 
 
@@ -70,6 +76,19 @@ def add_parser(subparsers: Any) -> None:
         default=os.environ.get(API_KEY_VAR),
         help=f"require 'Authorization: Bearer KEY' on /v1/ routes (default: ${API_KEY_VAR}; none: open)",
     )
+    p.add_argument(
+        "--ledger-buffer-mb",
+        type=float,
+        default=DEFAULT_LEDGER_BUFFER_MB,
+        help="records held in memory while the ledger is away, measured; at this bound new requests get 503 "
+        f"with Retry-After, admitted ones run on (default {DEFAULT_LEDGER_BUFFER_MB:g})",
+    )
+    p.add_argument(
+        "--ledger-retry-s",
+        type=float,
+        default=DEFAULT_RETRY_S,
+        help=f"seconds the ledger may stay away before the server fails (default {DEFAULT_RETRY_S:g})",
+    )
     p.add_argument("--device-budget-mb", type=float, default=None)
     p.add_argument("--host-budget-mb", type=float, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together at most")
@@ -97,6 +116,10 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--grace-s must be 0..3600, got {args.grace_s}")
     if not 0 <= args.max_queued <= 1_000_000:
         raise ValueError(f"--max-queued must be 0..1000000, got {args.max_queued}")
+    if not 0.01 <= args.ledger_buffer_mb <= 65536:
+        raise ValueError(f"--ledger-buffer-mb must be 0.01..65536, got {args.ledger_buffer_mb}")
+    if not 1.0 <= args.ledger_retry_s <= 86400:
+        raise ValueError(f"--ledger-retry-s must be 1..86400, got {args.ledger_retry_s}")
     if not 0.001 <= args.max_body_mb <= 1024:
         raise ValueError(f"--max-body-mb must be 0.001..1024, got {args.max_body_mb}")
     if args.request_timeout_s is not None and not 0.0 < args.request_timeout_s <= 86_400.0:
@@ -111,7 +134,11 @@ def _setup(args: argparse.Namespace) -> tuple[Assembly, LedgerWriter | None, flo
     if is_unaudited:
         args.audit_rate = None
     policy = policy_from_args(args, no_policy(audit={"sample_rate": DEFAULT_AUDIT_RATE}))
-    writer = None if args.no_ledger else LedgerWriter(open_ledger(policy.ledger.url))
+    buffer_bytes = int(args.ledger_buffer_mb * 2**20)
+    writer = None
+    if not args.no_ledger:
+        ledger = open_ledger(policy.ledger.url)
+        writer = LedgerWriter(ledger, buffer_bytes=buffer_bytes, retry_s=args.ledger_retry_s)
     overrides = Overrides(max_new_tokens=16, seed=args.seed, dtype=args.dtype)  # tokens: per request in the body
     name = pathlib.Path(args.policy).stem if args.policy is not None else None
     try:
