@@ -6,7 +6,7 @@ view keeps its sources in private slots and hands none of them out.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from fallbackgate.engine.controller import KVBlockInfo
 from fallbackgate.engine.experts.quant import lowbit_expert_nbytes
@@ -137,12 +137,18 @@ class LiveView:
     def num_kv_tokens(self, request_id: str) -> int:
         return self._kv.num_tokens.get(request_id, 0)
 
-    def off_device_kv_blocks(self, request_id: str, layer: int, num_blocks: int) -> tuple[KVBlockInfo, ...]:
-        blocks = self._kv.blocks(request_id, layer)[:num_blocks]
-        return tuple(block_info(b) for b in blocks if b.device is None)
+    def off_device_kv_blocks(self, request_id: str, num_blocks: int) -> tuple[KVBlockInfo, ...]:
+        return tuple(block_info(b) for b in self._kv.off_device_blocks(request_id, num_blocks))
 
     def device_kv_blocks(self) -> tuple[KVBlockInfo, ...]:
         return tuple(block_info(b) for b in self._kv.device_blocks())
+
+    @property
+    def kv_request_ids(self) -> tuple[str, ...]:
+        return tuple(self._kv.tables)
+
+    def device_kv_blocks_of(self, request_id: str) -> Iterator[KVBlockInfo]:
+        return (block_info(b) for b in self._kv.device_blocks_of(request_id))
 
     def staged_kv_tag(self, key: KVBlockKey) -> Tag | None:
         staged = self._kv.scratch.get(key)

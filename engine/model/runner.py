@@ -73,13 +73,12 @@ class ModelRunner:
         for seq, _ in chosen:
             start = seq.num_computed_tokens
             rebuild_from: int | None = None
-            for layer in range(kv.num_layers):
-                for block in kv.blocks(seq.request_id, layer)[: start // kv.block_size]:
-                    if block.device is None and block.key not in kv.scratch:
-                        tag = self._serve_block(step_id, seq, block, log, is_observe)
-                        if tag is Tag.RECOMPUTE:
-                            index = block.key[2]
-                            rebuild_from = index if rebuild_from is None else min(rebuild_from, index)
+            for block in kv.off_device_blocks(seq.request_id, start // kv.block_size):  # layer, then index
+                if block.key not in kv.scratch:
+                    tag = self._serve_block(step_id, seq, block, log, is_observe)
+                    if tag is Tag.RECOMPUTE:
+                        index = block.key[2]
+                        rebuild_from = index if rebuild_from is None else min(rebuild_from, index)
             if rebuild_from is not None:
                 self._recompute(step_id, seq, rebuild_from * kv.block_size, start, log, is_observe)
 
