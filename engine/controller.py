@@ -219,9 +219,10 @@ class ControllerView(Protocol):
         """Requests holding KV blocks, in the order `device_kv_blocks` lists their blocks."""
         ...
 
-    def device_kv_blocks_of(self, request_id: str) -> Iterator[KVBlockInfo]:
-        """The request's part of `device_kv_blocks`, in that order, walked lazily: snapshots are taken as
-        the caller reaches them, so one that stops after k blocks pays for about k."""
+    def device_kv_blocks_of(self, request_id: str, is_index_major: bool = False) -> Iterator[KVBlockInfo]:
+        """The request's part of `device_kv_blocks`, in that order (by layer, then index; `is_index_major`:
+        by index, then layer), walked lazily: snapshots are taken as the caller reaches them, so one that
+        stops after k blocks pays for about k."""
         ...
 
     def staged_kv_tag(self, key: KVBlockKey) -> Tag | None:

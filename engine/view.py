@@ -147,8 +147,8 @@ class LiveView:
     def kv_request_ids(self) -> tuple[str, ...]:
         return tuple(self._kv.tables)
 
-    def device_kv_blocks_of(self, request_id: str) -> Iterator[KVBlockInfo]:
-        return (block_info(b) for b in self._kv.device_blocks_of(request_id))
+    def device_kv_blocks_of(self, request_id: str, is_index_major: bool = False) -> Iterator[KVBlockInfo]:
+        return (block_info(b) for b in self._kv.device_blocks_of(request_id, is_index_major))
 
     def staged_kv_tag(self, key: KVBlockKey) -> Tag | None:
         staged = self._kv.scratch.get(key)

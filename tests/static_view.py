@@ -87,8 +87,9 @@ class StaticView:
     def kv_request_ids(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(b.key[0] for b in self.kv_blocks))
 
-    def device_kv_blocks_of(self, request_id: str) -> Iterator[KVBlockInfo]:
-        return (b for b in self.kv_blocks if b.is_on_device and b.key[0] == request_id)
+    def device_kv_blocks_of(self, request_id: str, is_index_major: bool = False) -> Iterator[KVBlockInfo]:
+        mine = [b for b in self.kv_blocks if b.is_on_device and b.key[0] == request_id]
+        return iter(sorted(mine, key=lambda b: (b.key[2], b.key[1])) if is_index_major else mine)
 
     def staged_kv_tag(self, key: KVBlockKey) -> Tag | None:
         return self.staged_kv_tags.get(key)

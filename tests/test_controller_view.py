@@ -219,7 +219,7 @@ def test_controllers_run_against_a_view_without_an_engine() -> None:
     assert isinstance(joint.on_step_end(view), StepEndActions)
     lru = ExactLRUController()
     lru.on_step_end(view)
-    first = lru.choose_victims(1 << 20, view, set(), set())[0]
+    first = next(iter(lru.choose_victims(1 << 20, view, set(), set())))
     assert first.expert_key == (0, 5)  # never used: least recently used of all
     split = StaticSplitController(0.5)
     evicted = split.on_step_end(view).evict_experts  # experts hold 6 of the 8 MiB, their share is 4

@@ -86,13 +86,18 @@ class KVStore(KVCopies):
     def device_blocks(self) -> list[KVBlock]:
         return [b for table in self.tables.values() for blocks in table for b in blocks if b.device is not None]
 
-    def device_blocks_of(self, request_id: str) -> Iterator[KVBlock]:
-        """The request's device blocks in `device_blocks` order (layer, then index), walked lazily: a caller
-        that stops after k blocks walks about k blocks (those off device are skipped as met)."""
-        for blocks in self.tables.get(request_id, ()):
-            for block in blocks:
-                if block.device is not None:
-                    yield block
+    def device_blocks_of(self, request_id: str, is_index_major: bool = False) -> Iterator[KVBlock]:
+        """The request's device blocks in `device_blocks` order (layer, then index; `is_index_major`: index,
+        then layer), walked lazily: a caller that stops after k blocks walks about k blocks (those off device
+        are skipped as met)."""
+        table = self.tables.get(request_id, [])
+        if not is_index_major:
+            yield from (block for blocks in table for block in blocks if block.device is not None)
+            return
+        for index in range(max((len(blocks) for blocks in table), default=0)):
+            for blocks in table:
+                if index < len(blocks) and blocks[index].device is not None:
+                    yield blocks[index]
 
     def off_device_blocks(self, request_id: str, num_blocks: int) -> list[KVBlock]:
         """The request's off-device blocks with index below `num_blocks`, by layer then index, from the
