@@ -19,7 +19,7 @@ import torch
 
 from fallbackgate.engine.device_pool import Scratch, TierPool
 from fallbackgate.engine.errors import ChecksumError, EngineError
-from fallbackgate.engine.kv.block import KVBlock, KVBlockKey, SpillMode, Staged
+from fallbackgate.engine.kv.block import KVBlock, KVBlockKey, RequestBlockKeys, SpillMode, Staged
 from fallbackgate.engine.kv.codec import dequantize_kv, quant_to, read_quant
 from fallbackgate.engine.kv.copies import KVCopies
 from fallbackgate.engine.kv.spill import SpillDir
@@ -78,10 +78,10 @@ class KVStore(KVCopies):
     def blocks(self, request_id: str, layer: int) -> list[KVBlock]:
         return self.tables[request_id][layer]
 
-    def block_keys(self, request_ids: list[str]) -> set[KVBlockKey]:
-        """Every block of every layer of these requests (those without a table have none)."""
-        tables = self.tables
-        return {b.key for rid in request_ids if rid in tables for blocks in tables[rid] for b in blocks}
+    def block_keys(self, request_ids: list[str]) -> RequestBlockKeys:
+        """Every block of every layer of these requests (those without a table have none), as a set-like
+        container built in O(len(request_ids))."""
+        return RequestBlockKeys(frozenset(rid for rid in request_ids if rid in self.tables))
 
     def device_blocks(self) -> list[KVBlock]:
         return [b for table in self.tables.values() for blocks in table for b in blocks if b.device is not None]

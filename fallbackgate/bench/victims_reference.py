@@ -147,3 +147,9 @@ def off_device_walk(kv: KVStore, request_id: str, num_blocks: int) -> list[KVBlo
         for block in kv.blocks(request_id, layer)[:num_blocks]
         if block.device is None
     ]
+
+
+def block_keys(kv: KVStore, request_ids: list[str]) -> set[KVBlockKey]:
+    """`KVStore.block_keys` before: a set of every key of every block of the requests (the step's pin)."""
+    tables = kv.tables
+    return {b.key for rid in request_ids if rid in tables for blocks in tables[rid] for b in blocks}
