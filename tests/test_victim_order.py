@@ -6,6 +6,7 @@ agree with full walks of its tables through appends, spills, promotions and free
 from __future__ import annotations
 
 import itertools
+import json
 import pathlib
 import random
 
@@ -209,3 +210,17 @@ def test_a_lazy_walk_survives_spilling_what_it_yielded(tmp_path: pathlib.Path) -
         kv.spill_block(block, SpillMode.DROP)
     assert taken == before and kv.device_blocks() == []
     assert kv.off_device_blocks("r", 100) == ref.off_device_walk(kv, "r", 100)
+
+
+def test_the_cost_benchmark_runs_and_compares_old_and_new(tmp_path: pathlib.Path) -> None:
+    """The smallest size of `bench.controller_cost`: every row timed, the selections checked equal inside."""
+    from fallbackgate.bench import controller_cost
+
+    out = tmp_path / "cost.json"
+    assert controller_cost.main(["--json", str(out), "--sizes", "1k", "--reps", "1"]) == 0
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["num_objects"] == result["num_device_experts"] + result["num_device_kv_blocks"] > 500
+    assert set(result["choose_victims"]) == {"joint", "exact_lru", "independent_lru", "static_split"}
+    for row in result["choose_victims"].values():
+        assert row["old_s"] > 0 and row["new_k8_s"] > 0 and row["ratio_k8"] == row["old_s"] / row["new_k8_s"]
+    assert set(result["per_step"]) == {"step_pin", "runner_kv_walk", "joint_kv_queue", "joint_rebalance"}

@@ -235,25 +235,29 @@ def step_rows(view: BenchView, joint: JointController, reps: int) -> dict[str, d
 
 
 def measure(size: str, reps: int, spill_dir: pathlib.Path) -> dict[str, Any]:
+    """Build one size's state and time every row on it."""
     started = time.perf_counter()
     view, joint, pinned = build_state(size, spill_dir, random.Random(0))
     built_s = time.perf_counter() - started
     gc.collect()
     gc.freeze()  # the state's ~10^5-10^6 objects out of the collector's reach: time the selections, not gen-2 scans
-    num_experts = len(view.device_expert_keys())
-    num_blocks = len(view.kv.device_blocks())
-    return {
-        "size": size,
-        "num_device_experts": num_experts,
-        "num_device_kv_blocks": num_blocks,
-        "num_objects": num_experts + num_blocks,
-        "num_off_device_kv_blocks": sum(len(s) for s in view.kv.off_device.values()),
-        "num_requests": len(view.kv.tables),
-        "num_running": len(view.running_ids),
-        "build_s": built_s,
-        "choose_victims": victim_rows(view, joint, pinned, reps),
-        "per_step": step_rows(view, joint, reps),
-    }
+    try:
+        num_experts = len(view.device_expert_keys())
+        num_blocks = len(view.kv.device_blocks())
+        return {
+            "size": size,
+            "num_device_experts": num_experts,
+            "num_device_kv_blocks": num_blocks,
+            "num_objects": num_experts + num_blocks,
+            "num_off_device_kv_blocks": sum(len(s) for s in view.kv.off_device.values()),
+            "num_requests": len(view.kv.tables),
+            "num_running": len(view.running_ids),
+            "build_s": built_s,
+            "choose_victims": victim_rows(view, joint, pinned, reps),
+            "per_step": step_rows(view, joint, reps),
+        }
+    finally:
+        gc.unfreeze()
 
 
 def main(argv: list[str] | None = None) -> int:
