@@ -41,7 +41,7 @@ class LiveView:
     """Controllers' read-only view of a running engine (see the module docstring); each query is documented
     on :class:`~fallbackgate.engine.controller.ControllerView`."""
 
-    __slots__ = ("_experts", "_kv", "_profile", "_scheduler", "_sequences", "_uses")
+    __slots__ = ("_experts", "_kv", "_num_experts", "_profile", "_scheduler", "_sequences", "_uses")
 
     def __init__(
         self,
@@ -54,6 +54,7 @@ class LiveView:
     ) -> None:
         self._experts, self._kv, self._profile = expert_store, kv_store, profile
         self._sequences, self._scheduler, self._uses = sequences, scheduler, uses
+        self._num_experts = len({e for _, e in expert_store.entries})  # the store's entries are fixed at its build
 
     @property
     def profile(self) -> HardwareProfile:
@@ -96,7 +97,7 @@ class LiveView:
 
     @property
     def num_experts(self) -> int:
-        return len({e for _, e in self._experts.entries})
+        return self._num_experts
 
     @property
     def compute_dtype(self) -> str:
