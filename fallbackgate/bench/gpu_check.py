@@ -140,9 +140,7 @@ def run_accelerate(args: argparse.Namespace, prompts: list[list[int]], budget: i
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_pretrained(
-            args.model,
-            dtype=torch.bfloat16,
-            device_map="auto" if device.type == "cuda" else "cpu",
+            args.model, dtype=torch.bfloat16, device_map="auto" if device.type == "cuda" else "cpu",
             max_memory=max_memory,
         ).eval()
     width = max(map(len, prompts))
@@ -152,11 +150,7 @@ def run_accelerate(args: argparse.Namespace, prompts: list[list[int]], budget: i
     started = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=args.new_tokens,
-            do_sample=False,
-            pad_token_id=0,
+            ids, attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0,
             eos_token_id=None,
         )
     _synchronize(device)
