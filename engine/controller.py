@@ -1,14 +1,16 @@
 """The small interface the engine consults each step. Controllers (in `fallbackgate`) implement it.
 
 The engine reports what is possible and what it costs; a controller decides. Controllers read the engine's
-state only through a :class:`ControllerView`: queries that return plain values and immutable snapshots,
-never a store, so a view can as well be served from a recorded trace as from a live engine.
+state only through a :class:`ControllerView`: queries that return plain values and immutable snapshots (or,
+where a caller may stop early, a lazy walk that yields them), never a store, so a view can as well be served
+from a recorded trace as from a live engine.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Container, Iterable, Iterator
 from typing import NamedTuple, Protocol
 
 from fallbackgate.engine.experts.reader import ExpertKey
@@ -203,12 +205,25 @@ class ControllerView(Protocol):
         """Positions of the request written into KV blocks (0 when it has none)."""
         ...
 
-    def off_device_kv_blocks(self, request_id: str, layer: int, num_blocks: int) -> tuple[KVBlockInfo, ...]:
-        """Snapshots of those of the request's first `num_blocks` blocks in `layer` that are not on device."""
+    def off_device_kv_blocks(self, request_id: str, num_blocks: int) -> tuple[KVBlockInfo, ...]:
+        """Snapshots of those of the request's first `num_blocks` blocks of every layer that are not on
+        device, by layer then index, from a maintained index: the cost follows the request's off-device
+        blocks, not its length."""
         ...
 
     def device_kv_blocks(self) -> tuple[KVBlockInfo, ...]:
         """Snapshots of every KV block on device now."""
+        ...
+
+    @property
+    def kv_request_ids(self) -> tuple[str, ...]:
+        """Requests holding KV blocks, in the order `device_kv_blocks` lists their blocks."""
+        ...
+
+    def device_kv_blocks_of(self, request_id: str, is_index_major: bool = False) -> Iterator[KVBlockInfo]:
+        """The request's part of `device_kv_blocks`, in that order (by layer, then index; `is_index_major`:
+        by index, then layer), walked lazily: snapshots are taken as the caller reaches them, so one that
+        stops after k blocks pays for about k."""
         ...
 
     def staged_kv_tag(self, key: KVBlockKey) -> Tag | None:
@@ -239,9 +254,15 @@ class Controller(abc.ABC):
 
     @abc.abstractmethod
     def choose_victims(
-        self, num_bytes: int, view: ControllerView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
-    ) -> list[Victim]:
-        """Objects to take off device so that `num_bytes` more fit; may return fewer than needed."""
+        self,
+        num_bytes: int,
+        view: ControllerView,
+        pinned_experts: Container[ExpertKey],
+        pinned_kv: Container[KVBlockKey],
+    ) -> Iterable[Victim]:
+        """Objects to take off device so that `num_bytes` more fit, best victim first; may yield fewer than
+        needed. The engine takes victims in order only until enough is free, so the result may be lazy (a
+        generator over the controller's priority structures); it reads the view as it goes."""
 
     def on_step_start(self, plan: StepPlan, view: ControllerView) -> None:  # noqa: B027 - optional hook
         """Called before each step's forward pass."""

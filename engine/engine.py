@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 
 import torch
 from tqdm.auto import tqdm
@@ -391,7 +391,7 @@ class Engine(BaselineAccess):
 
     # --- memory pressure -----------------------------------------------------------------------
     def _make_room_for_kv(
-        self, num_bytes: int, pinned: set[KVBlockKey], is_done: Callable[[], bool], is_kv_only: bool
+        self, num_bytes: int, pinned: Container[KVBlockKey], is_done: Callable[[], bool], is_kv_only: bool
     ) -> bool:
         if not is_kv_only and self.executor.make_room(num_bytes, pinned_kv=pinned, is_done=is_done):
             return True  # experts or KV, as the controller chose

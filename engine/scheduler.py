@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.device_pool import Scratch
 from fallbackgate.engine.errors import BudgetError
-from fallbackgate.engine.kv.store import KVBlockKey, KVStore, Staged
+from fallbackgate.engine.kv.store import KVBlockKey, KVStore, RequestBlockKeys, Staged
 from fallbackgate.engine.messages import StepKind, StepPlan
 from fallbackgate.engine.sequence import Sequence, SequenceStatus
 from fallbackgate.engine.tags import ObjectKind
 
 # (bytes needed, pinned KV blocks, condition that says "enough", only KV may go) -> whether it became true
-RoomMaker = Callable[[int, set[KVBlockKey], Callable[[], bool], bool], bool]
+RoomMaker = Callable[[int, Container[KVBlockKey], Callable[[], bool], bool], bool]
 
 
 class Scheduler:
@@ -210,7 +210,7 @@ class Scheduler:
 
     def _pinned_tails(
         self, chosen: list[tuple[Sequence, int]], seq: Sequence, is_whole_pinned: bool = True
-    ) -> set[KVBlockKey]:
+    ) -> RequestBlockKeys:
         """Blocks that must stay on device: every running tail, and (`is_whole_pinned`) every block of this
         step's requests (spilling one would only move its bytes from a slot to the step's staging scratch;
         with per-layer staging it frees room for all the layers but the one being read)."""

@@ -6,7 +6,7 @@ view keeps its sources in private slots and hands none of them out.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from fallbackgate.engine.controller import KVBlockInfo
 from fallbackgate.engine.experts.quant import lowbit_expert_nbytes
@@ -42,7 +42,7 @@ class LiveView:
     """Controllers' read-only view of a running engine (see the module docstring); each query is documented
     on :class:`~fallbackgate.engine.controller.ControllerView`."""
 
-    __slots__ = ("_experts", "_io", "_kv", "_profile", "_scheduler", "_sequences", "_uses")
+    __slots__ = ("_experts", "_io", "_kv", "_num_experts", "_profile", "_scheduler", "_sequences", "_uses")
 
     def __init__(
         self,
@@ -57,6 +57,7 @@ class LiveView:
         self._experts, self._kv, self._profile = expert_store, kv_store, profile
         self._sequences, self._scheduler, self._uses = sequences, scheduler, uses
         self._io = io
+        self._num_experts = len({e for _, e in expert_store.entries})  # the store's entries are fixed at its build
 
     def io_snapshot(self) -> IOSnapshot:
         return self._io.snapshot() if self._io is not None else EMPTY_SNAPSHOT
@@ -102,7 +103,7 @@ class LiveView:
 
     @property
     def num_experts(self) -> int:
-        return len({e for _, e in self._experts.entries})
+        return self._num_experts
 
     @property
     def compute_dtype(self) -> str:
@@ -143,12 +144,18 @@ class LiveView:
     def num_kv_tokens(self, request_id: str) -> int:
         return self._kv.num_tokens.get(request_id, 0)
 
-    def off_device_kv_blocks(self, request_id: str, layer: int, num_blocks: int) -> tuple[KVBlockInfo, ...]:
-        blocks = self._kv.blocks(request_id, layer)[:num_blocks]
-        return tuple(block_info(b) for b in blocks if b.device is None)
+    def off_device_kv_blocks(self, request_id: str, num_blocks: int) -> tuple[KVBlockInfo, ...]:
+        return tuple(block_info(b) for b in self._kv.off_device_blocks(request_id, num_blocks))
 
     def device_kv_blocks(self) -> tuple[KVBlockInfo, ...]:
         return tuple(block_info(b) for b in self._kv.device_blocks())
+
+    @property
+    def kv_request_ids(self) -> tuple[str, ...]:
+        return tuple(self._kv.tables)
+
+    def device_kv_blocks_of(self, request_id: str, is_index_major: bool = False) -> Iterator[KVBlockInfo]:
+        return (block_info(b) for b in self._kv.device_blocks_of(request_id, is_index_major))
 
     def staged_kv_tag(self, key: KVBlockKey) -> Tag | None:
         staged = self._kv.scratch.get(key)

@@ -4,7 +4,7 @@ what a controller sees when it is driven from synthetic misses (and, later, from
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 
 from fallbackgate.engine.controller import KVBlockInfo
@@ -78,12 +78,20 @@ class StaticView:
     def num_kv_tokens(self, request_id: str) -> int:
         return self.kv_tokens.get(request_id, 0)
 
-    def off_device_kv_blocks(self, request_id: str, layer: int, num_blocks: int) -> tuple[KVBlockInfo, ...]:
-        mine = [b for b in self.kv_blocks if b.key[:2] == (request_id, layer) and b.key[2] < num_blocks]
-        return tuple(b for b in sorted(mine, key=lambda b: b.key[2]) if not b.is_on_device)
+    def off_device_kv_blocks(self, request_id: str, num_blocks: int) -> tuple[KVBlockInfo, ...]:
+        mine = [b for b in self.kv_blocks if b.key[0] == request_id and b.key[2] < num_blocks]
+        return tuple(b for b in sorted(mine, key=lambda b: b.key[1:]) if not b.is_on_device)
 
     def device_kv_blocks(self) -> tuple[KVBlockInfo, ...]:
         return tuple(b for b in self.kv_blocks if b.is_on_device)
+
+    @property
+    def kv_request_ids(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(b.key[0] for b in self.kv_blocks))
+
+    def device_kv_blocks_of(self, request_id: str, is_index_major: bool = False) -> Iterator[KVBlockInfo]:
+        mine = [b for b in self.kv_blocks if b.is_on_device and b.key[0] == request_id]
+        return iter(sorted(mine, key=lambda b: (b.key[2], b.key[1])) if is_index_major else mine)
 
     def staged_kv_tag(self, key: KVBlockKey) -> Tag | None:
         return self.staged_kv_tags.get(key)

@@ -8,7 +8,7 @@ import inspect
 import pathlib
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import MappingProxyType
 from typing import Any
 
@@ -89,7 +89,8 @@ class ViewProbe(Controller):
             "expert_home": [view.expert_home(k) for k in keys],
             "num_kv_tokens": [view.num_kv_tokens(r) for r in rids],
             "quantized_bytes": [view.quantized_bytes(k, bits) for k in ObjectKind for bits in (8, 4)],
-            "off_device_kv_blocks": [view.off_device_kv_blocks(r, 0, 99) for r in view.running_ids],
+            "off_device_kv_blocks": [view.off_device_kv_blocks(r, 99) for r in view.running_ids],
+            "device_kv_blocks_of": [tuple(view.device_kv_blocks_of(r)) for r in view.kv_request_ids],
             "device_kv_blocks": blocks,
             "staged_kv_tag": [view.staged_kv_tag(k) for k in view.used_kv_block_keys],
             "kv_quant_error_energy": [view.kv_quant_error_energy(b.key) for b in blocks],
@@ -98,7 +99,10 @@ class ViewProbe(Controller):
         assert set(answers) == MEMBERS
         self.num_device_blocks += len(blocks)
         self.num_quant_copies += sum(
-            b.quant_tier is not None for r in view.running_ids for b in view.off_device_kv_blocks(r, 0, 99)
+            b.quant_tier is not None
+            for r in view.running_ids
+            for b in view.off_device_kv_blocks(r, 99)
+            if b.key[1] == 0
         )
         for name, value in answers.items():
             parts = value if isinstance(value, list) else [value]
@@ -110,7 +114,9 @@ class ViewProbe(Controller):
     def kv_action(self, miss: KVMiss) -> Decision:
         return self.inner.kv_action(miss)
 
-    def choose_victims(self, num_bytes: int, view: ControllerView, pinned_experts: set, pinned_kv: set) -> list[Victim]:
+    def choose_victims(
+        self, num_bytes: int, view: ControllerView, pinned_experts: set, pinned_kv: set
+    ) -> Iterable[Victim]:
         self.probe(view)
         return self.inner.choose_victims(num_bytes, view, pinned_experts, pinned_kv)
 
@@ -213,13 +219,13 @@ def test_controllers_run_against_a_view_without_an_engine() -> None:
     assert kv.tag is Tag.KV_DEQUANT and kv.predicted_cost == pytest.approx(joint.cost.kv_cost(0, 1e-3))
     expert = joint.expert_action(ExpertMiss(1, "r0", "c", 1, 3, 1, 0.2, Tier.HOST, view.bytes_per_expert, False, False))
     assert expert.tag is Tag.EXACT_LOAD
-    victims = joint.choose_victims(1 << 20, view, set(), set())
+    victims = list(joint.choose_victims(1 << 20, view, set(), set()))
     assert {v.expert_key for v in victims if v.expert_key} == {(0, 1), (1, 2), (0, 5)}
     assert {v.kv_block_key for v in victims if v.kv_block_key} == {("r0", 0, 0), ("idle", 0, 0)}
     assert isinstance(joint.on_step_end(view), StepEndActions)
     lru = ExactLRUController()
     lru.on_step_end(view)
-    first = lru.choose_victims(1 << 20, view, set(), set())[0]
+    first = next(iter(lru.choose_victims(1 << 20, view, set(), set())))
     assert first.expert_key == (0, 5)  # never used: least recently used of all
     split = StaticSplitController(0.5)
     evicted = split.on_step_end(view).evict_experts  # experts hold 6 of the 8 MiB, their share is 4

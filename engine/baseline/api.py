@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Container, Iterable
+
 import torch
 
 from fallbackgate.engine.baseline.access import BaselineAccess
@@ -59,10 +62,15 @@ class ExactController(Controller):
         return Decision(Tag.RECOMPUTE, reason="no full-precision copy")
 
     def choose_victims(
-        self, num_bytes: int, view: ControllerView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
-    ) -> list[Victim]:
-        experts = [Victim(expert_key=k) for k in view.device_expert_keys() if k not in pinned_experts]
-        return experts + [Victim(kv_block_key=b.key) for b in view.device_kv_blocks() if b.key not in pinned_kv]
+        self,
+        num_bytes: int,
+        view: ControllerView,
+        pinned_experts: Container[ExpertKey],
+        pinned_kv: Container[KVBlockKey],
+    ) -> Iterable[Victim]:
+        experts = (Victim(expert_key=k) for k in view.device_expert_keys() if k not in pinned_experts)
+        blocks = (b.key for rid in view.kv_request_ids for b in view.device_kv_blocks_of(rid))  # lazily
+        return itertools.chain(experts, (Victim(kv_block_key=k) for k in blocks if k not in pinned_kv))
 
 
 def build_baseline_engine(model_dir: str, dtype: str | None, block_size: int) -> Engine:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import torch
 from transformers.integrations.moe import grouped_mm_experts_forward
@@ -22,7 +22,7 @@ from fallbackgate.engine.experts.hook import (
 )
 from fallbackgate.engine.experts.store import ExpertKey, ExpertStore
 from fallbackgate.engine.hardware import HardwareProfile
-from fallbackgate.engine.kv.store import KVBlockKey, KVStore, SpillMode
+from fallbackgate.engine.kv.store import KVBlockKey, KVStore, RequestBlockKeys, SpillMode
 from fallbackgate.engine.step_context import StepContext, StepUses
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
@@ -308,12 +308,12 @@ class Executor:
             self.num_staged_bytes_held = 0
 
     # --- room on device ------------------------------------------------------------------------
-    def step_kv_keys(self) -> set[KVBlockKey]:
+    def step_kv_keys(self) -> RequestBlockKeys:
         """Every KV block of the requests in the current forward (they are read: never spilled now)."""
         return self.kv_store.block_keys(self.ctx.batch.request_ids if self.ctx is not None else [])
 
     def ensure_room(
-        self, num_bytes: int, what: str, *, pinned_kv: set[KVBlockKey] | None = None, is_kv_evictable: bool = True
+        self, num_bytes: int, what: str, *, pinned_kv: Container[KVBlockKey] | None = None, is_kv_evictable: bool = True
     ) -> None:
         """Free `num_bytes` of the device pool for a buffer (evicting as the controller chooses) or raise."""
         if self.expert_store.device_pool.can_reserve(num_bytes):
@@ -330,8 +330,8 @@ class Executor:
         self,
         num_bytes: int,
         *,
-        pinned_experts: set[ExpertKey] | None = None,
-        pinned_kv: set[KVBlockKey] | None = None,
+        pinned_experts: Container[ExpertKey] | None = None,
+        pinned_kv: Container[KVBlockKey] | None = None,
         is_kv_evictable: bool = True,
         is_done: Callable[[], bool] | None = None,
     ) -> bool:

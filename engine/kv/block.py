@@ -14,6 +14,24 @@ from fallbackgate.engine.tags import Tag, Tier
 KVBlockKey = tuple[str, int, int]  # (request_id, layer, block_index)
 
 
+class RequestBlockKeys:
+    """A set of KV block keys held as whole requests plus single keys: every block of `request_ids` (those
+    that exist, or are created while it is held) and each key added. Membership is O(1) and building it
+    walks no block table, so pinning a step's requests costs the number of requests, not of their blocks."""
+
+    __slots__ = ("keys", "request_ids")
+
+    def __init__(self, request_ids: frozenset[str] = frozenset()) -> None:
+        self.request_ids = request_ids  # requests whose every block is in the set
+        self.keys: set[KVBlockKey] = set()  # single keys added besides
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, tuple) and (key[0] in self.request_ids or key in self.keys)
+
+    def add(self, key: KVBlockKey) -> None:
+        self.keys.add(key)
+
+
 class SpillMode(str, enum.Enum):
     """Where and in which precision a block's copy is written when it leaves device."""
 

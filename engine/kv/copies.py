@@ -31,6 +31,7 @@ class KVCopies:
     device_slots: SlotTier | None
     host_slots: SlotTier | None
     tables: dict[str, list[list[KVBlock]]]
+    off_device: dict[str, set[tuple[int, int]]]  # request -> (layer, index) of its off-device blocks
 
     # --- slots ---------------------------------------------------------------------------------
     def _slot_tier(self, name: str, pool: TierPool, device: torch.device) -> SlotTier | None:
@@ -67,6 +68,7 @@ class KVCopies:
         layer = block.key[1]
         block.device_slot = self.device_slots.take(layer)
         block.device = self.device_slots.view(layer, block.device_slot)
+        self.off_device[block.key[0]].discard((layer, block.key[2]))
         if values is None:
             block.device.zero_()
         else:
@@ -76,6 +78,8 @@ class KVCopies:
         assert self.device_slots is not None and block.device_slot is not None
         self.device_slots.give_back(block.key[1], block.device_slot)
         block.device, block.device_slot = None, None
+        if block.key[0] in self.off_device:
+            self.off_device[block.key[0]].add((block.key[1], block.key[2]))
         self.device_pool.release(ObjectKind.KV_BLOCK, self.bytes_per_block)
 
     # --- spilling ------------------------------------------------------------------------------

@@ -13,11 +13,13 @@ how to bring it back, and make room before staging.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from fallbackgate.engine.device_pool import Scratch, TierPool
 from fallbackgate.engine.errors import ChecksumError, EngineError
-from fallbackgate.engine.kv.block import KVBlock, KVBlockKey, SpillMode, Staged
+from fallbackgate.engine.kv.block import KVBlock, KVBlockKey, RequestBlockKeys, SpillMode, Staged
 from fallbackgate.engine.kv.codec import dequantize_kv, quant_to, read_quant
 from fallbackgate.engine.kv.copies import KVCopies
 from fallbackgate.engine.kv.spill import SpillDir
@@ -53,12 +55,14 @@ class KVStore(KVCopies):
         self.device_slots = self._slot_tier("device", device_pool, device)
         self.host_slots = self._slot_tier("host", self.host_pool, torch.device("cpu"))
         self.tables: dict[str, list[list[KVBlock]]] = {}  # request -> layer -> blocks
+        self.off_device: dict[str, set[tuple[int, int]]] = {}  # request -> (layer, index) of its off-device blocks
         self.num_tokens: dict[str, int] = {}
         self.scratch: dict[KVBlockKey, Staged] = {}
 
     # --- block tables --------------------------------------------------------------------------
     def add_sequence(self, request_id: str) -> None:
         self.tables[request_id] = [[] for _ in range(self.num_layers)]
+        self.off_device[request_id] = set()
         self.num_tokens[request_id] = 0
 
     def free_sequence(self, request_id: str) -> None:
@@ -67,19 +71,42 @@ class KVStore(KVCopies):
             for block in blocks:
                 self._drop_copies(block, keep_device=False)
         self.num_tokens.pop(request_id, None)
+        self.off_device.pop(request_id, None)
         for key in [k for k in self.scratch if k[0] == request_id]:
             self._drop_scratch(key)
 
     def blocks(self, request_id: str, layer: int) -> list[KVBlock]:
         return self.tables[request_id][layer]
 
-    def block_keys(self, request_ids: list[str]) -> set[KVBlockKey]:
-        """Every block of every layer of these requests (those without a table have none)."""
-        tables = self.tables
-        return {b.key for rid in request_ids if rid in tables for blocks in tables[rid] for b in blocks}
+    def block_keys(self, request_ids: list[str]) -> RequestBlockKeys:
+        """Every block of every layer of these requests (those without a table have none), as a set-like
+        container built in O(len(request_ids))."""
+        return RequestBlockKeys(frozenset(rid for rid in request_ids if rid in self.tables))
 
     def device_blocks(self) -> list[KVBlock]:
         return [b for table in self.tables.values() for blocks in table for b in blocks if b.device is not None]
+
+    def device_blocks_of(self, request_id: str, is_index_major: bool = False) -> Iterator[KVBlock]:
+        """The request's device blocks in `device_blocks` order (layer, then index; `is_index_major`: index,
+        then layer), walked lazily: a caller that stops after k blocks walks about k blocks (those off device
+        are skipped as met)."""
+        table = self.tables.get(request_id, [])
+        if not is_index_major:
+            yield from (block for blocks in table for block in blocks if block.device is not None)
+            return
+        for index in range(max((len(blocks) for blocks in table), default=0)):
+            for blocks in table:
+                if index < len(blocks) and blocks[index].device is not None:
+                    yield blocks[index]
+
+    def off_device_blocks(self, request_id: str, num_blocks: int) -> list[KVBlock]:
+        """The request's off-device blocks with index below `num_blocks`, by layer then index, from the
+        maintained index: O(m log m) for its m off-device blocks, whatever its length."""
+        table = self.tables.get(request_id)
+        if table is None:
+            return []
+        places = sorted(p for p in self.off_device[request_id] if p[1] < num_blocks)
+        return [table[layer][index] for layer, index in places]
 
     def bytes_to_append(self, request_id: str, num_new_tokens: int) -> int:
         """Device bytes needed to append `num_new_tokens` (new blocks plus an off-device partial tail)."""
@@ -126,6 +153,7 @@ class KVStore(KVCopies):
             for index in range(used // self.block_size, num_blocks):
                 if index >= len(layer_blocks):
                     layer_blocks.append(KVBlock((request_id, layer, index)))
+                    self.off_device[request_id].add((layer, index))
                 block = layer_blocks[index]
                 if block.device is None:
                     staged = self._stage_exact(block) if block.num_tokens else None  # loaded into its slot

@@ -14,7 +14,7 @@ from fallbackgate.engine.errors import ChecksumError, EngineError
 from fallbackgate.engine.experts.executor import Executor
 from fallbackgate.engine.kv.layer_read import plan_layer_read, read_layer
 from fallbackgate.engine.kv.paged_cache import PagedCache
-from fallbackgate.engine.kv.store import KVBlock, Staged
+from fallbackgate.engine.kv.store import KVBlock, RequestBlockKeys, Staged
 from fallbackgate.engine.sequence import Sequence
 from fallbackgate.engine.step_context import EventLog, ForwardBatch, StepContext
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
@@ -48,7 +48,7 @@ class ModelRunner:
         self.cache = PagedCache(executor, num_layers)
         self.dense_flops_per_token = dense_flops_per_token  # 2 × dense parameters
         self.attn_flops_per_pair = attn_flops_per_pair  # per (query, key) pair, all layers
-        self.step_kv_keys: set[tuple[str, int, int]] = set()  # blocks the current step reads: never spilled
+        self.step_kv_keys = RequestBlockKeys()  # blocks the current step reads: never spilled
         self.is_per_layer = False  # the current step stages off-device KV layer by layer
         self.layer_plan: dict[tuple[str, int, int], ServePlan] = {}  # per-layer step: how each read is served
         self.layer_staging_s = 0.0  # wall seconds spent laying out per-layer K/V since the caller last reset it
@@ -73,13 +73,12 @@ class ModelRunner:
         for seq, _ in chosen:
             start = seq.num_computed_tokens
             rebuild_from: int | None = None
-            for layer in range(kv.num_layers):
-                for block in kv.blocks(seq.request_id, layer)[: start // kv.block_size]:
-                    if block.device is None and block.key not in kv.scratch:
-                        tag = self._serve_block(step_id, seq, block, log, is_observe)
-                        if tag is Tag.RECOMPUTE:
-                            index = block.key[2]
-                            rebuild_from = index if rebuild_from is None else min(rebuild_from, index)
+            for block in kv.off_device_blocks(seq.request_id, start // kv.block_size):  # layer, then index
+                if block.key not in kv.scratch:
+                    tag = self._serve_block(step_id, seq, block, log, is_observe)
+                    if tag is Tag.RECOMPUTE:
+                        index = block.key[2]
+                        rebuild_from = index if rebuild_from is None else min(rebuild_from, index)
             if rebuild_from is not None:
                 self._recompute(step_id, seq, rebuild_from * kv.block_size, start, log, is_observe)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
+from collections.abc import Container, Iterable, Iterator
 
 from fallbackgate.controllers.link import LinkBudget
 from fallbackgate.controllers.timing import cpu_expert_s, step_deadline_s
@@ -11,6 +13,7 @@ from fallbackgate.engine.controller import (
     ControllerView,
     Decision,
     ExpertMiss,
+    KVBlockInfo,
     KVMiss,
     StepEndActions,
     Victim,
@@ -39,33 +42,50 @@ class Recency:
             self.kv.pop(key, None)
             self.kv[key] = None
 
-    def experts_lru_first(self, view: ControllerView) -> list[ExpertKey]:
-        """Device experts, least recently used first (never-used ones first of all)."""
+    def experts_lru_first(self, view: ControllerView) -> Iterator[ExpertKey]:
+        """Device experts, least recently used first (never-used ones first of all), produced lazily."""
         on_device = view.device_expert_keys()
-        known, resident = set(self.experts), set(on_device)
-        return [k for k in on_device if k not in known] + [k for k in self.experts if k in resident]
+        yield from (k for k in on_device if k not in self.experts)
+        resident = set(on_device)
+        yield from (k for k in self.experts if k in resident)
 
-    def kv_lru_first(self, view: ControllerView) -> list[KVBlockKey]:
-        """Device KV blocks: blocks of requests not running first, then older blocks first."""
+    def kv_lru_first(self, view: ControllerView) -> Iterator[KVBlockKey]:
+        """Device KV blocks: blocks of requests not running first, then older blocks first — never-read
+        blocks by (index, layer, request order), then read ones by when they were last read — produced
+        lazily: a request's blocks are walked only as far as they are taken."""
         running = set(view.running_ids)
-        order = {k: i for i, k in enumerate(self.kv)}
-        blocks = sorted(
-            view.device_kv_blocks(), key=lambda b: (b.key[0] in running, order.get(b.key, -1), b.key[2], b.key[1])
-        )
-        return [b.key for b in blocks]
+        rids = view.kv_request_ids
+        for group in ([r for r in rids if r not in running], [r for r in rids if r in running]):
+            read: list[KVBlockKey] = []  # device blocks of the group read before, met during the walks
+            walks = [self._never_read(view.device_kv_blocks_of(rid, is_index_major=True), read) for rid in group]
+            yield from heapq.merge(*walks, key=lambda key: (key[2], key[1]))  # ties keep request order
+            if read:  # every walk is finished: `read` holds all of them
+                order = {k: i for i, k in enumerate(self.kv)}
+                yield from sorted(read, key=order.__getitem__)
+
+    def _never_read(self, walk: Iterator[KVBlockInfo], read: list[KVBlockKey]) -> Iterator[KVBlockKey]:
+        """The keys of `walk` never read, in order; the others are put in `read`."""
+        for block in walk:
+            if block.key in self.kv:
+                read.append(block.key)
+            else:
+                yield block.key
 
 
 def take_victims(
-    candidates: list[Victim], view: ControllerView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
-) -> list[Victim]:
-    """The candidates in order without pinned objects. The whole list is returned: the engine takes
-    victims in order only until enough is free, and skips KV victims when only experts may go."""
-    return [
+    candidates: Iterable[Victim],
+    view: ControllerView,
+    pinned_experts: Container[ExpertKey],
+    pinned_kv: Container[KVBlockKey],
+) -> Iterator[Victim]:
+    """The candidates in order without pinned objects, lazily. The engine takes victims in order only until
+    enough is free, and skips KV victims when only experts may go."""
+    return (
         v
         for v in candidates
         if (v.expert_key is not None and v.expert_key not in pinned_experts)
         or (v.kv_block_key is not None and v.kv_block_key not in pinned_kv)
-    ]
+    )
 
 
 def full_block_keys(view: ControllerView) -> set[KVBlockKey]:

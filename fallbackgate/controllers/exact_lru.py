@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Container, Iterable, Iterator
 
 from fallbackgate.controllers.base import Recency, full_block_keys, take_victims
 from fallbackgate.controllers.registry import ControllerKind, register_controller
@@ -65,11 +66,15 @@ class ExactLRUController(Controller):
         return Decision(Tag.RECOMPUTE, reason="only a quantized copy exists; exact-only policy rebuilds")
 
     def choose_victims(
-        self, num_bytes: int, view: ControllerView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
-    ) -> list[Victim]:
-        experts = [Victim(expert_key=k) for k in self.recency.experts_lru_first(view)]
-        blocks = [Victim(kv_block_key=k, spill_mode=self.kv_spill_mode) for k in self.recency.kv_lru_first(view)]
-        return take_victims(experts + blocks, view, pinned_experts, pinned_kv)
+        self,
+        num_bytes: int,
+        view: ControllerView,
+        pinned_experts: Container[ExpertKey],
+        pinned_kv: Container[KVBlockKey],
+    ) -> Iterator[Victim]:
+        experts = (Victim(expert_key=k) for k in self.recency.experts_lru_first(view))
+        blocks = (Victim(kv_block_key=k, spill_mode=self.kv_spill_mode) for k in self.recency.kv_lru_first(view))
+        return take_victims(itertools.chain(experts, blocks), view, pinned_experts, pinned_kv)
 
     def on_step_end(self, view: ControllerView) -> StepEndActions:
         self.recency.touch(view)

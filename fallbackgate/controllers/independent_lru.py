@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Container, Iterator
+
 from fallbackgate.controllers.base import ExactBaseline, take_victims
 from fallbackgate.controllers.registry import ControllerKind, register_controller
 from fallbackgate.engine.controller import ControllerView, Victim
@@ -15,8 +18,14 @@ class IndependentLRUController(ExactBaseline):
     expert loads evict the LRU experts. No value comparison between the two sides."""
 
     def choose_victims(
-        self, num_bytes: int, view: ControllerView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
-    ) -> list[Victim]:
-        ordered = [self.kv_victim(k) for k in self.recency.kv_lru_first(view)]
-        ordered += [Victim(expert_key=k) for k in self.recency.experts_lru_first(view)]
+        self,
+        num_bytes: int,
+        view: ControllerView,
+        pinned_experts: Container[ExpertKey],
+        pinned_kv: Container[KVBlockKey],
+    ) -> Iterator[Victim]:
+        ordered = itertools.chain(
+            (self.kv_victim(k) for k in self.recency.kv_lru_first(view)),
+            (Victim(expert_key=k) for k in self.recency.experts_lru_first(view)),
+        )
         return take_victims(ordered, view, pinned_experts, pinned_kv)

@@ -16,6 +16,9 @@ with the higher value per byte (see :mod:`fallbackgate.controllers.values`).
 from __future__ import annotations
 
 import dataclasses
+import heapq
+from collections.abc import Container, Iterator
+from typing import TypeVar
 
 from fallbackgate.controllers.arbitration import Arbitration, arbitrate, expert_arbitration
 from fallbackgate.controllers.base import Recency
@@ -42,6 +45,8 @@ from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.policy.budgets import BudgetBook, RequestBudget
 from fallbackgate.policy.schema import Policy, QualityBudget
 
+T = TypeVar("T")
+
 
 @dataclasses.dataclass(slots=True)
 class Slip:
@@ -51,6 +56,12 @@ class Slip:
     request_id: str
     object_kind: str  # an ObjectKind value
     reason: str
+
+
+def _drain(heap: list[T]) -> Iterator[T]:
+    """Pop a heap's items smallest first, as they are asked for."""
+    while heap:
+        yield heapq.heappop(heap)
 
 
 @register_controller(ControllerKind.JOINT, lambda cls, policy, o: cls(policy, o.cost_model, top_k=o.top_k))
@@ -101,15 +112,14 @@ class JointController(Controller):
         for rid in plan.request_ids:
             start = plan.start_positions[rid]
             budget = self._budget(rid, view.request_class(rid))
-            for layer in range(view.num_layers):
-                for block in view.off_device_kv_blocks(rid, layer, start // view.block_size):
-                    if block.exact_tier is not None:
-                        if self.is_observe:  # observe serves exact copies: queue them, decide nothing
-                            self.link.take(view.bytes_per_kv_block, block.exact_tier)
-                            continue
-                        decided = arbitrate(self, block, budget, start, view)
-                        if decided is not None:
-                            self.arbitrations.append(decided)
+            for block in view.off_device_kv_blocks(rid, start // view.block_size):  # layer, then index
+                if block.exact_tier is not None:
+                    if self.is_observe:  # observe serves exact copies: queue them, decide nothing
+                        self.link.take(view.bytes_per_kv_block, block.exact_tier)
+                        continue
+                    decided = arbitrate(self, block, budget, start, view)
+                    if decided is not None:
+                        self.arbitrations.append(decided)
 
     def take_arbitrations(self) -> list[Arbitration]:
         """The arbitrations decided since the last call (what a recorder writes to the ledger)."""
@@ -260,30 +270,42 @@ class JointController(Controller):
         return SpillMode.HOST_FULL
 
     def choose_victims(
-        self, num_bytes: int, view: ControllerView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
-    ) -> list[Victim]:
-        """Everything on device, lowest value per byte first (values per request and per home tier are
-        computed once per call: this runs on every miss that needs room)."""
-        running = set(view.running_ids)
-        ranked: list[tuple[float, Victim]] = [
-            (self.values.expert_value(k, view), Victim(expert_key=k))
-            for k in view.device_expert_keys()
-            if k not in pinned_experts
+        self,
+        num_bytes: int,
+        view: ControllerView,
+        pinned_experts: Container[ExpertKey],
+        pinned_kv: Container[KVBlockKey],
+    ) -> Iterator[Victim]:
+        """Everything on device, lowest value per byte first, ties in the view's order with experts before
+        KV blocks (as one stable sort of experts then blocks would give), produced lazily: experts from a
+        heap (values per home tier computed once per call), KV blocks request by request (a request's
+        blocks share one value) in the order of a heap of request values, so k victims cost
+        O(E + R log R + k log E) for E device experts and R requests, whatever the KV length."""
+        experts = [
+            (value, i, key)
+            for i, (key, value) in enumerate(self.values.expert_values(view.device_expert_keys(), view))
+            if key not in pinned_experts
         ]
-        per_request: dict[str, tuple[SpillMode, float]] = {}
+        heapq.heapify(experts)
+        ranked_experts = ((value, Victim(expert_key=key)) for value, _, key in _drain(experts))
+        ranked_kv = self._kv_victims(view, pinned_kv)
+        return (victim for _, victim in heapq.merge(ranked_experts, ranked_kv, key=lambda item: item[0]))
+
+    def _kv_victims(self, view: ControllerView, pinned_kv: Container[KVBlockKey]) -> Iterator[tuple[float, Victim]]:
+        """Device KV blocks by value, requests in value order (ties in the view's order), each one's blocks
+        walked lazily."""
+        running = set(view.running_ids)
         quant_fraction = view.quantized_bytes(ObjectKind.KV_BLOCK, self.kv_bits) / max(1, view.bytes_per_kv_block)
-        for block in view.device_kv_blocks():
-            if block.key in pinned_kv:
-                continue
-            rid = block.key[0]
-            if rid not in per_request:
-                mode = self.spill_mode(rid, view)
-                fraction = 1.0 if mode is SpillMode.HOST_FULL else quant_fraction
-                per_request[rid] = (mode, self.values.kv_value(block.key, view, running, fraction))
-            mode, value = per_request[rid]
-            ranked.append((value, Victim(kv_block_key=block.key, spill_mode=mode)))
-        ranked.sort(key=lambda item: item[0])
-        return [v for _, v in ranked]
+        requests = []
+        for i, rid in enumerate(view.kv_request_ids):
+            mode = self.spill_mode(rid, view)
+            fraction = 1.0 if mode is SpillMode.HOST_FULL else quant_fraction
+            requests.append((self.values.kv_value((rid, 0, 0), view, running, fraction), i, rid, mode))
+        heapq.heapify(requests)
+        for value, _, rid, mode in _drain(requests):
+            for block in view.device_kv_blocks_of(rid):
+                if block.key not in pinned_kv:
+                    yield value, Victim(kv_block_key=block.key, spill_mode=mode)
 
     def on_step_end(self, view: ControllerView) -> StepEndActions:
         self.values.update(view)

@@ -8,6 +8,8 @@ the last `top_k` expert slots, so an expert load can always make room.
 
 from __future__ import annotations
 
+import heapq
+
 from fallbackgate.controllers.values import ValueModel
 from fallbackgate.engine.controller import ControllerView, StepEndActions
 from fallbackgate.engine.tags import ObjectKind, Tag
@@ -24,7 +26,9 @@ def rebalance(view: ControllerView, values: ValueModel, slack_s: float, top_k: i
     kv_cap = view.device_budget_bytes - max(1, top_k) * per_expert
     kv_used = view.device_used_bytes(ObjectKind.KV_BLOCK)
     running = set(view.running_ids)
-    evictable = sorted(view.device_expert_keys(), key=lambda k: values.expert_value(k, view))
+    ranked = values.expert_values(view.device_expert_keys(), view)
+    evictable = [(value, i, key) for i, (key, value) in enumerate(ranked)]
+    heapq.heapify(evictable)  # least valuable first, ties in device order; popped only as promotions need room
     for key in dict.fromkeys(view.used_kv_block_keys):
         staged = view.staged_kv_tag(key)
         if staged is None or staged is Tag.KV_DEQUANT or key[0] not in running:
@@ -32,8 +36,8 @@ def rebalance(view: ControllerView, values: ValueModel, slack_s: float, top_k: i
         if kv_used + per_block > kv_cap:
             break
         value = values.kv_value(key, view, running)
-        while free < per_block and evictable and values.expert_value(evictable[0], view) < value:
-            actions.evict_experts.append(evictable.pop(0))
+        while free < per_block and evictable and evictable[0][0] < value:
+            actions.evict_experts.append(heapq.heappop(evictable)[2])
             free += per_expert
         if free < per_block:
             break

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Container, Iterator
+
 from fallbackgate.controllers.base import ExactBaseline, take_victims
 from fallbackgate.controllers.registry import ControllerKind, register_controller
 from fallbackgate.engine.controller import ControllerView, StepEndActions, Victim
@@ -35,18 +38,24 @@ class StaticSplitController(ExactBaseline):
         return expert_share, budget - expert_share
 
     def choose_victims(
-        self, num_bytes: int, view: ControllerView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
-    ) -> list[Victim]:
+        self,
+        num_bytes: int,
+        view: ControllerView,
+        pinned_experts: Container[ExpertKey],
+        pinned_kv: Container[KVBlockKey],
+    ) -> Iterator[Victim]:
         expert_share, kv_share = self._shares(view)
-        experts = [k for k in self.recency.experts_lru_first(view) if k not in pinned_experts]
-        blocks = [k for k in self.recency.kv_lru_first(view) if k not in pinned_kv]
+        experts = (k for k in self.recency.experts_lru_first(view) if k not in pinned_experts)
+        blocks = (k for k in self.recency.kv_lru_first(view) if k not in pinned_kv)
         per_expert, per_block = view.bytes_per_expert, view.bytes_per_kv_block
         over_e = max(0, -(-(view.device_used_bytes(ObjectKind.EXPERT) - expert_share) // per_expert))
         over_kv = max(0, -(-(view.device_used_bytes(ObjectKind.KV_BLOCK) - kv_share) // per_block))
-        ordered = [Victim(expert_key=k) for k in experts[:over_e]]
-        ordered += [self.kv_victim(k) for k in blocks[:over_kv]]
-        ordered += [Victim(expert_key=k) for k in experts[over_e:]]
-        ordered += [self.kv_victim(k) for k in blocks[over_kv:]]
+        ordered = itertools.chain(  # each side's share overflow first, then the rest of each, all lazily
+            (Victim(expert_key=k) for k in itertools.islice(experts, over_e)),
+            (self.kv_victim(k) for k in itertools.islice(blocks, over_kv)),
+            (Victim(expert_key=k) for k in experts),
+            (self.kv_victim(k) for k in blocks),
+        )
         return take_victims(ordered, view, pinned_experts, pinned_kv)
 
     def on_step_end(self, view: ControllerView) -> StepEndActions:

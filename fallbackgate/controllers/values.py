@@ -8,6 +8,8 @@ Values are seconds saved per step per byte, so both sides compare in one unit.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from fallbackgate.engine.controller import ControllerView
 from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.kv.store import KVBlockKey
@@ -42,6 +44,21 @@ class ValueModel:
             return 0.0
         seconds = view.profile.transfer_s(view.bytes_per_expert, view.expert_home(key))
         return freq * seconds / view.bytes_per_expert
+
+    def expert_values(self, keys: Iterable[ExpertKey], view: ControllerView) -> list[tuple[ExpertKey, float]]:
+        """`expert_value` of each key, in order (the same floats; each home tier's load time computed once)."""
+        num_bytes, seconds = view.bytes_per_expert, {}
+        out = []
+        for key in keys:
+            freq = self.freq.get(key, 0.0)
+            if not freq:
+                out.append((key, 0.0))
+                continue
+            home = view.expert_home(key)
+            if home not in seconds:
+                seconds[home] = view.profile.transfer_s(num_bytes, home)
+            out.append((key, freq * seconds[home] / num_bytes))
+        return out
 
     def kv_value(self, key: KVBlockKey, view: ControllerView, running: set[str], reload_fraction: float = 1.0) -> float:
         """Seconds saved per step per byte by keeping KV block `key` on device (0 when its request is idle)."""

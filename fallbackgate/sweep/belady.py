@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
 from fallbackgate.engine.controller import (
@@ -87,8 +87,12 @@ class TraceRecorder(Controller):
         return self.inner.kv_action(miss)
 
     def choose_victims(
-        self, num_bytes: int, view: ControllerView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
-    ) -> list[Victim]:
+        self,
+        num_bytes: int,
+        view: ControllerView,
+        pinned_experts: Container[ExpertKey],
+        pinned_kv: Container[KVBlockKey],
+    ) -> Iterable[Victim]:
         return self.inner.choose_victims(num_bytes, view, pinned_experts, pinned_kv)
 
     def on_step_start(self, plan: StepPlan, view: ControllerView) -> None:

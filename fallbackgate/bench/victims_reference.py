@@ -1,0 +1,155 @@
+"""The controllers' selections as they were before their priority structures (issue 27): every call rebuilds
+and sorts everything on device, every step walks every layer × block of every running request.
+
+Kept verbatim as the reference that `tests/test_victim_order.py` checks the lazy selections against (same
+victims, same order) and that :mod:`fallbackgate.bench.controller_cost` times them against. Nothing else
+uses it.
+"""
+
+from __future__ import annotations
+
+from fallbackgate.controllers.base import Recency
+from fallbackgate.controllers.joint import JointController
+from fallbackgate.controllers.joint_memory import PREFETCH_MIN_FREQ
+from fallbackgate.controllers.static_split import StaticSplitController
+from fallbackgate.controllers.values import ValueModel
+from fallbackgate.engine.controller import ControllerView, StepEndActions, Victim
+from fallbackgate.engine.experts.store import ExpertKey
+from fallbackgate.engine.kv.block import KVBlock
+from fallbackgate.engine.kv.store import KVBlockKey, KVStore, SpillMode
+from fallbackgate.engine.tags import ObjectKind, Tag
+
+
+def joint_victims(
+    joint: JointController, view: ControllerView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
+) -> list[Victim]:
+    """`JointController.choose_victims` before: all device experts and KV blocks, valued, one stable sort."""
+    running = set(view.running_ids)
+    ranked: list[tuple[float, Victim]] = [
+        (joint.values.expert_value(k, view), Victim(expert_key=k))
+        for k in view.device_expert_keys()
+        if k not in pinned_experts
+    ]
+    per_request: dict[str, tuple[SpillMode, float]] = {}
+    quant_fraction = view.quantized_bytes(ObjectKind.KV_BLOCK, joint.kv_bits) / max(1, view.bytes_per_kv_block)
+    for block in view.device_kv_blocks():
+        if block.key in pinned_kv:
+            continue
+        rid = block.key[0]
+        if rid not in per_request:
+            mode = joint.spill_mode(rid, view)
+            fraction = 1.0 if mode is SpillMode.HOST_FULL else quant_fraction
+            per_request[rid] = (mode, joint.values.kv_value(block.key, view, running, fraction))
+        mode, value = per_request[rid]
+        ranked.append((value, Victim(kv_block_key=block.key, spill_mode=mode)))
+    ranked.sort(key=lambda item: item[0])
+    return [v for _, v in ranked]
+
+
+def experts_lru_first(recency: Recency, view: ControllerView) -> list[ExpertKey]:
+    on_device = view.device_expert_keys()
+    known, resident = set(recency.experts), set(on_device)
+    return [k for k in on_device if k not in known] + [k for k in recency.experts if k in resident]
+
+
+def kv_lru_first(recency: Recency, view: ControllerView) -> list[KVBlockKey]:
+    running = set(view.running_ids)
+    order = {k: i for i, k in enumerate(recency.kv)}
+    blocks = sorted(
+        view.device_kv_blocks(), key=lambda b: (b.key[0] in running, order.get(b.key, -1), b.key[2], b.key[1])
+    )
+    return [b.key for b in blocks]
+
+
+def take_victims(candidates: list[Victim], pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]) -> list[Victim]:
+    return [
+        v
+        for v in candidates
+        if (v.expert_key is not None and v.expert_key not in pinned_experts)
+        or (v.kv_block_key is not None and v.kv_block_key not in pinned_kv)
+    ]
+
+
+def exact_lru_victims(
+    recency: Recency, spill_mode: SpillMode, view: ControllerView, pinned_e: set, pinned_kv: set
+) -> list[Victim]:
+    """`ExactLRUController.choose_victims` before."""
+    experts = [Victim(expert_key=k) for k in experts_lru_first(recency, view)]
+    blocks = [Victim(kv_block_key=k, spill_mode=spill_mode) for k in kv_lru_first(recency, view)]
+    return take_victims(experts + blocks, pinned_e, pinned_kv)
+
+
+def independent_lru_victims(recency: Recency, view: ControllerView, pinned_e: set, pinned_kv: set) -> list[Victim]:
+    """`IndependentLRUController.choose_victims` before."""
+    ordered = [Victim(kv_block_key=k, spill_mode=SpillMode.HOST_FULL) for k in kv_lru_first(recency, view)]
+    ordered += [Victim(expert_key=k) for k in experts_lru_first(recency, view)]
+    return take_victims(ordered, pinned_e, pinned_kv)
+
+
+def static_split_victims(
+    split: StaticSplitController, view: ControllerView, pinned_e: set, pinned_kv: set
+) -> list[Victim]:
+    """`StaticSplitController.choose_victims` before."""
+    expert_share, kv_share = split._shares(view)
+    experts = [k for k in experts_lru_first(split.recency, view) if k not in pinned_e]
+    blocks = [k for k in kv_lru_first(split.recency, view) if k not in pinned_kv]
+    per_expert, per_block = view.bytes_per_expert, view.bytes_per_kv_block
+    over_e = max(0, -(-(view.device_used_bytes(ObjectKind.EXPERT) - expert_share) // per_expert))
+    over_kv = max(0, -(-(view.device_used_bytes(ObjectKind.KV_BLOCK) - kv_share) // per_block))
+    ordered = [Victim(expert_key=k) for k in experts[:over_e]]
+    ordered += [split.kv_victim(k) for k in blocks[:over_kv]]
+    ordered += [Victim(expert_key=k) for k in experts[over_e:]]
+    ordered += [split.kv_victim(k) for k in blocks[over_kv:]]
+    return take_victims(ordered, pinned_e, pinned_kv)
+
+
+def rebalance(view: ControllerView, values: ValueModel, slack_s: float, top_k: int) -> StepEndActions:
+    """`joint_memory.rebalance` before (the evictable experts sorted in full)."""
+    actions = StepEndActions()
+    per_expert, per_block = view.bytes_per_expert, view.bytes_per_kv_block
+    free = view.device_free_bytes
+    kv_cap = view.device_budget_bytes - max(1, top_k) * per_expert
+    kv_used = view.device_used_bytes(ObjectKind.KV_BLOCK)
+    running = set(view.running_ids)
+    evictable = sorted(view.device_expert_keys(), key=lambda k: values.expert_value(k, view))
+    for key in dict.fromkeys(view.used_kv_block_keys):
+        staged = view.staged_kv_tag(key)
+        if staged is None or staged is Tag.KV_DEQUANT or key[0] not in running:
+            continue
+        if kv_used + per_block > kv_cap:
+            break
+        value = values.kv_value(key, view, running)
+        while free < per_block and evictable and values.expert_value(evictable[0], view) < value:
+            actions.evict_experts.append(evictable.pop(0))
+            free += per_expert
+        if free < per_block:
+            break
+        actions.promote_kv.append(key)
+        free -= per_block
+        kv_used += per_block
+    for key in dict.fromkeys(view.deferred_expert_keys):
+        seconds = view.profile.transfer_s(per_expert, view.expert_home(key))
+        if values.freq.get(key, 0.0) < PREFETCH_MIN_FREQ or seconds > slack_s or view.is_expert_on_device(key):
+            continue
+        if free < per_expert:
+            break
+        actions.load_experts.append(key)
+        free -= per_expert
+        slack_s -= seconds
+    return actions
+
+
+def off_device_walk(kv: KVStore, request_id: str, num_blocks: int) -> list[KVBlock]:
+    """The runner's per-step walk before: every layer × block of the request, keeping those off device."""
+    return [
+        block
+        for layer in range(kv.num_layers)
+        for block in kv.blocks(request_id, layer)[:num_blocks]
+        if block.device is None
+    ]
+
+
+def block_keys(kv: KVStore, request_ids: list[str]) -> set[KVBlockKey]:
+    """`KVStore.block_keys` before: a set of every key of every block of the requests (the step's pin)."""
+    tables = kv.tables
+    return {b.key for rid in request_ids if rid in tables for blocks in tables[rid] for b in blocks}
