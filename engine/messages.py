@@ -81,7 +81,8 @@ class StepResult:
     sampled_token_ids: dict[str, int]  # request id -> token sampled at its last position (if it emits one)
     logits: dict[str, torch.Tensor]  # request id -> fp32 logits [vocab] that produced the sampled token (requests
     # whose logits are kept only)
-    events: list[Event]  # every fallback taken in this step, aggregated per request × layer × kind × tag
+    events: list[Event]  # every fallback taken in this step, aggregated per request × layer × kind × tag (exact
+    # zero-byte uses are counts instead: expert_resident_uses, kv_resident_reads)
     wall_s: float  # measured wall time of the step, seconds
     modeled_s: float  # modeled time of the step from the hardware profile, seconds
     finished_ids: list[str] = dataclasses.field(default_factory=list)  # requests that ended this step
@@ -91,6 +92,8 @@ class StepResult:
     verifications: list[Verification] = dataclasses.field(default_factory=list)  # sampled copies checked
     kv_resident_reads: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)  # request -> layer
     # -> KV blocks read on device (off-device reads are events: exact_load, kv_dequant, recompute)
+    expert_resident_uses: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)  # request -> layer
+    # -> experts used resident as decided, no bytes moved (every other expert use is an event)
 
 
 @dataclasses.dataclass(slots=True)

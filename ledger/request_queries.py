@@ -13,8 +13,10 @@ from fallbackgate.ledger.models import (
     EventRow,
     Request,
     Step,
+    StepRequest,
     VerdictRow,
 )
+from fallbackgate.ledger.object_uses import RESIDENT_EXPERT, object_uses, resident_by_layer
 from fallbackgate.ledger.queries import _all, served_events
 
 
@@ -33,8 +35,9 @@ def _severity() -> Any:
 
 def request_tag_grid(ledger: Ledger, run_id: int, request_id: str) -> list[dict[str, Any]]:
     """One request's step × layer × object kind cells: the least exact tag used there (ties: most
-    objects, then name), the objects under that tag, all objects in the cell and how many tags."""
-    per_tag = (
+    objects, then name), the objects under that tag, all objects in the cell and how many tags (counted
+    resident expert uses included)."""
+    stmt = (
         select(
             EventRow.step_id,
             EventRow.layer,
@@ -42,27 +45,26 @@ def request_tag_grid(ledger: Ledger, run_id: int, request_id: str) -> list[dict[
             EventRow.tag,
             EventRow.exactness,
             func.max(_severity()).label("severity"),
-            func.sum(EventRow.count).label("objects"),
+            cast(func.sum(EventRow.count), BigInteger).label("objects"),
         )
         .where(EventRow.run_id == run_id, EventRow.request_id == request_id)
         .group_by(EventRow.step_id, EventRow.layer, EventRow.object_kind, EventRow.tag, EventRow.exactness)
-        .subquery()
     )
-    cell = (per_tag.c.step_id, per_tag.c.layer, per_tag.c.object_kind)
-    ranked = select(
-        per_tag,
-        func.row_number()
-        .over(partition_by=cell, order_by=(per_tag.c.severity.desc(), per_tag.c.objects.desc(), per_tag.c.tag))
-        .label("rn"),
-        cast(func.sum(per_tag.c.objects).over(partition_by=cell), BigInteger).label("cell_objects"),
-        func.count().over(partition_by=cell).label("cell_tags"),
-    ).subquery()
-    stmt = (
-        select(*[c for c in ranked.c if c.name not in ("rn", "severity")])
-        .where(ranked.c.rn == 1)
-        .order_by(ranked.c.step_id, ranked.c.layer, ranked.c.object_kind)
-    )
-    return _all(ledger, stmt)
+    cells: dict[tuple[int, int, str], dict[str, dict[str, Any]]] = {}
+    for r in _all(ledger, stmt):
+        cells.setdefault((r["step_id"], r["layer"], r["object_kind"]), {})[r["tag"]] = r
+    for r in resident_by_layer(ledger, run_id, request_id):
+        key = (r["step_id"], r["layer"], RESIDENT_EXPERT["object_kind"])
+        tags = cells.setdefault(key, {})
+        row = tags.setdefault(RESIDENT_EXPERT["tag"], {**r, **RESIDENT_EXPERT, "severity": 0, "objects": 0})
+        row["objects"] += r["objects"]
+    out = []
+    for key in sorted(cells):
+        tags = cells[key].values()
+        top = min(tags, key=lambda t: (-t["severity"], -t["objects"], t["tag"]))
+        cell = {k: v for k, v in top.items() if k != "severity"}
+        out.append({**cell, "cell_objects": sum(t["objects"] for t in tags), "cell_tags": len(tags)})
+    return out
 
 
 def request_step_timeline(ledger: Ledger, run_id: int, request_id: str) -> list[dict[str, Any]]:
@@ -114,9 +116,9 @@ def request_verdict(ledger: Ledger, run_id: int, request_id: str) -> dict[str, A
 def request_objects_by_exactness(ledger: Ledger, run_id: int, request_id: str) -> dict[str, int]:
     """One request's objects per exactness (approximate tags of observe steps excluded, as in
     :func:`~fallbackgate.ledger.queries.request_exactness`)."""
-    stmt = (
-        select(EventRow.exactness, func.sum(EventRow.count).label("objects"))
-        .where(served_events(run_id), EventRow.request_id == request_id)
-        .group_by(EventRow.exactness)
+    u = object_uses(
+        served_events(run_id) & (EventRow.request_id == request_id),
+        (StepRequest.run_id == run_id) & (StepRequest.request_id == request_id),
     )
+    stmt = select(u.c.exactness, func.sum(u.c.count).label("objects")).group_by(u.c.exactness)
     return {r["exactness"]: int(r["objects"]) for r in _all(ledger, stmt)}

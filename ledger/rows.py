@@ -59,6 +59,8 @@ STEP_COLUMNS: tuple[str, ...] = (
     "num_predicted_reads",
     "num_predicted_used",
     "num_unpredicted_reads",
+    "num_resident_expert_uses",
+    "num_resident_kv_reads",
 )
 """Column order of the step tuples that :func:`step_rows` produces."""
 STEP_REQUEST_COLUMNS: tuple[str, ...] = (
@@ -72,6 +74,8 @@ STEP_REQUEST_COLUMNS: tuple[str, ...] = (
     "num_objects",
     "kv_resident_reads",
     "rebuild_objects",
+    "num_resident_expert_uses",
+    "resident_expert_uses",
 )
 """Column order of the step_requests tuples that :func:`step_rows` produces."""
 EVENT_OBJECT_COLUMNS: tuple[str, ...] = (
@@ -138,6 +142,8 @@ def step_rows(
             len(result.events),
             len(result.verifications),
             *(_transfer_values(clock) if clock is not None else (None,) * 5),
+            _total(result.expert_resident_uses),
+            _total(result.kv_resident_reads),
         )
     )
     for rid in result.sampled_token_ids:
@@ -203,7 +209,8 @@ def verification_rows(run_id: int, verifications: Sequence[Any]) -> list[dict[st
 
 def _step_request_rows(run_id: int, plan: StepPlan, result: StepResult) -> list[tuple[Any, ...]]:
     """Per request of the step, in STEP_REQUEST_COLUMNS order: the positions it computed, whether it
-    sampled, its event and object counts, its resident KV reads and its rebuild pass's objects."""
+    sampled, its event and object counts, its resident KV reads, its rebuild pass's objects and its resident
+    expert uses (in total and per layer)."""
     num_events: dict[str, int] = {}
     num_objects: dict[str, int] = {}
     rebuilt: dict[str, int] = {}  # objects computed in the request's KV rebuild pass (a recompute's evidence)
@@ -212,7 +219,7 @@ def _step_request_rows(run_id: int, plan: StepPlan, result: StepResult) -> list[
         num_objects[e.request_id] = num_objects.get(e.request_id, 0) + e.count
         if e.is_rebuild:
             rebuilt[e.request_id] = rebuilt.get(e.request_id, 0) + e.count
-    sampled, kv_reads = result.sampled_token_ids, result.kv_resident_reads
+    sampled, kv_reads, uses = result.sampled_token_ids, result.kv_resident_reads, result.expert_resident_uses
     return [
         (
             run_id,
@@ -225,9 +232,23 @@ def _step_request_rows(run_id: int, plan: StepPlan, result: StepResult) -> list[
             num_objects.get(rid, 0),
             _per_layer(kv_reads.get(rid)),
             rebuilt.get(rid, 0),
+            sum(uses[rid].values()) if rid in uses else 0,
+            _per_layer(uses.get(rid)),
         )
         for rid in plan.request_ids
     ]
+
+
+def _total(counts: dict[str, dict[int, int]]) -> int:
+    """The sum of request -> layer -> count."""
+    return sum(n for by_layer in counts.values() for n in by_layer.values())
+
+
+def per_layer_counts(text: str | None) -> dict[int, int]:
+    """layer -> count from a per-layer column ("3,3,0,2"; layers with 0 left out)."""
+    if not text:
+        return {}
+    return {layer: int(n) for layer, n in enumerate(text.split(",")) if int(n)}
 
 
 def _per_layer(counts: dict[int, int] | None) -> str | None:

@@ -72,7 +72,8 @@ def synthetic_step(step_id: int, num_requests: int, num_layers: int, top_k: int)
             for _ in range(top_k):
                 log.add(rid, layer, ObjectKind.EXPERT, Tag.RESIDENT)
             log.add_kv_reads(rid, layer, 4)
-    plan = StepPlan(step_id, StepKind.DECODE, request_ids, dict.fromkeys(request_ids, 1), dict.fromkeys(request_ids, 64))
+    ones, starts = dict.fromkeys(request_ids, 1), dict.fromkeys(request_ids, 64)
+    plan = StepPlan(step_id, StepKind.DECODE, request_ids, ones, starts)
     events: list[Event] = log.events()
     result = StepResult(step_id, StepKind.DECODE, request_ids, dict.fromkeys(request_ids, 7), {}, events, 0.02, 0.02)
     result.kv_resident_reads = log.kv_resident_reads
