@@ -68,8 +68,9 @@ def request_tag_grid(ledger: Ledger, run_id: int, request_id: str) -> list[dict[
 
 
 def request_step_timeline(ledger: Ledger, run_id: int, request_id: str) -> list[dict[str, Any]]:
-    """The steps one request took part in, with measured and modeled seconds, cumulative over its
-    steps, its approximate tags' predicted cost per step and cumulative, and whether it was observe-only."""
+    """The steps one request took part in (its step_requests rows), with measured and modeled seconds,
+    cumulative over its steps, its approximate tags' predicted cost per step and cumulative, and whether it
+    was observe-only."""
     ev = (
         select(
             EventRow.step_id,
@@ -81,7 +82,10 @@ def request_step_timeline(ledger: Ledger, run_id: int, request_id: str) -> list[
         .group_by(EventRow.step_id)
         .subquery()
     )
-    order = Step.step_id
+    took_part = (
+        select(StepRequest.step_id).where(StepRequest.run_id == run_id, StepRequest.request_id == request_id).subquery()
+    )
+    order, cost = Step.step_id, func.coalesce(ev.c.predicted_cost, 0.0)
     stmt = (
         select(
             Step.step_id,
@@ -91,10 +95,11 @@ def request_step_timeline(ledger: Ledger, run_id: int, request_id: str) -> list[
             Step.modeled_s,
             func.sum(Step.wall_s).over(order_by=order).label("cum_wall_s"),
             func.sum(Step.modeled_s).over(order_by=order).label("cum_modeled_s"),
-            ev.c.predicted_cost,
-            func.sum(ev.c.predicted_cost).over(order_by=order).label("cum_predicted_cost"),
+            cost.label("predicted_cost"),
+            func.sum(cost).over(order_by=order).label("cum_predicted_cost"),
         )
-        .join(ev, ev.c.step_id == Step.step_id)
+        .join(took_part, took_part.c.step_id == Step.step_id)
+        .outerjoin(ev, ev.c.step_id == Step.step_id)
         .where(Step.run_id == run_id)
         .order_by(order)
     )
