@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -97,6 +98,8 @@ TUPLE_COLUMNS: dict[Table, tuple[str, ...]] = {
     EventObjectsRow.__table__: EVENT_OBJECT_COLUMNS,  # type: ignore[dict-item]
 }
 """Tables whose pending rows are tuples (the bulk fast path), with their column order."""
+
+
 def value(x: Any) -> Any:
     """An enum's value, anything else unchanged."""
     return x.value if isinstance(x, enum.Enum) else x
@@ -241,7 +244,7 @@ def _step_request_rows(run_id: int, plan: StepPlan, result: StepResult) -> list[
 
 def _total(counts: dict[str, dict[int, int]]) -> int:
     """The sum of request -> layer -> count."""
-    return sum(n for by_layer in counts.values() for n in by_layer.values())
+    return sum([sum(by_layer.values()) for by_layer in counts.values()])
 
 
 def per_layer_counts(text: str | None) -> dict[int, int]:
@@ -255,7 +258,21 @@ def _per_layer(counts: dict[int, int] | None) -> str | None:
     """ "3,3,0,2": a count per layer from 0 (None when there are none)."""
     if not counts:
         return None
+    layers = tuple(counts)
+    if layers == _consecutive(layers[0], len(layers)):  # the engine's usual order: a decode step's hot path
+        return "0," * layers[0] + _joined(tuple(counts.values()))
     return ",".join(str(counts.get(layer, 0)) for layer in range(max(counts) + 1))
+
+
+@functools.lru_cache(maxsize=256)
+def _consecutive(first: int, num: int) -> tuple[int, ...]:
+    return tuple(range(first, first + num))
+
+
+@functools.lru_cache(maxsize=4096)
+def _joined(values: tuple[int, ...]) -> str:
+    """The counts of a step's requests repeat (a decode token uses top_k experts of every layer): built once."""
+    return ",".join(map(str, values))
 
 
 def request_row(
