@@ -291,6 +291,10 @@ class Engine(BaselineAccess):
                 seq.tag_counts[event.tag.value] = seq.tag_counts.get(event.tag.value, 0) + event.count
                 if event.object_kind is ObjectKind.KV_BLOCK and event.tag is not Tag.RESIDENT:
                     seq.has_off_device_kv = True
+        for request_id, by_layer in log.expert_resident_uses.items():
+            if request_id in self.sequences:
+                counts = self.sequences[request_id].tag_counts
+                counts[Tag.RESIDENT.value] = counts.get(Tag.RESIDENT.value, 0) + sum(by_layer.values())
         for request_id, token in sampled.items():
             if self._append_token(self.sequences[request_id], token, own.get(request_id), now):
                 finished.append(request_id)
@@ -311,6 +315,7 @@ class Engine(BaselineAccess):
             self.verifier.verify_step(plan.step_id),
             log.kv_resident_reads,
             list(log.kv_stagings.values()),
+            log.expert_resident_uses,
         )
 
     def _end_step(self, log: EventLog) -> None:

@@ -93,7 +93,8 @@ class StepResult:
     sampled_token_ids: dict[str, int]  # request id -> token sampled at its last position (if it emits one)
     logits: dict[str, torch.Tensor]  # request id -> fp32 logits [vocab] that produced the sampled token (requests
     # whose logits are kept only)
-    events: list[Event]  # every fallback taken in this step, aggregated per request × layer × kind × tag
+    events: list[Event]  # every fallback taken in this step, aggregated per request × layer × kind × tag (exact
+    # zero-byte uses are counts instead: expert_resident_uses, kv_resident_reads)
     wall_s: float  # measured wall time of the step, seconds
     modeled_s: float  # modeled time of the step from the hardware profile, seconds
     finished_ids: list[str] = dataclasses.field(default_factory=list)  # requests that ended this step
@@ -105,6 +106,8 @@ class StepResult:
     # -> KV blocks read on device (off-device reads are events: exact_load, kv_dequant, recompute)
     kv_stagings: list[KVStaging] = dataclasses.field(default_factory=list)  # off-device KV blocks made usable,
     # with when (what an arbitration's measured arrival is)
+    expert_resident_uses: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)  # request -> layer
+    # -> experts used resident as decided, no bytes moved (every other expert use is an event)
 
 
 @dataclasses.dataclass(slots=True)

@@ -27,7 +27,12 @@ class ForwardBatch:
 
 
 class EventLog:
-    """Aggregates actions into one Event per step × request × layer × kind × tag (× source, note)."""
+    """Aggregates actions into one Event per step × request × layer × kind × tag (× source, note).
+
+    Exact zero-byte uses need no event: a resident expert served as decided (no bytes, no note, no cost, outside
+    a rebuild pass) and a KV block read where it lives on device are counts per request × layer
+    (`expert_resident_uses`, `kv_resident_reads`), which the ledger keeps on the step's rows.
+    """
 
     def __init__(self, step_id: int, started_s: float | None = None) -> None:
         self.step_id = step_id
@@ -38,6 +43,7 @@ class EventLog:
         self.modeled_compute_s = 0.0  # device + CPU compute time of this step
         self.is_rebuild_pass = False  # set by the runner around a KV rebuild forward
         self.kv_resident_reads: dict[str, dict[int, int]] = {}  # request -> layer -> device KV blocks read
+        self.expert_resident_uses: dict[str, dict[int, int]] = {}  # request -> layer -> resident experts used
 
     def add(
         self,
@@ -56,6 +62,14 @@ class EventLog:
         bits: int = 0,
     ) -> None:
         """Record `count` objects served with `tag` (`object_id`: which expert or block, kept for replay)."""
+        if (
+            tag is Tag.RESIDENT
+            and kind is ObjectKind.EXPERT
+            and not (bytes_moved or note or predicted_cost or modeled_s or self.is_rebuild_pass)
+            and object_id is None
+        ):
+            self.add_expert_uses(request_id, layer, count)
+            return
         key = (request_id, layer, kind, tag, source_tier, note, bits, self.is_rebuild_pass)
         event = self._events.get(key)
         if event is None:
@@ -126,6 +140,11 @@ class EventLog:
     def add_kv_reads(self, request_id: str, layer: int, count: int) -> None:
         """Record `count` KV blocks read where they live on device (counted, not one event each)."""
         by_layer = self.kv_resident_reads.setdefault(request_id, {})
+        by_layer[layer] = by_layer.get(layer, 0) + count
+
+    def add_expert_uses(self, request_id: str, layer: int, count: int) -> None:
+        """Record `count` experts used where they live on device, as decided (counted, not one event each)."""
+        by_layer = self.expert_resident_uses.setdefault(request_id, {})
         by_layer[layer] = by_layer.get(layer, 0) + count
 
     def events(self) -> list[Event]:

@@ -109,6 +109,44 @@ def step_request_counts(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
     return _all(ledger, stmt)
 
 
+def step_resident_totals(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
+    """Per step: the resident expert uses and device KV reads the engine counted for it (NULL before 0010)."""
+    stmt = (
+        select(Step.step_id, Step.num_resident_expert_uses, Step.num_resident_kv_reads)
+        .where(Step.run_id == run_id)
+        .order_by(Step.step_id)
+    )
+    return _all(ledger, stmt)
+
+
+def step_request_uses(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
+    """Per (step, request): tokens, rebuild objects and the counted resident uses (total, per layer; KV reads
+    per layer), in step order."""
+    s = StepRequest
+    cols = (
+        s.step_id,
+        s.request_id,
+        s.num_tokens,
+        s.rebuild_objects,
+        s.num_resident_expert_uses,
+        s.resident_expert_uses,
+        s.kv_resident_reads,
+    )
+    return _all(ledger, select(*cols).where(s.run_id == run_id).order_by(s.step_id, s.request_id))
+
+
+def expert_event_objects(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
+    """Expert objects of the events per step × request × layer (every non-counted expert use)."""
+    e = EventRow
+    keys = (e.step_id, e.request_id, e.layer)
+    stmt = (
+        select(*keys, func.sum(e.count).label("objects"))
+        .where(e.run_id == run_id, e.object_kind == ObjectKind.EXPERT.value)
+        .group_by(*keys)
+    )
+    return _all(ledger, stmt)
+
+
 def moved_bytes(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
     """Events that moved bytes, aggregated per step × request × layer × kind × tag."""
     keys = (EventRow.step_id, EventRow.request_id, EventRow.layer, EventRow.object_kind, EventRow.tag)

@@ -16,8 +16,10 @@ from fallbackgate.ledger.models import (
     PositionDiffRow,
     Request,
     Run,
+    StepRequest,
     VerdictRow,
 )
+from fallbackgate.ledger.object_uses import object_uses
 from fallbackgate.ledger.queries import _all, reported_status
 from fallbackgate.ledger.vocabulary import EXACTNESS_NAMES
 
@@ -174,16 +176,15 @@ def tag_mix(ledger: Ledger, f: RunFilter) -> list[dict[str, Any]]:
 def _tag_mix(f: RunFilter) -> Select[Any]:
     # grouped by (run_id, tag) only, the order of ix_events_run_tag: no temporary B-tree on 1M events;
     # a tag's exactness is fixed, so max() just carries it along
-    return (
-        select(
-            EventRow.run_id,
-            EventRow.tag,
-            func.max(EventRow.exactness).label("exactness"),
-            func.sum(EventRow.count).label("objects"),
-        )
-        .where(EventRow.run_id.in_(_run_ids(f).scalar_subquery()), _in_classes(f, EventRow.run_id, EventRow.request_id))
-        .group_by(EventRow.run_id, EventRow.tag)
+    # counted resident uses (step_requests) join the events as objects of their tag
+    ids = _run_ids(f).scalar_subquery()
+    u = object_uses(
+        EventRow.run_id.in_(ids) & _in_classes(f, EventRow.run_id, EventRow.request_id),
+        StepRequest.run_id.in_(ids) & _in_classes(f, StepRequest.run_id, StepRequest.request_id),
     )
+    return select(
+        u.c.run_id, u.c.tag, func.max(u.c.exactness).label("exactness"), func.sum(u.c.count).label("objects")
+    ).group_by(u.c.run_id, u.c.tag)
 
 
 def _p99_by_run(f: RunFilter) -> Any:

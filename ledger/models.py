@@ -115,6 +115,9 @@ class Step(Base):
     num_unpredicted_reads: Mapped[int | None] = mapped_column(Integer)  # needed reads no prediction started
     num_events: Mapped[int | None] = mapped_column(Integer)  # event rows the engine produced for the step
     num_verified: Mapped[int | None] = mapped_column(Integer)  # copies checked after it (failures: verifications)
+    num_resident_expert_uses: Mapped[int | None] = mapped_column(Integer)  # resident expert uses the engine counted
+    # (no event rows; the sum of its step_requests' counts)
+    num_resident_kv_reads: Mapped[int | None] = mapped_column(Integer)  # KV blocks read on device, engine-counted
 
 
 class StepRequest(Base):
@@ -131,6 +134,8 @@ class StepRequest(Base):
     num_objects: Mapped[int] = mapped_column(Integer)  # objects those events cover (sum of their counts)
     kv_resident_reads: Mapped[str | None] = mapped_column(Text)  # "3,3,2": KV blocks read on device, per layer
     rebuild_objects: Mapped[int | None] = mapped_column(Integer)  # expert objects its KV rebuild pass computed
+    num_resident_expert_uses: Mapped[int | None] = mapped_column(Integer)  # experts used resident (not events)
+    resident_expert_uses: Mapped[str | None] = mapped_column(Text)  # "8,8,0,8": those uses per layer from 0
 
 
 class EventRow(Base):

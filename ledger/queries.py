@@ -20,8 +20,10 @@ from fallbackgate.ledger.models import (
     RequestStatRow,
     Run,
     Step,
+    StepRequest,
     VerdictRow,
 )
+from fallbackgate.ledger.object_uses import RESIDENT_EXPERT, object_uses, resident_by_layer
 from fallbackgate.ledger.vocabulary import EXACTNESS_NAMES
 
 
@@ -52,11 +54,12 @@ def latest_run_id(ledger: Ledger) -> int | None:
 
 def list_runs(ledger: Ledger, limit: int = 100) -> list[dict[str, Any]]:
     """Newest runs first, each with its object counts per exactness (``objects_exact``, ...)."""
+    u = object_uses()
     mix = [
-        func.coalesce(func.sum(case((EventRow.exactness == e, EventRow.count), else_=0)), 0).label(f"objects_{e}")
+        func.coalesce(func.sum(case((u.c.exactness == e, u.c.count), else_=0)), 0).label(f"objects_{e}")
         for e in EXACTNESS_NAMES
     ]
-    events = select(EventRow.run_id, *mix).group_by(EventRow.run_id).subquery()
+    events = select(u.c.run_id, *mix).group_by(u.c.run_id).subquery()
     stmt = (
         select(
             Run.id,
@@ -79,21 +82,22 @@ def list_runs(ledger: Ledger, limit: int = 100) -> list[dict[str, Any]]:
 
 
 def run_tag_counts(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
-    """Per tag and object kind: events, objects, bytes moved, modeled seconds, predicted cost."""
+    """Per tag and object kind: event rows, objects (counted resident uses included), bytes moved, modeled
+    seconds, predicted cost."""
+    u = object_uses(EventRow.run_id == run_id, StepRequest.run_id == run_id)
     stmt = (
         select(
-            EventRow.tag,
-            EventRow.exactness,
-            EventRow.object_kind,
-            func.count().label("events"),
-            func.sum(EventRow.count).label("objects"),
-            func.sum(EventRow.bytes_moved).label("bytes_moved"),
-            func.sum(EventRow.modeled_s).label("modeled_s"),
-            func.sum(EventRow.predicted_cost).label("predicted_cost"),
+            u.c.tag,
+            u.c.exactness,
+            u.c.object_kind,
+            func.sum(u.c.is_event).label("events"),
+            func.sum(u.c.count).label("objects"),
+            func.sum(u.c.bytes_moved).label("bytes_moved"),
+            func.sum(u.c.modeled_s).label("modeled_s"),
+            func.sum(u.c.predicted_cost).label("predicted_cost"),
         )
-        .where(EventRow.run_id == run_id)
-        .group_by(EventRow.tag, EventRow.exactness, EventRow.object_kind)
-        .order_by(EventRow.tag, EventRow.object_kind)
+        .group_by(u.c.tag, u.c.exactness, u.c.object_kind)
+        .order_by(u.c.tag, u.c.object_kind)
     )
     return _all(ledger, stmt)
 
@@ -123,15 +127,11 @@ def served_events(run_id: int) -> ColumnElement[bool]:
 
 
 def request_exactness(ledger: Ledger, run_id: int) -> dict[str, dict[str, int]]:
-    """request id -> {exactness -> objects}, from the events (observe steps excluded for approximate)."""
-    stmt = (
-        select(
-            EventRow.request_id,
-            EventRow.exactness,
-            func.sum(EventRow.count).label("objects"),
-        )
-        .where(served_events(run_id))
-        .group_by(EventRow.request_id, EventRow.exactness)
+    """request id -> {exactness -> objects}, from the events (observe steps excluded for approximate) and
+    the counted resident uses."""
+    u = object_uses(served_events(run_id), StepRequest.run_id == run_id)
+    stmt = select(u.c.request_id, u.c.exactness, func.sum(u.c.count).label("objects")).group_by(
+        u.c.request_id, u.c.exactness
     )
     out: dict[str, dict[str, int]] = {}
     for r in _all(ledger, stmt):
@@ -140,12 +140,9 @@ def request_exactness(ledger: Ledger, run_id: int) -> dict[str, dict[str, int]]:
 
 
 def request_tags(ledger: Ledger, run_id: int) -> dict[str, dict[str, int]]:
-    """request id -> {tag -> objects} over the whole run."""
-    stmt = (
-        select(EventRow.request_id, EventRow.tag, func.sum(EventRow.count).label("objects"))
-        .where(EventRow.run_id == run_id)
-        .group_by(EventRow.request_id, EventRow.tag)
-    )
+    """request id -> {tag -> objects} over the whole run (counted resident uses included)."""
+    u = object_uses(EventRow.run_id == run_id, StepRequest.run_id == run_id)
+    stmt = select(u.c.request_id, u.c.tag, func.sum(u.c.count).label("objects")).group_by(u.c.request_id, u.c.tag)
     out: dict[str, dict[str, int]] = {}
     for r in _all(ledger, stmt):
         out.setdefault(r["request_id"], {})[r["tag"]] = int(r["objects"])
@@ -153,7 +150,8 @@ def request_tags(ledger: Ledger, run_id: int) -> dict[str, dict[str, int]]:
 
 
 def request_events(ledger: Ledger, run_id: int, request_id: str, step_id: int | None = None) -> list[dict[str, Any]]:
-    """One request's events as step × layer × tag (objects, bytes, predicted cost), in step/layer order."""
+    """One request's events as step × layer × tag (objects, bytes, predicted cost), in step/layer order,
+    counted resident expert uses included (one row per step × layer)."""
     stmt = select(
         EventRow.step_id,
         EventRow.layer,
@@ -173,7 +171,10 @@ def request_events(ledger: Ledger, run_id: int, request_id: str, step_id: int | 
         EventRow.tag,
         EventRow.exactness,
     )
-    return _all(ledger, stmt.order_by(EventRow.step_id, EventRow.layer, EventRow.tag))
+    rows = _all(ledger, stmt)
+    for r in resident_by_layer(ledger, run_id, request_id, step_id):
+        rows.append({**r, **RESIDENT_EXPERT, "bytes_moved": 0, "predicted_cost": 0.0})
+    return sorted(rows, key=lambda r: (r["step_id"], r["layer"], r["tag"], r["object_kind"]))
 
 
 def position_diffs(ledger: Ledger, run_id: int, request_id: str) -> list[dict[str, Any]]:

@@ -13,8 +13,10 @@ from fallbackgate.ledger.models import (
     EventRow,
     Request,
     Step,
+    StepRequest,
     VerdictRow,
 )
+from fallbackgate.ledger.object_uses import RESIDENT_EXPERT, object_uses, resident_by_layer
 from fallbackgate.ledger.queries import _all, served_events
 
 
@@ -33,8 +35,9 @@ def _severity() -> Any:
 
 def request_tag_grid(ledger: Ledger, run_id: int, request_id: str) -> list[dict[str, Any]]:
     """One request's step × layer × object kind cells: the least exact tag used there (ties: most
-    objects, then name), the objects under that tag, all objects in the cell and how many tags."""
-    per_tag = (
+    objects, then name), the objects under that tag, all objects in the cell and how many tags (counted
+    resident expert uses included)."""
+    stmt = (
         select(
             EventRow.step_id,
             EventRow.layer,
@@ -42,32 +45,32 @@ def request_tag_grid(ledger: Ledger, run_id: int, request_id: str) -> list[dict[
             EventRow.tag,
             EventRow.exactness,
             func.max(_severity()).label("severity"),
-            func.sum(EventRow.count).label("objects"),
+            cast(func.sum(EventRow.count), BigInteger).label("objects"),
         )
         .where(EventRow.run_id == run_id, EventRow.request_id == request_id)
         .group_by(EventRow.step_id, EventRow.layer, EventRow.object_kind, EventRow.tag, EventRow.exactness)
-        .subquery()
     )
-    cell = (per_tag.c.step_id, per_tag.c.layer, per_tag.c.object_kind)
-    ranked = select(
-        per_tag,
-        func.row_number()
-        .over(partition_by=cell, order_by=(per_tag.c.severity.desc(), per_tag.c.objects.desc(), per_tag.c.tag))
-        .label("rn"),
-        cast(func.sum(per_tag.c.objects).over(partition_by=cell), BigInteger).label("cell_objects"),
-        func.count().over(partition_by=cell).label("cell_tags"),
-    ).subquery()
-    stmt = (
-        select(*[c for c in ranked.c if c.name not in ("rn", "severity")])
-        .where(ranked.c.rn == 1)
-        .order_by(ranked.c.step_id, ranked.c.layer, ranked.c.object_kind)
-    )
-    return _all(ledger, stmt)
+    cells: dict[tuple[int, int, str], dict[str, dict[str, Any]]] = {}
+    for r in _all(ledger, stmt):
+        cells.setdefault((r["step_id"], r["layer"], r["object_kind"]), {})[r["tag"]] = r
+    for r in resident_by_layer(ledger, run_id, request_id):
+        key = (r["step_id"], r["layer"], RESIDENT_EXPERT["object_kind"])
+        tags = cells.setdefault(key, {})
+        row = tags.setdefault(RESIDENT_EXPERT["tag"], {**r, **RESIDENT_EXPERT, "severity": 0, "objects": 0})
+        row["objects"] += r["objects"]
+    out = []
+    for key in sorted(cells):
+        tags = cells[key].values()
+        top = min(tags, key=lambda t: (-t["severity"], -t["objects"], t["tag"]))
+        cell = {k: v for k, v in top.items() if k != "severity"}
+        out.append({**cell, "cell_objects": sum(t["objects"] for t in tags), "cell_tags": len(tags)})
+    return out
 
 
 def request_step_timeline(ledger: Ledger, run_id: int, request_id: str) -> list[dict[str, Any]]:
-    """The steps one request took part in, with measured and modeled seconds, cumulative over its
-    steps, its approximate tags' predicted cost per step and cumulative, and whether it was observe-only."""
+    """The steps one request took part in (its step_requests rows), with measured and modeled seconds,
+    cumulative over its steps, its approximate tags' predicted cost per step and cumulative, and whether it
+    was observe-only."""
     ev = (
         select(
             EventRow.step_id,
@@ -79,7 +82,10 @@ def request_step_timeline(ledger: Ledger, run_id: int, request_id: str) -> list[
         .group_by(EventRow.step_id)
         .subquery()
     )
-    order = Step.step_id
+    took_part = (
+        select(StepRequest.step_id).where(StepRequest.run_id == run_id, StepRequest.request_id == request_id).subquery()
+    )
+    order, cost = Step.step_id, func.coalesce(ev.c.predicted_cost, 0.0)
     stmt = (
         select(
             Step.step_id,
@@ -89,10 +95,11 @@ def request_step_timeline(ledger: Ledger, run_id: int, request_id: str) -> list[
             Step.modeled_s,
             func.sum(Step.wall_s).over(order_by=order).label("cum_wall_s"),
             func.sum(Step.modeled_s).over(order_by=order).label("cum_modeled_s"),
-            ev.c.predicted_cost,
-            func.sum(ev.c.predicted_cost).over(order_by=order).label("cum_predicted_cost"),
+            cost.label("predicted_cost"),
+            func.sum(cost).over(order_by=order).label("cum_predicted_cost"),
         )
-        .join(ev, ev.c.step_id == Step.step_id)
+        .join(took_part, took_part.c.step_id == Step.step_id)
+        .outerjoin(ev, ev.c.step_id == Step.step_id)
         .where(Step.run_id == run_id)
         .order_by(order)
     )
@@ -114,9 +121,9 @@ def request_verdict(ledger: Ledger, run_id: int, request_id: str) -> dict[str, A
 def request_objects_by_exactness(ledger: Ledger, run_id: int, request_id: str) -> dict[str, int]:
     """One request's objects per exactness (approximate tags of observe steps excluded, as in
     :func:`~fallbackgate.ledger.queries.request_exactness`)."""
-    stmt = (
-        select(EventRow.exactness, func.sum(EventRow.count).label("objects"))
-        .where(served_events(run_id), EventRow.request_id == request_id)
-        .group_by(EventRow.exactness)
+    u = object_uses(
+        served_events(run_id) & (EventRow.request_id == request_id),
+        (StepRequest.run_id == run_id) & (StepRequest.request_id == request_id),
     )
+    stmt = select(u.c.exactness, func.sum(u.c.count).label("objects")).group_by(u.c.exactness)
     return {r["exactness"]: int(r["objects"]) for r in _all(ledger, stmt)}

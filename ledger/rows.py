@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -59,6 +60,8 @@ STEP_COLUMNS: tuple[str, ...] = (
     "num_predicted_reads",
     "num_predicted_used",
     "num_unpredicted_reads",
+    "num_resident_expert_uses",
+    "num_resident_kv_reads",
 )
 """Column order of the step tuples that :func:`step_rows` produces."""
 STEP_REQUEST_COLUMNS: tuple[str, ...] = (
@@ -72,6 +75,8 @@ STEP_REQUEST_COLUMNS: tuple[str, ...] = (
     "num_objects",
     "kv_resident_reads",
     "rebuild_objects",
+    "num_resident_expert_uses",
+    "resident_expert_uses",
 )
 """Column order of the step_requests tuples that :func:`step_rows` produces."""
 EVENT_OBJECT_COLUMNS: tuple[str, ...] = (
@@ -93,6 +98,8 @@ TUPLE_COLUMNS: dict[Table, tuple[str, ...]] = {
     EventObjectsRow.__table__: EVENT_OBJECT_COLUMNS,  # type: ignore[dict-item]
 }
 """Tables whose pending rows are tuples (the bulk fast path), with their column order."""
+
+
 def value(x: Any) -> Any:
     """An enum's value, anything else unchanged."""
     return x.value if isinstance(x, enum.Enum) else x
@@ -138,6 +145,8 @@ def step_rows(
             len(result.events),
             len(result.verifications),
             *(_transfer_values(clock) if clock is not None else (None,) * 5),
+            _total(result.expert_resident_uses),
+            _total(result.kv_resident_reads),
         )
     )
     for rid in result.sampled_token_ids:
@@ -203,7 +212,8 @@ def verification_rows(run_id: int, verifications: Sequence[Any]) -> list[dict[st
 
 def _step_request_rows(run_id: int, plan: StepPlan, result: StepResult) -> list[tuple[Any, ...]]:
     """Per request of the step, in STEP_REQUEST_COLUMNS order: the positions it computed, whether it
-    sampled, its event and object counts, its resident KV reads and its rebuild pass's objects."""
+    sampled, its event and object counts, its resident KV reads, its rebuild pass's objects and its resident
+    expert uses (in total and per layer)."""
     num_events: dict[str, int] = {}
     num_objects: dict[str, int] = {}
     rebuilt: dict[str, int] = {}  # objects computed in the request's KV rebuild pass (a recompute's evidence)
@@ -212,7 +222,7 @@ def _step_request_rows(run_id: int, plan: StepPlan, result: StepResult) -> list[
         num_objects[e.request_id] = num_objects.get(e.request_id, 0) + e.count
         if e.is_rebuild:
             rebuilt[e.request_id] = rebuilt.get(e.request_id, 0) + e.count
-    sampled, kv_reads = result.sampled_token_ids, result.kv_resident_reads
+    sampled, kv_reads, uses = result.sampled_token_ids, result.kv_resident_reads, result.expert_resident_uses
     return [
         (
             run_id,
@@ -225,16 +235,44 @@ def _step_request_rows(run_id: int, plan: StepPlan, result: StepResult) -> list[
             num_objects.get(rid, 0),
             _per_layer(kv_reads.get(rid)),
             rebuilt.get(rid, 0),
+            sum(uses[rid].values()) if rid in uses else 0,
+            _per_layer(uses.get(rid)),
         )
         for rid in plan.request_ids
     ]
+
+
+def _total(counts: dict[str, dict[int, int]]) -> int:
+    """The sum of request -> layer -> count."""
+    return sum([sum(by_layer.values()) for by_layer in counts.values()])
+
+
+def per_layer_counts(text: str | None) -> dict[int, int]:
+    """layer -> count from a per-layer column ("3,3,0,2"; layers with 0 left out)."""
+    if not text:
+        return {}
+    return {layer: int(n) for layer, n in enumerate(text.split(",")) if int(n)}
 
 
 def _per_layer(counts: dict[int, int] | None) -> str | None:
     """ "3,3,0,2": a count per layer from 0 (None when there are none)."""
     if not counts:
         return None
+    layers = tuple(counts)
+    if layers == _consecutive(layers[0], len(layers)):  # the engine's usual order: a decode step's hot path
+        return "0," * layers[0] + _joined(tuple(counts.values()))
     return ",".join(str(counts.get(layer, 0)) for layer in range(max(counts) + 1))
+
+
+@functools.lru_cache(maxsize=256)
+def _consecutive(first: int, num: int) -> tuple[int, ...]:
+    return tuple(range(first, first + num))
+
+
+@functools.lru_cache(maxsize=4096)
+def _joined(values: tuple[int, ...]) -> str:
+    """The counts of a step's requests repeat (a decode token uses top_k experts of every layer): built once."""
+    return ",".join(map(str, values))
 
 
 def request_row(

@@ -56,8 +56,15 @@ def chart_rows(at: AppTest, index: int) -> list[pd.DataFrame]:
     return [convert_arrow_bytes_to_pandas_df(d.data.data) for d in el.datasets]
 
 
+OBJECTS = (  # events and the resident expert uses the step_requests rows count instead of events
+    "(SELECT run_id, request_id, step_id, exactness, tag, count FROM events UNION ALL "
+    "SELECT run_id, request_id, step_id, 'exact', 'resident', num_resident_expert_uses FROM step_requests "
+    "WHERE num_resident_expert_uses > 0)"
+)
+
+
 def objects_by_exactness(db: Path, where: str = "1=1", params: tuple = ()) -> dict[tuple[int, str], int]:
-    rows = sql(db, f"SELECT run_id, exactness, SUM(count) FROM events WHERE {where} GROUP BY 1, 2", params)
+    rows = sql(db, f"SELECT run_id, exactness, SUM(count) FROM {OBJECTS} WHERE {where} GROUP BY 1, 2", params)
     return {(r, c): n for r, c, n in rows}
 
 
@@ -87,7 +94,7 @@ def test_overview_numbers(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     specs = charts(at)
     assert len(specs) == 2 and "tag mix" not in json.dumps(specs[0]).lower()
     tags = chart_rows(at, 1)[0]
-    expected = sql(db, "SELECT run_id, tag, SUM(count) FROM events GROUP BY 1, 2")
+    expected = sql(db, f"SELECT run_id, tag, SUM(count) FROM {OBJECTS} GROUP BY 1, 2")
     got = {(int(r.run_id), r.tag): int(r.objects) for r in tags.itertuples()}
     assert got == {(r, t): n for r, t, n in expected}
 
@@ -180,14 +187,19 @@ def test_request_drilldown_numbers(db: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert budget.loc["mean KL", "remaining"] == f"{BUDGET['max_mean_kl'] - mean_kl:.3g}"
     assert budget.loc["mean KL", "spent of limit"] == f"{100 * mean_kl / BUDGET['max_mean_kl']:.0f} %"
     assert budget.loc["mean KL", "verdict"] == "FAIL"
-    served = dict(sql(db, "SELECT exactness, SUM(count) FROM events WHERE run_id=2 AND request_id='a' GROUP BY 1"))
+    served = dict(sql(db, f"SELECT exactness, SUM(count) FROM {OBJECTS} WHERE run_id=2 AND request_id='a' GROUP BY 1"))
     frac = served.get("approximate", 0) / sum(served.values())
     assert budget.loc["approximate fraction", "measured"] == f"{frac:.3g}"
-    cells = sql(
+    cells = set(
+        sql(db, "SELECT DISTINCT step_id, layer, object_kind FROM events WHERE run_id = 2 AND request_id = 'a'")
+    )
+    for step_id, per_layer in sql(
         db,
-        "SELECT COUNT(*) FROM (SELECT DISTINCT step_id, layer, object_kind FROM events "
-        "WHERE run_id = 2 AND request_id = 'a')",
-    )[0][0]
+        "SELECT step_id, resident_expert_uses FROM step_requests "
+        "WHERE run_id = 2 AND request_id = 'a' AND resident_expert_uses IS NOT NULL",
+    ):
+        cells |= {(step_id, layer, "expert") for layer, n in enumerate(per_layer.split(",")) if int(n)}
+    cells = len(cells)
     grid = chart_rows(at, 0)[0]
     assert len(grid) == cells and set(grid["tag"]) <= {"resident", "exact_load", "expert_defer", "kv_dequant"}
     kl = chart_rows(at, 1)[0]
@@ -196,7 +208,7 @@ def test_request_drilldown_numbers(db: Path, monkeypatch: pytest.MonkeyPatch) ->
     steps = sql(
         db,
         "SELECT SUM(wall_s) FROM steps WHERE run_id = 2 AND step_id IN "
-        "(SELECT step_id FROM events WHERE run_id = 2 AND request_id = 'a')",
+        "(SELECT step_id FROM step_requests WHERE run_id = 2 AND request_id = 'a')",
     )[0][0]
     timeline = chart_rows(at, 2)[0]
     assert timeline[timeline["time"] == "measured"]["value"].max() == pytest.approx(1e3 * steps)  # in ms

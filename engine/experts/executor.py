@@ -198,12 +198,12 @@ class Executor:
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
         """Every expert of the layer is resident in its stack: one grouped matmul per projection, exactly
-        transformers' `grouped_mm` experts path; each (expert, request) use is recorded `resident`."""
+        transformers' `grouped_mm` experts path; each (expert, request) use is counted `resident`."""
         ctx = self.ctx
         out = grouped_mm_experts_forward(module, hidden, top_k_index, top_k_weights)
         experts: set[int] = set()
         for expert_id, request_index in group_routing(ctx.token_owner, top_k_index, top_k_weights):
-            ctx.log.add(ctx.batch.request_ids[request_index], layer, ObjectKind.EXPERT, Tag.RESIDENT)
+            ctx.log.add_expert_uses(ctx.batch.request_ids[request_index], layer, 1)
             ctx.used_expert_keys.append((layer, expert_id))
             experts.add(expert_id)
         if experts:  # modeled as the per-expert path is: one call per expert used, its tokens spread evenly
@@ -214,13 +214,13 @@ class Executor:
     def _run_resident(
         self, module: torch.nn.Module, use: ExpertUse, hidden: torch.Tensor, weights: torch.Tensor, out: torch.Tensor
     ) -> None:
-        """One request's tokens through an expert already on device: compute, account, record `resident`."""
+        """One request's tokens through an expert already on device: compute, account, count it `resident`."""
         ctx, token_idx = self.ctx, use.token_idx
         y = expert_mlp(module, hidden[token_idx], self.expert_store.device_weights(use.key))
         out.index_add_(0, token_idx, (y * weights[token_idx, use.top_k_pos, None]).to(out.dtype))
         ctx.log.modeled_compute_s += self._expert_s(len(token_idx), hidden, on_cpu=False)
         ctx.used_expert_keys.append(use.key)
-        ctx.log.add(ctx.batch.request_ids[use.request_index], use.key[0], ObjectKind.EXPERT, Tag.RESIDENT)
+        ctx.log.add_expert_uses(ctx.batch.request_ids[use.request_index], use.key[0], 1)
 
     def _expert_s(self, num_tokens: int, hidden: torch.Tensor, on_cpu: bool) -> float:
         """Predicted (modeled) seconds of one expert call from the profile's measured curve."""

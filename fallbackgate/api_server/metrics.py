@@ -148,6 +148,10 @@ class ServerMetrics:
                     hits += e.count
                 else:
                     misses += e.count
+        resident = sum(n for layers in result.expert_resident_uses.values() for n in layers.values())
+        if resident:  # resident expert uses are counts on the step, not events
+            self.objects.labels(Tag.RESIDENT.value, ObjectKind.EXPERT.value, "none").inc(resident)
+            hits += resident
         self.kv_resident.inc(sum(n for layers in result.kv_resident_reads.values() for n in layers.values()))
         self.expert_uses.labels("hit").inc(hits)
         self.expert_uses.labels("miss").inc(misses)

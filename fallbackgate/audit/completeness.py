@@ -6,6 +6,7 @@ Checked against what the engine counted itself, never against the rows alone:
 - per step: the event rows found against the step row's ``num_events``, and a row for every step that
   sampled an audited token;
 - per step × request: event rows and objects found against the ``step_requests`` row;
+- counted resident uses (no event rows) against the step rows and the routing (:mod:`fallbackgate.audit.use_counts`);
 - from the engine's side (:mod:`fallbackgate.audit.coverage`): a row for every (step, request) the steps
   scheduled, positions that tile each request, a sampling row per output token, no orphan rows;
 - KV events against the recorded rebuild passes, positions and copies (:mod:`fallbackgate.audit.kv_reconcile`);
@@ -27,6 +28,7 @@ from typing import Any
 
 from fallbackgate.audit.coverage import check_coverage
 from fallbackgate.audit.kv_reconcile import check_kv_events
+from fallbackgate.audit.use_counts import check_use_counts
 from fallbackgate.engine.tags import ObjectKind, Tag
 from fallbackgate.ledger import audit_queries, queries
 from fallbackgate.ledger.db import Ledger
@@ -72,6 +74,10 @@ def check_completeness(ledger: Ledger, run: Mapping[str, Any], requests: list[di
     if kv_reasons:
         first = next(iter(kv_reasons.values()))[0]
         out.reasons.append(f"{sum(map(len, kv_reasons.values()))} KV event(s) contradict the ledger, first: {first}")
+    count_reasons, count_request_reasons = check_use_counts(ledger, run_id, run.get("memory"))
+    out.reasons += count_reasons
+    for rid, reasons in count_request_reasons.items():
+        out.request_reasons.setdefault(rid, []).extend(reasons)
     out.reasons += _forced_tag_reasons(ledger, run)
     out.reasons += check_object_bytes(ledger, run_id, (run.get("memory") or {}).get("object_bytes"))
     out.reasons += [_verification_reason(v) for v in audit_queries.failed_verifications(ledger, run_id)]

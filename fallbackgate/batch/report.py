@@ -20,6 +20,8 @@ def tag_totals(outcome: RunOutcome) -> dict[str, dict[str, int]]:
         for event in step.events:
             totals[event.tag.value]["count"] += event.count
             totals[event.tag.value]["bytes"] += event.bytes_moved
+        resident = step.expert_resident_uses.values()  # counted on the step, not events
+        totals[Tag.RESIDENT.value]["count"] += sum(sum(by_layer.values()) for by_layer in resident)
     return totals
 
 

@@ -143,7 +143,17 @@ def memory_summary(engine: Engine) -> dict[str, Any]:
         "dtype": engine.dtype_name,
         "block_size": engine.config.block_size,
         "object_bytes": object_bytes(engine),
+        "routing": routing(engine),
     }
+
+
+def routing(engine: Engine) -> dict[str, Any]:
+    """Experts per token and routed experts per MoE layer: what the audit checks each request's expert uses
+    per layer against (a decode token uses exactly ``top_k`` experts of every MoE layer)."""
+    per_layer: dict[int, int] = {}
+    for layer, _ in engine.expert_store.entries:
+        per_layer[layer] = per_layer.get(layer, 0) + 1
+    return {"top_k": engine.executor.top_k, "experts_per_layer": {str(k): n for k, n in sorted(per_layer.items())}}
 
 
 def object_bytes(engine: Engine) -> dict[str, Any]:

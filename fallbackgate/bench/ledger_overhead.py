@@ -121,7 +121,24 @@ def _side(engine: Engine, settings: RunSettings, ledger: Ledger | None, tag: str
     writer.close()
     events = sum(len(s.events) for s in outcome.steps)
     replay = _replay_s(ledger, engine, recorder.steps)
-    return {"wall": wall, "cpu": cpu, "record_calls_s": recorder.call_s, "writer_s": replay, "events": events}
+    tokens = sum(len(o.output_token_ids) for o in outcome.outputs)
+    return {
+        "wall": wall,
+        "cpu": cpu,
+        "record_calls_s": recorder.call_s,
+        "writer_s": replay,
+        "events": events,
+        "rows_per_token": _num_rows(recorder.steps) / max(1, tokens),
+    }
+
+
+def _num_rows(steps: list[tuple[StepPlan, StepResult]]) -> int:
+    """Ledger rows the steps write: a step row, a row per request of the step, an event row per event and one
+    per event naming its objects."""
+    return sum(
+        1 + len(plan.request_ids) + len(result.events) + sum(1 for e in result.events if e.object_ids)
+        for plan, result in steps
+    )
 
 
 def _summary(off: list[dict[str, float]], on: list[dict[str, float]]) -> dict[str, Any]:
@@ -152,7 +169,12 @@ def measure_overhead(engine: Engine, settings: RunSettings, ledger_url: str, rep
         for rep in range(reps):
             for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
                 sides[mode].append(_side(engine, settings, ledger if mode == "on" else None, f"{mode}{rep}"))
-    result = {"reps": reps, "events_per_run": int(sides["on"][-1]["events"]), "goal": OVERHEAD_GOAL}
+    result = {
+        "reps": reps,
+        "events_per_run": int(sides["on"][-1]["events"]),
+        "rows_per_token": sides["on"][-1]["rows_per_token"],
+        "goal": OVERHEAD_GOAL,
+    }
     result.update(_summary(sides["off"], sides["on"]))
     result["meets_goal"] = result["components"]["overhead_bound"] <= OVERHEAD_GOAL
     return result
@@ -205,7 +227,8 @@ def _print(result: dict[str, Any]) -> None:
         c = o[clock]
         print(
             f"ledger overhead ({clock}): median off {c['median_off_s']:.3f} s, on {c['median_on_s']:.3f} s "
-            f"-> {100 * c['overhead']:+.2f} %  ({o['reps']} interleaved reps, {o['events_per_run']} events/run)"
+            f"-> {100 * c['overhead']:+.2f} %  ({o['reps']} interleaved reps, {o['events_per_run']} events/run, "
+            f"{o['rows_per_token']:.2f} ledger rows per generated token)"
         )
     comp = o["components"]
     print(

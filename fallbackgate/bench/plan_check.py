@@ -68,6 +68,8 @@ def measure(config: str, max_new_tokens: int, ledger: Ledger) -> dict[str, Any]:
     engine.close()
     hits = uses = 0
     for step in outcome.steps:
+        resident = sum(n for layers in step.expert_resident_uses.values() for n in layers.values())
+        hits, uses = hits + resident, uses + resident
         for e in step.events:
             if e.object_kind is ObjectKind.EXPERT:
                 uses += e.count

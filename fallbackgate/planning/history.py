@@ -17,7 +17,8 @@ from sqlalchemy import func, select
 from fallbackgate.engine.messages import StepKind
 from fallbackgate.engine.tags import ObjectKind, Tag
 from fallbackgate.ledger.db import Ledger
-from fallbackgate.ledger.models import EventRow, Run, Step
+from fallbackgate.ledger.models import EventRow, Run, Step, StepRequest
+from fallbackgate.ledger.object_uses import object_uses
 from fallbackgate.planning.shape import ModelShape
 
 
@@ -39,13 +40,11 @@ def routing_exponent(ledger: Ledger, shape: ModelShape, exclude_run_ids: set[int
             total = memory.get("expert_bytes_total") or 0
             peak = (memory.get("peak_device_pool_bytes_by_kind") or {}).get(ObjectKind.EXPERT.value, 0)
             fraction = peak / total if total else 1.0
-            uses = dict(
-                conn.execute(
-                    select(EventRow.tag, func.sum(EventRow.count))
-                    .where(EventRow.run_id == run.id, EventRow.object_kind == ObjectKind.EXPERT.value)
-                    .group_by(EventRow.tag)
-                ).all()
+            u = object_uses(
+                (EventRow.run_id == run.id) & (EventRow.object_kind == ObjectKind.EXPERT.value),
+                StepRequest.run_id == run.id,
             )
+            uses = dict(conn.execute(select(u.c.tag, func.sum(u.c.count)).group_by(u.c.tag)).all())
             batch = conn.execute(
                 select(func.avg(Step.num_requests)).where(Step.run_id == run.id, Step.kind == StepKind.DECODE.value)
             ).scalar()
