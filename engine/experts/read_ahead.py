@@ -3,10 +3,11 @@
 Reads go through the engine's I/O scheduler (when the checkpoint files have one): the threads submit an
 expert's spans and wait for them off the compute thread, so the compute thread waits only at use
 (:meth:`ReadAhead.take`); a read ahead of the current layer's own miss is served as a miss, a predicted one
-after every miss and KV read. Mechanism only: the controller chooses what to read ahead (:meth:`Controller.choose_read_ahead`); the
-store reserves host-budget room for each read before it starts, and a demand read of a key in flight waits
-for it rather than reading again. On a 2-core CPU machine the I/O threads take CPU from torch's compute
-threads (measured: more than the reads they hide), so the engine defaults to none there.
+after every miss and KV read. Mechanism only: the controller chooses what to read ahead
+(:meth:`Controller.choose_read_ahead`); the store reserves host-budget room for each read before it starts,
+and a demand read of a key in flight waits for it rather than reading again. On a 2-core CPU machine the
+I/O threads take CPU from torch's compute threads (measured: more than the reads they hide), so the engine
+defaults to none there.
 """
 
 from __future__ import annotations
