@@ -78,7 +78,7 @@ class ReadAhead:
         self.clock = TransferClock()
         self.total = TransferClock()  # the whole run
 
-    def _timed(self, key: ExpertKey, requester_ids: tuple[str, ...], priority: int) -> tuple[Read, float, int]:
+    def _timed(self, key: ExpertKey, requester_ids: tuple[str, ...], priority: int | None) -> tuple[Read, float, int]:
         """Read `key` through the I/O scheduler for `requester_ids` at `priority`: the read, its seconds and
         when its last disk transfer finished (monotonic ns; 0 when nothing went through the scheduler)."""
         started = time.perf_counter()

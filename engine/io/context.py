@@ -29,7 +29,7 @@ class IOContext:
     """What the transfers submitted inside one ``with io_context(...)`` are for."""
 
     requester_ids: tuple[str, ...] = ()  # requests waiting on the object (empty: the engine's own)
-    priority: int = IOPriority.EXPERT_MISS  # serving order of its transfers
+    priority: int | None = None  # serving order of its transfers (None: the reader's default for its kind)
     object_id: str = ""  # the object's id ("layer:expert", "request:layer:block"); "" lets the reader name it
     last_end_ns: int = 0  # monotonic_ns when the latest of its transfers finished (0: none yet)
 
@@ -49,11 +49,11 @@ def current_io_context() -> IOContext:
 
 @contextlib.contextmanager
 def io_context(
-    requester_ids: Sequence[str] = (), priority: int = IOPriority.EXPERT_MISS, object_id: str = ""
+    requester_ids: Sequence[str] = (), priority: int | None = None, object_id: str = ""
 ) -> Iterator[IOContext]:
     """Transfers submitted inside are for `requester_ids`, served at `priority`, for `object_id`; yields the
     context (its ``last_end_ns`` says when the last of them finished)."""
-    ctx = IOContext(tuple(requester_ids), int(priority), object_id)
+    ctx = IOContext(tuple(requester_ids), None if priority is None else int(priority), object_id)
     token = _CURRENT.set(ctx)
     try:
         yield ctx

@@ -17,6 +17,7 @@ import torch
 
 from fallbackgate.engine.device_pool import Scratch, TierPool
 from fallbackgate.engine.errors import ChecksumError, EngineError
+from fallbackgate.engine.io.context import IOPriority, io_context
 from fallbackgate.engine.kv.block import KVBlock, KVBlockKey, SpillMode, Staged
 from fallbackgate.engine.kv.codec import dequantize_kv, quant_to, read_quant
 from fallbackgate.engine.kv.copies import KVCopies
@@ -217,6 +218,10 @@ class KVStore(KVCopies):
         return self.bytes_per_block + (quant.num_bytes if quant else 0) + fp32_bytes
 
     def _stage_tensor(self, block: KVBlock, tag: Tag) -> Staged:
+        with io_context((block.key[0],), IOPriority.KV_READ, ":".join(map(str, block.key))):  # disk reads: for
+            return self._staged(block, tag)  # the block's request, before the step's expert misses
+
+    def _staged(self, block: KVBlock, tag: Tag) -> Staged:
         if tag is Tag.EXACT_LOAD:
             staged = self._stage_exact(block)
         elif tag is Tag.KV_DEQUANT:

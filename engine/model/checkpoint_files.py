@@ -27,7 +27,7 @@ from safetensors import safe_open
 
 from fallbackgate.engine.errors import CheckpointError
 from fallbackgate.engine.experts.span_pool import SpanPool
-from fallbackgate.engine.io import IOScheduler, IOSchedulerError, Ticket, current_io_context
+from fallbackgate.engine.io import IOPriority, IOScheduler, IOSchedulerError, Ticket, current_io_context
 from fallbackgate.engine.io.context import IOContext
 from fallbackgate.engine.model.fp8 import FP8_DTYPES
 from fallbackgate.engine.tags import ObjectKind
@@ -198,7 +198,8 @@ class CheckpointFiles:
         object_id = ctx.object_id or name
         ticket = self.io.submit_read(
             file, offset - head, length, ObjectKind.EXPERT, object_id, ctx.requester_ids,
-            into=memoryview(mapping)[:length], priority=ctx.priority,
+            into=memoryview(mapping)[:length],
+            priority=IOPriority.EXPERT_MISS if ctx.priority is None else ctx.priority,
         )  # fmt: skip
         return _Span(ticket, mapping, head, ctx)
 
