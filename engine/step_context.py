@@ -34,7 +34,7 @@ class EventLog:
         self.step_id = step_id
         self.started_s = time.perf_counter() if started_s is None else started_s  # the step's start (perf_counter)
         self.kv_stagings: dict[tuple[str, int, int], KVStaging] = {}  # off-device blocks made usable, with when
-        self.expert_arrivals: dict[tuple[str, int, int], ExpertArrival] = {}  # (request, layer, expert) fetched
+        self.expert_arrivals: dict[tuple[str, int, int, Tag], ExpertArrival] = {}  # (request, layer, expert, tag)
         self._events: dict[_EventKey, Event] = {}
         self.modeled_transfer_s = 0.0  # serialised link time of this step
         self.modeled_compute_s = 0.0  # device + CPU compute time of this step
@@ -122,12 +122,13 @@ class EventLog:
         self, request_ids: Sequence[str], key: tuple[int, int], tag: Tag, bytes_moved: int, read_end_ns: int
     ) -> None:
         """Note that expert `key`, fetched for `request_ids`, is usable: when its last disk read ended
-        (`read_end_ns`, monotonic ns), or now when nothing was read. A request's first fetch of it counts."""
+        (`read_end_ns`, monotonic ns), or now when nothing was read. A request's first fetch of it with `tag`
+        in the step counts (a rebuild pass may load what the step's own forward then defers)."""
         now = time.perf_counter()
         ready_at = now - (time.monotonic_ns() - read_end_ns) / 1e9 if read_end_ns else now
         for request_id in request_ids:
             arrival = ExpertArrival(request_id, key[0], key[1], tag, bytes_moved, ready_at - self.started_s)
-            self.expert_arrivals.setdefault((request_id, key[0], key[1]), arrival)
+            self.expert_arrivals.setdefault((request_id, key[0], key[1], tag), arrival)
 
     def mark_rebuilt(self, request_id: str) -> None:
         """The request's rebuild pass ended: its blocks staged for recompute are usable now."""
