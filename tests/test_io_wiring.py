@@ -67,6 +67,7 @@ def test_reported_disk_loads_are_what_the_kernel_read_and_tokens_match_ram(tmp_p
     kv_reads = [r for r in reads if r.object_kind is ObjectKind.KV_BLOCK]
     assert all(r.requester_ids == ("big",) and r.object_id.startswith("big:") for r in kv_reads)
     assert all(r.priority == IOPriority.KV_READ for r in kv_reads)
+    assert max(r.queue_depth_at_submit for r in kv_reads) > 1  # a layer's disk blocks are queued together
     expert_reads = [r for r in reads if r.object_kind is ObjectKind.EXPERT]
     assert all(r.requester_ids == ("big",) and r.priority == IOPriority.EXPERT_MISS for r in expert_reads)
     engine.close()
