@@ -11,11 +11,13 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+import torch
 
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
-from fallbackgate.engine.io import IOOp, IOPriority, IORecord
+from fallbackgate.engine.errors import EngineError
+from fallbackgate.engine.io import IOOp, IOPriority, IORecord, io_context
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.tinymoe import CHECKPOINT_DIR
@@ -100,3 +102,79 @@ def test_an_expert_miss_and_a_kv_read_share_the_queue_in_one_step(tmp_path: path
         read = {tuple(map(int, r.object_id.split(":"))) for r in records if r.object_kind is ObjectKind.EXPERT}
         assert read <= arrivals  # every expert read has its measured arrival
         assert all(0 < a.ready_s <= result.wall_s for a in result.expert_arrivals)
+
+
+def test_checkpoint_spans_through_the_scheduler_equal_the_file_to_its_last_byte() -> None:
+    from fallbackgate.engine.io import IOScheduler
+    from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
+
+    files = CheckpointFiles(CHECKPOINT_DIR)
+    names = files.names()
+    last = max(names, key=lambda n: files.byte_range(n, None)[1])  # its aligned end lies past the file's end
+    with IOScheduler(num_workers=2) as io:
+        files.io = io
+        with io_context(("r1",), IOPriority.READ_AHEAD, "0:0"):
+            got = files.read_parts([(name, None) for name in names])
+        records = io.take_completed()
+    files.io = None
+    for name, raw in zip(names, got, strict=True):
+        assert raw.numpy().tobytes() == files.read(name).contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    assert last in names and all(r.is_direct and r.requester_ids == ("r1",) for r in records)
+    assert all(r.priority == IOPriority.READ_AHEAD and r.object_id == "0:0" for r in records)
+    sizes = sum(files.byte_range(name, None)[2] for name in names)
+    assert sizes <= sum(r.num_bytes_done for r in records) < sizes + 2 * 4096 * len(records)  # aligned ranges
+
+
+def test_a_direct_read_refused_by_the_file_system_is_read_buffered(tmp_path: pathlib.Path, monkeypatch) -> None:
+    import errno
+
+    from fallbackgate.engine.io import IOScheduler
+    from fallbackgate.engine.io import scheduler as scheduler_module
+
+    path = tmp_path / "data.bin"
+    path.write_bytes(bytes(range(256)) * 64)
+    real = scheduler_module.read_into
+
+    def refuse_direct(fd, is_direct, record, buffer, bounce):  # what a file system without O_DIRECT reads do
+        if is_direct:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, is_direct, record, buffer, bounce)
+
+    monkeypatch.setattr(scheduler_module, "read_into", refuse_direct)
+    with IOScheduler(num_workers=1) as io:
+        first = io.submit_read(path, 100, 1000, ObjectKind.EXPERT, "0:0")
+        assert bytes(io.wait(first)) == (bytes(range(256)) * 64)[100:1100] and not first.record.is_direct
+        second = io.submit_read(path, 0, 4096, ObjectKind.EXPERT, "0:1")  # the file's descriptor stays buffered
+        assert bytes(io.wait(second)) == (bytes(range(256)) * 64)[:4096] and not second.record.is_direct
+        io.forget_file(path)
+
+
+def test_spill_through_the_scheduler_aligns_extents_reads_direct_and_forgets_its_files(tmp_path) -> None:
+    from fallbackgate.engine.errors import ChecksumError
+    from fallbackgate.engine.io import IOScheduler
+    from fallbackgate.engine.kv.spill import SpillDir
+
+    io = IOScheduler(num_workers=2)
+    spill = SpillDir(tmp_path, segment_bytes=1 << 20)
+    spill.attach_io(io)
+    tensors = [torch.full((256,), float(i)) for i in range(6)]  # 1 KiB each: one 4 KiB extent each
+    with io_context(("r1",), None, "r1:0:0"):
+        records = [spill.write(f"b{i}", t) for i, t in enumerate(tensors)]
+        pending = [spill.submit_read(r) for r in records]  # all queued, then waited
+        assert [torch.equal(spill.finish_read(p), t) for p, t in zip(pending, tensors, strict=True)] == [True] * 6
+    assert [r.offset for r in records] == [i * 4096 for i in range(6)]
+    done = io.take_completed()
+    assert all(r.is_direct and r.requester_ids == ("r1",) for r in done)
+    assert {r.priority for r in done if r.op is IOOp.WRITE} == {IOPriority.KV_WRITE}
+    assert {r.priority for r in done if r.op is IOOp.READ} == {IOPriority.KV_READ}
+    assert max(r.queue_depth_at_submit for r in done if r.op is IOOp.READ) > 1
+    data = bytearray(records[2].path.read_bytes())
+    data[records[2].offset + 7] ^= 0xFF
+    records[2].path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match="page 0"):
+        spill.read(records[2])
+    with pytest.raises(EngineError, match="before its first write"):
+        spill.attach_io(io)
+    spill.close()
+    assert not any(tmp_path.iterdir()) and not io._fds  # noqa: SLF001 - the descriptors went before the files
+    io.close()
