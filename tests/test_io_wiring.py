@@ -49,10 +49,12 @@ def test_reported_disk_loads_are_what_the_kernel_read_and_tokens_match_ram(tmp_p
     engine.io.take_completed()  # the warm-up's reads
     before = _io()
     engine.add_request(_prompt(engine), SamplingParams(max_new_tokens=NEW_TOKENS), "big")
-    events, records = [], []
+    events, records, num_shared_steps = [], [], 0
     while engine.has_unfinished():
         events += engine.step().events
-        records += engine.io.take_completed()
+        step_records = engine.io.take_completed()
+        num_shared_steps += _same_step_misses(step_records)  # both kinds read in this step
+        records += step_records
     after = _io()
     assert engine.finished["big"].output_token_ids == tokens
     expert_bytes, kv_bytes = _disk_bytes(events, ObjectKind.EXPERT), _disk_bytes(events, ObjectKind.KV_BLOCK)
@@ -70,6 +72,7 @@ def test_reported_disk_loads_are_what_the_kernel_read_and_tokens_match_ram(tmp_p
     assert all(r.requester_ids == ("big",) and r.object_id.startswith("big:") for r in kv_reads)
     assert all(r.priority == IOPriority.KV_READ for r in kv_reads)
     assert max(r.queue_depth_at_submit for r in kv_reads) > 1  # a layer's disk blocks are queued together
+    assert num_shared_steps > 0
     expert_reads = [r for r in reads if r.object_kind is ObjectKind.EXPERT]
     assert all(r.requester_ids == ("big",) and r.priority == IOPriority.EXPERT_MISS for r in expert_reads)
     engine.close()
