@@ -48,7 +48,11 @@ class Engine(BaselineAccess):
         ]
         self.num_dense_params = sum(p.numel() for p in dense)  # resident, outside the device budget
         self.num_dense_bytes = sum(p.numel() * p.element_size() for p in dense)
+        self.io = IOScheduler(num_workers=max(1, config.num_io_threads or 0))  # the disk's one queue (workers
+        # start on first use): expert reads from the checkpoint and KV spill reads and writes all go through it
+        loaded.reader.files.io = self.io
         self.expert_store, self.kv_store, expert_floor = build_stores(config, loaded, shape, self.device)
+        self.kv_store.spill.attach_io(self.io)
         model = loaded.model.to(self.device)
         fill_expert_tiers(config, loaded, self.expert_store)
         self.loaded_experts = loaded.experts_by_layer  # decoder layer -> routed-experts module
@@ -61,8 +65,6 @@ class Engine(BaselineAccess):
         self._used_ids: set[str] = set()  # every id accepted, never reused (a str in a set: ~100 bytes each)
         self.scheduler = Scheduler(config, self.kv_store, self._make_room_for_kv, expert_floor, self._preempt)
         uses = StepUses()
-        self.io = IOScheduler(num_workers=max(1, config.num_io_threads or 0))  # the disk's one queue (workers
-        # start on first use)
         self._view = LiveView(
             self.expert_store, self.kv_store, config.profile, self.sequences, self.scheduler, uses, self.io
         )
@@ -170,6 +172,7 @@ class Engine(BaselineAccess):
         self.expert_store.close()
         self.kv_store.spill.close()
         self.io.close()
+        self.expert_store.reader.files.io = None  # an audit after close reads the checkpoint in its own thread
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -316,6 +319,7 @@ class Engine(BaselineAccess):
             log.kv_resident_reads,
             list(log.kv_stagings.values()),
             log.expert_resident_uses,
+            list(log.expert_arrivals.values()),
         )
 
     def _end_step(self, log: EventLog) -> None:

@@ -69,6 +69,18 @@ class KVStaging:
     ready_s: float  # seconds from the step's start until usable (a recompute: its rebuild pass ended)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExpertArrival:
+    """When one expert a step fetched for a request became usable, measured from the step's start."""
+
+    request_id: str  # a request that computed with it
+    layer: int  # decoder layer
+    expert_id: int  # expert index in the layer
+    tag: Tag  # how it was served: exact_load, expert_lowbit, cpu_execute (resident ones are not listed)
+    bytes_moved: int  # bytes read for it (0 when none were)
+    ready_s: float  # seconds from the step's start until usable: its last disk read's end, else the fetch's
+
+
 @dataclasses.dataclass(slots=True)
 class StepPlan:
     """What the scheduler decided to run in one step."""
@@ -108,6 +120,8 @@ class StepResult:
     # with when (what an arbitration's measured arrival is)
     expert_resident_uses: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)  # request -> layer
     # -> experts used resident as decided, no bytes moved (every other expert use is an event)
+    expert_arrivals: list[ExpertArrival] = dataclasses.field(default_factory=list)  # experts fetched (not
+    # resident), per request, with when (an expert arbitration's measured arrival)
 
 
 @dataclasses.dataclass(slots=True)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 
 from fallbackgate.engine.hardware import HardwareProfile
-from fallbackgate.engine.messages import Event, KVStaging
+from fallbackgate.engine.messages import Event, ExpertArrival, KVStaging
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 _EventKey = tuple[str, int, ObjectKind, Tag, Tier | None, str, int, bool]
@@ -38,6 +39,7 @@ class EventLog:
         self.step_id = step_id
         self.started_s = time.perf_counter() if started_s is None else started_s  # the step's start (perf_counter)
         self.kv_stagings: dict[tuple[str, int, int], KVStaging] = {}  # off-device blocks made usable, with when
+        self.expert_arrivals: dict[tuple[str, int, int, Tag], ExpertArrival] = {}  # (request, layer, expert, tag)
         self._events: dict[_EventKey, Event] = {}
         self.modeled_transfer_s = 0.0  # serialised link time of this step
         self.modeled_compute_s = 0.0  # device + CPU compute time of this step
@@ -129,6 +131,18 @@ class EventLog:
         """Note that KV block `key` is usable now (served with `tag`)."""
         ready = time.perf_counter() - self.started_s
         self.kv_stagings[key] = KVStaging(key[0], key[1], key[2], tag, bytes_moved, ready)
+
+    def add_expert_arrival(
+        self, request_ids: Sequence[str], key: tuple[int, int], tag: Tag, bytes_moved: int, read_end_ns: int
+    ) -> None:
+        """Note that expert `key`, fetched for `request_ids`, is usable: when its last disk read ended
+        (`read_end_ns`, monotonic ns), or now when nothing was read. A request's first fetch of it with `tag`
+        in the step counts (a rebuild pass may load what the step's own forward then defers)."""
+        now = time.perf_counter()
+        ready_at = now - (time.monotonic_ns() - read_end_ns) / 1e9 if read_end_ns else now
+        for request_id in request_ids:
+            arrival = ExpertArrival(request_id, key[0], key[1], tag, bytes_moved, ready_at - self.started_s)
+            self.expert_arrivals.setdefault((request_id, key[0], key[1], tag), arrival)
 
     def mark_rebuilt(self, request_id: str) -> None:
         """The request's rebuild pass ended: its blocks staged for recompute are usable now."""

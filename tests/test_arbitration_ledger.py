@@ -86,7 +86,12 @@ def test_a_joint_run_under_dual_misses_records_each_arbitration(
         assert row["late"].startswith("expert load late") and "expert_defer" in {o["tag"] for o in row["options"]}
         assert row["choice"] in ({"expert_defer", "exact_load"} if allowed else {"exact_load"})
         assert row["choice"] == "expert_defer" or row["reason"].startswith("slo slip")  # budget spent, or none
-        assert row["measured_arrival_s"] is None and row["stall_s"] is None  # no per-expert arrival measured yet
+        if row["choice"] == "expert_defer":  # never fetched in its step: nothing arrived
+            assert row["measured_arrival_s"] is None and row["stall_s"] is None
+        else:  # loaded: its disk read's end, from the step's start
+            assert row["measured_arrival_s"] is not None and row["measured_arrival_s"] > 0
+            assert row["stall_s"] == pytest.approx(max(0.0, row["measured_arrival_s"] - row["deadline_s"]))
+    assert any(r["measured_arrival_s"] is not None for r in expert_rows)  # some expert loads were measured
     assert any(r["choice"] == "expert_defer" for r in expert_rows) == bool(allowed)
     filled = [r for r in rows if r["audited_cost"] is not None]
     assert filled and all(r["audited_cost"] >= 0 for r in filled)  # the audit measured the steps' KL

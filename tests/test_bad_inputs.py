@@ -178,10 +178,10 @@ def test_full_spill_disk_fails_the_run_cleanly(
 
     (tmp_path / "spill").mkdir()
 
-    def full(fd: int, data: bytes, offset: int) -> int:  # the spill's segment writes: the disk is full
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def full(fd: int, buffers: list[memoryview], offset: int) -> int:  # the I/O scheduler's writes (every one a
+        raise OSError(errno.ENOSPC, "No space left on device")  # spill segment's here): the disk is full
 
-    monkeypatch.setattr(spill.os, "pwrite", full)
+    monkeypatch.setattr(spill.os, "pwritev", full)
     ledger = tmp_path / "l.sqlite"
     assert main(_run_forcing_disk_spills(tmp_path, ledger)) == 2
     err = capsys.readouterr().err

@@ -22,6 +22,7 @@ from fallbackgate.engine.experts.hook import (
 )
 from fallbackgate.engine.experts.store import ExpertKey, ExpertStore
 from fallbackgate.engine.hardware import HardwareProfile
+from fallbackgate.engine.io.context import IOPriority, io_context
 from fallbackgate.engine.kv.store import KVBlockKey, KVStore, RequestBlockKeys, SpillMode
 from fallbackgate.engine.step_context import StepContext, StepUses
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
@@ -107,7 +108,8 @@ class Executor:
             logits = torch.nn.functional.linear(hidden.to(router.weight.dtype), router.weight)
             ids = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices.unique().tolist()
             predicted = self.controller.choose_read_ahead([(layer + 1, e) for e in ids], self.view)
-        self.expert_store.queue_reads(list(dict.fromkeys(needed)), predicted, self.ctx.step_id)
+        with io_context(self.ctx.batch.request_ids):  # read ahead for this forward's requests
+            self.expert_store.queue_reads(list(dict.fromkeys(needed)), predicted, self.ctx.step_id)
 
     def _run_expert(
         self,
@@ -154,7 +156,11 @@ class Executor:
     ) -> None:
         """Fetch `key` as `fetch_tag` says, compute its uses, accumulate into `out`, and record them."""
         ctx = self.ctx
-        fetched = fetch_for_tag(self.expert_store, key, fetch_tag, self.make_room)
+        request_ids = tuple(dict.fromkeys(ctx.batch.request_ids[u.request_index] for u in tag_uses))
+        with io_context(request_ids, IOPriority.EXPERT_MISS, f"{key[0]}:{key[1]}") as io:  # its disk reads
+            fetched = fetch_for_tag(self.expert_store, key, fetch_tag, self.make_room)
+        if fetch_tag is not Tag.RESIDENT:
+            ctx.log.add_expert_arrival(request_ids, key, fetch_tag, fetched.bytes_moved, io.last_end_ns)
         if len(tag_uses) == 1:
             token_idx, top_k_pos = tag_uses[0].token_idx, tag_uses[0].top_k_pos
         else:

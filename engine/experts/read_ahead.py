@@ -1,9 +1,13 @@
 """Expert reads from the checkpoint on I/O threads, ahead of their use, and the step's transfer clock.
 
-Mechanism only: the controller chooses what to read ahead (:meth:`Controller.choose_read_ahead`); the
-store reserves host-budget room for each read before it starts, and a demand read of a key in flight waits
-for it rather than reading again. On a 2-core CPU machine the I/O threads take CPU from torch's compute
-threads (measured: more than the reads they hide), so the engine defaults to none there.
+Reads go through the engine's I/O scheduler (when the checkpoint files have one): the threads submit an
+expert's spans and wait for them off the compute thread, so the compute thread waits only at use
+(:meth:`ReadAhead.take`); a read ahead of the current layer's own miss is served as a miss, a predicted one
+after every miss and KV read. Mechanism only: the controller chooses what to read ahead
+(:meth:`Controller.choose_read_ahead`); the store reserves host-budget room for each read before it starts,
+and a demand read of a key in flight waits for it rather than reading again. On a 2-core CPU machine the
+I/O threads take CPU from torch's compute threads (measured: more than the reads they hide), so the engine
+defaults to none there.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from fallbackgate.engine.experts.weights import ExpertWeights
+from fallbackgate.engine.io.context import IOPriority, current_io_context, io_context
 
 ExpertKey = tuple[int, int]
 Read = tuple[ExpertWeights, str]  # the weights and a note for the ledger (e.g. a cleared checksum fault)
@@ -58,7 +63,7 @@ class TransferClock:
 
 @dataclasses.dataclass(slots=True)
 class _Flight:
-    future: Future  # resolves to ((weights, note), seconds the read took)
+    future: Future  # resolves to ((weights, note), seconds the read took, when its disk transfer finished)
     step_id: int  # step that started it
     is_predicted: bool  # started for a predicted next-layer expert (not for the current layer's own routing)
 
@@ -73,10 +78,13 @@ class ReadAhead:
         self.clock = TransferClock()
         self.total = TransferClock()  # the whole run
 
-    def _timed(self, key: ExpertKey) -> tuple[Read, float]:
+    def _timed(self, key: ExpertKey, requester_ids: tuple[str, ...], priority: int | None) -> tuple[Read, float, int]:
+        """Read `key` through the I/O scheduler for `requester_ids` at `priority`: the read, its seconds and
+        when its last disk transfer finished (monotonic ns; 0 when nothing went through the scheduler)."""
         started = time.perf_counter()
-        got = self.read(key)
-        return got, time.perf_counter() - started
+        with io_context(requester_ids, priority, f"{key[0]}:{key[1]}") as ctx:
+            got = self.read(key)
+        return got, time.perf_counter() - started, ctx.last_end_ns
 
     def is_in_flight(self, key: ExpertKey) -> bool:
         return key in self.flights
@@ -85,7 +93,9 @@ class ReadAhead:
         """Start reading `key` (the caller has reserved its host room)."""
         if self.pool is None:
             raise RuntimeError("read-ahead has no I/O threads")
-        self.flights[key] = _Flight(self.pool.submit(self._timed, key), step_id, is_predicted)
+        priority = IOPriority.READ_AHEAD if is_predicted else IOPriority.EXPERT_MISS
+        future = self.pool.submit(self._timed, key, current_io_context().requester_ids, priority)
+        self.flights[key] = _Flight(future, step_id, is_predicted)
         self.clock.num_predicted += int(is_predicted)
 
     def take(self, key: ExpertKey) -> Read:
@@ -93,7 +103,8 @@ class ReadAhead:
         that failed raises its error here, in the consumer's thread."""
         flight = self.flights.pop(key)
         started = time.perf_counter()
-        got, read_s = flight.future.result()
+        got, read_s, end_ns = flight.future.result()
+        current_io_context().note_end(end_ns)  # the consumer's object arrived when the read finished
         # a wait longer than the read itself queued behind other reads: counted up to the read's own time, so
         # exposed never exceeds transfer (the rest of such a wait is not in the clock)
         self.clock.exposed_s += min(time.perf_counter() - started, read_s)
@@ -106,7 +117,9 @@ class ReadAhead:
 
     def demand_read(self, key: ExpertKey) -> Read:
         """A read nothing started ahead: all of it is exposed."""
-        got, read_s = self._timed(key)
+        outer = current_io_context()
+        got, read_s, end_ns = self._timed(key, outer.requester_ids, outer.priority)
+        outer.note_end(end_ns)
         self.clock.transfer_s += read_s
         self.clock.exposed_s += read_s
         self.clock.num_unpredicted += 1
@@ -119,7 +132,7 @@ class ReadAhead:
         for key in [k for k, f in self.flights.items() if f.step_id < step_id and f.future.done()]:
             flight = self.flights.pop(key)
             try:
-                (weights, _), read_s = flight.future.result()
+                (weights, _), read_s, _ = flight.future.result()
             except Exception:  # noqa: BLE001 - an unused read that failed is simply dropped
                 out.append((key, None))
                 continue

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import heapq
 import os
 import threading
@@ -57,6 +58,7 @@ class IOScheduler:
         self._in_flight: dict[int, Ticket] = {}
         self._completed: collections.deque[IORecord] = collections.deque(maxlen=max_records)
         self._fds: dict[tuple[str, bool, bool], tuple[int, bool]] = {}
+        self._retired: dict[str, list[int]] = {}  # direct descriptors replaced by buffered ones, by path
         self._threads: list[threading.Thread] = []
         self._next_id = 0
         self._is_closed = False
@@ -197,6 +199,8 @@ class IOScheduler:
         with self._lock:
             for key in [k for k in self._fds if k[0] == name]:
                 os.close(self._fds.pop(key)[0])
+            for fd in self._retired.pop(name, []):
+                os.close(fd)
 
     def close(self) -> None:
         """Finish what is in flight, fail what is queued, stop the workers and close every descriptor."""
@@ -212,7 +216,10 @@ class IOScheduler:
         with self._lock:
             for fd, _ in self._fds.values():
                 os.close(fd)
+            for fd in (fd for fds in self._retired.values() for fd in fds):
+                os.close(fd)
             self._fds.clear()
+            self._retired.clear()
 
     def __enter__(self) -> IOScheduler:
         return self
@@ -239,17 +246,43 @@ class IOScheduler:
                 ticket.record.start_ns = time.monotonic_ns()
                 self._in_flight[ticket.record.ticket_id] = ticket
             try:
-                r = ticket.record
-                if r.op is IOOp.READ:
-                    fd, is_direct = self._fd(r.path, False, ticket.is_direct_wanted)
-                    ticket.data = read_into(fd, is_direct, r, ticket.buffer, bounce)
-                else:
-                    is_aligned = r.offset % ALIGN == 0 and r.num_bytes % ALIGN == 0
-                    fd, is_direct = self._fd(r.path, True, ticket.is_direct_wanted and is_aligned)
-                    write_from(fd, is_direct, r, memoryview(ticket.buffer).cast("B"), bounce)
+                self._run(ticket, bounce)
             except Exception as exc:  # noqa: BLE001 - the fault stays with its transfer; the worker goes on
                 ticket.record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             self._finish(ticket)
+
+    def _run(self, ticket: Ticket, bounce: Bounce) -> None:
+        """One transfer in a worker. A file system that opens ``O_DIRECT`` but refuses the read (EINVAL) is
+        read buffered from then on; a buffered write that wanted ``O_DIRECT`` is flushed and its pages
+        dropped, so reading it back comes from the device too."""
+        r = ticket.record
+        if r.op is IOOp.READ:
+            fd, is_direct = self._fd(r.path, False, ticket.is_direct_wanted)
+            try:
+                ticket.data = read_into(fd, is_direct, r, ticket.buffer, bounce)
+            except OSError as exc:
+                if not is_direct or exc.errno != errno.EINVAL:
+                    raise
+                fd, is_direct = self._refuse_direct(r.path)
+                ticket.data = read_into(fd, is_direct, r, ticket.buffer, bounce)
+            return
+        is_aligned = r.offset % ALIGN == 0 and r.num_bytes % ALIGN == 0
+        fd, is_direct = self._fd(r.path, True, ticket.is_direct_wanted and is_aligned)
+        write_from(fd, is_direct, r, memoryview(ticket.buffer).cast("B"), bounce)
+        if ticket.is_direct_wanted and not is_direct:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, r.offset, r.num_bytes, os.POSIX_FADV_DONTNEED)
+
+    def _refuse_direct(self, path: str) -> tuple[int, bool]:
+        """Serve `path`'s direct reads with a buffered descriptor from now on (the direct one stays open until
+        the file is forgotten: another worker may be using it)."""
+        with self._lock:
+            key = (path, False, True)
+            opened = self._fds.get(key)
+            if opened is not None and opened[1]:
+                self._retired.setdefault(path, []).append(opened[0])
+                self._fds[key] = _open_buffered(path, False)
+            return self._fds[key]
 
     def _finish(self, ticket: Ticket) -> None:
         record = ticket.record

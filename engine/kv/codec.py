@@ -79,8 +79,9 @@ def write_quant(spill: SpillDir, name: str, quant: QuantKV) -> QuantKV:
 def read_quant(spill: SpillDir, quant: QuantKV) -> QuantKV:
     """Read a disk-resident quantized block back (checksums verified)."""
     parts = []
+    pending = [spill.submit_read(r) for r in quant.records]  # all six in flight together, then each verified
     for i, (bits, axis, group_size, shape) in enumerate(quant.meta):
-        codes, scales, zeros = (spill.read(r) for r in quant.records[3 * i : 3 * i + 3])
+        codes, scales, zeros = (spill.finish_read(p) for p in pending[3 * i : 3 * i + 3])
         part = Quantized(codes, scales, zeros, bits, axis, group_size, shape)
         if part.num_bytes != quantized_nbytes(shape, bits, axis, group_size):
             raise EngineError(f"{quant.records[3 * i].path.name}: {part.num_bytes} B read, not a {bits}-bit {shape}")

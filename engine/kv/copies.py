@@ -7,6 +7,7 @@ import torch
 
 from fallbackgate.engine.device_pool import TierPool
 from fallbackgate.engine.errors import BudgetError, EngineError
+from fallbackgate.engine.io.context import IOPriority, io_context
 from fallbackgate.engine.kv.block import KVBlock, SpillMode
 from fallbackgate.engine.kv.codec import quant_kv_nbytes, quantize_kv, write_quant
 from fallbackgate.engine.kv.slots import SlotTier
@@ -87,7 +88,8 @@ class KVCopies:
         """Write a copy per `mode`, then free the device slot. Returns bytes written."""
         if block.device is None:
             raise EngineError(f"KV block {block.key} is not on device")
-        written = self._write_copy(block, mode)
+        with io_context((block.key[0],), IOPriority.KV_WRITE, ":".join(map(str, block.key))):  # disk writes
+            written = self._write_copy(block, mode)
         self._release_device(block)
         return written
 

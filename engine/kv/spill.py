@@ -4,7 +4,10 @@ A SpillDir owns one directory ``fallbackgate-spill-<pid>-<id>`` under its parent
 ``flock`` on the ``.lock`` file inside it while it lives. Its records are extents of segment files
 (``seg-<n>.bin``, each at most `segment_bytes`) allocated by size: a freed extent is reused by the next
 write of the same size (KV blocks and their quantized parts come in a handful of sizes), so a long run
-keeps a few files, not one per block. The directory is removed on `close`, when the object is collected,
+keeps a few files, not one per block. In an engine every write and read goes through its I/O scheduler
+(:meth:`SpillDir.attach_io`): extents are then 4 KiB aligned and written and read with ``O_DIRECT``, so a
+block read back comes from the device, never from the page cache (where the file system refuses
+``O_DIRECT``, written pages are flushed and dropped). The directory is removed on `close`, when the object is collected,
 at interpreter exit, and, after a crash, by the next SpillDir opened under the same parent: a directory
 whose lock nobody holds belongs to no live process.
 """
@@ -12,6 +15,7 @@ whose lock nobody holds belongs to no live process.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import os
 import pathlib
@@ -24,11 +28,24 @@ import numpy as np
 import torch
 
 from fallbackgate.engine.errors import ChecksumError, EngineError
+from fallbackgate.engine.io import IOContext, IOPriority, IOScheduler, IOSchedulerError, Ticket, current_io_context
+from fallbackgate.engine.io.direct import ALIGN, aligned_buffer, round_up
+from fallbackgate.engine.tags import ObjectKind
 
 PAGE_BYTES = 64 * 1024
 SEGMENT_BYTES = 256 * 1024 * 1024  # one segment file's size at most
 DIR_PREFIX = "fallbackgate-spill-"
 LOCK_NAME = ".lock"
+
+
+@dataclasses.dataclass(slots=True)
+class PendingRead:
+    """A spill record's read, submitted and not yet finished."""
+
+    record: SpillRecord  # what is read
+    raw: torch.Tensor  # uint8 destination of the record's bytes
+    ticket: Ticket | None  # its queued transfer (None: read in this thread when finished)
+    ctx: IOContext  # whom it is for (its finish is noted there)
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -67,7 +84,12 @@ def remove_stale(parent: pathlib.Path) -> list[pathlib.Path]:
     return removed
 
 
-def _close_dir(root: pathlib.Path, fds: list[int], lock_fd: int) -> None:
+def _close_dir(
+    root: pathlib.Path, fds: list[int], lock_fd: int, paths: list[pathlib.Path], io_box: list[IOScheduler]
+) -> None:
+    for io in io_box:  # the scheduler's descriptors go before the files do
+        for path in paths:
+            io.forget_file(path)
     for fd in fds:
         os.close(fd)
     fds.clear()
@@ -99,14 +121,17 @@ class SpillDir:
         self.max_bytes = int(0.9 * shutil.disk_usage(self.root).free) if max_bytes is None else int(max_bytes)
         self.segment_bytes = int(segment_bytes)
         self.paths: list[pathlib.Path] = []  # segment files in creation order
+        self._io_box: list[IOScheduler] = []  # the attached scheduler, for the finalizer (forgets its files)
         self.fds: list[int] = []  # their open descriptors
         self.ends: list[int] = []  # bytes allocated at each segment's end so far
         self.free_extents: dict[int, list[tuple[int, int]]] = {}  # size -> (segment, offset) extents to reuse
         self.num_live_bytes = 0  # bytes of records written and not deleted
         self.num_written_bytes = 0  # bytes written, ever
         self.num_read_bytes = 0  # bytes read, ever
-        self._finalizer = weakref.finalize(self, _close_dir, self.root, self.fds, lock_fd)
+        self._finalizer = weakref.finalize(self, _close_dir, self.root, self.fds, lock_fd, self.paths, self._io_box)
         self.is_checksum_verified = True  # tests turn this off to plant a fault
+        self.io: IOScheduler | None = None  # the engine's disk queue (None: read and write in this thread)
+        self.extent_align = 1  # extents' alignment (ALIGN once an I/O scheduler is attached)
 
     @property
     def num_file_bytes(self) -> int:
@@ -117,7 +142,19 @@ class SpillDir:
         """Close the files and remove the directory and everything spilled into it now."""
         self._finalizer()
 
+    def attach_io(self, io: IOScheduler) -> None:
+        """Send every write and read through `io` from now on (before anything is written): extents are
+        then aligned to :data:`ALIGN` so transfers go around the page cache with ``O_DIRECT``."""
+        if self.num_file_bytes:
+            raise EngineError("the I/O scheduler must be attached to a spill directory before its first write")
+        self.io, self.extent_align = io, ALIGN
+        self._io_box[:] = [io]
+
+    def _extent_bytes(self, num_bytes: int) -> int:
+        return round_up(num_bytes, self.extent_align)
+
     def _allocate(self, num_bytes: int) -> tuple[int, int]:
+        num_bytes = self._extent_bytes(num_bytes)
         extents = self.free_extents.get(num_bytes)
         if extents:
             return extents.pop()
@@ -136,36 +173,87 @@ class SpillDir:
         return len(self.fds) - 1, offset
 
     def write(self, name: str, tensor: torch.Tensor) -> SpillRecord:
-        """Write `tensor` into a segment file and return its record (`name` is kept for error messages)."""
+        """Write `tensor` into a segment file and return its record (`name` is kept for error messages; the
+        I/O context names the object and its requests)."""
         data = tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
         crcs = tuple(zlib.crc32(data[i : i + PAGE_BYTES]) for i in range(0, len(data), PAGE_BYTES))
         segment, offset = self._allocate(len(data))
         try:
-            written = os.pwrite(self.fds[segment], data, offset)
-            if written != len(data):
-                raise OSError(28, f"short write ({written} of {len(data)} B)")
+            self._write_at(segment, offset, data, name)
         except OSError as exc:  # a full disk or a vanished directory: say which, never a bare traceback
-            self.free_extents.setdefault(len(data), []).append((segment, offset))
+            self.free_extents.setdefault(self._extent_bytes(len(data)), []).append((segment, offset))
             where = f"spill directory {self.root.parent}"
-            raise EngineError(f"{where}: cannot write {name} ({len(data)} B: {exc.strerror})") from None
+            raise EngineError(f"{where}: cannot write {name} ({len(data)} B: {exc.strerror or exc})") from None
         self.num_live_bytes += len(data)
         self.num_written_bytes += len(data)
         return SpillRecord(self.paths[segment], offset, tensor.dtype, tuple(tensor.shape), crcs)
 
+    def _write_at(self, segment: int, offset: int, data: bytes, name: str) -> None:
+        if self.io is None:
+            written = os.pwrite(self.fds[segment], data, offset)
+            if written != len(data):
+                raise OSError(28, f"short write ({written} of {len(data)} B)")
+            return
+        padded = aligned_buffer(len(data))  # the whole extent, zero-padded: an O_DIRECT write
+        padded[: len(data)] = data
+        ctx = current_io_context()
+        priority = IOPriority.KV_WRITE if ctx.priority is None else ctx.priority
+        ticket = self.io.submit_write(
+            self.paths[segment], offset, memoryview(padded), ObjectKind.KV_BLOCK, ctx.object_id or name,
+            ctx.requester_ids, priority=priority,
+        )  # fmt: skip
+        try:
+            self.io.wait(ticket)
+        except IOSchedulerError as exc:
+            raise OSError(errno.EIO, ticket.record.error or str(exc)) from None
+        ctx.note_end(ticket.record.end_ns)
+
     def read(self, record: SpillRecord) -> torch.Tensor:
         """Read a tensor back; raises ChecksumError if any page does not match its CRC."""
-        num_bytes = record.num_bytes
-        raw = torch.empty(num_bytes, dtype=torch.uint8)
-        self.read_into(record, raw)
-        return raw.view(record.dtype).reshape(record.shape)
+        return self.finish_read(self.submit_read(record))
+
+    def submit_read(self, record: SpillRecord) -> PendingRead:
+        """Queue a record's read on the I/O scheduler (read at :meth:`finish_read` without one), so several
+        records' reads can be in flight at once."""
+        raw = torch.empty(record.num_bytes, dtype=torch.uint8)
+        if self.io is None:
+            return PendingRead(record, raw, None, current_io_context())
+        ctx = current_io_context()
+        name = ctx.object_id or f"{record.path.name}@{record.offset}"
+        priority = IOPriority.KV_READ if ctx.priority is None else ctx.priority
+        ticket = self.io.submit_read(
+            record.path, record.offset, record.num_bytes, ObjectKind.KV_BLOCK, name, ctx.requester_ids,
+            into=memoryview(raw.numpy()), priority=priority,
+        )  # fmt: skip
+        return PendingRead(record, raw, ticket, ctx)
+
+    def finish_read(self, pending: PendingRead) -> torch.Tensor:
+        """A submitted read's tensor once its bytes are in (checksums verified)."""
+        record = pending.record
+        if pending.ticket is None:
+            self.read_into(record, pending.raw)
+        else:
+            try:
+                assert self.io is not None
+                self.io.wait(pending.ticket)
+            except IOSchedulerError as exc:
+                raise ChecksumError(f"{record.path.name}@{record.offset}: {exc}") from None
+            pending.ctx.note_end(pending.ticket.record.end_ns)
+            self.num_read_bytes += pending.ticket.record.num_bytes_done
+            self._verify(record, memoryview(pending.raw.numpy()))
+        return pending.raw.view(record.dtype).reshape(record.shape)
 
     def read_into(self, record: SpillRecord, out: torch.Tensor) -> None:
-        """Read a record's bytes into the contiguous CPU uint8 tensor `out` (checksums verified)."""
+        """Read a record's bytes into the contiguous CPU uint8 tensor `out` in this thread (checksums
+        verified)."""
         view = memoryview(out.numpy())
         got = os.preadv(self.fds[self.paths.index(record.path)], [view], record.offset)
         self.num_read_bytes += got
         if got != record.num_bytes:
             raise ChecksumError(f"{record.path.name}@{record.offset}: {got} of {record.num_bytes} B read")
+        self._verify(record, view)
+
+    def _verify(self, record: SpillRecord, view: memoryview) -> None:
         if self.is_checksum_verified:
             for page, expected in enumerate(record.page_crcs):
                 if zlib.crc32(view[page * PAGE_BYTES : (page + 1) * PAGE_BYTES]) != expected:
@@ -176,5 +264,5 @@ class SpillDir:
         if record.path not in self.paths:
             return
         segment = self.paths.index(record.path)
-        self.free_extents.setdefault(record.num_bytes, []).append((segment, record.offset))
+        self.free_extents.setdefault(self._extent_bytes(record.num_bytes), []).append((segment, record.offset))
         self.num_live_bytes -= record.num_bytes

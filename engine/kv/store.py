@@ -19,10 +19,11 @@ import torch
 
 from fallbackgate.engine.device_pool import Scratch, TierPool
 from fallbackgate.engine.errors import ChecksumError, EngineError
+from fallbackgate.engine.io.context import IOPriority, io_context
 from fallbackgate.engine.kv.block import KVBlock, KVBlockKey, RequestBlockKeys, SpillMode, Staged
 from fallbackgate.engine.kv.codec import dequantize_kv, quant_to, read_quant
 from fallbackgate.engine.kv.copies import KVCopies
-from fallbackgate.engine.kv.spill import SpillDir
+from fallbackgate.engine.kv.spill import PendingRead, SpillDir
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 __all__ = ["KVBlock", "KVBlockKey", "KVStore", "SpillMode", "Staged"]
@@ -58,6 +59,7 @@ class KVStore(KVCopies):
         self.off_device: dict[str, set[tuple[int, int]]] = {}  # request -> (layer, index) of its off-device blocks
         self.num_tokens: dict[str, int] = {}
         self.scratch: dict[KVBlockKey, Staged] = {}
+        self.pending_exact: dict[KVBlockKey, PendingRead] = {}  # disk reads queued ahead of their staging
 
     # --- block tables --------------------------------------------------------------------------
     def add_sequence(self, request_id: str) -> None:
@@ -244,7 +246,25 @@ class KVStore(KVCopies):
         fp32_bytes = self.bytes_per_block // self.dtype.itemsize * 4
         return self.bytes_per_block + (quant.num_bytes if quant else 0) + fp32_bytes
 
+    def submit_exact(self, block: KVBlock) -> None:
+        """Queue the disk read of a block whose only full copy is on disk, so several are in flight at once;
+        its staging (:meth:`load`, exact) then waits for it. The caller holds room for the read copy."""
+        if block.disk is None or block.host is not None:
+            raise EngineError(f"KV block {block.key} has no disk-only full copy to read ahead")
+        with io_context((block.key[0],), IOPriority.KV_READ, ":".join(map(str, block.key))):
+            self.pending_exact[block.key] = self.spill.submit_read(block.disk)
+
+    def drop_pending(self, key: KVBlockKey) -> None:
+        """Wait for a queued read nobody staged (a failed layer read) and drop it."""
+        pending = self.pending_exact.pop(key, None)
+        if pending is not None and pending.ticket is not None and self.spill.io is not None:
+            pending.ticket.done.wait()
+
     def _stage_tensor(self, block: KVBlock, tag: Tag) -> Staged:
+        with io_context((block.key[0],), IOPriority.KV_READ, ":".join(map(str, block.key))):  # disk reads: for
+            return self._staged(block, tag)  # the block's request, before the step's expert misses
+
+    def _staged(self, block: KVBlock, tag: Tag) -> Staged:
         if tag is Tag.EXACT_LOAD:
             staged = self._stage_exact(block)
         elif tag is Tag.KV_DEQUANT:
@@ -260,8 +280,9 @@ class KVStore(KVCopies):
             return Staged(block.host.to(self.device, copy=True), Tag.EXACT_LOAD, Tier.HOST, self.bytes_per_block)
         if block.disk is None:
             raise EngineError(f"KV block {block.key} has no full-precision copy to load")
+        pending = self.pending_exact.pop(block.key, None)
         try:
-            tensor = self.spill.read(block.disk)
+            tensor = self.spill.finish_read(pending) if pending is not None else self.spill.read(block.disk)
         except ChecksumError:
             self.spill.delete(block.disk)
             block.disk = None

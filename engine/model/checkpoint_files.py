@@ -13,6 +13,7 @@ the rest. Every failure names the file and tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -26,11 +27,24 @@ from safetensors import safe_open
 
 from fallbackgate.engine.errors import CheckpointError
 from fallbackgate.engine.experts.span_pool import SpanPool
+from fallbackgate.engine.io import IOPriority, IOScheduler, IOSchedulerError, Ticket, current_io_context
+from fallbackgate.engine.io.context import IOContext
 from fallbackgate.engine.model.fp8 import FP8_DTYPES
+from fallbackgate.engine.tags import ObjectKind
 
 INDEX_FILE = "model.safetensors.index.json"
 DIRECT_ALIGN = 4096  # O_DIRECT offset, length and buffer alignment (the largest common logical block size)
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64, **FP8_DTYPES}
+
+
+@dataclasses.dataclass(slots=True)
+class _Span:
+    """A span's read queued on the I/O scheduler."""
+
+    ticket: Ticket  # the queued read of the aligned range
+    mapping: Any  # the pool mapping it reads into
+    head: int  # bytes before the span's start in the mapping
+    ctx: IOContext  # whom it is for (its finish is noted there)
 
 
 class CheckpointFiles:
@@ -44,6 +58,8 @@ class CheckpointFiles:
         self._fds: dict[pathlib.Path, tuple[int, bool]] = {}  # file -> (descriptor, opened with O_DIRECT)
         self._fd_lock = threading.Lock()  # I/O threads open files too
         self.spans = SpanPool()  # read buffers, recycled once no tensor views them
+        self.io: IOScheduler | None = None  # the engine's disk queue expert reads go through (None: read inline)
+        self._sizes: dict[pathlib.Path, int] = {}  # file -> bytes
         weakref.finalize(self, _close_all, self._fds)
         index = path / INDEX_FILE
         files = self._files_from_index(index) if index.exists() else sorted(path.glob("*.safetensors"))
@@ -147,25 +163,68 @@ class CheckpointFiles:
         ranges = [self.byte_range(name, index) for name, index in parts]
         out: list[torch.Tensor | None] = [None] * len(parts)
         order = sorted(range(len(parts)), key=lambda i: (str(ranges[i][0]), ranges[i][1]))
-        run: list[int] = []
-        for i in order + [-1]:
-            if run and (i < 0 or ranges[i][0] != ranges[run[-1]][0] or ranges[i][1] != sum(ranges[run[-1]][1:])):
-                file, begin = ranges[run[0]][0], ranges[run[0]][1]
-                buffer = self._read_span(file, begin, sum(ranges[run[-1]][1:]) - begin, parts[run[0]][0])
-                for j in run:
-                    out[j] = buffer[ranges[j][1] - begin : ranges[j][1] - begin + ranges[j][2]]
-                run = []
-            if i >= 0:
-                run.append(i)
+        runs: list[list[int]] = []
+        for i in order:
+            last = runs[-1][-1] if runs else None
+            if last is not None and ranges[i][0] == ranges[last][0] and ranges[i][1] == sum(ranges[last][1:]):
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        spans = [(ranges[r[0]][0], ranges[r[0]][1], sum(ranges[r[-1]][1:]) - ranges[r[0]][1]) for r in runs]
+        pending = [
+            self._submit_span(file, begin, size, parts[r[0]][0])
+            for r, (file, begin, size) in zip(runs, spans, strict=True)
+        ]
+        for run, (file, begin, size), read in zip(runs, spans, pending, strict=True):  # all queued, then waited
+            buffer = self._finish_span(read, file, begin, size, parts[run[0]][0])
+            for j in run:
+                out[j] = buffer[ranges[j][1] - begin : ranges[j][1] - begin + ranges[j][2]]
         return out  # type: ignore[return-value]
 
-    def _read_span(self, file: pathlib.Path, offset: int, num_bytes: int, name: str) -> torch.Tensor:
-        """`num_bytes` at `offset` of `file` as a uint8 tensor over its own anonymous mapping.
+    def _submit_span(self, file: pathlib.Path, offset: int, num_bytes: int, name: str) -> _Span | None:
+        """Queue a span's read on the I/O scheduler (None without one: it is read when finished).
 
-        Page-aligned, so O_DIRECT reads straight into it. Mappings are not malloc'd (12.6 MB buffers freed
-        in varying order grew the heap past an 8 GiB cap) but taken from a pool that recycles a mapping once
-        no tensor views it, and unmaps idle ones beyond a few (see :mod:`fallbackgate.engine.experts.span_pool`).
-        """
+        The aligned range around the span is read straight into a page-aligned pool mapping, so
+        ``O_DIRECT`` needs no bounce buffer (the file's last span, whose aligned end lies past the file's
+        end, is read exactly and bounced). Mappings are not malloc'd (12.6 MB buffers freed in varying order
+        grew the heap past an 8 GiB cap) but taken from a pool that recycles a mapping once no tensor views
+        it (see :mod:`fallbackgate.engine.experts.span_pool`)."""
+        if self.io is None:
+            return None
+        head = offset % DIRECT_ALIGN
+        length = min(-(-(head + num_bytes) // DIRECT_ALIGN) * DIRECT_ALIGN, self._size(file) - (offset - head))
+        mapping = self.spans.get(length)
+        ctx = current_io_context()
+        object_id = ctx.object_id or name
+        ticket = self.io.submit_read(
+            file, offset - head, length, ObjectKind.EXPERT, object_id, ctx.requester_ids,
+            into=memoryview(mapping)[:length],
+            priority=IOPriority.EXPERT_MISS if ctx.priority is None else ctx.priority,
+        )  # fmt: skip
+        return _Span(ticket, mapping, head, ctx)
+
+    def _finish_span(
+        self, span: _Span | None, file: pathlib.Path, offset: int, num_bytes: int, name: str
+    ) -> torch.Tensor:
+        """A submitted span's bytes once its read is done (or, without a scheduler, read now)."""
+        if span is None:
+            return self._read_span(file, offset, num_bytes, name)
+        try:
+            self.io.wait(span.ticket)  # type: ignore[union-attr]
+        except IOSchedulerError as exc:
+            raise CheckpointError(f"{file}: tensor {name} cannot be read: {exc}") from exc
+        span.ctx.note_end(span.ticket.record.end_ns)
+        return torch.frombuffer(span.mapping, dtype=torch.uint8)[span.head : span.head + num_bytes]
+
+    def _size(self, file: pathlib.Path) -> int:
+        size = self._sizes.get(file)
+        if size is None:
+            size = self._sizes[file] = file.stat().st_size
+        return size
+
+    def _read_span(self, file: pathlib.Path, offset: int, num_bytes: int, name: str) -> torch.Tensor:
+        """`num_bytes` at `offset` of `file` as a uint8 tensor over its own anonymous mapping, read in this
+        thread (an engine without an I/O scheduler). Page-aligned, so O_DIRECT reads straight into it."""
         fd, is_direct = self._descriptor(file)
         head = offset % DIRECT_ALIGN if is_direct else 0
         length = -(-(head + num_bytes) // DIRECT_ALIGN) * DIRECT_ALIGN if is_direct else num_bytes

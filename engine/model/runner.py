@@ -174,7 +174,11 @@ class ModelRunner:
         for request_id, start, length in zip(batch.request_ids, batch.starts, batch.lengths, strict=True):
             kv.write(request_id, layer, start, key_states[0, :, offset : offset + length],
                      value_states[0, :, offset : offset + length])  # fmt: skip
-            executor.layer_kv.append(read_layer(kv, request_id, layer, start + length, self._stage_into))
+            self._prefetch_exact(request_id, layer, start + length)
+            try:
+                executor.layer_kv.append(read_layer(kv, request_id, layer, start + length, self._stage_into))
+            finally:
+                self._drop_prefetched()
             num_resident = kv.num_device_blocks(request_id, layer, start + length)
             if num_resident:
                 executor.ctx.log.add_kv_reads(request_id, layer, num_resident)
@@ -186,16 +190,46 @@ class ModelRunner:
         kv, plan = self.executor.kv_store, self.layer_plan.get(block.key)
         if plan is None:
             raise EngineError(f"KV block {block.key} read by a per-layer step but not planned")
-        need = kv.stage_bytes(block, plan.tag)
-        self.executor.ensure_room(need, f"staging KV block {block.key} ({plan.tag.value})", pinned_kv=self.step_kv_keys)
-        with kv.device_pool.held(Scratch.KV_STAGED, kv.bytes_per_block):  # the read copy, until it is placed
-            try:
-                staged = kv.load(block, plan.tag)
-            except ChecksumError as exc:
-                raise EngineError(f"{exc}: a per-layer step cannot rebuild KV block {block.key}") from exc
+        is_prefetched = block.key in kv.pending_exact  # its read copy's room is held since it was queued
+        if not is_prefetched:
+            need = kv.stage_bytes(block, plan.tag)
+            what = f"staging KV block {block.key} ({plan.tag.value})"
+            self.executor.ensure_room(need, what, pinned_kv=self.step_kv_keys)
+            kv.device_pool.reserve(Scratch.KV_STAGED, kv.bytes_per_block)  # the read copy, until it is placed
+        try:
+            staged = kv.load(block, plan.tag)
             out.copy_(staged.tensor)
             staged.tensor = out  # the read copy is dropped here
+        except ChecksumError as exc:
+            raise EngineError(f"{exc}: a per-layer step cannot rebuild KV block {block.key}") from exc
+        finally:
+            kv.device_pool.release(Scratch.KV_STAGED, kv.bytes_per_block)
         self._log_staged(self.executor.ctx.log, block, staged, plan, plan.note)
+
+    def _prefetch_exact(self, request_id: str, layer: int, length: int) -> None:
+        """Queue the disk reads of a request layer's exactly staged blocks together, so they are in flight at
+        once (the disk sees the queue): as many as the device pool has room for their read copies, one
+        block's room left free."""
+        kv = self.executor.kv_store
+        blocks = [
+            b
+            for b in kv.blocks(request_id, layer)[: -(-length // kv.block_size)]
+            if b.device is None and b.key not in kv.scratch and b.host is None and b.disk is not None
+            and b.key in self.layer_plan and self.layer_plan[b.key].tag is Tag.EXACT_LOAD
+        ]  # fmt: skip
+        room = kv.device_pool.free_bytes // kv.bytes_per_block - 1
+        if len(blocks) < 2 or room < 2:
+            return
+        for block in blocks[:room]:
+            kv.device_pool.reserve(Scratch.KV_STAGED, kv.bytes_per_block)
+            kv.submit_exact(block)
+
+    def _drop_prefetched(self) -> None:
+        """Reads queued ahead that no staging took (the layer read failed): waited for, their room given back."""
+        kv = self.executor.kv_store
+        for key in list(kv.pending_exact):
+            kv.drop_pending(key)
+            kv.device_pool.release(Scratch.KV_STAGED, kv.bytes_per_block)
 
     def _recompute(self, step_id: int, seq: Sequence, begin: int, end: int, log: EventLog, is_observe: bool) -> None:
         """Re-run the model over tokens [begin, end) so their KV is rebuilt into the staged blocks."""
