@@ -311,6 +311,7 @@ class Engine(BaselineAccess):
             self.verifier.verify_step(plan.step_id),
             log.kv_resident_reads,
             list(log.kv_stagings.values()),
+            self.kv_store.take_copy_changes(),
         )
 
     def _end_step(self, log: EventLog) -> None:

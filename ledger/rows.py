@@ -14,6 +14,7 @@ from fallbackgate.engine.tags import Exactness
 from fallbackgate.ledger.models import (
     EventObjectsRow,
     EventRow,
+    KVCopyRow,
     Step,
     StepRequest,
     VerificationRow,
@@ -93,6 +94,8 @@ TUPLE_COLUMNS: dict[Table, tuple[str, ...]] = {
     EventObjectsRow.__table__: EVENT_OBJECT_COLUMNS,  # type: ignore[dict-item]
 }
 """Tables whose pending rows are tuples (the bulk fast path), with their column order."""
+
+
 def value(x: Any) -> Any:
     """An enum's value, anything else unchanged."""
     return x.value if isinstance(x, enum.Enum) else x
@@ -143,6 +146,7 @@ def step_rows(
     for rid in result.sampled_token_ids:
         sample_steps.setdefault((run_id, rid), []).append(plan.step_id)
     rows.setdefault(StepRequest.__table__, []).extend(_step_request_rows(run_id, plan, result))
+    rows.setdefault(KVCopyRow.__table__, []).extend(kv_copy_rows(run_id, plan.step_id, result))
     failed = [v for v in result.verifications if not v.passed]  # passing checks are counted on the step row
     if failed:
         rows.setdefault(VerificationRow.__table__, []).extend(verification_rows(run_id, failed))
@@ -182,7 +186,26 @@ def step_rows(
                     ",".join(map(str, e.object_ids)),
                 )
             )
-    return 1 + len(plan.request_ids) + len(result.events)
+    return 1 + len(plan.request_ids) + len(result.events) + len(result.kv_copies)
+
+
+def kv_copy_rows(run_id: int, step_id: int, result: StepResult) -> list[dict[str, Any]]:
+    """One ``kv_copies`` row per copy change the step's result carries (the KV store's journal)."""
+    return [
+        {
+            "run_id": run_id,
+            "step_id": step_id,
+            "seq": c.seq,
+            "request_id": c.request_id,
+            "layer": c.layer,
+            "action": value(c.action),
+            "tier": value(c.tier),
+            "bits": c.bits,
+            "block_ids": ",".join(map(str, c.block_ids)),
+            "num_bytes": c.num_bytes,
+        }
+        for c in result.kv_copies
+    ]
 
 
 def verification_rows(run_id: int, verifications: Sequence[Any]) -> list[dict[str, Any]]:

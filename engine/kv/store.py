@@ -21,6 +21,7 @@ from fallbackgate.engine.kv.block import KVBlock, KVBlockKey, SpillMode, Staged
 from fallbackgate.engine.kv.codec import dequantize_kv, quant_to, read_quant
 from fallbackgate.engine.kv.copies import KVCopies
 from fallbackgate.engine.kv.spill import SpillDir
+from fallbackgate.engine.messages import CopyAction
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 __all__ = ["KVBlock", "KVBlockKey", "KVStore", "SpillMode", "Staged"]
@@ -55,6 +56,7 @@ class KVStore(KVCopies):
         self.tables: dict[str, list[list[KVBlock]]] = {}  # request -> layer -> blocks
         self.num_tokens: dict[str, int] = {}
         self.scratch: dict[KVBlockKey, Staged] = {}
+        self.copy_changes, self.num_copy_changes = [], 0  # the copy journal (`KVCopies.note_copy`)
 
     # --- block tables --------------------------------------------------------------------------
     def add_sequence(self, request_id: str) -> None:
@@ -229,7 +231,9 @@ class KVStore(KVCopies):
 
     def _stage_exact(self, block: KVBlock) -> Staged:
         if block.host is not None:
-            return Staged(block.host.to(self.device, copy=True), Tag.EXACT_LOAD, Tier.HOST, self.bytes_per_block)
+            tensor = block.host.to(self.device, copy=True)
+            self.note_copy(CopyAction.READ, block, Tier.HOST, 0, self.bytes_per_block)
+            return Staged(tensor, Tag.EXACT_LOAD, Tier.HOST, self.bytes_per_block)
         if block.disk is None:
             raise EngineError(f"KV block {block.key} has no full-precision copy to load")
         try:
@@ -237,7 +241,9 @@ class KVStore(KVCopies):
         except ChecksumError:
             self.spill.delete(block.disk)
             block.disk = None
+            self.note_copy(CopyAction.FREED, block, Tier.DISK, 0)
             raise
+        self.note_copy(CopyAction.READ, block, Tier.DISK, 0, self.bytes_per_block)
         return Staged(tensor.to(self.device), Tag.EXACT_LOAD, Tier.DISK, self.bytes_per_block)
 
     def _stage_dequant(self, block: KVBlock) -> Staged:
@@ -250,6 +256,7 @@ class KVStore(KVCopies):
         working = self.stage_bytes(block, Tag.KV_DEQUANT) - self.bytes_per_block
         with self.device_pool.held(Scratch.KV_STAGED, working):  # only quantized bytes cross the link
             tensor = dequantize_kv(quant_to(quant, self.device)).to(self.dtype)
+        self.note_copy(CopyAction.READ, block, tier, quant.bits, quant.num_bytes)
         return Staged(tensor, Tag.KV_DEQUANT, tier, quant.num_bytes)
 
     def promote(self, block: KVBlock) -> bool:

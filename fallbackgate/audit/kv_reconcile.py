@@ -9,8 +9,8 @@
   budget) and moved that copy's bytes (a full block, or the quantized size of its bits), of blocks whose
   positions were computed before the step (no copy exists of a block never filled).
 
-What this cannot see: which spill wrote each copy, and the controller's arbitration between the candidate
-actions (issue 26 item 2 leaves those to the arbitration table another issue adds).
+Which spill wrote each copy, and whether each arbitration was served as chosen, are checked against the KV
+store's copy journal in :mod:`fallbackgate.audit.kv_copies`.
 """
 
 from __future__ import annotations
