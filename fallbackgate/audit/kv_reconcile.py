@@ -71,7 +71,8 @@ def check_kv_events(ledger: Ledger, run_id: int, memory: Mapping[str, Any] | Non
                 f"position before the step ({computed} computed): no copy of them existed",
             )
         if o["tag"] == _RECOMPUTE and not o["is_rebuild"]:
-            staged_recompute[(*key, o["layer"])] = len(ids)
+            slot = (*key, o["layer"])  # one row per event: notes may split a slot's blocks over rows
+            staged_recompute[slot] = staged_recompute.get(slot, 0) + len(ids)
         elif o["tag"] == _DEQUANT:
             size = (object_bytes.get(_DEQUANT) or {}).get(str(o["bits"]))
             if size is None:
