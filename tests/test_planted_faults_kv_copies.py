@@ -93,7 +93,7 @@ def test_exact_load_from_a_disk_copy_the_spill_never_wrote(
     monkeypatch.setattr(KVCopies, "_write_copy", keep_in_ram)
     monkeypatch.setattr(KVStore, "_stage_exact", load_from_ram)
     recorded = _judge(engine, tmp_path)
-    (request_id, layer, index), = kept
+    ((request_id, layer, index),) = kept
     assert not recorded.verdict.passed
     assert all(v.stats is None or v.stats["max_kl"] < 1e-9 for v in recorded.verdict.requests)  # exact values
     named = _mismatches(recorded)[request_id]
