@@ -12,6 +12,8 @@ import pytest
 
 from fallbackgate.batch.prompts import PromptSpec
 from fallbackgate.batch.session import RunSettings
+from fallbackgate.controllers.exact_lru import ExactLRUController
+from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.controller import Decision
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.kv.block import KVBlock, SpillMode, Staged
@@ -19,13 +21,14 @@ from fallbackgate.engine.kv.copies import KVCopies
 from fallbackgate.engine.kv.spill import SpillRecord
 from fallbackgate.engine.kv.store import KVStore
 from fallbackgate.engine.messages import CopyAction
+from fallbackgate.engine.model.runner import ModelRunner
 from fallbackgate.engine.tags import Tag, Tier
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.ledger.kv_copy_queries import kv_arbitrations, kv_copy_changes
 from fallbackgate.recording import RecordedRun, record_and_judge
 from tests.test_arbitration_ledger import _joint_engine
 from tests.test_engine_exact import sizes
-from tests.test_planted_faults import _engine, _judge
+from tests.test_planted_faults import NEW_TOKENS, _engine, _judge
 from tests.test_planted_faults import model as model  # noqa: F401 - the shared checkpoint fixture
 
 NOWHERE = pathlib.Path("/nonexistent/fallbackgate-fault")  # a disk copy's record that points at no file
@@ -178,3 +181,50 @@ def test_an_arbitration_the_step_did_not_serve(
         "exact_load"
     )
     assert any(expected in r for r in _mismatches(recorded)[request_id]), _mismatches(recorded)
+
+
+def _per_layer_engine(path: pathlib.Path, spill_dir: pathlib.Path) -> tuple[Engine, str]:
+    """One request whose KV is four times the device's KV room (full copies on disk): its off-device blocks
+    are staged layer by layer during the forward."""
+    expert, block, layers, top_k = sizes(path)
+    prompt = " ".join(["once upon a time the quick brown fox"] * 8)
+    probe = Engine(EngineConfig(model_dir=str(path), block_size=4, max_num_seqs=1), ExactLRUController())
+    num_tokens = len(probe.tokenizer.encode(prompt)) + NEW_TOKENS
+    probe.close()
+    kv_bytes = -(-num_tokens // 4) * layers * block
+    config = EngineConfig(
+        model_dir=str(path),
+        block_size=4,
+        max_num_seqs=1,
+        device_budget_bytes=top_k * expert + kv_bytes // 4,
+        host_budget_bytes=0,
+        spill_dir=str(spill_dir),
+    )
+    return Engine(config, ExactLRUController()), prompt
+
+
+@pytest.mark.parametrize("is_faulted", [False, True], ids=["correct", "counted-twice"])
+def test_per_layer_staging_is_counted_once_per_read(
+    is_faulted: bool, model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, prompt = _per_layer_engine(model, tmp_path)
+    log_staged, per_layer, doubled = ModelRunner._log_staged, [], []
+
+    def log_twice(self: ModelRunner, log, block, staged, plan, note) -> None:
+        log_staged(self, log, block, staged, plan, note)
+        per_layer.append(self.is_per_layer)
+        if is_faulted and self.is_per_layer and not doubled:  # the layer's read logged again: one read, 2 loads
+            doubled.append((log.step_id, *block.key))
+            log_staged(self, log, block, staged, plan, note)
+
+    monkeypatch.setattr(ModelRunner, "_log_staged", log_twice)
+    recorded = _judge(engine, tmp_path, prompts=[prompt])
+    assert any(per_layer), "no block was staged per layer"
+    if not is_faulted:
+        assert recorded.verdict.passed, recorded.verdict
+        return
+    step, request_id, layer, _ = doubled[0]
+    assert not recorded.verdict.passed
+    named = _mismatches(recorded)[request_id]
+    expected = f"exact_load at step {step} (layer {layer}) counts "
+    assert any(expected in r and "block(s) from disk, the KV store read" in r for r in named), named
