@@ -1,11 +1,13 @@
 """Planted faults the KV copy journal finds (issue 26 item 2): an exact load that names a disk copy the spill
-never wrote, a kv_dequant that names a tier its quantized copy is not in, and an arbitration whose choice the
-step did not serve. Each fault is planted in engine code, serves exactly the values an honest run would (so
-no diff against the baseline shows it), and fails the gate naming the event; correct runs of the same
-shapes pass, and their journals hold every copy they read."""
+never wrote, a kv_dequant that names a tier its quantized copy is not in, an arbitration whose choice the
+step did not serve, a per-layer load counted twice, and a tier the writer rewrites. Each fault is planted
+in engine or writer code, serves exactly the values an honest run would (so no diff against the baseline
+shows it), and fails the gate naming the event; correct runs of the same shapes pass, and their journals
+hold every copy they read."""
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import pytest
@@ -23,6 +25,8 @@ from fallbackgate.engine.kv.store import KVStore
 from fallbackgate.engine.messages import CopyAction
 from fallbackgate.engine.model.runner import ModelRunner
 from fallbackgate.engine.tags import Tag, Tier
+from fallbackgate.ledger import rows as ledger_rows
+from fallbackgate.ledger import writer_thread
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.ledger.kv_copy_queries import kv_arbitrations, kv_copy_changes
 from fallbackgate.recording import RecordedRun, record_and_judge
@@ -228,3 +232,27 @@ def test_per_layer_staging_is_counted_once_per_read(
     named = _mismatches(recorded)[request_id]
     expected = f"exact_load at step {step} (layer {layer}) counts "
     assert any(expected in r and "block(s) from disk, the KV store read" in r for r in named), named
+
+
+def test_writer_rewrites_an_exact_loads_tier(
+    model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = _tight(model, host_budget_bytes=1)  # a host tier too small for a block: full copies go to disk
+    step_rows, rewritten = ledger_rows.step_rows, []
+
+    def host_instead_of_disk(run_id, plan, result, rows, sample_steps) -> int:
+        for i, e in enumerate(result.events):
+            is_kv_load = e.object_kind.value == "kv_block" and e.tag is Tag.EXACT_LOAD
+            if is_kv_load and e.source_tier is Tier.DISK and not rewritten:
+                result.events[i] = dataclasses.replace(e, source_tier=Tier.HOST)
+                rewritten.append((e.step_id, e.request_id, e.layer, e.count))
+        return step_rows(run_id, plan, result, rows, sample_steps)
+
+    monkeypatch.setattr(ledger_rows, "step_rows", host_instead_of_disk)
+    monkeypatch.setattr(writer_thread, "step_rows", host_instead_of_disk)
+    recorded = _judge(engine, tmp_path)
+    step, request_id, layer, count = rewritten[0]
+    assert not recorded.verdict.passed
+    named = _mismatches(recorded)[request_id]
+    at = f"exact_load at step {step} (layer {layer}) counts"
+    assert any(f"{at} {count} block(s) from host, the KV store read 0 full-precision host" in r for r in named), named
