@@ -320,6 +320,7 @@ class Engine(BaselineAccess):
             list(log.kv_stagings.values()),
             log.expert_resident_uses,
             list(log.expert_arrivals.values()),
+            self.kv_store.take_copy_changes(),
         )
 
     def _end_step(self, log: EventLog) -> None:

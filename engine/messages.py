@@ -81,6 +81,29 @@ class ExpertArrival:
     ready_s: float  # seconds from the step's start until usable: its last disk read's end, else the fetch's
 
 
+class CopyAction(str, enum.Enum):
+    """What happened to a KV block's copy in a tier other than the device."""
+
+    WRITTEN = "written"  # the copy's bytes landed in the tier (a spill or a swap)
+    READ = "read"  # the copy was read to serve a step (exact_load, kv_dequant, a resumed tail block)
+    FREED = "freed"  # the copy was released (stale, request ended, failed its checksum)
+
+
+@dataclasses.dataclass(slots=True)
+class KVCopyChange:
+    """Consecutive changes of one kind to copies of one request's KV blocks of one layer, in one tier and
+    precision, as the KV store made them: what the audit checks each off-device KV event against."""
+
+    seq: int  # ordinal of the first change among all the store's copy changes (member i: seq + i)
+    request_id: str  # owner of the blocks
+    layer: int  # decoder layer
+    action: CopyAction  # written, read or freed
+    tier: Tier  # host or disk
+    bits: int  # 0: a full-precision copy; 8 or 4: a quantized one
+    block_ids: list[int]  # block indices in the request's table, in change order
+    num_bytes: int = 0  # bytes written or read (0 for frees)
+
+
 @dataclasses.dataclass(slots=True)
 class StepPlan:
     """What the scheduler decided to run in one step."""
@@ -122,6 +145,8 @@ class StepResult:
     # -> experts used resident as decided, no bytes moved (every other expert use is an event)
     expert_arrivals: list[ExpertArrival] = dataclasses.field(default_factory=list)  # experts fetched (not
     # resident), per request, with when (an expert arbitration's measured arrival)
+    kv_copies: list[KVCopyChange] = dataclasses.field(default_factory=list)  # KV copies written, read and freed
+    # since the previous step, in the order the store made the changes
 
 
 @dataclasses.dataclass(slots=True)

@@ -326,6 +326,25 @@ class ArbitrationRow(Base):
     __table_args__ = (Index("ix_arbitrations_run_step", "run_id", "step_id"),)
 
 
+class KVCopyRow(Base):
+    """Consecutive changes of one kind to copies of one request's KV blocks of one layer in one tier and
+    precision (the engine's ``KVCopyChange``): written, read to serve a step, or freed."""
+
+    __tablename__ = "kv_copies"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = _run_fk()
+    step_id: Mapped[int] = mapped_column(Integer)  # step whose result carried the changes
+    seq: Mapped[int] = mapped_column(BigInteger)  # ordinal of the first change in the run (block i: seq + i)
+    request_id: Mapped[str] = mapped_column(String(128))
+    layer: Mapped[int] = mapped_column(Integer)
+    action: Mapped[str] = mapped_column(String(16))  # written, read or freed
+    tier: Mapped[str] = mapped_column(String(16))  # host or disk
+    bits: Mapped[int] = mapped_column(Integer)  # 0: full precision; 8 or 4: a quantized copy
+    block_ids: Mapped[str] = mapped_column(Text)  # "3,4": block indices, in change order
+    num_bytes: Mapped[int] = mapped_column(BigInteger)  # bytes written or read (0 for frees)
+    __table_args__ = (Index("ix_kv_copies_run_request", "run_id", "request_id", "seq"),)
+
+
 class TraceAnalysisRow(Base):
     """One number ``fallbackgate trace analyze`` found in a trace (co-burst, marginal value, flips, ...)."""
 

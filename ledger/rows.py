@@ -15,6 +15,7 @@ from fallbackgate.engine.tags import Exactness
 from fallbackgate.ledger.models import (
     EventObjectsRow,
     EventRow,
+    KVCopyRow,
     Step,
     StepRequest,
     VerificationRow,
@@ -152,6 +153,7 @@ def step_rows(
     for rid in result.sampled_token_ids:
         sample_steps.setdefault((run_id, rid), []).append(plan.step_id)
     rows.setdefault(StepRequest.__table__, []).extend(_step_request_rows(run_id, plan, result))
+    rows.setdefault(KVCopyRow.__table__, []).extend(kv_copy_rows(run_id, plan.step_id, result))
     failed = [v for v in result.verifications if not v.passed]  # passing checks are counted on the step row
     if failed:
         rows.setdefault(VerificationRow.__table__, []).extend(verification_rows(run_id, failed))
@@ -191,7 +193,26 @@ def step_rows(
                     ",".join(map(str, e.object_ids)),
                 )
             )
-    return 1 + len(plan.request_ids) + len(result.events)
+    return 1 + len(plan.request_ids) + len(result.events) + len(result.kv_copies)
+
+
+def kv_copy_rows(run_id: int, step_id: int, result: StepResult) -> list[dict[str, Any]]:
+    """One ``kv_copies`` row per copy change the step's result carries (the KV store's journal)."""
+    return [
+        {
+            "run_id": run_id,
+            "step_id": step_id,
+            "seq": c.seq,
+            "request_id": c.request_id,
+            "layer": c.layer,
+            "action": value(c.action),
+            "tier": value(c.tier),
+            "bits": c.bits,
+            "block_ids": ",".join(map(str, c.block_ids)),
+            "num_bytes": c.num_bytes,
+        }
+        for c in result.kv_copies
+    ]
 
 
 def verification_rows(run_id: int, verifications: Sequence[Any]) -> list[dict[str, Any]]:

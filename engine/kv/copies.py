@@ -1,5 +1,9 @@
 """Where a KV block's copies live: device and host slots of the pooled tensors, and the copies it leaves
-behind on host or disk when it leaves the device (the spilling half of :class:`KVStore`)."""
+behind on host or disk when it leaves the device (the spilling half of :class:`KVStore`).
+
+Every copy written to host or disk, read to serve a step, or freed is noted in order (`copy_changes`, each
+with its ordinal); the engine hands the notes on with each step's result, and the audit checks every
+off-device KV event against a copy written earlier in the tier it names and not freed since."""
 
 from __future__ import annotations
 
@@ -12,7 +16,8 @@ from fallbackgate.engine.kv.block import KVBlock, SpillMode
 from fallbackgate.engine.kv.codec import quant_kv_nbytes, quantize_kv, write_quant
 from fallbackgate.engine.kv.slots import SlotTier
 from fallbackgate.engine.kv.spill import SpillDir
-from fallbackgate.engine.tags import ObjectKind
+from fallbackgate.engine.messages import CopyAction, KVCopyChange
+from fallbackgate.engine.tags import ObjectKind, Tier
 
 INITIAL_SLOTS_PER_LAYER = 64  # device and host slot tensors start this large (or at their budget), then double
 
@@ -33,6 +38,30 @@ class KVCopies:
     host_slots: SlotTier | None
     tables: dict[str, list[list[KVBlock]]]
     off_device: dict[str, set[tuple[int, int]]]  # request -> (layer, index) of its off-device blocks
+    copy_changes: list[KVCopyChange]  # copies written, read and freed since the last `take_copy_changes`
+    num_copy_changes: int  # changes noted so far (the next one's ordinal)
+
+    # --- the copy journal ------------------------------------------------------------------------
+    def note_copy(self, action: CopyAction, block: KVBlock, tier: Tier, bits: int, num_bytes: int = 0) -> None:
+        """Note one change to `block`'s copy in `tier` at `bits` (0: full precision), after it happened;
+        joined to the latest note when that is of the same kind, request, layer, tier and precision."""
+        request_id, layer, index = block.key
+        last = self.copy_changes[-1] if self.copy_changes else None
+        if last is not None and (last.request_id, last.layer, last.action, last.tier, last.bits) == (
+            request_id, layer, action, tier, bits
+        ):  # fmt: skip
+            last.block_ids.append(index)
+            last.num_bytes += num_bytes
+        else:
+            self.copy_changes.append(
+                KVCopyChange(self.num_copy_changes, request_id, layer, action, tier, bits, [index], num_bytes)
+            )
+        self.num_copy_changes += 1
+
+    def take_copy_changes(self) -> list[KVCopyChange]:
+        """The copy changes noted since the last call, in order (the engine's step result carries them)."""
+        taken, self.copy_changes = self.copy_changes, []
+        return taken
 
     # --- slots ---------------------------------------------------------------------------------
     def _slot_tier(self, name: str, pool: TierPool, device: torch.device) -> SlotTier | None:
@@ -105,19 +134,23 @@ class KVCopies:
             block.host_slot = self.host_slots.take(block.key[1])
             block.host = self.host_slots.view(block.key[1], block.host_slot)
             block.host.copy_(tensor)
+            self.note_copy(CopyAction.WRITTEN, block, Tier.HOST, 0, self.bytes_per_block)
             return self.bytes_per_block
         if mode in (SpillMode.HOST_INT8, SpillMode.HOST_INT4) and block.host_q is None:
             quant = quantize_kv(tensor, 8 if mode is SpillMode.HOST_INT8 else 4, self.key_dim)
             self.host_pool.reserve(ObjectKind.KV_BLOCK, quant.num_bytes)
             block.host_q = quant
+            self.note_copy(CopyAction.WRITTEN, block, Tier.HOST, quant.bits, quant.num_bytes)
             return quant.num_bytes
         if mode is SpillMode.DISK_FULL and block.disk is None:
             block.disk = self.spill.write("kv-" + "-".join(map(str, block.key)), tensor)
+            self.note_copy(CopyAction.WRITTEN, block, Tier.DISK, 0, self.bytes_per_block)
             return self.bytes_per_block
         if mode is SpillMode.DISK_INT8 and block.disk_q is None:
             block.disk_q = write_quant(
                 self.spill, "kvq-" + "-".join(map(str, block.key)), quantize_kv(tensor, 8, self.key_dim)
             )
+            self.note_copy(CopyAction.WRITTEN, block, Tier.DISK, block.disk_q.bits, block.disk_q.num_bytes)
             return block.disk_q.num_bytes
         return 0
 
@@ -141,13 +174,17 @@ class KVCopies:
             self.host_slots.give_back(block.key[1], block.host_slot)
             self.host_pool.release(ObjectKind.KV_BLOCK, self.bytes_per_block)
             block.host, block.host_slot = None, None
+            self.note_copy(CopyAction.FREED, block, Tier.HOST, 0)
         if block.host_q is not None:
             self.host_pool.release(ObjectKind.KV_BLOCK, block.host_q.num_bytes)
+            self.note_copy(CopyAction.FREED, block, Tier.HOST, block.host_q.bits)
             block.host_q = None
         if block.disk is not None:
             self.spill.delete(block.disk)
             block.disk = None
+            self.note_copy(CopyAction.FREED, block, Tier.DISK, 0)
         if block.disk_q is not None:
             for record in block.disk_q.records:
                 self.spill.delete(record)
+            self.note_copy(CopyAction.FREED, block, Tier.DISK, block.disk_q.bits)
             block.disk_q = None

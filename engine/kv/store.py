@@ -24,6 +24,7 @@ from fallbackgate.engine.kv.block import KVBlock, KVBlockKey, RequestBlockKeys, 
 from fallbackgate.engine.kv.codec import dequantize_kv, quant_to, read_quant
 from fallbackgate.engine.kv.copies import KVCopies
 from fallbackgate.engine.kv.spill import PendingRead, SpillDir
+from fallbackgate.engine.messages import CopyAction
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 __all__ = ["KVBlock", "KVBlockKey", "KVStore", "SpillMode", "Staged"]
@@ -60,6 +61,7 @@ class KVStore(KVCopies):
         self.num_tokens: dict[str, int] = {}
         self.scratch: dict[KVBlockKey, Staged] = {}
         self.pending_exact: dict[KVBlockKey, PendingRead] = {}  # disk reads queued ahead of their staging
+        self.copy_changes, self.num_copy_changes = [], 0  # the copy journal (`KVCopies.note_copy`)
 
     # --- block tables --------------------------------------------------------------------------
     def add_sequence(self, request_id: str) -> None:
@@ -277,7 +279,9 @@ class KVStore(KVCopies):
 
     def _stage_exact(self, block: KVBlock) -> Staged:
         if block.host is not None:
-            return Staged(block.host.to(self.device, copy=True), Tag.EXACT_LOAD, Tier.HOST, self.bytes_per_block)
+            tensor = block.host.to(self.device, copy=True)
+            self.note_copy(CopyAction.READ, block, Tier.HOST, 0, self.bytes_per_block)
+            return Staged(tensor, Tag.EXACT_LOAD, Tier.HOST, self.bytes_per_block)
         if block.disk is None:
             raise EngineError(f"KV block {block.key} has no full-precision copy to load")
         pending = self.pending_exact.pop(block.key, None)
@@ -286,7 +290,9 @@ class KVStore(KVCopies):
         except ChecksumError:
             self.spill.delete(block.disk)
             block.disk = None
+            self.note_copy(CopyAction.FREED, block, Tier.DISK, 0)
             raise
+        self.note_copy(CopyAction.READ, block, Tier.DISK, 0, self.bytes_per_block)
         return Staged(tensor.to(self.device), Tag.EXACT_LOAD, Tier.DISK, self.bytes_per_block)
 
     def _stage_dequant(self, block: KVBlock) -> Staged:
@@ -299,6 +305,7 @@ class KVStore(KVCopies):
         working = self.stage_bytes(block, Tag.KV_DEQUANT) - self.bytes_per_block
         with self.device_pool.held(Scratch.KV_STAGED, working):  # only quantized bytes cross the link
             tensor = dequantize_kv(quant_to(quant, self.device)).to(self.dtype)
+        self.note_copy(CopyAction.READ, block, tier, quant.bits, quant.num_bytes)
         return Staged(tensor, Tag.KV_DEQUANT, tier, quant.num_bytes)
 
     def promote(self, block: KVBlock) -> bool:

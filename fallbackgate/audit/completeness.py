@@ -9,7 +9,8 @@ Checked against what the engine counted itself, never against the rows alone:
 - counted resident uses (no event rows) against the step rows and the routing (:mod:`fallbackgate.audit.use_counts`);
 - from the engine's side (:mod:`fallbackgate.audit.coverage`): a row for every (step, request) the steps
   scheduled, positions that tile each request, a sampling row per output token, no orphan rows;
-- KV events against the recorded rebuild passes, positions and copies (:mod:`fallbackgate.audit.kv_reconcile`);
+- KV events against the recorded rebuild passes, positions and copies (:mod:`fallbackgate.audit.kv_reconcile`),
+  and against the KV store's copy journal and the arbitrations (:mod:`fallbackgate.audit.kv_copies`);
 - per request: objects per tag found against the engine's own ``tag_counts``;
 - every tag ``--force`` turned on produced events (in observe mode: events whose note says the controller
   would have served it);
@@ -27,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fallbackgate.audit.coverage import check_coverage
+from fallbackgate.audit.kv_copies import check_kv_copies
 from fallbackgate.audit.kv_reconcile import check_kv_events
 from fallbackgate.audit.use_counts import check_use_counts
 from fallbackgate.engine.tags import ObjectKind, Tag
@@ -69,6 +71,10 @@ def check_completeness(ledger: Ledger, run: Mapping[str, Any], requests: list[di
     for rid, reasons in coverage.request_reasons.items():
         out.request_reasons.setdefault(rid, []).extend(reasons)
     kv_reasons = check_kv_events(ledger, run_id, run.get("memory"))
+    copy_reasons, by_request = check_kv_copies(ledger, run_id, run.get("memory"), run.get("mode"))
+    out.reasons += copy_reasons
+    for rid, reasons in by_request.items():
+        kv_reasons.setdefault(rid, []).extend(reasons)
     for rid, reasons in kv_reasons.items():
         out.request_reasons.setdefault(rid, []).extend(reasons)
     if kv_reasons:

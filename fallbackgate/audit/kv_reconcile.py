@@ -9,8 +9,8 @@
   budget) and moved that copy's bytes (a full block, or the quantized size of its bits), of blocks whose
   positions were computed before the step (no copy exists of a block never filled).
 
-What this cannot see: which spill wrote each copy, and the controller's arbitration between the candidate
-actions (issue 26 item 2 leaves those to the arbitration table another issue adds).
+Which spill wrote each copy, and whether each arbitration was served as chosen, are checked against the KV
+store's copy journal in :mod:`fallbackgate.audit.kv_copies`.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def check_kv_events(ledger: Ledger, run_id: int, memory: Mapping[str, Any] | Non
                 f"position before the step ({computed} computed): no copy of them existed",
             )
         if o["tag"] == _RECOMPUTE and not o["is_rebuild"]:
-            staged_recompute[(*key, o["layer"])] = len(ids)
+            slot = (*key, o["layer"])  # one row per event: notes may split a slot's blocks over rows
+            staged_recompute[slot] = staged_recompute.get(slot, 0) + len(ids)
         elif o["tag"] == _DEQUANT:
             size = (object_bytes.get(_DEQUANT) or {}).get(str(o["bits"]))
             if size is None:

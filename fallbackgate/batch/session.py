@@ -144,6 +144,8 @@ def memory_summary(engine: Engine) -> dict[str, Any]:
         "block_size": engine.config.block_size,
         "object_bytes": object_bytes(engine),
         "routing": routing(engine),
+        # KV copy changes the engine handed out with its step results (the kv_copies rows' blocks add up to it)
+        "num_kv_copy_changes": engine.kv_store.num_copy_changes - len(engine.kv_store.copy_changes),
     }
 
 
