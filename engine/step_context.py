@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from fallbackgate.engine.hardware import HardwareProfile
-from fallbackgate.engine.messages import Event, KVStaging
+from fallbackgate.engine.messages import Event, KVStaging, StepCapture
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 _EventKey = tuple[str, int, ObjectKind, Tag, Tier | None, str, int, bool]
@@ -38,6 +38,7 @@ class EventLog:
         self.modeled_compute_s = 0.0  # device + CPU compute time of this step
         self.is_rebuild_pass = False  # set by the runner around a KV rebuild forward
         self.kv_resident_reads: dict[str, dict[int, int]] = {}  # request -> layer -> device KV blocks read
+        self.capture: StepCapture | None = None  # every access of the step, when a recorder asked for them
 
     def add(
         self,

@@ -29,6 +29,7 @@ from fallbackgate.policy.loader import hardware_profile
 from fallbackgate.policy.schema import AuditMode, ControllerKind, ControllerSpec, Policy
 from fallbackgate.recording import RequestClasses, RunRecorder, RunRow
 from fallbackgate.tinymoe import CHECKPOINT_DIR
+from fallbackgate.tracing.live import LiveTracer
 
 # what a run without a policy file serves with, as overrides of the default Policy()
 NO_POLICY: dict[str, dict[str, object]] = {
@@ -66,6 +67,7 @@ class Overrides:
     expert_fraction: float | None = None  # static_split's expert share; None: the policy's
     is_equivalent_allowed: bool = False  # baselines may serve late misses with the equivalent tags
     wrap_controller: Callable[[Controller], Controller] | None = None  # e.g. a trace recorder around it
+    trace_dir: str | None = None  # write the run's trace (format v1) into this new directory; None: no trace
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -92,6 +94,7 @@ class Assembly:
     controller_settings: ControllerSettings  # what the controller was built from
     engine: Engine  # the engine, its controller inside
     classes: RequestClasses  # budgets and SLOs per class (empty without a policy file)
+    trace_dir: str | None = None  # where the recorder writes the run's trace; None: no trace
 
     @property
     def audit_rate(self) -> float:
@@ -111,7 +114,13 @@ class Assembly:
             policy=policy_record(self.policy) if self.policy_name is not None else None,
             policy_name=self.policy_name,
         )
-        return RunRecorder(writer, self.engine, row, self.classes, audit_rate=self.audit_rate, seed=self.settings.seed)
+        tracer = None
+        if self.trace_dir is not None:
+            meta = {"controller": self.controller_settings.kind, "policy": self.policy_name, "note": note,
+                    "workload": pathlib.Path(self.trace_dir).name}  # fmt: skip
+            tracer = LiveTracer(self.trace_dir, self.engine, meta)
+        return RunRecorder(writer, self.engine, row, self.classes, audit_rate=self.audit_rate, seed=self.settings.seed,
+                           tracer=tracer)  # fmt: skip
 
 
 def top_k_of(model_dir: str) -> int:
@@ -270,4 +279,5 @@ def assemble(
         controller_settings=ctrl,
         engine=engine,
         classes=classes,
+        trace_dir=overrides.trace_dir,
     )

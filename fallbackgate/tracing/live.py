@@ -1,0 +1,263 @@
+"""Recording a trace live (``run --trace DIR``, ``serve --trace DIR``): once per step the engine's
+:class:`~fallbackgate.engine.messages.StepCapture` (routing tensors per layer, the uses and blocks not served
+resident from device) is expanded into ``expert_access`` and ``kv_access`` rows with numpy, never a Python
+loop over accesses; the I/O scheduler's completed transfers, the controller's arbitrations and each
+finished request are appended as batches. The run recorder owns one :class:`LiveTracer` per run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from fallbackgate.engine.io import IOOp, IORecord
+from fallbackgate.engine.messages import RequestOutput, StepCapture, StepKind, StepPlan, StepResult
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.tracing.schema import ArbitrationOption, Phase, TraceTable
+from fallbackgate.tracing.writer import Indexed, TraceWriter
+
+TIER_CODE = {t: i for i, t in enumerate(Tier)}  # the schema's tier vocabulary is Tier's values in order
+TAG_CODE = {t: i for i, t in enumerate(Tag)}  # likewise for tags
+PHASE_OF_KIND = {StepKind.PREFILL: Phase.PREFILL, StepKind.DECODE: Phase.DECODE, StepKind.MIXED: Phase.MIXED,
+                 StepKind.RECOMPUTE: Phase.PREFILL}  # fmt: skip  # a rebuild re-runs prompt-like tokens
+_KV_OPTION = {Tag.EXACT_LOAD: ArbitrationOption.KV_FIRST, Tag.RECOMPUTE: ArbitrationOption.RECOMPUTE,
+              Tag.KV_DEQUANT: ArbitrationOption.DEQUANT}  # fmt: skip
+_EXPERT_OPTION = {Tag.EXACT_LOAD: ArbitrationOption.EXPERT_FIRST, Tag.EXPERT_LOWBIT: ArbitrationOption.LOWBIT,
+                  Tag.EXPERT_DEFER: ArbitrationOption.DEFER, Tag.CPU_EXECUTE: ArbitrationOption.CPU_EXECUTE}  # fmt: skip
+
+
+def engine_metadata(engine: Any) -> dict[str, Any]:
+    """The model shape, budgets and profile of an engine, as ``metadata.json`` records them."""
+    store, kv, config = engine.expert_store, engine.kv_store, engine.config
+    layers = sorted(engine.loaded_experts)
+    return {
+        "model": {
+            "num_layers": int(kv.num_layers), "num_moe_layers": len(layers), "moe_layers": layers,
+            "num_experts": int(getattr(engine.model_config, "num_experts", 0)
+                               or getattr(engine.model_config, "num_local_experts", 0)),
+            "top_k": int(engine.executor.top_k), "bytes_per_expert": int(store.bytes_per_expert),
+            "bytes_per_kv_block": int(kv.bytes_per_block), "block_size": int(kv.block_size),
+            "dtype": engine.dtype_name, "path": config.model_dir,
+        },
+        "budgets": {"device_bytes": config.device_budget_bytes, "host_bytes": config.host_budget_bytes},
+        "profile": dataclasses.asdict(config.profile),
+    }  # fmt: skip
+
+
+class LiveTracer:
+    """Writes one engine's run into a new trace directory as it runs (every access, no sampling)."""
+
+    def __init__(self, directory: str | os.PathLike[str], engine: Any, metadata: Mapping[str, Any]):
+        """``metadata``: what the caller adds (controller, workload, source, ...) to the engine's shape."""
+        self.engine = engine
+        self.writer = TraceWriter(directory, {"source": "recorded", **engine_metadata(engine), **metadata})
+        self.clock_offset_ns = time.monotonic_ns() - time.perf_counter_ns()  # perf_counter -> monotonic
+        self.step_ids: list[int] = []  # recorded steps, in order
+        self.step_starts: list[int] = []  # their start_ns (to place an I/O in the step that issued it)
+        self.num_decisions = 0  # arbitration decisions written so far
+        engine.is_capturing = True
+
+    @property
+    def directory(self) -> str:
+        """The trace directory, absolute."""
+        return str(self.writer.directory.resolve())
+
+    def on_step(self, plan: StepPlan, result: StepResult, arbitrations: Sequence[Any] = ()) -> None:
+        """Record one step: its row, its expert and KV accesses, the I/O completed since, its arbitrations."""
+        cap = result.capture
+        if cap is None:
+            raise ValueError(f"step {result.step_id} has no capture: the engine was not capturing")
+        names = list(plan.request_ids)
+        index = {name: i for i, name in enumerate(names)}
+        for call in cap.routing:  # a rebuild pass's request is the step's too; keep unknown ones findable
+            for rid in call.request_ids:
+                if rid not in index:
+                    index[rid] = len(names)
+                    names.append(rid)
+        tokens = sum(int(c.token_owner.numel()) for c in cap.routing if c.layer == cap.routing[0].layer)
+        tokens = tokens or sum(plan.num_tokens.values())
+        self.writer.append(TraceTable.STEPS, step=[result.step_id], phase=[PHASE_OF_KIND[plan.kind].value],
+                           start_ns=[cap.start_ns], end_ns=[cap.end_ns], batch=[len(plan.request_ids)],
+                           tokens=[tokens])  # fmt: skip
+        self.step_ids.append(result.step_id)
+        self.step_starts.append(cap.start_ns)
+        if cap.routing:
+            self.writer.append(TraceTable.EXPERT_ACCESS, **expert_columns(result.step_id, cap, names, index))
+        if cap.kv_reads:
+            self.writer.append(TraceTable.KV_ACCESS, **kv_columns(result.step_id, cap, names, index,
+                                                                  self.engine.kv_store.num_layers))  # fmt: skip
+        self.record_io(self.engine.io.take_completed())
+        if arbitrations:
+            self._arbitrations(plan, result, arbitrations)
+
+    def record_io(self, records: Sequence[IORecord]) -> None:
+        """Append completed transfers; each goes to the step whose start precedes its submission."""
+        if not records:
+            return
+        submit = np.array([r.submit_ns for r in records], dtype=np.int64)
+        position = np.searchsorted(np.array(self.step_starts, dtype=np.int64), submit, side="right") - 1
+        steps = np.array(self.step_ids or [0], dtype=np.int64)[np.clip(position, 0, None)]
+        self.writer.append(
+            TraceTable.IO, step=steps, op=[r.op.value for r in records],
+            object_kind=[r.object_kind.value for r in records], object=[r.object_id for r in records],
+            tier=[Tier.DISK.value] * len(records), bytes=[r.num_bytes_done or r.num_bytes for r in records],
+            offset=[r.offset for r in records], submit_ns=submit, start_ns=[r.start_ns or r.submit_ns for r in records],
+            end_ns=[r.end_ns for r in records], queue_depth=[r.queue_depth_at_submit for r in records],
+            requester=[_requester(r) for r in records],
+        )  # fmt: skip
+
+    def _arbitrations(self, plan: StepPlan, result: StepResult, arbitrations: Sequence[Any]) -> None:
+        """One row per option weighed; the chosen one carries the measured arrival where the engine has it."""
+        ready = {(s.request_id, s.layer, s.block_index): s for s in result.kv_stagings}
+        bytes_of = {ObjectKind.KV_BLOCK: self.engine.kv_store.bytes_per_block,
+                    ObjectKind.EXPERT: self.engine.expert_store.bytes_per_expert}  # fmt: skip
+        cols: dict[str, list[Any]] = {n: [] for n in ("decision", "request", "layer", "context", "option", "ns",
+                                                      "nats", "bytes", "chosen", "outcome")}  # fmt: skip
+        for a in arbitrations:
+            request_id, layer, _ = a.object_key
+            options = _KV_OPTION if a.object_kind is ObjectKind.KV_BLOCK else _EXPERT_OPTION
+            staged = ready.get(a.object_key) if a.object_kind is ObjectKind.KV_BLOCK else None
+            context = plan.start_positions.get(request_id, 0) + plan.num_tokens.get(request_id, 0)
+            for option in a.options:
+                if option.tag not in options:
+                    continue
+                is_chosen = option.tag is a.choice
+                moved = staged.bytes_moved if is_chosen and staged is not None else (
+                    bytes_of[a.object_kind] if option.tag is Tag.EXACT_LOAD else 0)  # fmt: skip
+                outcome = int(staged.ready_s * 1e9) if is_chosen and staged is not None else None
+                for name, value in (("decision", self.num_decisions), ("request", request_id), ("layer", layer),
+                                    ("context", context), ("option", options[option.tag].value),
+                                    ("ns", int(option.predicted_s * 1e9)), ("nats", float(option.predicted_cost)),
+                                    ("bytes", int(moved)), ("chosen", is_chosen), ("outcome", outcome)):  # fmt: skip
+                    cols[name].append(value)
+            self.num_decisions += 1
+        if not cols["decision"]:
+            return
+        n = len(cols["decision"])
+        self.writer.append(
+            TraceTable.ARBITRATION, decision=cols["decision"], step=np.full(n, result.step_id),
+            request=cols["request"], layer=cols["layer"], phase=[PHASE_OF_KIND[plan.kind].value] * n,
+            context_tokens=cols["context"], option=cols["option"], predicted_ns=cols["ns"],
+            predicted_quality_nats=cols["nats"], bytes=cols["bytes"], is_chosen=cols["chosen"],
+            outcome_ns=np.array(cols["outcome"], dtype=object),
+        )  # fmt: skip
+
+    def on_request(self, output: RequestOutput, slo: Mapping[str, Any] | None = None) -> None:
+        """Record a request that ended (times on the trace's clock; its class's SLO targets when it has one)."""
+
+        def ns(seconds: float) -> int | None:
+            return int(seconds * 1e9) + self.clock_offset_ns if seconds else None
+
+        def slo_ns(key: str) -> int | None:
+            value = (slo or {}).get(key)
+            return None if value is None else int(float(value) * 1e6)
+
+        self.writer.append(
+            TraceTable.REQUESTS, request=[output.request_id], request_class=[output.request_class],
+            slo_ttft_ns=np.array([slo_ns("ttft_ms")], dtype=object), slo_tpot_ns=np.array([slo_ns("tpot_ms")], object),
+            arrival_ns=[ns(output.arrival_s) or 0],
+            first_token_ns=np.array([ns(output.first_token_s) if output.output_token_ids else None], dtype=object),
+            finish_ns=np.array([ns(output.finish_s)], dtype=object),
+            prompt_tokens=[len(output.prompt_token_ids)], output_tokens=[len(output.output_token_ids)],
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Take the last completed transfers, write every buffered row and the metadata; stop capturing."""
+        if self.writer.is_closed:
+            return
+        try:
+            self.record_io(self.engine.io.take_completed())
+        finally:
+            self.engine.is_capturing = False
+            self.writer.close()
+
+
+def _requester(record: IORecord) -> str:
+    """Who asked: a read some request waits on is ``demand``, one nobody waits on ``prefetch``, a write
+    ``spill``."""
+    if record.op is IOOp.WRITE:
+        return "spill"
+    return "demand" if record.requester_ids else "prefetch"
+
+
+def expert_columns(step: int, cap: StepCapture, names: list[str], index: dict[str, int]) -> dict[str, Any]:
+    """``expert_access`` columns of one step: one row per (token, router rank) of every routing call."""
+    calls = cap.routing
+    k = int(calls[0].top_k_index.shape[-1])
+    maps: dict[int, torch.Tensor] = {}  # per forward's request list: its indices into the step's names
+    owners = []
+    for c in calls:
+        mapping = maps.get(id(c.request_ids))
+        if mapping is None:
+            mapping = maps[id(c.request_ids)] = torch.tensor([index[r] for r in c.request_ids])
+        owners.append(mapping.to(c.token_owner.device)[c.token_owner])
+    ids = torch.cat([c.top_k_index.reshape(-1) for c in calls]).cpu().numpy().astype(np.int64)
+    weights = torch.cat([c.top_k_weights.reshape(-1).float() for c in calls]).cpu().numpy()
+    request = torch.cat(owners).cpu().numpy().astype(np.int64).repeat(k)
+    per_call = np.array([int(c.token_owner.numel()) * k for c in calls], dtype=np.int64)
+    call = np.repeat(np.arange(len(calls)), per_call)
+    layer = np.repeat(np.array([c.layer for c in calls], dtype=np.int64), per_call)
+    num_experts, num_requests = int(ids.max(initial=0)) + 1, len(names)
+    if cap.expert_served:
+        num_experts = max(num_experts, max(e for _, e, *_ in cap.expert_served) + 1)
+    key = (call * num_experts + ids) * num_requests + request
+    tier = np.full(len(key), TIER_CODE[Tier.DEVICE], dtype=np.int32)
+    tag = np.full(len(key), TAG_CODE[Tag.RESIDENT], dtype=np.int32)
+    moved, waited = np.zeros(len(key), dtype=np.int64), np.zeros(len(key), dtype=np.int64)
+    if cap.expert_served:
+        served = cap.expert_served
+        m_key = np.array([(c * num_experts + e) * num_requests + index[r] for c, e, r, *_ in served], dtype=np.int64)
+        order = np.argsort(m_key, kind="stable")
+        sorted_keys = m_key[order]
+        pos = np.clip(np.searchsorted(sorted_keys, key), 0, len(sorted_keys) - 1)
+        hit = sorted_keys[pos] == key
+        rows = order[pos[hit]]
+        tier[hit] = np.array([TIER_CODE[s[3]] for s in served], dtype=np.int32)[rows]
+        tag[hit] = np.array([TAG_CODE[s[4]] for s in served], dtype=np.int32)[rows]
+        first = np.zeros(len(key), dtype=bool)
+        first[np.unique(key, return_index=True)[1]] = True  # a use's bytes and wait go on its first row
+        carry = hit & first
+        moved[carry] = np.array([s[5] for s in served], dtype=np.int64)[order[pos[carry]]]
+        waited[carry] = np.array([s[6] for s in served], dtype=np.int64)[order[pos[carry]]]
+    predicted = np.zeros(len(key), dtype=bool)
+    for i, c in enumerate(calls):
+        if c.named_ids:
+            rows_of_call = call == i
+            predicted[rows_of_call] = np.isin(ids[rows_of_call], np.array(c.named_ids))
+    return {
+        "step": np.full(len(key), step), "request": Indexed(names, request), "layer": layer, "expert": ids,
+        "router_rank": np.tile(np.arange(k), len(key) // k), "router_weight": weights, "tier_before": tier,
+        "tag": tag, "bytes": moved, "ns": waited, "is_predicted": predicted,
+    }
+
+
+def kv_columns(step: int, cap: StepCapture, names: list[str], index: dict[str, int], num_layers: int) -> dict:
+    """``kv_access`` columns of one step: every block of every request's table it read, in every layer."""
+    request_ids = [r for r, _ in cap.kv_reads]
+    blocks = np.array([n for _, n in cap.kv_reads], dtype=np.int64)
+    segment = np.repeat(blocks, num_layers)  # rows per (request, layer)
+    starts = np.concatenate([[0], np.cumsum(segment)[:-1]]).astype(np.int64)
+    total = int(segment.sum())
+    request = np.repeat(np.array([index[r] for r in request_ids], dtype=np.int64), blocks * num_layers)
+    layer = np.repeat(np.tile(np.arange(num_layers), len(request_ids)), segment)
+    block = np.arange(total, dtype=np.int64) - np.repeat(starts, segment)
+    tier = np.full(total, TIER_CODE[Tier.DEVICE], dtype=np.int32)
+    tag = np.full(total, TAG_CODE[Tag.RESIDENT], dtype=np.int32)
+    moved, waited = np.zeros(total, dtype=np.int64), np.zeros(total, dtype=np.int64)
+    position = {r: i for i, r in enumerate(request_ids)}
+    for (rid, lay, blk), (before, served, num_bytes, ns) in cap.kv_served.items():
+        i = position.get(rid)
+        if i is None or blk >= blocks[i]:
+            raise ValueError(f"step {step}: KV block {(rid, lay, blk)} was served but is not among the step's reads")
+        row = starts[i * num_layers + lay] + blk
+        tier[row], tag[row], moved[row], waited[row] = TIER_CODE[before], TAG_CODE[served], num_bytes, ns
+    return {
+        "step": np.full(total, step), "request": Indexed(names, request), "layer": layer, "block": block,
+        "content_hash": None, "tier_before": tier, "tag": tag, "bytes": moved, "ns": waited,
+    }
