@@ -19,6 +19,7 @@ import torch
 from fallbackgate.engine.io import IOOp, IORecord
 from fallbackgate.engine.messages import RequestOutput, StepCapture, StepKind, StepPlan, StepResult
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.tracing.batches import RowBatches
 from fallbackgate.tracing.schema import ArbitrationOption, Phase, TraceTable
 from fallbackgate.tracing.writer import Indexed, TraceWriter
 
@@ -26,6 +27,7 @@ TIER_CODE = {t: i for i, t in enumerate(Tier)}  # the schema's tier vocabulary i
 TAG_CODE = {t: i for i, t in enumerate(Tag)}  # likewise for tags
 PHASE_OF_KIND = {StepKind.PREFILL: Phase.PREFILL, StepKind.DECODE: Phase.DECODE, StepKind.MIXED: Phase.MIXED,
                  StepKind.RECOMPUTE: Phase.PREFILL}  # fmt: skip  # a rebuild re-runs prompt-like tokens
+PHASE_CODE = {kind: list(Phase).index(phase) for kind, phase in PHASE_OF_KIND.items()}  # codes into the schema's
 _KV_OPTION = {Tag.EXACT_LOAD: ArbitrationOption.KV_FIRST, Tag.RECOMPUTE: ArbitrationOption.RECOMPUTE,
               Tag.KV_DEQUANT: ArbitrationOption.DEQUANT}  # fmt: skip
 _EXPERT_OPTION = {Tag.EXACT_LOAD: ArbitrationOption.EXPERT_FIRST, Tag.EXPERT_LOWBIT: ArbitrationOption.LOWBIT,
@@ -57,10 +59,12 @@ class LiveTracer:
         """``metadata``: what the caller adds (controller, workload, source, ...) to the engine's shape."""
         self.engine = engine
         self.writer = TraceWriter(directory, {"source": "recorded", **engine_metadata(engine), **metadata})
+        self.batches = RowBatches(self.writer)  # steps' rows, appended to the writer in larger batches
         self.clock_offset_ns = time.monotonic_ns() - time.perf_counter_ns()  # perf_counter -> monotonic
         self.step_ids: list[int] = []  # recorded steps, in order
         self.step_starts: list[int] = []  # their start_ns (to place an I/O in the step that issued it)
         self.num_decisions = 0  # arbitration decisions written so far
+        self.spent_ns = 0  # wall ns spent inside this tracer (its share of the decode loop)
         engine.is_capturing = True
 
     @property
@@ -70,6 +74,13 @@ class LiveTracer:
 
     def on_step(self, plan: StepPlan, result: StepResult, arbitrations: Sequence[Any] = ()) -> None:
         """Record one step: its row, its expert and KV accesses, the I/O completed since, its arbitrations."""
+        started = time.perf_counter_ns()
+        try:
+            self._step(plan, result, arbitrations)
+        finally:
+            self.spent_ns += time.perf_counter_ns() - started
+
+    def _step(self, plan: StepPlan, result: StepResult, arbitrations: Sequence[Any]) -> None:
         cap = result.capture
         if cap is None:
             raise ValueError(f"step {result.step_id} has no capture: the engine was not capturing")
@@ -82,16 +93,20 @@ class LiveTracer:
                     names.append(rid)
         tokens = sum(int(c.token_owner.numel()) for c in cap.routing if c.layer == cap.routing[0].layer)
         tokens = tokens or sum(plan.num_tokens.values())
-        self.writer.append(TraceTable.STEPS, step=[result.step_id], phase=[PHASE_OF_KIND[plan.kind].value],
-                           start_ns=[cap.start_ns], end_ns=[cap.end_ns], batch=[len(plan.request_ids)],
-                           tokens=[tokens])  # fmt: skip
+        self.batches.add(TraceTable.STEPS, 1, {
+            "step": [result.step_id], "phase": [PHASE_CODE[plan.kind]], "start_ns": [cap.start_ns],
+            "end_ns": [cap.end_ns], "batch": [len(plan.request_ids)], "tokens": [tokens]})  # fmt: skip
         self.step_ids.append(result.step_id)
         self.step_starts.append(cap.start_ns)
-        if cap.routing:
-            self.writer.append(TraceTable.EXPERT_ACCESS, **expert_columns(result.step_id, cap, names, index))
-        if cap.kv_reads:
-            self.writer.append(TraceTable.KV_ACCESS, **kv_columns(result.step_id, cap, names, index,
-                                                                  self.engine.kv_store.num_layers))  # fmt: skip
+        codes = self.batches.request_codes(names)
+        for table, columns in (
+            (TraceTable.EXPERT_ACCESS, expert_columns(result.step_id, cap, names, index) if cap.routing else None),
+            (TraceTable.KV_ACCESS, kv_columns(result.step_id, cap, names, index, self.engine.kv_store.num_layers)
+             if cap.kv_reads else None),
+        ):  # fmt: skip
+            if columns is not None:
+                columns["request"] = codes[columns["request"].index]
+                self.batches.add(table, len(columns["step"]), columns)
         self.record_io(self.engine.io.take_completed())
         if arbitrations:
             self._arbitrations(plan, result, arbitrations)
@@ -171,11 +186,14 @@ class LiveTracer:
         """Take the last completed transfers, write every buffered row and the metadata; stop capturing."""
         if self.writer.is_closed:
             return
+        started = time.perf_counter_ns()
         try:
             self.record_io(self.engine.io.take_completed())
+            self.batches.flush()
         finally:
             self.engine.is_capturing = False
             self.writer.close()
+            self.spent_ns += time.perf_counter_ns() - started
 
 
 def _requester(record: IORecord) -> str:
@@ -190,16 +208,14 @@ def expert_columns(step: int, cap: StepCapture, names: list[str], index: dict[st
     """``expert_access`` columns of one step: one row per (token, router rank) of every routing call."""
     calls = cap.routing
     k = int(calls[0].top_k_index.shape[-1])
-    maps: dict[int, torch.Tensor] = {}  # per forward's request list: its indices into the step's names
-    owners = []
+    owners: dict[int, np.ndarray] = {}  # per forward (its token_owner tensor): each token's step request index
     for c in calls:
-        mapping = maps.get(id(c.request_ids))
-        if mapping is None:
-            mapping = maps[id(c.request_ids)] = torch.tensor([index[r] for r in c.request_ids])
-        owners.append(mapping.to(c.token_owner.device)[c.token_owner])
+        if id(c.token_owner) not in owners:
+            mapping = np.array([index[r] for r in c.request_ids], dtype=np.int64)
+            owners[id(c.token_owner)] = mapping[c.token_owner.cpu().numpy()]
     ids = torch.cat([c.top_k_index.reshape(-1) for c in calls]).cpu().numpy().astype(np.int64)
     weights = torch.cat([c.top_k_weights.reshape(-1).float() for c in calls]).cpu().numpy()
-    request = torch.cat(owners).cpu().numpy().astype(np.int64).repeat(k)
+    request = np.concatenate([owners[id(c.token_owner)] for c in calls]).repeat(k)
     per_call = np.array([int(c.token_owner.numel()) * k for c in calls], dtype=np.int64)
     call = np.repeat(np.arange(len(calls)), per_call)
     layer = np.repeat(np.array([c.layer for c in calls], dtype=np.int64), per_call)

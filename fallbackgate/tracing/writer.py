@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import importlib.metadata
 import json
 import os
@@ -162,6 +163,7 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"metadata value {value!r} is not JSON")
 
 
+@functools.cache
 def _package_version() -> str:
     try:
         return importlib.metadata.version("fallbackgate")
