@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from fallbackgate.engine.io import IOOp, IORecord
-from fallbackgate.engine.messages import RequestOutput, StepCapture, StepKind, StepPlan, StepResult
+from fallbackgate.engine.messages import RequestOutput, RoutingCall, StepCapture, StepKind, StepPlan, StepResult
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.tracing.batches import RowBatches
 from fallbackgate.tracing.schema import ArbitrationOption, Phase, TraceTable
@@ -60,6 +60,11 @@ class LiveTracer:
         self.engine = engine
         self.writer = TraceWriter(directory, {"source": "recorded", **engine_metadata(engine), **metadata})
         self.batches = RowBatches(self.writer)  # steps' rows, appended to the writer in larger batches
+        self.routing: list[RoutingCall] = []  # routing calls of the steps not yet expanded into rows
+        self.routing_steps: list[int] = []  # each one's step
+        self.served: list[tuple] = []  # their uses not served resident (StepCapture.expert_served, call index
+        # into self.routing)
+        self.num_routed = 0  # expert_access rows they will make
         self.clock_offset_ns = time.monotonic_ns() - time.perf_counter_ns()  # perf_counter -> monotonic
         self.step_ids: list[int] = []  # recorded steps, in order
         self.step_starts: list[int] = []  # their start_ns (to place an I/O in the step that issued it)
@@ -99,17 +104,31 @@ class LiveTracer:
         self.step_ids.append(result.step_id)
         self.step_starts.append(cap.start_ns)
         codes = self.batches.request_codes(names)
-        for table, columns in (
-            (TraceTable.EXPERT_ACCESS, expert_columns(result.step_id, cap, names, index) if cap.routing else None),
-            (TraceTable.KV_ACCESS, kv_columns(result.step_id, cap, names, index, self.engine.kv_store.num_layers)
-             if cap.kv_reads else None),
-        ):  # fmt: skip
-            if columns is not None:
-                columns["request"] = codes[columns["request"].index]
-                self.batches.add(table, len(columns["step"]), columns)
+        if cap.routing:  # expanded in batches of steps (flush_experts): the per-step share stays small
+            offset = len(self.routing)
+            self.routing += cap.routing
+            self.routing_steps += [result.step_id] * len(cap.routing)
+            self.served += [(offset + c, *rest) for c, *rest in cap.expert_served]
+            self.num_routed += sum(int(c.top_k_index.numel()) for c in cap.routing)
+            if self.num_routed >= self.batches.max_rows:
+                self.flush_experts()
+        if cap.kv_reads:
+            columns = kv_columns(result.step_id, cap, names, index, self.engine.kv_store.num_layers)
+            columns["request"] = codes[columns["request"].index]
+            self.batches.add(TraceTable.KV_ACCESS, len(columns["step"]), columns)
         self.record_io(self.engine.io.take_completed())
         if arbitrations:
             self._arbitrations(plan, result, arbitrations)
+
+    def flush_experts(self) -> None:
+        """Expand the kept routing calls into ``expert_access`` rows (one pass over many steps)."""
+        if not self.routing:
+            return
+        cap = StepCapture(0, 0, self.routing, self.served)
+        columns = expert_columns(np.array(self.routing_steps), cap, self.batches.names, self.batches.codes)
+        columns["request"] = columns["request"].index
+        self.batches.add(TraceTable.EXPERT_ACCESS, len(columns["step"]), columns)
+        self.routing, self.routing_steps, self.served, self.num_routed = [], [], [], 0
 
     def record_io(self, records: Sequence[IORecord]) -> None:
         """Append completed transfers; each goes to the step whose start precedes its submission."""
@@ -189,6 +208,7 @@ class LiveTracer:
         started = time.perf_counter_ns()
         try:
             self.record_io(self.engine.io.take_completed())
+            self.flush_experts()
             self.batches.flush()
         finally:
             self.engine.is_capturing = False
@@ -204,8 +224,11 @@ def _requester(record: IORecord) -> str:
     return "demand" if record.requester_ids else "prefetch"
 
 
-def expert_columns(step: int, cap: StepCapture, names: list[str], index: dict[str, int]) -> dict[str, Any]:
-    """``expert_access`` columns of one step: one row per (token, router rank) of every routing call."""
+def expert_columns(
+    step: int | np.ndarray, cap: StepCapture, names: list[str], index: dict[str, int]
+) -> dict[str, Any]:
+    """``expert_access`` columns: one row per (token, router rank) of every routing call of ``cap`` (``step``:
+    their step, or each call's); request ids index ``names``."""
     calls = cap.routing
     k = int(calls[0].top_k_index.shape[-1])
     owners: dict[int, np.ndarray] = {}  # per forward (its token_owner tensor): each token's step request index
@@ -247,7 +270,8 @@ def expert_columns(step: int, cap: StepCapture, names: list[str], index: dict[st
             rows_of_call = call == i
             predicted[rows_of_call] = np.isin(ids[rows_of_call], np.array(c.named_ids))
     return {
-        "step": np.full(len(key), step), "request": Indexed(names, request), "layer": layer, "expert": ids,
+        "step": np.repeat(np.broadcast_to(np.asarray(step, dtype=np.int64), (len(calls),)), per_call),
+        "request": Indexed(names, request), "layer": layer, "expert": ids,
         "router_rank": np.tile(np.arange(k), len(key) // k), "router_weight": weights, "tier_before": tier,
         "tag": tag, "bytes": moved, "ns": waited, "is_predicted": predicted,
     }
