@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import time
+from collections.abc import Callable
 
 import torch
 from transformers.integrations.moe import grouped_mm_experts_forward

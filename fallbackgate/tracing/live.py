@@ -31,7 +31,8 @@ PHASE_CODE = {kind: list(Phase).index(phase) for kind, phase in PHASE_OF_KIND.it
 _KV_OPTION = {Tag.EXACT_LOAD: ArbitrationOption.KV_FIRST, Tag.RECOMPUTE: ArbitrationOption.RECOMPUTE,
               Tag.KV_DEQUANT: ArbitrationOption.DEQUANT}  # fmt: skip
 _EXPERT_OPTION = {Tag.EXACT_LOAD: ArbitrationOption.EXPERT_FIRST, Tag.EXPERT_LOWBIT: ArbitrationOption.LOWBIT,
-                  Tag.EXPERT_DEFER: ArbitrationOption.DEFER, Tag.CPU_EXECUTE: ArbitrationOption.CPU_EXECUTE}  # fmt: skip
+                  Tag.EXPERT_DEFER: ArbitrationOption.DEFER,
+                  Tag.CPU_EXECUTE: ArbitrationOption.CPU_EXECUTE}  # fmt: skip
 
 
 def engine_metadata(engine: Any) -> dict[str, Any]:
