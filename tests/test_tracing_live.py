@@ -167,3 +167,30 @@ def test_serve_trace_writes_a_valid_trace(tmp_path: pathlib.Path) -> None:
     steps, experts = got.frame("steps"), got.frame("expert_access")
     assert len(experts) == int(steps["tokens"].sum()) * got.metadata["model"]["top_k"] * 4
     assert set(got.frame("kv_access")["request"].astype(str)) == set(requests["request"])
+
+
+def test_arbitrations_become_one_row_per_option_with_the_chosen_one_s_measured_arrival(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from fallbackgate.controllers.arbitration import Arbitration, ArbitrationOption
+    from fallbackgate.engine.messages import KVStaging, StepKind, StepPlan
+    from fallbackgate.tracing.live import LiveTracer
+    from fallbackgate.tracing.writer import TraceWriter
+
+    tracer = LiveTracer.__new__(LiveTracer)
+    tracer.writer, tracer.num_decisions = TraceWriter(tmp_path / "t", {}), 0
+    tracer.engine = SimpleNamespace(kv_store=SimpleNamespace(bytes_per_block=8192),
+                                    expert_store=SimpleNamespace(bytes_per_expert=1000))  # fmt: skip
+    options = (ArbitrationOption(Tag.EXACT_LOAD, 2e-3, 0.0, False), ArbitrationOption(Tag.KV_DEQUANT, 1e-3, 0.25, True),
+               ArbitrationOption(Tag.RECOMPUTE, 3e-3, 0.0, True))  # fmt: skip
+    decided = Arbitration(7, ("a", 2, 1), Tag.KV_DEQUANT, "late", options=options)
+    plan = StepPlan(7, StepKind.DECODE, ["a"], {"a": 1}, {"a": 40})
+    result = SimpleNamespace(step_id=7, kv_stagings=[KVStaging("a", 2, 1, Tag.KV_DEQUANT, 2200, 0.0015)])
+    tracer._arbitrations(plan, result, [decided])
+    tracer.writer.close()
+    rows = read_trace(tmp_path / "t").frame("arbitration")
+    assert rows["option"].astype(str).tolist() == ["kv_first", "dequant", "recompute"]
+    assert rows["predicted_ns"].tolist() == [2_000_000, 1_000_000, 3_000_000]
+    assert rows["bytes"].tolist() == [8192, 2200, 0] and rows["is_chosen"].tolist() == [False, True, False]
+    assert rows["outcome_ns"].tolist()[1] == 1_500_000 and rows["outcome_ns"].isna().tolist() == [True, False, True]
+    assert set(rows["context_tokens"]) == {41} and set(rows["phase"].astype(str)) == {"decode"}
