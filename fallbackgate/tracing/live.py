@@ -66,11 +66,14 @@ class LiveTracer:
         self.served: list[tuple] = []  # their uses not served resident (StepCapture.expert_served, call index
         # into self.routing)
         self.num_routed = 0  # expert_access rows they will make
+        self.kv = KVPending()  # KV reads of the steps not yet expanded into rows
+        self.num_kv_rows = 0  # kv_access rows they will make
         self.clock_offset_ns = time.monotonic_ns() - time.perf_counter_ns()  # perf_counter -> monotonic
         self.step_ids: list[int] = []  # recorded steps, in order
         self.step_starts: list[int] = []  # their start_ns (to place an I/O in the step that issued it)
         self.num_decisions = 0  # arbitration decisions written so far
         self.spent_ns = 0  # wall ns spent inside this tracer (its share of the decode loop)
+        self.spent_cpu_ns = 0  # CPU ns of the calling thread spent inside it (what the machine's load leaves out)
         engine.is_capturing = True
 
     @property
@@ -80,11 +83,12 @@ class LiveTracer:
 
     def on_step(self, plan: StepPlan, result: StepResult, arbitrations: Sequence[Any] = ()) -> None:
         """Record one step: its row, its expert and KV accesses, the I/O completed since, its arbitrations."""
-        started = time.perf_counter_ns()
+        started, started_cpu = time.perf_counter_ns(), time.thread_time_ns()
         try:
             self._step(plan, result, arbitrations)
         finally:
             self.spent_ns += time.perf_counter_ns() - started
+            self.spent_cpu_ns += time.thread_time_ns() - started_cpu
 
     def _step(self, plan: StepPlan, result: StepResult, arbitrations: Sequence[Any]) -> None:
         cap = result.capture
@@ -114,9 +118,10 @@ class LiveTracer:
             if self.num_routed >= self.batches.max_rows:
                 self.flush_experts()
         if cap.kv_reads:
-            columns = kv_columns(result.step_id, cap, names, index, self.engine.kv_store.num_layers)
-            columns["request"] = codes[columns["request"].index]
-            self.batches.add(TraceTable.KV_ACCESS, len(columns["step"]), columns)
+            run_wide = {name: int(code) for name, code in zip(names, codes, strict=True)}
+            self.num_kv_rows += self.kv.add(result.step_id, cap, run_wide) * self.engine.kv_store.num_layers
+            if self.num_kv_rows >= self.batches.max_rows:
+                self.flush_kv()
         self.record_io(self.engine.io.take_completed())
         if arbitrations:
             self._arbitrations(plan, result, arbitrations)
@@ -130,6 +135,13 @@ class LiveTracer:
         columns["request"] = columns["request"].index
         self.batches.add(TraceTable.EXPERT_ACCESS, len(columns["step"]), columns)
         self.routing, self.routing_steps, self.served, self.num_routed = [], [], [], 0
+
+    def flush_kv(self) -> None:
+        """Expand the kept KV reads into ``kv_access`` rows (one pass over many steps)."""
+        if len(self.kv):
+            columns = self.kv.columns(self.engine.kv_store.num_layers)
+            self.batches.add(TraceTable.KV_ACCESS, len(columns["step"]), columns)
+        self.kv, self.num_kv_rows = KVPending(), 0
 
     def record_io(self, records: Sequence[IORecord]) -> None:
         """Append completed transfers; each goes to the step whose start precedes its submission."""
@@ -206,15 +218,17 @@ class LiveTracer:
         """Take the last completed transfers, write every buffered row and the metadata; stop capturing."""
         if self.writer.is_closed:
             return
-        started = time.perf_counter_ns()
+        started, started_cpu = time.perf_counter_ns(), time.thread_time_ns()
         try:
             self.record_io(self.engine.io.take_completed())
             self.flush_experts()
+            self.flush_kv()
             self.batches.flush()
         finally:
             self.engine.is_capturing = False
             self.writer.close()
             self.spent_ns += time.perf_counter_ns() - started
+            self.spent_cpu_ns += time.thread_time_ns() - started_cpu
 
 
 def _requester(record: IORecord) -> str:
@@ -278,27 +292,60 @@ def expert_columns(
     }
 
 
+class KVPending:
+    """Steps' KV reads kept as a few numbers per request until they are expanded into rows together."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []  # per request read: its step
+        self.requests: list[int] = []  # its request (a code into the caller's names)
+        self.blocks: list[int] = []  # blocks 0..n-1 of its table read in every layer
+        self.served: list[tuple[int, int, int, int, int, int, int]] = []  # (read index, layer, block, tier code,
+        # tag code, bytes, ns) per off-device block made usable
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def add(self, step: int, cap: StepCapture, index: dict[str, int]) -> int:
+        """Keep one step's reads; returns the rows they will make (per layer count the caller multiplies)."""
+        offset = len(self.blocks)
+        position = {rid: offset + i for i, (rid, _) in enumerate(cap.kv_reads)}
+        for (rid, layer, block), (before, served, num_bytes, ns) in cap.kv_served.items():
+            i = position.get(rid)
+            if i is None or block >= cap.kv_reads[i - offset][1]:
+                raise ValueError(f"step {step}: KV block {(rid, layer, block)} was served but is not among the "
+                                 "step's reads")  # fmt: skip
+            self.served.append((i, layer, block, TIER_CODE[before], TAG_CODE[served], num_bytes, ns))
+        self.steps += [step] * len(cap.kv_reads)
+        self.requests += [index[rid] for rid, _ in cap.kv_reads]
+        self.blocks += [n for _, n in cap.kv_reads]
+        return sum(n for _, n in cap.kv_reads)
+
+    def columns(self, num_layers: int) -> dict[str, Any]:
+        """``kv_access`` columns of every kept read (``request`` as the kept codes)."""
+        blocks = np.array(self.blocks, dtype=np.int64)
+        segment = np.repeat(blocks, num_layers)  # rows per (read, layer)
+        starts = np.concatenate([[0], np.cumsum(segment)[:-1]]).astype(np.int64)
+        total = int(segment.sum())
+        tier = np.full(total, TIER_CODE[Tier.DEVICE], dtype=np.int32)
+        tag = np.full(total, TAG_CODE[Tag.RESIDENT], dtype=np.int32)
+        moved, waited = np.zeros(total, dtype=np.int64), np.zeros(total, dtype=np.int64)
+        if self.served:
+            served = np.array(self.served, dtype=np.int64)
+            rows = starts[served[:, 0] * num_layers + served[:, 1]] + served[:, 2]
+            tier[rows], tag[rows], moved[rows], waited[rows] = served[:, 3], served[:, 4], served[:, 5], served[:, 6]
+        return {
+            "step": np.repeat(np.array(self.steps, dtype=np.int64), blocks * num_layers),
+            "request": np.repeat(np.array(self.requests, dtype=np.int64), blocks * num_layers),
+            "layer": np.repeat(np.tile(np.arange(num_layers), len(blocks)), segment),
+            "block": np.arange(total, dtype=np.int64) - np.repeat(starts, segment), "content_hash": None,
+            "tier_before": tier, "tag": tag, "bytes": moved, "ns": waited,
+        }  # fmt: skip
+
+
 def kv_columns(step: int, cap: StepCapture, names: list[str], index: dict[str, int], num_layers: int) -> dict:
     """``kv_access`` columns of one step: every block of every request's table it read, in every layer."""
-    request_ids = [r for r, _ in cap.kv_reads]
-    blocks = np.array([n for _, n in cap.kv_reads], dtype=np.int64)
-    segment = np.repeat(blocks, num_layers)  # rows per (request, layer)
-    starts = np.concatenate([[0], np.cumsum(segment)[:-1]]).astype(np.int64)
-    total = int(segment.sum())
-    request = np.repeat(np.array([index[r] for r in request_ids], dtype=np.int64), blocks * num_layers)
-    layer = np.repeat(np.tile(np.arange(num_layers), len(request_ids)), segment)
-    block = np.arange(total, dtype=np.int64) - np.repeat(starts, segment)
-    tier = np.full(total, TIER_CODE[Tier.DEVICE], dtype=np.int32)
-    tag = np.full(total, TAG_CODE[Tag.RESIDENT], dtype=np.int32)
-    moved, waited = np.zeros(total, dtype=np.int64), np.zeros(total, dtype=np.int64)
-    position = {r: i for i, r in enumerate(request_ids)}
-    for (rid, lay, blk), (before, served, num_bytes, ns) in cap.kv_served.items():
-        i = position.get(rid)
-        if i is None or blk >= blocks[i]:
-            raise ValueError(f"step {step}: KV block {(rid, lay, blk)} was served but is not among the step's reads")
-        row = starts[i * num_layers + lay] + blk
-        tier[row], tag[row], moved[row], waited[row] = TIER_CODE[before], TAG_CODE[served], num_bytes, ns
-    return {
-        "step": np.full(total, step), "request": Indexed(names, request), "layer": layer, "block": block,
-        "content_hash": None, "tier_before": tier, "tag": tag, "bytes": moved, "ns": waited,
-    }
+    pending = KVPending()
+    pending.add(step, cap, index)
+    columns = pending.columns(num_layers)
+    columns["request"] = Indexed(names, columns["request"])
+    return columns

@@ -264,7 +264,7 @@ class TraceWriter:
             "tables": {t.value: {"file": t.file_name, "rows": self._num_rows[t]} for t in TraceTable},
         }
         tmp = self.directory / (METADATA_FILE + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=2, sort_keys=True, default=_json_default))
+        tmp.write_text(json.dumps(meta, sort_keys=True, default=_json_default))  # no indent: the C encoder
         tmp.replace(self.directory / METADATA_FILE)
         self.is_closed = True
 
