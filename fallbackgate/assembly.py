@@ -29,7 +29,6 @@ from fallbackgate.policy.loader import hardware_profile
 from fallbackgate.policy.schema import AuditMode, ControllerKind, ControllerSpec, Policy
 from fallbackgate.recording import RequestClasses, RunRecorder, RunRow
 from fallbackgate.tinymoe import CHECKPOINT_DIR
-from fallbackgate.tracing.live import LiveTracer
 
 # what a run without a policy file serves with, as overrides of the default Policy()
 NO_POLICY: dict[str, dict[str, object]] = {
@@ -116,6 +115,8 @@ class Assembly:
         )
         tracer = None
         if self.trace_dir is not None:
+            from fallbackgate.tracing.live import LiveTracer  # pyarrow loads only for traced runs
+
             meta = {"controller": self.controller_settings.kind, "policy": self.policy_name, "note": note,
                     "workload": pathlib.Path(self.trace_dir).name}  # fmt: skip
             tracer = LiveTracer(self.trace_dir, self.engine, meta)

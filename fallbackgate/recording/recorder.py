@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -32,7 +32,9 @@ from fallbackgate.ledger.db import LedgerError
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.schema import AuditMode
 from fallbackgate.recording.arbitrations import arbitration_rows
-from fallbackgate.tracing.live import LiveTracer
+
+if TYPE_CHECKING:  # the tracer (and pyarrow) load only for runs that write a trace
+    from fallbackgate.tracing.live import LiveTracer
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

@@ -23,6 +23,7 @@ from fallbackgate.tracing.batches import RowBatches
 from fallbackgate.tracing.schema import ArbitrationOption, Phase, TraceTable
 from fallbackgate.tracing.writer import Indexed, TraceWriter
 
+KEPT_STEPS = 8192  # recent steps' starts kept to place completed I/O in the step that issued it
 TIER_CODE = {t: i for i, t in enumerate(Tier)}  # the schema's tier vocabulary is Tier's values in order
 TAG_CODE = {t: i for i, t in enumerate(Tag)}  # likewise for tags
 PHASE_OF_KIND = {StepKind.PREFILL: Phase.PREFILL, StepKind.DECODE: Phase.DECODE, StepKind.MIXED: Phase.MIXED,
@@ -108,6 +109,8 @@ class LiveTracer:
             "end_ns": [cap.end_ns], "batch": [len(plan.request_ids)], "tokens": [tokens]})  # fmt: skip
         self.step_ids.append(result.step_id)
         self.step_starts.append(cap.start_ns)
+        if len(self.step_ids) > KEPT_STEPS:  # an I/O completes steps, not thousands of steps, after it was issued
+            del self.step_ids[: KEPT_STEPS // 2], self.step_starts[: KEPT_STEPS // 2]
         codes = self.batches.request_codes(names)
         if cap.routing:  # expanded in batches of steps (flush_experts): the per-step share stays small
             offset = len(self.routing)
