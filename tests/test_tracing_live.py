@@ -194,3 +194,21 @@ def test_arbitrations_become_one_row_per_option_with_the_chosen_one_s_measured_a
     assert rows["bytes"].tolist() == [8192, 2200, 0] and rows["is_chosen"].tolist() == [False, True, False]
     assert rows["outcome_ns"].tolist()[1] == 1_500_000 and rows["outcome_ns"].isna().tolist() == [True, False, True]
     assert set(rows["context_tokens"]) == {41} and set(rows["phase"].astype(str)) == {"decode"}
+
+
+@pytest.mark.slow
+def test_run_trace_of_disk_tiered_experts_marks_what_the_read_ahead_predictor_named(tmp_path: pathlib.Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "id": f"r{i}"}) + "\n" for i, p in enumerate(PROMPTS)))
+    ledger, path = tmp_path / "ledger.sqlite", tmp_path / "trace"
+    assert main(["run", "--prompts", str(prompts), "--max-new-tokens", "6", "--device-budget-mb", "1.5",
+                 "--host-budget-mb", "2.5", "--io-threads", "2", "--ledger", str(ledger), "--trace", str(path),
+                 "--quiet"]) == 0  # fmt: skip
+    experts = read_trace(path).frame("expert_access")
+    tiers = experts["tier_before"].astype(str)
+    assert (tiers == "disk").any() and (tiers == "device").any()  # experts come from the checkpoint's files
+    first_layer = experts["layer"].min()
+    assert experts["is_predicted"].any() and not experts.loc[experts["layer"] == first_layer, "is_predicted"].any()
+    events = _ledger(ledger, "select tag, sum(bytes_moved) from events where object_kind = 'expert' group by tag")
+    traced = experts.groupby(experts["tag"].astype(str))["bytes"].sum()
+    assert {t: int(b) for t, b in traced.items() if b} == {t: b for t, b in events if b}
