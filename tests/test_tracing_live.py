@@ -16,7 +16,7 @@ from fallbackgate.cli import main
 from fallbackgate.engine.messages import RoutingCall, StepCapture
 from fallbackgate.engine.tags import Tag, Tier
 from fallbackgate.tracing import read_trace
-from fallbackgate.tracing.live import expert_columns, kv_columns
+from fallbackgate.tracing.access_columns import expert_columns, kv_columns
 
 PROMPTS = [f"request {i}: the quick brown fox jumps over the lazy dog and then it runs far away " * (1 + i % 3)
            for i in range(8)]  # fmt: skip
