@@ -17,7 +17,7 @@ from fallbackgate.engine.experts.integrity import CopyVerifier
 from fallbackgate.engine.io import IOScheduler
 from fallbackgate.engine.kv import paged_attention
 from fallbackgate.engine.kv.store import KVBlockKey, SpillMode
-from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
+from fallbackgate.engine.messages import RequestOutput, StepCapture, StepPlan, StepResult
 from fallbackgate.engine.model.build import build_stores, fill_expert_tiers, probe_kv_shapes, resolve_device
 from fallbackgate.engine.model.loader import find_routers, load_checkpoint
 from fallbackgate.engine.model.runner import ModelRunner
@@ -94,6 +94,7 @@ class Engine(BaselineAccess):
         self.modeled_clock_s = 0.0
         self.is_observe = config.is_observe
         self.last_plan: StepPlan | None = None  # plan of the latest step, for recorders
+        self.is_capturing = False  # fill StepResult.capture with every access of each step (a trace recorder)
 
     @property
     def dtype_name(self) -> str:
@@ -191,8 +192,12 @@ class Engine(BaselineAccess):
 
     def _prepare(self, plan: StepPlan, chosen: list[tuple[Sequence, int]], started: float) -> EventLog:
         log = EventLog(plan.step_id, started)
+        if self.is_capturing:
+            log.capture = StepCapture(time.monotonic_ns() - int(1e9 * (time.perf_counter() - started)))
         log.modeled_transfer_s += self.executor.take_pending_modeled_s()
         for request_id, staged in self.scheduler.restored:
+            if log.capture is not None:  # the resume's read is not timed: it ran inside scheduling
+                log.capture.kv_served[staged.key] = (staged.source_tier, Tag.EXACT_LOAD, staged.bytes_moved, 0)
             log.add_transfer(
                 self.config.profile,
                 request_id,
@@ -216,6 +221,8 @@ class Engine(BaselineAccess):
         for index, (seq, num) in enumerate(chosen):
             start = seq.num_computed_tokens
             offset = len(token_ids)
+            if log.capture is not None:
+                log.capture.kv_reads.append((seq.request_id, -(-(start + num) // self.config.block_size)))
             token_ids += seq.all_token_ids[start : start + num]
             owners += [index] * num
             if start + num == seq.num_tokens:
@@ -302,6 +309,8 @@ class Engine(BaselineAccess):
             if self._append_token(self.sequences[request_id], token, own.get(request_id), now):
                 finished.append(request_id)
         pool = self.kv_store.device_pool
+        if log.capture is not None:
+            log.capture.end_ns = time.monotonic_ns()
         return StepResult(
             plan.step_id,
             plan.kind,
@@ -321,6 +330,7 @@ class Engine(BaselineAccess):
             log.expert_resident_uses,
             list(log.expert_arrivals.values()),
             self.kv_store.take_copy_changes(),
+            log.capture,
         )
 
     def _end_step(self, log: EventLog) -> None:

@@ -105,6 +105,41 @@ class KVCopyChange:
 
 
 @dataclasses.dataclass(slots=True)
+class RoutingCall:
+    """One routed-experts call of a step's forward: the router's choices as it made them (tensors as produced,
+    not copied; they may live on the device)."""
+
+    layer: int  # decoder layer
+    request_ids: list[str]  # the forward's requests in packing order; token_owner indexes them
+    token_owner: torch.Tensor  # [T] int: each packed token's request (index into request_ids)
+    top_k_index: torch.Tensor  # [T, k] int: the experts each token was routed to, router rank order
+    top_k_weights: torch.Tensor  # [T, k] float: their router weights as the experts were weighted
+    named_ids: list[int] | None = None  # experts of this layer the read-ahead predictor had named from the
+    # previous layer's hidden state (None: no predictor ran for this layer)
+
+
+@dataclasses.dataclass(slots=True)
+class StepCapture:
+    """Every expert and KV access of one step as plain tensors and columns, for a recorder that asked for them
+    (``Engine.is_capturing``): the engine fills it and never reads it. Uses not listed in ``expert_served``
+    were served resident from device; blocks not in ``kv_served`` were read where they live on device."""
+
+    start_ns: int  # step start, time.monotonic_ns() (the I/O scheduler's clock)
+    end_ns: int = 0  # step end, same clock
+    routing: list[RoutingCall] = dataclasses.field(default_factory=list)  # every routed-experts call, in order
+    expert_served: list[tuple[int, int, str, Tier, Tag, int, int]] = dataclasses.field(default_factory=list)
+    # per (expert, request) use not served resident: (routing call index, expert id, request id, tier before,
+    # tag served, bytes moved, measured wait ns) -- the same uses, tags and bytes the step's events carry
+    kv_reads: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # per request of the step's
+    # forward: (request id, blocks of its table read in every layer, i.e. blocks 0..n-1)
+    kv_served: dict[tuple[str, int, int], tuple[Tier, Tag, int, int]] = dataclasses.field(default_factory=dict)
+    # per off-device block made usable (request id, layer, block index): (tier before, tag, bytes moved,
+    # measured wait ns)
+    named: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # layer -> experts the predictor named
+    # for it, until that layer's routing call takes them
+
+
+@dataclasses.dataclass(slots=True)
 class StepPlan:
     """What the scheduler decided to run in one step."""
 
@@ -147,6 +182,7 @@ class StepResult:
     # resident), per request, with when (an expert arbitration's measured arrival)
     kv_copies: list[KVCopyChange] = dataclasses.field(default_factory=list)  # KV copies written, read and freed
     # since the previous step, in the order the store made the changes
+    capture: StepCapture | None = None  # every access of the step, when the engine was asked to capture them
 
 
 @dataclasses.dataclass(slots=True)

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 import torch
 
 from fallbackgate.engine.hardware import HardwareProfile
-from fallbackgate.engine.messages import Event, ExpertArrival, KVStaging
+from fallbackgate.engine.messages import Event, ExpertArrival, KVStaging, StepCapture
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 _EventKey = tuple[str, int, ObjectKind, Tag, Tier | None, str, int, bool]
@@ -46,6 +46,7 @@ class EventLog:
         self.is_rebuild_pass = False  # set by the runner around a KV rebuild forward
         self.kv_resident_reads: dict[str, dict[int, int]] = {}  # request -> layer -> device KV blocks read
         self.expert_resident_uses: dict[str, dict[int, int]] = {}  # request -> layer -> resident experts used
+        self.capture: StepCapture | None = None  # every access of the step, when a recorder asked for them
 
     def add(
         self,

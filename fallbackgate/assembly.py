@@ -66,6 +66,7 @@ class Overrides:
     expert_fraction: float | None = None  # static_split's expert share; None: the policy's
     is_equivalent_allowed: bool = False  # baselines may serve late misses with the equivalent tags
     wrap_controller: Callable[[Controller], Controller] | None = None  # e.g. a trace recorder around it
+    trace_dir: str | None = None  # write the run's trace (format v1) into this new directory; None: no trace
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -92,6 +93,7 @@ class Assembly:
     controller_settings: ControllerSettings  # what the controller was built from
     engine: Engine  # the engine, its controller inside
     classes: RequestClasses  # budgets and SLOs per class (empty without a policy file)
+    trace_dir: str | None = None  # where the recorder writes the run's trace; None: no trace
 
     @property
     def audit_rate(self) -> float:
@@ -111,7 +113,15 @@ class Assembly:
             policy=policy_record(self.policy) if self.policy_name is not None else None,
             policy_name=self.policy_name,
         )
-        return RunRecorder(writer, self.engine, row, self.classes, audit_rate=self.audit_rate, seed=self.settings.seed)
+        tracer = None
+        if self.trace_dir is not None:
+            from fallbackgate.tracing.live import LiveTracer  # pyarrow loads only for traced runs
+
+            meta = {"controller": self.controller_settings.kind, "policy": self.policy_name, "note": note,
+                    "workload": pathlib.Path(self.trace_dir).name}  # fmt: skip
+            tracer = LiveTracer(self.trace_dir, self.engine, meta)
+        return RunRecorder(writer, self.engine, row, self.classes, audit_rate=self.audit_rate, seed=self.settings.seed,
+                           tracer=tracer)  # fmt: skip
 
 
 def top_k_of(model_dir: str) -> int:
@@ -270,4 +280,5 @@ def assemble(
         controller_settings=ctrl,
         engine=engine,
         classes=classes,
+        trace_dir=overrides.trace_dir,
     )

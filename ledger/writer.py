@@ -114,8 +114,10 @@ class LedgerWriter:
         mode: str | None = None,
         note: str | None = None,
         forced_tags: Sequence[str] | None = None,
+        trace_path: str | None = None,
     ) -> int:
-        """Insert a run row with status "running" (synchronously) and make it the current run."""
+        """Insert a run row with status "running" (synchronously) and make it the current run (`trace_path`: the
+        directory its trace is written to, when one is)."""
         self._check()
         row = {
             "started_at": utcnow(),
@@ -129,6 +131,7 @@ class LedgerWriter:
             "mode": mode,
             "note": note,
             "forced_tags": list(forced_tags) if forced_tags else None,
+            "trace_path": trace_path,
         }
         with begin_write(self.ledger.engine) as conn:
             run_id = conn.execute(insert(Run.__table__).returning(Run.__table__.c.id), row).scalar_one()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Container
 
 import torch
@@ -20,10 +21,11 @@ from fallbackgate.engine.experts.hook import (
     renormalise_deferred,
     served_tag,
 )
-from fallbackgate.engine.experts.store import ExpertKey, ExpertStore
+from fallbackgate.engine.experts.store import ExpertKey, ExpertStore, Fetched
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.io.context import IOPriority, io_context
 from fallbackgate.engine.kv.store import KVBlockKey, KVStore, RequestBlockKeys, SpillMode
+from fallbackgate.engine.messages import RoutingCall
 from fallbackgate.engine.step_context import StepContext, StepUses
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
@@ -83,6 +85,10 @@ class Executor:
             return ctx.replay.experts(module, layer, hidden, top_k_index, top_k_weights)
         if ctx.is_exact_baseline:
             return self._exact_experts(module, layer, hidden, top_k_index, top_k_weights)
+        capture = ctx.log.capture
+        if capture is not None:
+            capture.routing.append(RoutingCall(layer, ctx.batch.request_ids, ctx.batch.token_owner, top_k_index,
+                                               top_k_weights, capture.named.pop(layer, None)))  # fmt: skip
         if layer in self.expert_store.stacked_layers:
             return self._run_stacked(module, layer, hidden, top_k_index, top_k_weights)
         uses = plan_expert_uses(ctx, self.expert_store, self.controller, layer, top_k_index, top_k_weights)
@@ -108,6 +114,8 @@ class Executor:
             logits = torch.nn.functional.linear(hidden.to(router.weight.dtype), router.weight)
             ids = torch.topk(logits, min(self.top_k, logits.shape[-1]), dim=-1).indices.unique().tolist()
             predicted = self.controller.choose_read_ahead([(layer + 1, e) for e in ids], self.view)
+            if self.ctx.log.capture is not None:
+                self.ctx.log.capture.named[layer + 1] = ids
         with io_context(self.ctx.batch.request_ids):  # read ahead for this forward's requests
             self.expert_store.queue_reads(list(dict.fromkeys(needed)), predicted, self.ctx.step_id)
 
@@ -132,7 +140,7 @@ class Executor:
         for tag, tag_uses in groups.items():
             if tag is Tag.EXPERT_DEFER:
                 for use in tag_uses:
-                    self._record(use, Tag.EXPERT_DEFER, 0, None, 0.0, "")
+                    self._record(use, Tag.EXPERT_DEFER, 0, None, 0.0, "", 0)
                 ctx.deferred_expert_keys.append(key)
                 continue
             was_resident = self.expert_store.is_on_device(key)
@@ -158,7 +166,9 @@ class Executor:
         ctx = self.ctx
         request_ids = tuple(dict.fromkeys(ctx.batch.request_ids[u.request_index] for u in tag_uses))
         with io_context(request_ids, IOPriority.EXPERT_MISS, f"{key[0]}:{key[1]}") as io:  # its disk reads
+            started_ns = time.perf_counter_ns()
             fetched = fetch_for_tag(self.expert_store, key, fetch_tag, self.make_room)
+            wait_ns = time.perf_counter_ns() - started_ns if fetch_tag is not Tag.RESIDENT else 0
         if fetch_tag is not Tag.RESIDENT:
             ctx.log.add_expert_arrival(request_ids, key, fetch_tag, fetched.bytes_moved, io.last_end_ns)
         if len(tag_uses) == 1:
@@ -183,17 +193,20 @@ class Executor:
             self.profile.transfer_s(fetched.bytes_moved, fetched.source_tier, target) if fetched.source_tier else 0.0
         )
         ctx.log.modeled_transfer_s += transfer_s
-        self._record_fetched(tag_uses, fetch_tag, fetched.bytes_moved, fetched.source_tier, transfer_s, fetched.note)
+        self._record_fetched(tag_uses, fetch_tag, fetched, transfer_s, wait_ns)
 
     def _record_fetched(
-        self, uses: list[ExpertUse], fetch_tag: Tag, moved: int, tier: Tier | None, transfer_s: float, note: str
+        self, uses: list[ExpertUse], fetch_tag: Tag, fetched: Fetched, transfer_s: float, wait_ns: int
     ) -> None:
-        """The first use carries the fetch (bytes, source, time); later uses reuse the fetched weights."""
+        """The first use carries the fetch (bytes, source, modeled and measured time); later uses reuse the
+        fetched weights."""
         first, *rest = uses
-        self._record(first, fetch_tag, moved, tier if moved else None, transfer_s, note)
+        moved = fetched.bytes_moved
+        self._record(first, fetch_tag, moved, fetched.source_tier if moved else None, transfer_s, fetched.note,
+                     wait_ns)  # fmt: skip
         reused = Tag.RESIDENT if fetch_tag is Tag.EXACT_LOAD else fetch_tag
         for use in rest:
-            self._record(use, reused, 0, None, 0.0, "")
+            self._record(use, reused, 0, None, 0.0, "", 0)
 
     def _run_stacked(
         self,
@@ -234,8 +247,15 @@ class Executor:
         dtype = str(hidden.dtype).removeprefix("torch.")
         return self.profile.expert_s(num_tokens, weight_bytes, self.num_expert_params, on_cpu, dtype)
 
-    def _record(self, use: ExpertUse, tag: Tag, moved: int, tier: Tier | None, modeled_s: float, note: str) -> None:
+    def _record(
+        self, use: ExpertUse, tag: Tag, moved: int, tier: Tier | None, modeled_s: float, note: str, wait_ns: int
+    ) -> None:
         ctx = self.ctx
+        request_id = ctx.batch.request_ids[use.request_index]
+        if ctx.log.capture is not None and (tag is not Tag.RESIDENT or moved):
+            before = tier if moved and tier is not None else self.expert_store.home(use.key)
+            call = len(ctx.log.capture.routing) - 1
+            ctx.log.capture.expert_served.append((call, use.key[1], request_id, before, tag, moved, wait_ns))
         decided = use.decision.tag
         if decided is not Tag.RESIDENT and use.decision.reason:
             note = (note + "; " if note else "") + use.decision.reason
@@ -243,7 +263,7 @@ class Executor:
             note = (note + "; " if note else "") + f"observe: would serve {decided.value}"
         cost = use.decision.predicted_cost if not ctx.is_observe else 0.0
         ctx.log.add(
-            ctx.batch.request_ids[use.request_index],
+            request_id,
             use.key[0],
             ObjectKind.EXPERT,
             tag,

@@ -32,6 +32,14 @@ class ServePlan:
     quant_bits: int  # bits of the block's quantized copy (0: none)
 
 
+def nearest_tier(block: KVBlock) -> Tier:
+    """The nearest tier holding any copy of an off-device block (full or quantized); a block with no copy at
+    all (dropped: it is rebuilt by recompute) counts as ``disk``, the farthest."""
+    if block.host is not None or block.host_q is not None:
+        return Tier.HOST
+    return Tier.DISK
+
+
 class ModelRunner:
     """Owns the model, the paged cache and the executor; one packed forward per call."""
 
@@ -115,14 +123,20 @@ class ModelRunner:
             self.layer_plan[block.key] = plan
             return plan.tag
         note = plan.note
+        before, started_ns = nearest_tier(block), time.perf_counter_ns()
         try:
             staged = self._stage(block, plan.tag)
         except ChecksumError as exc:
             staged, note = self._stage(block, Tag.RECOMPUTE), f"{exc}; recovered by recompute"
-        self._log_staged(log, block, staged, plan, note)
+        self._log_staged(log, block, staged, plan, note, (before, time.perf_counter_ns() - started_ns))
         return staged.tag
 
-    def _log_staged(self, log: EventLog, block: KVBlock, staged: Staged, plan: ServePlan, note: str) -> None:
+    def _log_staged(
+        self, log: EventLog, block: KVBlock, staged: Staged, plan: ServePlan, note: str, waited: tuple[Tier, int]
+    ) -> None:
+        """Record a staged block (`waited`: its tier before and the measured ns the step waited for it)."""
+        if log.capture is not None:
+            log.capture.kv_served[block.key] = (waited[0], staged.tag, staged.bytes_moved, waited[1])
         log.add_transfer(
             self.executor.profile,
             plan.request_id,
@@ -190,6 +204,7 @@ class ModelRunner:
         kv, plan = self.executor.kv_store, self.layer_plan.get(block.key)
         if plan is None:
             raise EngineError(f"KV block {block.key} read by a per-layer step but not planned")
+        before, started_ns = nearest_tier(block), time.perf_counter_ns()
         is_prefetched = block.key in kv.pending_exact  # its read copy's room is held since it was queued
         if not is_prefetched:
             need = kv.stage_bytes(block, plan.tag)
@@ -204,7 +219,8 @@ class ModelRunner:
             raise EngineError(f"{exc}: a per-layer step cannot rebuild KV block {block.key}") from exc
         finally:
             kv.device_pool.release(Scratch.KV_STAGED, kv.bytes_per_block)
-        self._log_staged(self.executor.ctx.log, block, staged, plan, plan.note)
+        waited = (before, time.perf_counter_ns() - started_ns)
+        self._log_staged(self.executor.ctx.log, block, staged, plan, plan.note, waited)
 
     def _prefetch_exact(self, request_id: str, layer: int, length: int) -> None:
         """Queue the disk reads of a request layer's exactly staged blocks together, so they are in flight at

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import pathlib
 
@@ -16,3 +17,28 @@ def check_output_path(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK):
         raise ValueError(f"{flag} {path}: directory {parent} is not writable")
+
+
+def add_trace_flag(parser: argparse.ArgumentParser) -> None:
+    """``--trace DIR``: write the run's joint trace (format v1) there, live."""
+    parser.add_argument(
+        "--trace",
+        default=None,
+        metavar="DIR",
+        help="write the run's trace (every expert and KV access, I/O, arbitration and request; format v1, see "
+        "the README) into DIR, which must be new or empty; the ledger's run row points to it",
+    )
+
+
+def check_trace_flag(args: argparse.Namespace) -> None:
+    """``--trace DIR`` names a new or empty directory whose parent exists, and a ledger records the run."""
+    if getattr(args, "trace", None) is None:
+        return
+    target = pathlib.Path(args.trace)
+    if getattr(args, "no_ledger", False):
+        raise ValueError("--trace needs the ledger (the run row points to the trace): drop --no-ledger")
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ValueError(f"--trace {args.trace}: must be a new or empty directory")
+    parent = target.absolute().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ValueError(f"--trace {args.trace}: directory {parent} does not exist or is not writable")

@@ -16,7 +16,7 @@ from fallbackgate.batch.prompts import PromptsFileError, PromptSpec, check_class
 from fallbackgate.batch.report import print_report, to_json, write_json
 from fallbackgate.batch.session import RunSettings, run_prompts
 from fallbackgate.batch.summary import print_slips, print_slo_misses, print_summary
-from fallbackgate.commands.checks import check_output_path
+from fallbackgate.commands.checks import add_trace_flag, check_output_path, check_trace_flag
 from fallbackgate.controllers.exact_lru import FORCEABLE_TAGS
 from fallbackgate.engine.config import PREEMPT_MODES
 from fallbackgate.engine.engine import Engine
@@ -106,6 +106,7 @@ def add_parser(subparsers: Any) -> None:
         "audit tasks in the ledger for `fallbackgate audit` workers and exit after serving",
     )
     p.add_argument("--json", default=None, help="write the run's results as JSON to this path")
+    add_trace_flag(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -137,6 +138,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--audit-rate must be in (0, 1], got {args.audit_rate}")
     if args.json:
         check_output_path(args.json, "--json")
+    check_trace_flag(args)
 
 
 def run_inputs(args: argparse.Namespace) -> tuple[Policy, Overrides, str | None]:
@@ -156,6 +158,7 @@ def run_inputs(args: argparse.Namespace) -> tuple[Policy, Overrides, str | None]
         dtype=args.dtype,
         num_io_threads=args.io_threads,
         force=tuple(args.force),
+        trace_dir=args.trace,
     )
     return policy, overrides, pathlib.Path(args.policy).stem if args.policy is not None else None
 

@@ -31,6 +31,7 @@ from typing import Any
 from fallbackgate.assembly import Assembly, Overrides, assemble, no_policy
 from fallbackgate.batch.prompts import PromptsFileError
 from fallbackgate.batch.session import memory_summary
+from fallbackgate.commands.checks import add_trace_flag, check_trace_flag
 from fallbackgate.engine.errors import EngineError
 from fallbackgate.ledger.backlog import DEFAULT_BUFFER_BYTES
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
@@ -100,6 +101,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument("--seed", type=int, default=0)
+    add_trace_flag(p)
     p.set_defaults(func=run)
 
 
@@ -126,6 +128,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"--request-timeout-s must be in (0, 86400], got {args.request_timeout_s}")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key must not be empty")
+    check_trace_flag(args)
 
 
 def _setup(args: argparse.Namespace) -> tuple[Assembly, LedgerWriter | None, float]:
@@ -139,7 +142,8 @@ def _setup(args: argparse.Namespace) -> tuple[Assembly, LedgerWriter | None, flo
     if not args.no_ledger:
         ledger = open_ledger(policy.ledger.url)
         writer = LedgerWriter(ledger, buffer_bytes=buffer_bytes, retry_s=args.ledger_retry_s)
-    overrides = Overrides(max_new_tokens=16, seed=args.seed, dtype=args.dtype)  # tokens: per request in the body
+    overrides = Overrides(max_new_tokens=16, seed=args.seed, dtype=args.dtype, trace_dir=args.trace)  # tokens:
+    # per request in the body
     name = pathlib.Path(args.policy).stem if args.policy is not None else None
     try:
         built = assemble(policy, overrides, policy_name=name, calibration=writer.ledger if writer else None)

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers
@@ -32,6 +32,9 @@ from fallbackgate.ledger.db import LedgerError
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.schema import AuditMode
 from fallbackgate.recording.arbitrations import arbitration_rows
+
+if TYPE_CHECKING:  # the tracer (and pyarrow) load only for runs that write a trace
+    from fallbackgate.tracing.live import LiveTracer
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -79,8 +82,10 @@ class RunRecorder:
         *,
         audit_rate: float = 1.0,
         seed: int = 0,
+        tracer: LiveTracer | None = None,
     ) -> None:
         self.writer, self.engine = writer, engine
+        self.tracer = tracer  # writes the run's trace (run/serve --trace DIR); closed with the run
         self.classes = classes or RequestClasses()
         self.audit_rate, self.seed = audit_rate, seed
         self.num_audited = 0  # requests audited inline and recorded
@@ -96,6 +101,7 @@ class RunRecorder:
             mode=(AuditMode.OBSERVE if engine.is_observe else AuditMode.ENFORCE).value,
             note=row.note,
             forced_tags=sorted(getattr(t, "value", str(t)) for t in getattr(engine.controller, "force", ())),
+            trace_path=tracer.directory if tracer is not None else None,
         )
 
     # --- while serving --------------------------------------------------------------------------
@@ -106,6 +112,8 @@ class RunRecorder:
         decided = take() if take is not None else []
         if decided:
             self.writer.record_arbitrations(arbitration_rows(decided, result))
+        if self.tracer is not None:
+            self.tracer.on_step(plan, result, decided)
 
     def on_request(self, output: RequestOutput, prompt: str | None = None, status: str = "finished") -> None:
         """Record a request that ended with ``status`` ("finished"; "cancelled": what it had produced when the
@@ -113,6 +121,8 @@ class RunRecorder:
         name = output.request_class
         budget, slo = self.classes.budgets.get(name), self.classes.slos.get(name)
         self.writer.record_request(output, prompt=prompt, budget=budget, slo=slo, status=status)
+        if self.tracer is not None:
+            self.tracer.on_request(output, slo)
 
     def serve(self, specs: list[PromptSpec], settings: RunSettings, progress: bool = False) -> RunOutcome:
         """Serve ``specs`` on the engine recording every step; a run that raises is marked failed first. Only
@@ -170,6 +180,7 @@ class RunRecorder:
         """Finish the run with ``status`` (queuing the run's audit task when audits were deferred), judge it
         when its audits ran inline and it completed, record the verdicts and close the writer."""
         with self._failing():
+            self._close_trace()
             if self.num_deferred:
                 self.writer.queue_audits([], with_run_task=True)
             if memory is not None:
@@ -186,8 +197,11 @@ class RunRecorder:
 
     def fail(self, status: str = "failed") -> None:
         """Mark the run ``status`` and close the writer, as far as the database still allows (a full disk
-        may refuse even that: the run then stays "running", which queries report as incomplete, never PASS)."""
+        may refuse even that: the run then stays "running", which queries report as incomplete, never PASS).
+        A trace being written is closed too (what it holds so far stays readable)."""
         try:
+            with contextlib.suppress(Exception):  # the run is failing already: its status matters more
+                self._close_trace()
             self.writer.finish_run(status=status)
         except LedgerError:  # the queue holds a failed write: try the status alone, directly
             self.writer.mark_run_now(status)
@@ -196,6 +210,10 @@ class RunRecorder:
                 self.writer.close()
             except LedgerError:
                 pass
+
+    def _close_trace(self) -> None:
+        if self.tracer is not None:
+            self.tracer.close()
 
     def _choose_audited(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """The seeded sample, and by risk every request with a non-resident KV event, in output order."""

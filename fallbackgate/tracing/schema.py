@@ -60,6 +60,7 @@ class ArbitrationOption(str, enum.Enum):
     RECOMPUTE = "recompute"
     DEQUANT = "dequant"
     DEFER = "defer"
+    CPU_EXECUTE = "cpu_execute"  # compute the expert where its host copy is
 
 
 VOCABULARIES: dict[str, tuple[str, ...]] = {

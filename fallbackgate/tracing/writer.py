@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import importlib.metadata
 import json
 import os
@@ -162,6 +163,7 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"metadata value {value!r} is not JSON")
 
 
+@functools.cache
 def _package_version() -> str:
     try:
         return importlib.metadata.version("fallbackgate")
@@ -262,7 +264,7 @@ class TraceWriter:
             "tables": {t.value: {"file": t.file_name, "rows": self._num_rows[t]} for t in TraceTable},
         }
         tmp = self.directory / (METADATA_FILE + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=2, sort_keys=True, default=_json_default))
+        tmp.write_text(json.dumps(meta, sort_keys=True, default=_json_default))  # no indent: the C encoder
         tmp.replace(self.directory / METADATA_FILE)
         self.is_closed = True
 

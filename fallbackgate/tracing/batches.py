@@ -1,0 +1,59 @@
+"""Steps' rows gathered into larger batches before they reach the :class:`TraceWriter`: one ``append`` per
+table every ``max_rows`` rows instead of one per table per step (the writer's checks cost per call).
+Request ids become run-wide codes as rows arrive; a flush hands the writer only the names its rows use."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from fallbackgate.tracing.schema import TraceTable
+from fallbackgate.tracing.writer import Indexed, TraceWriter
+
+
+class RowBatches:
+    """Per table, the column batches of recent steps, concatenated and appended on :meth:`flush`."""
+
+    def __init__(self, writer: TraceWriter, max_rows: int = 32768) -> None:
+        self.writer, self.max_rows = writer, max_rows
+        self.codes: dict[str, int] = {}  # request id -> run-wide code
+        self.names: list[str] = []  # code -> request id
+        self.pending: dict[TraceTable, list[dict[str, Any]]] = {}  # table -> batches not yet appended
+        self.num_pending = 0  # rows in them
+
+    def request_codes(self, names: Sequence[str]) -> np.ndarray:
+        """The run-wide codes of ``names`` (new ones added)."""
+        out = np.empty(len(names), dtype=np.int64)
+        for i, name in enumerate(names):
+            code = self.codes.get(name)
+            if code is None:
+                code = self.codes[name] = len(self.names)
+                self.names.append(name)
+            out[i] = code
+        return out
+
+    def add(self, table: TraceTable, num_rows: int, columns: dict[str, Any]) -> None:
+        """Keep one batch (its ``request`` column, if any, already run-wide codes); flush when enough wait."""
+        self.pending.setdefault(table, []).append(columns)
+        self.num_pending += num_rows
+        if self.num_pending >= self.max_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        """Append every kept batch, one call per table."""
+        for table, batches in self.pending.items():
+            columns: dict[str, Any] = {}
+            for name, first in batches[0].items():
+                if first is None:
+                    columns[name] = None
+                    continue
+                joined = np.concatenate([np.asarray(b[name]) for b in batches])
+                if name == "request":
+                    used, index = np.unique(joined, return_inverse=True)
+                    joined = Indexed([self.names[c] for c in used.tolist()], index.reshape(-1))
+                columns[name] = joined
+            self.writer.append(table, **columns)
+        self.pending.clear()
+        self.num_pending = 0
