@@ -214,12 +214,12 @@ def test_per_layer_staging_is_counted_once_per_read(
     engine, prompt = _per_layer_engine(model, tmp_path)
     log_staged, per_layer, doubled = ModelRunner._log_staged, [], []
 
-    def log_twice(self: ModelRunner, log, block, staged, plan, note) -> None:
-        log_staged(self, log, block, staged, plan, note)
+    def log_twice(self: ModelRunner, log, block, staged, plan, note, *timing) -> None:
+        log_staged(self, log, block, staged, plan, note, *timing)
         per_layer.append(self.is_per_layer)
         if is_faulted and self.is_per_layer and not doubled:  # the layer's read logged again: one read, 2 loads
             doubled.append((log.step_id, *block.key))
-            log_staged(self, log, block, staged, plan, note)
+            log_staged(self, log, block, staged, plan, note, *timing)
 
     monkeypatch.setattr(ModelRunner, "_log_staged", log_twice)
     recorded = _judge(engine, tmp_path, prompts=[prompt])

@@ -99,7 +99,10 @@ def test_run_trace_matches_the_ledger(traced_run: tuple[pathlib.Path, pathlib.Pa
         traced = frame.groupby(frame["tag"].astype(str))["bytes"].sum()
         assert {t: int(b) for t, b in traced.items() if b} == {t: b for (k, t), b in by_tag.items() if k == kind and b}
     uses = experts.drop_duplicates(["step", "request", "layer", "expert"]).groupby(experts["tag"].astype(str)).size()
-    assert uses.to_dict() == {t: c for k, t, _, c in events if k == "expert"}  # one ledger object per use
+    ledger_uses = {t: c for k, t, _, c in events if k == "expert"}  # one ledger object per use
+    counted = _ledger(ledger, "select sum(num_resident_expert_uses) from step_requests where run_id = ?", run_id)
+    ledger_uses["resident"] = ledger_uses.get("resident", 0) + int(counted[0][0] or 0)  # exact resident: counts
+    assert uses.to_dict() == ledger_uses
     off_device = kv[kv["tag"].astype(str) != "resident"].groupby(kv["tag"].astype(str)).size().to_dict()
     assert off_device == {t: c for k, t, _, c in events if k == "kv_block" and t != "resident"}
     assert ((kv["tier_before"].astype(str) == "device") == (kv["tag"].astype(str) == "resident")).all()
