@@ -47,7 +47,11 @@ class Engine(BaselineAccess):
         ]
         self.num_dense_params = sum(p.numel() for p in dense)  # resident, outside the device budget
         self.num_dense_bytes = sum(p.numel() * p.element_size() for p in dense)
-        self.expert_store, self.kv_store, expert_floor = build_stores(config, loaded, shape, self.device)
+        self.expert_store, self.kv_store, expert_floor, budgets = build_stores(
+            config, loaded, shape, self.device, self.num_dense_bytes
+        )
+        self.budget_note = budgets.note  # how the budgets were set (given, sized from memory, emulated)
+        self.tier_layout = self.expert_store.layout
         model = loaded.model.to(self.device)
         fill_expert_tiers(config, loaded, self.expert_store)
         self.loaded_experts = loaded.experts_by_layer  # decoder layer -> routed-experts module

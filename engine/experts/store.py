@@ -1,19 +1,30 @@
 """Tiered expert store: the checkpoint's files are every expert's disk tier; host memory is a bounded
 cache of full-precision copies; the device tier holds the experts a step computes with.
 
-On a CPU-only machine the device tier aliases host memory: placing an expert moves its host copy into
-the device budget (no second copy), and evicting it hands the bytes back to the host cache when that has
-room. Low-bit copies are made the first time a controller asks for one and kept while the host budget
-allows. Mechanism only: callers decide what to place and what to evict.
+Tier layouts (`TierLayout`):
+
+- CUDA: device, host and disk. Low-bit copies are made the first time a controller asks for one and kept
+  while the host budget allows.
+- CPU (``ram_disk``): RAM is the one fast tier, the device pool. A resident expert is in RAM; an
+  ``exact_load`` reads it from the checkpoint (O_DIRECT: the page cache is no second, uncounted RAM tier);
+  an evicted one is gone. Low-bit copies live in the same RAM budget, least recently used first to go when
+  the pool needs room (`drop_lowbit`). There is no host tier and no ``cpu_execute``.
+- Emulated (tests only, on a CPU): CUDA's layout as two RAM budgets: the device tier aliases host memory
+  (placing an expert moves its host copy into the device budget, evicting it hands the bytes back to the
+  host cache when that has room).
+
+Mechanism only: callers decide what to place and what to evict.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
+from fallbackgate.engine.config import TierLayout, tier_layout
 from fallbackgate.engine.device_pool import TierPool
 from fallbackgate.engine.errors import ChecksumError, EngineError
 from fallbackgate.engine.experts.quant import Quantized, dequantize_rows, lowbit_expert_nbytes, quantize, quantized_to
@@ -58,10 +69,18 @@ class ExpertStore:
         device: torch.device,
         lowbit_bits: int = 8,
         num_io_threads: int = 0,
+        layout: TierLayout | None = None,
     ) -> None:
         self.reader, self.device_pool, self.host_pool, self.device = reader, device_pool, host_pool, device
         self.lowbit_bits = lowbit_bits
-        self.is_aliased = device.type == "cpu"  # one RAM: the device tier is host memory under another budget
+        self.layout = layout or tier_layout(device, is_emulated_device_tier=False)
+        self.is_ram_tiered = self.layout is TierLayout.RAM_DISK  # RAM the one fast tier, the disk the other
+        if self.is_ram_tiered and host_pool.budget_bytes:
+            raise EngineError("a CPU engine has no host tier: RAM is the device pool; the host pool's budget must be 0")
+        self.is_aliased = self.layout is TierLayout.EMULATED_DEVICE_HOST_DISK  # test only: two RAM budgets
+        self.is_in_place = self.is_aliased or self.is_ram_tiered  # a read lands where the expert computes
+        self.lowbit_pool = device_pool if self.is_ram_tiered else host_pool  # where low-bit copies are counted
+        self.lowbit_lru: collections.OrderedDict[ExpertKey, None] = collections.OrderedDict()
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # prefetch side stream
         self.entries: dict[ExpertKey, _Entry] = {key: _Entry() for key in sorted(reader.sources)}
         self.host_lru: collections.OrderedDict[ExpertKey, None] = collections.OrderedDict()
@@ -231,9 +250,11 @@ class ExpertStore:
         entry = self.entries[key]
         if entry.device is not None:
             return Fetched(self.device_weights(key), None, 0)
-        fetched = self._read_home(key, is_cached=not self.is_aliased)
+        fetched = self._read_home(key, is_cached=not self.is_in_place)
+        if self.is_ram_tiered:
+            self.drop_lowbit(self.bytes_per_expert)
         self.device_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
-        if self.is_aliased:
+        if self.is_in_place:
             if entry.host is not None:  # the host copy moves under the device budget
                 self._drop_host(key)
             entry.device = fetched.weights
@@ -253,7 +274,8 @@ class ExpertStore:
         )
 
     def evict(self, key: ExpertKey) -> None:
-        """Drop the device copy of `key`; on CPU its bytes become the host cache's most recent entry."""
+        """Drop the device copy of `key`; emulated, its bytes become the host cache's most recent entry; on a
+        CPU they are freed (the checkpoint is its only other copy)."""
         entry = self.entries[key]
         if entry.device is None:
             raise EngineError(f"expert {key} is not on device; cannot evict")
@@ -289,36 +311,65 @@ class ExpertStore:
 
     def host_weights(self, key: ExpertKey) -> Fetched:
         """Full-precision weights in host memory for cpu_execute (read from the checkpoint when not cached)."""
+        if self.is_ram_tiered:
+            raise EngineError("cpu_execute is not offered where the device is the CPU: RAM is the only fast tier")
         entry = self.entries[key]
         if self.is_aliased and entry.device is not None:
             return Fetched(entry.device, None, 0)
         return self._read_home(key, is_cached=True)
 
     def lowbit_weights(self, key: ExpertKey) -> Fetched:
-        """Dequantized low-bit copy (made now if it does not exist); bytes moved are the low-bit bytes."""
+        """Dequantized low-bit copy (made now if it does not exist); bytes moved are the low-bit bytes (on a
+        CPU only what was read from disk: a copy kept in RAM, or made from a resident one, moves nothing)."""
         entry, source, moved, note = self.entries[key], Tier.HOST, 0, ""
         if entry.lowbit is None:
-            full = entry.device if self.is_aliased and entry.device is not None else None
+            full = entry.device if self.is_in_place and entry.device is not None else None
             if full is None:
                 fetched = self._read_home(key, is_cached=False)
                 full, note = fetched.weights, fetched.note
                 if fetched.source_tier is Tier.DISK:
                     source, moved = Tier.DISK, fetched.bytes_moved
             low = (quantize(full.gate_up, self.lowbit_bits, axis=1), quantize(full.down, self.lowbit_bits, axis=1))
-            low_bytes = low[0].num_bytes + low[1].num_bytes
-            while self.host_lru and not self.host_pool.can_reserve(low_bytes):  # full copies can be re-read
-                self._drop_host(next(iter(self.host_lru)))
-            if self.host_pool.can_reserve(low_bytes):
-                self.host_pool.reserve(ObjectKind.EXPERT, low_bytes)
-                entry.lowbit = low
+            self._keep_lowbit(key, low)
         else:
             low = entry.lowbit
+            if key in self.lowbit_lru:
+                self.lowbit_lru.move_to_end(key)
         dtype = self.reader.compute_dtype
         weights = ExpertWeights(  # the low-bit bytes cross the link; dequantized where the expert runs
             dequantize_rows(quantized_to(low[0], self.device), dtype, DEQUANT_ROWS),
             dequantize_rows(quantized_to(low[1], self.device), dtype, DEQUANT_ROWS),
         )
+        if self.is_ram_tiered:  # no link after the disk: the copy is computed with where it is, in RAM
+            return Fetched(weights, Tier.DISK if moved else None, moved, note)
         return Fetched(weights, source, moved + low[0].num_bytes + low[1].num_bytes, note)
+
+    def _keep_lowbit(self, key: ExpertKey, low: tuple[Quantized, Quantized]) -> None:
+        """Keep a new low-bit copy while its pool has room: on CUDA full host copies make room (they can be
+        re-read); on a CPU the RAM pool must have it free (nothing else is evicted for it)."""
+        low_bytes = low[0].num_bytes + low[1].num_bytes
+        if not self.is_ram_tiered:
+            while self.host_lru and not self.host_pool.can_reserve(low_bytes):
+                self._drop_host(next(iter(self.host_lru)))
+        if self.lowbit_pool.can_reserve(low_bytes):
+            self.lowbit_pool.reserve(ObjectKind.EXPERT, low_bytes)
+            self.entries[key].lowbit = low
+            if self.is_ram_tiered:
+                self.lowbit_lru[key] = None
+
+    def drop_lowbit(self, num_bytes: int, is_done: Callable[[], bool] | None = None) -> int:
+        """On a CPU: drop low-bit copies kept in RAM, least recently used first, until `is_done()` (default:
+        `num_bytes` free in the RAM pool) or none is left; returns the number dropped (a copy is remade from
+        the checkpoint on its next use)."""
+        is_done = is_done or (lambda: self.device_pool.can_reserve(num_bytes))
+        num_dropped = 0
+        while self.lowbit_lru and not is_done():
+            key, _ = self.lowbit_lru.popitem(last=False)
+            low, self.entries[key].lowbit = self.entries[key].lowbit, None
+            assert low is not None
+            self.lowbit_pool.release(ObjectKind.EXPERT, low[0].num_bytes + low[1].num_bytes)
+            num_dropped += 1
+        return num_dropped
 
     # --- host cache and disk -------------------------------------------------------------------
     def _read_home(self, key: ExpertKey, is_cached: bool) -> Fetched:

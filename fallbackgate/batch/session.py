@@ -103,6 +103,8 @@ def memory_summary(engine: Engine) -> dict[str, Any]:
     scratch; peaks in total and by kind) and what stays resident outside it (dense weights)."""
     experts = engine.expert_store
     return {
+        "tier_layout": engine.tier_layout.value,
+        "budget_note": engine.budget_note,
         "device_budget_bytes": engine.kv_store.device_pool.budget_bytes,
         "host_budget_bytes": engine.kv_store.host_pool.budget_bytes,
         "dense_bytes": engine.num_dense_bytes,
