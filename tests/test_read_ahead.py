@@ -32,7 +32,7 @@ def _engine(path: pathlib.Path, num_io_threads: int) -> Engine:
     probe = Engine(EngineConfig(model_dir=str(path), block_size=4), ExactLRUController())
     expert, block = probe.expert_store.bytes_per_expert, probe.kv_store.bytes_per_block
     device = 3 * expert + 40 * probe.kv_store.num_layers * block
-    budgets = {"device_budget_bytes": device, "host_budget_bytes": 5 * expert}
+    budgets = {"device_budget_bytes": device, "host_budget_bytes": 5 * expert, "is_emulated_device_tier": True}
     return Engine(
         EngineConfig(model_dir=str(path), block_size=4, max_num_seqs=3, num_io_threads=num_io_threads, **budgets),
         ExactLRUController(),
