@@ -188,6 +188,19 @@ def engine_config(policy: Policy, settings: RunSettings, overrides: Overrides) -
     )
 
 
+def fold_host_into_ram(
+    device: float | None, host: float | None, device_name: str = "auto"
+) -> tuple[float | None, float | None]:
+    """A caller's (device, host) budgets (any unit; None: unset) as the engine on `device_name` takes them:
+    unchanged on CUDA; on a CPU, where RAM is the one fast tier and there is no host tier, one RAM budget
+    holding what both held (benchmarks written for the CUDA layout run honestly on a CPU)."""
+    if resolve_device(device_name).type != "cpu":
+        return device, host
+    if not host:
+        return device, None
+    return (None if device is None else device + host), None
+
+
 CPU_EXECUTE_REFUSED = (
     "cpu_execute is not offered where the device is the CPU: RAM is the only fast tier, so an expert computes "
     "where it is (resident) or is read from disk (exact_load); there is no host copy to compute from"
