@@ -176,3 +176,35 @@ def test_the_emulated_device_tier_keeps_two_budgets_and_is_named() -> None:
         engine.close()
     with pytest.raises(ValueError, match="emulates a device tier on a CPU"):
         EngineConfig(model_dir=str(CHECKPOINT_DIR), device="cuda", is_emulated_device_tier=True)
+
+
+def test_lowbit_copies_live_in_the_one_ram_budget_and_move_only_disk_bytes() -> None:
+    """Forced expert_lowbit on a CPU: a copy made from a disk read moves that read's bytes (from disk); one
+    kept in RAM, or made from a resident expert, moves nothing; kept copies are counted in the RAM pool and
+    give way when it needs room; the kernel's count agrees."""
+    config = EngineConfig(
+        model_dir=str(CHECKPOINT_DIR), device="cpu", device_budget_bytes=4 * MIB, num_io_threads=0,
+        num_verified_copies_per_step=0,
+    )
+    engine = Engine(config, ExactLRUController([Tag.EXPERT_LOWBIT]))
+    try:
+        _, events, read = _run(engine)
+        store = engine.expert_store
+        lowbit = [e for e in events if e.tag is Tag.EXPERT_LOWBIT]
+        moved = [e for e in lowbit if e.bytes_moved]
+        assert moved and len(moved) < len(lowbit)  # some copies were kept in RAM and reused
+        assert all(e.source_tier is Tier.DISK and e.bytes_moved % store.bytes_per_expert == 0 for e in moved)
+        assert all(e.source_tier is None for e in lowbit if not e.bytes_moved)
+        kept = [entry.lowbit for entry in store.entries.values() if entry.lowbit is not None]
+        assert kept and len(kept) == len(store.lowbit_lru)
+        low_bytes = sum(q.num_bytes for pair in kept for q in pair)
+        on_device = len(store.device_keys()) * store.bytes_per_expert
+        assert store.device_pool.used_bytes_by_kind[ObjectKind.EXPERT] == on_device + low_bytes
+        assert store.device_pool.peak_used_bytes <= 4 * MIB
+        tagged = sum(e.bytes_moved for e in events if e.source_tier is Tier.DISK)
+        assert abs(read - tagged) <= 0.10 * tagged, (read / MIB, tagged / MIB)
+        num_kept = len(kept)
+        assert store.drop_lowbit(store.device_pool.budget_bytes) == num_kept  # all give way when asked
+        assert store.device_pool.used_bytes_by_kind[ObjectKind.EXPERT] == on_device
+    finally:
+        engine.close()
