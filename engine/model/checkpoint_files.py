@@ -43,6 +43,7 @@ class CheckpointFiles:
         self._fds: dict[pathlib.Path, tuple[int, bool]] = {}  # file -> (descriptor, opened with O_DIRECT)
         self._fd_lock = threading.Lock()  # I/O threads open files too
         self.spans = SpanPool()  # read buffers, recycled once no tensor views them
+        self.num_bytes_read = 0  # bytes preadv returned for expert reads (O_DIRECT: what the disk delivered)
         weakref.finalize(self, _close_all, self._fds)
         index = path / INDEX_FILE
         files = self._files_from_index(index) if index.exists() else sorted(path.glob("*.safetensors"))
@@ -179,6 +180,7 @@ class CheckpointFiles:
                     os.close(fd)
                     self._fds[file] = (os.open(file, os.O_RDONLY), False)
             return self._read_span(file, offset, num_bytes, name)
+        self.num_bytes_read += got + head  # += under the GIL; I/O threads read too
         if got < num_bytes:
             raise CheckpointError(f"{file}: tensor {name} is cut short (file truncated after it was opened?)")
         return torch.frombuffer(mapping, dtype=torch.uint8)[head : head + num_bytes]  # keeps the mapping alive

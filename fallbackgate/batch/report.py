@@ -169,6 +169,9 @@ def print_memory(mem: dict[str, Any], out: TextIO) -> None:
     line = f"peak {tier} pool {mem['peak_device_pool_bytes'] / 2**20:.2f} MiB (by kind, MiB: {peaks})"
     if is_ram:
         out.write(f"{line}; no host tier (the disk holds the checkpoint and the KV spill)\n")
+        if "checkpoint_bytes_read" in mem:
+            out.write(f"expert bytes read from the checkpoint (O_DIRECT, bypassing the page cache): "
+                      f"{mem['checkpoint_bytes_read'] / 2**20:.2f} MiB\n")
     else:
         out.write(f"{line}; peak host tier {mem['peak_host_pool_bytes'] / 2**20:.2f} MiB of "
                   f"{mem['host_budget_bytes'] / 2**20:.2f}\n")

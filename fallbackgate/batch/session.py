@@ -118,6 +118,7 @@ def memory_summary(engine: Engine) -> dict[str, Any]:
         },
         "peak_host_pool_bytes": engine.kv_store.host_pool.peak_used_bytes,
         "num_expert_disk_reads": experts.num_disk_reads,
+        "checkpoint_bytes_read": experts.reader.files.num_bytes_read,  # every expert read, verifications too
         "dtype": engine.dtype_name,
         "block_size": engine.config.block_size,
         "object_bytes": object_bytes(engine),
