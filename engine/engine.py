@@ -53,7 +53,7 @@ class Engine(BaselineAccess):
         self.budget_note = budgets.note  # how the budgets were set (given, sized from memory, emulated)
         self.tier_layout = self.expert_store.layout
         model = loaded.model.to(self.device)
-        fill_expert_tiers(config, loaded, self.expert_store)
+        fill_expert_tiers(config, loaded, self.expert_store, budgets)
         self.loaded_experts = loaded.experts_by_layer  # decoder layer -> routed-experts module
         self.dense_digests = loaded.dense_digests  # what an audit checks the live dense weights against
         self.verifier = CopyVerifier(

@@ -63,7 +63,9 @@ def test_int4_kv_moves_logits_more_than_int8(checkpoint_factory) -> None:
     diffs = {}
     for bits in (8, 4):
         engine = Engine(
-            EngineConfig(model_dir=str(path), block_size=4, max_num_seqs=3),
+            # host-quantized KV copies: CUDA's layout, emulated (on a CPU's RAM tier an int4 spill goes to disk
+            # as int8 until quantized KV blocks live in the RAM pool)
+            EngineConfig(model_dir=str(path), block_size=4, max_num_seqs=3, is_emulated_device_tier=True),
             ExactLRUController(["kv_dequant"], kv_quant_bits=bits),
         )
         outputs = engine.generate(_prompts(1), SamplingParams(max_new_tokens=NEW_TOKENS))

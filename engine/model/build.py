@@ -75,12 +75,11 @@ def can_stack(modules: dict[int, torch.nn.Module]) -> bool:
     )
 
 
-def fill_expert_tiers(config: EngineConfig, loaded: LoadedCheckpoint, store: ExpertStore) -> None:
-    """Everything fits (no device budget given, and the budget sized holds every expert): stack each layer's
-    experts on the device; otherwise warm the host cache the way a fresh process would fill it (none on a
-    CPU, where there is no host tier: experts are read from disk on first use)."""
-    is_everything = store.device_pool.budget_bytes >= len(store.entries) * store.bytes_per_expert
-    is_fit = config.device_budget_bytes is None and is_everything
+def fill_expert_tiers(config: EngineConfig, loaded: LoadedCheckpoint, store: ExpertStore, budgets: Budgets) -> None:
+    """Everything fits (no device budget given, and the budget holds every expert and every KV block): stack
+    each layer's experts on the device; otherwise warm the host cache the way a fresh process would fill it
+    (none on a CPU, where there is no host tier: experts are read from disk on first use)."""
+    is_fit = config.device_budget_bytes is None and budgets.is_everything_fitting
     if is_fit and config.is_stacked_when_fits and can_stack(loaded.experts_by_layer):
         store.stack_layers(loaded.experts_by_layer)
     else:
@@ -100,6 +99,7 @@ class Budgets:
     device_bytes: int  # the device pool (on a CPU: RAM, the one fast tier)
     host_bytes: int  # the host pool (0 on a CPU: no second RAM tier)
     note: str  # one line for the run summary
+    is_everything_fitting: bool = True  # the device budget holds every expert, every KV block and the gather
 
 
 def size_budgets(
@@ -151,6 +151,7 @@ def build_stores(
     # every expert, every block, and one layer's gathered K/V (blocks, then packed)
     everything = num_experts_total * expert_bytes + kv_everything + 2 * kv_everything // shape.num_layers
     budgets = size_budgets(config, layout, num_experts_total * expert_bytes, kv_everything, everything, dense_bytes)
+    budgets.is_everything_fitting = budgets.device_bytes >= everything
     expert_floor = loaded.top_k * expert_bytes
     minimum = expert_floor + shape.num_layers * block_bytes
     if budgets.device_bytes < minimum:
