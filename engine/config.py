@@ -75,6 +75,8 @@ class EngineConfig:
     num_verified_copies_per_step: int = 1  # expert copies checked against the checkpoint after each step
     audit_cache_bytes: int = 256 * MIB  # the audit's own verified expert copies (outside the budgets)
     is_observe: bool = False  # observe mode: decisions recorded, exact actions served
+    lowbit_cache_dir: str | None = None  # CPU: low-bit copies persisted here (see lowbit_cache.py); None: none
+    lowbit_cache_bytes: int = 8 * 1024 * MIB  # cap of the persisted low-bit copies per checkpoint and bit width
     # test only: on a CPU, emulate CUDA's device/host/disk layout as two RAM budgets (the device tier aliases
     # host copies, cpu_execute offered); never from a policy file or the CLI, named in the summary and ledger
     is_emulated_device_tier: bool = False
@@ -104,6 +106,8 @@ class EngineConfig:
             raise ValueError(f"num_io_threads must be 0..64, got {self.num_io_threads}")
         if not 0 <= self.num_verified_copies_per_step <= 1024:
             raise ValueError(f"num_verified_copies_per_step must be 0..1024, got {self.num_verified_copies_per_step}")
+        if self.lowbit_cache_bytes < 0:
+            raise ValueError(f"lowbit_cache_bytes must be >= 0, got {self.lowbit_cache_bytes}")
         if self.audit_cache_bytes < 0:
             raise ValueError(f"audit_cache_bytes must be >= 0, got {self.audit_cache_bytes}")
         if self.is_emulated_device_tier and self.device == "cuda":

@@ -26,6 +26,8 @@ from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig, TierLayout
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import BudgetError, EngineError
+from fallbackgate.engine.experts.lowbit_cache import manifest_hash
+from fallbackgate.engine.experts.reader import MANIFEST_FILE
 from fallbackgate.engine.ram import MARGIN_FIXED_BYTES, MemoryLimit, memory_limit, physical_ram_bytes, size_ram_budget
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
@@ -208,3 +210,51 @@ def test_lowbit_copies_live_in_the_one_ram_budget_and_move_only_disk_bytes() -> 
         assert store.device_pool.used_bytes_by_kind[ObjectKind.EXPERT] == on_device
     finally:
         engine.close()
+
+
+def _lowbit_engine(cache_dir: pathlib.Path, cap_bytes: int = 1 << 30) -> Engine:
+    config = EngineConfig(
+        model_dir=str(CHECKPOINT_DIR), device="cpu", device_budget_bytes=4 * MIB, num_io_threads=0,
+        num_verified_copies_per_step=0, lowbit_cache_dir=str(cache_dir), lowbit_cache_bytes=cap_bytes,
+    )
+    return Engine(config, ExactLRUController([Tag.EXPERT_LOWBIT]))
+
+
+def test_persisted_lowbit_copies_make_a_miss_read_half_the_bytes(tmp_path: pathlib.Path) -> None:
+    """A second process finds the copies the first persisted: its low-bit misses read the int8 copy's bytes
+    (about half the expert's), verified, counted by the kernel, tokens unchanged; a corrupted slot is dropped
+    and the copy remade from the checkpoint; the cap bounds the slots."""
+    first = _lowbit_engine(tmp_path)
+    cache = first.expert_store.lowbit_cache
+    assert cache is not None and cache.dir.parent.name == manifest_hash(CHECKPOINT_DIR / MANIFEST_FILE)
+    tokens, first_events, _ = _run(first)
+    first.close()
+    used = {f"{e.layer}:{i}" for e in first_events if e.tag is Tag.EXPERT_LOWBIT for i in e.object_ids}
+    second = _lowbit_engine(tmp_path)
+    try:
+        store, cache = second.expert_store, second.expert_store.lowbit_cache
+        assert cache is not None and set(cache.slots) == used  # every copy made in the first run persisted
+        again, events, read = _run(second)
+        assert again == tokens
+        moved = [e for e in events if e.tag is Tag.EXPERT_LOWBIT and e.bytes_moved]
+        assert moved and all(e.bytes_moved == e.count * cache.copy_bytes for e in moved)
+        assert cache.copy_bytes < 0.6 * store.bytes_per_expert  # int8 codes plus fp32 scales and zero points
+        tagged = sum(e.bytes_moved for e in events if e.source_tier is Tier.DISK)
+        assert abs(read - tagged) <= 0.10 * tagged, (read / MIB, tagged / MIB)
+        name = next(iter(cache.slots))
+        slot, _ = cache.slots[name]
+        with open(cache.slots_file, "r+b") as handle:  # plant a flipped byte in one expert's slot
+            handle.seek(slot * cache.slot_bytes + 7)
+            byte = handle.read(1)
+            handle.seek(slot * cache.slot_bytes + 7)
+            handle.write(bytes([byte[0] ^ 0xFF]))
+        layer, expert = (int(x) for x in name.split(":"))
+        assert cache.get((layer, expert)) is None and name not in cache.slots
+    finally:
+        second.close()
+    small = _lowbit_engine(tmp_path / "small", cap_bytes=3 * cache.slot_bytes)
+    try:
+        _run(small)
+        assert small.expert_store.lowbit_cache is not None and len(small.expert_store.lowbit_cache.slots) == 3
+    finally:
+        small.close()

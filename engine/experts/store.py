@@ -27,6 +27,7 @@ import torch
 from fallbackgate.engine.config import TierLayout, tier_layout
 from fallbackgate.engine.device_pool import TierPool
 from fallbackgate.engine.errors import ChecksumError, EngineError
+from fallbackgate.engine.experts.lowbit_cache import LowbitDiskCache
 from fallbackgate.engine.experts.quant import Quantized, dequantize_rows, lowbit_expert_nbytes, quantize, quantized_to
 from fallbackgate.engine.experts.read_ahead import ReadAhead
 from fallbackgate.engine.experts.reader import ExpertKey, ExpertReader
@@ -81,6 +82,7 @@ class ExpertStore:
         self.is_in_place = self.is_aliased or self.is_ram_tiered  # a read lands where the expert computes
         self.lowbit_pool = device_pool if self.is_ram_tiered else host_pool  # where low-bit copies are counted
         self.lowbit_lru: collections.OrderedDict[ExpertKey, None] = collections.OrderedDict()
+        self.lowbit_cache: LowbitDiskCache | None = None  # CPU: persisted low-bit copies (set by build_stores)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # prefetch side stream
         self.entries: dict[ExpertKey, _Entry] = {key: _Entry() for key in sorted(reader.sources)}
         self.host_lru: collections.OrderedDict[ExpertKey, None] = collections.OrderedDict()
@@ -121,6 +123,8 @@ class ExpertStore:
     def close(self) -> None:
         """Stop the read threads and give back the host room of reads nobody took."""
         self.read_ahead.close()
+        if self.lowbit_cache is not None:
+            self.lowbit_cache.close()
         self.host_pool.release(ObjectKind.EXPERT, len(self.read_ahead.flights) * self.bytes_per_expert)
         self.read_ahead.flights.clear()
         self.pending_reads.clear()
@@ -324,12 +328,18 @@ class ExpertStore:
         entry, source, moved, note = self.entries[key], Tier.HOST, 0, ""
         if entry.lowbit is None:
             full = entry.device if self.is_in_place and entry.device is not None else None
-            if full is None:
-                fetched = self._read_home(key, is_cached=False)
-                full, note = fetched.weights, fetched.note
-                if fetched.source_tier is Tier.DISK:
-                    source, moved = Tier.DISK, fetched.bytes_moved
-            low = (quantize(full.gate_up, self.lowbit_bits, axis=1), quantize(full.down, self.lowbit_bits, axis=1))
+            low = self.lowbit_cache.get(key) if full is None and self.lowbit_cache is not None else None
+            if low is not None:  # persisted: a half or a quarter of the expert's bytes read from disk
+                source, moved, note = Tier.DISK, low[0].num_bytes + low[1].num_bytes, "persisted low-bit copy"
+            else:
+                if full is None:
+                    fetched = self._read_home(key, is_cached=False)
+                    full, note = fetched.weights, fetched.note
+                    if fetched.source_tier is Tier.DISK:
+                        source, moved = Tier.DISK, fetched.bytes_moved
+                low = (quantize(full.gate_up, self.lowbit_bits, axis=1), quantize(full.down, self.lowbit_bits, axis=1))
+                if self.lowbit_cache is not None:
+                    self.lowbit_cache.put(key, low)
             self._keep_lowbit(key, low)
         else:
             low = entry.lowbit

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import tempfile
 
 import torch
@@ -12,6 +13,8 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from fallbackgate.engine.config import EngineConfig, TierLayout, tier_layout
 from fallbackgate.engine.device_pool import TierPool
 from fallbackgate.engine.errors import BudgetError, CheckpointError
+from fallbackgate.engine.experts.lowbit_cache import LowbitDiskCache, manifest_hash
+from fallbackgate.engine.experts.reader import MANIFEST_FILE
 from fallbackgate.engine.experts.store import ExpertStore
 from fallbackgate.engine.kv.spill import SpillDir
 from fallbackgate.engine.kv.store import KVStore
@@ -166,6 +169,14 @@ def build_stores(
     expert_store = ExpertStore(
         loaded.reader, device_pool, host_pool, device, config.expert_lowbit_bits, config.num_io_threads, layout
     )
+    if config.lowbit_cache_dir and layout is TierLayout.RAM_DISK and config.expert_lowbit_bits:
+        expert_store.lowbit_cache = LowbitDiskCache(
+            pathlib.Path(config.lowbit_cache_dir),
+            manifest_hash(loaded.reader.files.path / MANIFEST_FILE),
+            config.expert_lowbit_bits,
+            loaded.reader.matrix_shapes,
+            config.lowbit_cache_bytes,
+        )
     kv_store = KVStore(
         shape.num_layers,
         shape.num_kv_heads,
