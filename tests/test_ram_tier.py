@@ -24,6 +24,7 @@ from fallbackgate.batch.session import memory_summary
 from fallbackgate.cli import build_parser
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig, TierLayout
+from fallbackgate.engine.device_pool import HeldCopy
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import BudgetError, EngineError
 from fallbackgate.engine.experts.lowbit_cache import manifest_hash
@@ -201,13 +202,14 @@ def test_lowbit_copies_live_in_the_one_ram_budget_and_move_only_disk_bytes() -> 
         assert kept and len(kept) == len(store.lowbit_lru)
         low_bytes = sum(q.num_bytes for pair in kept for q in pair)
         on_device = len(store.device_keys()) * store.bytes_per_expert
-        assert store.device_pool.used_bytes_by_kind[ObjectKind.EXPERT] == on_device + low_bytes
+        assert store.device_pool.used_bytes_by_kind[ObjectKind.EXPERT] == on_device
+        assert store.device_pool.used_bytes_by_kind[HeldCopy.EXPERT_LOWBIT] == low_bytes
         assert store.device_pool.peak_used_bytes <= 4 * MIB
         tagged = sum(e.bytes_moved for e in events if e.source_tier is Tier.DISK)
         assert abs(read - tagged) <= 0.10 * tagged, (read / MIB, tagged / MIB)
         num_kept = len(kept)
         assert store.drop_lowbit(store.device_pool.budget_bytes) == num_kept  # all give way when asked
-        assert store.device_pool.used_bytes_by_kind[ObjectKind.EXPERT] == on_device
+        assert store.device_pool.used_bytes_by_kind[HeldCopy.EXPERT_LOWBIT] == 0
     finally:
         engine.close()
 

@@ -75,7 +75,7 @@ def test_reads_ahead_change_no_bit_and_their_clock_adds_up(checkpoint: pathlib.P
 
 def test_run_reports_and_records_the_transfer_clock(checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
     ledger, out = tmp_path / "l.sqlite", tmp_path / "r.json"
-    args = ["run", "--model", str(checkpoint), "--device-budget-mb", "0.6", "--host-budget-mb", "0.04",
+    args = ["run", "--model", str(checkpoint), "--device-budget-mb", "0.64",
             "--max-new-tokens", "6", "--io-threads", "2", "--ledger", str(ledger), "--json", str(out),
             "--quiet"]  # fmt: skip
     assert main(args) == 0

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from fallbackgate.engine.config import TierLayout, tier_layout
-from fallbackgate.engine.device_pool import TierPool
+from fallbackgate.engine.device_pool import HeldCopy, PoolKind, TierPool
 from fallbackgate.engine.errors import ChecksumError, EngineError
 from fallbackgate.engine.experts.lowbit_cache import LowbitDiskCache
 from fallbackgate.engine.experts.quant import Quantized, dequantize_rows, lowbit_expert_nbytes, quantize, quantized_to
@@ -81,6 +81,8 @@ class ExpertStore:
         self.is_aliased = self.layout is TierLayout.EMULATED_DEVICE_HOST_DISK  # test only: two RAM budgets
         self.is_in_place = self.is_aliased or self.is_ram_tiered  # a read lands where the expert computes
         self.lowbit_pool = device_pool if self.is_ram_tiered else host_pool  # where low-bit copies are counted
+        self.lowbit_kind: PoolKind = HeldCopy.EXPERT_LOWBIT if self.is_ram_tiered else ObjectKind.EXPERT
+        self.staging_pool = device_pool if self.is_ram_tiered else host_pool  # holds the reads ahead in flight
         self.lowbit_lru: collections.OrderedDict[ExpertKey, None] = collections.OrderedDict()
         self.lowbit_cache: LowbitDiskCache | None = None  # CPU: persisted low-bit copies (set by build_stores)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # prefetch side stream
@@ -91,7 +93,7 @@ class ExpertStore:
         self.stacked_layers: set[int] = set()  # layers whose experts all sit in one resident stack (pinned)
         self.read_ahead = ReadAhead(self._verified_read, num_io_threads)
         self.is_disk_tiered = False  # some expert's only copy is the checkpoint on disk
-        host_slots = host_pool.budget_bytes // max(1, self.bytes_per_expert)
+        host_slots = self.staging_pool.budget_bytes // max(1, self.bytes_per_expert)
         # experts that may be read ahead at once; their host room is kept out of the cache's reach
         self.num_read_slots = min(READ_SLOTS, max(1, host_slots // 4)) if num_io_threads and host_slots >= 2 else 0
         self.pending_reads: list[tuple[ExpertKey, bool]] = []  # (key, is_predicted) waiting for a read slot
@@ -125,7 +127,7 @@ class ExpertStore:
         self.read_ahead.close()
         if self.lowbit_cache is not None:
             self.lowbit_cache.close()
-        self.host_pool.release(ObjectKind.EXPERT, len(self.read_ahead.flights) * self.bytes_per_expert)
+        self.staging_pool.release(ObjectKind.EXPERT, len(self.read_ahead.flights) * self.bytes_per_expert)
         self.read_ahead.flights.clear()
         self.pending_reads.clear()
 
@@ -138,9 +140,9 @@ class ExpertStore:
         cache leaves free for them (so a read ahead never evicts a cached expert)."""
         while self.pending_reads and len(self.read_ahead.flights) < self.num_read_slots:
             key, is_predicted = self.pending_reads.pop(0)
-            if not self._is_disk_only(key) or not self.host_pool.can_reserve(self.bytes_per_expert):
+            if not self._is_disk_only(key) or not self.staging_pool.can_reserve(self.bytes_per_expert):
                 continue
-            self.host_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
+            self.staging_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
             self.read_ahead.start(key, self.pending_step_id, is_predicted)
 
     def _read_slot_bytes(self) -> int:
@@ -154,8 +156,9 @@ class ExpertStore:
         for key, weights in self.read_ahead.finished_before(step_id):
             entry = self.entries[key]
             is_room_kept = self.host_pool.free_bytes >= self._read_slot_bytes() + self.bytes_per_expert
-            if weights is None or entry.host is not None or entry.device is not None or not is_room_kept:
-                self.host_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)  # dropped: slots stay free
+            is_dropped = weights is None or entry.host is not None or entry.device is not None or not is_room_kept
+            if is_dropped or self.is_ram_tiered:  # a CPU has no host cache to keep it in: read, then freed
+                self.staging_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)  # dropped: slots stay free
                 continue
             entry.host = weights
             self.host_lru[key] = None
@@ -362,7 +365,7 @@ class ExpertStore:
             while self.host_lru and not self.host_pool.can_reserve(low_bytes):
                 self._drop_host(next(iter(self.host_lru)))
         if self.lowbit_pool.can_reserve(low_bytes):
-            self.lowbit_pool.reserve(ObjectKind.EXPERT, low_bytes)
+            self.lowbit_pool.reserve(self.lowbit_kind, low_bytes)
             self.entries[key].lowbit = low
             if self.is_ram_tiered:
                 self.lowbit_lru[key] = None
@@ -377,7 +380,7 @@ class ExpertStore:
             key, _ = self.lowbit_lru.popitem(last=False)
             low, self.entries[key].lowbit = self.entries[key].lowbit, None
             assert low is not None
-            self.lowbit_pool.release(ObjectKind.EXPERT, low[0].num_bytes + low[1].num_bytes)
+            self.lowbit_pool.release(self.lowbit_kind, low[0].num_bytes + low[1].num_bytes)
             num_dropped += 1
         return num_dropped
 
@@ -401,7 +404,7 @@ class ExpertStore:
         """The expert from the checkpoint: a read started ahead (waited for), else a read now."""
         self.num_disk_reads += 1
         if self.read_ahead.is_in_flight(key):
-            self.host_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)  # the caller places the bytes
+            self.staging_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)  # the caller places the bytes
             weights, note = self.read_ahead.take(key)
             self._pump()
             return weights, "; ".join(filter(None, ["read ahead", note]))
