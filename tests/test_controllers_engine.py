@@ -72,7 +72,8 @@ def test_joint_real_runs_respect_classes_and_budgets(checkpoint_factory, specs, 
     controller = make_controller("joint", policy, top_k=top_k)
     names = [f"c{i}" for i in assign]
     is_emulated = any("cpu_execute" in b.allowed_tags for b in specs)
-    engine, tags, cost = _serve(path, controller, 4 * expert + 10 * layers * block, names, observe, is_emulated=is_emulated)
+    budget = 4 * expert + 10 * layers * block
+    engine, tags, cost = _serve(path, controller, budget, names, observe, is_emulated=is_emulated)
     for i, name in enumerate(names):
         rid, limits = f"r{i}", classes[name].budget
         served = {t for t, n in tags.get(rid, {}).items() if n}
