@@ -24,6 +24,21 @@ class PreemptMode(str, enum.Enum):
 PREEMPT_MODES: tuple[str, ...] = tuple(m.value for m in PreemptMode)
 
 
+class TierLayout(str, enum.Enum):
+    """Which memory tiers an engine has, from its device (see `tier_layout`)."""
+
+    RAM_DISK = "ram_disk"  # CPU: RAM is the one budgeted tier (the "device" pool), the disk the other
+    DEVICE_HOST_DISK = "device_host_disk"  # CUDA: device memory, host memory, disk
+    EMULATED_DEVICE_HOST_DISK = "emulated_device_host_disk"  # test only: CUDA's three tiers as two RAM budgets
+
+
+def tier_layout(device: torch.device, is_emulated_device_tier: bool) -> TierLayout:
+    """The tier layout of an engine on `device` (emulation only on a CPU)."""
+    if device.type != "cpu":
+        return TierLayout.DEVICE_HOST_DISK
+    return TierLayout.EMULATED_DEVICE_HOST_DISK if is_emulated_device_tier else TierLayout.RAM_DISK
+
+
 def default_io_threads() -> int:
     """2 I/O threads where the machine has more than 2 cores (or an accelerator computes), else 0.
 
@@ -38,8 +53,12 @@ class EngineConfig:
     """Knobs of the mechanism. Budgets are bytes; None means "everything fits"."""
 
     model_dir: str  # local checkpoint directory
-    device_budget_bytes: int | None = None  # expert slots + KV blocks on device
-    host_budget_bytes: int | None = None  # expert homes + KV copies in host memory; the rest spills to disk
+    # expert slots + KV blocks (+ low-bit copies on a CPU) on device; on a CPU the one RAM budget, None: sized
+    # from the memory limit (engine/ram.py); on CUDA None: everything fits
+    device_budget_bytes: int | None = None
+    # expert homes + KV copies in host memory; the rest spills to disk. CUDA (and the emulation) only: on a
+    # CPU there is no second RAM tier, so only None or 0
+    host_budget_bytes: int | None = None
     spill_dir: str | None = None  # disk tier directory (a temporary directory when None)
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 8  # running requests at most
@@ -56,6 +75,11 @@ class EngineConfig:
     num_verified_copies_per_step: int = 1  # expert copies checked against the checkpoint after each step
     audit_cache_bytes: int = 256 * MIB  # the audit's own verified expert copies (outside the budgets)
     is_observe: bool = False  # observe mode: decisions recorded, exact actions served
+    lowbit_cache_dir: str | None = None  # CPU: low-bit copies persisted here (see lowbit_cache.py); None: none
+    lowbit_cache_bytes: int = 8 * 1024 * MIB  # cap of the persisted low-bit copies per checkpoint and bit width
+    # test only: on a CPU, emulate CUDA's device/host/disk layout as two RAM budgets (the device tier aliases
+    # host copies, cpu_execute offered); never from a policy file or the CLI, named in the summary and ledger
+    is_emulated_device_tier: bool = False
 
     def __post_init__(self) -> None:
         for name in ("device_budget_bytes", "host_budget_bytes"):
@@ -82,7 +106,11 @@ class EngineConfig:
             raise ValueError(f"num_io_threads must be 0..64, got {self.num_io_threads}")
         if not 0 <= self.num_verified_copies_per_step <= 1024:
             raise ValueError(f"num_verified_copies_per_step must be 0..1024, got {self.num_verified_copies_per_step}")
+        if self.lowbit_cache_bytes < 0:
+            raise ValueError(f"lowbit_cache_bytes must be >= 0, got {self.lowbit_cache_bytes}")
         if self.audit_cache_bytes < 0:
             raise ValueError(f"audit_cache_bytes must be >= 0, got {self.audit_cache_bytes}")
+        if self.is_emulated_device_tier and self.device == "cuda":
+            raise ValueError("is_emulated_device_tier emulates a device tier on a CPU; the device is cuda")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")

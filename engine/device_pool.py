@@ -18,7 +18,13 @@ class Scratch(str, enum.Enum):
     EXPERT_DEQUANT = "expert_dequant"  # a low-bit expert's transfer copy and its dequantized weights
 
 
-PoolKind = ObjectKind | Scratch
+class HeldCopy(str, enum.Enum):
+    """Copies a pool holds beside the objects steps compute with."""
+
+    EXPERT_LOWBIT = "expert_lowbit"  # a kept low-bit expert copy (CPU: in the one RAM budget)
+
+
+PoolKind = ObjectKind | Scratch | HeldCopy
 
 
 class TierPool:
@@ -29,7 +35,7 @@ class TierPool:
             raise BudgetError(f"{name} budget must be >= 0 bytes, got {budget_bytes}")
         self.name = name
         self.budget_bytes = int(budget_bytes)
-        kinds: list[PoolKind] = [*ObjectKind, *Scratch]
+        kinds: list[PoolKind] = [*ObjectKind, *Scratch, *HeldCopy]
         self.used_bytes_by_kind: dict[PoolKind, int] = {kind: 0 for kind in kinds}
         self.peak_bytes_by_kind: dict[PoolKind, int] = {kind: 0 for kind in kinds}  # per kind, each its own peak
         self.peak_used_bytes = 0  # the most ever held at once, all kinds together

@@ -51,10 +51,14 @@ class Engine(BaselineAccess):
         self.io = IOScheduler(num_workers=max(1, config.num_io_threads or 0))  # the disk's one queue (workers
         # start on first use): expert reads from the checkpoint and KV spill reads and writes all go through it
         loaded.reader.files.io = self.io
-        self.expert_store, self.kv_store, expert_floor = build_stores(config, loaded, shape, self.device)
+        self.expert_store, self.kv_store, expert_floor, budgets = build_stores(
+            config, loaded, shape, self.device, self.num_dense_bytes
+        )
         self.kv_store.spill.attach_io(self.io)
+        self.budget_note = budgets.note  # how the budgets were set (given, sized from memory, emulated)
+        self.tier_layout = self.expert_store.layout
         model = loaded.model.to(self.device)
-        fill_expert_tiers(config, loaded, self.expert_store)
+        fill_expert_tiers(config, loaded, self.expert_store, budgets)
         self.loaded_experts = loaded.experts_by_layer  # decoder layer -> routed-experts module
         self.dense_digests = loaded.dense_digests  # what an audit checks the live dense weights against
         self.verifier = CopyVerifier(

@@ -22,10 +22,12 @@ from fallbackgate.engine.config import MIB, EngineConfig
 from fallbackgate.engine.controller import Controller
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import CheckpointError
+from fallbackgate.engine.model.build import resolve_device
+from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.apply import class_budgets, class_slos, policy_record, with_sections
-from fallbackgate.policy.loader import hardware_profile
+from fallbackgate.policy.loader import PolicyError, hardware_profile
 from fallbackgate.policy.schema import AuditMode, ControllerKind, ControllerSpec, Policy
 from fallbackgate.recording import RequestClasses, RunRecorder, RunRow
 from fallbackgate.tinymoe import CHECKPOINT_DIR
@@ -67,6 +69,9 @@ class Overrides:
     is_equivalent_allowed: bool = False  # baselines may serve late misses with the equivalent tags
     wrap_controller: Callable[[Controller], Controller] | None = None  # e.g. a trace recorder around it
     trace_dir: str | None = None  # write the run's trace (format v1) into this new directory; None: no trace
+    # test only (never a policy field or a flag): on a CPU, CUDA's device/host tiers emulated as two RAM
+    # budgets, so the device/host/cpu_execute logic runs without a GPU; the summary and run row name it
+    is_emulated_device_tier: bool = False
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -199,7 +204,43 @@ def engine_config(policy: Policy, settings: RunSettings, overrides: Overrides) -
         audit_cache_bytes=int(settings.audit_cache_mb * MIB),
         is_observe=policy.audit.mode == AuditMode.OBSERVE,
         device=_ENGINE_DEFAULTS["device"] if overrides.device is None else overrides.device,
+        is_emulated_device_tier=overrides.is_emulated_device_tier,
     )
+
+
+def fold_host_into_ram(
+    device: float | None, host: float | None, device_name: str = "auto"
+) -> tuple[float | None, float | None]:
+    """A caller's (device, host) budgets (any unit; None: unset) as the engine on `device_name` takes them:
+    unchanged on CUDA; on a CPU, where RAM is the one fast tier and there is no host tier, one RAM budget
+    holding what both held (benchmarks written for the CUDA layout run honestly on a CPU)."""
+    if resolve_device(device_name).type != "cpu":
+        return device, host
+    if not host:
+        return device, None
+    return (None if device is None else device + host), None
+
+
+CPU_EXECUTE_REFUSED = (
+    "cpu_execute is not offered where the device is the CPU: RAM is the only fast tier, so an expert computes "
+    "where it is (resident) or is read from disk (exact_load); there is no host copy to compute from"
+)
+
+
+def check_device_tags(
+    policy: Policy, force: tuple[str, ...], config: EngineConfig, policy_name: str | None = None
+) -> None:
+    """Refuse cpu_execute (a policy class allowing it, or forced) where the device is the CPU."""
+    if resolve_device(config.device).type != "cpu" or config.is_emulated_device_tier:
+        return
+    if Tag.CPU_EXECUTE.value in force:
+        raise PolicyError("--force", [f"cpu_execute: {CPU_EXECUTE_REFUSED}"])
+    named = [name for name, cls in policy.classes.items() if Tag.CPU_EXECUTE.value in cls.budget.allowed_tags]
+    if named:
+        raise PolicyError(
+            f"policy {policy_name}" if policy_name else "policy",
+            [f"classes.{name}.budget.allowed_tags: {CPU_EXECUTE_REFUSED}; remove it on this machine" for name in named],
+        )
 
 
 def controller_settings(
@@ -258,6 +299,7 @@ def assemble(
     overrides = overrides or Overrides()
     settings = run_settings(policy, overrides)
     config = engine_config(policy, settings, overrides)
+    check_device_tags(policy, tuple(overrides.force), config, policy_name)
     ctrl = controller_settings(policy, settings.model_dir, overrides, calibration)
     controller = build_controller(policy, ctrl)
     if overrides.wrap_controller is not None:

@@ -56,7 +56,7 @@ def test_decode_bench_engine_is_assembled_as_before(closing: list[Assembly]) -> 
     [
         (4, 80, {"max_num_batched_tokens": 4 * 65}),  # scaling: one prefill step for the whole batch
         (2, 1024, {}),  # continuous batching and batch 1
-        (4, 512, {"num_io_threads": 0, "device_budget_bytes": 3 * MIB, "host_budget_bytes": 2 * MIB}),  # read-ahead
+        (4, 512, {"num_io_threads": 0, "device_budget_bytes": 5 * MIB}),  # read-ahead: on a CPU one RAM budget
     ],
 )
 def test_engine_time_engines_are_assembled_as_before(
@@ -97,9 +97,8 @@ def test_scale_child_engine_is_assembled_as_before(closing: list[Assembly], flag
     built = scale_child.engine_assembly(args)
     closing.append(built)
     budgets = {}
-    if args.device_budget_mb is not None:
-        budgets["device_budget_bytes"] = int(args.device_budget_mb * MIB)
-        budgets["host_budget_bytes"] = int(args.host_budget_mb * MIB)
+    if args.device_budget_mb is not None:  # on a CPU one RAM budget holding both (no host tier)
+        budgets["device_budget_bytes"] = int((args.device_budget_mb + args.host_budget_mb) * MIB)
     before = EngineConfig(
         model_dir=MODEL,
         max_num_seqs=3,

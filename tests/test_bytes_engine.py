@@ -111,6 +111,7 @@ def test_a_bf16_int4_run_reserves_what_it_holds(bf16_checkpoint: pathlib.Path) -
         max_num_seqs=2,
         device_budget_bytes=6 * expert + 8 * layers * block,
         host_budget_bytes=10 * expert,
+        is_emulated_device_tier=True,  # host copies: CUDA's layout, emulated in RAM
         expert_lowbit_bits=4,
     )
     engine = Engine(config, ExactLRUController([Tag.EXPERT_LOWBIT, Tag.KV_DEQUANT], kv_quant_bits=4))
@@ -145,7 +146,8 @@ def test_a_bf16_int8_kv_spill_never_overruns_the_host(bf16_checkpoint: pathlib.P
     """The host has room for more than a quarter of a bf16 block but less than its int8 copy (0.66 of it
     here): the copy goes to disk instead of overrunning the host reserve (the former `bytes_per_block // 4`
     check admitted it and the reserve raised BudgetError mid-run)."""
-    config = EngineConfig(model_dir=str(bf16_checkpoint), block_size=64, max_num_seqs=1, host_budget_bytes=4000)
+    config = EngineConfig(model_dir=str(bf16_checkpoint), block_size=64, max_num_seqs=1, host_budget_bytes=4000,
+                          is_emulated_device_tier=True)
     probe = Engine(dataclasses.replace(config, host_budget_bytes=0), ExactLRUController())
     expert, kv = probe.expert_store.bytes_per_expert, probe.kv_store
     probe.close()

@@ -6,6 +6,8 @@ import json
 import pathlib
 import sqlite3
 
+import pytest
+
 from fallbackgate.cli import main
 
 
@@ -40,16 +42,15 @@ def test_run_writes_the_documented_json_and_passes_the_gate(tmp_path: pathlib.Pa
     assert sorted(rows, key=str) == sorted([("a", 1), ("b", 1), (None, 1)], key=str)
 
 
-def test_run_with_forced_cpu_execute_passes_within_the_equivalent_tolerance(
-    tmp_path: pathlib.Path, checkpoint_factory
+def test_run_refuses_forced_cpu_execute_on_a_cpu(
+    tmp_path: pathlib.Path, checkpoint_factory, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """Where the device is the CPU, RAM is the only fast tier: cpu_execute is not offered (exit 2, the reason)."""
     model = checkpoint_factory("qwen3_moe")
-    out = tmp_path / "run.json"
     status = main(["run", "--model", str(model), "--max-new-tokens", "4", "--force", "cpu_execute",
-                   "--ledger", str(tmp_path / "l.sqlite"), "--json", str(out), "--quiet"])
-    assert status == 0
-    tags = json.loads(out.read_text())["tags"]
-    assert tags["cpu_execute"]["count"] > 0 and tags["exact_load"]["count"] == 0
+                   "--ledger", str(tmp_path / "l.sqlite"), "--quiet"])
+    assert status == 2
+    assert "cpu_execute is not offered where the device is the CPU" in capsys.readouterr().err
 
 
 def test_run_with_a_policy_file_records_its_name_budgets_and_slos(tmp_path: pathlib.Path, checkpoint_factory) -> None:

@@ -22,7 +22,10 @@ SLOW = HardwareProfile("slow-link", 5e7, 5e7, 2e7, 2e7, 4e10, 4e10, 1e-6)
 NEW_TOKENS = 6
 
 
-def _serve(path, controller, budget_bytes: int, classes: list[str], observe: bool = False, seed: int = 0):
+def _serve(
+    path, controller, budget_bytes: int, classes: list[str], observe: bool = False, seed: int = 0,
+    is_emulated: bool = False,
+):
     engine = Engine(
         EngineConfig(
             model_dir=str(path),
@@ -31,6 +34,7 @@ def _serve(path, controller, budget_bytes: int, classes: list[str], observe: boo
             device_budget_bytes=budget_bytes,
             profile=SLOW,
             is_observe=observe,
+            is_emulated_device_tier=is_emulated,  # cpu_execute allowed: a GPU machine's tiers, emulated
         ),
         controller,
     )
@@ -67,7 +71,9 @@ def test_joint_real_runs_respect_classes_and_budgets(checkpoint_factory, specs, 
     policy = Policy(classes=classes, default_class="c0")
     controller = make_controller("joint", policy, top_k=top_k)
     names = [f"c{i}" for i in assign]
-    engine, tags, cost = _serve(path, controller, 4 * expert + 10 * layers * block, names, observe)
+    is_emulated = any("cpu_execute" in b.allowed_tags for b in specs)
+    budget = 4 * expert + 10 * layers * block
+    engine, tags, cost = _serve(path, controller, budget, names, observe, is_emulated=is_emulated)
     for i, name in enumerate(names):
         rid, limits = f"r{i}", classes[name].budget
         served = {t for t, n in tags.get(rid, {}).items() if n}

@@ -69,7 +69,11 @@ def budgets(path: pathlib.Path) -> dict[str, dict]:
     return {
         "everything_fits": {},
         "half_experts": {"device_budget_bytes": 10 * expert + 40 * layers * block},
-        "tight_swap_disk": {"device_budget_bytes": minimum + 3 * layers * block, "host_budget_bytes": 30 * expert},
+        "tight_swap_disk": {  # host copies: CUDA's layout, emulated in RAM
+            "device_budget_bytes": minimum + 3 * layers * block,
+            "host_budget_bytes": 30 * expert,
+            "is_emulated_device_tier": True,
+        },
         "minimum": {"device_budget_bytes": minimum},
     }
 

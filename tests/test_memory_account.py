@@ -66,7 +66,8 @@ def _instrument(engine: Engine, seen: dict[str, int]) -> None:
 
 def _run(path, force: tuple[str, ...], mode: str, budget: int, seen: dict[str, int]) -> tuple[Engine, dict[str, int]]:
     config = EngineConfig(
-        model_dir=str(path), block_size=4, max_num_seqs=3, device_budget_bytes=budget, preempt_mode=mode
+        model_dir=str(path), block_size=4, max_num_seqs=3, device_budget_bytes=budget, preempt_mode=mode,
+        is_emulated_device_tier="cpu_execute" in force,  # a GPU machine's tag: emulated tiers on a CPU
     )
     engine = Engine(config, ExactLRUController(list(force)))
     _instrument(engine, seen)

@@ -38,7 +38,11 @@ def _exact_only_run(seed: int, root: pathlib.Path, force: tuple[str, ...] = ()) 
     minimum = one_request_budget(path, 24)  # the longest request (8 words + 6 tokens) alone
     knobs = [
         {"device_budget_bytes": minimum},
-        {"device_budget_bytes": minimum + 3 * layers * block, "host_budget_bytes": 6 * expert},
+        {
+            "device_budget_bytes": minimum + 3 * layers * block,
+            "host_budget_bytes": 6 * expert,
+            "is_emulated_device_tier": True,  # host copies: CUDA's layout, emulated in RAM
+        },
         {"device_budget_bytes": 3 * expert + 6 * layers * block, "preempt_mode": "recompute"},
     ][seed % 3]
     if force:  # room for a dequantized low-bit copy and a staged block beside the tight budget

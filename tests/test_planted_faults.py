@@ -40,6 +40,7 @@ KV_BUDGET = {"max_mean_kl": 1e-3}  # int8 KV measures ~1e-6 mean KL here; the fa
 def _engine(path: pathlib.Path, force: tuple[str, ...] = (), experts: int = 4, **knobs: Any) -> Engine:
     expert, block, layers, _ = sizes(path)
     budget = knobs.pop("device_budget_bytes", experts * expert + 12 * layers * block)
+    knobs.setdefault("is_emulated_device_tier", "cpu_execute" in force)  # a GPU machine's tag: emulated tiers
     config = EngineConfig(model_dir=str(path), block_size=4, max_num_seqs=2, device_budget_bytes=budget, **knobs)
     return Engine(config, ExactLRUController(force))
 

@@ -32,7 +32,7 @@ def _corrupt_in_place(weights: ExpertWeights) -> None:
 def test_host_copy_corrupted_after_load(
     model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = _engine(model)
+    engine = _engine(model, is_emulated_device_tier=True)  # host copies: a GPU machine's tier, emulated
     store, on_step_start, corrupted = engine.expert_store, engine.controller.on_step_start, []
 
     def corrupt_host_copies(plan, view) -> None:
@@ -129,7 +129,7 @@ def test_exact_path_bug_on_a_request_with_approximate_tags(
 
 
 def test_mislabelled_tag(model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = _engine(model, ("expert_lowbit",))
+    engine = _engine(model, ("expert_lowbit",), is_emulated_device_tier=True)  # host low-bit bytes: emulated
     armed, record_fetched = _at_step(engine, FAULT_STEP), engine.executor._record_fetched
 
     def mislabel(uses, fetch_tag, moved, tier, transfer_s, note) -> None:
@@ -175,7 +175,8 @@ def test_kv_block_read_from_the_wrong_block(
 def test_copy_verification_finds_a_corrupted_host_copy_and_discards_it(
     model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = _engine(model, num_verified_copies_per_step=1024)  # check every copy after every step
+    # check every copy after every step; host copies: a GPU machine's tier, emulated
+    engine = _engine(model, num_verified_copies_per_step=1024, is_emulated_device_tier=True)
     store, on_step_start, corrupted = engine.expert_store, engine.controller.on_step_start, []
 
     def corrupt_one_host_copy(plan, view) -> None:

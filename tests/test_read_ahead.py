@@ -32,7 +32,7 @@ def _engine(path: pathlib.Path, num_io_threads: int) -> Engine:
     probe = Engine(EngineConfig(model_dir=str(path), block_size=4), ExactLRUController())
     expert, block = probe.expert_store.bytes_per_expert, probe.kv_store.bytes_per_block
     device = 3 * expert + 40 * probe.kv_store.num_layers * block
-    budgets = {"device_budget_bytes": device, "host_budget_bytes": 5 * expert}
+    budgets = {"device_budget_bytes": device, "host_budget_bytes": 5 * expert, "is_emulated_device_tier": True}
     return Engine(
         EngineConfig(model_dir=str(path), block_size=4, max_num_seqs=3, num_io_threads=num_io_threads, **budgets),
         ExactLRUController(),
@@ -75,7 +75,7 @@ def test_reads_ahead_change_no_bit_and_their_clock_adds_up(checkpoint: pathlib.P
 
 def test_run_reports_and_records_the_transfer_clock(checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
     ledger, out = tmp_path / "l.sqlite", tmp_path / "r.json"
-    args = ["run", "--model", str(checkpoint), "--device-budget-mb", "0.6", "--host-budget-mb", "0.04",
+    args = ["run", "--model", str(checkpoint), "--device-budget-mb", "0.64",
             "--max-new-tokens", "6", "--io-threads", "2", "--ledger", str(ledger), "--json", str(out),
             "--quiet"]  # fmt: skip
     assert main(args) == 0

@@ -70,7 +70,7 @@ def test_bf16_exact_only_is_bitwise_equal_to_transformers(arch: str, bf16_checkp
     assert probe.dtype == torch.bfloat16 and probe.kv_store.dtype == torch.bfloat16
     expert, block = probe.expert_store.bytes_per_expert, probe.kv_store.bytes_per_block
     device = 3 * expert + 12 * probe.kv_store.num_layers * block
-    tight = {"device_budget_bytes": device, "host_budget_bytes": 4 * expert}
+    tight = {"device_budget_bytes": device, "host_budget_bytes": 4 * expert, "is_emulated_device_tier": True}
     for knobs in ({}, tight):
         engine = serve(path, **knobs)
         assert bool(engine.expert_store.stacked_layers) is not bool(knobs)  # everything fits: stacked
@@ -150,7 +150,8 @@ def test_lowbit_copies_are_made_on_demand_within_the_host_budget(bf16_checkpoint
     scratch = probe.expert_store.lowbit_scratch_bytes  # a dequantized low-bit copy is counted on device too
     budget = 2 * expert + scratch + 12 * probe.kv_store.num_layers * probe.kv_store.bytes_per_block
     engine = Engine(
-        EngineConfig(model_dir=str(path), block_size=4, device_budget_bytes=budget, host_budget_bytes=0),
+        EngineConfig(model_dir=str(path), block_size=4, device_budget_bytes=budget, host_budget_bytes=0,
+                     is_emulated_device_tier=True),
         ExactLRUController(force=[Tag.EXPERT_LOWBIT]),
     )
     assert not any(e.lowbit for e in engine.expert_store.entries.values())
@@ -158,7 +159,8 @@ def test_lowbit_copies_are_made_on_demand_within_the_host_budget(bf16_checkpoint
     assert outputs[0].tag_counts.get("expert_lowbit", 0) > 0
     assert not any(e.lowbit for e in engine.expert_store.entries.values())  # no host budget: made, used, dropped
     roomy = Engine(
-        EngineConfig(model_dir=str(path), block_size=4, device_budget_bytes=budget, host_budget_bytes=6 * expert),
+        EngineConfig(model_dir=str(path), block_size=4, device_budget_bytes=budget, host_budget_bytes=6 * expert,
+                     is_emulated_device_tier=True),
         ExactLRUController(force=[Tag.EXPERT_LOWBIT]),
     )
     roomy.generate([list(PROMPTS[0])], SamplingParams(max_new_tokens=NEW_TOKENS))

@@ -188,7 +188,8 @@ class Executor:
         out.index_add_(0, token_idx, (y * weights[token_idx, top_k_pos, None]).to(out.dtype))  # as eager does
         ctx.log.modeled_compute_s += compute_s
         ctx.used_expert_keys.append(key)
-        target = Tier.HOST if tag is Tag.CPU_EXECUTE else Tier.DEVICE
+        # on a CPU a disk read lands in RAM, where the expert computes (no host-to-device leg)
+        target = Tier.HOST if tag is Tag.CPU_EXECUTE or self.expert_store.is_ram_tiered else Tier.DEVICE
         transfer_s = activations_s + (
             self.profile.transfer_s(fetched.bytes_moved, fetched.source_tier, target) if fetched.source_tier else 0.0
         )
@@ -364,6 +365,7 @@ class Executor:
         """Ask the controller for victims until `is_done()` (default: `num_bytes` free); True when it is."""
         pool = self.expert_store.device_pool
         is_done = is_done or (lambda: pool.can_reserve(num_bytes))
+        self.expert_store.drop_lowbit(num_bytes, is_done)  # on a CPU kept low-bit copies go first (remade)
         if is_done():
             return True
         victims = self.controller.choose_victims(

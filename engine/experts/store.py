@@ -1,21 +1,33 @@
 """Tiered expert store: the checkpoint's files are every expert's disk tier; host memory is a bounded
 cache of full-precision copies; the device tier holds the experts a step computes with.
 
-On a CPU-only machine the device tier aliases host memory: placing an expert moves its host copy into
-the device budget (no second copy), and evicting it hands the bytes back to the host cache when that has
-room. Low-bit copies are made the first time a controller asks for one and kept while the host budget
-allows. Mechanism only: callers decide what to place and what to evict.
+Tier layouts (`TierLayout`):
+
+- CUDA: device, host and disk. Low-bit copies are made the first time a controller asks for one and kept
+  while the host budget allows.
+- CPU (``ram_disk``): RAM is the one fast tier, the device pool. A resident expert is in RAM; an
+  ``exact_load`` reads it from the checkpoint (O_DIRECT: the page cache is no second, uncounted RAM tier);
+  an evicted one is gone. Low-bit copies live in the same RAM budget, least recently used first to go when
+  the pool needs room (`drop_lowbit`). There is no host tier and no ``cpu_execute``.
+- Emulated (tests only, on a CPU): CUDA's layout as two RAM budgets: the device tier aliases host memory
+  (placing an expert moves its host copy into the device budget, evicting it hands the bytes back to the
+  host cache when that has room).
+
+Mechanism only: callers decide what to place and what to evict.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
-from fallbackgate.engine.device_pool import TierPool
+from fallbackgate.engine.config import TierLayout, tier_layout
+from fallbackgate.engine.device_pool import HeldCopy, PoolKind, TierPool
 from fallbackgate.engine.errors import ChecksumError, EngineError
+from fallbackgate.engine.experts.lowbit_cache import LowbitDiskCache
 from fallbackgate.engine.experts.quant import Quantized, dequantize_rows, lowbit_expert_nbytes, quantize, quantized_to
 from fallbackgate.engine.experts.read_ahead import ReadAhead
 from fallbackgate.engine.experts.reader import ExpertKey, ExpertReader
@@ -58,10 +70,21 @@ class ExpertStore:
         device: torch.device,
         lowbit_bits: int = 8,
         num_io_threads: int = 0,
+        layout: TierLayout | None = None,
     ) -> None:
         self.reader, self.device_pool, self.host_pool, self.device = reader, device_pool, host_pool, device
         self.lowbit_bits = lowbit_bits
-        self.is_aliased = device.type == "cpu"  # one RAM: the device tier is host memory under another budget
+        self.layout = layout or tier_layout(device, is_emulated_device_tier=False)
+        self.is_ram_tiered = self.layout is TierLayout.RAM_DISK  # RAM the one fast tier, the disk the other
+        if self.is_ram_tiered and host_pool.budget_bytes:
+            raise EngineError("a CPU engine has no host tier: RAM is the device pool; the host pool's budget must be 0")
+        self.is_aliased = self.layout is TierLayout.EMULATED_DEVICE_HOST_DISK  # test only: two RAM budgets
+        self.is_in_place = self.is_aliased or self.is_ram_tiered  # a read lands where the expert computes
+        self.lowbit_pool = device_pool if self.is_ram_tiered else host_pool  # where low-bit copies are counted
+        self.lowbit_kind: PoolKind = HeldCopy.EXPERT_LOWBIT if self.is_ram_tiered else ObjectKind.EXPERT
+        self.staging_pool = device_pool if self.is_ram_tiered else host_pool  # holds the reads ahead in flight
+        self.lowbit_lru: collections.OrderedDict[ExpertKey, None] = collections.OrderedDict()
+        self.lowbit_cache: LowbitDiskCache | None = None  # CPU: persisted low-bit copies (set by build_stores)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # prefetch side stream
         self.entries: dict[ExpertKey, _Entry] = {key: _Entry() for key in sorted(reader.sources)}
         self.host_lru: collections.OrderedDict[ExpertKey, None] = collections.OrderedDict()
@@ -70,7 +93,7 @@ class ExpertStore:
         self.stacked_layers: set[int] = set()  # layers whose experts all sit in one resident stack (pinned)
         self.read_ahead = ReadAhead(self._verified_read, num_io_threads)
         self.is_disk_tiered = False  # some expert's only copy is the checkpoint on disk
-        host_slots = host_pool.budget_bytes // max(1, self.bytes_per_expert)
+        host_slots = self.staging_pool.budget_bytes // max(1, self.bytes_per_expert)
         # experts that may be read ahead at once; their host room is kept out of the cache's reach
         self.num_read_slots = min(READ_SLOTS, max(1, host_slots // 4)) if num_io_threads and host_slots >= 2 else 0
         self.pending_reads: list[tuple[ExpertKey, bool]] = []  # (key, is_predicted) waiting for a read slot
@@ -102,7 +125,9 @@ class ExpertStore:
     def close(self) -> None:
         """Stop the read threads and give back the host room of reads nobody took."""
         self.read_ahead.close()
-        self.host_pool.release(ObjectKind.EXPERT, len(self.read_ahead.flights) * self.bytes_per_expert)
+        if self.lowbit_cache is not None:
+            self.lowbit_cache.close()
+        self.staging_pool.release(ObjectKind.EXPERT, len(self.read_ahead.flights) * self.bytes_per_expert)
         self.read_ahead.flights.clear()
         self.pending_reads.clear()
 
@@ -115,9 +140,9 @@ class ExpertStore:
         cache leaves free for them (so a read ahead never evicts a cached expert)."""
         while self.pending_reads and len(self.read_ahead.flights) < self.num_read_slots:
             key, is_predicted = self.pending_reads.pop(0)
-            if not self._is_disk_only(key) or not self.host_pool.can_reserve(self.bytes_per_expert):
+            if not self._is_disk_only(key) or not self.staging_pool.can_reserve(self.bytes_per_expert):
                 continue
-            self.host_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
+            self.staging_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
             self.read_ahead.start(key, self.pending_step_id, is_predicted)
 
     def _read_slot_bytes(self) -> int:
@@ -131,8 +156,9 @@ class ExpertStore:
         for key, weights in self.read_ahead.finished_before(step_id):
             entry = self.entries[key]
             is_room_kept = self.host_pool.free_bytes >= self._read_slot_bytes() + self.bytes_per_expert
-            if weights is None or entry.host is not None or entry.device is not None or not is_room_kept:
-                self.host_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)  # dropped: slots stay free
+            is_dropped = weights is None or entry.host is not None or entry.device is not None or not is_room_kept
+            if is_dropped or self.is_ram_tiered:  # a CPU has no host cache to keep it in: read, then freed
+                self.staging_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)  # dropped: slots stay free
                 continue
             entry.host = weights
             self.host_lru[key] = None
@@ -231,9 +257,11 @@ class ExpertStore:
         entry = self.entries[key]
         if entry.device is not None:
             return Fetched(self.device_weights(key), None, 0)
-        fetched = self._read_home(key, is_cached=not self.is_aliased)
+        fetched = self._read_home(key, is_cached=not self.is_in_place)
+        if self.is_ram_tiered:
+            self.drop_lowbit(self.bytes_per_expert)
         self.device_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
-        if self.is_aliased:
+        if self.is_in_place:
             if entry.host is not None:  # the host copy moves under the device budget
                 self._drop_host(key)
             entry.device = fetched.weights
@@ -253,7 +281,8 @@ class ExpertStore:
         )
 
     def evict(self, key: ExpertKey) -> None:
-        """Drop the device copy of `key`; on CPU its bytes become the host cache's most recent entry."""
+        """Drop the device copy of `key`; emulated, its bytes become the host cache's most recent entry; on a
+        CPU they are freed (the checkpoint is its only other copy)."""
         entry = self.entries[key]
         if entry.device is None:
             raise EngineError(f"expert {key} is not on device; cannot evict")
@@ -289,36 +318,71 @@ class ExpertStore:
 
     def host_weights(self, key: ExpertKey) -> Fetched:
         """Full-precision weights in host memory for cpu_execute (read from the checkpoint when not cached)."""
+        if self.is_ram_tiered:
+            raise EngineError("cpu_execute is not offered where the device is the CPU: RAM is the only fast tier")
         entry = self.entries[key]
         if self.is_aliased and entry.device is not None:
             return Fetched(entry.device, None, 0)
         return self._read_home(key, is_cached=True)
 
     def lowbit_weights(self, key: ExpertKey) -> Fetched:
-        """Dequantized low-bit copy (made now if it does not exist); bytes moved are the low-bit bytes."""
+        """Dequantized low-bit copy (made now if it does not exist); bytes moved are the low-bit bytes (on a
+        CPU only what was read from disk: a copy kept in RAM, or made from a resident one, moves nothing)."""
         entry, source, moved, note = self.entries[key], Tier.HOST, 0, ""
         if entry.lowbit is None:
-            full = entry.device if self.is_aliased and entry.device is not None else None
-            if full is None:
-                fetched = self._read_home(key, is_cached=False)
-                full, note = fetched.weights, fetched.note
-                if fetched.source_tier is Tier.DISK:
-                    source, moved = Tier.DISK, fetched.bytes_moved
-            low = (quantize(full.gate_up, self.lowbit_bits, axis=1), quantize(full.down, self.lowbit_bits, axis=1))
-            low_bytes = low[0].num_bytes + low[1].num_bytes
-            while self.host_lru and not self.host_pool.can_reserve(low_bytes):  # full copies can be re-read
-                self._drop_host(next(iter(self.host_lru)))
-            if self.host_pool.can_reserve(low_bytes):
-                self.host_pool.reserve(ObjectKind.EXPERT, low_bytes)
-                entry.lowbit = low
+            full = entry.device if self.is_in_place and entry.device is not None else None
+            low = self.lowbit_cache.get(key) if full is None and self.lowbit_cache is not None else None
+            if low is not None:  # persisted: a half or a quarter of the expert's bytes read from disk
+                source, moved, note = Tier.DISK, low[0].num_bytes + low[1].num_bytes, "persisted low-bit copy"
+            else:
+                if full is None:
+                    fetched = self._read_home(key, is_cached=False)
+                    full, note = fetched.weights, fetched.note
+                    if fetched.source_tier is Tier.DISK:
+                        source, moved = Tier.DISK, fetched.bytes_moved
+                low = (quantize(full.gate_up, self.lowbit_bits, axis=1), quantize(full.down, self.lowbit_bits, axis=1))
+                if self.lowbit_cache is not None:
+                    self.lowbit_cache.put(key, low)
+            self._keep_lowbit(key, low)
         else:
             low = entry.lowbit
+            if key in self.lowbit_lru:
+                self.lowbit_lru.move_to_end(key)
         dtype = self.reader.compute_dtype
         weights = ExpertWeights(  # the low-bit bytes cross the link; dequantized where the expert runs
             dequantize_rows(quantized_to(low[0], self.device), dtype, DEQUANT_ROWS),
             dequantize_rows(quantized_to(low[1], self.device), dtype, DEQUANT_ROWS),
         )
+        if self.is_ram_tiered:  # no link after the disk: the copy is computed with where it is, in RAM
+            return Fetched(weights, Tier.DISK if moved else None, moved, note)
         return Fetched(weights, source, moved + low[0].num_bytes + low[1].num_bytes, note)
+
+    def _keep_lowbit(self, key: ExpertKey, low: tuple[Quantized, Quantized]) -> None:
+        """Keep a new low-bit copy while its pool has room: on CUDA full host copies make room (they can be
+        re-read); on a CPU the RAM pool must have it free (nothing else is evicted for it)."""
+        low_bytes = low[0].num_bytes + low[1].num_bytes
+        if not self.is_ram_tiered:
+            while self.host_lru and not self.host_pool.can_reserve(low_bytes):
+                self._drop_host(next(iter(self.host_lru)))
+        if self.lowbit_pool.can_reserve(low_bytes):
+            self.lowbit_pool.reserve(self.lowbit_kind, low_bytes)
+            self.entries[key].lowbit = low
+            if self.is_ram_tiered:
+                self.lowbit_lru[key] = None
+
+    def drop_lowbit(self, num_bytes: int, is_done: Callable[[], bool] | None = None) -> int:
+        """On a CPU: drop low-bit copies kept in RAM, least recently used first, until `is_done()` (default:
+        `num_bytes` free in the RAM pool) or none is left; returns the number dropped (a copy is remade from
+        the checkpoint on its next use)."""
+        is_done = is_done or (lambda: self.device_pool.can_reserve(num_bytes))
+        num_dropped = 0
+        while self.lowbit_lru and not is_done():
+            key, _ = self.lowbit_lru.popitem(last=False)
+            low, self.entries[key].lowbit = self.entries[key].lowbit, None
+            assert low is not None
+            self.lowbit_pool.release(self.lowbit_kind, low[0].num_bytes + low[1].num_bytes)
+            num_dropped += 1
+        return num_dropped
 
     # --- host cache and disk -------------------------------------------------------------------
     def _read_home(self, key: ExpertKey, is_cached: bool) -> Fetched:
@@ -340,7 +404,7 @@ class ExpertStore:
         """The expert from the checkpoint: a read started ahead (waited for), else a read now."""
         self.num_disk_reads += 1
         if self.read_ahead.is_in_flight(key):
-            self.host_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)  # the caller places the bytes
+            self.staging_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)  # the caller places the bytes
             weights, note = self.read_ahead.take(key)
             self._pump()
             return weights, "; ".join(filter(None, ["read ahead", note]))

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import tempfile
 
 import torch
 from transformers import DynamicCache
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from fallbackgate.engine.config import EngineConfig
+from fallbackgate.engine.config import EngineConfig, TierLayout, tier_layout
 from fallbackgate.engine.device_pool import TierPool
 from fallbackgate.engine.errors import BudgetError, CheckpointError
+from fallbackgate.engine.experts.lowbit_cache import LowbitDiskCache, manifest_hash
+from fallbackgate.engine.experts.reader import MANIFEST_FILE
 from fallbackgate.engine.experts.store import ExpertStore
 from fallbackgate.engine.kv.spill import SpillDir
 from fallbackgate.engine.kv.store import KVStore
 from fallbackgate.engine.model.loader import LoadedCheckpoint
+from fallbackgate.engine.ram import size_ram_budget
 
 MIB = 1024 * 1024
 PROBE_IMPLEMENTATION = "fallbackgate_shape_probe"
@@ -74,10 +78,12 @@ def can_stack(modules: dict[int, torch.nn.Module]) -> bool:
     )
 
 
-def fill_expert_tiers(config: EngineConfig, loaded: LoadedCheckpoint, store: ExpertStore) -> None:
-    """Everything fits (no device budget given): stack each layer's experts on the device; otherwise warm
-    the host cache the way a fresh process would fill it."""
-    if config.device_budget_bytes is None and config.is_stacked_when_fits and can_stack(loaded.experts_by_layer):
+def fill_expert_tiers(config: EngineConfig, loaded: LoadedCheckpoint, store: ExpertStore, budgets: Budgets) -> None:
+    """Everything fits (no device budget given, and the budget holds every expert and every KV block): stack
+    each layer's experts on the device; otherwise warm the host cache the way a fresh process would fill it
+    (none on a CPU, where there is no host tier: experts are read from disk on first use)."""
+    is_fit = config.device_budget_bytes is None and budgets.is_everything_fitting
+    if is_fit and config.is_stacked_when_fits and can_stack(loaded.experts_by_layer):
         store.stack_layers(loaded.experts_by_layer)
     else:
         store.warm_host()
@@ -89,35 +95,88 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
+@dataclasses.dataclass(slots=True)
+class Budgets:
+    """The byte budgets of the pools, and how they were set."""
+
+    device_bytes: int  # the device pool (on a CPU: RAM, the one fast tier)
+    host_bytes: int  # the host pool (0 on a CPU: no second RAM tier)
+    note: str  # one line for the run summary
+    is_everything_fitting: bool = True  # the device budget holds every expert, every KV block and the gather
+
+
+def size_budgets(
+    config: EngineConfig,
+    layout: TierLayout,
+    expert_total: int,
+    kv_everything: int,
+    everything_bytes: int,
+    dense_bytes: int,
+) -> Budgets:
+    """Device and host budgets: given ones, else on a CPU the memory limit minus dense weights and a margin
+    (engine/ram.py), else (CUDA, the emulation) everything on device and a host cache of every expert's full
+    and low-bit copy and twice the KV."""
+    name = "RAM" if layout is TierLayout.RAM_DISK else "device"
+    if layout is TierLayout.RAM_DISK:
+        if config.host_budget_bytes:
+            raise BudgetError(
+                f"a host budget ({config.host_budget_bytes / MIB:.3f} MiB) is not offered where the device is the "
+                "CPU: RAM is the one fast tier, under one budget (the device budget); the disk is the other"
+            )
+        if config.device_budget_bytes is not None:
+            given = config.device_budget_bytes
+            return Budgets(given, 0, f"RAM budget {given / MIB:.2f} MiB (given)")
+        sized = size_ram_budget(dense_bytes)
+        return Budgets(sized.budget_bytes, 0, sized.describe())
+    device = config.device_budget_bytes
+    how = "given" if device is not None else "everything fits"
+    note = f"{name} budget {(everything_bytes if device is None else device) / MIB:.2f} MiB ({how})"
+    host = config.host_budget_bytes
+    if host is None:  # every expert cached once, its low-bit copy, and KV copies
+        host = 2 * expert_total + 2 * kv_everything
+    if layout is TierLayout.EMULATED_DEVICE_HOST_DISK:
+        note += f"; EMULATED device/host tiers in RAM (test only), host budget {host / MIB:.2f} MiB"
+    return Budgets(everything_bytes if device is None else device, host, note)
+
+
 def build_stores(
-    config: EngineConfig, loaded: LoadedCheckpoint, shape: KVShape, device: torch.device
-) -> tuple[ExpertStore, KVStore, int]:
-    """Pools, the expert store (experts leave the modules) and the KV store; returns the expert floor."""
+    config: EngineConfig, loaded: LoadedCheckpoint, shape: KVShape, device: torch.device, dense_bytes: int = 0
+) -> tuple[ExpertStore, KVStore, int, Budgets]:
+    """Pools, the expert store (experts leave the modules) and the KV store; returns the expert floor and the
+    budgets. On a CPU the KV store gets the one RAM pool as its device pool and a zero-budget host pool."""
+    layout = tier_layout(device, config.is_emulated_device_tier)
     expert_bytes = loaded.reader.compute_bytes_per_expert
     block_bytes = shape.num_kv_heads * config.block_size * (shape.key_dim + shape.value_dim) * loaded.dtype.itemsize
     num_experts_total = len(loaded.reader.sources)
     kv_everything = (
         shape.num_layers * config.max_num_seqs * (config.max_model_len // config.block_size + 1) * block_bytes
     )
-    device_budget = config.device_budget_bytes
-    if device_budget is None:  # every expert, every block, and one layer's gathered K/V (blocks, then packed)
-        device_budget = num_experts_total * expert_bytes + kv_everything + 2 * kv_everything // shape.num_layers
+    # every expert, every block, and one layer's gathered K/V (blocks, then packed)
+    everything = num_experts_total * expert_bytes + kv_everything + 2 * kv_everything // shape.num_layers
+    budgets = size_budgets(config, layout, num_experts_total * expert_bytes, kv_everything, everything, dense_bytes)
+    budgets.is_everything_fitting = budgets.device_bytes >= everything
     expert_floor = loaded.top_k * expert_bytes
     minimum = expert_floor + shape.num_layers * block_bytes
-    if device_budget < minimum:
+    if budgets.device_bytes < minimum:
         raise BudgetError(
-            f"device budget {device_budget / MIB:.3f} MiB cannot make progress: the minimum is {minimum / MIB:.3f} MiB "
+            f"{budgets.note}: cannot make progress: the minimum is {minimum / MIB:.3f} MiB "
             f"({loaded.top_k} experts × {expert_bytes} B for one layer's top-k, plus one {block_bytes} B KV block "
             f"per layer × {shape.num_layers} layers for one running request)"
         )
-    host_budget = config.host_budget_bytes
-    if host_budget is None:  # every expert cached once, its low-bit copy, and KV copies
-        host_budget = 2 * num_experts_total * expert_bytes + 2 * kv_everything
-    device_pool, host_pool = TierPool("device", device_budget), TierPool("host", host_budget)
+    device_pool = TierPool("RAM" if layout is TierLayout.RAM_DISK else "device", budgets.device_bytes)
+    host_pool = TierPool("host", budgets.host_bytes)
     spill = SpillDir(config.spill_dir or tempfile.gettempdir())
     expert_store = ExpertStore(
-        loaded.reader, device_pool, host_pool, device, config.expert_lowbit_bits, config.num_io_threads
+        loaded.reader, device_pool, host_pool, device, config.expert_lowbit_bits, config.num_io_threads, layout
     )
+    if config.lowbit_cache_dir and layout is TierLayout.RAM_DISK and config.expert_lowbit_bits:
+        expert_store.lowbit_cache = LowbitDiskCache(
+            pathlib.Path(config.lowbit_cache_dir),
+            manifest_hash(loaded.reader.files.path / MANIFEST_FILE),
+            config.expert_lowbit_bits,
+            loaded.reader.matrix_shapes,
+            config.lowbit_cache_bytes,
+        )
     kv_store = KVStore(
         shape.num_layers,
         shape.num_kv_heads,
@@ -130,4 +189,4 @@ def build_stores(
         device,
         loaded.dtype,
     )
-    return expert_store, kv_store, expert_floor
+    return expert_store, kv_store, expert_floor, budgets

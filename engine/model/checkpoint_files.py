@@ -60,6 +60,7 @@ class CheckpointFiles:
         self.spans = SpanPool()  # read buffers, recycled once no tensor views them
         self.io: IOScheduler | None = None  # the engine's disk queue expert reads go through (None: read inline)
         self._sizes: dict[pathlib.Path, int] = {}  # file -> bytes
+        self.num_bytes_read = 0  # bytes preadv returned for expert reads (O_DIRECT: what the disk delivered)
         weakref.finalize(self, _close_all, self._fds)
         index = path / INDEX_FILE
         files = self._files_from_index(index) if index.exists() else sorted(path.glob("*.safetensors"))
@@ -214,6 +215,7 @@ class CheckpointFiles:
         except IOSchedulerError as exc:
             raise CheckpointError(f"{file}: tensor {name} cannot be read: {exc}") from exc
         span.ctx.note_end(span.ticket.record.end_ns)
+        self.num_bytes_read += span.ticket.record.num_bytes_done  # += under the GIL; I/O threads read too
         return torch.frombuffer(span.mapping, dtype=torch.uint8)[span.head : span.head + num_bytes]
 
     def _size(self, file: pathlib.Path) -> int:
@@ -239,6 +241,7 @@ class CheckpointFiles:
                     os.close(fd)
                     self._fds[file] = (os.open(file, os.O_RDONLY), False)
             return self._read_span(file, offset, num_bytes, name)
+        self.num_bytes_read += got + head  # += under the GIL; I/O threads read too
         if got < num_bytes:
             raise CheckpointError(f"{file}: tensor {name} is cut short (file truncated after it was opened?)")
         return torch.frombuffer(mapping, dtype=torch.uint8)[head : head + num_bytes]  # keeps the mapping alive

@@ -85,7 +85,9 @@ def check_completeness(ledger: Ledger, run: Mapping[str, Any], requests: list[di
     for rid, reasons in count_request_reasons.items():
         out.request_reasons.setdefault(rid, []).extend(reasons)
     out.reasons += _forced_tag_reasons(ledger, run)
-    out.reasons += check_object_bytes(ledger, run_id, (run.get("memory") or {}).get("object_bytes"))
+    memory = run.get("memory") or {}
+    is_ram = memory.get("tier_layout") == "ram_disk"  # a CPU: a low-bit copy crosses no link after the disk
+    out.reasons += check_object_bytes(ledger, run_id, memory.get("object_bytes"), is_ram)
     out.reasons += [_verification_reason(v) for v in audit_queries.failed_verifications(ledger, run_id)]
     pending = audit_queries.num_pending_audits(ledger, run_id)
     if pending:
@@ -183,12 +185,13 @@ def _sizes(object_bytes: Mapping[str, Any]) -> dict[tuple[str, str, int], int]:
     return sizes
 
 
-def _fits(num_bytes: int, num_objects: int, sizes: list[int], extra: int | None) -> bool:
+def _fits(num_bytes: int, num_objects: int, sizes: list[int], extra: int | None, is_extra_only: bool = False) -> bool:
     """Whether `num_bytes` is 1..num_objects objects, each of one of `sizes` (at most two distinct sizes: a
     KV block quantized to int8 or int4), plus any whole `extra`-byte reads (a low-bit copy made from a disk
-    read moves the full expert too)."""
+    read moves the full expert too); `is_extra_only`: the reads alone may make up the bytes (on a CPU a
+    low-bit copy is computed with in RAM, where it was made: only its disk read moved bytes)."""
     first, second = sizes[0], sizes[1] if len(sizes) > 1 else None
-    for count in range(1, num_objects + 1):
+    for count in range(0 if is_extra_only and extra else 1, num_objects + 1):
         for num_second in range(count + 1 if second else 1):
             rest = num_bytes - (count - num_second) * first - num_second * (second or 0)
             if rest == 0 or (extra and rest > 0 and rest % extra == 0):
@@ -196,8 +199,11 @@ def _fits(num_bytes: int, num_objects: int, sizes: list[int], extra: int | None)
     return False
 
 
-def check_object_bytes(ledger: Ledger, run_id: int, object_bytes: Mapping[str, Any] | None) -> list[str]:
-    """Reasons for every step × request × layer whose bytes do not fit its tag's object size."""
+def check_object_bytes(
+    ledger: Ledger, run_id: int, object_bytes: Mapping[str, Any] | None, is_ram_tiered: bool = False
+) -> list[str]:
+    """Reasons for every step × request × layer whose bytes do not fit its tag's object size
+    (`is_ram_tiered`: a CPU run, where an expert_lowbit event moves only the disk reads it made)."""
     if not object_bytes:
         return []
     by_tag: dict[tuple[str, str], list[int]] = {}
@@ -209,7 +215,7 @@ def check_object_bytes(ledger: Ledger, run_id: int, object_bytes: Mapping[str, A
         sizes = by_tag.get((kind, tag))
         lowbit_read = by_tag[(_EXPERT, Tag.EXACT_LOAD.value)][0]  # a low-bit copy made from a disk read
         extra = lowbit_read if tag == Tag.EXPERT_LOWBIT.value else None
-        if sizes and _fits(num_bytes, num_objects, sizes, extra):
+        if sizes and _fits(num_bytes, num_objects, sizes, extra, is_ram_tiered):
             continue
         fitting = [
             f"{t} ({' or '.join(map(str, ns))} B each)"

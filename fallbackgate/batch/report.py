@@ -135,13 +135,7 @@ def print_report(outcome: RunOutcome, out: TextIO, slos: dict[str, dict[str, Any
     print_slo_attainment(outcome, slos, out)
     mem = outcome.memory
     if mem:
-        out.write(f"\ndevice budget {mem['device_budget_bytes'] / 2**20:.2f} MiB for expert slots, KV blocks and "
-                  f"scratch (all experts: {mem['expert_bytes_total'] / 2**20:.2f} MiB, {mem['num_experts_on_disk']} "
-                  f"homed on disk); dense weights resident outside the budget: {mem['dense_bytes'] / 2**20:.2f} MiB\n")
-        peaks = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in mem["peak_device_pool_bytes_by_kind"].items() if v)
-        out.write(f"peak device pool {mem['peak_device_pool_bytes'] / 2**20:.2f} MiB (by kind, MiB: {peaks}); "
-                  f"peak host tier {mem['peak_host_pool_bytes'] / 2**20:.2f} MiB of "
-                  f"{mem['host_budget_bytes'] / 2**20:.2f}\n")
+        print_memory(mem, out)
     reads = transfer_summary(outcome)
     if reads["read_s"] > 0:
         share = f" ({reads['hidden_fraction']:.0%})" if reads["hidden_fraction"] is not None else ""
@@ -161,3 +155,25 @@ def print_report(outcome: RunOutcome, out: TextIO, slos: dict[str, dict[str, Any
             out.write(
                 f"{tag:<14} {TAG_EXACTNESS[Tag(tag)].value:<12} {total['count']:>10} {total['bytes'] / 2**20:10.2f}\n"
             )
+
+
+def print_memory(mem: dict[str, Any], out: TextIO) -> None:
+    """The budgets and the peaks of the pools; on a CPU one RAM budget (no host tier)."""
+    is_ram = mem.get("tier_layout") == "ram_disk"
+    tier = "RAM" if is_ram else "device"
+    if mem.get("budget_note"):
+        out.write(f"\n{mem['budget_note']}\n")
+    contents = "experts, low-bit copies, KV blocks and scratch" if is_ram else "expert slots, KV blocks and scratch"
+    out.write(f"{tier} budget {mem['device_budget_bytes'] / 2**20:.2f} MiB for {contents} (all experts: "
+              f"{mem['expert_bytes_total'] / 2**20:.2f} MiB, {mem['num_experts_on_disk']} homed on disk); dense "
+              f"weights resident outside the budget: {mem['dense_bytes'] / 2**20:.2f} MiB\n")
+    peaks = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in mem["peak_device_pool_bytes_by_kind"].items() if v)
+    line = f"peak {tier} pool {mem['peak_device_pool_bytes'] / 2**20:.2f} MiB (by kind, MiB: {peaks})"
+    if is_ram:
+        out.write(f"{line}; no host tier (the disk holds the checkpoint and the KV spill)\n")
+        if "checkpoint_bytes_read" in mem:
+            out.write(f"expert bytes read from the checkpoint (O_DIRECT, bypassing the page cache): "
+                      f"{mem['checkpoint_bytes_read'] / 2**20:.2f} MiB\n")
+    else:
+        out.write(f"{line}; peak host tier {mem['peak_host_pool_bytes'] / 2**20:.2f} MiB of "
+                  f"{mem['host_budget_bytes'] / 2**20:.2f}\n")

@@ -127,6 +127,8 @@ def memory_summary(engine: Engine) -> dict[str, Any]:
     scratch; peaks in total and by kind) and what stays resident outside it (dense weights)."""
     experts = engine.expert_store
     return {
+        "tier_layout": engine.tier_layout.value,
+        "budget_note": engine.budget_note,
         "device_budget_bytes": engine.kv_store.device_pool.budget_bytes,
         "host_budget_bytes": engine.kv_store.host_pool.budget_bytes,
         "dense_bytes": engine.num_dense_bytes,
@@ -140,6 +142,7 @@ def memory_summary(engine: Engine) -> dict[str, Any]:
         },
         "peak_host_pool_bytes": engine.kv_store.host_pool.peak_used_bytes,
         "num_expert_disk_reads": experts.num_disk_reads,
+        "checkpoint_bytes_read": experts.reader.files.num_bytes_read,  # every expert read, verifications too
         "dtype": engine.dtype_name,
         "block_size": engine.config.block_size,
         "object_bytes": object_bytes(engine),

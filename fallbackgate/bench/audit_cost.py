@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from fallbackgate.assembly import Assembly, Overrides, assemble, no_policy
+from fallbackgate.assembly import Assembly, Overrides, assemble, fold_host_into_ram, no_policy
 from fallbackgate.audit.run_audit import audit_outputs
 from fallbackgate.batch.prompts import BUILTIN_PROMPTS, PromptSpec
 from fallbackgate.batch.session import run_prompts
@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--audit-cache-mb", type=float, default=256.0, help="the audit's own expert cache")
     p.add_argument("--force", action="append", default=[], choices=sorted(t.value for t in FORCEABLE_TAGS))
     args = p.parse_args(argv)
-    memory = {"device_budget_mb": args.device_budget_mb, "host_budget_mb": args.host_budget_mb}
+    device, host = fold_host_into_ram(args.device_budget_mb, args.host_budget_mb)  # a CPU: one RAM budget
+    memory = {"device_budget_mb": device, "host_budget_mb": host}
     overrides = Overrides(
         max_new_tokens=args.max_new_tokens, force=tuple(args.force), audit_cache_mb=args.audit_cache_mb
     )

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from fallbackgate.assembly import Assembly, Overrides
+from fallbackgate.assembly import Assembly, Overrides, fold_host_into_ram
 from fallbackgate.bench.engines import exact_assembly
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.messages import StepKind
@@ -152,7 +152,8 @@ def batch_one(model: str, vocab: int, rounds: int = 2) -> dict[str, Any]:
 def read_ahead(model: str, vocab: int) -> dict[str, Any]:
     probe = _engine(model, 4, 512)
     total = len(probe.expert_store.entries) * probe.expert_store.bytes_per_expert
-    budgets = {"device_budget_bytes": int(0.4 * total), "host_budget_bytes": int(0.3 * total)}
+    device, host = fold_host_into_ram(0.4 * total, 0.3 * total)  # on a CPU one RAM budget (no host tier)
+    budgets = {"device_budget_bytes": int(device or 0)} | ({} if host is None else {"host_budget_bytes": int(host)})
     prompts, new, out = _prompts(vocab, 4, 64, seed=11), 12, {}
     for threads in (2, 0, 2, 0):  # interleaved; the second of each kept
         engine = _engine(model, 4, 512, num_io_threads=threads, **budgets)

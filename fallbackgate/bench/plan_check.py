@@ -22,7 +22,7 @@ import sys
 import tempfile
 from typing import Any
 
-from fallbackgate.assembly import Overrides, assemble, no_policy
+from fallbackgate.assembly import Overrides, assemble, fold_host_into_ram, no_policy
 from fallbackgate.batch.prompts import BUILTIN_PROMPTS, PromptSpec
 from fallbackgate.batch.session import memory_summary, run_prompts
 from fallbackgate.engine.config import MIB
@@ -52,7 +52,8 @@ def _mb(text: str) -> float | None:
 def measure(config: str, max_new_tokens: int, ledger: Ledger) -> dict[str, Any]:
     """Serve the built-in prompts on one configuration (after a warm-up pass), recording to `ledger`."""
     model, device_mb, host_mb = config.rsplit(":", 2)
-    memory = {"device_budget_mb": _mb(device_mb), "host_budget_mb": _mb(host_mb)}
+    device, host = fold_host_into_ram(_mb(device_mb), _mb(host_mb))  # on a CPU one RAM budget (no host tier)
+    memory = {"device_budget_mb": device, "host_budget_mb": host}
     built = assemble(no_policy(model, memory=memory), Overrides(max_new_tokens=max_new_tokens))
     engine, settings = built.engine, built.settings
     specs = [PromptSpec(text, f"plan-{i}") for i, text in enumerate(BUILTIN_PROMPTS)]

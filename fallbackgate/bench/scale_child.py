@@ -21,7 +21,7 @@ from typing import Any, cast
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fallbackgate.assembly import Assembly, Overrides
+from fallbackgate.assembly import Assembly, Overrides, fold_host_into_ram
 from fallbackgate.batch.prompts import BUILTIN_PROMPTS
 from fallbackgate.bench.engines import exact_assembly
 from fallbackgate.engine.config import MIB
@@ -50,11 +50,9 @@ def engine_assembly(args: argparse.Namespace) -> Assembly:
     """The engine the flags describe: exact-only, the expert-access trace recorded, all prompts batched together;
     budgets in MiB when ``--device-budget-mb`` is given (then ``--host-budget-mb`` too), else everything fits."""
     budgets: dict[str, int] = {}
-    if args.device_budget_mb is not None:
-        budgets = {
-            "device_budget_bytes": int(args.device_budget_mb * MIB),
-            "host_budget_bytes": int(args.host_budget_mb * MIB),
-        }
+    if args.device_budget_mb is not None:  # on a CPU one RAM budget of both (no host tier)
+        device, host = fold_host_into_ram(args.device_budget_mb * MIB, args.host_budget_mb * MIB)
+        budgets = {"device_budget_bytes": int(device or 0)} | ({} if host is None else {"host_budget_bytes": int(host)})
     overrides = Overrides(
         is_stacked_when_fits=not args.no_stack,
         num_io_threads=args.io_threads,

@@ -44,15 +44,17 @@ def add_parser(subparsers: Any) -> None:
         type=float,
         default=None,
         help="every device byte: expert slots, KV blocks, staged and gathered KV, dequantized low-bit experts. "
-        "Without a GPU, device and host are one RAM: this is the cache experts are computed from (the device "
-        "tier aliases host copies, never a second copy)",
+        "Without a GPU this is the one RAM budget (experts, low-bit copies, KV blocks, scratch; the disk holds "
+        "the checkpoint and the KV spill); without it, the memory limit (cgroup or physical RAM) minus the "
+        "dense weights and a margin",
     )
     p.add_argument(
         "--host-budget-mb",
         type=float,
         default=None,
-        help="host memory for cached expert copies, low-bit copies and KV copies, in true bytes; experts not "
-        "cached are read from the checkpoint's own files, KV beyond it goes to --spill-dir",
+        help="GPU only: host memory for cached expert copies, low-bit copies and KV copies, in true bytes; "
+        "experts not cached are read from the checkpoint's own files, KV beyond it goes to --spill-dir. "
+        "Without a GPU there is no host tier (only 0 is accepted)",
     )
     p.add_argument("--spill-dir", default=None, help="KV disk tier directory (default: a temporary directory)")
     p.add_argument(
@@ -93,7 +95,8 @@ def add_parser(subparsers: Any) -> None:
         action="append",
         default=[],
         choices=sorted(t.value for t in FORCEABLE_TAGS),
-        help="force a fallback tag on (repeatable), for testing",
+        help="force a fallback tag on (repeatable), for testing; cpu_execute is not offered where the device is "
+        "the CPU (RAM is the only fast tier: no host copy to compute from)",
     )
     p.add_argument("--ledger", default=None, help=f"ledger URL (default: ${ENV_VAR}, else {DEFAULT_LEDGER})")
     p.add_argument("--no-ledger", action="store_true", help="record nothing (no audit, no gate)")

@@ -1,0 +1,125 @@
+"""Low-bit expert copies persisted on disk, so a low-bit miss reads a half (int8) or a quarter (int4) of an
+expert's bytes instead of the full expert.
+
+One directory per checkpoint and bit width, keyed by the xxh3-64 of the checkpoint's manifest (a changed
+checkpoint never meets an old copy): ``<root>/<manifest hash>/int<bits>/`` holds ``slots.bin``, one
+4 KiB-aligned slot per expert (gate_up's codes, scales, zero points, then down's), and ``index.json``, per
+expert its slot and the xxh3-64 of the slot's bytes. Reads use O_DIRECT (no page cache: the bytes a tag
+reports are bytes the disk delivered) and are checked against the index; a mismatch drops the entry (the
+copy is made again from the checkpoint). The slots stop at `cap_bytes`.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import pathlib
+
+import torch
+import xxhash
+
+from fallbackgate.engine.experts.quant import Quantized, quantize
+from fallbackgate.engine.model.checkpoint_files import DIRECT_ALIGN
+
+INDEX_VERSION = 1
+LowbitPair = tuple[Quantized, Quantized]  # gate_up, down
+
+
+def manifest_hash(manifest_file: pathlib.Path) -> str:
+    """xxh3-64 (hex) of the checkpoint's manifest file: the cache's key."""
+    return xxhash.xxh3_64(manifest_file.read_bytes()).hexdigest()
+
+
+def _parts(pair: LowbitPair) -> list[torch.Tensor]:
+    return [t.contiguous() for q in pair for t in (q.codes, q.scales, q.zeros)]
+
+
+class LowbitDiskCache:
+    """Fixed-size slots of one bit width's low-bit copies of one checkpoint's experts."""
+
+    def __init__(
+        self,
+        root: pathlib.Path,
+        key_hash: str,
+        bits: int,
+        matrix_shapes: tuple[tuple[int, int], tuple[int, int]],
+        cap_bytes: int,
+    ) -> None:
+        self.dir = root / key_hash / f"int{bits}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.bits = bits
+        self.template = tuple(quantize(torch.zeros(shape), bits, axis=1) for shape in matrix_shapes)
+        self.copy_bytes = sum(t.numel() * t.element_size() for t in _parts(self.template))  # as a tag counts it
+        self.slot_bytes = -(-self.copy_bytes // DIRECT_ALIGN) * DIRECT_ALIGN
+        self.num_slots = max(0, cap_bytes) // self.slot_bytes
+        self.index_file, self.slots_file = self.dir / "index.json", self.dir / "slots.bin"
+        self.slots: dict[str, tuple[int, str]] = self._load_index()  # "layer:expert" -> (slot, xxh3-64)
+        self.num_bytes_read = 0
+        self.buffer = mmap.mmap(-1, self.slot_bytes)  # page-aligned, for O_DIRECT
+        try:
+            self.fd = os.open(self.slots_file, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644)
+        except OSError:  # a file system without O_DIRECT: buffered (the page cache may then serve reads)
+            self.fd = os.open(self.slots_file, os.O_RDWR | os.O_CREAT, 0o644)
+
+    def _load_index(self) -> dict[str, tuple[int, str]]:
+        try:
+            body = json.loads(self.index_file.read_text())
+            if body.get("version") != INDEX_VERSION or body.get("slot_bytes") != self.slot_bytes:
+                return {}
+            return {k: (int(s), str(d)) for k, (s, d) in body["slots"].items() if int(s) < self.num_slots}
+        except (OSError, ValueError, KeyError, TypeError):
+            return {}  # absent or unreadable: start empty (copies are remade from the checkpoint)
+
+    def _save_index(self) -> None:
+        body = {"version": INDEX_VERSION, "slot_bytes": self.slot_bytes, "slots": self.slots}
+        tmp = self.index_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(body))
+        tmp.replace(self.index_file)
+
+    def get(self, key: tuple[int, int]) -> LowbitPair | None:
+        """The persisted copy of expert `key`, read from disk and verified; None when absent or corrupt."""
+        name = f"{key[0]}:{key[1]}"
+        if name not in self.slots:
+            return None
+        slot, digest = self.slots[name]
+        got = os.preadv(self.fd, [self.buffer], slot * self.slot_bytes)
+        self.num_bytes_read += got
+        raw = bytes(memoryview(self.buffer)[: self.copy_bytes])
+        if got < self.copy_bytes or xxhash.xxh3_64(raw).hexdigest() != digest:
+            del self.slots[name]
+            self._save_index()
+            return None
+        data, offset, tensors = torch.frombuffer(bytearray(raw), dtype=torch.uint8), 0, []
+        for template in _parts(self.template):
+            size = template.numel() * template.element_size()
+            tensors.append(data[offset : offset + size].view(template.dtype).view(template.shape))
+            offset += size
+        return tuple(  # type: ignore[return-value]
+            Quantized(tensors[3 * i], tensors[3 * i + 1], tensors[3 * i + 2], q.bits, q.axis, q.group_size, q.shape)
+            for i, q in enumerate(self.template)
+        )
+
+    def put(self, key: tuple[int, int], pair: LowbitPair) -> bool:
+        """Persist expert `key`'s copy in the next free slot; False when the cap is reached."""
+        name = f"{key[0]}:{key[1]}"
+        used = {slot for slot, _ in self.slots.values()}
+        free = next((s for s in range(self.num_slots) if s not in used), None)
+        if free is None:
+            return False
+        raw = b"".join(t.view(torch.uint8).reshape(-1).numpy().tobytes() for t in _parts(pair))
+        if len(raw) != self.copy_bytes:
+            raise ValueError(f"low-bit copy of expert {key} has {len(raw)} B, slots hold {self.copy_bytes} B")
+        view = memoryview(self.buffer)
+        view[: len(raw)] = raw
+        view[len(raw) :] = bytes(self.slot_bytes - len(raw))
+        os.pwritev(self.fd, [self.buffer], free * self.slot_bytes)
+        self.slots[name] = (free, xxhash.xxh3_64(raw).hexdigest())
+        self._save_index()
+        return True
+
+    def close(self) -> None:
+        """Close the slots file."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
