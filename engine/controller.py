@@ -37,6 +37,7 @@ class ExpertMiss:
     is_lowbit_available: bool  # an int8/int4 copy exists
     is_device_room: bool  # the expert fits on device without evicting anything
     dtype: str = ""  # compute dtype of the expert's weights ("bfloat16", ...), for its measured compute time
+    is_cpu_execute_offered: bool = True  # False where the device is the CPU: RAM is the one fast tier
 
 
 @dataclasses.dataclass(slots=True)

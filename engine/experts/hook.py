@@ -119,6 +119,7 @@ def plan_expert_uses(
                     store.has_lowbit(key),
                     store.device_pool.can_reserve(store.bytes_per_expert),
                     str(store.reader.compute_dtype).removeprefix("torch."),
+                    not store.is_ram_tiered,
                 )
             )
         token_idx = torch.tensor(tokens, device=device)

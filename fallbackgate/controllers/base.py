@@ -129,6 +129,7 @@ class ExactBaseline(Controller):
         cls = self.policy.classes.get(miss.request_class)
         cpu_s = cpu_expert_s(self.link.profile, miss)
         is_allowed = cls is not None and Tag.CPU_EXECUTE.value in cls.budget.allowed_tags
+        is_allowed = is_allowed and miss.is_cpu_execute_offered
         if is_allowed and cpu_s < sum(self.link.legs(miss.num_bytes, miss.home).values()) and cpu_s <= self.cpu_left_s:
             self.cpu_left_s -= cpu_s
             return Decision(Tag.CPU_EXECUTE, reason="deadline: same math on the CPU")

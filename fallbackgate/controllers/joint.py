@@ -209,7 +209,8 @@ class JointController(Controller):
         """Fallbacks in order of preference: same math on the CPU when it beats the late load, then by cost."""
         options: list[tuple[Tag, float]] = []
         cpu_s = cpu_expert_s(self.link.profile, miss)
-        if cpu_s < sum(self.link.legs(miss.num_bytes, miss.home).values()) and cpu_s <= self.cpu_left_s:
+        is_faster = cpu_s < sum(self.link.legs(miss.num_bytes, miss.home).values()) and cpu_s <= self.cpu_left_s
+        if miss.is_cpu_execute_offered and is_faster:
             options.append((Tag.CPU_EXECUTE, 0.0))
         if miss.is_lowbit_available and self.link.fits(self._lowbit_bytes(), Tier.HOST):
             options.append(
