@@ -158,8 +158,6 @@ def _run_forcing_disk_spills(tmp_path: pathlib.Path, ledger: pathlib.Path) -> li
         str(tmp_path / "spill"),
         "--device-budget-mb",
         "3",
-        "--host-budget-mb",
-        "0.01",
         "--force",
         "kv_dequant",
         "--max-new-tokens",

@@ -132,10 +132,10 @@ def test_mislabelled_tag(model: pathlib.Path, tmp_path: pathlib.Path, monkeypatc
     engine = _engine(model, ("expert_lowbit",), is_emulated_device_tier=True)  # host low-bit bytes: emulated
     armed, record_fetched = _at_step(engine, FAULT_STEP), engine.executor._record_fetched
 
-    def mislabel(uses, fetch_tag, moved, tier, transfer_s, note) -> None:
+    def mislabel(uses, fetch_tag, fetched, transfer_s, wait_ns) -> None:
         if armed() and fetch_tag is Tag.EXPERT_LOWBIT:
             fetch_tag = Tag.EXACT_LOAD  # a low-bit transfer recorded as an exact load
-        record_fetched(uses, fetch_tag, moved, tier, transfer_s, note)
+        record_fetched(uses, fetch_tag, fetched, transfer_s, wait_ns)
 
     monkeypatch.setattr(engine.executor, "_record_fetched", mislabel)
     recorded = _judge(engine, tmp_path, GENEROUS)

@@ -114,7 +114,7 @@ def test_exact_load_from_a_disk_copy_the_spill_never_wrote(
 def test_kv_dequant_names_a_tier_its_quantized_copy_is_not_in(
     model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = _tight(model, ("kv_dequant",), host_budget_bytes=1)  # quantized copies go to disk
+    engine = _tight(model, ("kv_dequant",), host_budget_bytes=0)  # quantized copies go to disk
     stage_dequant, moved = KVStore._stage_dequant, []
 
     def say_host(self: KVStore, block: KVBlock) -> Staged:
@@ -135,7 +135,7 @@ def test_kv_dequant_names_a_tier_its_quantized_copy_is_not_in(
 
 
 def test_correct_kv_dequant_from_disk_passes(model: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    recorded = _judge(_tight(model, ("kv_dequant",), host_budget_bytes=1), tmp_path)
+    recorded = _judge(_tight(model, ("kv_dequant",), host_budget_bytes=0), tmp_path)
     assert not any(_mismatches(recorded).values()), _mismatches(recorded)
     reads = [c for c in _journal(recorded, tmp_path) if c["action"] == CopyAction.READ.value]
     assert {(c["tier"], c["bits"]) for c in reads} >= {(Tier.DISK.value, 8)}
@@ -237,7 +237,7 @@ def test_per_layer_staging_is_counted_once_per_read(
 def test_writer_rewrites_an_exact_loads_tier(
     model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine = _tight(model, host_budget_bytes=1)  # a host tier too small for a block: full copies go to disk
+    engine = _tight(model, host_budget_bytes=0)  # a host tier too small for a block: full copies go to disk
     step_rows, rewritten = ledger_rows.step_rows, []
 
     def host_instead_of_disk(run_id, plan, result, rows, sample_steps) -> int:

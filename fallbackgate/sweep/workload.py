@@ -15,7 +15,8 @@ import random
 from typing import Any
 
 from fallbackgate.batch.prompts import PromptSpec
-from fallbackgate.engine.tags import NON_EXACT_TAGS, Exactness
+from fallbackgate.engine.model.build import resolve_device
+from fallbackgate.engine.tags import NON_EXACT_TAGS, Exactness, Tag
 from fallbackgate.policy.schema import FALLBACK_TAGS, AuditMode, ControllerKind, Policy
 from fallbackgate.profiling.names import MEASURED
 from fallbackgate.resources import package_dir
@@ -89,7 +90,9 @@ def default_policy(
     best-effort) targets in measured wall clock: a decode step of the bundled model with 8 requests takes
     7-9 ms on the 2-core machine this was built on. The controller predicts with ``profile`` (this
     machine's measured one by default; ``pcie4-gpu-nvme`` is the what-if the sweep used before)."""
-    equivalent = [t.value for t in NON_EXACT_TAGS if t.exactness is Exactness.EQUIVALENT]
+    is_cpu = resolve_device("auto").type == "cpu"  # cpu_execute is not offered where the device is the CPU
+    offered = [t for t in NON_EXACT_TAGS if not (is_cpu and t is Tag.CPU_EXECUTE)]
+    equivalent = [t.value for t in offered if t.exactness is Exactness.EQUIVALENT]
     return Policy.model_validate(
         {
             "hardware": {"profile": profile},
@@ -109,7 +112,7 @@ def default_policy(
                         "max_p99_kl": 0.3,
                         "min_top1_agreement": 0.85,
                         "max_approx_fraction": 0.3,
-                        "allowed_tags": list(FALLBACK_TAGS),
+                        "allowed_tags": [t for t in FALLBACK_TAGS if t in {o.value for o in offered}],
                     },
                 },
             },
