@@ -85,7 +85,7 @@ def test_tagged_disk_bytes_agree_with_the_kernel_count(capped) -> None:
     engine, _, events, read = capped
     tagged = sum(e.bytes_moved for e in events if e.source_tier is Tier.DISK)
     loads = [e for e in events if e.tag is Tag.EXACT_LOAD and e.object_kind is ObjectKind.EXPERT]
-    assert engine.tier_layout is TierLayout.RAM_DISK
+    assert engine.tier_layout is TierLayout.RAM_DISK and engine.view().is_ram_tiered  # the controllers see it
     assert loads and tagged > 4 * MIB  # the budget holds ~13 of 64 experts: many are read again
     assert abs(read - tagged) <= 0.10 * tagged, (read / MIB, tagged / MIB)
 
@@ -171,7 +171,7 @@ def test_the_default_budget_is_sized_from_real_memory_and_the_summary_says_so() 
 def test_the_emulated_device_tier_keeps_two_budgets_and_is_named() -> None:
     engine = _engine(4 * MIB, is_emulated_device_tier=True)
     try:
-        assert engine.tier_layout is TierLayout.EMULATED_DEVICE_HOST_DISK
+        assert engine.tier_layout is TierLayout.EMULATED_DEVICE_HOST_DISK and not engine.view().is_ram_tiered
         assert engine.expert_store.is_aliased and engine.expert_store.host_pool.budget_bytes > 0
         assert "EMULATED" in engine.budget_note
         assert memory_summary(engine)["tier_layout"] == "emulated_device_host_disk"
