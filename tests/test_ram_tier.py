@@ -168,6 +168,18 @@ def test_the_default_budget_is_sized_from_real_memory_and_the_summary_says_so() 
         engine.close()
 
 
+def test_the_summary_counts_on_disk_only_the_experts_not_resident(capped) -> None:
+    """On a CPU every expert's home is the checkpoint: the ones resident in RAM are not "homed on disk"."""
+    engine = capped[0]
+    num_total, num_resident = len(engine.expert_store.entries), len(engine.expert_store.device_keys())
+    assert 0 < num_resident < num_total  # the 4 MiB budget holds some of the experts
+    mem = memory_summary(engine)
+    assert mem["num_experts_on_disk"] == num_total - num_resident
+    out = io.StringIO()
+    print_memory(mem, out)
+    assert f"{num_total - num_resident} homed on disk" in out.getvalue()
+
+
 def test_the_emulated_device_tier_keeps_two_budgets_and_is_named() -> None:
     engine = _engine(4 * MIB, is_emulated_device_tier=True)
     try:
