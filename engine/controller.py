@@ -236,6 +236,12 @@ class ControllerView(Protocol):
         scales; None when it has no quantized copy in memory."""
         ...
 
+    @property
+    def is_ram_tiered(self) -> bool:
+        """Whether the engine runs on the RAM/disk layout (a CPU, ``TierLayout.RAM_DISK``): RAM is the one
+        fast tier (the device pool), a disk read lands in it directly, and there is no host tier."""
+        ...
+
     def io_snapshot(self) -> IOSnapshot:
         """The disk's I/O queue now: transfers in flight and queued, their bytes, and the requests waiting on
         them (every expert and KV read or write goes through the one scheduler)."""

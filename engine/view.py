@@ -63,6 +63,10 @@ class LiveView:
         return self._io.snapshot() if self._io is not None else EMPTY_SNAPSHOT
 
     @property
+    def is_ram_tiered(self) -> bool:
+        return self._experts.is_ram_tiered
+
+    @property
     def profile(self) -> HardwareProfile:
         return self._profile
 

@@ -49,6 +49,7 @@ class StaticView:
     quant_error_energies: Mapping[KVBlockKey, float] = dataclasses.field(default_factory=_frozen)
     quantized_copy_bytes: Mapping[tuple[ObjectKind, int], int] = dataclasses.field(default_factory=_frozen)
     io: IOSnapshot = EMPTY_SNAPSHOT
+    is_ram_tiered: bool = False  # the RAM/disk layout (a CPU): disk reads land in RAM, no host tier
 
     def __post_init__(self) -> None:
         names = ("request_classes", "device_bytes_by_kind", "expert_homes", "kv_tokens", "staged_kv_tags")

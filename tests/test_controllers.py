@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -209,3 +210,31 @@ def test_factory_builds_every_kind() -> None:
         ControllerKind.INDEPENDENT_LRU: "IndependentLRUController",
         ControllerKind.EXACT_LRU: "ExactLRUController",
     }
+
+
+def test_a_disk_read_on_the_ram_disk_layout_takes_the_disk_leg_only() -> None:
+    """On a CPU a disk read lands in RAM: its time is the disk's, with no host-to-device copy after it (a
+    host link slower than the disk makes the difference decide the miss)."""
+    profile = dataclasses.replace(SLOW, host_to_device_bytes_per_s=5e7)
+    disk_s = EXPERT_BYTES / profile.disk_to_host_bytes_per_s
+    pcie_s = profile.link_latency_s + EXPERT_BYTES / profile.host_to_device_bytes_per_s
+    assert pcie_s > 1.5 * disk_s
+    defer = QualityBudget(
+        max_mean_kl=1.0, max_p99_kl=5.0, max_approx_fraction=1.0, allowed_tags=["expert_defer"], min_top1_agreement=0
+    )
+    tpot_ms = 1e3 * (profile.dense_step_s(LAYERS, 0.0) + 1.2 * disk_s)  # the disk read fits; its PCIe copy not
+    policy = Policy(classes={"c": RequestClass(slo=SLO(tpot_ms=tpot_ms), budget=defer)}, default_class="c")
+    plan = StepPlan(1, StepKind.DECODE, ["r"], {"r": 1}, {"r": 8})
+    miss = ExpertMiss(1, "r", "c", 0, 1, 1, 0.5, Tier.DISK, EXPERT_BYTES, False, False)
+    tags = {}
+    for is_ram_tiered in (False, True):
+        controller = make_controller("joint", policy, top_k=TOP_K)
+        view = dataclasses.replace(fake_view(profile, {"r": "c"}, ["r"]), is_ram_tiered=is_ram_tiered)
+        controller.on_step_start(plan, view)
+        legs = controller.link.legs(EXPERT_BYTES, Tier.DISK)
+        assert legs == ({Tier.DISK: disk_s} if is_ram_tiered else {Tier.DISK: disk_s, Tier.HOST: pcie_s})
+        tags[is_ram_tiered] = controller.expert_action(miss).tag
+        if is_ram_tiered:  # the exact load queued its disk read and left the host link untouched
+            assert controller.link.used_s(Tier.DISK) == pytest.approx(disk_s)
+            assert controller.link.left_s[Tier.HOST] == controller.link.deadline_s
+    assert tags == {False: Tag.EXPERT_DEFER, True: Tag.EXACT_LOAD}

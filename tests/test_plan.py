@@ -7,9 +7,11 @@ import pathlib
 
 import pytest
 
+import fallbackgate
 from fallbackgate.cli import main
+from fallbackgate.engine.config import TierLayout
 from fallbackgate.engine.hardware import CPU_BOX
-from fallbackgate.planning.plan import Workload, make_plan
+from fallbackgate.planning.plan import Workload, _unique, make_plan
 from fallbackgate.planning.shape import model_shape
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 from tests.checkpoints import make_checkpoint
@@ -92,3 +94,43 @@ def test_routing_exponent_from_recorded_runs(tmp_path: pathlib.Path) -> None:
         alpha = routing_exponent(ledger, shape)
         assert routing_exponent(ledger, shape, exclude_run_ids={recorded.run_id}) is None
     assert alpha is not None and 0.0 < alpha < 5.0
+
+
+def test_a_cpu_plan_has_ram_and_disk_only_and_says_why() -> None:
+    """On a CPU a miss is one disk read into RAM, no class is offered cpu_execute, and a host budget is refused."""
+    shape = model_shape(CHECKPOINT_DIR)
+    kv = make_plan(shape, CPU_BOX, Workload(64, 4, None, None)).kv_bytes
+    budget = kv + (shape.top_k + 1) * shape.expert_bytes
+    cuda = make_plan(shape, CPU_BOX, Workload(64, 4, budget, 0))
+    cpu = make_plan(shape, CPU_BOX, Workload(64, 4, budget, None, layout=TierLayout.RAM_DISK))
+    assert (cpu.home, cpu.tier_layout, cuda.tier_layout) == ("disk", "ram_disk", "device_host_disk")
+    assert "no host tier" in cpu.tier_note and "no cpu_execute" in cpu.tier_note and cuda.tier_note == ""
+    pcie_s = shape.expert_bytes / CPU_BOX.host_to_device_bytes_per_s  # the leg a CPU's disk read does not take
+    misses = shape.num_moe_layers * _unique(shape, 4) * (1.0 - cpu.num_expert_slots / cpu.num_experts_total)
+    assert cuda.tpot_ms - cpu.tpot_ms == pytest.approx(1e3 * misses * pcie_s, rel=1e-6)
+    classes = {
+        "any": {"slo": {"tpot_ms": 0.001}, "budget": {}},
+        "exact-only": {"slo": {"tpot_ms": 0.001}, "budget": {"allowed_tags": []}},
+    }
+    on_cpu = make_plan(shape, CPU_BOX, Workload(64, 4, budget, None, layout=TierLayout.RAM_DISK), classes)
+    by = {c.name: c for c in on_cpu.classes}
+    assert by["any"].fallback == "expert_defer" and not by["exact-only"].is_met and by["exact-only"].fallback is None
+    on_cuda = make_plan(shape, CPU_BOX, Workload(64, 4, budget, 0), classes)
+    assert [c.fallback for c in on_cuda.classes] == ["expert_defer", "cpu_execute"]  # the same classes on CUDA
+    with pytest.raises(ValueError, match="host budget .* not offered where the device is the CPU"):
+        Workload(64, 4, budget, 1 << 20, layout=TierLayout.RAM_DISK)
+
+
+def test_plan_command_on_a_cpu(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    policy = tmp_path / "p.yaml"
+    exact = (pathlib.Path(fallbackgate.__file__).parent / "policies" / "exact.yaml").read_text()
+    policy.write_text(exact.replace("tpot_ms: 50", "tpot_ms: 0.001"))  # exact only, an SLO nothing meets
+    out = tmp_path / "plan.json"
+    argv = ["plan", "--context", "64", "--concurrency", "4", "--device", "cpu", "--device-budget-mb", "4"]
+    assert main([*argv, "--policy", str(policy), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "no host tier and no cpu_execute" in printed and "misses come from disk" in printed
+    assert "no allowed fallback is offered here" in printed and "needs cpu_execute" not in printed
+    assert json.loads(out.read_text())["tier_layout"] == "ram_disk"
+    assert main([*argv, "--host-budget-mb", "1"]) == 2
+    assert "not offered where the device is the CPU" in capsys.readouterr().err

@@ -85,7 +85,7 @@ def test_tagged_disk_bytes_agree_with_the_kernel_count(capped) -> None:
     engine, _, events, read = capped
     tagged = sum(e.bytes_moved for e in events if e.source_tier is Tier.DISK)
     loads = [e for e in events if e.tag is Tag.EXACT_LOAD and e.object_kind is ObjectKind.EXPERT]
-    assert engine.tier_layout is TierLayout.RAM_DISK
+    assert engine.tier_layout is TierLayout.RAM_DISK and engine.view().is_ram_tiered  # the controllers see it
     assert loads and tagged > 4 * MIB  # the budget holds ~13 of 64 experts: many are read again
     assert abs(read - tagged) <= 0.10 * tagged, (read / MIB, tagged / MIB)
 
@@ -168,10 +168,22 @@ def test_the_default_budget_is_sized_from_real_memory_and_the_summary_says_so() 
         engine.close()
 
 
+def test_the_summary_counts_on_disk_only_the_experts_not_resident(capped) -> None:
+    """On a CPU every expert's home is the checkpoint: the ones resident in RAM are not "homed on disk"."""
+    engine = capped[0]
+    num_total, num_resident = len(engine.expert_store.entries), len(engine.expert_store.device_keys())
+    assert 0 < num_resident < num_total  # the 4 MiB budget holds some of the experts
+    mem = memory_summary(engine)
+    assert mem["num_experts_on_disk"] == num_total - num_resident
+    out = io.StringIO()
+    print_memory(mem, out)
+    assert f"{num_total - num_resident} homed on disk" in out.getvalue()
+
+
 def test_the_emulated_device_tier_keeps_two_budgets_and_is_named() -> None:
     engine = _engine(4 * MIB, is_emulated_device_tier=True)
     try:
-        assert engine.tier_layout is TierLayout.EMULATED_DEVICE_HOST_DISK
+        assert engine.tier_layout is TierLayout.EMULATED_DEVICE_HOST_DISK and not engine.view().is_ram_tiered
         assert engine.expert_store.is_aliased and engine.expert_store.host_pool.budget_bytes > 0
         assert "EMULATED" in engine.budget_note
         assert memory_summary(engine)["tier_layout"] == "emulated_device_host_disk"

@@ -135,7 +135,10 @@ def memory_summary(engine: Engine) -> dict[str, Any]:
         "expert_bytes_total": experts.bytes_per_expert * len(experts.entries),
         "bytes_per_expert": experts.bytes_per_expert,
         "bytes_per_kv_block": engine.kv_store.bytes_per_block,
-        "num_experts_on_disk": sum(1 for key in experts.entries if experts.home(key) is Tier.DISK),
+        # experts whose only full-precision copy is the checkpoint: not resident, not cached on the host
+        "num_experts_on_disk": sum(
+            1 for key in experts.entries if experts.home(key) is Tier.DISK and not experts.is_on_device(key)
+        ),
         "peak_device_pool_bytes": engine.kv_store.device_pool.peak_used_bytes,
         "peak_device_pool_bytes_by_kind": {
             kind.value: peak for kind, peak in engine.kv_store.device_pool.peak_bytes_by_kind.items()

@@ -71,6 +71,7 @@ class BenchView:
     def __init__(self, kv: KVStore, on_device: dict, homes: dict, running: tuple[str, ...]) -> None:
         self.kv, self.on_device, self.homes, self.running = kv, on_device, homes, running
         self.profile: HardwareProfile = CPU_BOX
+        self.is_ram_tiered = False  # homes on host or disk, as on CUDA
         self.used_expert_keys: tuple = ()
         self.used_kv_block_keys: tuple = ()
         self.deferred_expert_keys: tuple = ()

@@ -1,10 +1,13 @@
 """``fallbackgate plan --model DIR --context N --concurrency B [--device-budget-mb X] [--host-budget-mb Y]
-[--policy FILE] [--profile P] [--json FILE]``: will it run, and how, before loading any weight.
+[--policy FILE] [--profile P] [--device auto|cpu|cuda] [--json FILE]``: will it run, and how, before loading
+any weight.
 
 Reads config.json and the safetensors headers only. Prints whether the model fits the device budget, the
 split between KV blocks and expert slots, the expected expert hit rate, predicted (modeled, from the
 hardware profile) TTFT and TPOT, and for each class of the policy whether its TPOT SLO is met exactly or
-which fallback it would need, with the predicted quality cost.
+which fallback it would need, with the predicted quality cost. Where the device is the CPU (``--device
+auto`` without CUDA) the plan has the engine's two CPU tiers, RAM and the disk, and says so: no host tier, no
+cpu_execute.
 
 Exit status: 0 when it fits, 1 when it does not, 2 for bad arguments, model or policy.
 """
@@ -17,8 +20,9 @@ import pathlib
 import sys
 from typing import Any
 
-from fallbackgate.engine.config import MIB
+from fallbackgate.engine.config import MIB, TierLayout, tier_layout
 from fallbackgate.engine.errors import EngineError
+from fallbackgate.engine.model.build import resolve_device
 from fallbackgate.ledger.db import LedgerError, open_ledger
 from fallbackgate.planning.history import routing_exponent
 from fallbackgate.planning.plan import Plan, Workload, make_plan
@@ -43,6 +47,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--policy", default=None, help="policy YAML: its classes' SLOs and budgets are planned for")
     p.add_argument("--profile", choices=PROFILE_NAMES, default=MEASURED, help="hardware profile (default: measured)")
     p.add_argument("--ledger", default=None, help="fit the model's routing concentration from its recorded runs here")
+    tiers = "the engine's device, for its tiers: cpu has RAM and the disk (auto: cuda when available)"
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help=tiers)
     p.add_argument("--json", default=None, help="also write the plan as JSON to this path")
     p.set_defaults(func=run)
 
@@ -70,14 +76,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"fallbackgate plan: error: {exc}", file=sys.stderr)
         return 2
     to_bytes = lambda mb: None if mb is None else int(mb * MIB)  # noqa: E731
-    workload = Workload(
-        args.context,
-        args.concurrency,
-        to_bytes(args.device_budget_mb),
-        to_bytes(args.host_budget_mb),
-        args.block_size,
-        (policy.controller.expert_lowbit_bits or 8) if policy else 8,
-    )
+    try:
+        workload = Workload(
+            args.context,
+            args.concurrency,
+            to_bytes(args.device_budget_mb),
+            to_bytes(args.host_budget_mb),
+            args.block_size,
+            (policy.controller.expert_lowbit_bits or 8) if policy else 8,
+            layout=tier_layout(resolve_device(args.device), is_emulated_device_tier=False),
+        )
+    except ValueError as exc:
+        print(f"fallbackgate plan: error: {exc}", file=sys.stderr)
+        return 2
     classes = None
     if policy is not None:
         budgets, slos = class_budgets(policy), class_slos(policy)
@@ -103,9 +114,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _print(plan: Plan, model: str, profile: str) -> None:
     print(f"model {model}: {'fits' if plan.fits else 'DOES NOT FIT'} ({plan.reason})")
+    if plan.tier_note:
+        print(plan.tier_note)
+    where = "in RAM" if plan.tier_layout == TierLayout.RAM_DISK.value else "on device"
     print(
         f"memory: KV {plan.kv_bytes / MIB:.1f} MiB, experts {plan.expert_slot_bytes / MIB:.1f} MiB = "
-        f"{plan.num_expert_slots} of {plan.num_experts_total} experts on device; misses come from {plan.home}"
+        f"{plan.num_expert_slots} of {plan.num_experts_total} experts {where}; misses come from {plan.home}"
     )
     print(
         f"predicted (modeled, profile {profile}): expert hit rate {plan.hit_rate:.2f}, TTFT {plan.ttft_ms:.1f} ms, "
@@ -120,6 +134,8 @@ def _print(plan: Plan, model: str, profile: str) -> None:
                 f"<= {c.tpot_slo_ms} ms; "
                 f"predicted cost {c.predicted_kl_per_token:.3g} nats/token (budget mean KL {c.budget_mean_kl})"
             )
+        elif c.fallback is None:
+            print(f"  class {c.name}: TPOT SLO {c.tpot_slo_ms} ms not met, and no allowed fallback is offered here")
         else:
             print(
                 f"  class {c.name}: TPOT SLO {c.tpot_slo_ms} ms not met by any allowed fallback "

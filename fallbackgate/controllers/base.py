@@ -117,7 +117,7 @@ class ExactBaseline(Controller):
         if self.is_equivalent_allowed and self.policy is not None:
             self.link.profile = view.profile
             deadline = step_deadline_s(self.policy, plan, view)
-            self.link.reset(deadline, view.io_snapshot())
+            self.link.reset(deadline, view.io_snapshot(), view.is_ram_tiered)
             self.cpu_left_s = deadline
 
     def expert_action(self, miss: ExpertMiss) -> Decision:

@@ -94,7 +94,7 @@ class JointController(Controller):
         self.step_id, self.is_observe = plan.step_id, plan.is_observe
         self.loading.clear()
         deadline = step_deadline_s(self.policy, plan, view)
-        self.link.reset(deadline, view.io_snapshot())
+        self.link.reset(deadline, view.io_snapshot(), view.is_ram_tiered)
         self.cpu_left_s = deadline
         base = view.num_layers * self.top_k
         for rid in plan.request_ids:

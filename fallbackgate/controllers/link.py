@@ -3,6 +3,9 @@
 A disk read's time comes from the measured disk table (``HardwareProfile.disk``) at the queue depth it will
 meet: the transfers already on the engine's I/O queue when the step starts, plus the step's disk reads
 queued before it, up to the scheduler's transfers in flight at once.
+
+On the RAM/disk layout (a CPU, ``TierLayout.RAM_DISK``) a disk read lands in RAM, where the expert computes:
+it takes one leg, the disk's, and no host-to-device copy follows it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from fallbackgate.engine.tags import Tier
 class LinkBudget:
     """Seconds left on each link in the current step: host->device (PCIe) and disk->host (NVMe).
 
-    A disk-homed object uses both: its disk read and then its PCIe copy.
+    A disk-homed object uses both: its disk read and then its PCIe copy; on the RAM/disk layout
+    (`is_ram_tiered`) only its disk read.
     """
 
     profile: HardwareProfile
@@ -27,10 +31,13 @@ class LinkBudget:
     disk_depth_at_start: int = 0  # transfers on the I/O queue when the step started
     disk_max_depth: int = 1  # transfers the I/O scheduler keeps in flight at once
     num_disk_queued: int = 0  # disk reads this step has queued so far
+    is_ram_tiered: bool = False  # a CPU: a disk read lands in RAM directly, no host-to-device leg after it
 
-    def reset(self, deadline_s: float, io: IOSnapshot | None = None) -> None:
-        """Open a new step with `deadline_s` of link time on every link, behind the I/O queue `io`."""
+    def reset(self, deadline_s: float, io: IOSnapshot | None = None, is_ram_tiered: bool = False) -> None:
+        """Open a new step with `deadline_s` of link time on every link, behind the I/O queue `io`, on the
+        RAM/disk layout when `is_ram_tiered`."""
         self.deadline_s = deadline_s
+        self.is_ram_tiered = is_ram_tiered
         self.left_s = {Tier.HOST: deadline_s, Tier.DISK: deadline_s}
         self.disk_depth_at_start = io.depth if io is not None else 0
         self.disk_max_depth = max(1, io.num_workers) if io is not None else 1
@@ -48,7 +55,8 @@ class LinkBudget:
         p = self.profile
         pcie = p.link_latency_s + num_bytes / p.host_to_device_bytes_per_s
         if source is Tier.DISK:
-            return {Tier.DISK: p.disk_read_busy_s(num_bytes, self.disk_queue_depth), Tier.HOST: pcie}
+            disk_s = p.disk_read_busy_s(num_bytes, self.disk_queue_depth)
+            return {Tier.DISK: disk_s} if self.is_ram_tiered else {Tier.DISK: disk_s, Tier.HOST: pcie}
         return {Tier.HOST: pcie}
 
     def disk_arrival_s(self, num_bytes: int) -> float:
@@ -70,6 +78,8 @@ class LinkBudget:
         """Link seconds queued so far this step on the links `source` uses (the latest of them): when a
         transfer queued now would start arriving."""
         tiers = [Tier.DISK, Tier.HOST] if source is Tier.DISK else [Tier.HOST]
+        if source is Tier.DISK and self.is_ram_tiered:
+            tiers = [Tier.DISK]
         return max(self.deadline_s - self.left_s.get(t, self.deadline_s) for t in tiers)
 
     def reserve_s(self, tier: Tier, seconds: float) -> None:

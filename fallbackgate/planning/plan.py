@@ -15,7 +15,11 @@ of `concurrency` requests of `context` tokens each:
 - **TTFT**: every request's prompt packed into prefill chunks of 256 tokens (requests arriving together);
 - **fallbacks per class**: when the exact TPOT misses a class's SLO, the first of the class's allowed
   fallbacks that meets it (cpu_execute on host, expert_lowbit, expert_defer of the misses), with its
-  predicted quality cost per token from the controllers' cost model (default or calibrated scales).
+  predicted quality cost per token from the controllers' cost model (default or calibrated scales);
+- **tiers** (`Workload.layout`): on a CPU (``TierLayout.RAM_DISK``) RAM is the one budgeted tier (the device
+  budget) and the disk the other: a miss is one disk read into RAM at the disk's measured rate, there is no
+  host tier (a host budget is refused, as the engine refuses it) and no cpu_execute (the experts compute on
+  the CPU already); low-bit misses read their low-bit bytes from the disk (the engine's low-bit cache).
 
 KV fallbacks and preemption are not planned; time is the profile's prediction (modeled), as `plan` says.
 """
@@ -26,12 +30,17 @@ import dataclasses
 from typing import Any
 
 from fallbackgate.controllers.cost import CostModel
+from fallbackgate.engine.config import TierLayout
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.tags import Tag, Tier
 from fallbackgate.planning.shape import ModelShape
 
 PREFILL_CHUNK = 256  # tokens per prefill forward (the engine's default max_num_batched_tokens)
 FALLBACK_ORDER = (Tag.CPU_EXECUTE, Tag.EXPERT_LOWBIT, Tag.EXPERT_DEFER)  # cheapest in quality first
+RAM_DISK_NOTE = (
+    "tiers: RAM (the one budget) and the disk: the device is the CPU, so there is no host tier and no "
+    "cpu_execute (the experts compute in RAM on the CPU already); a miss is one disk read into RAM"
+)
 
 
 @dataclasses.dataclass(slots=True)
@@ -46,6 +55,24 @@ class Workload:
     lowbit_bits: int = 8
     prompt_tokens: int | None = None  # of the context (default: half of it)
     routing_exponent: float = 1.0  # hit = (slots / experts) ** this (1: uniform; fitted from recorded runs)
+    layout: TierLayout = TierLayout.DEVICE_HOST_DISK  # the engine's tiers (RAM_DISK: a CPU)
+
+    def __post_init__(self) -> None:
+        if self.layout is TierLayout.RAM_DISK and self.host_budget_bytes:
+            raise ValueError(
+                f"a host budget ({self.host_budget_bytes} B) is not offered where the device is the CPU: RAM is "
+                "the one fast tier, under one budget (the device budget); the disk is the other"
+            )
+
+    @property
+    def is_ram_tiered(self) -> bool:
+        """Whether the plan is for a CPU: RAM and the disk, no host tier."""
+        return self.layout is TierLayout.RAM_DISK
+
+    @property
+    def fallback_order(self) -> tuple[Tag, ...]:
+        """The expert fallbacks this layout offers, cheapest in quality first (no cpu_execute on a CPU)."""
+        return tuple(t for t in FALLBACK_ORDER if not (self.is_ram_tiered and t is Tag.CPU_EXECUTE))
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -82,6 +109,8 @@ class Plan:
     tpot_ms: float
     tokens_per_s: float
     classes: list[ClassPlan] = dataclasses.field(default_factory=list)
+    tier_layout: str = TierLayout.DEVICE_HOST_DISK.value  # the tiers planned for
+    tier_note: str = ""  # on a CPU: why no host tier and no cpu_execute are proposed
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -103,7 +132,10 @@ def _unique(shape: ModelShape, num_tokens: int) -> float:
 
 def _miss_s(shape: ModelShape, profile: HardwareProfile, w: Workload, num_bytes: int, num_slots: int) -> float:
     """Seconds to bring one missed expert's `num_bytes` to the device from its home: the host cache holds
-    as many of the experts not on device as its budget allows, the rest are read from the checkpoint."""
+    as many of the experts not on device as its budget allows, the rest are read from the checkpoint. On a
+    CPU the disk read lands in RAM, where the expert computes: one leg, no host-to-device copy."""
+    if w.is_ram_tiered:
+        return profile.transfer_s(num_bytes, Tier.DISK, Tier.HOST)
     off_device = max(1, shape.num_experts_total - num_slots)
     cached = off_device if w.host_budget_bytes is None else min(off_device, w.host_budget_bytes // shape.expert_bytes)
     host_frac = cached / off_device
@@ -166,6 +198,7 @@ def make_plan(
     chunks = -(-prefill // PREFILL_CHUNK)
     ttft = chunks * _step_s(shape, profile, w, min(prefill, PREFILL_CHUNK), hit, None, int(slots))
     home = "host" if w.host_budget_bytes is None or w.host_budget_bytes >= total * shape.expert_bytes else "host+disk"
+    home = "disk" if w.is_ram_tiered else home
     plan = Plan(
         fits,
         reason,
@@ -178,6 +211,8 @@ def make_plan(
         1e3 * ttft,
         1e3 * tpot,
         w.concurrency / tpot if tpot > 0 else 0.0,
+        tier_layout=w.layout.value,
+        tier_note=RAM_DISK_NOTE if w.is_ram_tiered else "",
     )
     cost = cost or CostModel(lowbit_bits=w.lowbit_bits)
     for name, spec in (classes or {}).items():
@@ -203,7 +238,7 @@ def _class_plan(
     plan = ClassPlan(name, slo_ms, is_met, is_met, None, 1e3 * tpot, 0.0, budget.get("max_mean_kl"))
     if plan.is_met_exactly:
         return plan
-    for tag in FALLBACK_ORDER:
+    for tag in w.fallback_order:
         if tag.is_approximate and allowed is not None and tag.value not in allowed:
             continue
         tag_tpot = _step_s(shape, profile, w, w.concurrency, hit, tag, plan_slots)

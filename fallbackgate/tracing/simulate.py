@@ -50,6 +50,7 @@ class SimulatedView:
     def __init__(self, device: DeviceModel, budget_bytes: int, num_layers: int, num_experts: int,
                  bytes_per_expert: int, bytes_per_kv_block: int, block_size: int, classes: dict[str, str]):  # fmt: skip
         self.profile = profile_of(device)
+        self.is_ram_tiered = False  # the device model's tiers: device, host, disk
         self.device_budget_bytes = int(budget_bytes)
         self.num_layers, self.num_experts, self.block_size = num_layers, num_experts, block_size
         self.bytes_per_expert, self.bytes_per_kv_block = bytes_per_expert, bytes_per_kv_block
