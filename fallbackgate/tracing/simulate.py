@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Iterator
 
 from fallbackgate.engine.controller import KVBlockInfo
 from fallbackgate.engine.hardware import HardwareProfile
+from fallbackgate.engine.io import EMPTY_SNAPSHOT, IOSnapshot
 from fallbackgate.engine.kv.store import SpillMode
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.tracing.devices import DeviceModel
@@ -118,9 +120,20 @@ class SimulatedView:
         exact, quant, bits = self.kv[key]
         return KVBlockInfo(key, self.block_size, exact, quant, bits, self.bytes_per_kv_block * bits // 16)
 
-    def off_device_kv_blocks(self, request_id: str, layer: int, num_blocks: int) -> tuple[KVBlockInfo, ...]:
-        keys = [(request_id, layer, b) for b in range(num_blocks)]
+    def off_device_kv_blocks(self, request_id: str, num_blocks: int) -> tuple[KVBlockInfo, ...]:
+        keys = [(request_id, layer, b) for layer in range(self.num_layers) for b in range(num_blocks)]
         return tuple(self._info(k) for k in keys if k in self.kv and self.kv[k][0] is not Tier.DEVICE)
+
+    @property
+    def kv_request_ids(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(key[0] for key in self.device_infos))
+
+    def device_kv_blocks_of(self, request_id: str, is_index_major: bool = False) -> Iterator[KVBlockInfo]:
+        mine = [info for key, info in self.device_infos.items() if key[0] == request_id]
+        return iter(sorted(mine, key=lambda b: (b.key[2], b.key[1])) if is_index_major else mine)
+
+    def io_snapshot(self) -> IOSnapshot:
+        return EMPTY_SNAPSHOT  # the device model prices every read; no queue is simulated
 
     def device_kv_blocks(self) -> tuple[KVBlockInfo, ...]:
         if self._device_tuple is None:
