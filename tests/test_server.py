@@ -257,10 +257,10 @@ def test_sigkill_mid_load_leaves_a_consistent_ledger(tmp_path: pathlib.Path) -> 
     recorded = {r for (r,) in con.execute("SELECT request_id FROM requests")}
     assert recorded  # requests the writer committed before the kill (the last flush interval may be lost)
     missing = con.execute(
-        "SELECT count(*) FROM requests r WHERE NOT EXISTS (SELECT 1 FROM events e WHERE e.run_id = r.run_id "
-        "AND e.request_id = r.request_id)"
+        "SELECT count(*) FROM requests r WHERE NOT EXISTS (SELECT 1 FROM step_requests s WHERE s.run_id = r.run_id "
+        "AND s.request_id = r.request_id)"
     ).fetchone()
-    assert missing == (0,)  # a recorded request's events are committed before (or with) it
+    assert missing == (0,)  # a recorded request's step rows (its resident uses are counts there) come first
     with open_ledger(str(ledger)) as led:
         assert queries.list_runs(led)[0]["status"] == "incomplete"
 

@@ -204,8 +204,8 @@ def test_run_trace_of_disk_tiered_experts_marks_what_the_read_ahead_predictor_na
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p, "id": f"r{i}"}) + "\n" for i, p in enumerate(PROMPTS)))
     ledger, path = tmp_path / "ledger.sqlite", tmp_path / "trace"
-    assert main(["run", "--prompts", str(prompts), "--max-new-tokens", "6", "--device-budget-mb", "1.5",
-                 "--host-budget-mb", "2.5", "--io-threads", "2", "--ledger", str(ledger), "--trace", str(path),
+    assert main(["run", "--prompts", str(prompts), "--max-new-tokens", "6", "--device-budget-mb", "4",
+                 "--io-threads", "2", "--ledger", str(ledger), "--trace", str(path),
                  "--quiet"]) == 0  # fmt: skip
     experts = read_trace(path).frame("expert_access")
     tiers = experts["tier_before"].astype(str)
