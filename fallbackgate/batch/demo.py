@@ -6,13 +6,17 @@ from __future__ import annotations
 import argparse
 import math
 import pathlib
-from typing import TextIO
+from typing import Any, TextIO
 
+from fallbackgate.audit.gate import RunVerdict
 from fallbackgate.batch.prompts import PromptSpec
+from fallbackgate.batch.report import tag_totals
+from fallbackgate.batch.session import RunOutcome
 from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.tags import TAG_EXACTNESS, Tag
 
 DEMO_POLICY = pathlib.Path(__file__).resolve().parent.parent / "policies" / "demo.yaml"
-"""The demo's policy: joint controller in enforce mode, a RAM budget of about half the bundled experts."""
+"""The demo's policy: joint controller in enforce mode, a RAM budget short of the bundled experts and their KV."""
 
 _FLAGS_THAT_LEAVE_THE_DEMO = ("policy", "model", "device_budget_mb", "host_budget_mb", "controller", "mode")
 
@@ -44,3 +48,26 @@ def print_demo_budget(engine: Engine, specs: list[PromptSpec], max_new_tokens: i
         f"{(expert_bytes + kv_bytes - budget) / mib:.2f} MiB; give --device-budget-mb or --policy to choose",
         file=out,
     )
+
+
+def print_demo_recap(
+    outcome: RunOutcome, verdict: RunVerdict, budgets: dict[str, dict[str, Any]], out: TextIO
+) -> None:
+    """The demo in a few lines: which fallbacks and how often, their audited cost above the floor against the
+    class's quality budget, and the verdict."""
+    counts = {tag: total for tag, total in tag_totals(outcome).items() if total["count"] and tag != "resident"}
+    moved = ", ".join(
+        f"{tag} x{total['count']} ({TAG_EXACTNESS[Tag(tag)].value}, {total['bytes'] / 2**20:.2f} MiB)"
+        for tag, total in counts.items()
+    )
+    print(f"demo fallbacks: {moved or 'none'}", file=out)
+    worst = max(verdict.requests, key=lambda v: (v.stats or {}).get("mean_kl", 0.0), default=None)
+    floor = verdict.floor.mean_kl if verdict.floor is not None else 0.0
+    limit = budgets.get("default", {}).get("max_mean_kl")
+    if worst is not None and worst.stats:
+        print(
+            f"demo audited cost: worst request {worst.request_id} ({worst.served.value}) mean KL "
+            f"{worst.stats.get('mean_kl', 0.0):.3g} against the exact baseline (floor {floor:.3g}, class budget "
+            f"{limit if limit is not None else 'none'}); verdict {'PASS' if verdict.passed else 'FAIL'}",
+            file=out,
+        )

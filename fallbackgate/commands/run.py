@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from fallbackgate.assembly import Assembly, Overrides, assemble, no_policy
-from fallbackgate.batch.demo import DEMO_POLICY, is_demo_run, print_demo_budget
+from fallbackgate.batch.demo import DEMO_POLICY, is_demo_run, print_demo_budget, print_demo_recap
 from fallbackgate.batch.prompts import PromptsFileError, PromptSpec, check_classes, load_prompts
 from fallbackgate.batch.report import print_report, to_json, write_json
 from fallbackgate.batch.session import RunSettings, run_prompts
@@ -238,11 +238,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, specs: list[PromptSpec], built: Assembly, writer: LedgerWriter | None) -> int:
     engine, slos = built.engine, built.classes.slos
-    if getattr(args, "is_demo", False):
-        print_demo_budget(engine, specs, args.max_new_tokens, sys.stdout)
+    is_demo = getattr(args, "is_demo", False)
     if writer is None:
         outcome = run_prompts(engine, specs, built.settings, None, not args.quiet)
         print_report(outcome, sys.stdout, slos)
+        if is_demo:
+            print_demo_budget(engine, specs, args.max_new_tokens, sys.stdout)
         print_slips(engine.controller, sys.stdout)
         print_slo_misses(outcome, slos, sys.stdout)
         if args.json:
@@ -260,6 +261,9 @@ def _serve(args: argparse.Namespace, specs: list[PromptSpec], built: Assembly, w
         )
     else:
         print_summary(outcome, verdict, recorder.num_audited, slos, writer.ledger.display_url, sys.stdout)
+        if is_demo:
+            print_demo_budget(engine, specs, args.max_new_tokens, sys.stdout)
+            print_demo_recap(outcome, verdict, built.classes.budgets, sys.stdout)
     if args.json:
         write_json(args.json, to_json(outcome, recorder.run_id, slos=slos))
     return 0 if verdict is None or verdict.passed else 1
