@@ -68,20 +68,21 @@ MALFORMED: list[tuple[str, str, str]] = [
 
 def test_shipped_policies_load() -> None:
     names = sorted(p.stem for p in POLICIES.glob("*.yaml"))
-    assert names == ["aggressive", "balanced", "exact", "two_classes"]
+    assert names == ["aggressive", "balanced", "demo", "exact", "two_classes"]
     two = load_policy(POLICIES / "two_classes.yaml")
     assert set(two.classes) == {"strict", "best-effort"}
     assert two.classes["strict"].budget.allowed_tags == ["recompute"]  # cpu_execute: GPU machines only
     assert "expert_defer" in two.classes["best-effort"].budget.allowed_tags
     assert load_policy(POLICIES / "exact.yaml").controller.kind == "exact_lru"
     assert load_policy(POLICIES / "balanced.yaml").audit.mode == "observe"
+    assert load_policy(POLICIES / "demo.yaml").audit.mode == "enforce"  # the default run's demo
 
 
 def test_every_shipped_policy_file_passes_policy_check(capsys) -> None:
     from fallbackgate.cli import main
 
     files = sorted(POLICIES.glob("*.yaml")) + sorted((POLICIES.parents[1] / "evals" / "policies").glob("*.yaml"))
-    assert len(files) == 5
+    assert len(files) == 6
     for path in files:
         assert main(["policy", "check", str(path)]) == 0, capsys.readouterr().err
     parity = load_policy(POLICIES.parents[1] / "evals" / "policies" / "ci_kv_int4.yaml").parity

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from fallbackgate.assembly import Assembly, Overrides, assemble, no_policy
+from fallbackgate.batch.demo import DEMO_POLICY, is_demo_run, print_demo_budget, print_demo_recap
 from fallbackgate.batch.prompts import PromptsFileError, PromptSpec, check_classes, load_prompts
 from fallbackgate.batch.report import print_report, to_json, write_json
 from fallbackgate.batch.session import RunSettings, run_prompts
@@ -169,6 +170,9 @@ def run_inputs(args: argparse.Namespace) -> tuple[Policy, Overrides, str | None]
 def _setup(args: argparse.Namespace) -> tuple[list[PromptSpec], Assembly, LedgerWriter | None]:
     """Prompts, the assembled engine and the ledger writer (None with --no-ledger)."""
     check_args(args)
+    args.is_demo = is_demo_run(args)
+    if args.is_demo:  # the embedded default: the bundled model under memory pressure
+        args.policy = str(DEMO_POLICY)
     specs = load_prompts(args.prompts)
     policy, overrides, name = run_inputs(args)
     if name is not None:
@@ -234,9 +238,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace, specs: list[PromptSpec], built: Assembly, writer: LedgerWriter | None) -> int:
     engine, slos = built.engine, built.classes.slos
+    is_demo = getattr(args, "is_demo", False)
     if writer is None:
         outcome = run_prompts(engine, specs, built.settings, None, not args.quiet)
         print_report(outcome, sys.stdout, slos)
+        if is_demo:
+            print_demo_budget(engine, specs, args.max_new_tokens, sys.stdout)
         print_slips(engine.controller, sys.stdout)
         print_slo_misses(outcome, slos, sys.stdout)
         if args.json:
@@ -254,6 +261,9 @@ def _serve(args: argparse.Namespace, specs: list[PromptSpec], built: Assembly, w
         )
     else:
         print_summary(outcome, verdict, recorder.num_audited, slos, writer.ledger.display_url, sys.stdout)
+        if is_demo:
+            print_demo_budget(engine, specs, args.max_new_tokens, sys.stdout)
+            print_demo_recap(outcome, verdict, built.classes.budgets, sys.stdout)
     if args.json:
         write_json(args.json, to_json(outcome, recorder.run_id, slos=slos))
     return 0 if verdict is None or verdict.passed else 1
