@@ -50,3 +50,50 @@ def heatmaps(points: list[dict[str, Any]], path: str | pathlib.Path) -> pathlib.
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
+
+
+REGIME_METRICS: tuple[tuple[str, str, float], ...] = (  # (metric, title, divisor)
+    ("slo_attainment", "SLO attainment", 1.0),
+    ("tpot_p99_ms", "TPOT p99 (ms)", 1.0),
+    ("read_bytes", "bytes read (MiB)", 2.0**20),
+    ("stall_s", "stall (s)", 1.0),
+    ("expert_miss_rate", "expert miss rate", 1.0),
+    ("kv_miss_rate", "KV miss rate", 1.0),
+)
+
+
+def _row_label(point: dict[str, Any]) -> str:
+    share = point.get("kv_share")
+    return point["controller"] if share is None else f"static kv {share:g}"
+
+
+def regime_heatmaps(points: list[dict[str, Any]], folder: str | pathlib.Path) -> list[pathlib.Path]:
+    """One PNG per workload (``sweep-<workload>.png``): per metric, RAM budget (x) × controller / static KV
+    share (y), the mean over seeds in each cell; returns the paths."""
+    paths = []
+    for workload in dict.fromkeys(p["workload"] for p in points):
+        mine = [p for p in points if p["workload"] == workload]
+        fracs = sorted({p["ram_frac"] for p in mine})
+        rows = sorted({_row_label(p) for p in mine}, key=lambda r: (not r.startswith("static"), r))
+        fig, axes = plt.subplots(1, len(REGIME_METRICS), figsize=(3.0 * len(REGIME_METRICS), 2.8), squeeze=False)
+        for ax, (metric, title, div) in zip(axes[0], REGIME_METRICS, strict=True):
+            grid = [[float("nan")] * len(fracs) for _ in rows]
+            for i, row in enumerate(rows):
+                for j, frac in enumerate(fracs):
+                    vals = [p["metrics"].get(metric, float("nan")) / div for p in mine
+                            if _row_label(p) == row and p["ram_frac"] == frac]  # fmt: skip
+                    grid[i][j] = sum(vals) / len(vals) if vals else float("nan")
+            ax.imshow(grid, origin="lower", cmap="viridis", aspect="auto")
+            for i, line in enumerate(grid):
+                for j, v in enumerate(line):
+                    ax.text(j, i, f"{v:.3g}", ha="center", va="center", fontsize=7, color="w")
+            ax.set_xticks(range(len(fracs)), [f"{f:g}" for f in fracs], fontsize=7)
+            ax.set_yticks(range(len(rows)), rows, fontsize=7)
+            ax.set_xlabel("RAM budget (frac of experts + KV demand)", fontsize=7)
+            ax.set_title(f"{workload}: {title}", fontsize=8)
+        fig.tight_layout()
+        path = pathlib.Path(folder) / f"sweep-{workload}.png"
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -1,0 +1,229 @@
+"""The sweep's verdicts across seeds: joint against the best static split and against two independent LRUs.
+
+Per workload, RAM budget and seed the comparison partners are: the **oracle static split** (the KV share
+that did best on that seed, by SLO attainment then P99 TPOT: a bound no static budgeter knows in advance),
+the **chosen static split** (the one KV share with the best mean over the non-held-out seeds, then applied
+to every seed, the held-out one included) and ``independent_lru``. A gain is relative: SLO attainment
+``joint / partner − 1`` (partner 0: reported as the difference), P99 TPOT ``1 − joint / partner``, and the
+same for read bytes and stall seconds. Intervals are Student-t 95 % over seeds (n = 3 gives wide ones).
+A verdict is ``met`` only when the whole
+interval clears the goal, ``not met`` when it lies below it, ``undecided`` otherwise. Quality is the audit's mean KL per cell: "equal audited quality" holds where every run passed the gate and
+joint's mean KL is within 10× the exact baselines'.
+
+``python -m fallbackgate.sweep.summary SWEEP.json`` recomputes the summary and the heatmaps of a results file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import statistics
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from scipy import stats
+
+STATIC, INDEPENDENT, JOINT = "static_split", "independent_lru", "joint"
+METRICS = ("slo_attainment", "tpot_p99_ms", "read_bytes", "stall_s")
+HIGHER_IS_BETTER = {"slo_attainment"}
+GOAL_MIXED = 0.20  # joint beats the best static split on mixed by this much
+GOAL_WITHIN = 0.05  # joint within this of each homogeneous workload's best static split
+
+
+def interval(values: Sequence[float]) -> dict[str, float]:
+    """Mean and Student-t 95 % interval (half-width 0 for one value)."""
+    values = [float(v) for v in values if math.isfinite(v)]
+    if not values:
+        return {"mean": float("nan"), "lo": float("nan"), "hi": float("nan"), "n": 0}
+    mean = statistics.fmean(values)
+    half = 0.0
+    if len(values) > 1:
+        half = float(stats.t.ppf(0.975, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
+    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": len(values)}
+
+
+def gain(metric: str, joint: float, partner: float) -> float:
+    """Joint's relative gain over ``partner`` on ``metric`` (positive: joint better)."""
+    if metric in HIGHER_IS_BETTER:
+        return joint - partner if partner <= 0 else joint / partner - 1.0
+    return 1.0 - joint / partner if partner > 0 else 0.0
+
+
+def _rank(point: dict[str, Any]) -> tuple[float, float]:
+    m = point["metrics"]
+    return (-m["slo_attainment"], m["tpot_p99_ms"])
+
+
+def _groups(points: list[dict[str, Any]]) -> dict[tuple[str, float], dict[int, list[dict[str, Any]]]]:
+    out: dict[tuple[str, float], dict[int, list[dict[str, Any]]]] = {}
+    for p in points:
+        out.setdefault((p["workload"], p["ram_frac"]), {}).setdefault(p["seed"], []).append(p)
+    return out
+
+
+def _chosen_share(by_seed: dict[int, list[dict[str, Any]]], held_out: int) -> float | None:
+    """The KV share with the best mean (SLO attainment, then P99 TPOT) over the non-held-out seeds."""
+    scores: dict[float, list[tuple[float, float]]] = {}
+    for seed, cell in by_seed.items():
+        if seed != held_out:
+            for p in cell:
+                if p["controller"] == STATIC:
+                    scores.setdefault(p["kv_share"], []).append(_rank(p))
+    if not scores:
+        return None
+    return min(scores, key=lambda s: tuple(statistics.fmean(x[i] for x in scores[s]) for i in (0, 1)))
+
+
+def compare(by_seed: dict[int, list[dict[str, Any]]], held_out: int) -> dict[str, Any]:
+    """Per partner and metric, joint's gain per seed and its interval (all seeds; held-out apart)."""
+    share = _chosen_share(by_seed, held_out)
+    rows: dict[str, dict[str, dict[int, float]]] = {}
+    quality: dict[int, dict[str, float]] = {}
+    for seed, cell in sorted(by_seed.items()):
+        joint = next((p for p in cell if p["controller"] == JOINT), None)
+        statics = [p for p in cell if p["controller"] == STATIC]
+        partners = {
+            "oracle_static": min(statics, key=_rank) if statics else None,
+            "chosen_static": next((p for p in statics if p["kv_share"] == share), None),
+            INDEPENDENT: next((p for p in cell if p["controller"] == INDEPENDENT), None),
+        }
+        if joint is None:
+            continue
+        for name, partner in partners.items():
+            if partner is None:
+                continue
+            for metric in METRICS:
+                value = gain(metric, joint["metrics"][metric], partner["metrics"][metric])
+                rows.setdefault(name, {}).setdefault(metric, {})[seed] = value
+        quality[seed] = {
+            "joint_mean_kl": joint["metrics"]["mean_kl"],
+            "baseline_max_mean_kl": max(p["metrics"]["mean_kl"] for p in cell if p["controller"] != JOINT),
+            "all_gates_passed": float(all(p["metrics"]["gate_passed"] for p in cell)),
+        }
+    out: dict[str, Any] = {"chosen_static_kv_share": share, "quality": quality, "gains": {}}
+    for name, by_metric in rows.items():
+        out["gains"][name] = {
+            metric: {
+                "per_seed": per_seed,
+                "all": interval(list(per_seed.values())),
+                "held_out": per_seed.get(held_out),
+            }
+            for metric, per_seed in by_metric.items()
+        }
+    return out
+
+
+def _best(gains: dict[str, Any], partner: str) -> dict[str, float]:
+    """The interval (all seeds) of whichever of SLO attainment and P99 TPOT gains more on average."""
+    g = gains.get(partner, {})
+    found = [g[m]["all"] | {"metric": m} for m in ("slo_attainment", "tpot_p99_ms") if m in g]
+    return max(found, key=lambda x: x["mean"]) if found else {"mean": float("nan"), "lo": float("nan"),
+                                                             "hi": float("nan"), "metric": ""}  # fmt: skip
+
+
+def decide(iv: dict[str, Any], goal: float) -> str:
+    """``met`` when the whole interval clears ``goal``, ``not met`` when it lies below, else ``undecided``."""
+    if not math.isfinite(iv["mean"]):
+        return "no data"
+    if iv["lo"] >= goal:
+        return "met"
+    return "not met" if iv["hi"] < goal else "undecided"
+
+
+def bounds_summary(points: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per controller: read bytes over FOO's LP bound, and over Belady's MIN per kind at the run's split."""
+    out: dict[str, Any] = {}
+    for controller in (STATIC, INDEPENDENT, JOINT):
+        mine = [p["metrics"] for p in points if p["controller"] == controller]
+        if not mine:
+            continue
+        out[controller] = {
+            "read_over_foo_lb": interval([m["read_bytes"] / max(1.0, m["foo_lb_bytes"]) for m in mine]),
+            "read_over_belady_per_kind": interval(
+                [m["read_bytes"] / max(1.0, m["belady_expert_bytes"] + m["belady_kv_bytes"]) for m in mine]
+            ),
+            "expert_read_over_belady_expert": interval(
+                [_expert_read(m) / max(1.0, m["belady_expert_bytes"]) for m in mine]
+            ),
+        }
+    return out
+
+
+def _expert_read(m: dict[str, Any]) -> float:
+    return sum(v for k, v in m.items() if k.startswith("bytes_expert_") and not k.endswith("_resident"))
+
+
+def with_budget_fields(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each point with the expert and KV budgets the dashboard's Budget sweep page keys on
+    (``expert_budget_mb``, ``kv_budget_mb``): static_split's nominal split; for the others the experts' peak
+    RAM-pool share and the rest."""
+    out = []
+    for p in points:
+        ram = p["ram_bytes"]
+        if p.get("kv_share") is not None:
+            expert = ram * (1.0 - p["kv_share"])
+        else:
+            expert = min(ram, p["metrics"].get("peak_pool_by_kind", {}).get("expert", ram))
+        out.append({**p, "expert_budget_mb": round(expert / 2**20, 4), "kv_budget_mb": round((ram - expert) / 2**20, 4)})
+    return out
+
+
+def summarise(points: list[dict[str, Any]], held_out_seed: int) -> dict[str, Any]:
+    """Every (workload, RAM budget)'s comparison and the three verdicts of the issue's "done when"."""
+    comparisons = {f"{w}@{r}": compare(by_seed, held_out_seed) for (w, r), by_seed in sorted(_groups(points).items())}
+    verdicts: dict[str, Any] = {"mixed_vs_static": {}, "vs_independent": {}, "within_static": {}}
+    for key, c in comparisons.items():
+        workload, g = key.split("@")[0], c["gains"]
+        if workload == "mixed":
+            chosen, oracle = _best(g, "chosen_static"), _best(g, "oracle_static")
+            verdicts["mixed_vs_static"][key] = {"chosen": chosen, "oracle": oracle,
+                                                "verdict": decide(chosen, GOAL_MIXED)}  # fmt: skip
+        indep = _best(g, INDEPENDENT)
+        verdicts["vs_independent"][key] = {"best": indep, "verdict": decide(indep, 1e-12)}
+        if workload != "mixed":
+            per = [g.get("oracle_static", {}).get(m, {}).get("all") for m in ("slo_attainment", "tpot_p99_ms")]
+            per = [x for x in per if x]
+            states = [decide(x, -GOAL_WITHIN) for x in per]
+            verdict = "not met" if "not met" in states else ("met" if states and set(states) == {"met"} else "undecided")
+            verdicts["within_static"][key] = {"slo": per[0] if per else None, "tpot_p99": per[-1] if per else None,
+                                              "verdict": verdict}  # fmt: skip
+    return {"held_out_seed": held_out_seed, "comparisons": comparisons, "verdicts": verdicts,
+            "bounds": bounds_summary(points)}  # fmt: skip
+
+
+def _pct(x: dict[str, float]) -> str:
+    return f"{100 * x['mean']:+.1f} % [{100 * x['lo']:+.1f}, {100 * x['hi']:+.1f}]"
+
+
+def summary_lines(summary: dict[str, Any]) -> list[str]:
+    """One line per workload and budget: joint's gains (SLO, P99 TPOT) over each partner, then the verdicts."""
+    lines = []
+    for key, c in summary.get("comparisons", {}).items():
+        for partner, g in c["gains"].items():
+            parts = [f"{m} {_pct(g[m]['all'])}" for m in METRICS if m in g]
+            lines.append(f"{key:24s} joint vs {partner:15s} " + "  ".join(parts))
+    for name, per in summary.get("verdicts", {}).items():
+        for key, v in per.items():
+            lines.append(f"verdict {name:16s} {key:24s} {v['verdict']:9s} {json.dumps(v, default=str)}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Recompute ``summary`` and the heatmaps of a sweep.json in place."""
+    from fallbackgate.sweep.plot import regime_heatmaps
+
+    path = pathlib.Path((argv or sys.argv[1:])[0])
+    result = json.loads(path.read_text())
+    held_out = result.get("config", {}).get("held_out_seed", 2)
+    result["points"] = with_budget_fields(result["points"])
+    result["summary"] = summarise(result["points"], held_out)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    regime_heatmaps(result["points"], path.parent)
+    print("\n".join(summary_lines(result["summary"])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""The RAM-and-disk sweep: offline bounds (Belady per kind, FOO's LP), per-cell measures, the verdicts across
+seeds, and one tiny end-to-end sweep through the command."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+
+import pandas as pd
+import pytest
+
+from fallbackgate.cli import main
+from fallbackgate.dashboard import sweep_data
+from fallbackgate.sweep.bounds import StepTrace, belady_by_kind, foo_lower_bound, step_trace
+from fallbackgate.sweep.measures import quantile, trace_measures
+from fallbackgate.sweep.summary import compare, gain, interval, summarise, with_budget_fields
+
+E, K = 100, 10  # bytes of an expert and of a KV block in the hand traces
+
+
+def _steps(*steps: tuple[list, list]) -> StepTrace:
+    return StepTrace(list(steps), E, K)
+
+
+def test_foo_is_compulsory_with_room_for_everything_and_everything_without_room() -> None:
+    a, b, k = ("e", 1, 0), ("e", 1, 1), ("k", "r", 0, 0)
+    trace = _steps(([k], [a]), ([k], [b]), ([k], [a]), ([k], [b]))
+    assert foo_lower_bound(trace, 10_000)["foo_lb_bytes"] == 2 * E  # two compulsory expert reads, KV created
+    assert foo_lower_bound(trace, 0)["foo_lb_bytes"] == 4 * E + 3 * K  # every reuse read again
+
+
+def test_foo_keeps_the_cheaper_fraction_across_a_boundary() -> None:
+    a, b = ("e", 1, 0), ("e", 1, 1)
+    trace = _steps(([], [a, b]), ([], [a, b]))  # one boundary; room for one and a half experts
+    lb = foo_lower_bound(trace, 150)
+    assert lb["foo_compulsory_bytes"] == 2 * E
+    assert lb["foo_lb_bytes"] == pytest.approx(2 * E + 50)  # 150 of the 200 reused bytes kept (fractional)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_foo_bounds_every_static_split_of_the_same_budget(seed: int) -> None:
+    rng = random.Random(seed)
+    steps = []
+    for _ in range(30):
+        experts = list(dict.fromkeys(("e", rng.randrange(2), rng.randrange(6)) for _ in range(4)))
+        kv = list(dict.fromkeys(("k", f"r{rng.randrange(3)}", 0, rng.randrange(8)) for _ in range(6)))
+        steps.append((kv, experts))
+    trace = StepTrace(steps, E, K)
+    ram = 450
+    lb = foo_lower_bound(trace, ram)["foo_lb_bytes"]
+    for expert_room in range(0, ram + 1, 50):
+        split = belady_by_kind(trace, expert_room, ram - expert_room)
+        assert lb <= split["belady_expert_bytes"] + split["belady_kv_bytes"] + 1e-6
+    assert lb >= foo_lower_bound(trace, ram * 2)["foo_lb_bytes"] - 1e-6  # more room, never more bytes
+
+
+def test_belady_by_kind_counts_expert_compulsory_reads_but_not_kv_creation() -> None:
+    a, k1, k2 = ("e", 1, 0), ("k", "r", 0, 0), ("k", "r", 0, 1)
+    trace = _steps(([k1], [a]), ([k1, k2], [a]), ([k1, k2], [a]))
+    out = belady_by_kind(trace, E, K)  # one expert slot, one KV slot
+    assert out["belady_expert_bytes"] == E
+    assert out["belady_kv_bytes"] == 2 * K  # k1/k2 alternate through one slot: two reads after creation
+    assert belady_by_kind(trace, E, 2 * K)["belady_kv_bytes"] == 0
+
+
+def _frames() -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    experts = pd.DataFrame({"step": [1, 1, 1, 2], "layer": [1, 1, 1, 1], "expert": [0, 0, 3, 0],
+                            "tier_before": ["disk", "disk", "device", "device"], "ns": [5, 0, 0, 0]})  # fmt: skip
+    kv = pd.DataFrame({"step": [1, 2, 2], "request": ["a", "a", "a"], "layer": [0, 0, 0], "block": [0, 0, 1],
+                       "tier_before": ["device", "disk", "device"], "ns": [0, 7, 0]})  # fmt: skip
+    io = pd.DataFrame({"object_kind": ["expert", "kv_block", "kv_block"], "op": ["read", "read", "write"],
+                       "tier": ["disk"] * 3, "bytes": [100, 10, 10]})  # fmt: skip
+    return experts, kv, io
+
+
+def test_trace_measures_count_objects_not_token_rows() -> None:
+    m = trace_measures(*_frames())
+    assert m["expert_accesses"] == 3 and m["expert_miss_rate"] == pytest.approx(1 / 3)
+    assert m["kv_accesses"] == 3 and m["kv_miss_rate"] == pytest.approx(1 / 3)
+    assert m["stall_s"] == pytest.approx(12e-9) and m["dual_miss_steps"] == 0.0  # misses in different steps
+    assert m["io_kv_block_write_disk_bytes"] == 10 and m["io_read_bytes"] == 110
+    steps = step_trace(_frames()[0], _frames()[1], E, K)
+    assert [len(kv) for kv, _ in steps.steps] == [1, 2] and [len(e) for _, e in steps.steps] == [2, 1]
+
+
+def test_quantile_and_interval() -> None:
+    assert quantile([float(i) for i in range(1, 101)], 0.99) == 99.0 and quantile([3.0, 1.0], 0.5) == 1.0
+    iv = interval([1.0, 2.0, 3.0])
+    assert iv["mean"] == 2.0 and iv["lo"] == pytest.approx(2 - 4.302653 / 3**0.5, rel=1e-5)
+    assert gain("slo_attainment", 0.6, 0.5) == pytest.approx(0.2) and gain("tpot_p99_ms", 80, 100) == pytest.approx(0.2)
+
+
+def _point(workload: str, seed: int, controller: str, share: float | None, slo: float, p99: float) -> dict:
+    metrics = {"slo_attainment": slo, "tpot_p99_ms": p99, "read_bytes": 100.0, "stall_s": 1.0, "mean_kl": 1e-12,
+               "gate_passed": 1.0, "foo_lb_bytes": 50.0, "belady_expert_bytes": 40.0, "belady_kv_bytes": 20.0,
+               "bytes_expert_exact_load": 90.0, "peak_pool_by_kind": {"expert": 600}}  # fmt: skip
+    return {"workload": workload, "seed": seed, "controller": controller, "kv_share": share, "ram_frac": 0.5,
+            "ram_bytes": 1000, "metrics": metrics}  # fmt: skip
+
+
+def test_chosen_static_split_is_picked_without_the_held_out_seed() -> None:
+    points = []
+    for seed in (0, 1, 2):
+        good, bad = (0.1, 0.5) if seed != 2 else (0.5, 0.1)  # the held-out seed prefers the other share
+        points += [_point("mixed", seed, "static_split", good, 0.5, 100.0),
+                   _point("mixed", seed, "static_split", bad, 0.25, 200.0),
+                   _point("mixed", seed, "independent_lru", None, 0.25, 150.0),
+                   _point("mixed", seed, "joint", None, 0.6, 75.0)]  # fmt: skip
+    by_seed: dict[int, list[dict]] = {}
+    for p in points:
+        by_seed.setdefault(p["seed"], []).append(p)
+    c = compare(by_seed, held_out=2)
+    assert c["chosen_static_kv_share"] == 0.1
+    chosen = c["gains"]["chosen_static"]["tpot_p99_ms"]["per_seed"]
+    assert chosen == {0: pytest.approx(0.25), 1: pytest.approx(0.25), 2: pytest.approx(0.625)}
+    assert c["gains"]["oracle_static"]["slo_attainment"]["all"]["mean"] == pytest.approx(0.2)
+    s = summarise(points, 2)
+    verdict = s["verdicts"]["mixed_vs_static"]["mixed@0.5"]
+    assert verdict["chosen"]["metric"] == "slo_attainment" and verdict["chosen"]["mean"] == pytest.approx(0.6)
+    assert verdict["verdict"] == "undecided"  # +20, +20, +140 %: the interval spans the goal
+    assert s["verdicts"]["vs_independent"]["mixed@0.5"]["verdict"] == "met"  # the same +50 % SLO on every seed
+    assert s["bounds"]["joint"]["read_over_foo_lb"]["mean"] == pytest.approx(2.0)
+    budgets = with_budget_fields(points[:4])
+    assert budgets[0]["expert_budget_mb"] == pytest.approx(900 / 2**20, abs=1e-4)  # static: 1 - KV share
+    assert budgets[3]["expert_budget_mb"] == pytest.approx(600 / 2**20, abs=1e-4)  # joint: its peak pool
+
+
+@pytest.mark.slow
+def test_tiny_regime_sweep_writes_points_traces_and_pngs(checkpoint_factory, tmp_path: pathlib.Path) -> None:
+    model = checkpoint_factory("qwen3_moe")
+    out, db = tmp_path / "out", tmp_path / "ledger.sqlite"
+    argv = ["sweep", "--model", str(model), "--workloads", "short-chat", "--seeds", "0,1", "--held-out-seed", "1"]
+    argv += ["--num-requests", "2", "--max-new-tokens", "3", "--ram-fracs", "0.5", "--kv-shares", "0.3"]
+    argv += ["--time-scale", "0.01", "--out", str(out), "--ledger", str(db)]
+    argv += ["--keep-trace", "short-chat/0/joint/0.5/None"]
+    assert main(argv) == 0
+    doc = json.loads((out / "sweep.json").read_text())
+    assert [(p["seed"], p["controller"]) for p in doc["points"]] == [
+        (s, c) for s in (0, 1) for c in ("static_split", "independent_lru", "joint")
+    ]
+    for p in doc["points"]:
+        m = p["metrics"]
+        assert m["num_audited"] == 2 and m["gate_passed"] == 1.0 and p["is_held_out"] == (p["seed"] == 1)
+        assert m["foo_compulsory_bytes"] <= m["foo_lb_bytes"] <= m["read_bytes"] + 1e-6
+        assert 0.0 <= m["expert_miss_rate"] <= 1.0 and m["tpot_p99_ms"] >= m["tpot_p50_ms"]
+    assert (out / "traces" / "short-chat_0_joint_0.5_None" / "metadata.json").is_file()
+    assert (out / "sweep-short-chat.png").stat().st_size > 5_000
+    assert doc["summary"]["verdicts"]["within_static"]["short-chat@0.5"]["verdict"] in ("met", "not met", "undecided")
+    df, problems = sweep_data.load_sweep(None, str(out / "sweep.json"))
+    assert problems == [] and len(df) == 6
+
+
+def test_sweep_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["sweep", "--controllers", "joint,nope"])
+    with pytest.raises(SystemExit):
+        main(["sweep", "--ram-fracs", "0,0.5"])
+    assert "fractions must be in (0, 1)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sweep", "--workloads", "long-chat"])
