@@ -159,3 +159,12 @@ def test_sweep_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
     assert "fractions must be in (0, 1)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["sweep", "--workloads", "long-chat"])
+
+
+def test_kv_prediction_scores_a_trace_whose_kv_never_missed() -> None:
+    from fallbackgate.tracing.prediction import kv_predictions
+
+    kv = pd.DataFrame({"step": [1, 1, 2, 3], "request": ["a"] * 4, "layer": [0] * 4, "block": [0, 1, 0, 0],
+                       "tier_before": ["device"] * 4})  # fmt: skip
+    found, covered = kv_predictions(kv)  # the sweep's real runs: KV stayed in RAM
+    assert found.tolist() == [True, False, True] and not covered.any()

@@ -72,12 +72,16 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--workloads", type=_names(KINDS), default=d.workloads, help="comma-separated workload kinds")
     p.add_argument("--seeds", type=_ints, default=d.seeds, help="workload seeds (comma-separated)")
     p.add_argument("--held-out-seed", type=int, default=d.held_out_seed, help="seed reported apart, never tuned on")
-    p.add_argument("--num-requests", type=int, default=d.num_requests, help="requests per workload (mixed: --mixed-requests)")
+    p.add_argument(
+        "--num-requests", type=int, default=d.num_requests, help="requests per workload (mixed: --mixed-requests)"
+    )
     p.add_argument("--mixed-requests", type=int, default=d.mixed_requests)
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, help="cap on every answer")
     p.add_argument("--max-model-len", type=int, default=d.max_model_len, help="length limit the workloads scale to")
     p.add_argument("--time-scale", type=float, default=d.time_scale, help="arrival times are multiplied by this")
-    p.add_argument("--ram-fracs", type=_fracs, default=d.ram_fracs, help="RAM budgets: fractions of experts + KV demand")
+    p.add_argument(
+        "--ram-fracs", type=_fracs, default=d.ram_fracs, help="RAM budgets: fractions of experts + KV demand"
+    )
     p.add_argument("--kv-shares", type=_fracs, default=d.kv_shares, help="static_split's KV shares of the RAM budget")
     p.add_argument("--controllers", type=_names((STATIC, INDEPENDENT, JOINT)), default=d.controllers)
     p.add_argument("--slo-scale", type=float, default=d.slo_scale, help="SLO = this × the all-in-RAM p50 (strict)")

@@ -50,7 +50,9 @@ class StepTrace:
         return [k for kv, _ in self.steps for k in kv]
 
 
-def step_trace(expert_access: pd.DataFrame, kv_access: pd.DataFrame, bytes_per_expert: int, bytes_per_kv_block: int) -> StepTrace:  # fmt: skip
+def step_trace(
+    expert_access: pd.DataFrame, kv_access: pd.DataFrame, bytes_per_expert: int, bytes_per_kv_block: int
+) -> StepTrace:
     """The step-granular access sequence of a trace's ``expert_access`` and ``kv_access`` tables."""
     experts = expert_access.drop_duplicates(["step", "layer", "expert"])[["step", "layer", "expert"]]
     kv = kv_access.drop_duplicates(["step", "request", "layer", "block"])[["step", "request", "layer", "block"]]

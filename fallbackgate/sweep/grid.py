@@ -1,4 +1,5 @@
-"""Budget sweep: every controller over an expert budget × KV budget grid on one mixed workload.
+"""The single-workload expert × KV grid that ``python -m fallbackgate.bench.calibration_check`` runs its cells
+with (``fallbackgate sweep`` itself is :mod:`fallbackgate.sweep.regime`), and the cell builder's types.
 
 A reference run (exact, unlimited device budget) sizes the grid: expert budgets are fractions of all
 routed expert bytes, KV budgets fractions of the workload's peak KV bytes; a cell's device budget is their
@@ -7,8 +8,7 @@ run recorded to the ledger (``controller`` set, ``note`` = ``sweep <id> {...cell
 against the exact baseline and judged by the gate as ``fallbackgate run`` does. The engines come from a
 :data:`CellBuilder` (the command's :func:`fallbackgate.commands.sweep.cell_builder`: the one assembly).
 Each run's expert-access trace is recorded (:class:`fallbackgate.sweep.belady.TraceRecorder`) and
-Belady's MIN computed on it. The JSON written by
-:func:`write_outputs` is what the dashboard's Budget sweep page reads (``$FALLBACKGATE_SWEEP_JSON``).
+Belady's MIN computed on it.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from fallbackgate.batch.prompts import PromptSpec
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.apply import with_sections
-from fallbackgate.policy.schema import AuditMode, ControllerKind, Policy
+from fallbackgate.policy.schema import ControllerKind, Policy
 from fallbackgate.sweep import bounds, measures
 from fallbackgate.sweep.metrics import quality_metrics
 from fallbackgate.sweep.workload import BEST_EFFORT, STRICT, default_policy
@@ -71,6 +71,12 @@ class RegimeConfig:
 def cell_key(cell: dict[str, Any]) -> str:
     """``<workload>/<seed>/<controller>/<ram_frac>/<kv_share>`` (kv_share ``None`` outside static_split)."""
     return f"{cell['workload']}/{cell['seed']}/{cell['controller']}/{cell['ram_frac']}/{cell['kv_share']}"
+
+
+def trace_label(cell: dict[str, Any]) -> str:
+    """A traced cell's name: workload, controller and (static_split) KV share, e.g. ``mixed_static_split_kv0.3``."""
+    share = "" if cell["kv_share"] is None else f"_kv{cell['kv_share']:g}"
+    return f"{cell['workload']}_{cell['controller']}{share}"
 
 
 def workload_specs(cfg: RegimeConfig, kind: str, seed: int) -> list[PromptSpec]:
@@ -145,7 +151,7 @@ def run_cell(cfg: RegimeConfig, policy: Policy, specs: list[PromptSpec], cell: d
     ram, kind = cell["ram_bytes"], cell["controller"]
     split = 1.0 - cell["kv_share"] if cell.get("kv_share") is not None else 0.5
     scratch = tempfile.mkdtemp(prefix="fg-sweep-")
-    trace_dir = str(pathlib.Path(scratch) / cell["workload"])
+    trace_dir = str(pathlib.Path(scratch) / trace_label(cell))  # the trace's workload name: the report's sections
     try:
         built = build(cfg, policy, kind, ram, split, trace_dir)
         recorder = built.recorder(LedgerWriter(ledger), note=f"sweep {cell['workload']} seed {cell['seed']} {kind}")

@@ -64,8 +64,10 @@ def kv_predictions(kv: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     found = (where < len(sorted_combined)) & (sorted_combined[np.minimum(where, len(sorted_combined) - 1)] == wanted)
     is_miss = kv["tier_before"].astype(str).to_numpy() != "device"
     miss_keys = np.sort(combined[is_miss])
+    if not len(miss_keys):  # no KV read missed (a real run whose KV never left RAM): nothing to cover
+        return found[has_next], np.zeros(int(has_next.sum()), bool)
     hit = np.searchsorted(miss_keys, wanted)
-    covered = found & (hit < len(miss_keys)) & (miss_keys[np.minimum(hit, max(len(miss_keys) - 1, 0))] == wanted)
+    covered = found & (hit < len(miss_keys)) & (miss_keys[np.minimum(hit, len(miss_keys) - 1)] == wanted)
     return found[has_next], covered[has_next]
 
 
