@@ -29,7 +29,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("__main__",),
     ("cli",),
     ("commands", "bench"),  # the command line and the benchmarks
-    ("evals", "sweep", "workloads"),  # lm-eval, the sweep, workload files: use batch's prompts and settings
+    ("evals", "sweep"),  # lm-eval, the sweep (which draws its requests from workloads)
+    ("workloads",),  # workload files: use batch's prompts and settings
     ("assembly",),  # policy + overrides -> engine, controller, settings, recorder (imported by the above)
     ("api_server",),  # the HTTP server
     ("recording",),  # the run recorder (serves a batch through batch's session)
