@@ -159,4 +159,3 @@ def test_only_the_one_name_is_importable_outside_the_checkout(tmp_path: pathlib.
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n") == [f"{n} absent" for n in ("engine", "ledger", "evals", "dashboard")] + ["True", ""]
-

@@ -99,7 +99,9 @@ def compare(by_seed: dict[int, list[dict[str, Any]]], held_out: int) -> dict[str
                 rows.setdefault(name, {}).setdefault(metric, {})[seed] = value
         quality[seed] = {
             "joint_mean_kl": joint["metrics"]["mean_kl"],
-            "baseline_max_mean_kl": max((p["metrics"]["mean_kl"] for p in cell if p["controller"] != JOINT), default=0.0),
+            "baseline_max_mean_kl": max(
+                (p["metrics"]["mean_kl"] for p in cell if p["controller"] != JOINT), default=0.0
+            ),
             "all_gates_passed": float(all(p["metrics"]["gate_passed"] for p in cell)),
         }
     out: dict[str, Any] = {"chosen_static_kv_share": share, "quality": quality, "gains": {}}
