@@ -65,7 +65,9 @@ def kv_predictions(kv: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     is_miss = kv["tier_before"].astype(str).to_numpy() != "device"
     miss_keys = np.sort(combined[is_miss])
     hit = np.searchsorted(miss_keys, wanted)
-    covered = found & (hit < len(miss_keys)) & (miss_keys[np.minimum(hit, max(len(miss_keys) - 1, 0))] == wanted)
+    if not len(miss_keys):  # nothing was a miss (e.g. an imported trace served from device throughout)
+        return found, np.zeros(len(found), dtype=bool)
+    covered = found & (hit < len(miss_keys)) & (miss_keys[np.minimum(hit, len(miss_keys) - 1)] == wanted)
     return found[has_next], covered[has_next]
 
 
