@@ -4,13 +4,16 @@ nor the file writes run on the thread that records (the engine's decode loop).
 
 The writer hands over whole row groups (:meth:`ParquetSink.submit`) and returns at once; the files are opened
 when the sink starts (while the run is still decoding), and :meth:`ParquetSink.close` writes what is queued,
-closes every file (an empty table gets a file with its schema) and returns the rows written per table. An
-error on the sink's thread is raised, as :class:`TraceFormatError`, by the next call on the writer's side.
+closes every file (an empty table gets a file with its schema) and returns the rows written per table. Jobs
+run one at a time in the order given; :meth:`ParquetSink.drain` and :meth:`ParquetSink.close` run what is
+still queued on the caller's thread rather than wait for the sink's to be scheduled (on a loaded machine that
+wait is the larger cost). An error on the sink's thread is raised, as :class:`TraceFormatError`, by the next
+call on the writer's side.
 """
 
 from __future__ import annotations
 
-import queue
+import collections
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -45,48 +48,76 @@ class ParquetSink:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._jobs: collections.deque[Callable[[], None]] = collections.deque()  # queued, in order
+        self._wake = threading.Condition()  # guards _jobs and _stopping
+        self._running = threading.Lock()  # held while a job runs: jobs never overlap
+        self._stopping = False
         self._files: dict[TraceTable, pq.ParquetWriter] = {}
         self._rows: dict[TraceTable, int] = dict.fromkeys(TraceTable, 0)  # rows written per table
-        self._error: BaseException | None = None  # the first failure on the sink's thread
+        self._error: BaseException | None = None  # the first failure of a job
+        self._put(self._open_files)  # opened while the caller goes on recording
         self._thread = threading.Thread(target=self._run, name=f"trace-sink {directory.name}", daemon=True)
-        self._jobs.put(self._open_files)  # opened while the caller goes on recording
         self._thread.start()
 
     def submit(self, table: TraceTable, batches: list[list[Part]], names: dict[str, Sequence[str]]) -> None:
         """Queue one row group of ``table`` (per batch, per column (data, mask)); ``names``: by column name, the
         dictionary of each dictionary column without a fixed vocabulary, as of this group."""
         self.raise_error()
-        self._jobs.put(lambda: self._write(table, batches, names))
+        self._put(lambda: self._write(table, batches, names))
 
     def drain(self) -> None:
-        """Wait until everything queued is written."""
-        done = threading.Event()
-        self._jobs.put(done.set)
-        done.wait()
+        """Return once everything queued is written (running what is left on this thread)."""
+        with self._running:
+            while (job := self._take()) is not None:
+                self._execute(job)
         self.raise_error()
 
     def close(self) -> dict[TraceTable, int]:
-        """Write what is queued, close every file; returns the rows written per table."""
-        self._jobs.put(self._close_files)
-        self._jobs.put(None)
+        """Write what is queued, close every file, stop the sink's thread; returns the rows written per table."""
+        with self._running:
+            while (job := self._take()) is not None:
+                self._execute(job)
+            self._execute(self._close_files)
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
         self._thread.join()
         self.raise_error()
         return dict(self._rows)
 
     def raise_error(self) -> None:
-        """Raise the sink thread's failure, if any, on the caller's thread."""
+        """Raise a job's failure, if any, on the caller's thread."""
         if self._error is not None:
             if isinstance(self._error, TraceFormatError):
                 raise self._error
             raise TraceFormatError(f"{self.directory}: writing the trace failed: {self._error}") from self._error
 
+    def _put(self, job: Callable[[], None]) -> None:
+        with self._wake:
+            self._jobs.append(job)
+            self._wake.notify()
+
+    def _take(self) -> Callable[[], None] | None:
+        with self._wake:
+            return self._jobs.popleft() if self._jobs else None
+
+    def _execute(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            self._error = self._error or exc
+
     def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            try:
-                job()
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-                self._error = self._error or exc
+        while True:
+            with self._wake:
+                while not self._jobs and not self._stopping:
+                    self._wake.wait()
+                if self._stopping and not self._jobs:
+                    return
+            with self._running:  # taken under the lock so that jobs run in order, one at a time
+                job = self._take()
+                if job is not None:
+                    self._execute(job)
 
     def _open_files(self) -> None:
         local = pafs.LocalFileSystem()  # given, so pyarrow does not resolve the path's filesystem per file
