@@ -72,16 +72,22 @@ class ParquetSink:
                 self._execute(job)
         self.raise_error()
 
+    def stop_thread(self) -> None:
+        """Let the sink's thread take no more jobs (what is queued, and queued later, waits for :meth:`close`):
+        the caller is about to finish the writing itself, and waking the sink's thread would only make the two
+        take turns."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+
     def close(self) -> dict[TraceTable, int]:
-        """Write what is queued, close every file, stop the sink's thread; returns the rows written per table."""
+        """Write what is queued, close every file; returns the rows written per table. The sink's thread is
+        stopped (a job it is running is waited for, not joined: it exits when next scheduled)."""
+        self.stop_thread()
         with self._running:
             while (job := self._take()) is not None:
                 self._execute(job)
             self._execute(self._close_files)
-        with self._wake:
-            self._stopping = True
-            self._wake.notify()
-        self._thread.join()
         self.raise_error()
         return dict(self._rows)
 
@@ -112,9 +118,11 @@ class ParquetSink:
             with self._wake:
                 while not self._jobs and not self._stopping:
                     self._wake.wait()
-                if self._stopping and not self._jobs:
+                if self._stopping:
                     return
             with self._running:  # taken under the lock so that jobs run in order, one at a time
+                if self._stopping:
+                    return
                 job = self._take()
                 if job is not None:
                     self._execute(job)

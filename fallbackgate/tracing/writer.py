@@ -226,6 +226,7 @@ class TraceWriter:
         """Flush, close the files (empty tables get an empty file with the schema), then write the metadata."""
         if self.is_closed:
             return
+        self._sink.stop_thread()  # this thread writes the last groups itself
         for table in TraceTable:
             self._flush(table)
         self.is_closed = True
