@@ -105,3 +105,18 @@ def test_cli_import_then_analyze_and_simulate(tmp_path: Path) -> None:
     assert "error" not in result, result
     assert result["misses_by_tag"].get("expert:exact_load", 0) > 0  # 40 KiB of device memory holds few experts
     assert main(["trace", "import-vllm", str(tmp_path / "absent.json"), "--out", str(tmp_path / "u")]) == 2
+
+
+def test_object_sizes_equal_the_engines_for_the_same_checkpoint(tmp_path: Path) -> None:
+    from fallbackgate.assembly import Overrides, assemble, no_policy
+    from fallbackgate.tracing.live import engine_metadata
+
+    import_vllm(fx.FILE, tmp_path / "t", MODEL)
+    built = assemble(no_policy(memory={}), Overrides(max_new_tokens=1))
+    try:
+        engine = engine_metadata(built.engine)["model"]
+    finally:
+        built.engine.close()
+    imported = read_trace(tmp_path / "t").metadata["model"]
+    for key in ("bytes_per_expert", "bytes_per_kv_block", "block_size", "num_experts", "moe_layers", "top_k"):
+        assert imported[key] == engine[key], key
