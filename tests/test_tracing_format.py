@@ -141,3 +141,11 @@ def test_indexed_names_and_empty_rows(tmp_path: Path) -> None:
     requests = trace.frame("requests")
     assert requests["slo_tpot_ns"].tolist()[0] == 5 and requests["slo_tpot_ns"].isna().tolist() == [False, True]
     assert requests["finish_ns"].isna().all()
+
+
+def test_a_write_failing_on_the_sink_is_raised_by_close(tmp_path: Path) -> None:
+    writer = TraceWriter(tmp_path / "t", {}, row_group_rows=2)
+    writer.append("kv_access", **{**_kv_batch(3, 0), "layer": np.array([1, 2, 70_000])})  # a group: sent to the sink
+    with pytest.raises(TraceFormatError, match="kv_access.layer: cannot be read as int16"):
+        writer.close()
+    assert not (tmp_path / "t" / "metadata.json").exists()  # an unfinished trace is not one read_trace accepts

@@ -6,8 +6,10 @@ the same 8 prompts (batch 8) decoded and recorded to a SQLite ledger without and
 interleaved repetitions (off/on, then on/off, ...) so drift and the machine's other load hit both sides.
 A side's time runs from the first step until the run is closed (the ledger writer drained; with the trace,
 its last row groups and ``metadata.json`` written). Reported per pair as on/off tokens/s ratios, their
-median, and the medians of each side; with the 1-, 5- and 15-minute load averages before and after (the
-shared machine's other sessions load it). Goal (issue 24): the trace costs <= 3 % tokens/s.
+median, and the medians of each side; the time inside the tracer (wall, and the decode thread's CPU); the
+process CPU per token traced over untraced (every thread, the trace's sink included; what other processes
+take left out); with the 1-, 5- and 15-minute load averages before and after (the shared machine's other
+sessions load it). Goal (issue 24): the trace costs <= 3 % tokens/s.
 """
 
 from __future__ import annotations
@@ -43,15 +45,17 @@ def _specs(tag: str) -> list[PromptSpec]:
 def _side(built: Assembly, ledger: Ledger, tag: str, trace_dir: pathlib.Path | None) -> dict[str, float]:
     """One recorded run of the batch; with ``trace_dir`` its trace is written there too."""
     writer = LedgerWriter(ledger)
-    started, started_cpu = time.perf_counter(), time.thread_time()
+    started, started_cpu, started_process = time.perf_counter(), time.thread_time(), time.process_time()
     tracer = LiveTracer(trace_dir, built.engine, {"note": tag}) if trace_dir is not None else None
     recorder = built.recorder(writer, note=f"bench_trace_overhead {tag}")
     recorder.tracer = tracer
     outcome = recorder.serve(_specs(tag), built.settings)
     recorder.close()
     seconds, cpu_s = time.perf_counter() - started, time.thread_time() - started_cpu
+    process_s = time.process_time() - started_process  # every thread: the trace's sink and the ledger's writer too
     tokens = sum(len(o.output_token_ids) for o in outcome.outputs)
-    side = {"s": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "steps": len(outcome.steps)}
+    side = {"s": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "steps": len(outcome.steps),
+            "process_cpu_s_per_token": process_s / tokens}  # fmt: skip
     if tracer is not None:
         side["trace_rows"] = sum(tracer.writer.num_rows.values())
         side["tracer_share"] = tracer.spent_ns / 1e9 / seconds  # time inside the tracer / the side's time
@@ -68,6 +72,10 @@ def measure(built: Assembly, ledger: Ledger, scratch: pathlib.Path, reps: int) -
             trace = scratch / f"trace-{rep}" if mode == "on" else None
             sides[mode].append(_side(built, ledger, f"{mode}{rep}", trace))
     ratios = [on["tokens_per_s"] / off["tokens_per_s"] for off, on in zip(sides["off"], sides["on"], strict=True)]
+    cpu_ratios = [
+        on["process_cpu_s_per_token"] / off["process_cpu_s_per_token"]
+        for off, on in zip(sides["off"], sides["on"], strict=True)
+    ]
     median_off = statistics.median(r["tokens_per_s"] for r in sides["off"])
     median_on = statistics.median(r["tokens_per_s"] for r in sides["on"])
     return {
@@ -90,6 +98,9 @@ def measure(built: Assembly, ledger: Ledger, scratch: pathlib.Path, reps: int) -
         "tracer_cpu_share": [r["tracer_cpu_share"] for r in sides["on"]],  # the decode thread's CPU time inside
         # the tracer over its CPU time for the whole side (preemption by other processes left out)
         "median_tracer_cpu_share": statistics.median(r["tracer_cpu_share"] for r in sides["on"]),
+        "process_cpu_per_token_ratios": cpu_ratios,  # traced over untraced process CPU per token, per pair: the
+        # whole cost (decode thread, trace sink, ledger writer), left out what other processes take
+        "median_process_cpu_ratio": statistics.median(cpu_ratios),
         "goal": GOAL,
         "meets_goal": 1.0 - statistics.median(ratios) <= GOAL,
     }
@@ -109,9 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     built = assemble(no_policy(memory=memory), Overrides(max_new_tokens=args.max_new_tokens))
     load_before = os.getloadavg()
     try:
-        with tempfile.TemporaryDirectory(prefix="fg-trace-bench-") as tmp, open_ledger(
-            "sqlite:///" + str(pathlib.Path(tmp) / "ledger.sqlite")
-        ) as ledger:
+        with (
+            tempfile.TemporaryDirectory(prefix="fg-trace-bench-") as tmp,
+            open_ledger("sqlite:///" + str(pathlib.Path(tmp) / "ledger.sqlite")) as ledger,
+        ):
             result = measure(built, ledger, pathlib.Path(tmp), args.reps)
     finally:
         built.engine.close()
@@ -126,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{100 * result['overhead_of_median_pair']:.2f} %), medians {result['median_off_tokens_per_s']:.1f} -> "
           f"{result['median_on_tokens_per_s']:.1f} tok/s over {args.reps} pairs; time inside the tracer "
           f"{100 * result['median_tracer_share']:.2f} % of the traced runs' wall time, "
-          f"{100 * result['median_tracer_cpu_share']:.2f} % of their decode thread's CPU time; load average "
+          f"{100 * result['median_tracer_cpu_share']:.2f} % of their decode thread's CPU time; process CPU per token "
+          f"traced/untraced {result['median_process_cpu_ratio']:.4f}; load average "
           f"{load_before[0]:.1f} -> {result['load_average_after'][0]:.1f}; goal <= {100 * GOAL:.0f} %")  # fmt: skip
     return 0
 

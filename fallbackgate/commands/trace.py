@@ -10,6 +10,10 @@ by tag, stall, P99 TPOT, SLO attainment).
 ``fallbackgate trace planted --out DIR [--seed S] [--steps N]``: write the planted synthetic trace CI checks
 the analyses on.
 
+``fallbackgate trace import-vllm FILE --out DIR [--model CKPT] [--block-size N] [--step-ms MS]``: vLLM's
+routed-experts output (OpenAI completion responses, JSON or JSON lines) as a trace; KV reads, steps and
+request times synthesised from the request lengths (the metadata says which).
+
 Exit status: 0 on success, 2 for bad input (an unreadable trace, a bad ledger).
 """
 
@@ -31,6 +35,7 @@ from fallbackgate.tracing.reader import Trace, read_trace
 from fallbackgate.tracing.simulate import SimulationConfig
 from fallbackgate.tracing.simulate_run import GIB, simulate_many
 from fallbackgate.tracing.synthetic import Planted, write_planted_trace
+from fallbackgate.tracing.vllm_trace import import_vllm
 from fallbackgate.tracing.writer import TraceFormatError
 
 
@@ -61,6 +66,14 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     s.add_argument("--steps", type=int, default=500, help="decode steps per phase (default 500)")
     s.set_defaults(func=run_planted)
+    v = sub.add_parser("import-vllm", help="vLLM's routed-experts output as a trace")
+    v.add_argument("file", metavar="FILE", help="OpenAI completion responses with routed_experts (JSON or JSON lines)")
+    v.add_argument("--out", metavar="DIR", required=True, help="the trace directory to create (new or empty)")
+    v.add_argument("--model", metavar="CKPT", default=None, help="the model's checkpoint dir or config.json")
+    v.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16, vLLM's)")
+    v.add_argument("--step-ms", type=float, default=1.0, help="nominal step time (default 1 ms)")
+    v.add_argument("--workload", default=None, help="workload name (default: the file's stem)")
+    v.set_defaults(func=run_import_vllm)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -134,6 +147,17 @@ def run_planted(args: argparse.Namespace) -> int:
         print(f"fallbackgate trace planted: error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}: planted lift {planted.expected_lift:.4g}, lag {planted.kv_lag_steps} steps")
+    return 0
+
+
+def run_import_vllm(args: argparse.Namespace) -> int:
+    """Entry point of ``fallbackgate trace import-vllm``."""
+    try:
+        rows = import_vllm(args.file, args.out, args.model, args.block_size, int(args.step_ms * 1e6), args.workload)
+    except TraceFormatError as exc:
+        print(f"fallbackgate trace import-vllm: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}: " + ", ".join(f"{n} {t}" for t, n in rows.items() if n))
     return 0
 
 

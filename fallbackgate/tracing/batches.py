@@ -22,6 +22,7 @@ class RowBatches:
         self.names: list[str] = []  # code -> request id
         self.pending: dict[TraceTable, list[dict[str, Any]]] = {}  # table -> batches not yet appended
         self.num_pending = 0  # rows in them
+        self._last_map: tuple[tuple[str, ...], dict[str, int]] = ((), {})  # the last code_map's names and result
 
     def request_codes(self, names: Sequence[str]) -> np.ndarray:
         """The run-wide codes of ``names`` (new ones added)."""
@@ -33,6 +34,13 @@ class RowBatches:
                 self.names.append(name)
             out[i] = code
         return out
+
+    def code_map(self, names: tuple[str, ...]) -> dict[str, int]:
+        """``names``' run-wide codes by name (new ones added); the last batch's map is reused (decode steps
+        repeat their batch). The map is shared: callers must not change it."""
+        if names != self._last_map[0]:
+            self._last_map = (names, dict(zip(names, self.request_codes(names).tolist(), strict=True)))
+        return self._last_map[1]
 
     def add(self, table: TraceTable, num_rows: int, columns: dict[str, Any]) -> None:
         """Keep one batch (its ``request`` column, if any, already run-wide codes); flush when enough wait."""

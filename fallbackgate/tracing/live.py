@@ -93,13 +93,13 @@ class LiveTracer:
         cap = result.capture
         if cap is None:
             raise ValueError(f"step {result.step_id} has no capture: the engine was not capturing")
-        names = list(plan.request_ids)
-        index = {name: i for i, name in enumerate(names)}
+        names = tuple(plan.request_ids)
+        seen: set[int] = set()  # a forward's calls share one request_ids list: check it once
         for call in cap.routing:  # a rebuild pass's request is the step's too; keep unknown ones findable
-            for rid in call.request_ids:
-                if rid not in index:
-                    index[rid] = len(names)
-                    names.append(rid)
+            if id(call.request_ids) not in seen:
+                seen.add(id(call.request_ids))
+                extra = [rid for rid in call.request_ids if rid not in names]
+                names += tuple(dict.fromkeys(extra))
         tokens = sum(int(c.token_owner.numel()) for c in cap.routing if c.layer == cap.routing[0].layer)
         tokens = tokens or sum(plan.num_tokens.values())
         self.batches.add(TraceTable.STEPS, 1, {
@@ -109,7 +109,7 @@ class LiveTracer:
         self.step_starts.append(cap.start_ns)
         if len(self.step_ids) > KEPT_STEPS:  # an I/O completes steps, not thousands of steps, after it was issued
             del self.step_ids[: KEPT_STEPS // 2], self.step_starts[: KEPT_STEPS // 2]
-        codes = self.batches.request_codes(names)
+        run_wide = self.batches.code_map(names)  # registers new request ids (the expert rows' codes)
         if cap.routing:  # expanded in batches of steps (flush_experts): the per-step share stays small
             offset = len(self.routing)
             self.routing += cap.routing
@@ -119,7 +119,6 @@ class LiveTracer:
             if self.num_routed >= self.batches.max_rows:
                 self.flush_experts()
         if cap.kv_reads:
-            run_wide = {name: int(code) for name, code in zip(names, codes, strict=True)}
             self.num_kv_rows += self.kv.add(result.step_id, cap, run_wide) * self.engine.kv_store.num_layers
             if self.num_kv_rows >= self.batches.max_rows:
                 self.flush_kv()

@@ -20,6 +20,10 @@ FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
 
 
+class TraceFormatError(ValueError):
+    """A trace (or a batch handed to a writer) does not match trace format v1; the message says where."""
+
+
 class TraceTable(str, enum.Enum):
     """The tables of a trace, in the order the README lists them."""
 

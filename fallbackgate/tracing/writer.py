@@ -1,9 +1,10 @@
 """Writing a trace directory: column batches in, Parquet row groups out, ``metadata.json`` on close.
 
 Writers hand whole columns (numpy arrays, torch tensors, sequences) per call, never one access at a time;
-batches are buffered per table and written as one row group once :attr:`TraceWriter.row_group_rows` rows
-are waiting (and on :meth:`TraceWriter.close`). Metadata is written last, so a directory without
-``metadata.json`` is a trace whose writer did not close.
+batches are checked and buffered per table and handed, as one row group, to the writer's
+:class:`~fallbackgate.tracing.sink.ParquetSink` (which converts and writes on its own thread) once
+:attr:`TraceWriter.row_group_rows` rows are waiting (and on :meth:`TraceWriter.close`). Metadata is written
+last, so a directory without ``metadata.json`` is a trace whose writer did not close.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from typing import Any, Self
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from fallbackgate.tracing.schema import (
     FORMAT_NAME,
@@ -29,13 +29,12 @@ from fallbackgate.tracing.schema import (
     TABLES,
     VOCABULARIES,
     Column,
+    TraceFormatError,
     TraceTable,
-    arrow_schema,
 )
+from fallbackgate.tracing.sink import ParquetSink
 
-
-class TraceFormatError(ValueError):
-    """A trace (or a batch handed to a writer) does not match trace format v1; the message says where."""
+__all__ = ["Indexed", "Names", "TraceFormatError", "TraceWriter", "checked_column", "to_numpy"]
 
 
 @dataclasses.dataclass(slots=True, frozen=True)
@@ -139,22 +138,6 @@ def checked_column(
     return arr, mask
 
 
-def column_array(
-    column: Column, parts: list[tuple[np.ndarray, np.ndarray | None]], where: str, names: Names | None = None
-) -> pa.Array:
-    """The buffered parts of one column as one Arrow array of the column's type."""
-    data = np.concatenate([d for d, _ in parts])
-    masks = [m if m is not None else np.zeros(len(d), dtype=bool) for d, m in parts]
-    mask = np.concatenate(masks) if any(m is not None for _, m in parts) else None
-    try:
-        if column.vocabulary or pa.types.is_dictionary(column.type):
-            values = VOCABULARIES[column.vocabulary] if column.vocabulary else (names.names if names else [])
-            return pa.DictionaryArray.from_arrays(pa.array(data, pa.int32(), mask=mask), pa.array(values, pa.string()))
-        return pa.array(data, column.type, mask=mask)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
-        raise TraceFormatError(f"{where}: cannot be read as {column.type}: {exc}") from exc
-
-
 def _json_default(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
@@ -189,8 +172,8 @@ class TraceWriter:
         self._names = {(t, c.name): Names() for t in TraceTable for c in TABLES[t]
                        if pa.types.is_dictionary(c.type) and not c.vocabulary}  # fmt: skip
         self._num_pending: dict[TraceTable, int] = dict.fromkeys(TraceTable, 0)
-        self._num_rows: dict[TraceTable, int] = dict.fromkeys(TraceTable, 0)
-        self._files: dict[TraceTable, pq.ParquetWriter] = {}
+        self._num_rows: dict[TraceTable, int] = dict.fromkeys(TraceTable, 0)  # rows handed to the sink
+        self._sink = ParquetSink(self.directory)
         self.is_closed = False
 
     def __enter__(self) -> Self:
@@ -228,45 +211,37 @@ class TraceWriter:
     def _flush(self, table: TraceTable) -> None:
         if not self._pending[table]:
             return
-        if table not in self._files:
-            self._files[table] = pq.ParquetWriter(self.directory / table.file_name, arrow_schema(table))
-        batches = self._pending[table]
-        arrays = [
-            column_array(c, [b[k] for b in batches], f"{table.value}.{c.name}", self._names.get((table, c.name)))
-            for k, c in enumerate(TABLES[table])
-        ]
-        group = pa.Table.from_arrays(arrays, schema=arrow_schema(table))
-        self._files[table].write_table(group, row_group_size=max(group.num_rows, 1))
-        self._num_rows[table] += group.num_rows
+        names = {c.name: list(n.names) for c in TABLES[table] if (n := self._names.get((table, c.name)))}
+        self._sink.submit(table, self._pending[table], names)
+        self._num_rows[table] += self._num_pending[table]
         self._pending[table], self._num_pending[table] = [], 0
 
     def flush(self) -> None:
-        """Write every buffered batch."""
+        """Write every buffered batch (returns once they are on disk)."""
         for table in TraceTable:
             self._flush(table)
+        self._sink.drain()
 
     def close(self) -> None:
         """Flush, close the files (empty tables get an empty file with the schema), then write the metadata."""
         if self.is_closed:
             return
-        self.flush()
+        self._sink.stop_thread()  # this thread writes the last groups itself
         for table in TraceTable:
-            writer = self._files.pop(table, None) or pq.ParquetWriter(
-                self.directory / table.file_name, arrow_schema(table)
-            )
-            writer.close()
+            self._flush(table)
+        self.is_closed = True
+        written = self._sink.close()
         meta = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
             "fallbackgate_version": _package_version(),
             "closed_at": dt.datetime.now(dt.UTC).isoformat(),
             **self.metadata,
-            "tables": {t.value: {"file": t.file_name, "rows": self._num_rows[t]} for t in TraceTable},
+            "tables": {t.value: {"file": t.file_name, "rows": written[t]} for t in TraceTable},
         }
         tmp = self.directory / (METADATA_FILE + ".tmp")
         tmp.write_text(json.dumps(meta, sort_keys=True, default=_json_default))  # no indent: the C encoder
         tmp.replace(self.directory / METADATA_FILE)
-        self.is_closed = True
 
     @property
     def num_rows(self) -> dict[str, int]:
