@@ -24,9 +24,8 @@ def written_code_checksums(ledger: Ledger, run_id: int, request_id: str) -> list
     """One request's quantized KV copies written with their codes' checksums, in write order."""
     c = KVCopyRow
     cols = (c.step_id, c.layer, c.bits, c.block_ids, c.code_checksums)
-    stmt = select(*cols).where(
-        c.run_id == run_id, c.request_id == request_id, c.action == CopyAction.WRITTEN.value, c.code_checksums.is_not(None)
-    )
+    written = (c.action == CopyAction.WRITTEN.value) & c.code_checksums.is_not(None)
+    stmt = select(*cols).where(c.run_id == run_id, c.request_id == request_id, written)
     return _all(ledger, stmt.order_by(c.seq))
 
 

@@ -28,7 +28,6 @@ MIB = 1 << 20
 
 
 @pytest.mark.slow
-
 def test_forced_kv_dequant_run_matches_its_replay(tmp_path: pathlib.Path) -> None:
     config = EngineConfig(model_dir=str(CHECKPOINT_DIR), device_budget_bytes=3 * MIB, host_budget_bytes=0, seed=0)
     engine = Engine(config, ExactLRUController(("kv_dequant",)))

@@ -60,7 +60,14 @@ class KVCopies:
         else:
             self.copy_changes.append(
                 KVCopyChange(
-                    self.num_copy_changes, request_id, layer, action, tier, bits, [index], num_bytes,
+                    self.num_copy_changes,
+                    request_id,
+                    layer,
+                    action,
+                    tier,
+                    bits,
+                    [index],
+                    num_bytes,
                     [] if checksum is None else [checksum],
                 )  # fmt: skip
             )

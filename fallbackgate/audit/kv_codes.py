@@ -86,5 +86,8 @@ def served_round_trip(packed: torch.Tensor, bits: int, key_dim: int, checksum: i
             "replay's K/V (no code within rounding noise of a boundary gives them): the kv_dequant copy served "
             "was not the block's quantized K/V"
         )
-    restored = [dequantize(dataclasses.replace(q, codes=c, bits=8)) for q, c in zip((quant.keys, quant.values), codes)]
+    restored = [
+        dequantize(dataclasses.replace(q, codes=c, bits=8))
+        for q, c in zip((quant.keys, quant.values), codes, strict=True)
+    ]
     return torch.cat(restored, dim=-1)
