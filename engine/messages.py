@@ -102,6 +102,8 @@ class KVCopyChange:
     bits: int  # 0: a full-precision copy; 8 or 4: a quantized one
     block_ids: list[int]  # block indices in the request's table, in change order
     num_bytes: int = 0  # bytes written or read (0 for frees)
+    checksums: list[int] = dataclasses.field(default_factory=list)  # quantized copies written: codes' xxh3-64
+    # per block, as block_ids (kv.codec.codes_checksum); empty for other changes
 
 
 @dataclasses.dataclass(slots=True)

@@ -6,6 +6,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+from fallbackgate.engine.messages import CopyAction
 from fallbackgate.engine.tags import ObjectKind
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.models import ArbitrationRow, KVCopyRow
@@ -17,6 +18,15 @@ def kv_copy_changes(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
     c = KVCopyRow
     cols = (c.step_id, c.seq, c.request_id, c.layer, c.action, c.tier, c.bits, c.block_ids, c.num_bytes)
     return _all(ledger, select(*cols).where(c.run_id == run_id).order_by(c.seq))
+
+
+def written_code_checksums(ledger: Ledger, run_id: int, request_id: str) -> list[dict[str, Any]]:
+    """One request's quantized KV copies written with their codes' checksums, in write order."""
+    c = KVCopyRow
+    cols = (c.step_id, c.layer, c.bits, c.block_ids, c.code_checksums)
+    written = (c.action == CopyAction.WRITTEN.value) & c.code_checksums.is_not(None)
+    stmt = select(*cols).where(c.run_id == run_id, c.request_id == request_id, written)
+    return _all(ledger, stmt.order_by(c.seq))
 
 
 def kv_arbitrations(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:

@@ -342,6 +342,8 @@ class KVCopyRow(Base):
     bits: Mapped[int] = mapped_column(Integer)  # 0: full precision; 8 or 4: a quantized copy
     block_ids: Mapped[str] = mapped_column(Text)  # "3,4": block indices, in change order
     num_bytes: Mapped[int] = mapped_column(BigInteger)  # bytes written or read (0 for frees)
+    # quantized copies written: "hex,hex" xxh3-64 of each block's codes, as block_ids (None otherwise)
+    code_checksums: Mapped[str | None] = mapped_column(Text, nullable=True)
     __table_args__ = (Index("ix_kv_copies_run_request", "run_id", "request_id", "seq"),)
 
 

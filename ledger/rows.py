@@ -210,6 +210,7 @@ def kv_copy_rows(run_id: int, step_id: int, result: StepResult) -> list[dict[str
             "bits": c.bits,
             "block_ids": ",".join(map(str, c.block_ids)),
             "num_bytes": c.num_bytes,
+            "code_checksums": ",".join(f"{x:016x}" for x in c.checksums) if c.checksums else None,
         }
         for c in result.kv_copies
     ]

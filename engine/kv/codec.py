@@ -12,9 +12,17 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
+import xxhash
 
 from fallbackgate.engine.errors import EngineError
-from fallbackgate.engine.experts.quant import Quantized, dequantize, quantize, quantized_nbytes, quantized_to
+from fallbackgate.engine.experts.quant import (
+    Quantized,
+    dequantize,
+    quantize,
+    quantized_nbytes,
+    quantized_to,
+    unpacked_codes,
+)
 from fallbackgate.engine.kv.spill import SpillDir, SpillRecord
 
 
@@ -59,6 +67,23 @@ def dequantize_kv(quant: QuantKV) -> torch.Tensor:
     """Back to a [kv_heads, block_size, key_dim + value_dim] fp32 block."""
     assert quant.keys is not None and quant.values is not None
     return torch.cat([dequantize(quant.keys), dequantize(quant.values)], dim=-1)
+
+
+def codes_checksum(keys: torch.Tensor, values: torch.Tensor) -> int:
+    """xxh3-64 of a block's integer codes, one per byte (K then V, each in its tensor's shape and C order):
+    what the ledger records of a quantized copy served, and what the replay checks its own codes against.
+    Scales and zero points are floats and are not hashed (the replay's differ from the served ones by
+    rounding); a code is a small integer, reproduced exactly unless its value lay at a rounding boundary."""
+    digest = xxhash.xxh3_64()
+    for codes in (keys, values):
+        digest.update(codes.detach().to("cpu", torch.uint8).contiguous().numpy().tobytes())
+    return digest.intdigest()
+
+
+def quant_checksum(quant: QuantKV) -> int:
+    """:func:`codes_checksum` of a quantized block held in memory."""
+    assert quant.keys is not None and quant.values is not None
+    return codes_checksum(unpacked_codes(quant.keys), unpacked_codes(quant.values))
 
 
 def write_quant(spill: SpillDir, name: str, quant: QuantKV) -> QuantKV:

@@ -13,7 +13,7 @@ from fallbackgate.engine.device_pool import TierPool
 from fallbackgate.engine.errors import BudgetError, EngineError
 from fallbackgate.engine.io.context import IOPriority, io_context
 from fallbackgate.engine.kv.block import KVBlock, SpillMode
-from fallbackgate.engine.kv.codec import quant_kv_nbytes, quantize_kv, write_quant
+from fallbackgate.engine.kv.codec import quant_checksum, quant_kv_nbytes, quantize_kv, write_quant
 from fallbackgate.engine.kv.slots import SlotTier
 from fallbackgate.engine.kv.spill import SpillDir
 from fallbackgate.engine.messages import CopyAction, KVCopyChange
@@ -42,9 +42,12 @@ class KVCopies:
     num_copy_changes: int  # changes noted so far (the next one's ordinal)
 
     # --- the copy journal ------------------------------------------------------------------------
-    def note_copy(self, action: CopyAction, block: KVBlock, tier: Tier, bits: int, num_bytes: int = 0) -> None:
+    def note_copy(
+        self, action: CopyAction, block: KVBlock, tier: Tier, bits: int, num_bytes: int = 0, checksum: int | None = None
+    ) -> None:
         """Note one change to `block`'s copy in `tier` at `bits` (0: full precision), after it happened;
-        joined to the latest note when that is of the same kind, request, layer, tier and precision."""
+        joined to the latest note when that is of the same kind, request, layer, tier and precision.
+        `checksum`: the codes' checksum of a quantized copy written."""
         request_id, layer, index = block.key
         last = self.copy_changes[-1] if self.copy_changes else None
         if last is not None and (last.request_id, last.layer, last.action, last.tier, last.bits) == (
@@ -52,9 +55,21 @@ class KVCopies:
         ):  # fmt: skip
             last.block_ids.append(index)
             last.num_bytes += num_bytes
+            if checksum is not None:
+                last.checksums.append(checksum)
         else:
             self.copy_changes.append(
-                KVCopyChange(self.num_copy_changes, request_id, layer, action, tier, bits, [index], num_bytes)
+                KVCopyChange(
+                    self.num_copy_changes,
+                    request_id,
+                    layer,
+                    action,
+                    tier,
+                    bits,
+                    [index],
+                    num_bytes,
+                    [] if checksum is None else [checksum],
+                )  # fmt: skip
             )
         self.num_copy_changes += 1
 
@@ -140,17 +155,18 @@ class KVCopies:
             quant = quantize_kv(tensor, 8 if mode is SpillMode.HOST_INT8 else 4, self.key_dim)
             self.host_pool.reserve(ObjectKind.KV_BLOCK, quant.num_bytes)
             block.host_q = quant
-            self.note_copy(CopyAction.WRITTEN, block, Tier.HOST, quant.bits, quant.num_bytes)
+            self.note_copy(CopyAction.WRITTEN, block, Tier.HOST, quant.bits, quant.num_bytes, quant_checksum(quant))
             return quant.num_bytes
         if mode is SpillMode.DISK_FULL and block.disk is None:
             block.disk = self.spill.write("kv-" + "-".join(map(str, block.key)), tensor)
             self.note_copy(CopyAction.WRITTEN, block, Tier.DISK, 0, self.bytes_per_block)
             return self.bytes_per_block
         if mode is SpillMode.DISK_INT8 and block.disk_q is None:
-            block.disk_q = write_quant(
-                self.spill, "kvq-" + "-".join(map(str, block.key)), quantize_kv(tensor, 8, self.key_dim)
+            quant = quantize_kv(tensor, 8, self.key_dim)
+            block.disk_q = write_quant(self.spill, "kvq-" + "-".join(map(str, block.key)), quant)
+            self.note_copy(
+                CopyAction.WRITTEN, block, Tier.DISK, quant.bits, block.disk_q.num_bytes, quant_checksum(quant)
             )
-            self.note_copy(CopyAction.WRITTEN, block, Tier.DISK, block.disk_q.bits, block.disk_q.num_bytes)
             return block.disk_q.num_bytes
         return 0
 

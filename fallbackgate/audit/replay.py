@@ -8,7 +8,9 @@ ledger says. Each audited request is recomputed teacher-forced, forward by forwa
 - the same experts deferred per step, layer and request, their gate weights renormalised to the old sum;
 - the same low-bit copies: the file's weights quantized and dequantized with the engine's codec and bits;
 - each query position reading the KV version it really read: blocks a step read dequantized are
-  quantized and dequantized from the replay's own K/V with the recorded bits; blocks a step rebuilt are
+  quantized from the replay's own K/V with the recorded bits, their codes rebuilt to the checksum recorded
+  for the served copy (``kv_codes``: a code at a rounding boundary may flip; any other difference fails
+  the request), then dequantized; blocks a step rebuilt are
   recomputed by a rebuild pass with that pass's own expert actions; a re-prefill restarts from its start;
 - its own attention: per-request SDPA over its own K/V with an explicit causal mask.
 
@@ -26,12 +28,12 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from fallbackgate.audit.kv_codes import served_round_trip
 from fallbackgate.audit.replay_trace import ExpertActions, KVActions, ReplayTrace, Segment, TraceError
 from fallbackgate.engine.baseline.api import (
     BaselineEngine,
     ExpertWeights,
     expert_mlp,
-    kv_round_trip,
     lowbit_round_trip,
 )
 
@@ -79,6 +81,7 @@ class Replayer:
         self.token_steps: list[int] = []
         self.is_rebuild = False
         self.kv_actions = KVActions()
+        self.kv_step = 0  # the step whose KV reads the current forward repeats
         self.num_rows = 0  # output rows produced so far
 
     # --- driving ---------------------------------------------------------------------------------
@@ -119,6 +122,7 @@ class Replayer:
         self.start, self.is_rebuild = segments[0].start, False
         kv = self.trace.kv.get(segments[0].step_id, KVActions())  # every segment here reads the same versions
         self.kv_actions = KVActions(dequantized=kv.dequantized)
+        self.kv_step = segments[0].step_id
         self.token_steps = [s.step_id for s in segments for _ in range(s.num_tokens)]
         keep = [s.start + s.num_tokens - 1 - self.start for s in segments if s.is_sampled]
         for offset, row in enumerate(keep):
@@ -143,6 +147,7 @@ class Replayer:
         begin = min(min(blocks) for blocks in rebuilt.values()) * self.block_size
         self.start, self.is_rebuild = begin, True
         self.kv_actions = self.trace.kv[seg.step_id]
+        self.kv_step = seg.step_id
         self.token_steps = [seg.step_id] * (seg.start - begin)
         self.engine.replay_forward(self, self.cache, self.trace.token_ids[begin : seg.start], begin, [])
 
@@ -152,9 +157,7 @@ class Replayer:
             self.values[layer] = self.values[layer][:, :, :length]
 
     # --- the cache --------------------------------------------------------------------------------
-    def kv_update(
-        self, layer: int, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv_update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this forward's K/V as the engine's blocks take it; return what its queries read."""
         start, n = self.start, keys.shape[2]
         old_k, old_v = self.keys.get(layer), self.values.get(layer)
@@ -177,7 +180,9 @@ class Replayer:
             for block, bits in dequantized.items():
                 lo, hi = block * self.block_size, (block + 1) * self.block_size
                 packed = torch.cat([read_k[0, :, lo:hi], read_v[0, :, lo:hi]], dim=-1)
-                both = kv_round_trip(packed, bits, self.key_dim).to(packed.dtype)
+                checksum = self.trace.served_checksum(self.kv_step, layer, block, bits)
+                where = f"request {self.trace.request_id}: step {self.kv_step}, layer {layer}, KV block {block}"
+                both = served_round_trip(packed, bits, self.key_dim, checksum, where).to(packed.dtype)
                 read_k[0, :, lo:hi], read_v[0, :, lo:hi] = both[..., : self.key_dim], both[..., self.key_dim :]
         return read_k, read_v
 

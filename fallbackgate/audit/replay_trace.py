@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from fallbackgate.engine.tags import ObjectKind, Tag
-from fallbackgate.ledger import audit_queries
+from fallbackgate.ledger import audit_queries, kv_copy_queries
 from fallbackgate.ledger.db import Ledger
 
 
@@ -54,6 +54,8 @@ class ReplayTrace:
     segments: list[Segment]  # in step order
     experts: dict[tuple[int, bool], ExpertActions]  # (step, is rebuild pass) -> actions
     kv: dict[int, KVActions]  # step -> KV versions read
+    # (layer, block, bits) -> (step, xxh3-64 of the codes) of each quantized copy written, in write order
+    code_checksums: dict[tuple[int, int, int], list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
     @property
     def num_output_tokens(self) -> int:
@@ -63,6 +65,12 @@ class ReplayTrace:
         """True when the step rebuilt KV blocks before its own forward."""
         kv = self.kv.get(step_id)
         return kv is not None and bool(kv.rebuilt)
+
+    def served_checksum(self, step_id: int, layer: int, block: int, bits: int) -> int | None:
+        """Codes' checksum of the latest `bits` copy of the block written by step `step_id` (what that step
+        read dequantized); None when the ledger recorded none (written before checksums were recorded)."""
+        written = [c for s, c in self.code_checksums.get((layer, block, bits), ()) if s <= step_id]
+        return written[-1] if written else None
 
     def kv_reads(self, step_id: int) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
         """What the step's queries read dequantized, as a comparable value: consecutive steps with equal
@@ -101,4 +109,9 @@ def load_trace(ledger: Ledger, run_id: int, request_id: str) -> ReplayTrace:
                 kv.dequantized.setdefault(layer, {}).update(dict.fromkeys(ids, int(e["bits"] or 0)))
             elif e["tag"] == Tag.RECOMPUTE.value:
                 kv.rebuilt.setdefault(layer, set()).update(ids)
+    for row in kv_copy_queries.written_code_checksums(ledger, run_id, request_id):
+        sums = [int(x, 16) for x in row["code_checksums"].split(",")]
+        for block, checksum in zip(_ids(row["block_ids"]), sums, strict=True):
+            key = (row["layer"], block, row["bits"])
+            trace.code_checksums.setdefault(key, []).append((row["step_id"], checksum))
     return trace
