@@ -125,7 +125,8 @@ def print_report(outcome: RunOutcome, out: TextIO, slos: dict[str, dict[str, Any
         n = len(out_req.output_token_ids)
         decode_s = out_req.finish_s - out_req.first_token_s
         speed = f"{(n - 1) / decode_s:7.1f}" if decode_s > 0 else "      -"
-        snippet = text.replace("\n", " ")[:48]
+        why = outcome.failures.get(out_req.request_id)
+        snippet = f"FAILED: {why}" if why is not None else text.replace("\n", " ")[:48]
         out.write(
             f"{out_req.request_id[:14]:<14} {out_req.request_class[:10]:<10} {n:>6} {speed} "
             f"{out_req.ttft_s * 1e3:8.1f} {out_req.tpot_s * 1e3:8.1f} {out_req.modeled_ttft_s * 1e3:9.3f} "
