@@ -11,6 +11,7 @@ from sqlalchemy import select
 
 from fallbackgate import cli
 from fallbackgate.engine.experts.reader import ExpertReader
+from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.ledger import queries
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.ledger.models import QuarantineRow, Request
@@ -26,16 +27,12 @@ TEXTS = [
 NEW_TOKENS = 6
 
 
-def routed_experts(path: pathlib.Path) -> dict[str, set[int]]:
-    """The experts of LAYER each prompt routes to when served exactly (a clean run)."""
+def routed_experts(path: pathlib.Path, texts: list[str] = TEXTS, num_tokens: int = NEW_TOKENS) -> dict[str, set[int]]:
+    """The experts of LAYER each prompt (ids p0, p1, ...) routes to when served exactly (a clean run)."""
     engine = disk_engine(path)
     engine.is_capturing = True
-    from fallbackgate.engine.sequence import SamplingParams
-
-    ids = [
-        engine.add_request(engine.tokenizer.encode(t), SamplingParams(max_new_tokens=NEW_TOKENS), f"p{i}")
-        for i, t in enumerate(TEXTS)
-    ]
+    params = SamplingParams(max_new_tokens=num_tokens, stop_token_ids=(engine.tokenizer.eos_token_id,))
+    ids = [engine.add_request(engine.tokenizer.encode(t), params, f"p{i}") for i, t in enumerate(texts)]
     routed: dict[str, set[int]] = {rid: set() for rid in ids}
     while engine.has_unfinished():
         for call in engine.step().capture.routing:
