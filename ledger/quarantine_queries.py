@@ -26,7 +26,7 @@ def unauditable(ledger: Ledger, run_id: int) -> tuple[dict[str, list[str]], list
     for row in quarantines(ledger, run_id):
         name = f"{row['object_kind']} {row['object_id']}".strip()
         if row["request_id"] is None:
-            objects.append(name)
+            objects += [name] if name not in objects else []
         elif name not in by_request.setdefault(row["request_id"], []):
             by_request[row["request_id"]].append(name)
     for names in by_request.values():  # a failed KV read quarantines nothing by itself: the run names it too

@@ -10,6 +10,7 @@ import pathlib
 from sqlalchemy import select
 
 from fallbackgate import cli
+from fallbackgate.audit.worker import audit_loop
 from fallbackgate.engine.experts.reader import ExpertReader
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.ledger import queries
@@ -86,3 +87,37 @@ def test_run_records_failed_rows_and_the_gate_says_unauditable(tmp_path, monkeyp
             assert verdicts[rid]["passed"], verdicts[rid]["reason"]
         assert {r["request_id"] for r in rows if r["effect"] == "failed"} == users
         assert not verdicts[None]["passed"] and why in verdicts[None]["reason"]
+
+
+def test_an_audit_worker_cannot_use_a_quarantined_expert(tmp_path, monkeypatch) -> None:
+    """Served cleanly, audited after the expert went bad: the worker's baseline cannot read it, so the requests
+    that need it are unauditable (not PASS), and so is the run; the others are audited and pass."""
+    path = copy_bundled(tmp_path)
+    routed = routed_experts(path)
+    expert = some_not_all(routed)
+    (tmp_path / "policy.yaml").write_text(POLICY + "audit: {sample_rate: 1.0}\n")
+    lines = [json.dumps({"id": f"p{i}", "prompt": t}) for i, t in enumerate(TEXTS)]
+    (tmp_path / "prompts.jsonl").write_text("\n".join(lines) + "\n")
+    ledger_path = tmp_path / "ledger.sqlite"
+    args = ["run", "--model", str(path), "--policy", str(tmp_path / "policy.yaml"), "--prompts",
+            str(tmp_path / "prompts.jsonl"), "--ledger", str(ledger_path), "--device-budget-mb", "3",
+            "--max-new-tokens", str(NEW_TOKENS), "--quiet", "--audit", "deferred"]  # fmt: skip
+    assert cli.main(args) == 0
+    read_raw = ExpertReader.read_raw
+
+    def bad_expert(self, key):
+        weights = read_raw(self, key)
+        if key == (LAYER, expert):
+            weights.gate_up.view(-1)[3] += 1.0
+        return weights
+
+    monkeypatch.setattr(ExpertReader, "read_raw", bad_expert)  # the disk went bad before the audit
+    audit_loop(str(ledger_path), lease_s=60.0, run_id=None, max_tasks=None)
+    users = {rid for rid, experts in routed.items() if expert in experts}
+    with open_ledger(str(ledger_path), read_only=True) as ledger:
+        run_id = queries.latest_run_id(ledger)
+        verdicts = {v["request_id"]: v for v in queries.verdicts(ledger, run_id)}
+    why = f"unauditable (quarantined: expert {LAYER}:{expert})"
+    assert {rid for rid in routed if verdicts[rid]["reason"] == why} == users
+    assert all(verdicts[rid]["passed"] for rid in set(routed) - users)
+    assert not verdicts[None]["passed"] and why in verdicts[None]["reason"]

@@ -29,10 +29,10 @@ from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.ledger import audit_queries
 from fallbackgate.ledger.db import LedgerError
+from fallbackgate.ledger.quarantine_rows import object_rows, request_row, step_rows
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.schema import AuditMode
 from fallbackgate.recording.arbitrations import arbitration_rows
-from fallbackgate.recording.faults import object_rows, request_row, step_rows
 
 if TYPE_CHECKING:  # the tracer (and pyarrow) load only for runs that write a trace
     from fallbackgate.tracing.live import LiveTracer
