@@ -20,6 +20,7 @@ from fallbackgate.controllers.registry import make_controller
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.controller import Controller
 from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.experts.faults import rescale_late_defers
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import Tag
 from fallbackgate.policy import loader
@@ -207,3 +208,24 @@ def test_an_unreadable_kv_spill_block_is_rebuilt_or_fails_its_request(tmp_path, 
         assert engine.finished[ids[1]].output_token_ids == ref[ids[1]] and not engine.failed
     else:
         assert set(engine.failed) == {ids[1]} and "unreadable KV spill" in engine.failed[ids[1]][1]
+
+
+def test_a_late_defer_rescale_equals_renormalising_first() -> None:
+    """Deferring an expert after its tokens' other experts accumulated gives what deferring it up front gives."""
+    gen = torch.Generator().manual_seed(3)
+    num_tokens, top_k, hidden = 5, 3, 4
+    weights = torch.rand(num_tokens, top_k, generator=gen)
+    outputs = torch.randn(num_tokens, top_k, hidden, generator=gen)  # each slot's expert output per token
+    late = (torch.tensor([1, 3]), torch.tensor([0, 2]))  # tokens 1 and 3 lose the expert in slots 0 and 2
+    out = torch.zeros(num_tokens, hidden)
+    for slot in range(top_k):
+        keep = torch.ones(num_tokens, dtype=torch.bool)
+        if slot in (0, 2):
+            keep[late[0][late[1] == slot]] = False
+        out[keep] += outputs[keep, slot] * weights[keep, slot, None]
+    rescale_late_defers(out, weights, [late])
+    expected = weights.clone()
+    expected[late] = 0.0
+    expected = expected * (weights.sum(-1, keepdim=True) / expected.sum(-1, keepdim=True))
+    assert torch.allclose(out, (outputs * expected[..., None]).sum(1), atol=1e-6)
+    assert not torch.allclose(out, (outputs * weights[..., None]).sum(1), atol=1e-3)  # the rescale did something
