@@ -1,4 +1,5 @@
-"""Ledger rows (quarantines table) of faults that stayed local: quarantined checkpoint objects and the requests each touched."""
+"""Ledger rows (quarantines table) of faults that stayed local: quarantined checkpoint objects and the
+requests each touched."""
 
 from __future__ import annotations
 
