@@ -62,6 +62,8 @@ class Decision:
     tag: Tag  # the action to take
     predicted_cost: float = 0.0  # predicted quality cost in nats (approximate tags)
     reason: str = ""  # why, for the ledger
+    is_forced: bool = False  # a fault leaves no exact action: served as decided even in observe mode
+    failure: str = ""  # set: the request cannot be served (a quarantined expert it may not defer); it fails
 
 
 @dataclasses.dataclass(slots=True)
@@ -277,6 +279,16 @@ class Controller(abc.ABC):
     def on_step_end(self, view: ControllerView) -> StepEndActions:
         """Called after each step; default: nothing to do."""
         return StepEndActions()
+
+    def fault_action(self, miss: ExpertMiss, fault: str) -> Decision | None:
+        """The expert `miss` needs is quarantined (`fault` says why): an ``expert_defer`` Decision when the
+        request's class allows it and its budget has room, else None (the request fails). Default: None."""
+        return None
+
+    def kv_fault_action(self, miss: KVMiss, fault: str) -> Decision | None:
+        """A KV block's only full-precision copy failed its checksum: a ``recompute`` Decision when the
+        request's class allows it, else None (the request fails). Default (no policy): recompute."""
+        return Decision(Tag.RECOMPUTE, reason=f"{fault}; rebuilt by recompute")
 
     def choose_read_ahead(self, predicted: list[ExpertKey], view: ControllerView) -> list[ExpertKey]:
         """Which of the experts the next layer's router predicts (from this layer's hidden state) to read

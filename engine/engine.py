@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from fallbackgate.engine.baseline.access import BaselineAccess
 from fallbackgate.engine.config import DTYPES, EngineConfig, PreemptMode
 from fallbackgate.engine.controller import Controller, ControllerView
-from fallbackgate.engine.errors import PromptError
+from fallbackgate.engine.errors import EngineError, PromptError
 from fallbackgate.engine.experts.executor import Executor
 from fallbackgate.engine.experts.integrity import CopyVerifier
 from fallbackgate.engine.io import IOScheduler
@@ -95,6 +95,7 @@ class Engine(BaselineAccess):
             model, self.executor, shape.num_layers, self.device, 2.0 * self.num_dense_params, attn_flops
         )
         self.finished: dict[str, RequestOutput] = {}
+        self.failed: dict[str, tuple[RequestOutput, str]] = {}  # ended by a fault only they met: output, why
         self.modeled_clock_s = 0.0
         self.is_observe = config.is_observe
         self.last_plan: StepPlan | None = None  # plan of the latest step, for recorders
@@ -191,8 +192,9 @@ class Engine(BaselineAccess):
         self.last_plan = plan
         self.controller.on_step_start(plan, self.view())
         log = self._prepare(plan, chosen, started)
-        logits = self._forward(plan, chosen, log)
-        return self._finish_step(plan, chosen, logits, log, started)
+        live = [(seq, num) for seq, num in chosen if seq.request_id not in log.failed]  # unreadable KV: it leaves
+        logits = self._forward(plan, live, log) if live else torch.empty(0)
+        return self._finish_step(plan, live, logits, log, started)
 
     def _prepare(self, plan: StepPlan, chosen: list[tuple[Sequence, int]], started: float) -> EventLog:
         log = EventLog(plan.step_id, started)
@@ -288,6 +290,9 @@ class Engine(BaselineAccess):
             if seq.num_computed_tokens == seq.num_tokens:
                 # every running request keeps a copy of its own row (a view would hold the whole step's logits):
                 # whether it is audited by risk is known only when it ends; `_output` drops the rest
+                if seq.request_id in log.failed:  # a fault only it met: its row is not its model's output
+                    row += 1
+                    continue
                 own[seq.request_id] = logits[row].detach().to("cpu", copy=True)
                 if seq.is_logits_kept:
                     kept[seq.request_id] = own[seq.request_id]
@@ -312,6 +317,9 @@ class Engine(BaselineAccess):
         for request_id, token in sampled.items():
             if self._append_token(self.sequences[request_id], token, own.get(request_id), now):
                 finished.append(request_id)
+        for request_id, why in log.failed.items():
+            if request_id in self.sequences:
+                self.failed[request_id] = (self.abort_request(request_id), why)
         pool = self.kv_store.device_pool
         if log.capture is not None:
             log.capture.end_ns = time.monotonic_ns()
@@ -335,6 +343,7 @@ class Engine(BaselineAccess):
             list(log.expert_arrivals.values()),
             self.kv_store.take_copy_changes(),
             log.capture,
+            dict(log.failed),
         )
 
     def _end_step(self, log: EventLog) -> None:
@@ -449,4 +458,7 @@ class Engine(BaselineAccess):
             while self.has_unfinished():
                 result = self.step()
                 bar.update(len(result.sampled_token_ids))
+        failed = [f"{i}: {self.failed[i][1]}" for i in ids if i in self.failed]
+        if failed:
+            raise EngineError(f"{len(failed)} of {len(ids)} requests failed: {'; '.join(failed)}")
         return [self.finished.pop(i) for i in ids]

@@ -19,3 +19,12 @@ class ChecksumError(EngineError):
 
 class PromptError(EngineError):
     """A prompt is empty, too long, or otherwise unusable."""
+
+
+class ExpertReadError(ChecksumError):
+    """An expert's bytes read from the checkpoint do not match the manifest's xxh3-64 (`found` is the digest
+    of what was read; None when the read itself failed)."""
+
+    def __init__(self, message: str, expected: str, found: str | None) -> None:
+        super().__init__(message)
+        self.expected, self.found = expected, found

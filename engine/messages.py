@@ -185,6 +185,8 @@ class StepResult:
     kv_copies: list[KVCopyChange] = dataclasses.field(default_factory=list)  # KV copies written, read and freed
     # since the previous step, in the order the store made the changes
     capture: StepCapture | None = None  # every access of the step, when the engine was asked to capture them
+    failed: dict[str, str] = dataclasses.field(default_factory=dict)  # request id -> why it ended failed this step
+    # (a quarantined expert or unreadable KV block only it needed; its output is in `Engine.failed`)
 
 
 @dataclasses.dataclass(slots=True)

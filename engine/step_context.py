@@ -47,6 +47,11 @@ class EventLog:
         self.kv_resident_reads: dict[str, dict[int, int]] = {}  # request -> layer -> device KV blocks read
         self.expert_resident_uses: dict[str, dict[int, int]] = {}  # request -> layer -> resident experts used
         self.capture: StepCapture | None = None  # every access of the step, when a recorder asked for them
+        self.failed: dict[str, str] = {}  # request -> why it cannot be served (a fault only it meets); it ends
+
+    def fail(self, request_id: str, why: str) -> None:
+        """Mark `request_id` failed this step (the first reason is kept): its output is discarded, it ends."""
+        self.failed.setdefault(request_id, why)
 
     def add(
         self,

@@ -365,3 +365,20 @@ class TraceAnalysisRow(Base):
     params: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))  # lag, window, phase, ...
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     __table_args__ = (Index("ix_trace_analyses_trace", "trace_path", "analysis"),)
+
+
+class QuarantineRow(Base):
+    """A checkpoint object whose reads failed twice (``request_id`` NULL: the object itself, with its files,
+    tensors, the manifest's hash and the one read), or one request it touched: ``effect`` "failed" (the request
+    ended with an error), "deferred" (served with ``expert_defer`` instead) or "unaudited" (its audit needed it)."""
+
+    __tablename__ = "quarantines"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = _run_fk()
+    request_id: Mapped[str | None] = mapped_column(String(128))
+    object_kind: Mapped[str] = mapped_column(String(16))  # "expert" or "kv_block"
+    object_id: Mapped[str] = mapped_column(String(64))  # "layer:expert", or the KV block's key
+    effect: Mapped[str] = mapped_column(String(16))  # "quarantined", "failed", "deferred", "unaudited"
+    detail: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    created_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), default=utcnow)
+    __table_args__ = (Index("ix_quarantines_run_request", "run_id", "request_id"),)

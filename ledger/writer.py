@@ -32,6 +32,7 @@ from fallbackgate.ledger.models import (
     ArbitrationRow,
     Calibration,
     EventRow,
+    QuarantineRow,
     Request,
     RequestStatRow,
     Run,
@@ -230,6 +231,12 @@ class LedgerWriter:
                 .values(verdict="pass" if passed else "fail")
             )
             self._put(OpMessage(lambda conn: conn.execute(stmt)))
+
+    def record_quarantines(self, rows: list[Mapping[str, Any]], *, run_id: int | None = None) -> None:
+        """Record quarantined objects and the requests they touched (``quarantines`` columns but run_id)."""
+        run = self._run(run_id)
+        if rows:
+            self._put(RowsMessage(QuarantineRow.__table__, [dict(row, run_id=run) for row in rows]))
 
     def record_replay(self, request_id: str, stats: Mapping[str, Any], *, run_id: int | None = None) -> None:
         """Record a request's served-vs-replay statistics (``replay_*`` columns of its request_stats row,

@@ -15,6 +15,7 @@ from collections import OrderedDict
 
 import torch
 
+from fallbackgate.engine.experts.quarantine import read_checked
 from fallbackgate.engine.experts.reader import ExpertKey, ExpertReader, weights_digest
 from fallbackgate.engine.experts.weights import ExpertWeights
 from fallbackgate.engine.messages import Verification
@@ -63,7 +64,7 @@ class AuditWeights:
                 return cached.weights
         self.reader.is_checksum_verified, was = True, self.reader.is_checksum_verified  # never trust unchecked
         try:
-            home = self.reader.read(key)
+            home, _ = read_checked(self.reader, key)  # retried once; quarantined after: ExpertQuarantined
         finally:
             self.reader.is_checksum_verified = was
         self.num_reads += 1

@@ -12,6 +12,7 @@ from fallbackgate.engine.baseline.expert_copies import DEFAULT_CACHE_BYTES, Audi
 from fallbackgate.engine.controller import Controller, ControllerView
 from fallbackgate.engine.device_pool import Scratch
 from fallbackgate.engine.errors import BudgetError, EngineError
+from fallbackgate.engine.experts.faults import expert_miss, fault_decision, rescale_late_defers
 from fallbackgate.engine.experts.hook import (
     ExpertUse,
     expert_mlp,
@@ -21,6 +22,7 @@ from fallbackgate.engine.experts.hook import (
     renormalise_deferred,
     served_tag,
 )
+from fallbackgate.engine.experts.quarantine import ExpertQuarantined
 from fallbackgate.engine.experts.store import ExpertKey, ExpertStore, Fetched
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.io.context import IOPriority, io_context
@@ -99,8 +101,10 @@ class Executor:
         by_key: dict[ExpertKey, list[ExpertUse]] = {}
         for use in uses:
             by_key.setdefault(use.key, []).append(use)
+        late: list[tuple[torch.Tensor, torch.Tensor]] = []  # uses deferred when their expert's read failed
         for key, key_uses in by_key.items():
-            self._run_expert(module, key, key_uses, hidden, weights, out)
+            self._run_expert(module, key, key_uses, hidden, weights, out, late)
+        rescale_late_defers(out, weights, late)
         return out
 
     def _start_reads(self, layer: int, hidden: torch.Tensor, uses: list[ExpertUse]) -> None:
@@ -127,6 +131,7 @@ class Executor:
         hidden: torch.Tensor,
         weights: torch.Tensor,
         out: torch.Tensor,
+        late: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
         ctx = self.ctx
         is_still_resident = self.expert_store.is_on_device(key)  # a load earlier in this layer may have evicted it
@@ -139,17 +144,34 @@ class Executor:
             groups.setdefault(Tag.EXACT_LOAD if tag is Tag.RESIDENT else tag, []).append(use)
         for tag, tag_uses in groups.items():
             if tag is Tag.EXPERT_DEFER:
-                for use in tag_uses:
-                    self._record(use, Tag.EXPERT_DEFER, 0, None, 0.0, "", 0)
-                ctx.deferred_expert_keys.append(key)
+                self._defer(key, tag_uses)
                 continue
             was_resident = self.expert_store.is_on_device(key)
             fetch_tag = Tag.RESIDENT if tag is Tag.EXACT_LOAD and was_resident else tag
             scratch_bytes = self.expert_store.lowbit_scratch_bytes if tag is Tag.EXPERT_LOWBIT else 0
             if scratch_bytes:
                 self.ensure_room(scratch_bytes, f"the dequantized low-bit copy of expert {key}", is_kv_evictable=False)
-            with self.expert_store.device_pool.held(Scratch.EXPERT_DEQUANT, scratch_bytes):
-                self._compute_tagged(module, key, tag, fetch_tag, tag_uses, hidden, weights, out)
+            try:
+                with self.expert_store.device_pool.held(Scratch.EXPERT_DEQUANT, scratch_bytes):
+                    self._compute_tagged(module, key, tag, fetch_tag, tag_uses, hidden, weights, out)
+            except ExpertQuarantined as exc:  # its read failed twice: each request defers it or fails alone
+                for use in tag_uses:
+                    top = float(weights[use.token_idx, use.top_k_pos].max())
+                    miss = expert_miss(ctx, self.expert_store, key, use.request_index, len(use.token_idx), top)
+                    use.decision = fault_decision(self.controller, miss, exc.record)
+                    if not use.decision.failure:
+                        late.append((use.token_idx, use.top_k_pos))
+                self._defer(key, tag_uses)
+
+    def _defer(self, key: ExpertKey, uses: list[ExpertUse]) -> None:
+        """Record deferred uses (their load queued); a use that carries a failure fails its request instead."""
+        for use in uses:
+            if use.decision.failure:
+                self.ctx.log.fail(self.ctx.batch.request_ids[use.request_index], use.decision.failure)
+            else:
+                self._record(use, Tag.EXPERT_DEFER, 0, None, 0.0, "", 0)
+        if not any(use.decision.is_forced for use in uses):  # a quarantined expert is never loaded again
+            self.ctx.deferred_expert_keys.append(key)
 
     def _compute_tagged(
         self,

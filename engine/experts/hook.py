@@ -13,8 +13,9 @@ from typing import Protocol
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from fallbackgate.engine.controller import Controller, Decision, ExpertMiss
+from fallbackgate.engine.controller import Controller, Decision
 from fallbackgate.engine.errors import EngineError
+from fallbackgate.engine.experts.faults import expert_miss, fault_decision
 from fallbackgate.engine.experts.store import ExpertKey, ExpertStore, ExpertWeights, Fetched
 from fallbackgate.engine.step_context import StepContext
 from fallbackgate.engine.tags import Tag, Tier
@@ -105,23 +106,9 @@ def plan_expert_uses(
         if ctx.is_exact_baseline or store.is_on_device(key):
             decision = Decision(Tag.RESIDENT)
         else:
-            decision = controller.expert_action(
-                ExpertMiss(
-                    ctx.step_id,
-                    ctx.batch.request_ids[request_index],
-                    ctx.batch.request_classes[request_index],
-                    layer,
-                    expert_id,
-                    len(tokens),
-                    top,
-                    store.home(key),
-                    store.bytes_per_expert,
-                    store.has_lowbit(key),
-                    store.device_pool.can_reserve(store.bytes_per_expert),
-                    str(store.reader.compute_dtype).removeprefix("torch."),
-                    not store.is_ram_tiered,
-                )
-            )
+            miss = expert_miss(ctx, store, key, request_index, len(tokens), top)
+            record = store.reader.quarantine.get(key)
+            decision = fault_decision(controller, miss, record) if record else controller.expert_action(miss)
         token_idx = torch.tensor(tokens, device=device)
         uses.append(ExpertUse(key, request_index, token_idx, torch.tensor(slots, device=device), decision))
     return uses
@@ -130,7 +117,7 @@ def plan_expert_uses(
 def served_tag(use: ExpertUse, is_observe: bool) -> Tag:
     """The tag actually served: in observe mode every approximate choice is served exactly."""
     tag = use.decision.tag
-    if is_observe and tag is not Tag.RESIDENT:
+    if is_observe and tag is not Tag.RESIDENT and not use.decision.is_forced:
         return Tag.EXACT_LOAD
     return tag
 

@@ -29,7 +29,8 @@ from collections.abc import Callable
 import torch
 import xxhash
 
-from fallbackgate.engine.errors import CheckpointError, ChecksumError
+from fallbackgate.engine.errors import CheckpointError, ExpertReadError
+from fallbackgate.engine.experts.quarantine import Quarantine
 from fallbackgate.engine.experts.weights import ExpertWeights
 from fallbackgate.engine.model import fp8
 from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
@@ -246,8 +247,15 @@ class ExpertReader:
                 )
             self.digests[key] = digest
         self.is_checksum_verified = True  # tests turn this off to plant a fault
+        self.quarantine = Quarantine()  # experts whose reads failed twice (serving, read-ahead and audits)
         self.is_block_scaled = any(source.scale_parts for source in self.sources.values())  # an FP8 checkpoint
         self.compute_digests: dict[ExpertKey, str] = {}  # FP8: digest of the dequantized weights a verified read gave
+
+    def tensor_files(self, key: ExpertKey) -> dict[str, str]:
+        """Each tensor expert `key` is read from (FP8 scales included) and the file that holds it."""
+        source = self.sources[key]
+        names = [name for name, _ in source.parts] + list(source.scale_parts)
+        return {name: str(self.files.file_of(name)) for name in names}
 
     def read_raw(self, key: ExpertKey) -> ExpertWeights:
         """The expert's matrices in the checkpoint's dtype, unverified ([2I, H] and [H, I])."""
@@ -257,9 +265,15 @@ class ExpertReader:
         """Read, verify against the manifest, and cast (FP8: dequantize) to the compute dtype."""
         weights, source = self.read_raw(key), self.sources[key]
         scales = read_scales(self.files, source)
-        if self.is_checksum_verified and weights_digest(weights, scales) != self.digests[key]:
+        found = weights_digest(weights, scales) if self.is_checksum_verified else self.digests[key]
+        if found != self.digests[key]:
             names = ", ".join(name for name, _ in source.parts)
-            raise ChecksumError(f"expert {key}: bytes of {names} do not match the manifest's xxh3-64")
+            raise ExpertReadError(
+                f"expert {key}: bytes of {names} do not match the manifest's xxh3-64 "
+                f"(expected {self.digests[key]}, read {found})",
+                self.digests[key],
+                found,
+            )
         if scales:
             weights = self._dequantize(weights, scales, key)
             self.compute_digests[key] = weights_digest(weights)

@@ -26,9 +26,10 @@ import torch
 
 from fallbackgate.engine.config import TierLayout, tier_layout
 from fallbackgate.engine.device_pool import HeldCopy, PoolKind, TierPool
-from fallbackgate.engine.errors import ChecksumError, EngineError
+from fallbackgate.engine.errors import EngineError
 from fallbackgate.engine.experts.lowbit_cache import LowbitDiskCache
 from fallbackgate.engine.experts.quant import Quantized, dequantize_rows, lowbit_expert_nbytes, quantize, quantized_to
+from fallbackgate.engine.experts.quarantine import ExpertQuarantined, read_checked
 from fallbackgate.engine.experts.read_ahead import ReadAhead
 from fallbackgate.engine.experts.reader import ExpertKey, ExpertReader
 from fallbackgate.engine.experts.weights import ExpertWeights
@@ -106,7 +107,10 @@ class ExpertStore:
         for key in self.entries:
             if not self.host_pool.can_reserve(self.bytes_per_expert + self._read_slot_bytes()):
                 break
-            self._cache_on_host(key, self._read_disk(key)[0])
+            try:
+                self._cache_on_host(key, self._read_disk(key)[0])
+            except ExpertQuarantined:  # recorded; requests that route to it are told when they do
+                continue
             num_read += 1
         self.is_disk_tiered = num_read < len(self.entries)
         self.read_ahead.end_step()  # warm-up reads are not a step's
@@ -118,7 +122,9 @@ class ExpertStore:
         if not self.num_read_slots:
             return
         queued = [(k, False) for k in needed] + [(k, True) for k in predicted if k not in set(needed)]
-        self.pending_reads = [(k, is_p) for k, is_p in dict(queued).items() if self._is_disk_only(k)]
+        self.pending_reads = [
+            (k, is_p) for k, is_p in dict(queued).items() if self._is_disk_only(k) and k not in self.reader.quarantine
+        ]
         self.pending_step_id = step_id
         self._pump()
 
@@ -178,7 +184,10 @@ class ExpertStore:
         for key in prefetch:
             if self.is_on_device(key) or not self.device_pool.can_reserve(self.bytes_per_expert):
                 continue
-            started.append((key, self.place(key, is_async=True)))
+            try:
+                started.append((key, self.place(key, is_async=True)))
+            except ExpertQuarantined:  # a prefetch found the fault: the requests that need it are told at use
+                continue
         self.settle_reads(next_step_id)
         return started
 
@@ -411,11 +420,9 @@ class ExpertStore:
         return self.read_ahead.demand_read(key)
 
     def _verified_read(self, key: ExpertKey) -> tuple[ExpertWeights, str]:
-        try:
-            return self.reader.read(key), ""
-        except ChecksumError as exc:  # one re-read clears a transient read fault; a changed file stays an error
-            weights = self.reader.read(key)
-            return weights, f"checksum failure ({exc}); a re-read from the checkpoint matched the manifest"
+        """A verified read; one re-read clears a transient fault, a second failure quarantines the expert
+        (ExpertQuarantined)."""
+        return read_checked(self.reader, key)
 
     def _cache_on_host(self, key: ExpertKey, weights: ExpertWeights) -> None:
         self.host_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)

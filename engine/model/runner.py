@@ -84,18 +84,20 @@ class ModelRunner:
             for block in kv.off_device_blocks(seq.request_id, start // kv.block_size):  # layer, then index
                 if block.key not in kv.scratch:
                     tag = self._serve_block(step_id, seq, block, log, is_observe)
+                    if seq.request_id in log.failed:  # unreadable and not rebuildable: it leaves the step
+                        break
                     if tag is Tag.RECOMPUTE:
                         index = block.key[2]
                         rebuild_from = index if rebuild_from is None else min(rebuild_from, index)
-            if rebuild_from is not None:
+            if rebuild_from is not None and seq.request_id not in log.failed:
                 self._recompute(step_id, seq, rebuild_from * kv.block_size, start, log, is_observe)
 
-    def _decide(self, step_id: int, seq: Sequence, block: KVBlock, is_observe: bool) -> ServePlan:
+    def _miss(self, step_id: int, seq: Sequence, block: KVBlock) -> KVMiss:
         kv = self.executor.kv_store
         exact_tier = Tier.HOST if block.host is not None else Tier.DISK if block.disk is not None else None
         quant = block.host_q or block.disk_q
         quant_tier = Tier.HOST if block.host_q is not None else Tier.DISK if block.disk_q is not None else None
-        miss = KVMiss(
+        return KVMiss(
             step_id,
             seq.request_id,
             seq.request_class,
@@ -106,6 +108,11 @@ class ModelRunner:
             quant.bits if quant else 0,
             kv.bytes_per_block,
         )
+
+    def _decide(self, step_id: int, seq: Sequence, block: KVBlock, is_observe: bool) -> ServePlan:
+        miss = self._miss(step_id, seq, block)
+        exact_tier, quant_tier = miss.exact_tier, miss.quant_tier
+        quant = block.host_q or block.disk_q
         decision = self.executor.controller.kv_action(miss)
         tag, note = decision.tag, decision.reason
         if is_observe and tag is not Tag.EXACT_LOAD:  # observe serves exactly: the full copy, else a rebuild
@@ -127,7 +134,12 @@ class ModelRunner:
         try:
             staged = self._stage(block, plan.tag)
         except ChecksumError as exc:
-            staged, note = self._stage(block, Tag.RECOMPUTE), f"{exc}; recovered by recompute"
+            fault = f"KV block {block.key}: {exc}"
+            decided = self.executor.controller.kv_fault_action(self._miss(step_id, seq, block), fault)
+            if decided is None or decided.tag is not Tag.RECOMPUTE:  # its class may not rebuild: it fails alone
+                log.fail(seq.request_id, f"unreadable KV spill: {fault}")
+                return Tag.RECOMPUTE
+            staged, note = self._stage(block, Tag.RECOMPUTE), decided.reason or f"{fault}; recovered by recompute"
         self._log_staged(log, block, staged, plan, note, (before, time.perf_counter_ns() - started_ns))
         return staged.tag
 
@@ -215,8 +227,10 @@ class ModelRunner:
             staged = kv.load(block, plan.tag)
             out.copy_(staged.tensor)
             staged.tensor = out  # the read copy is dropped here
-        except ChecksumError as exc:
-            raise EngineError(f"{exc}: a per-layer step cannot rebuild KV block {block.key}") from exc
+        except ChecksumError as exc:  # a per-layer step cannot rebuild it mid-forward: its request fails alone
+            self.executor.ctx.log.fail(block.key[0], f"unreadable KV spill: KV block {block.key}: {exc}")
+            out.zero_()
+            return
         finally:
             kv.device_pool.release(Scratch.KV_STAGED, kv.bytes_per_block)
         waited = (before, time.perf_counter_ns() - started_ns)

@@ -137,6 +137,11 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
         body = {"status": "ok" if service.is_alive else "failed", "model": info.model_name, "run_id": info.run_id}
         if service.recorder is not None:
             body["ledger"] = dataclasses.asdict(service.recorder.writer.buffer_state())
+        body["quarantined"] = [  # requests that need one fail alone (or defer it); the rest are served
+            {"object_kind": "expert", "object_id": r.object_id, "tensors": r.tensors, "expected": r.expected,
+             "found": r.found, "error": r.error}
+            for r in service.engine.expert_store.reader.quarantine.records()
+        ]  # fmt: skip
         return JSONResponse(body, status_code=200 if service.is_alive else 503)
 
     @app.get("/v1/models")

@@ -37,6 +37,12 @@ class ServerMetrics:
         )
         self.in_flight = Gauge("fallbackgate_requests_in_flight", "Requests admitted and not finished", registry=r)
         self.queue_depth = Gauge("fallbackgate_queue_depth", "Requests waiting for their first step", registry=r)
+        self.quarantined = Gauge(
+            "fallbackgate_quarantined_objects", "Checkpoint objects quarantined: reads failed twice", registry=r
+        )
+        self.quarantined_object = Gauge(
+            "fallbackgate_quarantined", "1 per quarantined object", ["object_kind", "object_id"], registry=r
+        )
         self.ttft = Histogram(
             "fallbackgate_ttft_seconds",
             "Measured time to first token",
@@ -164,6 +170,10 @@ class ServerMetrics:
             for kind, used in pool.used_bytes_by_kind.items():
                 self.pool.labels(name, getattr(kind, "value", str(kind))).set(used)
         self.queue_depth.set(len(engine.scheduler.waiting))
+        records = engine.expert_store.reader.quarantine.records()
+        self.quarantined.set(len(records))
+        for record in records:
+            self.quarantined_object.labels(ObjectKind.EXPERT.value, record.object_id).set(1)
 
     def on_finish(self, output: RequestOutput, slo: Mapping[str, Any] | None, outcome: str) -> None:
         """A finished request: its measured TTFT/TPOT against its class's SLO."""

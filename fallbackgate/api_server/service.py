@@ -272,6 +272,21 @@ class EngineService:
             sub = self._pending.pop(rid)
             text = self._stopped_text(sub, output.output_token_ids) if sub.stop_strings else None
             self._finish(sub, output, text)
+        for rid, why in result.failed.items():  # a fault only it met; everyone else keeps being served
+            output, _ = self.engine.failed.pop(rid)
+            if rid in self._pending:
+                self._fail(self._pending.pop(rid), output, why)
+
+    def _fail(self, sub: Submission, output: RequestOutput, why: str) -> None:
+        """A request the engine ended failed (a quarantined expert, an unreadable KV block): recorded as failed,
+        its handler told with a 500 that names the fault."""
+        if self.recorder is not None:
+            self.recorder.on_request(output, prompt=sub.prompt, status="failed")
+            self.recorder.forget(sub.request_id)
+        self.metrics.in_flight.dec()
+        self.metrics.requests.labels(sub.request_class, "failed").inc()
+        code = "expert_quarantined" if why.startswith("quarantined") else "kv_unreadable"
+        self._push(sub, Failed(f"request {sub.request_id} failed: {why}", 500, code))
 
     def _stopped_text(self, sub: Submission, token_ids: list[int] | None = None) -> str | None:
         """The output text cut before its first stop string, or None while no stop string has appeared."""

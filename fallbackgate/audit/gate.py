@@ -31,7 +31,7 @@ from typing import Any
 from fallbackgate.audit.completeness import check_completeness
 from fallbackgate.audit.stats import top1_outside_ties
 from fallbackgate.engine.tags import TAG_EXACTNESS, Exactness, ObjectKind, Tag
-from fallbackgate.ledger import audit_queries, queries
+from fallbackgate.ledger import audit_queries, quarantine_queries, queries
 from fallbackgate.ledger.db import Ledger, LedgerError
 
 FLOOR_MARGIN = 10.0
@@ -247,6 +247,12 @@ def _locate(ledger: Ledger, run_id: int, v: RequestVerdict, floor: Floor) -> Non
     v.layer = min(layers) if layers else None
 
 
+def unauditable_verdict(request_id: str, served: Exactness, objects: list[str]) -> RequestVerdict:
+    """A request a quarantined object touched (failed, deferred it, or its audit needed it): not judged."""
+    reason = f"unauditable (quarantined: {', '.join(objects)})"
+    return RequestVerdict(request_id, False, served, [reason], quality_passed=False, correctness_passed=None)
+
+
 def evaluate_run(ledger: Ledger, run_id: int) -> RunVerdict:
     """Judge every request of ``run_id`` and the run; raise LedgerError when the run does not exist."""
     run = queries.get_run(ledger, run_id)
@@ -268,6 +274,7 @@ def evaluate_run(ledger: Ledger, run_id: int) -> RunVerdict:
     )
     requests = queries.request_summaries(ledger, run_id)
     completeness = check_completeness(ledger, run, requests)
+    touched, quarantined = quarantine_queries.unauditable(ledger, run_id)
     for req in requests:
         rid = req["request_id"]
         stats = {k: req[k] for k in stat_keys} if req["num_positions"] is not None else None
@@ -284,10 +291,13 @@ def evaluate_run(ledger: Ledger, run_id: int) -> RunVerdict:
             replay=replay if req["replay_max_kl"] is not None else None,
             incomplete=completeness.request_reasons.get(rid),
         )
-        if not v.passed:
+        if rid in touched:  # its output or its audit needs bytes that cannot be read: never a PASS
+            v = unauditable_verdict(rid, v.served, touched[rid])
+        elif not v.passed:
             _locate(ledger, run_id, v, floor)
         verdicts.append(v)
     reasons = [f"run is {run['status']}"] if run["status"] != "complete" else []
+    reasons += [f"unauditable (quarantined: {', '.join(quarantined)})"] if quarantined else []
     reasons += completeness.reasons
     failed = [v.request_id for v in verdicts if not v.passed]
     if failed:

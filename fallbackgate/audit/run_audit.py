@@ -28,6 +28,7 @@ from fallbackgate.audit.baseline import Baseline
 from fallbackgate.audit.gate import Floor, served_exactness, tolerance
 from fallbackgate.audit.stats import PositionDiff, RequestDiffStats
 from fallbackgate.engine.baseline.api import BaselineEngine
+from fallbackgate.engine.experts.quarantine import ExpertQuarantined
 from fallbackgate.engine.messages import RequestOutput
 from fallbackgate.engine.tags import TAG_EXACTNESS, Exactness, Tag
 from fallbackgate.ledger.db import Ledger
@@ -84,11 +85,33 @@ def widen_floor(
         control.add(request_id, *control_diffs(engine, prompt_ids, output_ids, baseline))
 
 
+def auditable(engine: BaselineEngine, outputs: list[RequestOutput]) -> tuple[list[RequestOutput], dict[str, str]]:
+    """The outputs whose exact baseline can be computed, and the rest: request id -> the quarantined object
+    its baseline needs (the checkpoint's bytes of it cannot be read correctly). Tried together first."""
+    try:
+        Baseline(engine, [(o.prompt_token_ids, o.output_token_ids) for o in outputs])
+        return outputs, {}
+    except ExpertQuarantined:
+        pass
+    kept, unaudited = [], {}
+    for output in outputs:
+        try:
+            Baseline(engine, [(output.prompt_token_ids, output.output_token_ids)])
+            kept.append(output)
+        except ExpertQuarantined as exc:
+            unaudited[output.request_id] = str(exc)
+    return kept, unaudited
+
+
 def audit_outputs(
     engine: BaselineEngine, ledger: Ledger, run_id: int, audited: list[RequestOutput]
-) -> tuple[list[AuditedRequest], dict[str, Any]]:
-    """Audit `audited` (their steps and requests already in `ledger`); returns each request's diffs and the
-    run's floor statistics (see the module docstring)."""
+) -> tuple[list[AuditedRequest], dict[str, Any], dict[str, str]]:
+    """Audit `audited` (their steps and requests already in `ledger`); returns each request's diffs, the
+    run's floor statistics (see the module docstring) and the requests left unaudited because their
+    baseline needs a quarantined object (request id -> the quarantine)."""
+    audited, unaudited = auditable(engine, audited)
+    if not audited:
+        return [], FloorControl(engine.dtype_name).summary(), unaudited
     requests = [(o.request_id, o.prompt_token_ids, o.output_token_ids) for o in audited]
     baseline = Baseline(engine, [(p, o) for _, p, o in requests])
     control = initial_floor(engine, requests, baseline)
@@ -97,9 +120,14 @@ def audit_outputs(
         served = served_exactness(objects_by_exactness(output))
         rows = baseline.of(index)
         ids = (output.prompt_token_ids, output.output_token_ids)
-        diffs, stats, replay = audit_request(
-            engine, ledger, run_id, output.request_id, *ids, in_memory(output), served is Exactness.APPROXIMATE, rows
-        )
+        try:
+            diffs, stats, replay = audit_request(
+                engine, ledger, run_id, output.request_id, *ids, in_memory(output), served is Exactness.APPROXIMATE,
+                rows,
+            )  # fmt: skip
+        except ExpertQuarantined as exc:  # its replay needs a quarantined object
+            unaudited[output.request_id] = str(exc)
+            continue
         widen_floor(engine, control, request, served, stats.max_kl, rows)
         results.append(AuditedRequest(output.request_id, diffs, stats, replay))
-    return results, control.summary()
+    return results, control.summary(), unaudited

@@ -24,13 +24,15 @@ from fallbackgate.audit.gate import evaluate_run, served_exactness
 from fallbackgate.audit.run_audit import initial_floor, widen_floor
 from fallbackgate.audit.verdicts import write_verdicts
 from fallbackgate.engine.baseline.api import BaselineEngine, build_baseline_engine
+from fallbackgate.engine.experts.quarantine import ExpertQuarantined
 from fallbackgate.engine.tags import Exactness
 from fallbackgate.ledger import audit_queries, audit_queue, queries
 from fallbackgate.ledger.audit_queue import Claim, LeaseLost
 from fallbackgate.ledger.audit_rows import diff_rows
 from fallbackgate.ledger.bulk import insert_rows
 from fallbackgate.ledger.db import Ledger, begin_write
-from fallbackgate.ledger.models import RequestStatRow, Run, VerificationRow
+from fallbackgate.ledger.models import QuarantineRow, RequestStatRow, Run, VerificationRow
+from fallbackgate.ledger.quarantine_rows import object_rows, request_row
 from fallbackgate.ledger.retry import DEFAULT_RETRY_S, Backoff, is_transient
 from fallbackgate.ledger.rows import Rows, verification_rows
 
@@ -167,9 +169,15 @@ class AuditWorker:
         served = served_exactness(queries.request_exactness(self.ledger, run_id).get(request_id, {}))
         is_approximate = served is Exactness.APPROXIMATE
         prompt_ids, output_ids = token_ids[:num_prompt], token_ids[num_prompt:]
-        diffs, stats, replay = audit_request(
-            engine, self.ledger, run_id, request_id, prompt_ids, output_ids, served_rows, is_approximate
-        )
+        try:
+            diffs, stats, replay = audit_request(
+                engine, self.ledger, run_id, request_id, prompt_ids, output_ids, served_rows, is_approximate
+            )
+        except ExpertQuarantined as exc:  # its baseline needs bytes the checkpoint no longer gives: unauditable
+            rows_of = [*object_rows([exc.record]), request_row(request_id, str(exc), "unaudited")]
+            quarantined = {QuarantineRow.__table__: [dict(r, run_id=run_id) for r in rows_of]}
+            audit_queue.complete(self.ledger, held, lambda conn: _insert(conn, quarantined))
+            return
         steps = audit_queries.step_requests(self.ledger, run_id, request_id)
         step_ids = [r["step_id"] for r in steps if r["is_sampled"]]
         rows: Rows = {}

@@ -125,7 +125,8 @@ def print_report(outcome: RunOutcome, out: TextIO, slos: dict[str, dict[str, Any
         n = len(out_req.output_token_ids)
         decode_s = out_req.finish_s - out_req.first_token_s
         speed = f"{(n - 1) / decode_s:7.1f}" if decode_s > 0 else "      -"
-        snippet = text.replace("\n", " ")[:48]
+        why = outcome.failures.get(out_req.request_id)
+        snippet = f"FAILED: {why}" if why is not None else text.replace("\n", " ")[:48]
         out.write(
             f"{out_req.request_id[:14]:<14} {out_req.request_class[:10]:<10} {n:>6} {speed} "
             f"{out_req.ttft_s * 1e3:8.1f} {out_req.tpot_s * 1e3:8.1f} {out_req.modeled_ttft_s * 1e3:9.3f} "
@@ -164,16 +165,22 @@ def print_memory(mem: dict[str, Any], out: TextIO) -> None:
     if mem.get("budget_note"):
         out.write(f"\n{mem['budget_note']}\n")
     contents = "experts, low-bit copies, KV blocks and scratch" if is_ram else "expert slots, KV blocks and scratch"
-    out.write(f"{tier} budget {mem['device_budget_bytes'] / 2**20:.2f} MiB for {contents} (all experts: "
-              f"{mem['expert_bytes_total'] / 2**20:.2f} MiB, {mem['num_experts_on_disk']} homed on disk); dense "
-              f"weights resident outside the budget: {mem['dense_bytes'] / 2**20:.2f} MiB\n")
+    out.write(
+        f"{tier} budget {mem['device_budget_bytes'] / 2**20:.2f} MiB for {contents} (all experts: "
+        f"{mem['expert_bytes_total'] / 2**20:.2f} MiB, {mem['num_experts_on_disk']} homed on disk); dense "
+        f"weights resident outside the budget: {mem['dense_bytes'] / 2**20:.2f} MiB\n"
+    )
     peaks = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in mem["peak_device_pool_bytes_by_kind"].items() if v)
     line = f"peak {tier} pool {mem['peak_device_pool_bytes'] / 2**20:.2f} MiB (by kind, MiB: {peaks})"
     if is_ram:
         out.write(f"{line}; no host tier (the disk holds the checkpoint and the KV spill)\n")
         if "checkpoint_bytes_read" in mem:
-            out.write(f"expert bytes read from the checkpoint (O_DIRECT, bypassing the page cache): "
-                      f"{mem['checkpoint_bytes_read'] / 2**20:.2f} MiB\n")
+            out.write(
+                f"expert bytes read from the checkpoint (O_DIRECT, bypassing the page cache): "
+                f"{mem['checkpoint_bytes_read'] / 2**20:.2f} MiB\n"
+            )
     else:
-        out.write(f"{line}; peak host tier {mem['peak_host_pool_bytes'] / 2**20:.2f} MiB of "
-                  f"{mem['host_budget_bytes'] / 2**20:.2f}\n")
+        out.write(
+            f"{line}; peak host tier {mem['peak_host_pool_bytes'] / 2**20:.2f} MiB of "
+            f"{mem['host_budget_bytes'] / 2**20:.2f}\n"
+        )

@@ -54,6 +54,8 @@ class RunOutcome:
     wall_s: float
     memory: dict[str, Any] = dataclasses.field(default_factory=dict)  # byte counts and dtype, `memory_summary`
     profile_name: str = ""  # the hardware profile the run predicted (and modeled what-if times) with
+    failures: dict[str, str] = dataclasses.field(default_factory=dict)  # request id -> why it failed (a fault
+    # only it met: a quarantined expert it may not defer, an unreadable KV block it may not recompute)
 
 
 StepHook = Callable[[StepPlan, StepResult], None]
@@ -95,10 +97,14 @@ def run_prompts(
             if on_step is not None:
                 on_step(engine.last_plan, result)
             bar.update(len(result.sampled_token_ids))
-    outputs = [engine.finished.pop(s.request_id) for s in specs]
+    failed = {s.request_id: engine.failed.pop(s.request_id) for s in specs if s.request_id in engine.failed}
+    failures = {rid: why for rid, (_, why) in failed.items()}
+    # a failed request's output is what it had produced when it failed
+    outputs = [failed[s.request_id][0] if s.request_id in failed else engine.finished.pop(s.request_id) for s in specs]
     texts = [engine.tokenizer.decode(o.output_token_ids, skip_special_tokens=True) for o in outputs]
     wall_s = time.perf_counter() - started
-    return RunOutcome(specs, outputs, texts, steps, wall_s, memory_summary(engine), engine.config.profile.name)
+    memory, profile = memory_summary(engine), engine.config.profile.name
+    return RunOutcome(specs, outputs, texts, steps, wall_s, memory, profile, failures)
 
 
 def _submit(

@@ -46,7 +46,7 @@ def measure(built: Assembly, ledger_url: str) -> dict[str, Any]:
             writer.record_request(output)
         writer.flush()
         started = time.perf_counter()
-        results, floor = audit_outputs(engine, ledger, writer.run_id, outcome.outputs)
+        results, floor, _ = audit_outputs(engine, ledger, writer.run_id, outcome.outputs)
         audit_s = time.perf_counter() - started
         writer.finish_run(status="complete")
         writer.close()

@@ -141,6 +141,13 @@ class ExactBaseline(Controller):
             return Decision(Tag.EXACT_LOAD)
         return Decision(Tag.RECOMPUTE, reason="no full-precision copy")
 
+    def kv_fault_action(self, miss: KVMiss, fault: str) -> Decision | None:
+        """An unreadable KV copy: rebuilt when there is no policy, or the request's class allows recompute."""
+        cls = self.policy.classes.get(miss.request_class) if self.policy is not None else None
+        if self.policy is not None and (cls is None or Tag.RECOMPUTE.value not in cls.budget.allowed_tags):
+            return None
+        return Decision(Tag.RECOMPUTE, reason=f"{fault}; rebuilt by recompute")
+
     def on_step_end(self, view: ControllerView) -> StepEndActions:
         """Promote the KV blocks read this step when they fit; prefetch nothing."""
         self.recency.touch(view)

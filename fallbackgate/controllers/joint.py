@@ -249,6 +249,23 @@ class JointController(Controller):
         budget.spend(Tag.RECOMPUTE, 0.0, False)
         return Decision(Tag.RECOMPUTE, reason="no copy")
 
+    def fault_action(self, miss: ExpertMiss, fault: str) -> Decision | None:
+        """A quarantined expert: deferred when the class allows expert_defer and its predicted cost fits."""
+        budget = self._budget(miss.request_id, miss.request_class)
+        cost = self.cost.expert_cost(Tag.EXPERT_DEFER, miss.layer, miss.max_gate_weight)
+        if not budget.fits(Tag.EXPERT_DEFER, cost):
+            return None
+        budget.spend(Tag.EXPERT_DEFER, cost, True)
+        return Decision(Tag.EXPERT_DEFER, cost, "no readable copy")
+
+    def kv_fault_action(self, miss: KVMiss, fault: str) -> Decision | None:
+        """An unreadable KV copy: rebuilt when the class allows recompute."""
+        budget = self._budget(miss.request_id, miss.request_class)
+        if not budget.allows(Tag.RECOMPUTE):
+            return None
+        budget.spend(Tag.RECOMPUTE, 0.0, False)
+        return Decision(Tag.RECOMPUTE, reason=f"{fault}; rebuilt by recompute")
+
     def kv_error_energy(self, key: KVBlockKey, bits: int) -> float:
         """Relative error energy of a block's quantized copy, cached per block (the `bits`' default when the
         copy cannot be read)."""

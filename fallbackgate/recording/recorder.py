@@ -29,6 +29,7 @@ from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.ledger import audit_queries
 from fallbackgate.ledger.db import LedgerError
+from fallbackgate.ledger.quarantine_rows import object_rows, request_row, step_rows
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.schema import AuditMode
 from fallbackgate.recording.arbitrations import arbitration_rows
@@ -91,6 +92,8 @@ class RunRecorder:
         self.num_audited = 0  # requests audited inline and recorded
         self.num_deferred = 0  # requests left to audit workers
         self.audited_stats: list[RequestDiffStats] = []  # summaries of the inline audits, in order
+        self._num_quarantined = 0  # quarantine records already written
+        self._deferred_seen: set[tuple[str, str]] = set()  # (request, expert) deferral rows already written
         self.run_id = writer.start_run(
             policy=row.policy,
             policy_name=row.policy_name,
@@ -108,12 +111,27 @@ class RunRecorder:
     def on_step(self, plan: StepPlan, result: StepResult) -> None:
         """Record one engine step, its events and its controller's arbitrations (with measured arrival)."""
         self.writer.record_step(plan, result)
+        self.record_faults(result)
         take = getattr(self.engine.controller, "take_arbitrations", None)
         decided = take() if take is not None else []
         if decided:
             self.writer.record_arbitrations(arbitration_rows(decided, result))
         if self.tracer is not None:
             self.tracer.on_step(plan, result, decided)
+
+    def record_faults(self, result: StepResult | None = None) -> None:
+        """Record experts quarantined since the last call and the requests the step failed or deferred."""
+        records = self.engine.expert_store.reader.quarantine.records()
+        rows = object_rows(records[self._num_quarantined :])
+        self._num_quarantined = len(records)
+        if result is not None:
+            rows += step_rows(result, self._deferred_seen)
+        self.writer.record_quarantines(rows)
+
+    def record_unaudited(self, unaudited: dict[str, str]) -> None:
+        """Record requests whose audit needed a quarantined object (request id -> the quarantine)."""
+        self.record_faults()
+        self.writer.record_quarantines([request_row(rid, why, "unaudited") for rid, why in unaudited.items()])
 
     def on_request(self, output: RequestOutput, prompt: str | None = None, status: str = "finished") -> None:
         """Record a request that ended with ``status`` ("finished"; "cancelled": what it had produced when the
@@ -165,8 +183,8 @@ class RunRecorder:
         verdict (None when deferred)."""
         with self._failing():
             for spec, output in zip(outcome.specs, outcome.outputs, strict=True):
-                self.on_request(output, spec.prompt)
-            audited = self._choose_audited(outcome.outputs)
+                self.on_request(output, spec.prompt, "failed" if output.request_id in outcome.failures else "finished")
+            audited = self._choose_audited([o for o in outcome.outputs if o.request_id not in outcome.failures])
             self.writer.record_verifications(self.engine.verify_dense())  # the baselines compute with these
             if is_deferred:
                 self.defer_audits(audited)
@@ -226,7 +244,8 @@ class RunRecorder:
 
     def _audit_inline(self, audited: list[RequestOutput]) -> None:
         self.writer.flush()  # the replay reads each request's trace back from the ledger
-        results, floor = audit_outputs(self.engine, self.writer.ledger, self.run_id, audited)
+        results, floor, unaudited = audit_outputs(self.engine, self.writer.ledger, self.run_id, audited)
+        self.record_unaudited(unaudited)
         for result in results:
             self.record_audit(result.request_id, result.diffs, result.stats)
             if result.replay is not None:
