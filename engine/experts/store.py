@@ -47,7 +47,7 @@ class Fetched:
 
     weights: ExpertWeights  # ready to compute with
     source_tier: Tier | None  # where bytes came from (None: nothing moved)
-    bytes_moved: int  # bytes read over a link
+    bytes_moved: int  # bytes read over a link (from the disk: the checkpoint's bytes, codes and scales as stored)
     note: str = ""  # e.g. a checksum failure that a re-read cleared
 
 
@@ -88,7 +88,8 @@ class ExpertStore:
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # prefetch side stream
         self.entries: dict[ExpertKey, _Entry] = {key: _Entry() for key in sorted(reader.sources)}
         self.host_lru: collections.OrderedDict[ExpertKey, None] = collections.OrderedDict()
-        self.bytes_per_expert = reader.compute_bytes_per_expert
+        self.bytes_per_expert = reader.compute_bytes_per_expert  # what a copy holds in memory (pools count it)
+        self.checkpoint_bytes_per_expert = reader.checkpoint_bytes_per_expert  # what a read takes from the files
         self.num_disk_reads = 0
         self.stacked_layers: set[int] = set()  # layers whose experts all sit in one resident stack (pinned)
         self.read_ahead = ReadAhead(self._verified_read, num_io_threads)
@@ -272,7 +273,7 @@ class ExpertStore:
                 entry.ready.record(self.copy_stream)
         else:
             entry.device = self._copy_to_device(fetched.weights)
-        return Fetched(entry.device, fetched.source_tier, self.bytes_per_expert, fetched.note)
+        return Fetched(entry.device, fetched.source_tier, fetched.bytes_moved, fetched.note)
 
     def _copy_to_device(self, weights: ExpertWeights) -> ExpertWeights:
         return ExpertWeights(
@@ -391,14 +392,14 @@ class ExpertStore:
             self.host_lru.move_to_end(key)
             if key in self.read_ahead_cached:  # read from the checkpoint ahead, in an earlier step
                 self.read_ahead_cached.discard(key)
-                return Fetched(entry.host, Tier.DISK, self.bytes_per_expert, "read ahead in an earlier step")
+                return Fetched(entry.host, Tier.DISK, self.checkpoint_bytes_per_expert, "read ahead in an earlier step")
             return Fetched(entry.host, Tier.HOST, self.bytes_per_expert)
         weights, note = self._read_disk(key)
         if is_cached:
             self._make_host_room()
             if self.host_pool.can_reserve(self.bytes_per_expert + self._read_slot_bytes()):
                 self._cache_on_host(key, weights)
-        return Fetched(weights, Tier.DISK, self.bytes_per_expert, note)
+        return Fetched(weights, Tier.DISK, self.checkpoint_bytes_per_expert, note)
 
     def _read_disk(self, key: ExpertKey) -> tuple[ExpertWeights, str]:
         """The expert from the checkpoint: a read started ahead (waited for), else a read now."""
