@@ -111,7 +111,7 @@ def test_lazy_victims_are_the_full_sort_in_the_same_order(seed: int) -> None:
     view, freq, pinned_e, pinned_kv = _random_state(rng)
     pe, pk = set(pinned_e), set(pinned_kv)
     joint = JointController(POLICY, top_k=rng.randint(1, 2))
-    joint.values.freq.update(freq)
+    joint.values.set_frequencies(freq)
     for rid in view.request_classes:
         if rng.random() < 0.7:  # requests the budget book knows: their spill mode follows their class
             joint._budget(rid, view.request_class(rid))

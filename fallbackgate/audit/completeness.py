@@ -17,8 +17,8 @@ Checked against what the engine counted itself, never against the rows alone:
 - every weight copy checked against the checkpoint (sampled expert copies, dense weights) matched;
 - bytes per tag: bytes moved are whole objects of the size the tag implies (a full expert for ``exact_load``
   and ``cpu_execute``: its compute-dtype bytes from a memory copy, the checkpoint's stored bytes from a disk
-  read, which differ for an FP8 checkpoint or a ``--dtype`` override; a low-bit copy for ``expert_lowbit``, a KV block, a quantized KV block for
-  ``kv_dequant``); a mismatch names the tag whose size the bytes do fit.
+  read, which differ for an FP8 checkpoint or a ``--dtype`` override; a low-bit copy for ``expert_lowbit``,
+  a KV block, a quantized KV block for ``kv_dequant``); a mismatch names the tag whose size the bytes do fit.
 """
 
 from __future__ import annotations

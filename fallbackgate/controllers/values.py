@@ -4,16 +4,28 @@
 - KV block: one read per step while its request runs × its cheapest acceptable reload time (a quantized
   copy when its class may read one, else the full block); 0 for requests not running.
 Values are seconds saved per step per byte, so both sides compare in one unit.
+
+Frequencies are kept divided by the decay every one of them shares (``frequency = scaled × scale``), so a
+step end touches only the experts used or deferred in it and those whose frequency fell below the prune
+floor (a min-heap finds them); every change is logged for the rankings built on these values
+(:mod:`fallbackgate.controllers.expert_rank`). When the shared scale gets tiny every frequency is folded
+back in once (a new ``epoch``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import heapq
+from collections.abc import Iterable, Iterator, Mapping
 
 from fallbackgate.engine.controller import ControllerView
+from fallbackgate.engine.experts.journal import ChangeLog
 from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.kv.store import KVBlockKey
 from fallbackgate.engine.tags import Tier
+
+PRUNE_BELOW = 1e-6  # a frequency below this, not used in the step, is forgotten (0)
+RENORMALIZE_BELOW = 1e-150  # the shared scale is folded into the frequencies below this
+LOG_KEPT = 1 << 17  # frequency changes the log keeps at least
 
 
 class ValueModel:
@@ -21,25 +33,72 @@ class ValueModel:
 
     def __init__(self, decay: float = 0.9) -> None:
         self.decay = decay
-        self.freq: dict[ExpertKey, float] = {}
+        self.scaled: dict[ExpertKey, float] = {}  # frequency / scale
+        self.scale = 1.0  # the decay all frequencies share since the last renormalization
+        self.epoch = 0  # renormalizations so far (scaled values are comparable within one epoch)
+        # keys whose frequency changed other than by the decay; a step logs its used experts, so the log keeps
+        # many steps of the largest models (a reader that falls behind rebuilds once)
+        self.log: ChangeLog[ExpertKey] = ChangeLog(LOG_KEPT)
+        self._prune: list[tuple[float, ExpertKey]] = []  # (scaled, key), smallest first; stale entries skipped
+
+    def frequency(self, key: ExpertKey) -> float:
+        """The decayed routing frequency of `key` (0 when never used or forgotten)."""
+        return self.scaled.get(key, 0.0) * self.scale
+
+    def scaled_freq(self, key: ExpertKey) -> float:
+        """`frequency(key)` without the shared decay: comparable between keys within one epoch."""
+        return self.scaled.get(key, 0.0)
+
+    def frequencies(self) -> Iterator[tuple[ExpertKey, float]]:
+        """Every remembered key with its frequency."""
+        scale = self.scale
+        return ((key, scaled * scale) for key, scaled in self.scaled.items())
+
+    def set_frequencies(self, freq: Mapping[ExpertKey, float]) -> None:
+        """Set the frequencies of the given keys (a seeded state)."""
+        for key, value in freq.items():
+            self._set(key, value / self.scale)
+
+    def changes_since(self, cursor: int) -> tuple[list[ExpertKey] | None, int]:
+        """Keys whose frequency changed since `cursor` (see :class:`ChangeLog`)."""
+        return self.log.since(cursor)
 
     def update(self, view: ControllerView) -> None:
-        """Decay every frequency and count the last step's used and deferred experts once each."""
+        """Decay every frequency and count the last step's used and deferred experts once each: O(used +
+        forgotten), never a walk of every frequency."""
         used = set(view.used_expert_keys) | set(view.deferred_expert_keys)
-        for key in list(self.freq):
-            self.freq[key] *= self.decay
-            if self.freq[key] < 1e-6 and key not in used:
-                del self.freq[key]
-        for key in used:
-            self.freq[key] = self.freq.get(key, 0.0) + (1.0 - self.decay)
+        self.scale *= self.decay
+        while self._prune and self._prune[0][0] * self.scale < PRUNE_BELOW:
+            scaled, key = heapq.heappop(self._prune)
+            if self.scaled.get(key) == scaled and key not in used:
+                del self.scaled[key]
+                self.log.record(key)
+        if self.scale < RENORMALIZE_BELOW:
+            self.scaled = {key: scaled * self.scale for key, scaled in self.scaled.items()}
+            self.scale, self.epoch = 1.0, self.epoch + 1
+            self._prune = [(scaled, key) for key, scaled in self.scaled.items()]
+            heapq.heapify(self._prune)
+        step, scaled, prune, record = (1.0 - self.decay) / self.scale, self.scaled, self._prune, self.log.record
+        for key in used:  # `_set` inlined: this loop is the step end's cost
+            value = scaled[key] = scaled.get(key, 0.0) + step
+            heapq.heappush(prune, (value, key))
+            record(key)
+        if len(self._prune) > 4 * len(self.scaled) + 64:  # stale entries outnumber live ones: compact
+            self._prune = [(scaled, key) for key, scaled in self.scaled.items()]
+            heapq.heapify(self._prune)
+
+    def _set(self, key: ExpertKey, scaled: float) -> None:
+        self.scaled[key] = scaled
+        heapq.heappush(self._prune, (scaled, key))
+        self.log.record(key)
 
     def expected_misses(self, view: ControllerView) -> list[tuple[ExpertKey, float]]:
         """Non-resident experts with their probability of being needed next step."""
-        return [(k, min(1.0, f)) for k, f in self.freq.items() if not view.is_expert_on_device(k)]
+        return [(k, min(1.0, f)) for k, f in self.frequencies() if not view.is_expert_on_device(k)]
 
     def expert_value(self, key: ExpertKey, view: ControllerView) -> float:
         """Seconds saved per step per byte by keeping `key` on device."""
-        freq = self.freq.get(key, 0.0)
+        freq = self.frequency(key)
         if not freq:
             return 0.0
         seconds = view.profile.transfer_s(view.bytes_per_expert, view.expert_home(key))
@@ -50,7 +109,7 @@ class ValueModel:
         num_bytes, seconds = view.bytes_per_expert, {}
         out = []
         for key in keys:
-            freq = self.freq.get(key, 0.0)
+            freq = self.frequency(key)
             if not freq:
                 out.append((key, 0.0))
                 continue
