@@ -8,7 +8,7 @@ tail: a reader whose cursor fell off it is told so (``None``) and rebuilds from 
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
@@ -34,6 +34,14 @@ class ChangeLog(Generic[K]):
     def record(self, key: K) -> None:
         """Append `key` (amortized O(1))."""
         self._entries.append(key)
+        if len(self._entries) > self.max_kept:
+            half = len(self._entries) // 2
+            del self._entries[:half]
+            self._base += half
+
+    def extend(self, keys: Iterable[K]) -> None:
+        """Append every key of `keys` (amortized O(1) each)."""
+        self._entries.extend(keys)
         if len(self._entries) > self.max_kept:
             half = len(self._entries) // 2
             del self._entries[:half]

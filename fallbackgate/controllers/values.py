@@ -14,7 +14,7 @@ back in once (a new ``epoch``).
 
 from __future__ import annotations
 
-import heapq
+import math
 from collections.abc import Iterable, Iterator, Mapping
 
 from fallbackgate.engine.controller import ControllerView
@@ -39,7 +39,9 @@ class ValueModel:
         # keys whose frequency changed other than by the decay; a step logs its used experts, so the log keeps
         # many steps of the largest models (a reader that falls behind rebuilds once)
         self.log: ChangeLog[ExpertKey] = ChangeLog(LOG_KEPT)
-        self._prune: list[tuple[float, ExpertKey]] = []  # (scaled, key), smallest first; stale entries skipped
+        self.num_updates = 0
+        self._due: dict[ExpertKey, int] = {}  # key -> the update at which its prune check is due
+        self._checks: dict[int, list[ExpertKey]] = {}  # update -> keys due then (stale ones skipped)
 
     def frequency(self, key: ExpertKey) -> float:
         """The decayed routing frequency of `key` (0 when never used or forgotten)."""
@@ -65,32 +67,59 @@ class ValueModel:
 
     def update(self, view: ControllerView) -> None:
         """Decay every frequency and count the last step's used and deferred experts once each: O(used +
-        forgotten), never a walk of every frequency."""
+        forgotten), never a walk of every frequency (a key's prune check is scheduled for the update at
+        which its decayed frequency is due to fall below PRUNE_BELOW)."""
         used = set(view.used_expert_keys) | set(view.deferred_expert_keys)
+        self.num_updates += 1
         self.scale *= self.decay
-        while self._prune and self._prune[0][0] * self.scale < PRUNE_BELOW:
-            scaled, key = heapq.heappop(self._prune)
-            if self.scaled.get(key) == scaled and key not in used:
-                del self.scaled[key]
+        scaled, due = self.scaled, self._due
+        for key in self._checks.pop(self.num_updates, ()):
+            if due.get(key) != self.num_updates or key in used:  # rescheduled by a later use, or used now
+                continue
+            if scaled[key] * self.scale < PRUNE_BELOW:
+                del scaled[key], due[key]
                 self.log.record(key)
+            else:  # checked early (its frequency was above the least a use leaves): when it is really due
+                self._schedule(key)
         if self.scale < RENORMALIZE_BELOW:
-            self.scaled = {key: scaled * self.scale for key, scaled in self.scaled.items()}
+            self.scaled = scaled = {key: value * self.scale for key, value in scaled.items()}
             self.scale, self.epoch = 1.0, self.epoch + 1
-            self._prune = [(scaled, key) for key, scaled in self.scaled.items()]
-            heapq.heapify(self._prune)
-        step, scaled, prune, record = (1.0 - self.decay) / self.scale, self.scaled, self._prune, self.log.record
-        for key in used:  # `_set` inlined: this loop is the step end's cost
-            value = scaled[key] = scaled.get(key, 0.0) + step
-            heapq.heappush(prune, (value, key))
-            record(key)
-        if len(self._prune) > 4 * len(self.scaled) + 64:  # stale entries outnumber live ones: compact
-            self._prune = [(scaled, key) for key, scaled in self.scaled.items()]
-            heapq.heapify(self._prune)
+        step = (1.0 - self.decay) / self.scale
+        # a frequency just used is at least 1 - decay: checked no later than such a one would fall below the floor
+        check = self.num_updates + self._min_updates
+        due_now = self._checks.setdefault(check, [])
+        for key in used:  # this loop is the step end's cost: no call per key
+            scaled[key] = scaled.get(key, 0.0) + step
+            due[key] = check
+            due_now.append(key)
+        self.log.extend(used)
+
+    @property
+    def _min_updates(self) -> int:
+        """Updates a frequency of 1 - decay (the least a use leaves) takes to fall below the floor, at least 1."""
+        if not 0.0 < self.decay < 1.0:
+            return 1
+        return max(1, math.floor(math.log(PRUNE_BELOW / (1.0 - self.decay)) / math.log(self.decay)))
 
     def _set(self, key: ExpertKey, scaled: float) -> None:
         self.scaled[key] = scaled
-        heapq.heappush(self._prune, (scaled, key))
         self.log.record(key)
+        self._schedule(key)
+
+    def _schedule(self, key: ExpertKey) -> None:
+        """Schedule `key`'s prune check no later than the update at which its frequency falls below the floor."""
+        freq = self.scaled[key] * self.scale
+        if self.decay >= 1.0 and freq >= PRUNE_BELOW:
+            self._due.pop(key, None)  # never decays: never pruned
+            return
+        updates = 1
+        if 0.0 < self.decay < 1.0 and freq > PRUNE_BELOW:
+            updates = max(1, math.floor(math.log(PRUNE_BELOW / freq) / math.log(self.decay)))
+        self._check_at(key, self.num_updates + updates)
+
+    def _check_at(self, key: ExpertKey, update: int) -> None:
+        self._due[key] = update
+        self._checks.setdefault(update, []).append(key)
 
     def expected_misses(self, view: ControllerView) -> list[tuple[ExpertKey, float]]:
         """Non-resident experts with their probability of being needed next step."""
