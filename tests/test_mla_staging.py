@@ -11,6 +11,7 @@ from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.device_pool import Scratch
 from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.errors import BudgetError
 from fallbackgate.engine.kv.paged_attention import expanded_kv_bytes
 from fallbackgate.engine.sequence import SamplingParams
 from tests.test_engine_exact import sizes
@@ -64,3 +65,22 @@ def test_the_expansion_is_counted_and_the_peak_stays_under_the_budget(arch: str,
     pool = engine.kv_store.device_pool
     assert pool.peak_bytes_by_kind[Scratch.KV_EXPAND] == max(formula for *_, formula in seen)
     assert pool.peak_used_bytes <= budget
+
+
+def test_a_request_whose_expansion_cannot_fit_is_refused_before_it_runs(checkpoint_factory) -> None:
+    """The scheduler counts one request's expansion beside a layer's gathered K/V: a budget that holds the
+    KV and the experts but not the expansion refuses the long request up front (no BudgetError mid-run)."""
+    path = checkpoint_factory("deepseek_v2")
+    expert, block, layers, top_k = sizes(path)
+    probe = Engine(EngineConfig(model_dir=str(path), block_size=4), ExactLRUController())
+    num_tokens = len(PROMPT) + NEW_TOKENS
+    per_token = probe.kv_store.expand_bytes_per_token
+    module = next(m for m in probe.runner.model.modules() if hasattr(m, "expand_kv"))
+    assert per_token * num_tokens == expanded_kv_bytes(module, num_tokens, torch.float32) > 0
+    kv = -(-num_tokens // 4) * layers * block
+    # the experts, the KV, its gather and a quarter of the expansion
+    budget = 3 * top_k * expert + kv + kv // layers + per_token * num_tokens // 4
+    engine = Engine(EngineConfig(model_dir=str(path), block_size=4, device_budget_bytes=budget,
+                                 host_budget_bytes=0), ExactLRUController())  # fmt: skip
+    with pytest.raises(BudgetError, match="device budget"):
+        engine.add_request(PROMPT, SamplingParams(max_new_tokens=NEW_TOKENS), "r")

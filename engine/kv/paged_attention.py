@@ -76,6 +76,11 @@ def expanded_kv_bytes(module: torch.nn.Module, num_tokens: int, dtype: torch.dty
     return num_tokens * (proj.out_features + keys) * dtype.itemsize
 
 
+def expand_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """The most bytes one cached position expands to in any layer of `model` (0: no MLA attention)."""
+    return max((expanded_kv_bytes(m, 1, dtype) for m in model.modules() if hasattr(m, "expand_kv")), default=0)
+
+
 def _attend_expanded(
     executor: Executor,
     module: torch.nn.Module,
