@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Container, Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol
 
 from fallbackgate.engine.experts.reader import ExpertKey
@@ -181,6 +181,13 @@ class ControllerView(Protocol):
 
     def expert_home(self, key: ExpertKey) -> Tier:
         """Where `key`'s full-precision copy comes from when it is loaded (host or disk)."""
+        ...
+
+    def expert_changes_since(self, cursor: int) -> tuple[Sequence[ExpertKey] | None, int]:
+        """Experts whose device or host copy came or went since `cursor` (a position in the store's residency
+        journal; may repeat keys), and the cursor to pass next time. None instead of the keys when the
+        journal no longer reaches back that far or `cursor` is negative (walk `device_expert_keys` once
+        instead); a returned cursor < 0: this view keeps no journal."""
         ...
 
     # --- KV

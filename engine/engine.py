@@ -87,6 +87,7 @@ class Engine(BaselineAccess):
             audit_cache_bytes=config.audit_cache_bytes,
         )
         paged_attention.attach(model, self.executor)
+        self.kv_store.expand_bytes_per_token = paged_attention.expand_bytes_per_token(model, self.kv_store.dtype)
         for layer, module in loaded.experts_by_layer.items():
             module._fg_executor, module._fg_layer = self.executor, layer
         heads = int(self.model_config.num_attention_heads)

@@ -50,7 +50,7 @@ class Scheduler:
         kv, pool = self.kv_store, self.kv_store.device_pool
         num_blocks = -(-num_tokens // kv.block_size)
         blocks = num_blocks * kv.num_layers * kv.bytes_per_block
-        gathered = kv.gather_bytes([num_tokens])
+        gathered = kv.attend_bytes([num_tokens])
         kv_cap = pool.budget_bytes - self.expert_floor_bytes
         if blocks <= kv_cap and blocks + gathered <= pool.budget_bytes:
             return
@@ -187,7 +187,7 @@ class Scheduler:
         return sum(kv.bytes_to_stage(s.request_id, s.num_computed_tokens) for s, _ in self._members(seq, 0))
 
     def _gathered_bytes(self, seq: Sequence, num: int) -> int:
-        return self.kv_store.gather_bytes([s.num_computed_tokens + n for s, n in self._members(seq, num)])
+        return self.kv_store.attend_bytes([s.num_computed_tokens + n for s, n in self._members(seq, num)])
 
     def _try_room(self, seq: Sequence, num: int, chosen: list[tuple[Sequence, int]]) -> bool:
         if self._fits(seq, num):

@@ -126,6 +126,10 @@ class LiveView:
     def expert_home(self, key: ExpertKey) -> Tier:
         return self._experts.home(key)
 
+    def expert_changes_since(self, cursor: int) -> tuple[tuple[ExpertKey, ...] | None, int]:
+        changed, cursor = self._experts.journal.since(cursor)
+        return (tuple(changed) if changed is not None else None), cursor
+
     @property
     def num_layers(self) -> int:
         return self._kv.num_layers

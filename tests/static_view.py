@@ -71,6 +71,9 @@ class StaticView:
     def expert_home(self, key: ExpertKey) -> Tier:
         return self.expert_homes.get(key, Tier.HOST)
 
+    def expert_changes_since(self, cursor: int) -> tuple[tuple[ExpertKey, ...] | None, int]:
+        return None, -1  # fixed state, no journal: a controller walks device_expert_keys
+
     def quantized_bytes(self, kind: ObjectKind, bits: int) -> int:
         if (kind, bits) not in self.quantized_copy_bytes:
             raise KeyError(f"StaticView: no quantized_copy_bytes for ({kind.value}, {bits} bits)")

@@ -66,7 +66,11 @@ def _instrument(engine: Engine, seen: dict[str, int]) -> None:
 
 def _run(path, force: tuple[str, ...], mode: str, budget: int, seen: dict[str, int]) -> tuple[Engine, dict[str, int]]:
     config = EngineConfig(
-        model_dir=str(path), block_size=4, max_num_seqs=3, device_budget_bytes=budget, preempt_mode=mode,
+        model_dir=str(path),
+        block_size=4,
+        max_num_seqs=3,
+        device_budget_bytes=budget,
+        preempt_mode=mode,
         is_emulated_device_tier="cpu_execute" in force,  # a GPU machine's tag: emulated tiers on a CPU
     )
     engine = Engine(config, ExactLRUController(list(force)))
@@ -107,6 +111,7 @@ def test_every_tag_and_preemption_stay_within_the_device_budget(mode: str, check
         all_tags |= set(tags)
         peaks = {kind: max(peaks[kind], pool.peak_bytes_by_kind[kind]) for kind in Scratch}
     assert all_tags == {tag.value for tag in Tag}
+    del peaks[Scratch.KV_EXPAND]  # MLA's expanded K/V only (tests/test_mla_staging.py)
     assert all(peak > 0 for peak in peaks.values()), peaks  # every kind of scratch was really held and counted
     assert seen["gather"] > 0 and seen["dequant"] > 0
 

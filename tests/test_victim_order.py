@@ -111,7 +111,7 @@ def test_lazy_victims_are_the_full_sort_in_the_same_order(seed: int) -> None:
     view, freq, pinned_e, pinned_kv = _random_state(rng)
     pe, pk = set(pinned_e), set(pinned_kv)
     joint = JointController(POLICY, top_k=rng.randint(1, 2))
-    joint.values.freq.update(freq)
+    joint.values.set_frequencies(freq)
     for rid in view.request_classes:
         if rng.random() < 0.7:  # requests the budget book knows: their spill mode follows their class
             joint._budget(rid, view.request_class(rid))
@@ -224,3 +224,6 @@ def test_the_cost_benchmark_runs_and_compares_old_and_new(tmp_path: pathlib.Path
     for row in result["choose_victims"].values():
         assert row["old_s"] > 0 and row["new_k8_s"] > 0 and row["ratio_k8"] == row["old_s"] / row["new_k8_s"]
     assert set(result["per_step"]) == {"step_pin", "runner_kv_walk", "joint_kv_queue", "joint_rebalance"}
+    assert set(result["experts"]) == {"expert_victims_after_miss", "joint_step_values", "copy_sample"}
+    for row in result["experts"].values():  # each row checked its new result against the old inside the run
+        assert row["old_s"] > 0 and row["new_s"] > 0 and row["ratio"] == row["old_s"] / row["new_s"]

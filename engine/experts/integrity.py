@@ -10,6 +10,7 @@ tensors as the loader assigned them (after the dtype cast), taken when they were
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import random
 from collections.abc import Mapping
@@ -38,16 +39,22 @@ def verify_dense(model: torch.nn.Module, digests: Mapping[str, str]) -> list[Ver
 
 @dataclasses.dataclass(slots=True)
 class CopyVerifier:
-    """Checks `num_per_step` randomly chosen expert copies after each step (seeded, so runs repeat)."""
+    """Checks `num_per_step` randomly chosen expert copies after each step (seeded, so runs repeat).
+
+    The copies to choose from are kept sorted by (key, tier) and updated from the store's residency journal
+    (only the keys whose copies came or went since the last step), never by a walk of every expert."""
 
     store: ExpertStore
     checkpoint_dtype: torch.dtype
     num_per_step: int = 1
     seed: int = 0
     rng: random.Random = dataclasses.field(init=False)
+    copies: list[tuple[ExpertKey, int]] = dataclasses.field(init=False)  # (key, tier order), sorted
+    cursor: int = dataclasses.field(init=False)  # into the store's journal
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
+        self.copies, self.cursor = [], -1
 
     @property
     def is_possible(self) -> bool:
@@ -61,16 +68,27 @@ class CopyVerifier:
             return []
         copies = self._copies()
         chosen = self.rng.sample(copies, min(self.num_per_step, len(copies)))
-        return [self._verify(step_id, key, tier) for key, tier in chosen]
+        tiers = (Tier.DEVICE, Tier.HOST)  # a key's device copy is listed before its host copy
+        return [self._verify(step_id, key, tiers[tier]) for key, tier in chosen]
 
-    def _copies(self) -> list[tuple[ExpertKey, Tier]]:
-        out = []
-        for key, entry in self.store.entries.items():
-            if entry.device is not None:
-                out.append((key, Tier.DEVICE))
-            if entry.host is not None:
-                out.append((key, Tier.HOST))
-        return out
+    def _copies(self) -> list[tuple[ExpertKey, int]]:
+        """Every device and host copy as (key, 0 device / 1 host), in key order: synced with the journal."""
+        changed, self.cursor = self.store.journal.since(self.cursor)
+        entries = self.store.entries
+        if changed is None:  # the first step, or the journal moved past us: one walk
+            held = ((k, (e.device, e.host)) for k, e in entries.items())
+            self.copies = [(k, tier) for k, copies in held for tier, copy in enumerate(copies) if copy is not None]
+            return self.copies
+        for key in dict.fromkeys(changed):
+            entry = entries[key]
+            for tier, copy in enumerate((entry.device, entry.host)):  # the insertion keeps (key, tier) order
+                i = bisect.bisect_left(self.copies, (key, tier))
+                is_listed = i < len(self.copies) and self.copies[i] == (key, tier)
+                if copy is not None and not is_listed:
+                    self.copies.insert(i, (key, tier))
+                elif copy is None and is_listed:
+                    del self.copies[i]
+        return self.copies
 
     def _verify(self, step_id: int, key: ExpertKey, tier: Tier) -> Verification:
         entry = self.store.entries[key]

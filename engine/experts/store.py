@@ -27,6 +27,7 @@ import torch
 from fallbackgate.engine.config import TierLayout, tier_layout
 from fallbackgate.engine.device_pool import HeldCopy, PoolKind, TierPool
 from fallbackgate.engine.errors import EngineError
+from fallbackgate.engine.experts.journal import ChangeLog
 from fallbackgate.engine.experts.lowbit_cache import LowbitDiskCache
 from fallbackgate.engine.experts.quant import Quantized, dequantize_rows, lowbit_expert_nbytes, quantize, quantized_to
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined, read_checked
@@ -48,7 +49,7 @@ class Fetched:
 
     weights: ExpertWeights  # ready to compute with
     source_tier: Tier | None  # where bytes came from (None: nothing moved)
-    bytes_moved: int  # bytes read over a link
+    bytes_moved: int  # bytes read over a link (from the disk: the checkpoint's bytes, codes and scales as stored)
     note: str = ""  # e.g. a checksum failure that a re-read cleared
 
 
@@ -89,7 +90,10 @@ class ExpertStore:
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # prefetch side stream
         self.entries: dict[ExpertKey, _Entry] = {key: _Entry() for key in sorted(reader.sources)}
         self.host_lru: collections.OrderedDict[ExpertKey, None] = collections.OrderedDict()
-        self.bytes_per_expert = reader.compute_bytes_per_expert
+        # every key whose device or host copy came or went, in order: what readers consume instead of a walk
+        self.journal: ChangeLog[ExpertKey] = ChangeLog(4 * len(self.entries))
+        self.bytes_per_expert = reader.compute_bytes_per_expert  # what a copy holds in memory (pools count it)
+        self.checkpoint_bytes_per_expert = reader.checkpoint_bytes_per_expert  # what a read takes from the files
         self.num_disk_reads = 0
         self.stacked_layers: set[int] = set()  # layers whose experts all sit in one resident stack (pinned)
         self.read_ahead = ReadAhead(self._verified_read, num_io_threads)
@@ -168,6 +172,7 @@ class ExpertStore:
                 continue
             entry.host = weights
             self.host_lru[key] = None
+            self.journal.record(key)
             self.read_ahead_cached.add(key)
 
     def evict_chosen(self, keys: list[ExpertKey]) -> None:
@@ -207,6 +212,7 @@ class ExpertStore:
                 down[key[1]].copy_(weights.down)
                 self.device_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
                 self.entries[key].device = ExpertWeights(gate_up[key[1]], down[key[1]])
+                self.journal.record(key)
             module.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
             module.down_proj = torch.nn.Parameter(down, requires_grad=False)
             self.stacked_layers.add(layer)
@@ -281,7 +287,8 @@ class ExpertStore:
                 entry.ready.record(self.copy_stream)
         else:
             entry.device = self._copy_to_device(fetched.weights)
-        return Fetched(entry.device, fetched.source_tier, self.bytes_per_expert, fetched.note)
+        self.journal.record(key)
+        return Fetched(entry.device, fetched.source_tier, fetched.bytes_moved, fetched.note)
 
     def _copy_to_device(self, weights: ExpertWeights) -> ExpertWeights:
         return ExpertWeights(
@@ -302,6 +309,7 @@ class ExpertStore:
             entry.ready = None
         weights, entry.device = entry.device, None
         self.device_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)
+        self.journal.record(key)
         if self.is_aliased:  # the bytes stay in RAM as the host cache's newest entry (one LRU over both)
             self._make_host_room()
             if self.host_pool.can_reserve(self.bytes_per_expert + self._read_slot_bytes()):
@@ -322,6 +330,7 @@ class ExpertStore:
                 entry.ready = None
             entry.device = None
             self.device_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)
+            self.journal.record(key)
             return True
         return False
 
@@ -400,14 +409,14 @@ class ExpertStore:
             self.host_lru.move_to_end(key)
             if key in self.read_ahead_cached:  # read from the checkpoint ahead, in an earlier step
                 self.read_ahead_cached.discard(key)
-                return Fetched(entry.host, Tier.DISK, self.bytes_per_expert, "read ahead in an earlier step")
+                return Fetched(entry.host, Tier.DISK, self.checkpoint_bytes_per_expert, "read ahead in an earlier step")
             return Fetched(entry.host, Tier.HOST, self.bytes_per_expert)
         weights, note = self._read_disk(key)
         if is_cached:
             self._make_host_room()
             if self.host_pool.can_reserve(self.bytes_per_expert + self._read_slot_bytes()):
                 self._cache_on_host(key, weights)
-        return Fetched(weights, Tier.DISK, self.bytes_per_expert, note)
+        return Fetched(weights, Tier.DISK, self.checkpoint_bytes_per_expert, note)
 
     def _read_disk(self, key: ExpertKey) -> tuple[ExpertWeights, str]:
         """The expert from the checkpoint: a read started ahead (waited for), else a read now."""
@@ -428,11 +437,13 @@ class ExpertStore:
         self.host_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
         self.entries[key].host = weights
         self.host_lru[key] = None
+        self.journal.record(key)
 
     def _drop_host(self, key: ExpertKey) -> None:
         self.read_ahead_cached.discard(key)
         self.entries[key].host = None
         del self.host_lru[key]
+        self.journal.record(key)
         self.host_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)
 
     def _make_host_room(self) -> None:

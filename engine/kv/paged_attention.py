@@ -8,7 +8,10 @@ sees exactly what a single-sequence forward would: no mask when it starts at pos
 decodes one token, else a causal mask offset by its cached length. Outside an engine step (the exact
 baseline, the shape probe) it is plain SDPA attention over the given K/V, causal and offset by the cached
 length when a chunk follows cached positions. Attention modules that expand
-cached latents after the cache read (MLA's ``expand_kv``) expand each request's latents here.
+cached latents after the cache read (MLA's ``expand_kv``) expand each request's latents here, one request
+at a time: the expanded K/V (`expanded_kv_bytes`) are per-layer staging, counted in the device pool as
+Scratch.KV_EXPAND (room made first, as for any buffer) until that request's attention has run, so the
+peak stays under the budget however long the context.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from fallbackgate.engine.device_pool import Scratch
 
 if TYPE_CHECKING:
     from fallbackgate.engine.experts.executor import Executor
@@ -51,12 +56,48 @@ def paged_attention_forward(
         if start and length > 1:  # a prefill chunk after cached positions: causal, offset by `start`
             mask = torch.ones(length, start + length, dtype=torch.bool, device=query.device).tril(start)[None, None]
         keys, values = keys[None], values[None]
+        q = query[:, :, offset : offset + length]
         if hasattr(module, "expand_kv"):  # MLA caches latents; the module expands them after the cache read
-            keys, values = module.expand_kv(keys, values)
-        out, _ = sdpa_attention_forward(module, query[:, :, offset : offset + length], keys, values, mask, **kwargs)
+            out = _attend_expanded(executor, module, q, keys, values, mask, **kwargs)
+        else:
+            out, _ = sdpa_attention_forward(module, q, keys, values, mask, **kwargs)
         outputs.append(out)
         offset += length
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
+
+
+def expanded_kv_bytes(module: torch.nn.Module, num_tokens: int, dtype: torch.dtype) -> int:
+    """Bytes `module.expand_kv` allocates for one request's `num_tokens` cached latents: the `kv_b_proj`
+    output (every head's non-positional key and value; the values stay views into it) and the keys with
+    the shared positional part copied to every head."""
+    proj = module.kv_b_proj
+    num_heads = proj.out_features // (module.qk_nope_head_dim + module.v_head_dim)
+    keys = num_heads * (module.qk_nope_head_dim + module.qk_rope_head_dim)
+    return num_tokens * (proj.out_features + keys) * dtype.itemsize
+
+
+def expand_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype) -> int:
+    """The most bytes one cached position expands to in any layer of `model` (0: no MLA attention)."""
+    return max((expanded_kv_bytes(m, 1, dtype) for m in model.modules() if hasattr(m, "expand_kv")), default=0)
+
+
+def _attend_expanded(
+    executor: Executor,
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    latents: torch.Tensor,
+    rope_keys: torch.Tensor,
+    mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """One request's attention over its expanded latents, the expansion held in the device pool."""
+    num_bytes = expanded_kv_bytes(module, latents.shape[-2], latents.dtype)
+    executor.ensure_room(num_bytes, f"layer {module.layer_idx}'s expanded K/V ({latents.shape[-2]} tokens)")
+    with executor.kv_store.device_pool.held(Scratch.KV_EXPAND, num_bytes):
+        keys, values = module.expand_kv(latents, rope_keys)
+        out, _ = sdpa_attention_forward(module, query, keys, values, mask, **kwargs)
+        del keys, values  # freed before the reservation is
+    return out
 
 
 def register_attention_function() -> None:

@@ -29,8 +29,17 @@ class PagedLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this forward's K/V and return every packed request's K/V (prefix + new)."""
-        return self.executor.kv_update(self.layer, key_states, value_states)
+        """Store this forward's K/V. In an engine step the paged attention function reads each request's
+        K/V from the executor (`layer_kv`), so the forward gets back only its first token's (some models
+        reshape with an inferred size, which zero tokens make ambiguous): what it does with them (MLA's
+        `expand_kv` of the packed latents, every head's K/V of the whole chunk) stays one token's bytes
+        outside the budget. The exact baseline and replay passes, whose attention uses what the forward
+        passes, get this forward's own K/V."""
+        keys, values = self.executor.kv_update(self.layer, key_states, value_states)
+        ctx = self.executor.ctx
+        if ctx is not None and not ctx.is_exact_baseline and ctx.replay is None:
+            return keys[..., :1, :], values[..., :1, :]
+        return keys, values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         batch = self.executor.ctx.batch

@@ -54,6 +54,7 @@ class KVStore(KVCopies):
         self.device_pool, self.spill, self.device = device_pool, spill, device
         self.block_shape = (num_kv_heads, block_size, key_dim + value_dim)  # K and V side by side per token
         self.bytes_per_block = num_kv_heads * block_size * (key_dim + value_dim) * dtype.itemsize
+        self.expand_bytes_per_token = 0  # MLA: bytes one cached position expands to for attention (set by the engine)
         self.device_slots = self._slot_tier("device", device_pool, device)
         self.host_slots = self._slot_tier("host", self.host_pool, torch.device("cpu"))
         self.tables: dict[str, list[list[KVBlock]]] = {}  # request -> layer -> blocks
@@ -138,6 +139,12 @@ class KVStore(KVCopies):
             num_blocks = -(-length // self.block_size)
             num_bytes += num_blocks * self.bytes_per_block if num_blocks > 1 else 0
         return num_bytes
+
+    def attend_bytes(self, lengths: list[int]) -> int:
+        """Scratch bytes one layer's attention holds for requests reading `lengths` positions: the gather,
+        and for MLA the longest request's latents expanded to every head (one request at a time)."""
+        expanded = max(lengths, default=0) * self.expand_bytes_per_token
+        return self.gather_bytes(lengths) + expanded
 
     @property
     def max_stage_bytes(self) -> int:

@@ -44,8 +44,9 @@ def _no_experts(
 def probe_kv_shapes(loaded: LoadedCheckpoint) -> KVShape:
     """Run one token through the dense weights (experts contribute zeros) and read what attention cached.
 
-    The geometry comes from the K/V tensors attention really produced, not from the config (MLA-style
-    attention expands K/V to every head); no routed expert is read.
+    The geometry comes from the K/V tensors attention really cached, not from the config (MLA attention
+    caches the compressed latent and the shared positional key, one "head", and expands them to every head
+    only after the cache read: see `engine/kv/paged_attention.py`); no routed expert is read.
     """
     model = loaded.model
     ALL_EXPERTS_FUNCTIONS.register(PROBE_IMPLEMENTATION, _no_experts)

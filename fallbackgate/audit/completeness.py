@@ -16,8 +16,9 @@ Checked against what the engine counted itself, never against the rows alone:
   would have served it);
 - every weight copy checked against the checkpoint (sampled expert copies, dense weights) matched;
 - bytes per tag: bytes moved are whole objects of the size the tag implies (a full expert for ``exact_load``
-  and ``cpu_execute``, a low-bit copy for ``expert_lowbit``, a KV block, a quantized KV block for
-  ``kv_dequant``); a mismatch names the tag whose size the bytes do fit.
+  and ``cpu_execute``: its compute-dtype bytes from a memory copy, the checkpoint's stored bytes from a disk
+  read, which differ for an FP8 checkpoint or a ``--dtype`` override; a low-bit copy for ``expert_lowbit``,
+  a KV block, a quantized KV block for ``kv_dequant``); a mismatch names the tag whose size the bytes do fit.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from fallbackgate.ledger.db import Ledger
 MAX_LISTED = 10  # step ids named in one reason
 
 _EXPERT, _KV_BLOCK = ObjectKind.EXPERT.value, ObjectKind.KV_BLOCK.value
+CHECKPOINT_READ = "expert_checkpoint_read"  # object_bytes key: bytes of one expert as the checkpoint stores it
 _WOULD_SERVE = re.compile(r"observe: would serve (\w+)")
 
 
@@ -175,14 +177,22 @@ def _sizes(object_bytes: Mapping[str, Any]) -> dict[tuple[str, str, int], int]:
     """(object kind, tag, bits) -> bytes of one object moved with that tag."""
     sizes = {}
     expert, block = int(object_bytes[_EXPERT]), int(object_bytes[_KV_BLOCK])
+    read = _checkpoint_read(object_bytes)
     for tag in (Tag.EXACT_LOAD, Tag.CPU_EXECUTE):
-        sizes[(_EXPERT, tag.value, 0)] = expert
+        sizes[(_EXPERT, tag.value, 0)] = expert  # from a memory copy: the compute dtype's bytes
+        if read != expert:  # from the checkpoint: the bytes the files store (FP8 codes and scales, another dtype)
+            sizes[(_EXPERT, tag.value, -1)] = read
     sizes[(_KV_BLOCK, Tag.EXACT_LOAD.value, 0)] = block
     for bits, n in (object_bytes.get(Tag.EXPERT_LOWBIT.value) or {}).items():
         sizes[(_EXPERT, Tag.EXPERT_LOWBIT.value, int(bits))] = int(n)
     for bits, n in (object_bytes.get(Tag.KV_DEQUANT.value) or {}).items():
         sizes[(_KV_BLOCK, Tag.KV_DEQUANT.value, int(bits))] = int(n)
     return sizes
+
+
+def _checkpoint_read(object_bytes: Mapping[str, Any]) -> int:
+    """Bytes one expert read from the checkpoint moves (a run recorded before they were kept: the expert's)."""
+    return int(object_bytes.get(CHECKPOINT_READ) or object_bytes[_EXPERT])
 
 
 def _fits(num_bytes: int, num_objects: int, sizes: list[int], extra: int | None, is_extra_only: bool = False) -> bool:
@@ -213,7 +223,7 @@ def check_object_bytes(
     for r in audit_queries.moved_bytes(ledger, run_id):
         kind, tag, num_bytes, num_objects = r["object_kind"], r["tag"], int(r["bytes_moved"]), int(r["objects"])
         sizes = by_tag.get((kind, tag))
-        lowbit_read = by_tag[(_EXPERT, Tag.EXACT_LOAD.value)][0]  # a low-bit copy made from a disk read
+        lowbit_read = _checkpoint_read(object_bytes)  # a low-bit copy made from a disk read
         extra = lowbit_read if tag == Tag.EXPERT_LOWBIT.value else None
         if sizes and _fits(num_bytes, num_objects, sizes, extra, is_ram_tiered):
             continue

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from fallbackgate.audit.completeness import CHECKPOINT_READ
 from fallbackgate.batch.prompts import PromptSpec
 from fallbackgate.engine.config import PreemptMode
 from fallbackgate.engine.engine import Engine
@@ -171,8 +172,9 @@ def routing(engine: Engine) -> dict[str, Any]:
 
 
 def object_bytes(engine: Engine) -> dict[str, Any]:
-    """Bytes one object moves with each tag: a full expert, its low-bit copy per bits, a KV block and its
-    quantized copy per bits (what the gate checks each event's bytes against)."""
+    """Bytes one object moves with each tag: a full expert (in the compute dtype, and as one read from the
+    checkpoint takes it), its low-bit copy per bits, a KV block and its quantized copy per bits (what the
+    gate checks each event's bytes against)."""
     experts, kv = engine.expert_store, engine.kv_store
     sample = experts.reader.read(next(iter(experts.entries)))
     block = torch.zeros(kv.block_shape, dtype=kv.dtype)
@@ -182,6 +184,7 @@ def object_bytes(engine: Engine) -> dict[str, Any]:
         lowbit[str(bits)] = sum(quantize(t, bits, axis=1).num_bytes for t in (sample.gate_up, sample.down))
     return {
         ObjectKind.EXPERT.value: experts.bytes_per_expert,
+        CHECKPOINT_READ: experts.checkpoint_bytes_per_expert,
         Tag.EXPERT_LOWBIT.value: lowbit,
         ObjectKind.KV_BLOCK.value: kv.bytes_per_block,
         Tag.KV_DEQUANT.value: {str(bits): quantize_kv(block, bits, kv.key_dim).num_bytes for bits in (8, 4)},

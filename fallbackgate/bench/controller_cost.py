@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from fallbackgate.bench import victims_reference as ref
+from fallbackgate.bench.controller_cost_experts import ExpertTable, expert_rows
 from fallbackgate.controllers import (
     ExactLRUController,
     IndependentLRUController,
@@ -70,6 +71,7 @@ class BenchView:
 
     def __init__(self, kv: KVStore, on_device: dict, homes: dict, running: tuple[str, ...]) -> None:
         self.kv, self.on_device, self.homes, self.running = kv, on_device, homes, running
+        self.table = ExpertTable(on_device, homes)  # entries and the residency journal, as the store keeps them
         self.profile: HardwareProfile = CPU_BOX
         self.is_ram_tiered = False  # homes on host or disk, as on CUDA
         self.used_expert_keys: tuple = ()
@@ -98,6 +100,9 @@ class BenchView:
 
     def device_expert_keys(self) -> tuple:  # as the store answers: a walk of its entries
         return tuple(k for k, is_on in self.on_device.items() if is_on)
+
+    def expert_changes_since(self, cursor: int) -> tuple[list | None, int]:
+        return self.table.journal.since(cursor)
 
     def is_expert_on_device(self, key: tuple[int, int]) -> bool:
         return self.on_device.get(key, False)
@@ -149,7 +154,7 @@ def build_state(size: str, spill_dir: pathlib.Path, rng: random.Random) -> tuple
     running = tuple(f"r{i}" for i in range(batch) if i % 4)  # a quarter idle, holding device KV
     view = BenchView(kv, on_device, homes, running)
     joint = JointController(Policy())
-    joint.values.freq.update({k: rng.random() for k in keys if rng.random() < 0.6})
+    joint.values.set_frequencies({k: rng.random() for k in keys if rng.random() < 0.6})
     used = [k for k in keys if rng.random() < 0.3]
     used_kv = [b.key for b in rng.sample(kv.device_blocks(), min(256, num_blocks // 4))]
     view.used_expert_keys, view.used_kv_block_keys = tuple(used), tuple(used_kv)
@@ -222,7 +227,7 @@ def step_rows(view: BenchView, joint: JointController, reps: int) -> dict[str, d
         "joint_kv_queue": (queue_old, queue_new),
         "joint_rebalance": (
             lambda: ref.rebalance(view, joint.values, 0.0, 8),
-            lambda: rebalance(view, joint.values, 0.0, 8),
+            lambda: rebalance(view, joint.values, 0.0, 8, _synced(joint, view)),
         ),
     }
     rows = {}
@@ -233,6 +238,11 @@ def step_rows(view: BenchView, joint: JointController, reps: int) -> dict[str, d
         row["ratio"] = row["old_s"] / max(row["new_s"], 1e-9)
         rows[name] = row
     return rows
+
+
+def _synced(joint: JointController, view: BenchView) -> Any:
+    joint.ranking.sync(view, joint.values)
+    return joint.ranking
 
 
 def measure(size: str, reps: int, spill_dir: pathlib.Path) -> dict[str, Any]:
@@ -256,6 +266,7 @@ def measure(size: str, reps: int, spill_dir: pathlib.Path) -> dict[str, Any]:
             "build_s": built_s,
             "choose_victims": victim_rows(view, joint, pinned, reps),
             "per_step": step_rows(view, joint, reps),
+            "experts": expert_rows(view, view.table, joint.values, reps, median_s),  # last: it changes the residency
         }
     finally:
         gc.unfreeze()
@@ -283,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  choose_victims {name:16s} old {row['old_s'] * 1e3:9.2f} ms  new k=8 "
                       f"{row['new_k8_s'] * 1e3:7.3f} ms ({row['ratio_k8']:8.1f}x)  "
                       f"k=64 {row['new_k64_s'] * 1e3:7.3f} ms ({row['ratio_k64']:8.1f}x)")  # fmt: skip
-            for name, row in result["per_step"].items():
+            for name, row in itertools.chain(result["per_step"].items(), result["experts"].items()):
                 print(f"  per step {name:22s} old {row['old_s'] * 1e3:9.2f} ms  new {row['new_s'] * 1e3:8.3f} ms "
                       f"({row['ratio']:7.1f}x)")  # fmt: skip
     pathlib.Path(args.json).write_text(json.dumps({"reps": args.reps, "results": results}, indent=2))

@@ -8,6 +8,8 @@ uses it.
 
 from __future__ import annotations
 
+import heapq
+
 from fallbackgate.controllers.base import Recency
 from fallbackgate.controllers.joint import JointController
 from fallbackgate.controllers.joint_memory import PREFETCH_MIN_FREQ
@@ -129,7 +131,7 @@ def rebalance(view: ControllerView, values: ValueModel, slack_s: float, top_k: i
         kv_used += per_block
     for key in dict.fromkeys(view.deferred_expert_keys):
         seconds = view.profile.transfer_s(per_expert, view.expert_home(key))
-        if values.freq.get(key, 0.0) < PREFETCH_MIN_FREQ or seconds > slack_s or view.is_expert_on_device(key):
+        if values.frequency(key) < PREFETCH_MIN_FREQ or seconds > slack_s or view.is_expert_on_device(key):
             continue
         if free < per_expert:
             break
@@ -153,3 +155,36 @@ def block_keys(kv: KVStore, request_ids: list[str]) -> set[KVBlockKey]:
     """`KVStore.block_keys` before: a set of every key of every block of the requests (the step's pin)."""
     tables = kv.tables
     return {b.key for rid in request_ids if rid in tables for blocks in tables[rid] for b in blocks}
+
+
+def decay_walk(freq: dict[ExpertKey, float], decay: float, used: set[ExpertKey]) -> None:
+    """`ValueModel.update` before (frequencies kept as plain floats): every frequency decayed each step."""
+    for key in list(freq):
+        freq[key] *= decay
+        if freq[key] < 1e-6 and key not in used:
+            del freq[key]
+    for key in used:
+        freq[key] = freq.get(key, 0.0) + (1.0 - decay)
+
+
+def joint_expert_victims(values: ValueModel, view: ControllerView, pinned: set[ExpertKey], k: int) -> list[ExpertKey]:
+    """The expert half of `JointController.choose_victims` before: every device expert valued and heapified
+    on every call, then the `k` cheapest popped."""
+    experts = [
+        (value, i, key)
+        for i, (key, value) in enumerate(values.expert_values(view.device_expert_keys(), view))
+        if key not in pinned
+    ]
+    heapq.heapify(experts)
+    return [heapq.heappop(experts)[2] for _ in range(min(k, len(experts)))]
+
+
+def copies_walk(entries: dict) -> list[tuple[ExpertKey, int]]:
+    """`CopyVerifier._copies` before: a walk of every expert entry each step ((key, 0 device / 1 host))."""
+    out = []
+    for key, entry in entries.items():
+        if entry.device is not None:
+            out.append((key, 0))
+        if entry.host is not None:
+            out.append((key, 1))
+    return out

@@ -23,6 +23,7 @@ from typing import TypeVar
 from fallbackgate.controllers.arbitration import Arbitration, arbitrate, expert_arbitration
 from fallbackgate.controllers.base import Recency
 from fallbackgate.controllers.cost import CostModel, lowbit_error_energy
+from fallbackgate.controllers.expert_rank import ExpertRanking
 from fallbackgate.controllers.joint_memory import rebalance
 from fallbackgate.controllers.link import LinkBudget
 from fallbackgate.controllers.registry import ControllerKind, register_controller
@@ -74,6 +75,7 @@ class JointController(Controller):
         self.cost = cost_model or CostModel(lowbit_bits=spec.expert_lowbit_bits or 8)
         self.book = BudgetBook({n: c.budget for n, c in policy.classes.items()}, QualityBudget())
         self.values, self.recency = ValueModel(spec.routing_decay), Recency()
+        self.ranking = ExpertRanking()  # device experts by value, kept between misses and steps
         self.link = LinkBudget(CPU_BOX)
         self.kv_bits = spec.kv_quant_bits
         self.step_id, self.is_observe = -1, False
@@ -294,18 +296,16 @@ class JointController(Controller):
         pinned_experts: Container[ExpertKey],
         pinned_kv: Container[KVBlockKey],
     ) -> Iterator[Victim]:
-        """Everything on device, lowest value per byte first, ties in the view's order with experts before
-        KV blocks (as one stable sort of experts then blocks would give), produced lazily: experts from a
-        heap (values per home tier computed once per call), KV blocks request by request (a request's
-        blocks share one value) in the order of a heap of request values, so k victims cost
-        O(E + R log R + k log E) for E device experts and R requests, whatever the KV length."""
-        experts = [
-            (value, i, key)
-            for i, (key, value) in enumerate(self.values.expert_values(view.device_expert_keys(), view))
-            if key not in pinned_experts
-        ]
-        heapq.heapify(experts)
-        ranked_experts = ((value, Victim(expert_key=key)) for value, _, key in _drain(experts))
+        """Everything on device, lowest value per byte first, ties in the store's order with experts before
+        KV blocks (as one stable sort of experts then blocks would give), produced lazily: experts from the
+        maintained ranking (synced with what changed since the last call, read without popping), KV blocks
+        request by request (a request's blocks share one value) in the order of a heap of request values,
+        so k victims cost O(c log E + R log R + k log E) for c experts changed since the last call, E device
+        experts and R requests, whatever the KV length."""
+        self.ranking.sync(view, self.values)
+        ranked_experts = (
+            (value, Victim(expert_key=key)) for value, key in self.ranking.victims(view, self.values, pinned_experts)
+        )
         ranked_kv = self._kv_victims(view, pinned_kv)
         return (victim for _, victim in heapq.merge(ranked_experts, ranked_kv, key=lambda item: item[0]))
 
@@ -328,4 +328,5 @@ class JointController(Controller):
     def on_step_end(self, view: ControllerView) -> StepEndActions:
         self.values.update(view)
         self.recency.touch(view)
-        return rebalance(view, self.values, self.link.left_s.get(Tier.HOST, 0.0), self.top_k)
+        self.ranking.sync(view, self.values)
+        return rebalance(view, self.values, self.link.left_s.get(Tier.HOST, 0.0), self.top_k, self.ranking)

@@ -4,16 +4,28 @@
 - KV block: one read per step while its request runs × its cheapest acceptable reload time (a quantized
   copy when its class may read one, else the full block); 0 for requests not running.
 Values are seconds saved per step per byte, so both sides compare in one unit.
+
+Frequencies are kept divided by the decay every one of them shares (``frequency = scaled × scale``), so a
+step end touches only the experts used or deferred in it and those whose frequency fell below the prune
+floor (a min-heap finds them); every change is logged for the rankings built on these values
+(:mod:`fallbackgate.controllers.expert_rank`). When the shared scale gets tiny every frequency is folded
+back in once (a new ``epoch``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Iterator, Mapping
 
 from fallbackgate.engine.controller import ControllerView
+from fallbackgate.engine.experts.journal import ChangeLog
 from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.kv.store import KVBlockKey
 from fallbackgate.engine.tags import Tier
+
+PRUNE_BELOW = 1e-6  # a frequency below this, not used in the step, is forgotten (0)
+RENORMALIZE_BELOW = 1e-150  # the shared scale is folded into the frequencies below this
+LOG_KEPT = 1 << 17  # frequency changes the log keeps at least
 
 
 class ValueModel:
@@ -21,25 +33,101 @@ class ValueModel:
 
     def __init__(self, decay: float = 0.9) -> None:
         self.decay = decay
-        self.freq: dict[ExpertKey, float] = {}
+        self.scaled: dict[ExpertKey, float] = {}  # frequency / scale
+        self.scale = 1.0  # the decay all frequencies share since the last renormalization
+        self.epoch = 0  # renormalizations so far (scaled values are comparable within one epoch)
+        # keys whose frequency changed other than by the decay; a step logs its used experts, so the log keeps
+        # many steps of the largest models (a reader that falls behind rebuilds once)
+        self.log: ChangeLog[ExpertKey] = ChangeLog(LOG_KEPT)
+        self.num_updates = 0
+        self._due: dict[ExpertKey, int] = {}  # key -> the update at which its prune check is due
+        self._checks: dict[int, list[ExpertKey]] = {}  # update -> keys due then (stale ones skipped)
+
+    def frequency(self, key: ExpertKey) -> float:
+        """The decayed routing frequency of `key` (0 when never used or forgotten)."""
+        return self.scaled.get(key, 0.0) * self.scale
+
+    def scaled_freq(self, key: ExpertKey) -> float:
+        """`frequency(key)` without the shared decay: comparable between keys within one epoch."""
+        return self.scaled.get(key, 0.0)
+
+    def frequencies(self) -> Iterator[tuple[ExpertKey, float]]:
+        """Every remembered key with its frequency."""
+        scale = self.scale
+        return ((key, scaled * scale) for key, scaled in self.scaled.items())
+
+    def set_frequencies(self, freq: Mapping[ExpertKey, float]) -> None:
+        """Set the frequencies of the given keys (a seeded state)."""
+        for key, value in freq.items():
+            self._set(key, value / self.scale)
+
+    def changes_since(self, cursor: int) -> tuple[list[ExpertKey] | None, int]:
+        """Keys whose frequency changed since `cursor` (see :class:`ChangeLog`)."""
+        return self.log.since(cursor)
 
     def update(self, view: ControllerView) -> None:
-        """Decay every frequency and count the last step's used and deferred experts once each."""
+        """Decay every frequency and count the last step's used and deferred experts once each: O(used +
+        forgotten), never a walk of every frequency (a key's prune check is scheduled for the update at
+        which its decayed frequency is due to fall below PRUNE_BELOW)."""
         used = set(view.used_expert_keys) | set(view.deferred_expert_keys)
-        for key in list(self.freq):
-            self.freq[key] *= self.decay
-            if self.freq[key] < 1e-6 and key not in used:
-                del self.freq[key]
-        for key in used:
-            self.freq[key] = self.freq.get(key, 0.0) + (1.0 - self.decay)
+        self.num_updates += 1
+        self.scale *= self.decay
+        scaled, due = self.scaled, self._due
+        for key in self._checks.pop(self.num_updates, ()):
+            if due.get(key) != self.num_updates or key in used:  # rescheduled by a later use, or used now
+                continue
+            if scaled[key] * self.scale < PRUNE_BELOW:
+                del scaled[key], due[key]
+                self.log.record(key)
+            else:  # checked early (its frequency was above the least a use leaves): when it is really due
+                self._schedule(key)
+        if self.scale < RENORMALIZE_BELOW:
+            self.scaled = scaled = {key: value * self.scale for key, value in scaled.items()}
+            self.scale, self.epoch = 1.0, self.epoch + 1
+        step = (1.0 - self.decay) / self.scale
+        # a frequency just used is at least 1 - decay: checked no later than such a one would fall below the floor
+        check = self.num_updates + self._min_updates
+        due_now = self._checks.setdefault(check, [])
+        for key in used:  # this loop is the step end's cost: no call per key
+            scaled[key] = scaled.get(key, 0.0) + step
+            due[key] = check
+            due_now.append(key)
+        self.log.extend(used)
+
+    @property
+    def _min_updates(self) -> int:
+        """Updates a frequency of 1 - decay (the least a use leaves) takes to fall below the floor, at least 1."""
+        if not 0.0 < self.decay < 1.0:
+            return 1
+        return max(1, math.floor(math.log(PRUNE_BELOW / (1.0 - self.decay)) / math.log(self.decay)))
+
+    def _set(self, key: ExpertKey, scaled: float) -> None:
+        self.scaled[key] = scaled
+        self.log.record(key)
+        self._schedule(key)
+
+    def _schedule(self, key: ExpertKey) -> None:
+        """Schedule `key`'s prune check no later than the update at which its frequency falls below the floor."""
+        freq = self.scaled[key] * self.scale
+        if self.decay >= 1.0 and freq >= PRUNE_BELOW:
+            self._due.pop(key, None)  # never decays: never pruned
+            return
+        updates = 1
+        if 0.0 < self.decay < 1.0 and freq > PRUNE_BELOW:
+            updates = max(1, math.floor(math.log(PRUNE_BELOW / freq) / math.log(self.decay)))
+        self._check_at(key, self.num_updates + updates)
+
+    def _check_at(self, key: ExpertKey, update: int) -> None:
+        self._due[key] = update
+        self._checks.setdefault(update, []).append(key)
 
     def expected_misses(self, view: ControllerView) -> list[tuple[ExpertKey, float]]:
         """Non-resident experts with their probability of being needed next step."""
-        return [(k, min(1.0, f)) for k, f in self.freq.items() if not view.is_expert_on_device(k)]
+        return [(k, min(1.0, f)) for k, f in self.frequencies() if not view.is_expert_on_device(k)]
 
     def expert_value(self, key: ExpertKey, view: ControllerView) -> float:
         """Seconds saved per step per byte by keeping `key` on device."""
-        freq = self.freq.get(key, 0.0)
+        freq = self.frequency(key)
         if not freq:
             return 0.0
         seconds = view.profile.transfer_s(view.bytes_per_expert, view.expert_home(key))
@@ -50,7 +138,7 @@ class ValueModel:
         num_bytes, seconds = view.bytes_per_expert, {}
         out = []
         for key in keys:
-            freq = self.freq.get(key, 0.0)
+            freq = self.frequency(key)
             if not freq:
                 out.append((key, 0.0))
                 continue

@@ -109,6 +109,9 @@ class SimulatedView:
     def expert_home(self, key: ExpertKey) -> Tier:
         return Tier.HOST
 
+    def expert_changes_since(self, cursor: int) -> tuple[tuple[ExpertKey, ...] | None, int]:
+        return None, -1  # no residency journal: a controller walks device_expert_keys
+
     def quantized_bytes(self, kind: ObjectKind, bits: int) -> int:
         full = self.bytes_per_expert if kind is ObjectKind.EXPERT else self.bytes_per_kv_block
         return full * bits // 16
