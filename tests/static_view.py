@@ -94,6 +94,10 @@ class StaticView:
         mine = [b for b in self.kv_blocks if b.is_on_device and b.key[0] == request_id]
         return iter(sorted(mine, key=lambda b: (b.key[2], b.key[1])) if is_index_major else mine)
 
+    def prefix_entry(self, request_id: str) -> None:
+        """No kept prefix blocks here."""
+        return None
+
     def staged_kv_tag(self, key: KVBlockKey) -> Tag | None:
         return self.staged_kv_tags.get(key)
 
