@@ -1,0 +1,187 @@
+"""Prefix reuse across turns: kept full KV blocks are adopted by later prompts with the same prefix, from RAM
+(resident) or from the spill (exact_load), and the tokens equal a run without reuse on the same schedule."""
+
+from __future__ import annotations
+
+import collections
+import pathlib
+
+import pytest
+
+from fallbackgate.audit.kv_copies import _replay_journal
+from fallbackgate.batch.prompts import PromptSpec
+from fallbackgate.controllers.exact_lru import ExactLRUController
+from fallbackgate.engine.config import EngineConfig
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.kv.block import SpillMode
+from fallbackgate.engine.kv.prefix_cache import PREFIX_ID, PrefixCache, chain_hashes
+from fallbackgate.engine.messages import Event, StepKind, StepPlan
+from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.tinymoe import CHECKPOINT_DIR
+from fallbackgate.workloads.build import generate, prompt_specs
+from fallbackgate.workloads.kinds import Context, WorkloadKind
+from fallbackgate.workloads.text import TextPool
+from fallbackgate.workloads.tokens import ModelTokens
+
+LIMIT = 384  # short sessions: the test's prompts stay small
+
+
+@pytest.fixture(scope="module")
+def sessions() -> list[PromptSpec]:
+    tokens = ModelTokens(CHECKPOINT_DIR)
+    ctx = Context(tokens, TextPool.load(tokens, None), LIMIT)
+    return prompt_specs(generate(ctx, WorkloadKind.MULTI_TURN, 5, 6, None))
+
+
+def _engine(tmp_path: pathlib.Path, is_reused: bool) -> Engine:
+    config = EngineConfig(
+        model_dir=str(CHECKPOINT_DIR), device="cpu", spill_dir=str(tmp_path), is_prefix_reused=is_reused, seed=0
+    )
+    return Engine(config, ExactLRUController())
+
+
+def _run(engine: Engine, specs: list[PromptSpec], before_turn=None) -> tuple[dict, dict[str, int], list, list]:
+    """Each session's first turn at once, each later turn when the one before it ended (the same schedule with
+    and without reuse); returns (request id -> output, request id -> tokens fed, events, KV copy changes)."""
+    turns: dict[str, collections.deque[PromptSpec]] = collections.defaultdict(collections.deque)
+    for spec in specs:
+        turns[spec.session].append(spec)
+
+    def add(spec: PromptSpec) -> None:
+        if before_turn is not None:
+            before_turn(engine)
+        engine.add_request(engine.tokenizer.encode(spec.prompt), SamplingParams(max_new_tokens=spec.max_new_tokens),
+                           spec.request_id)  # fmt: skip
+
+    session_of = {s.request_id: s.session for s in specs}
+    for queue in turns.values():
+        add(queue.popleft())
+    fed: dict[str, int] = collections.Counter()
+    events, copies = [], []
+    while engine.has_unfinished():
+        result = engine.step()
+        for rid, num in engine.last_plan.num_tokens.items():
+            fed[rid] += num
+        events += result.events
+        copies += result.kv_copies
+        for rid in result.finished_ids:
+            if turns[session_of[rid]]:
+                add(turns[session_of[rid]].popleft())
+    outputs = {s.request_id: engine.finished[s.request_id] for s in specs}
+    return outputs, dict(fed), events, copies
+
+
+def test_multi_turn_reuse_skips_prefill_with_equal_tokens(tmp_path: pathlib.Path, sessions: list[PromptSpec]) -> None:
+    assert any(s.turn for s in sessions)
+    plain = _engine(tmp_path / "off", False)
+    off, fed_off, _, _ = _run(plain, sessions)
+    plain.close()
+    engine = _engine(tmp_path / "on", True)
+    on, fed_on, _, _ = _run(engine, sessions)
+    stats = engine.prefix.stats
+    engine.close()
+    assert {r: o.output_token_ids for r, o in on.items()} == {r: o.output_token_ids for r, o in off.items()}
+    assert stats.num_reused_blocks > 0 and stats.num_reused_requests > 0
+    skipped = sum(fed_off.values()) - sum(fed_on.values())
+    assert skipped == stats.num_reused_tokens == sum(o.num_reused_tokens for o in on.values())
+    assert all(on[s.request_id].num_reused_tokens == 0 for s in sessions if s.turn == 0)  # nothing to reuse yet
+    assert stats.num_reused_resident == stats.num_reused_blocks * engine.kv_store.num_layers  # all in RAM here
+    assert stats.num_reused_spilled == 0
+    for spec in sessions:  # a later turn reuses at most its prompt's full blocks but the last token
+        assert on[spec.request_id].num_reused_tokens <= len(on[spec.request_id].prompt_token_ids) - 1
+
+
+def _spill_kept(engine: Engine) -> None:
+    for rid in [r for r in engine.kv_store.tables if r.startswith(PREFIX_ID)]:
+        for layer in range(engine.kv_store.num_layers):
+            engine.executor.spill_kv((rid, layer, 0), SpillMode.DISK_FULL)
+
+
+def test_spilled_prefix_is_read_exact_load_from_disk(tmp_path: pathlib.Path, sessions: list[PromptSpec]) -> None:
+    plain = _engine(tmp_path / "off", False)
+    off, _, _, _ = _run(plain, sessions)
+    plain.close()
+    engine = _engine(tmp_path / "on", True)
+    on, _, events, changes = _run(engine, sessions, before_turn=_spill_kept)  # every kept block leaves RAM first
+    stats = engine.prefix.stats
+    engine.close()
+    assert {r: o.output_token_ids for r, o in on.items()} == {r: o.output_token_ids for r, o in off.items()}
+    assert stats.num_reused_spilled == stats.num_reused_blocks * engine.kv_store.num_layers > 0
+    loads = [e for e in events if e.object_kind is ObjectKind.KV_BLOCK and e.tag is Tag.EXACT_LOAD]
+    assert sum(e.count for e in loads if e.source_tier is Tier.DISK) >= stats.num_reused_spilled
+    rows = [
+        {"step_id": 0, "request_id": c.request_id, "layer": c.layer, "tier": c.tier.value, "bits": c.bits,
+         "action": c.action.value, "block_ids": ",".join(map(str, c.block_ids))}
+        for c in changes
+    ]  # fmt: skip
+    assert any(r["action"] == "moved_in" for r in rows)
+    failures: list[str] = []
+    _replay_journal(rows, lambda rid, text: failures.append(text))
+    assert failures == []  # every read of a moved copy found it live
+
+
+def test_a_corrupted_kept_block_is_not_reused(tmp_path: pathlib.Path, sessions: list[PromptSpec]) -> None:
+    def corrupt(engine: Engine) -> None:
+        for rid in [r for r in engine.kv_store.tables if r.startswith(PREFIX_ID)]:
+            block = engine.kv_store.blocks(rid, 0)[0]
+            if block.device is not None:
+                block.device[0, 0, 0] += 1.0
+
+    engine = _engine(tmp_path, True)
+    _run(engine, sessions, before_turn=corrupt)
+    stats = engine.prefix.stats
+    engine.close()
+    assert stats.num_checksum_failures > 0 and stats.num_reused_blocks == 0
+
+
+def test_reuse_off_keeps_nothing(tmp_path: pathlib.Path, sessions: list[PromptSpec]) -> None:
+    engine = _engine(tmp_path, False)
+    _run(engine, sessions[:2])
+    assert engine.prefix.summary()["num_kept_now"] == 0 and engine.prefix.stats.num_kept_blocks == 0
+    assert set(engine.kv_store.tables) == set()
+    engine.close()
+
+
+def test_hash_chain_names_the_whole_prefix() -> None:
+    a = chain_hashes(list(range(40)), 8, 5, [])
+    b = chain_hashes(list(range(16)) + [99] + list(range(17, 40)), 8, 5, [])
+    assert a[:2] == b[:2] and all(x != y for x, y in zip(a[2:], b[2:], strict=True))  # diverged at block 2
+    known = a[:3]
+    assert chain_hashes(list(range(40)), 8, 5, known) == a  # extended in place
+
+
+def test_non_exact_events_taint_from_their_step(tmp_path: pathlib.Path) -> None:
+    cache = PrefixCache.__new__(PrefixCache)
+    cache.clean_tokens = {}
+    cache.kv = type("KV", (), {"block_size": 4})()
+    plan = StepPlan(step_id=3, kind=StepKind.MIXED, request_ids=["a", "b"], num_tokens={"a": 1, "b": 8},
+                    start_positions={"a": 20, "b": 8})  # fmt: skip
+    cache.note_events(plan, [
+        Event(3, "a", 0, ObjectKind.EXPERT, Tag.EXPERT_DEFER, 1),
+        Event(3, "b", 0, ObjectKind.KV_BLOCK, Tag.RECOMPUTE, 1, object_ids=[1]),
+        Event(3, "b", 0, ObjectKind.EXPERT, Tag.EXACT_LOAD, 1),
+    ])  # fmt: skip
+    assert cache.clean_tokens == {"a": 20, "b": 4}
+
+
+def test_journal_replay_refuses_a_move_in_without_a_move_out() -> None:
+    row = {"step_id": 1, "request_id": "b", "layer": 0, "tier": "disk", "bits": 0, "action": "moved_in",
+           "block_ids": "0"}  # fmt: skip
+    failures: list[str] = []
+    _replay_journal([row], lambda rid, text: failures.append(text))
+    assert failures and "no moved_out" in failures[0]
+
+
+def test_kept_blocks_free_their_bytes_when_dropped(tmp_path: pathlib.Path, sessions: list[PromptSpec]) -> None:
+    engine = _engine(tmp_path, True)
+    _run(engine, [s for s in sessions if s.turn == 0][:1])
+    pool = engine.kv_store.device_pool
+    kept = engine.prefix.summary()["num_kept_layer_blocks_on_device"]
+    assert kept > 0 and pool.used_bytes_by_kind[ObjectKind.KV_BLOCK] == kept * engine.kv_store.bytes_per_block
+    for rid in [r for r in engine.kv_store.tables if r.startswith(PREFIX_ID)]:
+        engine.executor.spill_kv((rid, 0, 0), SpillMode.DROP)
+    engine.prefix._prune()
+    assert engine.prefix.summary()["num_kept_now"] == 0
+    assert pool.used_bytes_by_kind[ObjectKind.KV_BLOCK] == 0
+    engine.close()
