@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import collections
 import pathlib
+import sqlite3
 
 import pytest
 
 from fallbackgate.audit.kv_copies import _replay_journal
 from fallbackgate.batch.prompts import PromptSpec
+from fallbackgate.cli import main
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
@@ -19,6 +21,7 @@ from fallbackgate.engine.messages import Event, StepKind, StepPlan
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.tinymoe import CHECKPOINT_DIR
+from fallbackgate.tracing import read_trace
 from fallbackgate.workloads.build import generate, prompt_specs
 from fallbackgate.workloads.kinds import Context, WorkloadKind
 from fallbackgate.workloads.text import TextPool
@@ -185,3 +188,30 @@ def test_kept_blocks_free_their_bytes_when_dropped(tmp_path: pathlib.Path, sessi
     assert engine.prefix.summary()["num_kept_now"] == 0
     assert pool.used_bytes_by_kind[ObjectKind.KV_BLOCK] == 0
     engine.close()
+
+
+@pytest.mark.slow
+def test_run_on_a_multi_turn_workload_reuses_prefixes_and_passes_the_audit(
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompts, ledger, trace_dir = tmp_path / "mt.jsonl", tmp_path / "l.db", tmp_path / "trace"
+    assert main(["workload", "multi-turn", "--out", str(prompts), "--seed", "1", "--num-requests", "6"]) == 0
+    status = main(["run", "--prompts", str(prompts), "--ledger", f"sqlite:///{ledger}", "--trace", str(trace_dir),
+                   "--device-budget-mb", "64", "--quiet"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0 and "PASS" in out, out
+    line = next(x for x in out.splitlines() if x.startswith("prefix reuse:"))
+    assert int(line.split()[2]) > 0, line  # "prefix reuse: N blocks reused by ..."
+    with sqlite3.connect(ledger) as db:
+        reused = db.execute("select sum(num_reused_tokens) from requests").fetchone()[0]
+    assert reused > 0
+    kv = read_trace(trace_dir).frame("kv_access")
+    hashed = kv.dropna(subset=["content_hash"])
+    assert len(hashed) and hashed["content_hash"].astype("uint64").ne(0).all()
+    per_hash = hashed.groupby("content_hash")["request"].nunique()
+    assert (per_hash > 1).any()  # a turn read blocks with the hash an earlier turn's blocks had
+
+    status = main(["run", "--prompts", str(prompts), "--no-ledger", "--no-prefix-reuse", "--device-budget-mb", "64",
+                   "--quiet"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert status == 0 and "prefix reuse: off" in out
