@@ -12,11 +12,15 @@ import pytest
 from fallbackgate.audit.kv_copies import _replay_journal
 from fallbackgate.batch.prompts import PromptSpec
 from fallbackgate.cli import main
+from fallbackgate.bench import victims_reference as ref
 from fallbackgate.controllers.exact_lru import ExactLRUController
+from fallbackgate.controllers.joint import JointController
+from fallbackgate.engine.controller import KVBlockInfo
+from fallbackgate.engine.hardware import CPU_BOX
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.kv.block import SpillMode
-from fallbackgate.engine.kv.prefix_cache import PREFIX_ID, PrefixCache, chain_hashes
+from fallbackgate.engine.kv.prefix_cache import PREFIX_ID, PrefixCache, PrefixEntryInfo, chain_hashes
 from fallbackgate.engine.messages import Event, StepKind, StepPlan
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
@@ -26,6 +30,8 @@ from fallbackgate.workloads.build import generate, prompt_specs
 from fallbackgate.workloads.kinds import Context, WorkloadKind
 from fallbackgate.workloads.text import TextPool
 from fallbackgate.workloads.tokens import ModelTokens
+from tests.static_view import StaticView
+from tests.test_victim_order import POLICY
 
 LIMIT = 384  # short sessions: the test's prompts stay small
 
@@ -215,3 +221,22 @@ def test_run_on_a_multi_turn_workload_reuses_prefixes_and_passes_the_audit(
                    "--quiet"])  # fmt: skip
     out = capsys.readouterr().out
     assert status == 0 and "prefix reuse: off" in out
+
+
+def test_the_joint_controller_weighs_kept_prefixes_against_experts() -> None:
+    hot, cold = PrefixEntryInfo("aa", 5, 0, 1), PrefixEntryInfo("bb", 0, 200, 1)
+    view = StaticView(
+        CPU_BOX, device_budget_bytes=1 << 20, bytes_per_expert=1 << 16, bytes_per_kv_block=1 << 10,
+        on_device_experts=((0, 1),), is_ram_tiered=True,
+        kv_blocks=(KVBlockInfo(("prefix:aa", 0, 0), 16, Tier.DEVICE, None),
+                   KVBlockInfo(("prefix:bb", 0, 0), 16, Tier.DEVICE, None)),
+        prefix_entries={"prefix:aa": hot, "prefix:bb": cold},
+        quantized_copy_bytes={(ObjectKind.KV_BLOCK, 8): 300},
+    )  # fmt: skip
+    joint = JointController(POLICY)
+    joint.values.freq[(0, 1)] = 0.5
+    values = joint.values
+    assert values.prefix_value(hot, view) > values.expert_value((0, 1), view) > values.prefix_value(cold, view)
+    order = [v.kv_block_key[0] if v.kv_block_key else "expert" for v in joint.choose_victims(1, view, set(), set())]
+    assert order == ["prefix:bb", "expert", "prefix:aa"]  # the cold prefix leaves RAM first, the hot one last
+    assert list(joint.choose_victims(1, view, set(), set())) == ref.joint_victims(joint, view, set(), set())
