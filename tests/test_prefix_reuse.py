@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import collections
 import pathlib
 import sqlite3
 
@@ -11,18 +10,16 @@ import pytest
 
 from fallbackgate.audit.kv_copies import _replay_journal
 from fallbackgate.batch.prompts import PromptSpec
-from fallbackgate.cli import main
 from fallbackgate.bench import victims_reference as ref
-from fallbackgate.controllers.exact_lru import ExactLRUController
+from fallbackgate.bench.prefix_reuse import make_engine, run_sessions, spill_kept
+from fallbackgate.cli import main
 from fallbackgate.controllers.joint import JointController
 from fallbackgate.engine.controller import KVBlockInfo
-from fallbackgate.engine.hardware import CPU_BOX
-from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.hardware import CPU_BOX
 from fallbackgate.engine.kv.block import SpillMode
 from fallbackgate.engine.kv.prefix_cache import PREFIX_ID, PrefixCache, PrefixEntryInfo, chain_hashes
 from fallbackgate.engine.messages import Event, StepKind, StepPlan
-from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 from fallbackgate.tracing import read_trace
@@ -44,50 +41,16 @@ def sessions() -> list[PromptSpec]:
 
 
 def _engine(tmp_path: pathlib.Path, is_reused: bool) -> Engine:
-    config = EngineConfig(
-        model_dir=str(CHECKPOINT_DIR), device="cpu", spill_dir=str(tmp_path), is_prefix_reused=is_reused, seed=0
-    )
-    return Engine(config, ExactLRUController())
-
-
-def _run(engine: Engine, specs: list[PromptSpec], before_turn=None) -> tuple[dict, dict[str, int], list, list]:
-    """Each session's first turn at once, each later turn when the one before it ended (the same schedule with
-    and without reuse); returns (request id -> output, request id -> tokens fed, events, KV copy changes)."""
-    turns: dict[str, collections.deque[PromptSpec]] = collections.defaultdict(collections.deque)
-    for spec in specs:
-        turns[spec.session].append(spec)
-
-    def add(spec: PromptSpec) -> None:
-        if before_turn is not None:
-            before_turn(engine)
-        engine.add_request(engine.tokenizer.encode(spec.prompt), SamplingParams(max_new_tokens=spec.max_new_tokens),
-                           spec.request_id)  # fmt: skip
-
-    session_of = {s.request_id: s.session for s in specs}
-    for queue in turns.values():
-        add(queue.popleft())
-    fed: dict[str, int] = collections.Counter()
-    events, copies = [], []
-    while engine.has_unfinished():
-        result = engine.step()
-        for rid, num in engine.last_plan.num_tokens.items():
-            fed[rid] += num
-        events += result.events
-        copies += result.kv_copies
-        for rid in result.finished_ids:
-            if turns[session_of[rid]]:
-                add(turns[session_of[rid]].popleft())
-    outputs = {s.request_id: engine.finished[s.request_id] for s in specs}
-    return outputs, dict(fed), events, copies
+    return make_engine(str(tmp_path), is_reused)
 
 
 def test_multi_turn_reuse_skips_prefill_with_equal_tokens(tmp_path: pathlib.Path, sessions: list[PromptSpec]) -> None:
     assert any(s.turn for s in sessions)
     plain = _engine(tmp_path / "off", False)
-    off, fed_off, _, _ = _run(plain, sessions)
+    off, fed_off, _, _ = run_sessions(plain, sessions)
     plain.close()
     engine = _engine(tmp_path / "on", True)
-    on, fed_on, _, _ = _run(engine, sessions)
+    on, fed_on, _, _ = run_sessions(engine, sessions)
     stats = engine.prefix.stats
     engine.close()
     assert {r: o.output_token_ids for r, o in on.items()} == {r: o.output_token_ids for r, o in off.items()}
@@ -101,18 +64,12 @@ def test_multi_turn_reuse_skips_prefill_with_equal_tokens(tmp_path: pathlib.Path
         assert on[spec.request_id].num_reused_tokens <= len(on[spec.request_id].prompt_token_ids) - 1
 
 
-def _spill_kept(engine: Engine) -> None:
-    for rid in [r for r in engine.kv_store.tables if r.startswith(PREFIX_ID)]:
-        for layer in range(engine.kv_store.num_layers):
-            engine.executor.spill_kv((rid, layer, 0), SpillMode.DISK_FULL)
-
-
 def test_spilled_prefix_is_read_exact_load_from_disk(tmp_path: pathlib.Path, sessions: list[PromptSpec]) -> None:
     plain = _engine(tmp_path / "off", False)
-    off, _, _, _ = _run(plain, sessions)
+    off, _, _, _ = run_sessions(plain, sessions)
     plain.close()
     engine = _engine(tmp_path / "on", True)
-    on, _, events, changes = _run(engine, sessions, before_turn=_spill_kept)  # every kept block leaves RAM first
+    on, _, events, changes = run_sessions(engine, sessions, before_turn=spill_kept)  # every kept block leaves RAM first
     stats = engine.prefix.stats
     engine.close()
     assert {r: o.output_token_ids for r, o in on.items()} == {r: o.output_token_ids for r, o in off.items()}
@@ -138,7 +95,7 @@ def test_a_corrupted_kept_block_is_not_reused(tmp_path: pathlib.Path, sessions: 
                 block.device[0, 0, 0] += 1.0
 
     engine = _engine(tmp_path, True)
-    _run(engine, sessions, before_turn=corrupt)
+    run_sessions(engine, sessions, before_turn=corrupt)
     stats = engine.prefix.stats
     engine.close()
     assert stats.num_checksum_failures > 0 and stats.num_reused_blocks == 0
@@ -146,7 +103,7 @@ def test_a_corrupted_kept_block_is_not_reused(tmp_path: pathlib.Path, sessions: 
 
 def test_reuse_off_keeps_nothing(tmp_path: pathlib.Path, sessions: list[PromptSpec]) -> None:
     engine = _engine(tmp_path, False)
-    _run(engine, sessions[:2])
+    run_sessions(engine, sessions[:2])
     assert engine.prefix.summary()["num_kept_now"] == 0 and engine.prefix.stats.num_kept_blocks == 0
     assert set(engine.kv_store.tables) == set()
     engine.close()
@@ -184,7 +141,7 @@ def test_journal_replay_refuses_a_move_in_without_a_move_out() -> None:
 
 def test_kept_blocks_free_their_bytes_when_dropped(tmp_path: pathlib.Path, sessions: list[PromptSpec]) -> None:
     engine = _engine(tmp_path, True)
-    _run(engine, [s for s in sessions if s.turn == 0][:1])
+    run_sessions(engine, [s for s in sessions if s.turn == 0][:1])
     pool = engine.kv_store.device_pool
     kept = engine.prefix.summary()["num_kept_layer_blocks_on_device"]
     assert kept > 0 and pool.used_bytes_by_kind[ObjectKind.KV_BLOCK] == kept * engine.kv_store.bytes_per_block

@@ -134,7 +134,8 @@ class PrefixCache:
                 continue
             position = plan.start_positions[event.request_id]
             if event.object_kind is ObjectKind.KV_BLOCK and event.tag is Tag.RECOMPUTE:
-                position = min([position] + [i * self.kv.block_size for i in event.object_ids]) if event.object_ids else 0
+                rebuilt = [i * self.kv.block_size for i in event.object_ids]
+                position = min([position, *rebuilt]) if rebuilt else 0
             clean = self.clean_tokens.get(event.request_id, position)
             self.clean_tokens[event.request_id] = min(clean, position)
 
@@ -259,9 +260,10 @@ class PrefixCache:
         """Drop entries with a layer left without a full-precision copy (the controller dropped it), then the
         least recently used ones while kept blocks off the fast tier exceed the spill cap."""
         kv = self.kv
-        for entry in [e for e in self.entries.values() if not all(t[0].has_exact_copy for t in kv.tables[e.request_id])]:
+        dead = [e for e in self.entries.values() if not all(t[0].has_exact_copy for t in kv.tables[e.request_id])]
+        for entry in dead:
             self._drop(entry)
-        off = {e.digest: sum(1 for t in kv.tables[e.request_id] if t[0].device is None) for e in self.entries.values()}
+        off = {e.digest: sum(t[0].device is None for t in kv.tables[e.request_id]) for e in self.entries.values()}
         total = sum(off.values()) * kv.bytes_per_block
         for entry in list(self.entries.values()):
             if total <= self.spill_cap_bytes:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from fallbackgate.engine.controller import ControllerView
-from fallbackgate.engine.kv.prefix_cache import PrefixEntryInfo
 from fallbackgate.engine.experts.store import ExpertKey
+from fallbackgate.engine.kv.prefix_cache import PrefixEntryInfo
 from fallbackgate.engine.kv.store import KVBlockKey
 from fallbackgate.engine.tags import Tier
 

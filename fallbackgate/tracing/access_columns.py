@@ -17,9 +17,7 @@ TIER_CODE = {t: i for i, t in enumerate(Tier)}  # the schema's tier vocabulary i
 TAG_CODE = {t: i for i, t in enumerate(Tag)}  # likewise for tags
 
 
-def expert_columns(
-    step: int | np.ndarray, cap: StepCapture, names: list[str], index: dict[str, int]
-) -> dict[str, Any]:
+def expert_columns(step: int | np.ndarray, cap: StepCapture, names: list[str], index: dict[str, int]) -> dict[str, Any]:
     """``expert_access`` columns: one row per (token, router rank) of every routing call of ``cap`` (``step``:
     their step, or each call's); request ids index ``names``."""
     calls = cap.routing
@@ -64,9 +62,16 @@ def expert_columns(
             predicted[rows_of_call] = np.isin(ids[rows_of_call], np.array(c.named_ids))
     return {
         "step": np.repeat(np.broadcast_to(np.asarray(step, dtype=np.int64), (len(calls),)), per_call),
-        "request": Indexed(names, request), "layer": layer, "expert": ids,
-        "router_rank": np.tile(np.arange(k), len(key) // k), "router_weight": weights, "tier_before": tier,
-        "tag": tag, "bytes": moved, "ns": waited, "is_predicted": predicted,
+        "request": Indexed(names, request),
+        "layer": layer,
+        "expert": ids,
+        "router_rank": np.tile(np.arange(k), len(key) // k),
+        "router_weight": weights,
+        "tier_before": tier,
+        "tag": tag,
+        "bytes": moved,
+        "ns": waited,
+        "is_predicted": predicted,
     }
 
 
@@ -121,7 +126,6 @@ class KVPending:
             "content_hash": self._hash_column(num_layers),
             "tier_before": tier, "tag": tag, "bytes": moved, "ns": waited,
         }  # fmt: skip
-
 
     def _hash_column(self, num_layers: int) -> np.ma.MaskedArray | None:
         """Each row's block content hash, null for blocks not hashed (a partial tail); None: none hashed."""

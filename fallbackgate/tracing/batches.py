@@ -66,6 +66,7 @@ def _join(parts: list[Any], num_rows: list[int]) -> np.ndarray:
     if not any(part is None or isinstance(part, np.ma.MaskedArray) for part in parts):
         return np.concatenate([np.asarray(part) for part in parts])
     dtype = next(np.asarray(part).dtype for part in parts if part is not None)
-    data = [np.zeros(n, dtype) if part is None else np.ma.getdata(part) for part, n in zip(parts, num_rows, strict=True)]
-    masks = [np.ones(n, bool) if part is None else np.ma.getmaskarray(part) for part, n in zip(parts, num_rows, strict=True)]
+    pairs = list(zip(parts, num_rows, strict=True))
+    data = [np.zeros(n, dtype) if part is None else np.ma.getdata(part) for part, n in pairs]
+    masks = [np.ones(n, bool) if part is None else np.ma.getmaskarray(part) for part, n in pairs]
     return np.ma.MaskedArray(np.concatenate(data), mask=np.concatenate(masks))
