@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import pathlib
+import random
 import sqlite3
 
 import pytest
 
+from fallbackgate.assembly import Overrides, assemble
 from fallbackgate.audit.kv_copies import _replay_journal
-from fallbackgate.batch.prompts import PromptSpec
+from fallbackgate.batch.demo import DEMO_POLICY
+from fallbackgate.batch.prompts import PromptSpec, load_prompts
 from fallbackgate.bench import victims_reference as ref
 from fallbackgate.bench.prefix_reuse import make_engine, run_sessions, spill_kept
 from fallbackgate.cli import main
@@ -20,7 +23,10 @@ from fallbackgate.engine.hardware import CPU_BOX
 from fallbackgate.engine.kv.block import SpillMode
 from fallbackgate.engine.kv.prefix_cache import PREFIX_ID, PrefixCache, PrefixEntryInfo, chain_hashes
 from fallbackgate.engine.messages import Event, StepKind, StepPlan
+from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.policy.apply import with_sections
+from fallbackgate.policy.loader import load_policy
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 from fallbackgate.tracing import read_trace
 from fallbackgate.workloads.build import generate, prompt_specs
@@ -197,3 +203,25 @@ def test_the_joint_controller_weighs_kept_prefixes_against_experts() -> None:
     order = [v.kv_block_key[0] if v.kv_block_key else "expert" for v in joint.choose_victims(1, view, set(), set())]
     assert order == ["prefix:bb", "expert", "prefix:aa"]  # the cold prefix leaves RAM first, the hot one last
     assert list(joint.choose_victims(1, view, set(), set())) == ref.joint_victims(joint, view, set(), set())
+
+
+@pytest.mark.slow
+def test_a_rebuild_pass_spills_no_block_the_step_already_resolved(tmp_path: pathlib.Path) -> None:
+    """A drop-preempted request's rebuild forward runs after the step's KV reads were resolved: making room
+    in it must not spill the other requests' blocks (found with turns added at random steps, demo budget)."""
+    prompts = tmp_path / "mt.jsonl"
+    assert main(["workload", "multi-turn", "--out", str(prompts), "--seed", "1", "--num-requests", "6"]) == 0
+    policy = with_sections(load_policy(str(DEMO_POLICY)), {"memory": {"prefix_reuse": False}})
+    engine = assemble(policy, Overrides()).engine
+    rng, queue = random.Random(5), load_prompts(str(prompts))
+    try:
+        while queue or engine.has_unfinished():
+            if queue and (not engine.has_unfinished() or rng.random() < 0.15):
+                spec = queue.pop(0)
+                params = SamplingParams(max_new_tokens=spec.max_new_tokens)
+                engine.add_request(engine.tokenizer.encode(spec.prompt), params, spec.request_id)
+            if engine.has_unfinished():
+                engine.step()  # raised "read but neither on device nor staged" before the rebuild pinned the step
+    finally:
+        engine.close()
+    assert len(engine.finished) == 6
