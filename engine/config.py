@@ -77,6 +77,8 @@ class EngineConfig:
     is_observe: bool = False  # observe mode: decisions recorded, exact actions served
     lowbit_cache_dir: str | None = None  # CPU: low-bit copies persisted here (see lowbit_cache.py); None: none
     lowbit_cache_bytes: int = 8 * 1024 * MIB  # cap of the persisted low-bit copies per checkpoint and bit width
+    is_prefix_reused: bool = True  # full KV blocks kept by content hash after their request, reused by prefixes
+    prefix_spill_cap_bytes: int = 1024 * MIB  # kept prefix blocks off the fast tier (disk, host) at most
     # test only: on a CPU, emulate CUDA's device/host/disk layout as two RAM budgets (the device tier aliases
     # host copies, cpu_execute offered); never from a policy file or the CLI, named in the summary and ledger
     is_emulated_device_tier: bool = False
@@ -108,6 +110,8 @@ class EngineConfig:
             raise ValueError(f"num_verified_copies_per_step must be 0..1024, got {self.num_verified_copies_per_step}")
         if self.lowbit_cache_bytes < 0:
             raise ValueError(f"lowbit_cache_bytes must be >= 0, got {self.lowbit_cache_bytes}")
+        if self.prefix_spill_cap_bytes < 0:
+            raise ValueError(f"prefix_spill_cap_bytes must be >= 0, got {self.prefix_spill_cap_bytes}")
         if self.audit_cache_bytes < 0:
             raise ValueError(f"audit_cache_bytes must be >= 0, got {self.audit_cache_bytes}")
         if self.is_emulated_device_tier and self.device == "cuda":

@@ -17,6 +17,7 @@ from fallbackgate.engine.experts.reader import ExpertKey
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.io.requests import IOSnapshot
 from fallbackgate.engine.kv.block import KVBlockKey, SpillMode
+from fallbackgate.engine.kv.prefix_cache import PrefixEntryInfo
 from fallbackgate.engine.messages import StepPlan
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
@@ -243,6 +244,11 @@ class ControllerView(Protocol):
     def kv_quant_error_energy(self, key: KVBlockKey) -> float | None:
         """Relative error energy ‖x − Q(x)‖² / ‖x‖² of the block's quantized copy, estimated from its group
         scales; None when it has no quantized copy in memory."""
+        ...
+
+    def prefix_entry(self, request_id: str) -> PrefixEntryInfo | None:
+        """The kept prefix block whose pseudo request (one block per layer, in `kv_request_ids`) is
+        `request_id`: its hits and idle steps; None for a live request's id (or where nothing is kept)."""
         ...
 
     @property

@@ -16,6 +16,7 @@ from fallbackgate.engine.experts.executor import Executor
 from fallbackgate.engine.experts.integrity import CopyVerifier
 from fallbackgate.engine.io import IOScheduler
 from fallbackgate.engine.kv import paged_attention
+from fallbackgate.engine.kv.prefix_cache import PrefixCache
 from fallbackgate.engine.kv.store import KVBlockKey, SpillMode
 from fallbackgate.engine.messages import RequestOutput, StepCapture, StepPlan, StepResult
 from fallbackgate.engine.model.build import build_stores, fill_expert_tiers, probe_kv_shapes, resolve_device
@@ -68,9 +69,13 @@ class Engine(BaselineAccess):
         self.num_added = 0  # requests accepted so far: default ids and seeds count from it
         self._used_ids: set[str] = set()  # every id accepted, never reused (a str in a set: ~100 bytes each)
         self.scheduler = Scheduler(config, self.kv_store, self._make_room_for_kv, expert_floor, self._preempt)
+        self.prefix = PrefixCache(
+            self.kv_store, config.is_prefix_reused, lambda: self.scheduler.step_id, config.prefix_spill_cap_bytes
+        )
+        self.scheduler.adopt = self.prefix.adopt
         uses = StepUses()
         self._view = LiveView(
-            self.expert_store, self.kv_store, config.profile, self.sequences, self.scheduler, uses, self.io
+            self.expert_store, self.kv_store, config.profile, self.sequences, self.scheduler, uses, self.io, self.prefix
         )
         first = next(iter(loaded.experts_by_layer.values()))
         self.executor = Executor(
@@ -230,6 +235,7 @@ class Engine(BaselineAccess):
             offset = len(token_ids)
             if log.capture is not None:
                 log.capture.kv_reads.append((seq.request_id, -(-(start + num) // self.config.block_size)))
+                log.capture.kv_hashes[seq.request_id] = self.prefix.read_hashes(seq, start + num)
             token_ids += seq.all_token_ids[start : start + num]
             owners += [index] * num
             if start + num == seq.num_tokens:
@@ -302,6 +308,7 @@ class Engine(BaselineAccess):
                     seq.output_logprobs.append(top_logprobs(logits[row], token, seq.params.num_top_logprobs))
                 row += 1
         events = log.events()
+        self.prefix.note_events(plan, events)
         modeled = log.modeled_transfer_s + log.modeled_compute_s
         self.modeled_clock_s += modeled
         now = time.perf_counter()
@@ -377,7 +384,7 @@ class Engine(BaselineAccess):
         if is_done:
             seq.finish_s, seq.modeled_finish_s = now, self.modeled_clock_s
             self.scheduler.finish(seq)
-            self.kv_store.free_sequence(seq.request_id)
+            self.prefix.release(seq)  # its exact full blocks are kept for later prefixes, the rest freed
             self.finished[seq.request_id] = self._output(seq)
             del self.sequences[seq.request_id]  # its output is the caller's to take from `finished`
         return is_done
@@ -396,6 +403,7 @@ class Engine(BaselineAccess):
         seq = self.sequences.pop(request_id)
         self.scheduler.abort(seq)
         self.kv_store.free_sequence(request_id)
+        self.prefix.forget(request_id)
         return output
 
     @staticmethod
@@ -421,6 +429,7 @@ class Engine(BaselineAccess):
             seq.pop_prompt_logits(),
             seq.output_logprobs if seq.params.num_top_logprobs is not None else None,
             seq.pop_prompt_logprobs(),
+            seq.num_reused_tokens,
         )
 
     # --- memory pressure -----------------------------------------------------------------------

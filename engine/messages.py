@@ -87,6 +87,8 @@ class CopyAction(str, enum.Enum):
     WRITTEN = "written"  # the copy's bytes landed in the tier (a spill or a swap)
     READ = "read"  # the copy was read to serve a step (exact_load, kv_dequant, a resumed tail block)
     FREED = "freed"  # the copy was released (stale, request ended, failed its checksum)
+    MOVED_OUT = "moved_out"  # the copy left this owner's table with its block (a kept or adopted prefix block)
+    MOVED_IN = "moved_in"  # ... and joined this one's: the copy the journal's last moved_out named, unchanged
 
 
 @dataclasses.dataclass(slots=True)
@@ -139,6 +141,8 @@ class StepCapture:
     # measured wait ns)
     named: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # layer -> experts the predictor named
     # for it, until that layer's routing call takes them
+    kv_hashes: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # request id -> uint64 content
+    # hashes of the full blocks among its reads (block 0 on; the partial tail has none)
 
 
 @dataclasses.dataclass(slots=True)
@@ -212,6 +216,7 @@ class RequestOutput:
     output_logprobs: list[TokenLogprobs] | None = None  # per output token, when SamplingParams.num_top_logprobs is set
     prompt_logprobs: list[TokenLogprobs] | None = None  # per prompt token after the first, when
     # SamplingParams.num_prompt_logprobs is set (row i: token i + 1 given tokens 0..i)
+    num_reused_tokens: int = 0  # prompt positions whose KV was adopted from kept prefix blocks (prefill skipped)
 
     @property
     def ttft_s(self) -> float:

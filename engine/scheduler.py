@@ -37,6 +37,7 @@ class Scheduler:
         self.step_id = 0
         self.chosen: list[tuple[Sequence, int]] = []  # the step being scheduled, so far
         self.is_layer_staged = False  # the step's KV does not fit at once: off-device blocks are staged per layer
+        self.adopt: Callable[[Sequence], int] | None = None  # kept prefix blocks a new request takes (prefix reuse)
 
     def add(self, seq: Sequence) -> None:
         self.check_fits_alone(seq.request_id, seq.num_tokens + seq.params.max_new_tokens)
@@ -99,6 +100,8 @@ class Scheduler:
                 seq = queue[0]
                 if seq.request_id not in self.kv_store.tables:
                     self.kv_store.add_sequence(seq.request_id)
+                    if self.adopt is not None:
+                        self.adopt(seq)  # its prefill then starts after the blocks it took
                 num = self._fit(seq, min(seq.num_pending_tokens, budget), chosen, may_preempt=False)
                 if not num:
                     return resumed

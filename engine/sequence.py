@@ -73,6 +73,7 @@ class Sequence:
     # log-probability of the token at p + 1 (when num_prompt_logprobs is set; a re-prefill overwrites)
     num_computed_tokens: int = 0  # tokens whose KV is in the store
     num_recompute_tokens: int = 0  # tokens computed before a drop-preemption, to be rebuilt
+    num_reused_tokens: int = 0  # prompt tokens whose KV was adopted from kept prefix blocks (prefill skipped)
     num_preemptions: int = 0
     arrival_s: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_s: float = 0.0

@@ -16,6 +16,7 @@ from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.io import EMPTY_SNAPSHOT, IOScheduler, IOSnapshot
 from fallbackgate.engine.kv.block import KVBlock, KVBlockKey
 from fallbackgate.engine.kv.codec import quant_kv_nbytes, relative_error_energy
+from fallbackgate.engine.kv.prefix_cache import PrefixCache, PrefixEntryInfo
 from fallbackgate.engine.kv.store import KVStore
 from fallbackgate.engine.scheduler import Scheduler
 from fallbackgate.engine.sequence import Sequence
@@ -42,7 +43,7 @@ class LiveView:
     """Controllers' read-only view of a running engine (see the module docstring); each query is documented
     on :class:`~fallbackgate.engine.controller.ControllerView`."""
 
-    __slots__ = ("_experts", "_io", "_kv", "_num_experts", "_profile", "_scheduler", "_sequences", "_uses")
+    __slots__ = ("_experts", "_io", "_kv", "_num_experts", "_prefix", "_profile", "_scheduler", "_sequences", "_uses")
 
     def __init__(
         self,
@@ -53,10 +54,11 @@ class LiveView:
         scheduler: Scheduler,
         uses: StepUses,
         io: IOScheduler | None = None,
+        prefix: PrefixCache | None = None,
     ) -> None:
         self._experts, self._kv, self._profile = expert_store, kv_store, profile
         self._sequences, self._scheduler, self._uses = sequences, scheduler, uses
-        self._io = io
+        self._io, self._prefix = io, prefix
         self._num_experts = len({e for _, e in expert_store.entries})  # the store's entries are fixed at its build
 
     def io_snapshot(self) -> IOSnapshot:
@@ -175,3 +177,6 @@ class LiveView:
         blocks = table[layer] if table is not None else []
         quant = (blocks[index].host_q or blocks[index].disk_q) if index < len(blocks) else None
         return relative_error_energy(quant) if quant is not None else None
+
+    def prefix_entry(self, request_id: str) -> PrefixEntryInfo | None:
+        return self._prefix.entry_info(request_id) if self._prefix is not None else None

@@ -205,6 +205,7 @@ def engine_config(policy: Policy, settings: RunSettings, overrides: Overrides) -
         is_observe=policy.audit.mode == AuditMode.OBSERVE,
         device=_ENGINE_DEFAULTS["device"] if overrides.device is None else overrides.device,
         is_emulated_device_tier=overrides.is_emulated_device_tier,
+        is_prefix_reused=policy.memory.prefix_reuse,
     )
 
 

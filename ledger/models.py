@@ -81,6 +81,8 @@ class Request(Base):
     num_prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     num_output_tokens: Mapped[int] = mapped_column(Integer, default=0)
     num_preemptions: Mapped[int] = mapped_column(Integer, default=0)
+    # prompt positions whose KV it adopted from kept prefix blocks (prefill skipped)
+    num_reused_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     slo: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     budget: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     ttft_s: Mapped[float | None] = mapped_column(Float)

@@ -314,6 +314,7 @@ def request_row(
         "num_prompt_tokens": len(out.prompt_token_ids),
         "num_output_tokens": len(out.output_token_ids),
         "num_preemptions": out.num_preemptions,
+        "num_reused_tokens": out.num_reused_tokens,
         "slo": dict(slo) if slo is not None else None,
         "budget": dict(budget) if budget is not None else None,
         "ttft_s": out.ttft_s if out.output_token_ids else None,  # a request cancelled before its first token

@@ -10,6 +10,7 @@ from types import MappingProxyType
 from fallbackgate.engine.controller import KVBlockInfo
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.io import EMPTY_SNAPSHOT, IOSnapshot
+from fallbackgate.engine.kv.prefix_cache import PrefixEntryInfo
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 
 ExpertKey = tuple[int, int]
@@ -50,10 +51,11 @@ class StaticView:
     quantized_copy_bytes: Mapping[tuple[ObjectKind, int], int] = dataclasses.field(default_factory=_frozen)
     io: IOSnapshot = EMPTY_SNAPSHOT
     is_ram_tiered: bool = False  # the RAM/disk layout (a CPU): disk reads land in RAM, no host tier
+    prefix_entries: Mapping[str, PrefixEntryInfo] = dataclasses.field(default_factory=_frozen)  # kept prefixes
 
     def __post_init__(self) -> None:
         names = ("request_classes", "device_bytes_by_kind", "expert_homes", "kv_tokens", "staged_kv_tags")
-        for name in (*names, "quant_error_energies", "quantized_copy_bytes"):
+        for name in (*names, "quant_error_energies", "quantized_copy_bytes", "prefix_entries"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
 
     def request_class(self, request_id: str) -> str:
@@ -96,6 +98,9 @@ class StaticView:
     def device_kv_blocks_of(self, request_id: str, is_index_major: bool = False) -> Iterator[KVBlockInfo]:
         mine = [b for b in self.kv_blocks if b.is_on_device and b.key[0] == request_id]
         return iter(sorted(mine, key=lambda b: (b.key[2], b.key[1])) if is_index_major else mine)
+
+    def prefix_entry(self, request_id: str) -> PrefixEntryInfo | None:
+        return self.prefix_entries.get(request_id)
 
     def staged_kv_tag(self, key: KVBlockKey) -> Tag | None:
         return self.staged_kv_tags.get(key)

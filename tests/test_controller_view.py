@@ -96,6 +96,7 @@ class ViewProbe(Controller):
             "staged_kv_tag": [view.staged_kv_tag(k) for k in view.used_kv_block_keys],
             "kv_quant_error_energy": [view.kv_quant_error_energy(b.key) for b in blocks],
             "io_snapshot": view.io_snapshot(),
+            "prefix_entry": [view.prefix_entry(r) for r in view.kv_request_ids],
         }
         assert set(answers) == MEMBERS
         self.num_device_blocks += len(blocks)

@@ -10,6 +10,7 @@ import torch
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.kv.prefix_cache import PREFIX_ID
 from fallbackgate.engine.model.scoring import score
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import ObjectKind
@@ -74,5 +75,7 @@ def test_abort_request_frees_its_kv_and_leaves_the_others_alone(engine: Engine) 
     assert engine.abort_request("never-ran").output_token_ids == []  # still waiting: it just leaves
     _finish(engine)
     assert engine.finished.pop(kept).output_token_ids == expected
-    assert engine.sequences == {} and engine.finished == {} and engine.kv_store.tables == {}
-    assert engine.kv_store.device_pool.used_bytes_by_kind[ObjectKind.KV_BLOCK] == 0  # every block freed
+    assert engine.sequences == {} and engine.finished == {}
+    assert all(rid.startswith(PREFIX_ID) for rid in engine.kv_store.tables)  # only kept prefix blocks stay
+    kept = engine.prefix.summary()["num_kept_layer_blocks_on_device"] * engine.kv_store.bytes_per_block
+    assert engine.kv_store.device_pool.used_bytes_by_kind[ObjectKind.KV_BLOCK] == kept  # every other block freed

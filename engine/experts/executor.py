@@ -67,6 +67,7 @@ class Executor:
         self.kv_layer_update: KVLayerUpdate | None = None
         self.routers, self.top_k = routers, top_k
         self.layer_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per request K, V of the current layer
+        self.step_request_ids: list[str] = []  # the step's requests (the model runner sets them each step)
         self.audit_weights = AuditWeights(expert_store.reader, audit_cache_bytes)  # the baselines' expert copies
 
     # --- experts -------------------------------------------------------------------------------
@@ -358,8 +359,10 @@ class Executor:
 
     # --- room on device ------------------------------------------------------------------------
     def step_kv_keys(self) -> RequestBlockKeys:
-        """Every KV block of the requests in the current forward (they are read: never spilled now)."""
-        return self.kv_store.block_keys(self.ctx.batch.request_ids if self.ctx is not None else [])
+        """Every KV block of the requests in the current forward and of the step's requests (a rebuild pass
+        runs before the step's own forward, whose blocks are already resolved: they are read, never spilled)."""
+        ids = list(self.ctx.batch.request_ids) if self.ctx is not None else []
+        return self.kv_store.block_keys(ids + [r for r in self.step_request_ids if r not in ids])
 
     def ensure_room(
         self, num_bytes: int, what: str, *, pinned_kv: Container[KVBlockKey] | None = None, is_kv_evictable: bool = True

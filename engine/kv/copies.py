@@ -191,14 +191,25 @@ class KVCopies:
             self.host_pool.release(ObjectKind.KV_BLOCK, self.bytes_per_block)
             block.host, block.host_slot = None, None
             self.note_copy(CopyAction.FREED, block, Tier.HOST, 0)
-        if block.host_q is not None:
-            self.host_pool.release(ObjectKind.KV_BLOCK, block.host_q.num_bytes)
-            self.note_copy(CopyAction.FREED, block, Tier.HOST, block.host_q.bits)
-            block.host_q = None
+        self._drop_host_quant(block)
         if block.disk is not None:
             self.spill.delete(block.disk)
             block.disk = None
             self.note_copy(CopyAction.FREED, block, Tier.DISK, 0)
+        self._drop_disk_quant(block)
+
+    def drop_quant_copies(self, block: KVBlock) -> None:
+        """Free a block's quantized copies (host, then disk), noting each."""
+        self._drop_host_quant(block)
+        self._drop_disk_quant(block)
+
+    def _drop_host_quant(self, block: KVBlock) -> None:
+        if block.host_q is not None:
+            self.host_pool.release(ObjectKind.KV_BLOCK, block.host_q.num_bytes)
+            self.note_copy(CopyAction.FREED, block, Tier.HOST, block.host_q.bits)
+            block.host_q = None
+
+    def _drop_disk_quant(self, block: KVBlock) -> None:
         if block.disk_q is not None:
             for record in block.disk_q.records:
                 self.spill.delete(record)

@@ -76,6 +76,7 @@ class ModelRunner:
         and the recompute passes run."""
         kv = self.executor.kv_store
         self.step_kv_keys = kv.block_keys([seq.request_id for seq, _ in chosen])
+        self.executor.step_request_ids = [seq.request_id for seq, _ in chosen]
         self.layer_plan.clear()
         self.is_per_layer = is_per_layer
         for seq, _ in chosen:

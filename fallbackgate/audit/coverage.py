@@ -4,7 +4,8 @@ Without replaying anything (exact-only requests are never replayed):
 
 - per step, the step_requests rows equal the requests the step row says it scheduled;
 - per request, its rows' positions tile [0, prompt + output - 1) (the last output token is sampled, never fed)
-  with no gap, and overlap only where a preemption made it re-prefill;
+  with no gap, and overlap only where a preemption made it re-prefill; the first ``num_reused_tokens``
+  positions count as computed when the request adopted their KV from kept prefix blocks;
 - its sampling rows sampled output token k at position prompt - 1 + k, once each, for every output token;
 - events, position diffs and step rows name only (step, request) pairs that have a row, and requests that
   have a request row.
@@ -90,7 +91,7 @@ def _tile(req: Mapping[str, Any], rows: list[dict[str, Any]]) -> tuple[list[str]
     end = num_prompt + num_output - 1 if num_output else num_prompt
     reasons: list[str] = []
     gaps: list[tuple[int, float]] = []
-    length, previous, restarts, sampled = 0, 0, 0, []
+    length, previous, restarts, sampled = int(req.get("num_reused_tokens") or 0), 0, 0, []
     for r in rows:
         start, n, step = int(r["start_position"]), int(r["num_tokens"]), int(r["step_id"])
         if start > length:

@@ -4,7 +4,9 @@ The engine notes, in order, every copy of a KV block it writes to host or disk, 
 frees (the ``kv_copies`` table, from each step's result). Checked here:
 
 - the journal is whole: its changes add up to the number the engine handed out (``memory``);
-- every read is of a copy written earlier in that tier and precision and not freed since;
+- every read is of a copy written earlier in that tier and precision and not freed since (a kept prefix
+  block's copy moves from the request that wrote it to the pseudo request ``prefix:<hash>`` and on to the
+  request that adopts it: ``moved_out`` then ``moved_in``, each taking the copy the other named);
 - the off-device KV events of each step × request × layer agree with the store's reads: an ``exact_load``
   from a tier counts the full-precision copies read there, a ``kv_dequant`` from a tier the quantized ones,
   and its named blocks are exactly those whose copies were read at its bits;
@@ -27,6 +29,7 @@ from fallbackgate.ledger.db import Ledger
 
 _EXACT, _DEQUANT, _RECOMPUTE = Tag.EXACT_LOAD.value, Tag.KV_DEQUANT.value, Tag.RECOMPUTE.value
 _WRITTEN, _READ, _FREED = CopyAction.WRITTEN.value, CopyAction.READ.value, CopyAction.FREED.value
+_OUT, _IN = CopyAction.MOVED_OUT.value, CopyAction.MOVED_IN.value
 _TIERS = (Tier.HOST.value, Tier.DISK.value)
 _RECOVERED = "recovered by recompute"
 Slot = tuple[int, str, int]  # (step, request, layer)
@@ -85,12 +88,26 @@ def _replay_journal(changes: list[dict[str, Any]], fail: Fail) -> Reads:
     live: dict[tuple[str, int, int, str, int], int] = {}  # (request, layer, block, tier, bits) -> step written
     freed: dict[tuple[str, int, int, str, int], int] = {}  # the same -> step it was freed at
     reads: Reads = {}
+    moving: list[tuple[int, str, int, int]] = []  # copies moved out and not yet in: (layer, tier, bits, step written)
     for c in changes:
         step, rid, layer, tier, bits = c["step_id"], c["request_id"], c["layer"], c["tier"], int(c["bits"])
         for block in _ids(c["block_ids"]):
             key = (rid, layer, block, tier, bits)
             if c["action"] == _WRITTEN:
                 live[key] = step
+                freed.pop(key, None)
+            elif c["action"] == _OUT:
+                if key not in live:
+                    fail(rid, f"step {step} moved out the {_copy(tier, bits)} of KV block {block} (layer {layer}), "
+                              "which is not live")  # fmt: skip
+                    continue
+                moving.append((layer, tier, bits, live.pop(key)))
+            elif c["action"] == _IN:
+                if not moving or moving[0][:3] != (layer, tier, bits):
+                    fail(rid, f"step {step} moved in a {_copy(tier, bits)} of KV block {block} (layer {layer}) that "
+                              "no moved_out handed over")  # fmt: skip
+                    continue
+                live[key] = moving.pop(0)[3]
                 freed.pop(key, None)
             elif c["action"] == _FREED:
                 if live.pop(key, None) is None:

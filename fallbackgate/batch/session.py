@@ -159,6 +159,7 @@ def memory_summary(engine: Engine) -> dict[str, Any]:
         "routing": routing(engine),
         # KV copy changes the engine handed out with its step results (the kv_copies rows' blocks add up to it)
         "num_kv_copy_changes": engine.kv_store.num_copy_changes - len(engine.kv_store.copy_changes),
+        "prefix_reuse": engine.prefix.summary(),  # kept and reused prefix blocks (engine/kv/prefix_cache.py)
     }
 
 

@@ -52,6 +52,23 @@ def print_summary(
     )
 
 
+def print_prefix_reuse(memory: dict[str, Any], out: TextIO) -> None:
+    """One line on prefix reuse: blocks kept and reused (from RAM and from the spill), prefill tokens skipped."""
+    got = memory.get("prefix_reuse")
+    if not got:
+        return
+    if not got["is_enabled"]:
+        print("prefix reuse: off (--no-prefix-reuse / memory.prefix_reuse)", file=out)
+        return
+    print(
+        f"prefix reuse: {got['num_reused_blocks']} blocks reused by {got['num_reused_requests']} requests "
+        f"({got['num_reused_resident']} layer blocks resident, {got['num_reused_spilled']} read exact_load from the "
+        f"spill), {got['num_reused_tokens']} prefill tokens skipped; {got['num_kept_blocks']} blocks kept, "
+        f"{got['num_kept_now']} still kept; {got['num_checksum_failures']} checksum failures",
+        file=out,
+    )
+
+
 def print_slips(controller: Controller, out: TextIO) -> None:
     """One line summarising the SLO slips a controller recorded (nothing when there were none)."""
     slips = getattr(controller, "slips", [])

@@ -129,6 +129,10 @@ class BenchView:
     def device_kv_blocks_of(self, request_id: str, is_index_major: bool = False) -> Iterator[KVBlockInfo]:
         return (block_info(b) for b in self.kv.device_blocks_of(request_id, is_index_major))
 
+    def prefix_entry(self, request_id: str) -> None:
+        """No kept prefix blocks here."""
+        return None
+
     def staged_kv_tag(self, key: tuple) -> Tag | None:
         return Tag.EXACT_LOAD if key in self.used_kv_block_keys else None
 

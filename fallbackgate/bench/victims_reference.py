@@ -38,6 +38,9 @@ def joint_victims(
         if block.key in pinned_kv:
             continue
         rid = block.key[0]
+        entry = view.prefix_entry(rid)
+        if rid not in per_request and entry is not None:  # a kept prefix block
+            per_request[rid] = (SpillMode.HOST_FULL, joint.values.prefix_value(entry, view))
         if rid not in per_request:
             mode = joint.spill_mode(rid, view)
             fraction = 1.0 if mode is SpillMode.HOST_FULL else quant_fraction

@@ -16,7 +16,7 @@ from fallbackgate.batch.demo import DEMO_POLICY, is_demo_run, print_demo_budget,
 from fallbackgate.batch.prompts import PromptsFileError, PromptSpec, check_classes, load_prompts
 from fallbackgate.batch.report import print_report, to_json, write_json
 from fallbackgate.batch.session import RunSettings, run_prompts
-from fallbackgate.batch.summary import print_slips, print_slo_misses, print_summary
+from fallbackgate.batch.summary import print_prefix_reuse, print_slips, print_slo_misses, print_summary
 from fallbackgate.commands.checks import add_trace_flag, check_output_path, check_trace_flag
 from fallbackgate.controllers.exact_lru import FORCEABLE_TAGS
 from fallbackgate.engine.config import PREEMPT_MODES
@@ -72,6 +72,15 @@ def add_parser(subparsers: Any) -> None:
         type=int,
         default=None,
         help="prompt + output tokens per request (default 2048), capped by the model's max_position_embeddings",
+    )
+    p.add_argument(
+        "--no-prefix-reuse",
+        dest="prefix_reuse",
+        action="store_const",
+        const=False,
+        default=None,
+        help="do not keep full KV blocks after their request for later requests with the same prefix "
+        "(default: kept and reused, policy memory.prefix_reuse)",
     )
     p.add_argument(
         "--profile",
@@ -245,6 +254,7 @@ def _serve(args: argparse.Namespace, specs: list[PromptSpec], built: Assembly, w
         if is_demo:
             print_demo_budget(engine, specs, args.max_new_tokens, sys.stdout)
         print_slips(engine.controller, sys.stdout)
+        print_prefix_reuse(outcome.memory, sys.stdout)
         print_slo_misses(outcome, slos, sys.stdout)
         if args.json:
             write_json(args.json, to_json(outcome, None, slos=slos))
@@ -253,6 +263,7 @@ def _serve(args: argparse.Namespace, specs: list[PromptSpec], built: Assembly, w
     outcome = recorder.serve(specs, built.settings, not args.quiet)
     print_report(outcome, sys.stdout, slos)
     print_slips(engine.controller, sys.stdout)
+    print_prefix_reuse(outcome.memory, sys.stdout)
     verdict = recorder.finish(outcome, is_deferred=args.audit == "deferred")
     if verdict is None:
         print(

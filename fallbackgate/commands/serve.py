@@ -99,6 +99,15 @@ def add_parser(subparsers: Any) -> None:
         default=None,
         help="prompt + output tokens per request (default 2048), capped by the model's max_position_embeddings",
     )
+    p.add_argument(
+        "--no-prefix-reuse",
+        dest="prefix_reuse",
+        action="store_const",
+        const=False,
+        default=None,
+        help="do not keep full KV blocks after their request for later requests with the same prefix "
+        "(default: kept and reused, policy memory.prefix_reuse)",
+    )
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument("--seed", type=int, default=0)
     add_trace_flag(p)

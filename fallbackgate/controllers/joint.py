@@ -316,6 +316,10 @@ class JointController(Controller):
         quant_fraction = view.quantized_bytes(ObjectKind.KV_BLOCK, self.kv_bits) / max(1, view.bytes_per_kv_block)
         requests = []
         for i, rid in enumerate(view.kv_request_ids):
+            entry = view.prefix_entry(rid)
+            if entry is not None:  # a kept prefix: goes to disk, still reusable, when colder than what stays
+                requests.append((self.values.prefix_value(entry, view), i, rid, SpillMode.HOST_FULL))
+                continue
             mode = self.spill_mode(rid, view)
             fraction = 1.0 if mode is SpillMode.HOST_FULL else quant_fraction
             requests.append((self.values.kv_value((rid, 0, 0), view, running, fraction), i, rid, mode))

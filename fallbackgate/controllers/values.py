@@ -2,7 +2,9 @@
 
 - expert: misses avoided per step (decayed per-layer routing frequency of that expert) × its load time;
 - KV block: one read per step while its request runs × its cheapest acceptable reload time (a quantized
-  copy when its class may read one, else the full block); 0 for requests not running.
+  copy when its class may read one, else the full block); 0 for requests not running;
+- kept prefix block: its reuse rate, (1 + adoptions) / (1 + steps idle), × the time to read it back from
+  the tier it would go to (the disk on a CPU), so a hot prefix outranks a cold expert and a cold one leaves first.
 Values are seconds saved per step per byte, so both sides compare in one unit.
 
 Frequencies are kept divided by the decay every one of them shares (``frequency = scaled × scale``), so a
@@ -20,6 +22,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from fallbackgate.engine.controller import ControllerView
 from fallbackgate.engine.experts.journal import ChangeLog
 from fallbackgate.engine.experts.store import ExpertKey
+from fallbackgate.engine.kv.prefix_cache import PrefixEntryInfo
 from fallbackgate.engine.kv.store import KVBlockKey
 from fallbackgate.engine.tags import Tier
 
@@ -155,3 +158,10 @@ class ValueModel:
         num_bytes = view.bytes_per_kv_block
         seconds = view.profile.transfer_s(max(1, int(num_bytes * reload_fraction)), Tier.HOST)
         return seconds / num_bytes
+
+    def prefix_value(self, entry: PrefixEntryInfo, view: ControllerView) -> float:
+        """Seconds saved per step per byte by keeping a kept prefix block in the fast tier."""
+        num_bytes = view.bytes_per_kv_block
+        rate = min(1.0, (1 + entry.num_hits) / (1 + entry.idle_steps))
+        seconds = view.profile.transfer_s(num_bytes, Tier.DISK if view.is_ram_tiered else Tier.HOST)
+        return rate * seconds / num_bytes

@@ -22,6 +22,7 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "max_num_seqs": ("memory", "max_num_seqs"),
     "preempt": ("memory", "preempt_mode"),
     "max_model_len": ("memory", "max_model_len"),
+    "prefix_reuse": ("memory", "prefix_reuse"),
     "profile": ("hardware", "profile"),
     "audit_rate": ("audit", "sample_rate"),
     "mode": ("audit", "mode"),

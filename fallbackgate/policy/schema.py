@@ -89,6 +89,8 @@ class MemorySpec(_Strict):
     preempt_mode: PreemptModeName = PreemptMode.SWAP.value
     # prompt + output tokens per request; null: the engine's default; either way capped by the model's positions
     max_model_len: Annotated[int, Field(ge=1, le=1 << 24)] | None = None
+    # full KV blocks kept by content hash after their request and reused by later requests with that prefix
+    prefix_reuse: bool = True
 
     @field_validator("block_size")
     @classmethod

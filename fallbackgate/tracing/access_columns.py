@@ -82,6 +82,7 @@ class KVPending:
         self.steps: list[int] = []  # per request read: its step
         self.requests: list[int] = []  # its request (a code into the caller's names)
         self.blocks: list[int] = []  # blocks 0..n-1 of its table read in every layer
+        self.hashes: list[list[int]] = []  # content hashes of its full blocks (the first ones; none: not hashed)
         self.served: list[tuple[int, int, int, int, int, int, int]] = []  # (read index, layer, block, tier code,
         # tag code, bytes, ns) per off-device block made usable
 
@@ -101,6 +102,7 @@ class KVPending:
         self.steps += [step] * len(cap.kv_reads)
         self.requests += [index[rid] for rid, _ in cap.kv_reads]
         self.blocks += [n for _, n in cap.kv_reads]
+        self.hashes += [cap.kv_hashes.get(rid, []) for rid, _ in cap.kv_reads]
         return sum(n for _, n in cap.kv_reads)
 
     def columns(self, num_layers: int) -> dict[str, Any]:
@@ -120,9 +122,23 @@ class KVPending:
             "step": np.repeat(np.array(self.steps, dtype=np.int64), blocks * num_layers),
             "request": np.repeat(np.array(self.requests, dtype=np.int64), blocks * num_layers),
             "layer": np.repeat(np.tile(np.arange(num_layers), len(blocks)), segment),
-            "block": np.arange(total, dtype=np.int64) - np.repeat(starts, segment), "content_hash": None,
+            "block": np.arange(total, dtype=np.int64) - np.repeat(starts, segment),
+            "content_hash": self._hash_column(num_layers),
             "tier_before": tier, "tag": tag, "bytes": moved, "ns": waited,
         }  # fmt: skip
+
+    def _hash_column(self, num_layers: int) -> np.ma.MaskedArray | None:
+        """Each row's block content hash, null for blocks not hashed (a partial tail); None: none hashed."""
+        if not any(self.hashes):
+            return None
+        parts, masks = [], []
+        for hashes, num_blocks in zip(self.hashes, self.blocks, strict=True):
+            known = np.zeros(num_blocks, dtype=np.uint64)
+            known[: len(hashes)] = np.array(hashes[:num_blocks], dtype=np.uint64)
+            missing = np.arange(num_blocks) >= len(hashes)
+            parts.append(np.tile(known, num_layers))
+            masks.append(np.tile(missing, num_layers))
+        return np.ma.MaskedArray(np.concatenate(parts), mask=np.concatenate(masks))
 
 
 def kv_columns(step: int, cap: StepCapture, names: list[str], index: dict[str, int], num_layers: int) -> dict:

@@ -20,7 +20,7 @@ class RowBatches:
         self.writer, self.max_rows = writer, max_rows
         self.codes: dict[str, int] = {}  # request id -> run-wide code
         self.names: list[str] = []  # code -> request id
-        self.pending: dict[TraceTable, list[dict[str, Any]]] = {}  # table -> batches not yet appended
+        self.pending: dict[TraceTable, list[tuple[int, dict[str, Any]]]] = {}  # table -> (rows, batch) not yet appended
         self.num_pending = 0  # rows in them
         self._last_map: tuple[tuple[str, ...], dict[str, int]] = ((), {})  # the last code_map's names and result
 
@@ -44,7 +44,7 @@ class RowBatches:
 
     def add(self, table: TraceTable, num_rows: int, columns: dict[str, Any]) -> None:
         """Keep one batch (its ``request`` column, if any, already run-wide codes); flush when enough wait."""
-        self.pending.setdefault(table, []).append(columns)
+        self.pending.setdefault(table, []).append((num_rows, columns))
         self.num_pending += num_rows
         if self.num_pending >= self.max_rows:
             self.flush()
@@ -53,11 +53,12 @@ class RowBatches:
         """Append every kept batch, one call per table."""
         for table, batches in self.pending.items():
             columns: dict[str, Any] = {}
-            for name, first in batches[0].items():
-                if first is None:
+            for name in batches[0][1]:
+                parts = [b[name] for _, b in batches]
+                if all(part is None for part in parts):
                     columns[name] = None
                     continue
-                joined = np.concatenate([np.asarray(b[name]) for b in batches])
+                joined = _join(parts, [n for n, _ in batches])
                 if name == "request":
                     used, index = np.unique(joined, return_inverse=True)
                     joined = Indexed([self.names[c] for c in used.tolist()], index.reshape(-1))
@@ -65,3 +66,15 @@ class RowBatches:
             self.writer.append(table, **columns)
         self.pending.clear()
         self.num_pending = 0
+
+
+def _join(parts: list[Any], num_rows: list[int]) -> np.ndarray:
+    """One column of several batches; a batch without it (None) or with nulls (a masked array) makes the
+    joined column masked there."""
+    if not any(part is None or isinstance(part, np.ma.MaskedArray) for part in parts):
+        return np.concatenate([np.asarray(part) for part in parts])
+    dtype = next(np.asarray(part).dtype for part in parts if part is not None)
+    pairs = list(zip(parts, num_rows, strict=True))
+    data = [np.zeros(n, dtype) if part is None else np.ma.getdata(part) for part, n in pairs]
+    masks = [np.ones(n, bool) if part is None else np.ma.getmaskarray(part) for part, n in pairs]
+    return np.ma.MaskedArray(np.concatenate(data), mask=np.concatenate(masks))

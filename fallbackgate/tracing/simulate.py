@@ -143,6 +143,10 @@ class SimulatedView:
             self._device_tuple = tuple(self.device_infos.values())
         return self._device_tuple
 
+    def prefix_entry(self, request_id: str) -> None:
+        """No kept prefix blocks here."""
+        return None
+
     def staged_kv_tag(self, key: KVKey) -> Tag | None:
         return None
 
