@@ -197,7 +197,7 @@ def test_the_joint_controller_weighs_kept_prefixes_against_experts() -> None:
         quantized_copy_bytes={(ObjectKind.KV_BLOCK, 8): 300},
     )  # fmt: skip
     joint = JointController(POLICY)
-    joint.values.freq[(0, 1)] = 0.5
+    joint.values.set_frequencies({(0, 1): 0.5})
     values = joint.values
     assert values.prefix_value(hot, view) > values.expert_value((0, 1), view) > values.prefix_value(cold, view)
     order = [v.kv_block_key[0] if v.kv_block_key else "expert" for v in joint.choose_victims(1, view, set(), set())]
