@@ -312,7 +312,8 @@ class ExpertStore:
         if self.is_aliased:  # the bytes stay in RAM as the host cache's newest entry (one LRU over both)
             self._make_host_room()
             if self.host_pool.can_reserve(self.bytes_per_expert + self._read_slot_bytes()):
-                self._cache_on_host(key, ExpertWeights(weights.gate_up.clone(), weights.down.clone()))
+                with torch.inference_mode(False):  # a host copy like any read: a normal tensor
+                    self._cache_on_host(key, ExpertWeights(weights.gate_up.clone(), weights.down.clone()))
         self.slots.release(key)
 
     def discard_copy(self, key: ExpertKey, tier: Tier) -> bool:
