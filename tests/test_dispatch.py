@@ -68,7 +68,9 @@ def test_an_experts_rows_do_not_depend_on_its_slot_or_its_neighbours() -> None:
     slots = torch.tensor(slot_of)[index].reshape(-1)
     rows = grouped_rows(module, pool_up, pool_down, hidden, slots, weights.reshape(-1), 2)
     assert torch.equal(sum_rows(rows, 6, 2, hidden.dtype), reference)
-    partial = grouped_rows(module, pool_up, pool_down, hidden, torch.where(slots == 7, -1, slots), weights.reshape(-1), 2)
+    partial = grouped_rows(
+        module, pool_up, pool_down, hidden, torch.where(slots == 7, -1, slots), weights.reshape(-1), 2
+    )
     assert torch.equal(partial[slots != 7], rows[slots != 7]) and not partial[slots == 7].any()
 
 

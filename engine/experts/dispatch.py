@@ -75,8 +75,6 @@ class ExpertDispatch:
     ) -> None:
         self.store, self.controller, self.view, self.profile, self.host = store, controller, view, profile, host
         self.routers, self.top_k, self.num_expert_params = routers, top_k, num_expert_params
-        self._owner_key: tuple[int, int, int] | None = None
-        self._owner = np.zeros(0, dtype=np.int64)
 
     @property
     def ctx(self) -> StepContext:
@@ -91,7 +89,7 @@ class ExpertDispatch:
         ctx, store = self.ctx, self.store
         num_tokens, top_k = top_k_index.shape
         request_ids = ctx.batch.request_ids
-        routing = group_layer(top_k_index, top_k_weights, store.slots.table(layer), self._row_owner(ctx, top_k),
+        routing = group_layer(top_k_index, top_k_weights, store.slots.table(layer), row_owner(ctx.token_owner, top_k),
                               len(request_ids))  # fmt: skip
         for request_index in np.flatnonzero(routing.resident_uses):
             ctx.log.add_expert_uses(request_ids[request_index], layer, int(routing.resident_uses[request_index]))
@@ -126,7 +124,9 @@ class ExpertDispatch:
         if deferred:
             mask = np.zeros(num_tokens * top_k, dtype=bool)
             mask[np.concatenate([u.rows for u in deferred])] = True
-            weights = renormalise_deferred(top_k_weights, torch.as_tensor(mask, device=hidden.device).view_as(top_k_weights))
+            weights = renormalise_deferred(
+                top_k_weights, torch.as_tensor(mask, device=hidden.device).view_as(top_k_weights)
+            )
             for use in deferred:
                 self._record(use, Tag.EXPERT_DEFER, 0, None, 0.0, "", 0)
             ctx.deferred_expert_keys.extend(dict.fromkeys(u.key for u in deferred))
@@ -175,7 +175,9 @@ class ExpertDispatch:
         if fetch_tag is not Tag.RESIDENT:
             ctx.log.add_expert_arrival(request_ids, key, fetch_tag, fetched.bytes_moved, io.last_end_ns)
         target = Tier.HOST if store.is_ram_tiered else Tier.DEVICE
-        transfer_s = self.profile.transfer_s(fetched.bytes_moved, fetched.source_tier, target) if fetched.source_tier else 0.0
+        transfer_s = (
+            self.profile.transfer_s(fetched.bytes_moved, fetched.source_tier, target) if fetched.source_tier else 0.0
+        )
         ctx.log.modeled_transfer_s += transfer_s
         self._record_fetched(uses, fetch_tag, fetched, transfer_s, wait_ns)
 
@@ -247,12 +249,6 @@ class ExpertDispatch:
         with io_context(self.ctx.batch.request_ids):  # read ahead for this forward's requests
             self.store.queue_reads(list(dict.fromkeys(needed)), predicted, self.ctx.step_id)
 
-    def _row_owner(self, ctx: StepContext, top_k: int) -> np.ndarray:
-        key = (ctx.step_id, id(ctx.token_owner), top_k)
-        if key != self._owner_key or len(self._owner) != len(ctx.token_owner) * top_k:
-            self._owner_key, self._owner = key, row_owner(ctx.token_owner, top_k)
-        return self._owner
-
     def _record_fetched(self, uses: list[ExpertUse], fetch_tag: Tag, fetched: Fetched, transfer_s: float,
                         wait_ns: int) -> None:  # fmt: skip
         """The first use carries the fetch (bytes, source, modeled and measured time); later uses reuse the
@@ -296,4 +292,3 @@ def _by_key(uses: list[ExpertUse]) -> dict[ExpertKey, list[ExpertUse]]:
     for use in uses:
         by_key.setdefault(use.key, []).append(use)
     return by_key
-

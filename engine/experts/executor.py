@@ -54,6 +54,7 @@ class Executor:
         # set by the model runner for a step whose KV is staged layer by layer: replaces `kv_update`'s body
         self.kv_layer_update: KVLayerUpdate | None = None
         self.routers, self.top_k = routers, top_k
+        self.step_pinned_kv: RequestBlockKeys | None = None  # set by the model runner: every block the step reads
         self.layer_kv: list[tuple[torch.Tensor, torch.Tensor]] = []  # per request K, V of the current layer
         self.audit_weights = AuditWeights(expert_store.reader, audit_cache_bytes)  # the baselines' expert copies
         self.dispatch = ExpertDispatch(expert_store, controller, view, profile, self, routers, top_k,
@@ -142,7 +143,10 @@ class Executor:
 
     # --- room on device ------------------------------------------------------------------------
     def step_kv_keys(self) -> RequestBlockKeys:
-        """Every KV block of the requests in the current forward (they are read: never spilled now)."""
+        """Every KV block of the requests in the current forward (they are read: never spilled now); in a
+        rebuild pass, of every request of the step (the runner's `step_pinned_kv`), not only the rebuilt one."""
+        if self.ctx is not None and self.ctx.log.is_rebuild_pass and self.step_pinned_kv is not None:
+            return self.step_pinned_kv
         return self.kv_store.block_keys(self.ctx.batch.request_ids if self.ctx is not None else [])
 
     def ensure_room(

@@ -76,6 +76,7 @@ class ModelRunner:
         and the recompute passes run."""
         kv = self.executor.kv_store
         self.step_kv_keys = kv.block_keys([seq.request_id for seq, _ in chosen])
+        self.executor.step_pinned_kv = self.step_kv_keys  # a rebuild pass must not spill the step's other blocks
         self.layer_plan.clear()
         self.is_per_layer = is_per_layer
         for seq, _ in chosen:
