@@ -57,8 +57,10 @@ def test_group_layer_counts_resident_uses_and_lists_misses_per_expert_and_reques
 def test_an_experts_rows_do_not_depend_on_its_slot_or_its_neighbours() -> None:
     torch.manual_seed(0)
     module, hidden = _Gated(), torch.randn(6, 16, dtype=torch.bfloat16)
-    experts = [ExpertWeights(torch.randn(32, 16, dtype=torch.bfloat16), torch.randn(16, 16, dtype=torch.bfloat16))
-               for _ in range(3)]  # fmt: skip
+    experts = [
+        ExpertWeights(torch.randn(32, 16, dtype=torch.bfloat16), torch.randn(16, 16, dtype=torch.bfloat16))
+        for _ in range(3)
+    ]
     index, weights = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2], [1, 0], [2, 1]]), torch.rand(6, 2)
     reference = stacked_forward(module, experts, hidden, index, weights)
     pool_up, pool_down = torch.zeros(9, 32, 16, dtype=torch.bfloat16), torch.zeros(9, 16, 16, dtype=torch.bfloat16)
@@ -88,8 +90,9 @@ def _serve(path: pathlib.Path, **knobs: int) -> tuple[Engine, list, list]:
     def recorded_step():
         result = step()
         plan = engine.last_plan
-        plans.append((plan.kind, tuple(plan.request_ids), tuple(sorted(plan.num_tokens.items())),
-                      tuple(plan.preempted_ids)))  # fmt: skip
+        plans.append(
+            (plan.kind, tuple(plan.request_ids), tuple(sorted(plan.num_tokens.items())), tuple(plan.preempted_ids))
+        )
         return result
 
     engine.step = recorded_step
@@ -106,8 +109,11 @@ def test_batched_tokens_are_bitwise_equal_with_and_without_a_budget(arch: str, b
     expert, block = roomy.expert_store.bytes_per_expert, roomy.kv_store.bytes_per_block
     kv = 3 * 8 * roomy.kv_store.num_layers * block  # every block of every request: no preemption, no spill
     for num_experts in (3, 6):  # 3: below one layer's working set of a batched step
-        knobs = {"device_budget_bytes": num_experts * expert + kv, "host_budget_bytes": 4 * expert,
-                 "is_emulated_device_tier": True}  # fmt: skip
+        knobs = {
+            "device_budget_bytes": num_experts * expert + kv,
+            "host_budget_bytes": 4 * expert,
+            "is_emulated_device_tier": True,
+        }
         engine, outputs, plans = _serve(path, **knobs)
         assert not engine.expert_store.stacked_layers and plans == reference_plans  # the same schedule
         assert all(not p[3] for p in plans)  # nothing preempted

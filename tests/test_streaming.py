@@ -102,8 +102,10 @@ def test_when_everything_fits_the_stacks_are_the_only_expert_copies(bf16_checkpo
         stack = modules[layer].gate_up_proj
         assert entry.host is None and entry.device.gate_up.data_ptr() == stack[expert_id].data_ptr()
     used = store.device_pool.used_bytes_by_kind[ObjectKind.EXPERT]
-    assert used == len(store.entries) * store.bytes_per_expert == sum(
-        m.gate_up_proj.nbytes + m.down_proj.nbytes for m in modules.values()
+    assert (
+        used
+        == len(store.entries) * store.bytes_per_expert
+        == sum(m.gate_up_proj.nbytes + m.down_proj.nbytes for m in modules.values())
     )
 
 
@@ -149,8 +151,13 @@ def test_lowbit_copies_are_made_on_demand_within_the_host_budget(bf16_checkpoint
     scratch = probe.expert_store.lowbit_scratch_bytes  # a dequantized low-bit copy is counted on device too
     budget = 2 * expert + scratch + 12 * probe.kv_store.num_layers * probe.kv_store.bytes_per_block
     engine = Engine(
-        EngineConfig(model_dir=str(path), block_size=4, device_budget_bytes=budget, host_budget_bytes=0,
-                     is_emulated_device_tier=True),
+        EngineConfig(
+            model_dir=str(path),
+            block_size=4,
+            device_budget_bytes=budget,
+            host_budget_bytes=0,
+            is_emulated_device_tier=True,
+        ),
         ExactLRUController(force=[Tag.EXPERT_LOWBIT]),
     )
     assert not any(e.lowbit for e in engine.expert_store.entries.values())
@@ -158,8 +165,13 @@ def test_lowbit_copies_are_made_on_demand_within_the_host_budget(bf16_checkpoint
     assert outputs[0].tag_counts.get("expert_lowbit", 0) > 0
     assert not any(e.lowbit for e in engine.expert_store.entries.values())  # no host budget: made, used, dropped
     roomy = Engine(
-        EngineConfig(model_dir=str(path), block_size=4, device_budget_bytes=budget, host_budget_bytes=6 * expert,
-                     is_emulated_device_tier=True),
+        EngineConfig(
+            model_dir=str(path),
+            block_size=4,
+            device_budget_bytes=budget,
+            host_budget_bytes=6 * expert,
+            is_emulated_device_tier=True,
+        ),
         ExactLRUController(force=[Tag.EXPERT_LOWBIT]),
     )
     roomy.generate([list(PROMPTS[0])], SamplingParams(max_new_tokens=NEW_TOKENS))

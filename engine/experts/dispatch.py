@@ -83,14 +83,21 @@ class ExpertDispatch:
             raise EngineError("experts called outside an engine step")
         return ctx
 
-    def run(self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
-            top_k_weights: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def run(
+        self,
+        module: torch.nn.Module,
+        layer: int,
+        hidden: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
         """The layer's routed experts for the packed tokens of this forward."""
         ctx, store = self.ctx, self.store
         num_tokens, top_k = top_k_index.shape
         request_ids = ctx.batch.request_ids
-        routing = group_layer(top_k_index, top_k_weights, store.slots.table(layer), row_owner(ctx.token_owner, top_k),
-                              len(request_ids))  # fmt: skip
+        routing = group_layer(
+            top_k_index, top_k_weights, store.slots.table(layer), row_owner(ctx.token_owner, top_k), len(request_ids)
+        )
         for request_index in np.flatnonzero(routing.resident_uses):
             ctx.log.add_expert_uses(request_ids[request_index], layer, int(routing.resident_uses[request_index]))
         ctx.used_expert_keys.extend((layer, int(e)) for e in routing.used_experts)
@@ -101,19 +108,35 @@ class ExpertDispatch:
         store.wait_layer_ready(layer)
         if not routing.misses:  # everything resident: one kernel, no host work beyond the counts
             slots = store.slots.table(layer)[top_k_index.reshape(-1)]
-            return sum_rows(self._kernel(module, layer, hidden, slots, top_k_weights.reshape(-1), top_k),
-                            num_tokens, top_k, hidden.dtype)  # fmt: skip
+            return sum_rows(
+                self._kernel(module, layer, hidden, slots, top_k_weights.reshape(-1), top_k),
+                num_tokens,
+                top_k,
+                hidden.dtype,
+            )
         return self._run_with_misses(module, layer, hidden, top_k_weights, routing)
 
-    def _run_with_misses(self, module: torch.nn.Module, layer: int, hidden: torch.Tensor,
-                         top_k_weights: torch.Tensor, routing: LayerRouting) -> torch.Tensor:  # fmt: skip
+    def _run_with_misses(
+        self,
+        module: torch.nn.Module,
+        layer: int,
+        hidden: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        routing: LayerRouting,
+    ) -> torch.Tensor:
         ctx, store = self.ctx, self.store
         num_tokens, top_k = top_k_weights.shape
         uses = [
-            ExpertUse((layer, m.expert_id), m.request_index, m.rows, self.controller.expert_action(
-                miss_of(ctx, store, layer, m.expert_id, m.request_index, len(m.rows), m.top_weight)))
+            ExpertUse(
+                (layer, m.expert_id),
+                m.request_index,
+                m.rows,
+                self.controller.expert_action(
+                    miss_of(ctx, store, layer, m.expert_id, m.request_index, len(m.rows), m.top_weight)
+                ),
+            )
             for m in routing.misses
-        ]  # fmt: skip
+        ]
         if store.is_disk_tiered and store.num_read_slots:
             self._start_reads(layer, hidden, uses)
         by_tag: dict[Tag, list[ExpertUse]] = {}
@@ -142,8 +165,17 @@ class ExpertDispatch:
             return torch.zeros_like(hidden)
         return sum_rows(out.rows, num_tokens, top_k, hidden.dtype)
 
-    def _load_all(self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, flat_weights: torch.Tensor,
-                  loads: list[ExpertUse], routing: LayerRouting, slots: np.ndarray, out: LayerRows) -> None:  # fmt: skip
+    def _load_all(
+        self,
+        module: torch.nn.Module,
+        layer: int,
+        hidden: torch.Tensor,
+        flat_weights: torch.Tensor,
+        loads: list[ExpertUse],
+        routing: LayerRouting,
+        slots: np.ndarray,
+        out: LayerRows,
+    ) -> None:
         """Place every expert an `exact_load` use needs (each once), with the layer's experts pinned; set the
         slots of the rows they serve."""
         store, by_key = self.store, _by_key(loads)
@@ -181,8 +213,15 @@ class ExpertDispatch:
         ctx.log.modeled_transfer_s += transfer_s
         self._record_fetched(uses, fetch_tag, fetched, transfer_s, wait_ns)
 
-    def _flush(self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, flat_weights: torch.Tensor,
-               slots: np.ndarray, out: LayerRows) -> None:  # fmt: skip
+    def _flush(
+        self,
+        module: torch.nn.Module,
+        layer: int,
+        hidden: torch.Tensor,
+        flat_weights: torch.Tensor,
+        slots: np.ndarray,
+        out: LayerRows,
+    ) -> None:
         """Compute every row whose expert now holds a slot and that is not computed yet, in one kernel."""
         todo = np.flatnonzero((slots >= 0) & ~out.is_done)
         if not len(todo):
@@ -194,15 +233,30 @@ class ExpertDispatch:
         rows = self._kernel(module, layer, hidden, torch.as_tensor(pending, device=hidden.device), flat_weights, top_k)
         out.put(todo, rows[torch.as_tensor(todo, device=hidden.device)])
 
-    def _kernel(self, module: torch.nn.Module, layer: int, hidden: torch.Tensor, slots: torch.Tensor,
-                flat_weights: torch.Tensor, top_k: int) -> torch.Tensor:  # fmt: skip
+    def _kernel(
+        self,
+        module: torch.nn.Module,
+        layer: int,
+        hidden: torch.Tensor,
+        slots: torch.Tensor,
+        flat_weights: torch.Tensor,
+        top_k: int,
+    ) -> torch.Tensor:
         gate_up, down, base = self.store.kernel_stack(layer)
         if base:
             slots = torch.where(slots >= 0, slots - base, slots)
         return grouped_rows(module, gate_up, down, hidden, slots, flat_weights, top_k)
 
-    def _run_single(self, module: torch.nn.Module, key: ExpertKey, tag: Tag, uses: list[ExpertUse],
-                    hidden: torch.Tensor, flat_weights: torch.Tensor, out: LayerRows) -> None:  # fmt: skip
+    def _run_single(
+        self,
+        module: torch.nn.Module,
+        key: ExpertKey,
+        tag: Tag,
+        uses: list[ExpertUse],
+        hidden: torch.Tensor,
+        flat_weights: torch.Tensor,
+        out: LayerRows,
+    ) -> None:
         """cpu_execute or expert_lowbit: one expert's rows through the kernel on a one-slot stack."""
         ctx, store = self.ctx, self.store
         scratch_bytes = store.lowbit_scratch_bytes if tag is Tag.EXPERT_LOWBIT else 0
@@ -249,20 +303,21 @@ class ExpertDispatch:
         with io_context(self.ctx.batch.request_ids):  # read ahead for this forward's requests
             self.store.queue_reads(list(dict.fromkeys(needed)), predicted, self.ctx.step_id)
 
-    def _record_fetched(self, uses: list[ExpertUse], fetch_tag: Tag, fetched: Fetched, transfer_s: float,
-                        wait_ns: int) -> None:  # fmt: skip
+    def _record_fetched(
+        self, uses: list[ExpertUse], fetch_tag: Tag, fetched: Fetched, transfer_s: float, wait_ns: int
+    ) -> None:
         """The first use carries the fetch (bytes, source, modeled and measured time); later uses reuse the
         fetched weights."""
         first, *rest = uses
         moved = fetched.bytes_moved
-        self._record(first, fetch_tag, moved, fetched.source_tier if moved else None, transfer_s, fetched.note,
-                     wait_ns)  # fmt: skip
+        self._record(first, fetch_tag, moved, fetched.source_tier if moved else None, transfer_s, fetched.note, wait_ns)
         reused = Tag.RESIDENT if fetch_tag is Tag.EXACT_LOAD else fetch_tag
         for use in rest:
             self._record(use, reused, 0, None, 0.0, "", 0)
 
-    def _record(self, use: ExpertUse, tag: Tag, moved: int, tier: Tier | None, modeled_s: float, note: str,
-                wait_ns: int) -> None:  # fmt: skip
+    def _record(
+        self, use: ExpertUse, tag: Tag, moved: int, tier: Tier | None, modeled_s: float, note: str, wait_ns: int
+    ) -> None:
         ctx = self.ctx
         request_id = ctx.batch.request_ids[use.request_index]
         if ctx.log.capture is not None and (tag is not Tag.RESIDENT or moved):
@@ -275,10 +330,19 @@ class ExpertDispatch:
         if ctx.is_observe and decided not in (Tag.RESIDENT, Tag.EXACT_LOAD, tag):
             note = (note + "; " if note else "") + f"observe: would serve {decided.value}"
         cost = use.decision.predicted_cost if not ctx.is_observe else 0.0
-        ctx.log.add(request_id, use.key[0], ObjectKind.EXPERT, tag, bytes_moved=moved, source_tier=tier,
-                    predicted_cost=cost, modeled_s=modeled_s, note=note,
-                    object_id=use.key[1] if tag.is_approximate else None,
-                    bits=self.store.lowbit_bits if tag is Tag.EXPERT_LOWBIT else 0)  # fmt: skip
+        ctx.log.add(
+            request_id,
+            use.key[0],
+            ObjectKind.EXPERT,
+            tag,
+            bytes_moved=moved,
+            source_tier=tier,
+            predicted_cost=cost,
+            modeled_s=modeled_s,
+            note=note,
+            object_id=use.key[1] if tag.is_approximate else None,
+            bits=self.store.lowbit_bits if tag is Tag.EXPERT_LOWBIT else 0,
+        )
 
     def _expert_s(self, num_tokens: int, hidden: torch.Tensor, on_cpu: bool) -> float:
         """Predicted (modeled) seconds of one expert call from the profile's measured curve."""

@@ -152,9 +152,7 @@ class Replayer:
             self.values[layer] = self.values[layer][:, :, :length]
 
     # --- the cache --------------------------------------------------------------------------------
-    def kv_update(
-        self, layer: int, keys: torch.Tensor, values: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def kv_update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this forward's K/V as the engine's blocks take it; return what its queries read."""
         start, n = self.start, keys.shape[2]
         old_k, old_v = self.keys.get(layer), self.values.get(layer)

@@ -59,8 +59,9 @@ class LayerTimer:
             io_before, started = self.io_s, time.perf_counter()
             out = run(module, layer, hidden, top_k_index, top_k_weights)
             wall = time.perf_counter() - started
-            self.calls.append((layer, hidden.clone(), top_k_index.clone(), top_k_weights.clone(), wall,
-                               self.io_s - io_before))  # fmt: skip
+            self.calls.append(
+                (layer, hidden.clone(), top_k_index.clone(), top_k_weights.clone(), wall, self.io_s - io_before)
+            )
             return out
 
         engine.executor.run_experts = timed_run
@@ -72,8 +73,13 @@ class LayerTimer:
 
 
 def _engine(model: str, num_seqs: int, device_budget_bytes: int | None) -> Engine:
-    config = EngineConfig(model_dir=model, block_size=16, max_num_seqs=num_seqs,
-                          max_num_batched_tokens=num_seqs * PROMPT_TOKENS, device_budget_bytes=device_budget_bytes)  # fmt: skip
+    config = EngineConfig(
+        model_dir=model,
+        block_size=16,
+        max_num_seqs=num_seqs,
+        max_num_batched_tokens=num_seqs * PROMPT_TOKENS,
+        device_budget_bytes=device_budget_bytes,
+    )
     return Engine(config, ExactLRUController())
 
 
@@ -158,9 +164,12 @@ def main(argv: list[str] | None = None, run: Callable[..., dict[str, Any]] = _ru
             row = {"model": model, **run(model, batch, args.resident_fraction, seed=batch)}
             results.append(row)
             r, b = row["resident"], row["budget"]
-            print(f"{model} batch {batch:2d}: resident {r['engine_excl_io_ms']:.2f} ms vs {r['transformers_ms']:.2f} ms "
-                  f"({r['ratio']:.2f}x); budget {b['engine_excl_io_ms']:.2f} ms + io {b['io_wait_ms']:.2f} ms vs "
-                  f"{b['transformers_ms']:.2f} ms ({b['ratio']:.2f}x, miss {b['miss_fraction']:.2f})", flush=True)  # fmt: skip
+            print(
+                f"{model} batch {batch:2d}: resident {r['engine_excl_io_ms']:.2f} ms vs {r['transformers_ms']:.2f} ms "
+                f"({r['ratio']:.2f}x); budget {b['engine_excl_io_ms']:.2f} ms + io {b['io_wait_ms']:.2f} ms vs "
+                f"{b['transformers_ms']:.2f} ms ({b['ratio']:.2f}x, miss {b['miss_fraction']:.2f})",
+                flush=True,
+            )
     with open(args.json, "w") as f:
         json.dump({"results": results, "device": "cpu" if not torch.cuda.is_available() else "cuda"}, f, indent=2)
 
