@@ -114,7 +114,8 @@ def test_wrong_expert_loaded(
         layer, expert_id = key
         other = self.reader.read((layer, (expert_id + 1) % engine.model_config.num_experts))
         fetched = place(self, key)
-        self.entries[key].device = ExpertWeights(other.gate_up.clone(), other.down.clone())  # wrong weights
+        self.entries[key].device.gate_up.copy_(other.gate_up)  # wrong weights land in the expert's slot
+        self.entries[key].device.down.copy_(other.down)
         loaded_at.append(engine.last_plan.step_id)
         return Fetched(self.entries[key].device, fetched.source_tier, fetched.bytes_moved)
 
@@ -242,61 +243,28 @@ def test_corrupt_disk_read_unchecked(
 
 
 class SlotReuseFault:
-    """A slot-reuse bug: to load an expert, evict one that the same forward still needs later in the same
-    layer, and copy the loaded expert into the victim's freed device buffer while the victim's entry still
-    points at it. The victim's later use in that layer (served as resident) computes with the wrong weights.
-    Planted once, at the first chance from `from_step` on; `step` records where."""
+    """A slot-reuse bug: to load an expert, evict one that the same layer still reads (one of the experts
+    the dispatch pinned), so the load takes the victim's freed slot while the layer's routing still points
+    the victim's rows at it: they compute with the loaded expert's weights. Planted once, at the first
+    chance from `from_step` on; `step` records where."""
 
     def __init__(self, engine: Engine, from_step: int, monkeypatch: pytest.MonkeyPatch) -> None:
         self.engine, self.from_step, self.store = engine, from_step, engine.expert_store
-        self.layer_keys: list[ExpertKey] = []  # experts of the layer being computed, in compute order
-        self.current: ExpertKey | None = None  # the expert being computed
-        self.victim: ExpertKey | None = None  # evicted but still referenced
-        self.free_slot: ExpertWeights | None = None  # the victim's buffer, about to be reused
         self.step: int | None = None  # step in which the reused slot was read
-        ex = engine.executor
-        self._run_experts, self._run_expert, self._make_room = ex.run_experts, ex._run_expert, ex.make_room
-        self._place = self.store.place
-        monkeypatch.setattr(ex, "run_experts", self.run_experts)
-        monkeypatch.setattr(ex, "_run_expert", self.run_expert)
-        monkeypatch.setattr(ex, "make_room", self.make_room)
-        monkeypatch.setattr(self.store, "place", self.place)
+        self._make_room = engine.executor.make_room
+        monkeypatch.setattr(engine.executor, "make_room", self.make_room)
 
     def _armed(self) -> bool:
         ctx = self.engine.executor.ctx
         return ctx is not None and not ctx.is_exact_baseline and ctx.step_id >= self.from_step and self.step is None
 
-    def run_experts(self, module, layer: int, hidden, top_k_index, top_k_weights):
-        self.layer_keys = [(layer, int(e)) for e in torch.unique(top_k_index).tolist()]
-        return self._run_experts(module, layer, hidden, top_k_index, top_k_weights)
-
-    def run_expert(self, module, key: ExpertKey, *args) -> None:
-        self.current = key
-        self._run_expert(module, key, *args)
-        if key == self.victim:  # its use read the reused slot; now let the dangling reference go
-            self.store.entries[key].device = None
-            self.victim, self.step = None, self.engine.executor.ctx.step_id
-
     def make_room(self, num_bytes: int, **kwargs) -> bool:
-        later = self.layer_keys[self.layer_keys.index(self.current) + 1 :] if self.current in self.layer_keys else []
-        needed = [k for k in later if self.store.is_on_device(k)]
-        if self._armed() and not kwargs.get("is_kv_evictable", True) and needed and self.victim is None:
-            self.victim = needed[0]
-            stale = self.store.entries[self.victim].device
-            self.store.evict(self.victim)  # bytes released ...
-            self.store.entries[self.victim].device = self.free_slot = stale  # ... but still referenced
-            kwargs["pinned_experts"] = set(kwargs.get("pinned_experts") or ()) | {self.victim}
+        pinned = kwargs.get("pinned_experts") or set()
+        resident = sorted(k for k in pinned if self.store.is_on_device(k))
+        if self._armed() and not kwargs.get("is_kv_evictable", True) and resident:
+            self.store.evict(resident[0])  # pinned: the layer's routing already points its rows at the slot
+            self.step = self.engine.executor.ctx.step_id
         return self._make_room(num_bytes, **kwargs)
-
-    def place(self, key: ExpertKey) -> Fetched:
-        fetched = self._place(key)
-        slot, self.free_slot = self.free_slot, None
-        if slot is None:
-            return fetched
-        slot.gate_up.copy_(fetched.weights.gate_up)  # the loaded expert lands in the victim's buffer
-        slot.down.copy_(fetched.weights.down)
-        self.store.entries[key].device = slot
-        return dataclasses.replace(fetched, weights=slot)
 
 
 def test_evicting_an_expert_the_forward_still_needs(

@@ -106,7 +106,8 @@ def _place_wrong_once(engine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
             return place(self, key)
         other = self.reader.read((key[0], (key[1] + 1) % engine.model_config.num_experts))
         fetched = place(self, key)
-        self.entries[key].device = ExpertWeights(other.gate_up.clone(), other.down.clone())
+        self.entries[key].device.gate_up.copy_(other.gate_up)  # wrong weights land in the expert's slot
+        self.entries[key].device.down.copy_(other.down)
         loaded_at.append(engine.last_plan.step_id)
         return Fetched(self.entries[key].device, fetched.source_tier, fetched.bytes_moved)
 
@@ -130,14 +131,14 @@ def test_exact_path_bug_on_a_request_with_approximate_tags(
 
 def test_mislabelled_tag(model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = _engine(model, ("expert_lowbit",), is_emulated_device_tier=True)  # host low-bit bytes: emulated
-    armed, record_fetched = _at_step(engine, FAULT_STEP), engine.executor._record_fetched
+    armed, record_fetched = _at_step(engine, FAULT_STEP), engine.executor.dispatch._record_fetched
 
     def mislabel(uses, fetch_tag, fetched, transfer_s, wait_ns) -> None:
         if armed() and fetch_tag is Tag.EXPERT_LOWBIT:
             fetch_tag = Tag.EXACT_LOAD  # a low-bit transfer recorded as an exact load
         record_fetched(uses, fetch_tag, fetched, transfer_s, wait_ns)
 
-    monkeypatch.setattr(engine.executor, "_record_fetched", mislabel)
+    monkeypatch.setattr(engine.executor.dispatch, "_record_fetched", mislabel)
     recorded = _judge(engine, tmp_path, GENEROUS)
     verdict = recorded.verdict
     mislabelled = [r for r in verdict.reasons if r.startswith("mislabelled tag")]

@@ -4,8 +4,8 @@
   verified expert copies, and the shapes a replay needs);
 - :func:`build_baseline_engine`: an engine that only audits (no expert in memory: the baselines read every
   expert from the checkpoint files), and :class:`ExactController`, the controller of such engines;
-- the engine's own arithmetic that a replay repeats: :func:`expert_mlp`, :func:`lowbit_round_trip`,
-  :func:`kv_round_trip`.
+- the engine's own arithmetic that a replay repeats: :func:`stacked_forward` (the served experts kernel),
+  :func:`lowbit_round_trip`, :func:`kv_round_trip`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from fallbackgate.engine.controller import (
     Victim,
 )
 from fallbackgate.engine.engine import Engine
-from fallbackgate.engine.experts.hook import expert_mlp
+from fallbackgate.engine.experts.grouped import stacked_forward
 from fallbackgate.engine.experts.quant import dequantize_rows, quantize, quantized_to
 from fallbackgate.engine.experts.reader import ExpertKey
 from fallbackgate.engine.experts.store import DEQUANT_ROWS
@@ -43,7 +43,7 @@ __all__ = [
     "ExactController",
     "ExpertWeights",
     "build_baseline_engine",
-    "expert_mlp",
+    "stacked_forward",
     "kv_round_trip",
     "lowbit_round_trip",
 ]

@@ -33,6 +33,7 @@ from fallbackgate.engine.experts.quant import Quantized, dequantize_rows, lowbit
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined, read_checked
 from fallbackgate.engine.experts.read_ahead import ReadAhead
 from fallbackgate.engine.experts.reader import ExpertKey, ExpertReader
+from fallbackgate.engine.experts.slots import SlotPool
 from fallbackgate.engine.experts.weights import ExpertWeights
 from fallbackgate.engine.tags import ObjectKind, Tier
 
@@ -104,6 +105,12 @@ class ExpertStore:
         self.pending_reads: list[tuple[ExpertKey, bool]] = []  # (key, is_predicted) waiting for a read slot
         self.pending_step_id = 0
         self.read_ahead_cached: set[ExpertKey] = set()  # host copies read ahead and not used yet: from disk
+        self.stacked_spans: dict[int, tuple[int, int]] = {}  # stacked layer -> its contiguous slot range
+        self.pending_ready: set[ExpertKey] = set()  # CUDA: placed on the copy stream, not yet waited for
+        num_experts = collections.Counter(layer for layer, _ in self.entries)
+        capacity = min(len(self.entries), device_pool.budget_bytes // max(1, self.bytes_per_expert))
+        # every device copy is a slot of one stack (see slots.py); a slot's bytes are reserved while it is held
+        self.slots = SlotPool(capacity, reader.matrix_shapes, reader.compute_dtype, device, dict(num_experts))
 
     def warm_host(self) -> int:
         """Fill the host cache in key order while it has room (what a fresh process would read first)."""
@@ -201,20 +208,22 @@ class ExpertStore:
         [E, H, I] tensor on the device, held by the layer's experts module as its own parameters (so a
         layer runs as one grouped matmul, as transformers' `grouped_mm` does), every expert resident as a
         view into them and pinned there. Each expert is read from the checkpoint once, straight into place."""
+        if self.slots.capacity < len(self.entries):
+            raise EngineError(f"{self.slots.capacity} expert slots cannot stack all {len(self.entries)} experts")
         for layer, module in modules.items():
             keys = [key for key in self.entries if key[0] == layer]
-            first = self._read_home(keys[0], is_cached=False).weights
-            gate_up = torch.empty((len(keys), *first.gate_up.shape), dtype=first.gate_up.dtype, device=self.device)
-            down = torch.empty((len(keys), *first.down.shape), dtype=first.down.dtype, device=self.device)
+            base = len(self.slots.slot_of)
             for key in keys:
-                weights = first if key == keys[0] else self._read_home(key, is_cached=False).weights
-                gate_up[key[1]].copy_(weights.gate_up)
-                down[key[1]].copy_(weights.down)
+                weights, slot = self._read_home(key, is_cached=False).weights, self.slots.assign(key, base + key[1])
+                slot.gate_up.copy_(weights.gate_up)
+                slot.down.copy_(weights.down)
                 self.device_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
-                self.entries[key].device = ExpertWeights(gate_up[key[1]], down[key[1]])
+                self.entries[key].device = slot
                 self.journal.record(key)
+            gate_up, down = self.slots.gate_up[base : base + len(keys)], self.slots.down[base : base + len(keys)]
             module.gate_up_proj = torch.nn.Parameter(gate_up, requires_grad=False)
             module.down_proj = torch.nn.Parameter(down, requires_grad=False)
+            self.stacked_spans[layer] = (base, base + len(keys))
             self.stacked_layers.add(layer)
 
     # --- queries -------------------------------------------------------------------------------
@@ -238,14 +247,24 @@ class ExpertStore:
         if entry.device is None:
             raise EngineError(f"expert {key} used as resident but it is not on device")
         if entry.ready is not None:  # a prefetch on the copy stream: compute waits for it, not the host
-            compute = torch.cuda.current_stream()
-            compute.wait_event(entry.ready)
+            torch.cuda.current_stream().wait_event(entry.ready)
             entry.ready = None
-            # The copy stream allocated these tensors: without this, freeing them on eviction would let the
-            # copy stream reuse the memory for the next load while compute kernels still read it.
-            entry.device.gate_up.record_stream(compute)
-            entry.device.down.record_stream(compute)
+            self.pending_ready.discard(key)
         return entry.device
+
+    def wait_layer_ready(self, layer: int) -> None:
+        """Make the compute stream wait for every copy-stream placement into `layer`'s slots."""
+        for key in [k for k in self.pending_ready if k[0] == layer]:
+            self.device_weights(key)
+
+    def kernel_stack(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The slot stacks `layer`'s grouped kernel runs over, and the first slot they start at: a stacked
+        layer's own contiguous range (as many groups as it has experts), else the whole pool."""
+        span = self.stacked_spans.get(layer)
+        if span is None:
+            return self.slots.gate_up, self.slots.down, 0
+        lo, hi = span
+        return self.slots.gate_up[lo:hi], self.slots.down[lo:hi], lo
 
     @property
     def lowbit_scratch_bytes(self) -> int:
@@ -276,25 +295,21 @@ class ExpertStore:
         if self.is_ram_tiered:
             self.drop_lowbit(self.bytes_per_expert)
         self.device_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
-        if self.is_in_place:
-            if entry.host is not None:  # the host copy moves under the device budget
-                self._drop_host(key)
-            entry.device = fetched.weights
-        elif is_async and self.copy_stream is not None:
+        if self.is_in_place and entry.host is not None:  # the host copy moves under the device budget
+            self._drop_host(key)
+        slot = self.slots.assign(key)
+        if is_async and self.copy_stream is not None:
+            self.copy_stream.wait_stream(torch.cuda.current_stream())  # the slot's last readers are done
             with torch.cuda.stream(self.copy_stream):
-                entry.device = self._copy_to_device(fetched.weights)
+                _copy_into(slot, fetched.weights)
                 entry.ready = torch.cuda.Event()
                 entry.ready.record(self.copy_stream)
+            self.pending_ready.add(key)
         else:
-            entry.device = self._copy_to_device(fetched.weights)
+            _copy_into(slot, fetched.weights)
+        entry.device = slot
         self.journal.record(key)
         return Fetched(entry.device, fetched.source_tier, fetched.bytes_moved, fetched.note)
-
-    def _copy_to_device(self, weights: ExpertWeights) -> ExpertWeights:
-        return ExpertWeights(
-            weights.gate_up.to(self.device, copy=True, non_blocking=True),
-            weights.down.to(self.device, copy=True, non_blocking=True),
-        )
 
     def evict(self, key: ExpertKey) -> None:
         """Drop the device copy of `key`; emulated, its bytes become the host cache's most recent entry; on a
@@ -307,13 +322,16 @@ class ExpertStore:
         if entry.ready is not None:  # never free memory an in-flight side-stream copy still writes
             entry.ready.synchronize()
             entry.ready = None
+            self.pending_ready.discard(key)
         weights, entry.device = entry.device, None
         self.device_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)
         self.journal.record(key)
         if self.is_aliased:  # the bytes stay in RAM as the host cache's newest entry (one LRU over both)
             self._make_host_room()
             if self.host_pool.can_reserve(self.bytes_per_expert + self._read_slot_bytes()):
-                self._cache_on_host(key, weights)
+                with torch.inference_mode(False):  # a host copy like any read: a normal tensor
+                    self._cache_on_host(key, ExpertWeights(weights.gate_up.clone(), weights.down.clone()))
+        self.slots.release(key)
 
     def discard_copy(self, key: ExpertKey, tier: Tier) -> bool:
         """Drop a copy found corrupt without caching it anywhere (the next use reads the checkpoint); False
@@ -328,9 +346,11 @@ class ExpertStore:
             if entry.ready is not None:
                 entry.ready.synchronize()
                 entry.ready = None
+                self.pending_ready.discard(key)
             entry.device = None
             self.device_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)
             self.journal.record(key)
+            self.slots.release(key)
             return True
         return False
 
@@ -450,3 +470,8 @@ class ExpertStore:
         """Evict the least recently used host copy when the cache is full (it can be read again)."""
         while self.host_lru and not self.host_pool.can_reserve(self.bytes_per_expert + self._read_slot_bytes()):
             self._drop_host(next(iter(self.host_lru)))
+
+
+def _copy_into(slot: ExpertWeights, weights: ExpertWeights) -> None:
+    slot.gate_up.copy_(weights.gate_up, non_blocking=True)
+    slot.down.copy_(weights.down, non_blocking=True)

@@ -33,8 +33,8 @@ from fallbackgate.audit.replay_trace import ExpertActions, KVActions, ReplayTrac
 from fallbackgate.engine.baseline.api import (
     BaselineEngine,
     ExpertWeights,
-    expert_mlp,
     lowbit_round_trip,
+    stacked_forward,
 )
 
 MAX_CACHED_EXPERTS = 64  # low-bit round-tripped experts kept between the replay's forwards (bounded memory)
@@ -217,15 +217,13 @@ class Replayer:
             scale = torch.where(new_sum > 0, old_sum / new_sum.clamp_min(1e-30), torch.zeros_like(new_sum))
             rows = deferred.any(-1, keepdim=True)
             weights = torch.where(rows, kept * scale, top_k_weights)
-        out = torch.zeros_like(hidden)
-        for expert_id in torch.unique(top_k_index).tolist():
-            for precision in torch.unique(bits[top_k_index == expert_id]).tolist():
-                if precision < 0:
-                    continue
-                token_idx, slot = torch.where((top_k_index == expert_id) & (bits == precision))
-                y = expert_mlp(module, hidden[token_idx], self._expert(layer, int(expert_id), int(precision)))
-                out.index_add_(0, token_idx, (y * weights[token_idx, slot, None]).to(out.dtype))
-        return out
+        combos = torch.unique(torch.stack([top_k_index, bits], -1).reshape(-1, 2), dim=0).tolist()
+        combos = [(e, p) for e, p in combos if p >= 0]  # (expert, precision) pairs computed, deferred left out
+        slot_index = torch.full_like(top_k_index, -1)
+        for slot, (expert_id, precision) in enumerate(combos):
+            slot_index[(top_k_index == expert_id) & (bits == precision)] = slot
+        experts = [self._expert(layer, int(e), int(p)) for e, p in combos]
+        return stacked_forward(module, experts, hidden, slot_index, weights)
 
     def _token_bits(self, layer: int, top_k_index: torch.Tensor) -> torch.Tensor:
         bits = torch.zeros_like(top_k_index)

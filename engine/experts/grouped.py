@@ -1,0 +1,78 @@
+"""The one experts kernel: transformers' ``grouped_mm`` experts forward over a stack of expert slots.
+
+Every routed expert the engine computes — resident, just loaded, on the CPU from its host copy, or a
+dequantized low-bit copy — and every expert an exact or replay baseline computes goes through
+:func:`grouped_rows`: rows sorted by slot (stably), one grouped matmul per projection, the module's own
+gate, the routing weight applied per (token, top-k) row. :func:`sum_rows` then reduces each token's top-k
+rows exactly as transformers does (reshape + sum). A slot's rows are computed by the same per-group
+matmul whatever other slots the call holds, so an expert's output does not depend on where it sits.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.integrations.moe import _grouped_linear
+
+from fallbackgate.engine.experts.weights import ExpertWeights
+
+
+def grouped_rows(
+    module: torch.nn.Module,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    hidden: torch.Tensor,
+    slots: torch.Tensor,
+    weights: torch.Tensor,
+    top_k: int,
+) -> torch.Tensor:
+    """Weighted expert output per (token, top-k) row, ``[T * k, H]``.
+
+    `gate_up` ``[S, 2I, H]`` and `down` ``[S, H, I]`` are the slot stacks, `slots` ``[T * k]`` the slot of
+    each row (-1: not computed here, its row is zero), `weights` ``[T * k]`` the routing weights.
+    """
+    num_slots = gate_up.shape[0]
+    keys = torch.where(slots >= 0, slots, num_slots)  # rows computed elsewhere sort to the tail, past every group
+    keys_g, perm = torch.sort(keys, stable=True)
+    x = hidden[perm // top_k]
+    offsets = torch.cumsum(torch.bincount(keys_g, minlength=num_slots + 1)[:num_slots], dim=0, dtype=torch.int32)
+    proj = _grouped_linear(x, gate_up, offsets)
+    proj = module._apply_gate(proj)
+    proj = _grouped_linear(proj, down, offsets)
+    proj = proj.masked_fill((keys_g >= num_slots).unsqueeze(-1), 0.0)  # the kernel leaves tail rows unwritten
+    if getattr(module, "has_post_expert_norm", False):
+        proj = module.post_expert_norm(proj)
+    weighted = proj * weights[perm].unsqueeze(-1)
+    rows = torch.empty_like(weighted)
+    rows[perm] = weighted
+    return rows
+
+
+def sum_rows(rows: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Each token's top-k rows summed (as transformers' grouped forward reduces them), in `dtype`."""
+    return rows.view(num_tokens, top_k, rows.shape[-1]).sum(dim=1).to(dtype)
+
+
+def single_expert_rows(
+    module: torch.nn.Module, expert: ExpertWeights, x: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """One expert's weighted rows for the tokens `x` (a one-slot stack through the same kernel)."""
+    slots = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
+    return grouped_rows(module, expert.gate_up[None], expert.down[None], x, slots, weights, 1)
+
+
+def stacked_forward(
+    module: torch.nn.Module,
+    experts: list[ExpertWeights],
+    hidden: torch.Tensor,
+    slot_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """The experts forward over a temporary stack of `experts` (a baseline's own copies): `slot_index`
+    ``[T, k]`` names each row's entry in `experts` (-1: omitted)."""
+    num_tokens, top_k = slot_index.shape
+    if not experts:
+        return torch.zeros_like(hidden)
+    gate_up = torch.stack([e.gate_up.to(hidden.device) for e in experts])
+    down = torch.stack([e.down.to(hidden.device) for e in experts])
+    rows = grouped_rows(module, gate_up, down, hidden, slot_index.reshape(-1), top_k_weights.reshape(-1), top_k)
+    return sum_rows(rows, num_tokens, top_k, hidden.dtype)

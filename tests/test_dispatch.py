@@ -1,0 +1,130 @@
+"""Batched expert dispatch: one grouped kernel over the slot pool, whatever the budget.
+
+- routing grouped once per layer: resident uses counted per (expert, request), misses listed per
+  (expert, request) with their rows and top gate weight;
+- the kernel's output for an expert does not depend on which slot it sits in or what else the call holds;
+- in bf16 on every architecture, batched greedy tokens and logits are bitwise equal with no budget and
+  with budgets that make >= 20 % of expert uses exact_load (one of them too small for a layer's working
+  set, so its rows are computed in several kernel calls), under an identical schedule.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import pytest
+import torch
+
+from fallbackgate.controllers.exact_lru import ExactLRUController
+from fallbackgate.engine.config import EngineConfig
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.experts.grouped import grouped_rows, stacked_forward, sum_rows
+from fallbackgate.engine.experts.routing import group_layer, row_owner
+from fallbackgate.engine.experts.weights import ExpertWeights
+from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.engine.tags import Tag
+from tests.checkpoints import ARCHITECTURES, make_checkpoint
+
+PROMPTS = ([5, 17, 33, 9, 101, 250, 7, 64, 12, 3, 88], [44, 2, 190, 31, 6], [9, 9, 120, 77, 3, 41, 15])
+NEW_TOKENS = 8
+
+
+class _Gated(torch.nn.Module):
+    """The part of a transformers experts module the kernel calls: its gate."""
+
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+
+def test_group_layer_counts_resident_uses_and_lists_misses_per_expert_and_request() -> None:
+    top_k_index = torch.tensor([[0, 3], [3, 1], [0, 1], [2, 3]])  # tokens 0-1: request 0; 2-3: request 1
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3], [0.5, 0.5], [0.9, 0.1]])
+    table = torch.tensor([5, -1, 7, -1])  # experts 0 and 2 on device; 1 and 3 missing
+    routing = group_layer(top_k_index, weights, table, row_owner([0, 0, 1, 1], 2), 2)
+    assert routing.resident_uses.tolist() == [1, 2]  # request 0: expert 0; request 1: experts 0 and 2
+    assert routing.used_experts.tolist() == [0, 1, 2, 3]
+    misses = [(m.expert_id, m.request_index, m.rows.tolist(), m.top_weight) for m in routing.misses]
+    assert misses == [
+        (1, 0, [3], pytest.approx(0.3)),
+        (1, 1, [5], pytest.approx(0.5)),
+        (3, 0, [1, 2], pytest.approx(0.7)),
+        (3, 1, [7], pytest.approx(0.1)),
+    ]
+
+
+def test_an_experts_rows_do_not_depend_on_its_slot_or_its_neighbours() -> None:
+    torch.manual_seed(0)
+    module, hidden = _Gated(), torch.randn(6, 16, dtype=torch.bfloat16)
+    experts = [
+        ExpertWeights(torch.randn(32, 16, dtype=torch.bfloat16), torch.randn(16, 16, dtype=torch.bfloat16))
+        for _ in range(3)
+    ]
+    index, weights = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2], [1, 0], [2, 1]]), torch.rand(6, 2)
+    reference = stacked_forward(module, experts, hidden, index, weights)
+    pool_up, pool_down = torch.zeros(9, 32, 16, dtype=torch.bfloat16), torch.zeros(9, 16, 16, dtype=torch.bfloat16)
+    slot_of = [7, 2, 4]  # the same experts scattered over a larger pool, among unused slots
+    for expert, slot in zip(experts, slot_of, strict=True):
+        pool_up[slot], pool_down[slot] = expert.gate_up, expert.down
+    slots = torch.tensor(slot_of)[index].reshape(-1)
+    rows = grouped_rows(module, pool_up, pool_down, hidden, slots, weights.reshape(-1), 2)
+    assert torch.equal(sum_rows(rows, 6, 2, hidden.dtype), reference)
+    partial = grouped_rows(
+        module, pool_up, pool_down, hidden, torch.where(slots == 7, -1, slots), weights.reshape(-1), 2
+    )
+    assert torch.equal(partial[slots != 7], rows[slots != 7]) and not partial[slots == 7].any()
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    root = tmp_path_factory.mktemp("dispatch")
+    return {arch: make_checkpoint(arch, root / arch, dtype=torch.bfloat16) for arch in ARCHITECTURES}
+
+
+def _serve(path: pathlib.Path, **knobs: int) -> tuple[Engine, list, list]:
+    """The prompts batched together (up to 3 at a time), exact-only; the engine, its outputs, its plans."""
+    engine = Engine(EngineConfig(model_dir=str(path), block_size=4, max_num_seqs=3, **knobs), ExactLRUController())
+    plans, step = [], engine.step
+
+    def recorded_step():
+        result = step()
+        plan = engine.last_plan
+        plans.append(
+            (plan.kind, tuple(plan.request_ids), tuple(sorted(plan.num_tokens.items())), tuple(plan.preempted_ids))
+        )
+        return result
+
+    engine.step = recorded_step
+    outputs = engine.generate([list(p) for p in PROMPTS], SamplingParams(max_new_tokens=NEW_TOKENS))
+    return engine, outputs, plans
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_batched_tokens_are_bitwise_equal_with_and_without_a_budget(arch: str, bf16_checkpoints) -> None:
+    path = bf16_checkpoints[arch]
+    roomy, reference, reference_plans = _serve(path)
+    assert roomy.expert_store.stacked_layers  # everything fits: the stacked kernel
+    expert, block = roomy.expert_store.bytes_per_expert, roomy.kv_store.bytes_per_block
+    kv = 3 * 8 * roomy.kv_store.num_layers * block  # every block of every request: no preemption, no spill
+    for num_experts in (3, 6):  # 3: below one layer's working set of a batched step
+        knobs = {
+            "device_budget_bytes": num_experts * expert + kv,
+            "host_budget_bytes": 4 * expert,
+            "is_emulated_device_tier": True,
+        }
+        engine, outputs, plans = _serve(path, **knobs)
+        assert not engine.expert_store.stacked_layers and plans == reference_plans  # the same schedule
+        assert all(not p[3] for p in plans)  # nothing preempted
+        for out, ref in zip(outputs, reference, strict=True):
+            assert out.output_token_ids == ref.output_token_ids, f"{arch} {num_experts} experts: tokens differ"
+            assert torch.equal(out.output_logits, ref.output_logits), f"{arch} {num_experts}: logits not bitwise"
+        loads = sum(o.tag_counts.get(Tag.EXACT_LOAD.value, 0) for o in outputs)
+        uses = loads + sum(o.tag_counts.get(Tag.RESIDENT.value, 0) for o in outputs)
+        assert loads >= 0.2 * uses, f"{arch} {num_experts}: {loads} of {uses} uses loaded"
+        assert all(set(o.tag_counts) <= {Tag.EXACT_LOAD.value, Tag.RESIDENT.value} for o in outputs)
+
+
+def test_row_owner_repeats_each_tokens_request_over_its_top_k() -> None:
+    assert np.array_equal(row_owner([0, 0, 1], 2), [0, 0, 0, 0, 1, 1])
