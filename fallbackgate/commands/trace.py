@@ -26,7 +26,7 @@ from fallbackgate.commands.checks import check_output_path
 from fallbackgate.controllers.registry import registered_kinds
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
 from fallbackgate.tracing.analyze import TraceAnalysis, analyze_trace, store
-from fallbackgate.tracing.devices import device_models
+from fallbackgate.tracing.devices import simulation_devices
 from fallbackgate.tracing.reader import Trace, read_trace
 from fallbackgate.tracing.simulate import SimulationConfig
 from fallbackgate.tracing.simulate_run import GIB, simulate_many
@@ -143,15 +143,14 @@ def simulation_configs(args: argparse.Namespace, trace: Trace) -> list[Simulatio
     unknown = sorted(set(kinds) - {k.value for k in registered_kinds()})
     if unknown:
         raise ValueError(f"unknown controller(s) {unknown}; registered: {[k.value for k in registered_kinds()]}")
-    devices = device_models(trace)
+    devices = simulation_devices(trace)
     if "all" not in args.devices:
         devices = [d for d in devices if any(d.name.startswith(n) for n in args.devices)]
     if not devices:
         raise ValueError(
-            f"no device model matches {list(args.devices)}; known: {[d.name for d in device_models(trace)]}"
+            f"no device model matches {list(args.devices)}; known: {[d.name for d in simulation_devices(trace)]}"
         )
-    budgets = trace.metadata.get("budgets") or {}
-    recorded = (budgets.get("expert_bytes") or 0) + (budgets.get("kv_bytes") or 0)
+    recorded = recorded_budget(trace)
     if not args.budget_gib and not recorded:
         raise ValueError("the trace records no budgets: give --budget-gib")
     sizes = [int(g * GIB) for g in args.budget_gib] if args.budget_gib else [int(recorded)]
