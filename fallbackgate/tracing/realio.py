@@ -45,6 +45,7 @@ class RealIO:
     directory: str  # a directory on the disk (or tmpfs, for RAM) to put the scratch file in
     depth: int = 1  # demand reads in flight at once within a layer
     pace: bool = True  # sleep each step's compute time between steps (the trace's timing)
+    overhead_ns_per_read: float = 0.0  # the engine's own work per demand read beyond the I/O, added to the stall
 
 
 def recorded_spans(path: str) -> dict[str, tuple[int, int]]:
@@ -94,6 +95,8 @@ def _issue(io: IOScheduler, path: str, layout: ScratchLayout, op: IOOp, into: An
 def _demand_stall(io: IOScheduler, path: str, layout: ScratchLayout, reads: list[IOOp], depth: int, pool: list) -> int:
     """Issue one step's demand reads layer by layer, ``depth`` at a time; the summed wall time waited (ns)."""
     stall = 0
+    if not reads:
+        return 0
     layers: dict[int, list[IOOp]] = {}
     for op in reads:
         layers.setdefault(op.layer, []).append(op)
@@ -130,7 +133,8 @@ def run_real(data: SimulationInput, config: SimulationConfig, trace_path: str, r
             io.start()
             for index, step in enumerate(ops):
                 demand = [op for op in step if op.requester == "demand"]
-                stall[index] = _demand_stall(io, path, layout, demand, real.depth, pool)
+                waited = _demand_stall(io, path, layout, demand, real.depth, pool)
+                stall[index] = waited + real.overhead_ns_per_read * len(demand)
                 background = [t for t in background if not t.done.is_set()]
                 background += [_issue(io, path, layout, op, None, 1, write_data) for op in step if op.requester != "demand"]
                 if real.pace:
@@ -149,7 +153,7 @@ def _with_measurements(result: dict[str, Any], real: RealIO, records: list, stal
     is_direct = all(r.is_direct for r in records) if records else None
     result.update({
         "device": f"real:{real.directory}", "io": "real", "io_depth": real.depth, "is_paced": real.pace,
-        "is_direct": is_direct, "num_reads": len(reads), "num_writes": len(records) - len(reads),
+        "overhead_ms_per_read": real.overhead_ns_per_read / 1e6, "is_direct": is_direct, "num_reads": len(reads), "num_writes": len(records) - len(reads),
         "read_service_ms": {"p50": float(np.percentile(service_ms, 50)), "p99": float(np.percentile(service_ms, 99)),
                             "max": float(service_ms.max())},
         "stall_ms_per_step": [round(float(s) / 1e6, 4) for s in stall],

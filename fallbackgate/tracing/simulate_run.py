@@ -7,10 +7,12 @@ import collections
 import concurrent.futures
 import dataclasses
 import os
+import sys
 from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
+import tqdm
 
 from fallbackgate.controllers.registry import make_controller
 from fallbackgate.engine.controller import Controller, ExpertMiss, KVMiss
@@ -305,12 +307,25 @@ def _run_one(config: SimulationConfig) -> dict[str, Any]:
                 "expert_fraction": config.expert_fraction, "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
 
 
-def simulate_many(path: str, configs: list[SimulationConfig], jobs: int | None = None) -> list[dict[str, Any]]:
+def simulate_many(
+    path: str, configs: list[SimulationConfig], jobs: int | None = None, progress: bool = False
+) -> list[dict[str, Any]]:
     """Every configuration over the trace at ``path``, in ``jobs`` processes (default: the CPUs); results in
-    configuration order."""
+    configuration order. ``progress`` draws a bar on stderr (configurations done)."""
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(configs)))
-    if jobs == 1:
-        _load(path)
-        return [_run_one(c) for c in configs]
-    with concurrent.futures.ProcessPoolExecutor(jobs, initializer=_load, initargs=(path,)) as pool:
-        return list(pool.map(_run_one, configs, chunksize=max(1, len(configs) // (4 * jobs))))
+    bar = tqdm.tqdm(total=len(configs), unit="config", disable=not progress, file=sys.stderr)
+    with bar:
+        if jobs == 1:
+            _load(path)
+            results = []
+            for config in configs:
+                results.append(_run_one(config))
+                bar.update()
+            return results
+        with concurrent.futures.ProcessPoolExecutor(jobs, initializer=_load, initargs=(path,)) as pool:
+            chunk = max(1, min(16, len(configs) // (8 * jobs)))
+            results = []
+            for result in pool.map(_run_one, configs, chunksize=chunk):
+                results.append(result)
+                bar.update()
+            return results
