@@ -8,6 +8,7 @@ import concurrent.futures
 import dataclasses
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -307,25 +308,35 @@ def _run_one(config: SimulationConfig) -> dict[str, Any]:
                 "expert_fraction": config.expert_fraction, "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
 
 
+def iter_simulations(
+    path: str, configs: list[SimulationConfig], jobs: int | None = None
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(configuration index, result) of every configuration over the trace at ``path`` as each finishes, in
+    ``jobs`` processes (default: the CPUs). Closing the generator early cancels what has not started."""
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(configs)))
+    if jobs == 1:
+        _load(path)
+        for index, config in enumerate(configs):
+            yield index, _run_one(config)
+        return
+    with concurrent.futures.ProcessPoolExecutor(jobs, initializer=_load, initargs=(path,)) as pool:
+        futures = {pool.submit(_run_one, config): index for index, config in enumerate(configs)}
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                yield futures[future], future.result()
+        finally:
+            for future in futures:
+                future.cancel()
+
+
 def simulate_many(
     path: str, configs: list[SimulationConfig], jobs: int | None = None, progress: bool = False
 ) -> list[dict[str, Any]]:
     """Every configuration over the trace at ``path``, in ``jobs`` processes (default: the CPUs); results in
     configuration order. ``progress`` draws a bar on stderr (configurations done)."""
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(configs)))
-    bar = tqdm.tqdm(total=len(configs), unit="config", disable=not progress, file=sys.stderr)
-    with bar:
-        if jobs == 1:
-            _load(path)
-            results = []
-            for config in configs:
-                results.append(_run_one(config))
-                bar.update()
-            return results
-        with concurrent.futures.ProcessPoolExecutor(jobs, initializer=_load, initargs=(path,)) as pool:
-            chunk = max(1, min(16, len(configs) // (8 * jobs)))
-            results = []
-            for result in pool.map(_run_one, configs, chunksize=chunk):
-                results.append(result)
-                bar.update()
-            return results
+    results: list[dict[str, Any]] = [{} for _ in configs]
+    with tqdm.tqdm(total=len(configs), unit="config", disable=not progress, file=sys.stderr) as bar:
+        for index, result in iter_simulations(path, configs, jobs):
+            results[index] = result
+            bar.update()
+    return results
