@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.perf_counter() - started
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = {
-        "configurations": len(configs), "finished": len(results), "accesses": accesses, "steps": int(trace.tables[TraceTable.STEPS].num_rows),
+        "configurations": len(configs), "finished": len(results), "accesses": accesses,
+        "steps": int(trace.tables[TraceTable.STEPS].num_rows),
         "jobs": args.jobs, "cpus": os.cpu_count(), "wall_s": wall, "configs_per_s": len(results) / wall,
         "worker_cpu_s": children.ru_utime + children.ru_stime,
         "configs_per_worker_cpu_s": len(results) / max(children.ru_utime + children.ru_stime, 1e-9),

@@ -34,8 +34,8 @@ from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_le
 from fallbackgate.tracing.analyze import TraceAnalysis, analyze_trace, store
 from fallbackgate.tracing.devices import simulation_devices
 from fallbackgate.tracing.reader import Trace, read_trace
-from fallbackgate.tracing.simulate import SimulationConfig
 from fallbackgate.tracing.realio import RealIO, simulate_real
+from fallbackgate.tracing.simulate import SimulationConfig
 from fallbackgate.tracing.simulate_run import GIB, simulate_many
 from fallbackgate.tracing.synthetic import Planted, write_planted_trace
 from fallbackgate.tracing.validate import recorded_budget, validate

@@ -52,7 +52,8 @@ def recorded_spans(path: str) -> dict[str, tuple[int, int]]:
     """Object id -> (offset, bytes) of the trace's recorded expert reads (the first one of each object)."""
     io = read_trace(path).frame(TraceTable.IO)
     reads = io[(io["op"] == "read") & (io["object_kind"] == "expert")].drop_duplicates("object")
-    return {str(o): (int(off), int(n)) for o, off, n in zip(reads["object"], reads["offset"], reads["bytes"], strict=True)}
+    rows = zip(reads["object"], reads["offset"], reads["bytes"], strict=True)
+    return {str(o): (int(off), int(n)) for o, off, n in rows}
 
 
 class ScratchLayout:
@@ -103,7 +104,8 @@ def _demand_stall(io: IOScheduler, path: str, layout: ScratchLayout, reads: list
     for ops in layers.values():
         started = time.monotonic_ns()
         for first in range(0, len(ops), depth):
-            tickets = [_issue(io, path, layout, op, pool[i], 0, None) for i, op in enumerate(ops[first : first + depth])]
+            batch = ops[first : first + depth]
+            tickets = [_issue(io, path, layout, op, pool[i], 0, None) for i, op in enumerate(batch)]
             for ticket in tickets:
                 io.wait(ticket)
         stall += time.monotonic_ns() - started
@@ -136,7 +138,8 @@ def run_real(data: SimulationInput, config: SimulationConfig, trace_path: str, r
                 waited = _demand_stall(io, path, layout, demand, real.depth, pool)
                 stall[index] = waited + real.overhead_ns_per_read * len(demand)
                 background = [t for t in background if not t.done.is_set()]
-                background += [_issue(io, path, layout, op, None, 1, write_data) for op in step if op.requester != "demand"]
+                rest = [op for op in step if op.requester != "demand"]
+                background += [_issue(io, path, layout, op, None, 1, write_data) for op in rest]
                 if real.pace:
                     time.sleep(max(float(gaps[index]), 0.0) / 1e9)
             for ticket in background:
@@ -153,7 +156,8 @@ def _with_measurements(result: dict[str, Any], real: RealIO, records: list, stal
     is_direct = all(r.is_direct for r in records) if records else None
     result.update({
         "device": f"real:{real.directory}", "io": "real", "io_depth": real.depth, "is_paced": real.pace,
-        "overhead_ms_per_read": real.overhead_ns_per_read / 1e6, "is_direct": is_direct, "num_reads": len(reads), "num_writes": len(records) - len(reads),
+        "overhead_ms_per_read": real.overhead_ns_per_read / 1e6, "is_direct": is_direct,
+        "num_reads": len(reads), "num_writes": len(records) - len(reads),
         "read_service_ms": {"p50": float(np.percentile(service_ms, 50)), "p99": float(np.percentile(service_ms, 99)),
                             "max": float(service_ms.max())},
         "stall_ms_per_step": [round(float(s) / 1e6, 4) for s in stall],
