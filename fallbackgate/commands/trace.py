@@ -5,7 +5,13 @@ the numbers to the ledger's ``trace_analyses`` table (the dashboard's Traces pag
 ``fallbackgate trace simulate TRACE --out FILE.json [--controllers A,B] [--budget-gib X,Y] [--expert-fractions F,G]
 [--devices all|measured,...] [--jobs N]``: the project's controllers over the trace without the model, every
 configuration of the grid in parallel processes; one JSON object per configuration (hits, misses and bytes
-by tag, stall, P99 TPOT, SLO attainment).
+by tag, stall, P99 TPOT, SLO attainment). ``--io real DIR [--io-depth N] [--no-pace]`` performs each
+configuration's transfers against a scratch file in DIR instead (one configuration after another);
+``--progress`` draws a bar.
+
+``fallbackgate trace validate TRACE [--calibrate-from TRACE] [--device waits|profile|...] [--io real DIR]
+[--json FILE]``: simulate a recorded run with its own controller and budget and compare stall and TPOT with
+what it measured; exit 1 when outside max(25 %, 1 ms per step).
 
 ``fallbackgate trace planted --out DIR [--seed S] [--steps N]``: write the planted synthetic trace CI checks
 the analyses on.
@@ -30,11 +36,13 @@ from fallbackgate.commands.checks import check_output_path
 from fallbackgate.controllers.registry import registered_kinds
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
 from fallbackgate.tracing.analyze import TraceAnalysis, analyze_trace, store
-from fallbackgate.tracing.devices import device_models
+from fallbackgate.tracing.devices import simulation_devices
 from fallbackgate.tracing.reader import Trace, read_trace
+from fallbackgate.tracing.realio import RealIO, simulate_real
 from fallbackgate.tracing.simulate import SimulationConfig
 from fallbackgate.tracing.simulate_run import GIB, simulate_many
 from fallbackgate.tracing.synthetic import Planted, write_planted_trace
+from fallbackgate.tracing.validate import recorded_budget, validate
 from fallbackgate.tracing.vllm_trace import import_vllm
 from fallbackgate.tracing.writer import TraceFormatError
 
@@ -60,7 +68,16 @@ def add_parser(subparsers: Any) -> None:
     )
     m.add_argument("--devices", type=_names, default=("all",), help="device models by name prefix (default: all)")
     m.add_argument("--jobs", type=int, default=None, help="processes (default: the CPUs)")
+    _add_io_flags(m)
+    m.add_argument("--progress", action="store_true", help="a progress bar on stderr")
     m.set_defaults(func=run_simulate)
+    v = sub.add_parser("validate", help="simulate a recorded run with its own configuration; compare")
+    v.add_argument("trace", metavar="TRACE", help="a trace recorded by `run --trace` or `serve --trace`")
+    v.add_argument("--calibrate-from", metavar="TRACE", default=None, help="fit the waits on another run (held out)")
+    v.add_argument("--device", default="waits", help="waits (default), profile, or a what-if's name prefix")
+    v.add_argument("--json", metavar="FILE", default=None, help="write the comparison as JSON")
+    _add_io_flags(v)
+    v.set_defaults(func=run_validate)
     s = sub.add_parser("planted", help="write the planted synthetic trace")
     s.add_argument("--out", metavar="DIR", required=True, help="the trace directory to create (new or empty)")
     s.add_argument("--seed", type=int, default=0, help="seed (default 0)")
@@ -74,6 +91,28 @@ def add_parser(subparsers: Any) -> None:
     v.add_argument("--step-ms", type=float, default=1.0, help="nominal step time (default 1 ms)")
     v.add_argument("--workload", default=None, help="workload name (default: the file's stem)")
     v.set_defaults(func=run_import_vllm)
+
+
+def _add_io_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--io", nargs=2, metavar=("real", "DIR"), default=None,
+                        help="perform the I/O against a scratch file in DIR (a disk; tmpfs for RAM) instead of "
+                        "pricing it on a device model")  # fmt: skip
+    parser.add_argument("--io-depth", type=int, default=1, help="--io real: demand reads in flight per layer")
+    parser.add_argument("--no-pace", action="store_true", help="--io real: do not sleep each step's compute time")
+
+
+def real_io(args: argparse.Namespace) -> RealIO | None:
+    """The ``--io real DIR`` settings (None without ``--io``); ValueError for a bad mode or directory."""
+    if args.io is None:
+        return None
+    mode, directory = args.io
+    if mode != "real":
+        raise ValueError(f"--io takes `real DIR`, got {mode!r}")
+    if not pathlib.Path(directory).is_dir():
+        raise ValueError(f"--io real {directory}: not a directory")
+    if args.io_depth < 1:
+        raise ValueError(f"--io-depth must be >= 1, got {args.io_depth}")
+    return RealIO(directory, args.io_depth, not args.no_pace)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -167,15 +206,14 @@ def simulation_configs(args: argparse.Namespace, trace: Trace) -> list[Simulatio
     unknown = sorted(set(kinds) - {k.value for k in registered_kinds()})
     if unknown:
         raise ValueError(f"unknown controller(s) {unknown}; registered: {[k.value for k in registered_kinds()]}")
-    devices = device_models(trace)
+    devices = simulation_devices(trace)
     if "all" not in args.devices:
         devices = [d for d in devices if any(d.name.startswith(n) for n in args.devices)]
     if not devices:
         raise ValueError(
-            f"no device model matches {list(args.devices)}; known: {[d.name for d in device_models(trace)]}"
+            f"no device model matches {list(args.devices)}; known: {[d.name for d in simulation_devices(trace)]}"
         )
-    budgets = trace.metadata.get("budgets") or {}
-    recorded = (budgets.get("expert_bytes") or 0) + (budgets.get("kv_bytes") or 0)
+    recorded = recorded_budget(trace)
     if not args.budget_gib and not recorded:
         raise ValueError("the trace records no budgets: give --budget-gib")
     sizes = [int(g * GIB) for g in args.budget_gib] if args.budget_gib else [int(recorded)]
@@ -194,11 +232,16 @@ def run_simulate(args: argparse.Namespace) -> int:
         check_output_path(args.out, "--out")
         trace = read_trace(args.trace)
         configs = simulation_configs(args, trace)
+        real_io(args)
     except (ValueError, TraceFormatError) as exc:
         print(f"fallbackgate trace simulate: error: {exc}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    results = simulate_many(args.trace, configs, args.jobs)
+    real = real_io(args)
+    if real is not None:
+        results = simulate_real(args.trace, configs, real)
+    else:
+        results = simulate_many(args.trace, configs, args.jobs, progress=args.progress)
     elapsed = time.perf_counter() - started
     pathlib.Path(args.out).write_text(json.dumps(results, indent=1))
     for r in results:
@@ -210,3 +253,32 @@ def run_simulate(args: argparse.Namespace) -> int:
         print(f"{head}  {tail}")
     print(f"{len(configs)} configurations in {elapsed:.1f} s; wrote {args.out}")
     return 0
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    """Entry point of ``fallbackgate trace validate``: 0 within the bound, 1 outside it, 2 for bad input."""
+    try:
+        if args.json:
+            check_output_path(args.json, "--json")
+        real = real_io(args)
+        device = None
+        if args.device != "waits" and real is None:
+            known = simulation_devices(read_trace(args.trace))
+            device = next((d for d in known if d.name.startswith(args.device)), None)
+            if device is None:
+                raise ValueError(f"no device model {args.device!r}; known: {[d.name for d in known]}")
+        result = validate(args.trace, args.calibrate_from, device, real)
+    except (ValueError, TraceFormatError) as exc:
+        print(f"fallbackgate trace validate: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    m, p = result["measured"], result["predicted"]
+    print(f"{result['controller']} at {result['budget_bytes'] / (1 << 20):.3f} MiB, device {result['device']} "
+          f"(calibration: {result['calibration'] or 'none'}), {m['num_steps']} steps")  # fmt: skip
+    print(f"stall: measured {m['stall_s']:.3f} s, predicted {p['stall_s']:.3f} s ({result['stall_error']:+.1%})")
+    print(f"mean TPOT: measured {m['mean_tpot_ms']:.2f} ms, predicted {p['mean_tpot_ms']:.2f} ms "
+          f"({result['tpot_error']:+.1%})")  # fmt: skip
+    verdict = "within" if result["within_bound"] else "OUTSIDE"
+    print(f"{verdict} max(25 %, 1 ms per step) (stall {result['stall_within']}, TPOT {result['tpot_within']})")
+    return 0 if result["within_bound"] else 1

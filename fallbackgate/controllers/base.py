@@ -32,6 +32,7 @@ class Recency:
     def __init__(self) -> None:
         self.experts: OrderedDict[ExpertKey, None] = OrderedDict()
         self.kv: OrderedDict[KVBlockKey, None] = OrderedDict()
+        self._kv_rank: dict[KVBlockKey, int] | None = None  # position in `kv`, until the next touch
 
     def touch(self, view: ControllerView) -> None:
         """Move the last step's used experts and KV blocks to the most recent end."""
@@ -41,6 +42,7 @@ class Recency:
         for key in view.used_kv_block_keys:
             self.kv.pop(key, None)
             self.kv[key] = None
+        self._kv_rank = None
 
     def experts_lru_first(self, view: ControllerView) -> Iterator[ExpertKey]:
         """Device experts, least recently used first (never-used ones first of all), produced lazily."""
@@ -60,8 +62,9 @@ class Recency:
             walks = [self._never_read(view.device_kv_blocks_of(rid, is_index_major=True), read) for rid in group]
             yield from heapq.merge(*walks, key=lambda key: (key[2], key[1]))  # ties keep request order
             if read:  # every walk is finished: `read` holds all of them
-                order = {k: i for i, k in enumerate(self.kv)}
-                yield from sorted(read, key=order.__getitem__)
+                if self._kv_rank is None:
+                    self._kv_rank = {k: i for i, k in enumerate(self.kv)}
+                yield from sorted(read, key=self._kv_rank.__getitem__)
 
     def _never_read(self, walk: Iterator[KVBlockInfo], read: list[KVBlockKey]) -> Iterator[KVBlockKey]:
         """The keys of `walk` never read, in order; the others are put in `read`."""

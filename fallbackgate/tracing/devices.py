@@ -77,3 +77,58 @@ def device_models(trace: Trace) -> list[DeviceModel]:
     """The measured model (when the trace allows one) followed by the what-ifs."""
     measured = fit_measured(trace)
     return ([measured] if measured else []) + list(WHAT_IFS)
+
+
+def fit_waits(trace: Trace) -> DeviceModel | None:
+    """The device as the recorded steps waited on it: latency and bandwidth fitted to every demand miss's wait
+    (an access row with bytes and a wait: the engine's whole fetch, queueing, scheduling on a loaded CPU and
+    the copy into its slot included, not only the disk's service time). Queue depth 1: the waits already
+    are what one miss cost at the depth the engine ran. With one object size the bandwidth is the profile's
+    disk curve's (else the waits' own bytes per second) and the rest of the mean wait is latency."""
+    sizes, waits = [], []
+    for table in (TraceTable.EXPERT_ACCESS, TraceTable.KV_ACCESS):
+        frame = trace.tables[table]
+        if frame.num_rows:
+            num_bytes, ns = frame.column("bytes").to_numpy(), frame.column("ns").to_numpy()
+            keep = (num_bytes > 0) & (ns > 0)
+            sizes.append(num_bytes[keep].astype(np.float64))
+            waits.append(ns[keep].astype(np.float64))
+    size, wait = (np.concatenate(sizes), np.concatenate(waits)) if sizes else (np.zeros(0), np.zeros(0))
+    if size.size < 3:
+        return None
+    source = f"fitted to the {size.size} demand waits the trace's steps recorded (whole fetch, queueing included)"
+    if np.unique(size).size >= 2:
+        slope, intercept = np.polyfit(size, wait, 1)
+        if slope > 0 and intercept >= 0:
+            return DeviceModel("waits", float(intercept), 1e9 / float(slope), 1, False, source)
+    profile = fit_profile(trace)
+    bandwidth = profile.bandwidth_bytes_per_s if profile else float(size.sum() / (wait.sum() / 1e9))
+    latency = max(float(wait.mean() - size.mean() * 1e9 / bandwidth), 0.0)
+    return DeviceModel("waits", latency, bandwidth, 1, False, source + "; bandwidth " + (
+        "of the profile's disk curve" if profile else "of the waits themselves"))  # fmt: skip
+
+
+def fit_profile(trace: Trace) -> DeviceModel | None:
+    """The disk as ``fallbackgate profile`` measured it (the trace's recorded profile): latency and bandwidth
+    fitted to its queue-depth-1 read points (mean latency of a read of each size; least relative squares, so
+    small reads count as much as 16 MiB ones); None without them."""
+    points = ((trace.metadata.get("profile") or {}).get("disk") or {}).get("points") or []
+    reads = [p for p in points if p.get("op") == "read" and p.get("queue_depth") == 1 and p.get("latency_s")]
+    if len({p["num_bytes"] for p in reads}) < 2:
+        return None
+    sizes = np.array([p["num_bytes"] for p in reads], dtype=np.float64)
+    latency = np.array([p["latency_s"] for p in reads], dtype=np.float64) * 1e9
+    slope, intercept = np.polyfit(sizes, latency, 1, w=1 / latency)  # relative errors: every size counts
+    if slope <= 0:
+        return None
+    return DeviceModel(
+        "profile", max(float(intercept), 0.0), 1e9 / float(slope), 1, False,
+        f"fitted to the recorded `fallbackgate profile` disk reads at queue depth 1 ({len(reads)} sizes)",
+    )  # fmt: skip
+
+
+def simulation_devices(trace: Trace) -> list[DeviceModel]:
+    """What ``trace simulate`` offers: the measured model, the trace's own waits, the profile's disk, the
+    what-ifs (those the trace allows)."""
+    fitted = [fit_measured(trace), fit_waits(trace), fit_profile(trace)]
+    return [d for d in fitted if d is not None] + list(WHAT_IFS)

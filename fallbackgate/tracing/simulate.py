@@ -14,6 +14,7 @@ loads are prefetches (link bytes, no stall).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 from collections.abc import Iterator
@@ -46,6 +47,10 @@ def _copies(mode: SpillMode) -> tuple[Tier | None, Tier | None, int]:
     return (tier if "full" in text else None), (tier if bits else None), bits
 
 
+def _index_major(info: KVBlockInfo) -> tuple[int, int]:
+    return info.key[2], info.key[1]
+
+
 class SimulatedView:
     """The engine state a controller may read, kept by the simulator (read-only to the controller)."""
 
@@ -61,6 +66,11 @@ class SimulatedView:
         self.experts: dict[ExpertKey, None] = {}  # on device
         self.kv: dict[KVKey, tuple[Tier | None, Tier | None, int]] = {}  # (exact, quant tier, bits); device: exact
         self.device_infos: dict[KVKey, KVBlockInfo] = {}  # the device blocks' infos
+        self.by_request: dict[str, dict[KVKey, KVBlockInfo]] = {}  # the same, per request, in device order
+        self._seq: dict[KVKey, int] = {}  # when each device block came on device (device_infos order)
+        self._next_seq = 0
+        self._request_ids: tuple[str, ...] | None = ()  # kv_request_ids, until membership changes
+        self._index_major: dict[str, list[KVBlockInfo]] = {}  # per request, by (block, layer), kept sorted
         self._device_tuple: tuple[KVBlockInfo, ...] | None = ()  # device_kv_blocks(), until the next change
         self.running_ids: tuple[str, ...] = ()
         self.used_expert_keys: tuple[ExpertKey, ...] = ()
@@ -76,16 +86,38 @@ class SimulatedView:
         """Where a block's copies now are (exact tier, quantized tier, bits); device blocks keep one info."""
         self.kv[key] = copies
         if copies[0] is Tier.DEVICE:
-            self.device_infos[key] = self._info(key)
+            info = self._info(key)
+            ordered = self._index_major.setdefault(key[0], [])
+            if key not in self.device_infos:
+                self._seq[key] = self._next_seq
+                self._next_seq += 1
+                self._request_ids = None
+                bisect.insort(ordered, info, key=_index_major)
+            else:
+                ordered[bisect.bisect_left(ordered, _index_major(info), key=_index_major)] = info
+            self.device_infos[key] = info
+            self.by_request.setdefault(key[0], {})[key] = info
+            self._device_tuple = None
         else:
-            self.device_infos.pop(key, None)
-        self._device_tuple = None
+            self._off_device(key)
 
     def drop_kv(self, key: KVKey) -> None:
         """Forget a block (its request ended)."""
         del self.kv[key]
-        if self.device_infos.pop(key, None) is not None:
-            self._device_tuple = None
+        self._off_device(key)
+
+    def _off_device(self, key: KVKey) -> None:
+        if self.device_infos.pop(key, None) is None:
+            return
+        self._device_tuple, self._request_ids = None, None
+        del self._seq[key]
+        mine = self.by_request[key[0]]
+        del mine[key]
+        ordered = self._index_major[key[0]]
+        del ordered[bisect.bisect_left(ordered, (key[2], key[1]), key=_index_major)]
+        if not mine:
+            del self.by_request[key[0]]
+            del self._index_major[key[0]]
 
     @property
     def device_free_bytes(self) -> int:
@@ -129,11 +161,16 @@ class SimulatedView:
 
     @property
     def kv_request_ids(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(key[0] for key in self.device_infos))
+        """Requests with device blocks, in the device order of their oldest one."""
+        if self._request_ids is None:
+            first = {rid: self._seq[next(iter(mine))] for rid, mine in self.by_request.items()}
+            self._request_ids = tuple(sorted(first, key=first.__getitem__))
+        return self._request_ids
 
     def device_kv_blocks_of(self, request_id: str, is_index_major: bool = False) -> Iterator[KVBlockInfo]:
-        mine = [info for key, info in self.device_infos.items() if key[0] == request_id]
-        return iter(sorted(mine, key=lambda b: (b.key[2], b.key[1])) if is_index_major else mine)
+        if is_index_major:  # a copy: the caller may take blocks off device while it walks
+            return iter(list(self._index_major.get(request_id, ())))
+        return iter(list(self.by_request.get(request_id, {}).values()))
 
     def io_snapshot(self) -> IOSnapshot:
         return EMPTY_SNAPSHOT  # the device model prices every read; no queue is simulated

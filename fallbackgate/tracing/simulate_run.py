@@ -7,10 +7,13 @@ import collections
 import concurrent.futures
 import dataclasses
 import os
-from typing import Any
+import sys
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
+import tqdm
 
 from fallbackgate.controllers.registry import make_controller
 from fallbackgate.engine.controller import Controller, ExpertMiss, KVMiss
@@ -22,6 +25,17 @@ from fallbackgate.tracing.simulate import SimulatedView, SimulationConfig, _copi
 from fallbackgate.tracing.timeline import Timeline, build_timeline
 
 GIB = float(1 << 30)
+
+
+class IOOp(NamedTuple):
+    """One transfer a simulated decision issues (what ``--io real`` performs)."""
+
+    op: str  # read or write
+    kind: str  # expert or kv_block
+    key: tuple  # the object's key
+    num_bytes: int
+    layer: int  # the layer whose attention or MoE waits on it (demand reads)
+    requester: str  # demand, prefetch or spill
 
 
 @dataclasses.dataclass(slots=True)
@@ -88,6 +102,7 @@ class Simulator:
         )
         self.tally = _Tally()
         self.staged: set[tuple[str, int, int]] = set()
+        self.ops: list[list[IOOp]] | None = None  # per step, when recording: the I/O its decisions issue
 
     def make_room(self, need: int, pinned_e: set, pinned_kv: set) -> bool:
         """Free ``need`` bytes with the controller's victims; whether they fit now."""
@@ -109,7 +124,10 @@ class Simulator:
         if key in view.kv and view.kv[key][0] is Tier.DEVICE:
             exact, quant, bits = _copies(mode)
             view.set_kv(key, (exact, quant, bits))
-            self.tally.spill_bytes += (view.bytes_per_kv_block if exact else 0) + view.bytes_per_kv_block * bits // 16
+            num = (view.bytes_per_kv_block if exact else 0) + view.bytes_per_kv_block * bits // 16
+            self.tally.spill_bytes += num
+            if self.ops is not None and num:
+                self.ops[-1].append(IOOp("write", "kv_block", key, num, key[1], "spill"))
 
     def place_kv(self, key: tuple[str, int, int]) -> None:
         self.view.set_kv(key, (Tier.DEVICE, None, 0))
@@ -125,6 +143,8 @@ class Simulator:
             else:
                 view.set_kv(key, (Tier.HOST, None, 0))
                 t.spill_bytes += view.bytes_per_kv_block
+                if self.ops is not None:
+                    self.ops[-1].append(IOOp("write", "kv_block", key, view.bytes_per_kv_block, key[1], "spill"))
             return 0
         if copies[0] is Tier.DEVICE:
             t.hits["kv"] += 1
@@ -145,6 +165,8 @@ class Simulator:
             self.staged.add(key)
         t.tags[f"kv:{tag.value}"] += 1
         t.bytes_by_tag[f"kv:{tag.value}"] += moved
+        if self.ops is not None and moved:
+            self.ops[-1].append(IOOp("read", "kv_block", key, moved, key[1], "demand"))
         return moved
 
     def expert_use(self, index: int, key: tuple[int, int], rows: list, pinned: tuple[set, set]) -> int:
@@ -165,6 +187,8 @@ class Simulator:
             self.deferred.append(key)
         t.tags[f"expert:{tag.value}"] += 1
         t.bytes_by_tag[f"expert:{tag.value}"] += moved
+        if self.ops is not None and moved:
+            self.ops[-1].append(IOOp("read", "expert", key, moved, key[0], "demand"))
         return moved
 
     def step(self, index: int) -> tuple[int, int]:
@@ -228,16 +252,32 @@ class Simulator:
             if key not in view.experts and self.make_room(view.bytes_per_expert, set(), set()):
                 view.experts[key] = None
                 t.prefetch_bytes += view.bytes_per_expert
+                if self.ops is not None:
+                    self.ops[-1].append(IOOp("read", "expert", key, view.bytes_per_expert, key[0], "prefetch"))
 
-    def run(self) -> dict[str, Any]:
-        """Every step; the configuration's outcome."""
+    def decide(self, is_recording: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Every step's decisions; per step (demand reads, demand bytes). ``is_recording`` keeps each step's
+        I/O in :attr:`ops` (for ``--io real``)."""
         n = len(self.data.step_ids)
         reads, moved = np.zeros(n), np.zeros(n)
+        self.ops = [] if is_recording else None
         for index in range(n):
+            if self.ops is not None:
+                self.ops.append([])
             reads[index], moved[index] = self.step(index)
+        return reads, moved
+
+    def run(self) -> dict[str, Any]:
+        """Every step; the configuration's outcome on its device model."""
+        reads, moved = self.decide()
+        return self.result(self.config.device.stall_ns(reads, moved))
+
+    def result(self, stall_ns: np.ndarray) -> dict[str, Any]:
+        """The outcome with each step lasting its compute, its time before the next step and ``stall_ns``."""
         timeline = self.data.timeline
-        step_ns = timeline.compute_ns + self.config.device.stall_ns(reads, moved)
-        outcome = timeline.outcome(step_ns)
+        between = timeline.between_ns if timeline.between_ns is not None else 0.0
+        outcome = timeline.outcome(timeline.compute_ns + between + stall_ns)
+        outcome["stall_s"] = float(np.sum(stall_ns) / 1e9)
         with_slo = int(np.sum(~np.isnan(timeline.request_slo_ns)))
         t = self.tally
         return {
@@ -246,7 +286,7 @@ class Simulator:
             "expert_hits": t.hits["expert"], "kv_hits": t.hits["kv"], "misses_by_tag": dict(t.tags),
             "bytes_by_tag": dict(t.bytes_by_tag), "spill_bytes": t.spill_bytes, "prefetch_bytes": t.prefetch_bytes,
             "num_invalid_decisions": t.num_invalid, "stall_s": outcome["stall_s"],
-            "p99_tpot_ms": outcome["p99_tpot_ms"],
+            "p99_tpot_ms": outcome["p99_tpot_ms"], "mean_tpot_ms": outcome["mean_tpot_ms"],
             "slo_attainment": 1 - outcome["slo_violations"] / with_slo if with_slo else float("nan"),
         }  # fmt: skip
 
@@ -268,12 +308,35 @@ def _run_one(config: SimulationConfig) -> dict[str, Any]:
                 "expert_fraction": config.expert_fraction, "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
 
 
-def simulate_many(path: str, configs: list[SimulationConfig], jobs: int | None = None) -> list[dict[str, Any]]:
-    """Every configuration over the trace at ``path``, in ``jobs`` processes (default: the CPUs); results in
-    configuration order."""
+def iter_simulations(
+    path: str, configs: list[SimulationConfig], jobs: int | None = None
+) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(configuration index, result) of every configuration over the trace at ``path`` as each finishes, in
+    ``jobs`` processes (default: the CPUs). Closing the generator early cancels what has not started."""
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(configs)))
     if jobs == 1:
         _load(path)
-        return [_run_one(c) for c in configs]
+        for index, config in enumerate(configs):
+            yield index, _run_one(config)
+        return
     with concurrent.futures.ProcessPoolExecutor(jobs, initializer=_load, initargs=(path,)) as pool:
-        return list(pool.map(_run_one, configs, chunksize=max(1, len(configs) // (4 * jobs))))
+        futures = {pool.submit(_run_one, config): index for index, config in enumerate(configs)}
+        try:
+            for future in concurrent.futures.as_completed(futures):
+                yield futures[future], future.result()
+        finally:
+            for future in futures:
+                future.cancel()
+
+
+def simulate_many(
+    path: str, configs: list[SimulationConfig], jobs: int | None = None, progress: bool = False
+) -> list[dict[str, Any]]:
+    """Every configuration over the trace at ``path``, in ``jobs`` processes (default: the CPUs); results in
+    configuration order. ``progress`` draws a bar on stderr (configurations done)."""
+    results: list[dict[str, Any]] = [{} for _ in configs]
+    with tqdm.tqdm(total=len(configs), unit="config", disable=not progress, file=sys.stderr) as bar:
+        for index, result in iter_simulations(path, configs, jobs):
+            results[index] = result
+            bar.update()
+    return results

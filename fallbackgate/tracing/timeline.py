@@ -33,6 +33,7 @@ class Timeline:
     request_slo_ns: np.ndarray  # per request code: its TPOT SLO (nan: none)
     total_budget_bytes: float  # the recorded expert + KV budget (0: not recorded)
     base_budget_bytes: tuple[float, float]  # the recorded (expert, KV) budgets
+    between_ns: np.ndarray | None = None  # per step: time from its end to the next step's start (host work)
 
     @property
     def num_steps(self) -> int:
@@ -49,17 +50,19 @@ class Timeline:
     def outcome(self, step_ns: np.ndarray) -> dict[str, float]:
         """SLO violations (requests whose mean decode step time exceeds their TPOT SLO), P99 TPOT and stall."""
         if not len(self.decode_pairs):
-            return {"slo_violations": 0.0, "p99_tpot_ms": float("nan"), "stall_s": 0.0}
+            return {"slo_violations": 0.0, "p99_tpot_ms": float("nan"), "mean_tpot_ms": float("nan"), "stall_s": 0.0}
         times = step_ns[self.decode_pairs[:, 0]]
         codes = self.decode_pairs[:, 1]
         sums = np.bincount(codes, weights=times, minlength=len(self.request_slo_ns))
         counts = np.bincount(codes, minlength=len(self.request_slo_ns))
         tpot = np.divide(sums, counts, out=np.full(len(sums), np.nan), where=counts > 0)
+        mean_tpot_ms = float(np.nanmean(tpot) / 1e6) if (counts > 0).any() else float("nan")
         slo = self.request_slo_ns
         violations = np.sum((counts > 0) & ~np.isnan(slo) & (tpot > np.nan_to_num(slo, nan=np.inf)))
         return {
             "slo_violations": float(violations),
             "p99_tpot_ms": float(np.percentile(times, 99) / 1e6),
+            "mean_tpot_ms": mean_tpot_ms,
             "stall_s": float((step_ns - self.compute_ns).sum() / 1e9),
         }
 
@@ -103,9 +106,11 @@ def build_timeline(trace: Trace) -> Timeline:
     slo = requests.set_index("request")["slo_tpot_ns"].reindex(names).to_numpy(np.float64)
     budgets = trace.metadata.get("budgets") or {}
     base = (float(budgets.get("expert_bytes") or 0), float(budgets.get("kv_bytes") or 0))
+    ends, starts = steps["end_ns"].to_numpy(np.int64), steps["start_ns"].to_numpy(np.int64)
+    between = np.maximum(np.append(starts[1:] - ends[:-1], 0), 0).astype(np.float64) if len(ends) else np.zeros(0)
     return Timeline(
         step_ids, compute.astype(np.float64),
         AccessStream.from_keys(experts["step"].to_numpy(), e_keys, int(model["bytes_per_expert"]), True), e_step,
         AccessStream.from_keys(kv["step"].to_numpy(), kv_keys, int(model["bytes_per_kv_block"]), False), kv_step,
-        decode_pairs.astype(np.int64), slo, sum(base), base,
+        decode_pairs.astype(np.int64), slo, sum(base), base, between,
     )  # fmt: skip

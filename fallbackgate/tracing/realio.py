@@ -1,0 +1,173 @@
+"""``trace simulate --io real DIR``: a configuration's I/O performed for real instead of priced on a device model.
+
+The simulator decides every step as usual (:meth:`Simulator.decide` with recording on) and keeps the transfers
+its decisions issue: demand reads (the step waits on them), prefetch reads (step-end expert loads) and spill
+writes. They are then issued, step by step on the trace's own timing, through the engine's I/O scheduler
+(:class:`fallbackgate.engine.io.IOScheduler`: ``O_DIRECT`` where DIR's file system allows it, buffered with a
+note where it does not, e.g. tmpfs, which is RAM) against one scratch file of random data in DIR:
+
+- a step's demand reads go layer by layer in trace order, ``depth`` in flight at once (1: one read at a time,
+  as the engine's compute thread waits on each miss); the wall time from a layer's first submission to its
+  last arrival is that layer's stall, and a step's stall is the sum over its layers;
+- its prefetch reads and spill writes are then queued behind (lower priority) and not waited on, so they
+  contend with the next steps' demand reads as they would in the engine;
+- with ``pace`` the step's compute and host time (the trace's duration less its waits, plus the gap before
+  the next step) is slept before the next step, so background transfers overlap compute as they did.
+
+Sizes are the objects' bytes; offsets are the recorded ones where the trace's io table names the object
+(an expert's span in its checkpoint file: the read size is then the recorded aligned span), else the
+object's slot in the scratch file (experts by (layer, expert), KV blocks in first-write order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from typing import Any
+
+import numpy as np
+
+from fallbackgate.engine.io import IOScheduler, Ticket
+from fallbackgate.engine.io.direct import ALIGN, aligned_buffer, make_scratch_file, round_up
+from fallbackgate.engine.tags import ObjectKind
+from fallbackgate.tracing.reader import read_trace
+from fallbackgate.tracing.schema import TraceTable
+from fallbackgate.tracing.simulate import SimulationConfig
+from fallbackgate.tracing.simulate_run import IOOp, SimulationInput, Simulator, load_input
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class RealIO:
+    """Where and how ``--io real`` issues a configuration's transfers."""
+
+    directory: str  # a directory on the disk (or tmpfs, for RAM) to put the scratch file in
+    depth: int = 1  # demand reads in flight at once within a layer
+    pace: bool = True  # sleep each step's compute time between steps (the trace's timing)
+    overhead_ns_per_read: float = 0.0  # the engine's own work per demand read beyond the I/O, added to the stall
+
+
+def recorded_spans(path: str) -> dict[str, tuple[int, int]]:
+    """Object id -> (offset, bytes) of the trace's recorded expert reads (the first one of each object)."""
+    io = read_trace(path).frame(TraceTable.IO)
+    reads = io[(io["op"] == "read") & (io["object_kind"] == "expert")].drop_duplicates("object")
+    rows = zip(reads["object"], reads["offset"], reads["bytes"], strict=True)
+    return {str(o): (int(off), int(n)) for o, off, n in rows}
+
+
+class ScratchLayout:
+    """Where each object's bytes sit in the scratch file."""
+
+    def __init__(self, model: dict[str, int], spans: dict[str, tuple[int, int]], ops: list[list[IOOp]]) -> None:
+        self.expert_bytes = round_up(model["bytes_per_expert"])
+        self.kv_bytes = round_up(model["bytes_per_kv_block"])
+        self.num_experts = model["num_experts"]
+        self.spans = spans
+        experts_end = model["num_layers"] * self.num_experts * self.expert_bytes
+        recorded_end = max((off + n for off, n in spans.values()), default=0)
+        self.kv_base = round_up(max(experts_end, recorded_end))
+        self.kv_slots: dict[tuple, int] = {}
+        for step in ops:
+            for op in step:
+                if op.kind == "kv_block":
+                    self.kv_slots.setdefault(op.key, len(self.kv_slots))
+        self.size = self.kv_base + len(self.kv_slots) * self.kv_bytes
+
+    def place(self, op: IOOp) -> tuple[int, int]:
+        """(offset, bytes) of one transfer."""
+        if op.kind == "expert":
+            recorded = self.spans.get(f"{op.key[0]}:{op.key[1]}")
+            if recorded is not None and 0 <= recorded[1] - op.num_bytes < 2 * ALIGN:  # the full object's span
+                return recorded
+            return (op.key[0] * self.num_experts + op.key[1]) * self.expert_bytes, op.num_bytes
+        return self.kv_base + self.kv_slots[op.key] * self.kv_bytes, op.num_bytes
+
+
+def _issue(io: IOScheduler, path: str, layout: ScratchLayout, op: IOOp, into: Any, priority: int, data: Any) -> Ticket:
+    offset, num = layout.place(op)
+    kind = ObjectKind.EXPERT if op.kind == "expert" else ObjectKind.KV_BLOCK
+    name = ":".join(map(str, op.key))
+    if op.op == "write":
+        return io.submit_write(path, offset, data[:num], kind, name, priority=priority)
+    return io.submit_read(path, offset, num, kind, name, into=into, priority=priority)
+
+
+def _demand_stall(io: IOScheduler, path: str, layout: ScratchLayout, reads: list[IOOp], depth: int, pool: list) -> int:
+    """Issue one step's demand reads layer by layer, ``depth`` at a time; the summed wall time waited (ns)."""
+    stall = 0
+    if not reads:
+        return 0
+    layers: dict[int, list[IOOp]] = {}
+    for op in reads:
+        layers.setdefault(op.layer, []).append(op)
+    for ops in layers.values():
+        started = time.monotonic_ns()
+        for first in range(0, len(ops), depth):
+            batch = ops[first : first + depth]
+            tickets = [_issue(io, path, layout, op, pool[i], 0, None) for i, op in enumerate(batch)]
+            for ticket in tickets:
+                io.wait(ticket)
+        stall += time.monotonic_ns() - started
+    return stall
+
+
+def run_real(data: SimulationInput, config: SimulationConfig, trace_path: str, real: RealIO) -> dict[str, Any]:
+    """One configuration with its transfers performed against a scratch file in ``real.directory``."""
+    simulator = Simulator(data, config)
+    simulator.decide(is_recording=True)
+    ops = simulator.ops or []
+    layout = ScratchLayout(data.model, recorded_spans(trace_path), ops)
+    free = shutil.disk_usage(real.directory).free
+    if layout.size > 0.9 * free:
+        raise ValueError(f"--io real {real.directory}: the scratch file needs {layout.size} bytes, {free} are free")
+    path = os.path.join(real.directory, f"fallbackgate-ioreal-{os.getpid()}.bin")
+    make_scratch_file(path, max(layout.size, 4096))
+    largest = max([layout.place(op)[1] for step in ops for op in step] or [4096])
+    pool = [memoryview(aligned_buffer(largest)) for _ in range(real.depth)]
+    write_data = memoryview(aligned_buffer(largest))
+    timeline = data.timeline
+    gaps = timeline.compute_ns + (timeline.between_ns if timeline.between_ns is not None else 0.0)
+    stall = np.zeros(len(ops))
+    background: list[Ticket] = []
+    try:
+        with IOScheduler(num_workers=max(real.depth, 1)) as io:
+            io.start()
+            for index, step in enumerate(ops):
+                demand = [op for op in step if op.requester == "demand"]
+                waited = _demand_stall(io, path, layout, demand, real.depth, pool)
+                stall[index] = waited + real.overhead_ns_per_read * len(demand)
+                background = [t for t in background if not t.done.is_set()]
+                rest = [op for op in step if op.requester != "demand"]
+                background += [_issue(io, path, layout, op, None, 1, write_data) for op in rest]
+                if real.pace:
+                    time.sleep(max(float(gaps[index]), 0.0) / 1e9)
+            for ticket in background:
+                io.wait(ticket)
+            records = io.take_completed()
+    finally:
+        os.unlink(path)
+    return _with_measurements(simulator.result(stall), real, records, stall)
+
+
+def _with_measurements(result: dict[str, Any], real: RealIO, records: list, stall: np.ndarray) -> dict[str, Any]:
+    reads = [r for r in records if r.op.value == "read" and not r.error]
+    service_ms = np.array([r.service_s * 1e3 for r in reads]) if reads else np.zeros(1)
+    is_direct = all(r.is_direct for r in records) if records else None
+    result.update({
+        "device": f"real:{real.directory}", "io": "real", "io_depth": real.depth, "is_paced": real.pace,
+        "overhead_ms_per_read": real.overhead_ns_per_read / 1e6, "is_direct": is_direct,
+        "num_reads": len(reads), "num_writes": len(records) - len(reads),
+        "read_service_ms": {"p50": float(np.percentile(service_ms, 50)), "p99": float(np.percentile(service_ms, 99)),
+                            "max": float(service_ms.max())},
+        "stall_ms_per_step": [round(float(s) / 1e6, 4) for s in stall],
+        "note": "" if is_direct or is_direct is None else
+        f"{real.directory}'s file system refused O_DIRECT (e.g. tmpfs, i.e. RAM): reads were buffered",
+    })  # fmt: skip
+    return result
+
+
+def simulate_real(path: str, configs: list[SimulationConfig], real: RealIO) -> list[dict[str, Any]]:
+    """Every configuration, one after another (they share the real device), with ``--io real``."""
+    data = load_input(path)
+    return [run_real(data, config, path, real) for config in configs]

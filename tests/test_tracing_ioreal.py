@@ -1,0 +1,92 @@
+"""``trace simulate --io real`` and ``trace validate``: the device models fitted from a trace, the transfers a
+configuration decides performed for real against a scratch file, and (slow) a recorded run predicted by
+simulating it with its own configuration."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fallbackgate.cli import main
+from fallbackgate.tracing.devices import fit_profile, fit_waits
+from fallbackgate.tracing.reader import read_trace
+from fallbackgate.tracing.realio import RealIO, simulate_real
+from fallbackgate.tracing.simulate import SimulationConfig
+from fallbackgate.tracing.simulate_run import Simulator, load_input, simulate_many
+from fallbackgate.tracing.synthetic import Planted, write_planted_trace
+from fallbackgate.tracing.validate import recorded_budget, recorded_outcome, within
+
+KIB = 1024
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Planted, str]:
+    path = tmp_path_factory.mktemp("ioreal") / "trace"
+    p = Planted(num_steps_per_phase=20, num_layers=4, num_experts=32, bytes_per_expert=64 * KIB,
+                bytes_per_kv_block=16 * KIB, total_budget_bytes=8 << 20)  # fmt: skip
+    return write_planted_trace(path, p), str(path)
+
+
+def test_waits_fit_recovers_the_planted_device(planted: tuple) -> None:
+    p, path = planted
+    device = fit_waits(read_trace(path))
+    assert device is not None and device.name == "waits" and device.queue_depth == 1
+    assert device.latency_ns == pytest.approx(p.latency_ns, rel=0.1)
+    assert device.bandwidth_bytes_per_s == pytest.approx(p.bandwidth_bytes_per_s, rel=0.1)
+    assert fit_profile(read_trace(path)) is None  # the planted trace records no profile
+
+
+def test_io_real_performs_every_decided_transfer(planted: tuple, tmp_path: Path) -> None:
+    p, path = planted
+    config = SimulationConfig("exact_lru", p.total_budget_bytes // 2, fit_waits(read_trace(path)))
+    simulator = Simulator(load_input(path), config)
+    simulator.decide(is_recording=True)
+    ops = [op for step in simulator.ops for op in step]
+    demand = [[op for op in step if op.requester == "demand"] for step in simulator.ops]
+    result = simulate_real(path, [config], RealIO(str(tmp_path), depth=2, pace=False))[0]
+    modelled = simulate_many(path, [config], jobs=1)[0]
+    assert result["misses_by_tag"] == modelled["misses_by_tag"]  # the same decisions, other pricing
+    assert result["num_reads"] == sum(op.op == "read" for op in ops) > 0
+    assert result["num_writes"] == sum(op.op == "write" for op in ops)
+    stalls = result["stall_ms_per_step"]
+    assert len(stalls) == len(demand)
+    assert all((s > 0) == bool(d) for s, d in zip(stalls, demand, strict=True))
+    assert result["stall_s"] == pytest.approx(sum(stalls) / 1e3, rel=1e-3)
+    assert isinstance(result["is_direct"], bool) and result["io"] == "real"
+    assert list(tmp_path.iterdir()) == []  # the scratch file is gone
+
+
+def test_cli_io_real_and_validate_refuse_bad_input(planted: tuple, tmp_path: Path) -> None:
+    _, path = planted
+    out = tmp_path / "sim.json"
+    base = ["trace", "simulate", path, "--out", str(out), "--controllers", "exact_lru", "--devices", "waits"]
+    assert main([*base, "--io", "fake", str(tmp_path)]) == 2
+    assert main([*base, "--io", "real", str(tmp_path / "missing")]) == 2
+    assert main([*base, "--io", "real", str(tmp_path), "--no-pace"]) == 0
+    assert json.loads(out.read_text())[0]["device"] == f"real:{tmp_path}"
+    assert main(["trace", "validate", path]) == 2  # its controller ("planted") is not one of ours
+
+
+def test_bound_is_max_of_share_and_floor() -> None:
+    assert within(1.24, 1.0, 0.0) and not within(1.26, 1.0, 0.0)
+    assert within(0.0, 0.01, 0.032) and not within(0.05, 0.01, 0.032)
+
+
+@pytest.mark.slow
+def test_simulating_a_recorded_run_predicts_its_stall_and_tpot(tmp_path: Path) -> None:
+    trace = tmp_path / "trace"
+    ledger = f"sqlite:///{tmp_path / 'ledger.sqlite'}"
+    args = ["run", "--device-budget-mb", "1.5", "--trace", str(trace), "--ledger", ledger, "--audit-rate", "0.01"]
+    assert main([*args, "--quiet"]) == 0
+    recorded = read_trace(trace)
+    assert recorded_budget(recorded) == int(1.5 * (1 << 20))
+    measured = recorded_outcome(recorded)
+    assert measured["stall_s"] > 0  # the budget forces reads from the checkpoint
+    out = tmp_path / "validate.json"
+    code = main(["trace", "validate", str(trace), "--json", str(out)])
+    result = json.loads(out.read_text())
+    demand_reads = int((recorded.frame("io")["requester"] == "demand").sum())
+    assert result["misses_by_tag"]["expert:exact_load"] == pytest.approx(demand_reads, rel=0.15)
+    assert result["stall_within"] and result["tpot_within"] and code == 0, result
