@@ -8,24 +8,27 @@ from collections.abc import Callable, Container, Iterable
 import torch
 from tqdm.auto import tqdm
 
+from fallbackgate.engine import requests
 from fallbackgate.engine.baseline.access import BaselineAccess
-from fallbackgate.engine.config import DTYPES, EngineConfig, PreemptMode
+from fallbackgate.engine.config import DTYPES, EngineConfig
 from fallbackgate.engine.controller import Controller, ControllerView
-from fallbackgate.engine.errors import EngineError, PromptError
+from fallbackgate.engine.errors import EngineError
 from fallbackgate.engine.experts.executor import Executor
 from fallbackgate.engine.experts.integrity import CopyVerifier
 from fallbackgate.engine.io import IOScheduler
 from fallbackgate.engine.kv import paged_attention
 from fallbackgate.engine.kv.prefix_cache import PrefixCache
-from fallbackgate.engine.kv.store import KVBlockKey, SpillMode
+from fallbackgate.engine.kv.store import KVBlockKey
 from fallbackgate.engine.messages import RequestOutput, StepCapture, StepPlan, StepResult
 from fallbackgate.engine.model.build import build_stores, fill_expert_tiers, probe_kv_shapes, resolve_device
 from fallbackgate.engine.model.loader import find_routers, load_checkpoint
 from fallbackgate.engine.model.runner import ModelRunner
-from fallbackgate.engine.sampler import rows_logprobs, sample, top_logprobs
+from fallbackgate.engine.outputs import count_tags, keep_prompt_logprobs, request_output, sample_rows
+from fallbackgate.engine.packing import pack_step
+from fallbackgate.engine.pressure import make_room_for_kv, preempt
 from fallbackgate.engine.scheduler import Scheduler
-from fallbackgate.engine.sequence import SamplingParams, Sequence, check_prompt
-from fallbackgate.engine.step_context import EventLog, ForwardBatch, StepUses, log_rebuilt
+from fallbackgate.engine.sequence import SamplingParams, Sequence
+from fallbackgate.engine.step_context import EventLog, StepUses
 from fallbackgate.engine.tags import ObjectKind, Tag
 from fallbackgate.engine.view import LiveView
 
@@ -136,13 +139,18 @@ class Engine(BaselineAccess):
         params = params or SamplingParams()
         request_id = request_id or f"req-{self.num_added}"
         self.check_request(prompt_token_ids, params, request_id, num_scored_tokens)
-        seq = Sequence(request_id, list(prompt_token_ids), params, request_class, is_logits_kept=is_logits_kept)
-        seq.num_scored_tokens = num_scored_tokens
-        if arrival_s is not None:
-            seq.arrival_s = arrival_s
-        seq.modeled_arrival_s = self.modeled_clock_s
         seed = params.seed if params.seed is not None else self.config.seed + self.num_added
-        seq.generator = torch.Generator().manual_seed(seed)
+        seq = requests.new_sequence(
+            prompt_token_ids,
+            params,
+            request_id,
+            request_class,
+            num_scored_tokens,
+            is_logits_kept,
+            arrival_s,
+            self.modeled_clock_s,
+            seed,
+        )
         self.scheduler.add(seq)  # refuses a request that could never fit on device
         self.sequences[request_id] = seq
         self._used_ids.add(request_id)
@@ -153,30 +161,18 @@ class Engine(BaselineAccess):
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, num_scored_tokens: int = 0
     ) -> None:
         """Raise PromptError for a request this engine would refuse (callers check before recording)."""
-        if request_id in self._used_ids:
-            raise PromptError(f"request id {request_id!r} is already in use")
-        limit = self.max_model_len
-        if prompt_token_ids and len(prompt_token_ids) + params.max_new_tokens > limit:
-            raise PromptError(
-                f"request {request_id!r}: prompt ({len(prompt_token_ids)} tokens) + max_new_tokens "
-                f"({params.max_new_tokens}) exceeds the model length limit {limit} = {self.length_limit_reason}"
-            )
-        check_prompt(request_id, prompt_token_ids, params, limit, int(self.model_config.vocab_size), num_scored_tokens)
+        config, used = self.config, self._used_ids
+        requests.check_request(config, self.model_config, used, prompt_token_ids, params, request_id, num_scored_tokens)
 
     @property
     def max_model_len(self) -> int:
         """Tokens per request the engine accepts: the configured max_model_len capped by the model's positions."""
-        positions = getattr(self.model_config, "max_position_embeddings", None)
-        return min(self.config.max_model_len, int(positions)) if positions else self.config.max_model_len
+        return requests.max_model_len(self.config, self.model_config)
 
     @property
     def length_limit_reason(self) -> str:
         """Where `max_model_len` comes from, for messages ("min(max_model_len 4096, max_position_embeddings 1024)")."""
-        positions = getattr(self.model_config, "max_position_embeddings", None)
-        if not positions:
-            return f"max_model_len {self.config.max_model_len} (the model states no position limit)"
-        capped = " (capped by the model's positions)" if int(positions) < self.config.max_model_len else ""
-        return f"min(max_model_len {self.config.max_model_len}, max_position_embeddings {int(positions)}){capped}"
+        return requests.length_limit_reason(self.config, self.model_config)
 
     def close(self) -> None:
         """Stop the expert read threads, release the host room of reads in flight and remove the spill
@@ -225,103 +221,29 @@ class Engine(BaselineAccess):
         return log
 
     def _forward(self, plan: StepPlan, chosen: list[tuple[Sequence, int]], log: EventLog) -> torch.Tensor:
-        token_ids: list[int] = []
-        owners: list[int] = []
-        rows: list[int] = []
-        scored: list[tuple[Sequence, int, int]] = []  # (sequence, prompt position, packed row) kept for scoring
-        prompt_rows: list[tuple[Sequence, int, int]] = []  # (sequence, prompt position, packed row): logprobs asked
-        for index, (seq, num) in enumerate(chosen):
-            start = seq.num_computed_tokens
-            offset = len(token_ids)
-            if log.capture is not None:
-                log.capture.kv_reads.append((seq.request_id, -(-(start + num) // self.config.block_size)))
-                log.capture.kv_hashes[seq.request_id] = self.prefix.read_hashes(seq, start + num)
-            token_ids += seq.all_token_ids[start : start + num]
-            owners += [index] * num
-            if start + num == seq.num_tokens:
-                rows.append(len(token_ids) - 1)
-            kept = seq.scored_positions
-            scored += [(seq, p, offset + p - start) for p in range(max(start, kept.start), min(start + num, kept.stop))]
-            if seq.params.num_prompt_logprobs is not None:
-                end = min(start + num, len(seq.prompt_token_ids) - 1)  # the last prompt position predicts an output
-                prompt_rows += [(seq, p, offset + p - start) for p in range(start, end)]
-            log_rebuilt(
-                log,
-                seq.request_id,
-                start,
-                min(start + num, seq.num_recompute_tokens),
-                self.config.block_size,
-                self.kv_store.num_layers,
-            )
-        batch = ForwardBatch(
-            [s.request_id for s, _ in chosen],
-            [s.num_computed_tokens for s, _ in chosen],
-            [n for _, n in chosen],
-            torch.tensor(owners),
-            [s.request_class for s, _ in chosen],
-        )
-        if not scored and not prompt_rows:
+        packed = pack_step(chosen, log, self.prefix, self.config.block_size, self.kv_store.num_layers)
+        batch, token_ids, rows, scored = packed.batch, packed.token_ids, packed.rows, packed.scored
+        if not scored and not packed.prompt_rows:
             return self.runner.forward(plan.step_id, batch, token_ids, rows, log, self.is_observe)
-        extra = [r for _, _, r in scored] + [r for _, _, r in prompt_rows]
+        extra = [r for _, _, r in scored] + [r for _, _, r in packed.prompt_rows]
         logits = self.runner.forward(plan.step_id, batch, token_ids, rows + extra, log, self.is_observe)
         for i, (seq, position, _) in enumerate(scored, start=len(rows)):
             seq.prompt_logits[position] = logits[i].detach().cpu()
-        self._keep_prompt_logprobs(prompt_rows, logits[len(rows) + len(scored) :])
+        keep_prompt_logprobs(packed.prompt_rows, logits[len(rows) + len(scored) :])
         return logits[: len(rows)]
-
-    @staticmethod
-    def _keep_prompt_logprobs(prompt_rows: list[tuple[Sequence, int, int]], logits: torch.Tensor) -> None:
-        """Each asked prompt position's log-probability of the token after it (and its top-k), from `logits`
-        [len(prompt_rows), vocab] in one log-softmax per request; the rows themselves are not kept."""
-        start = 0
-        while start < len(prompt_rows):
-            seq = prompt_rows[start][0]
-            stop = start
-            while stop < len(prompt_rows) and prompt_rows[stop][0] is seq:
-                stop += 1
-            positions = [p for _, p, _ in prompt_rows[start:stop]]
-            targets = [seq.prompt_token_ids[p + 1] for p in positions]
-            k = seq.params.num_prompt_logprobs or 0
-            for position, got in zip(positions, rows_logprobs(logits[start:stop], targets, k), strict=True):
-                seq.prompt_logprobs[position] = got
-            start = stop
 
     def _finish_step(
         self, plan: StepPlan, chosen: list[tuple[Sequence, int]], logits: torch.Tensor, log: EventLog, started: float
     ) -> StepResult:
         self._end_step(log)
-        sampled, kept, own, finished = {}, {}, {}, []
-        row = 0
-        for seq, num in chosen:
-            seq.num_computed_tokens += num
-            if seq.num_computed_tokens == seq.num_tokens:
-                # every running request keeps a copy of its own row (a view would hold the whole step's logits):
-                # whether it is audited by risk is known only when it ends; `_output` drops the rest
-                if seq.request_id in log.failed:  # a fault only it met: its row is not its model's output
-                    row += 1
-                    continue
-                own[seq.request_id] = logits[row].detach().to("cpu", copy=True)
-                if seq.is_logits_kept:
-                    kept[seq.request_id] = own[seq.request_id]
-                token = sampled[seq.request_id] = sample(logits[row], seq.params, seq.generator)
-                if seq.params.num_top_logprobs is not None:  # computed now: the full row is not kept
-                    seq.output_logprobs.append(top_logprobs(logits[row], token, seq.params.num_top_logprobs))
-                row += 1
+        sampled, kept, own = sample_rows(chosen, logits, log.failed)
+        finished = []
         events = log.events()
         self.prefix.note_events(plan, events)
         modeled = log.modeled_transfer_s + log.modeled_compute_s
         self.modeled_clock_s += modeled
         now = time.perf_counter()
-        for event in events:
-            if event.request_id in self.sequences:
-                seq = self.sequences[event.request_id]
-                seq.tag_counts[event.tag.value] = seq.tag_counts.get(event.tag.value, 0) + event.count
-                if event.object_kind is ObjectKind.KV_BLOCK and event.tag is not Tag.RESIDENT:
-                    seq.has_off_device_kv = True
-        for request_id, by_layer in log.expert_resident_uses.items():
-            if request_id in self.sequences:
-                counts = self.sequences[request_id].tag_counts
-                counts[Tag.RESIDENT.value] = counts.get(Tag.RESIDENT.value, 0) + sum(by_layer.values())
+        count_tags(self.sequences, log, events)
         for request_id, token in sampled.items():
             if self._append_token(self.sequences[request_id], token, own.get(request_id), now):
                 finished.append(request_id)
@@ -385,7 +307,7 @@ class Engine(BaselineAccess):
             seq.finish_s, seq.modeled_finish_s = now, self.modeled_clock_s
             self.scheduler.finish(seq)
             self.prefix.release(seq)  # its exact full blocks are kept for later prefixes, the rest freed
-            self.finished[seq.request_id] = self._output(seq)
+            self.finished[seq.request_id] = request_output(seq)
             del self.sequences[seq.request_id]  # its output is the caller's to take from `finished`
         return is_done
 
@@ -394,7 +316,7 @@ class Engine(BaselineAccess):
         to record it as cancelled; the request itself is left as it is."""
         seq = self.sequences[request_id]
         seq.finish_s, seq.modeled_finish_s = time.perf_counter(), self.modeled_clock_s
-        return self._output(seq)
+        return request_output(seq)
 
     def abort_request(self, request_id: str) -> RequestOutput:
         """End the unfinished request `request_id` now, between steps (its client went away, its time ran out):
@@ -406,52 +328,14 @@ class Engine(BaselineAccess):
         self.prefix.forget(request_id)
         return output
 
-    @staticmethod
-    def _is_kept(seq: Sequence) -> bool:
-        return seq.is_logits_kept or seq.has_off_device_kv
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        n = len(seq.output_token_ids)
-        tpot = (seq.modeled_finish_s - seq.modeled_first_token_s) / (n - 1) if n > 1 else 0.0
-        return RequestOutput(
-            seq.request_id,
-            seq.request_class,
-            seq.prompt_token_ids,
-            list(seq.output_token_ids),
-            torch.stack(seq.output_logits) if seq.output_logits and self._is_kept(seq) else None,
-            seq.arrival_s,
-            seq.first_token_s,
-            seq.finish_s,
-            seq.modeled_first_token_s - seq.modeled_arrival_s,
-            tpot,
-            dict(seq.tag_counts),
-            seq.num_preemptions,
-            seq.pop_prompt_logits(),
-            seq.output_logprobs if seq.params.num_top_logprobs is not None else None,
-            seq.pop_prompt_logprobs(),
-            seq.num_reused_tokens,
-        )
-
     # --- memory pressure -----------------------------------------------------------------------
     def _make_room_for_kv(
         self, num_bytes: int, pinned: Container[KVBlockKey], is_done: Callable[[], bool], is_kv_only: bool
     ) -> bool:
-        if not is_kv_only and self.executor.make_room(num_bytes, pinned_kv=pinned, is_done=is_done):
-            return True  # experts or KV, as the controller chose
-        all_experts = set(self.expert_store.device_keys())  # only KV blocks can help now
-        return self.executor.make_room(num_bytes, pinned_kv=pinned, pinned_experts=all_experts, is_done=is_done)
+        return make_room_for_kv(self.executor, num_bytes, pinned, is_done, is_kv_only)
 
     def _preempt(self, seq: Sequence) -> None:
-        if self.config.preempt_mode == PreemptMode.SWAP:
-            for blocks in self.kv_store.tables[seq.request_id]:
-                for block in blocks:
-                    if block.device is not None:
-                        self.executor.spill_kv(block.key, SpillMode.HOST_FULL)
-        else:
-            self.kv_store.free_sequence(seq.request_id)
-            self.kv_store.add_sequence(seq.request_id)
-            seq.num_recompute_tokens = max(seq.num_recompute_tokens, seq.num_computed_tokens)
-            seq.num_computed_tokens = 0
+        preempt(self.config.preempt_mode, self.kv_store, self.executor, seq)
 
     def view(self) -> ControllerView:
         """The read-only view of the engine's state that controllers are shown."""
