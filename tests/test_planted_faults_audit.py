@@ -56,7 +56,7 @@ def test_recovery_returns_another_experts_intact_bytes(
 ) -> None:
     engine = _engine(model, host_budget_bytes=0)  # every expert is read from the checkpoint on use
     store, armed, recovered = engine.expert_store, _at_step(engine, FAULT_STEP), []
-    verified_read, num_experts = store._verified_read, engine.model_config.num_experts
+    verified_read, num_experts = store.host_cache.verified_read, engine.model_config.num_experts
 
     def wrong_recovery(key: ExpertKey) -> tuple[ExpertWeights, str]:
         if not armed():
