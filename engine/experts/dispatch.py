@@ -26,11 +26,12 @@ from fallbackgate.engine.experts.grouped import grouped_rows, single_expert_rows
 from fallbackgate.engine.experts.hook import ExpertUse, fetch_for_tag, renormalise_deferred, served_tag
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined
 from fallbackgate.engine.experts.routing import LayerRouting, MissUse, group_layer, row_owner
+from fallbackgate.engine.experts.served import LayerRows, group_by_key, record_fetched, record_use
 from fallbackgate.engine.experts.store import ExpertKey, ExpertStore, Fetched
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.io.context import IOPriority, io_context
 from fallbackgate.engine.step_context import StepContext
-from fallbackgate.engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.engine.tags import Tag, Tier
 
 
 class RoomMaker(Protocol):
@@ -43,22 +44,6 @@ class RoomMaker(Protocol):
     ) -> bool: ...
 
     def ensure_room(self, num_bytes: int, what: str, *, is_kv_evictable: bool = True) -> None: ...
-
-
-class LayerRows:
-    """A layer's weighted (token, top-k) rows as they are computed, possibly in several kernel calls."""
-
-    def __init__(self, num_rows: int) -> None:
-        self.rows: torch.Tensor | None = None
-        self.is_done = np.zeros(num_rows, dtype=bool)
-
-    def put(self, index: np.ndarray, values: torch.Tensor) -> None:
-        """Rows `index` get `values` (full ``[T * k, H]`` when `index` covers every row computed by a kernel)."""
-        if self.rows is None:
-            self.rows = torch.zeros((len(self.is_done), values.shape[-1]), dtype=values.dtype, device=values.device)
-        idx = torch.as_tensor(index, device=self.rows.device)
-        self.rows.index_copy_(0, idx, values.to(self.rows.dtype))
-        self.is_done[index] = True
 
 
 class ExpertDispatch:
@@ -152,7 +137,7 @@ class ExpertDispatch:
         loads = by_tag.get(Tag.EXACT_LOAD, [])
         self._load_all(module, layer, hidden, flat_weights, loads, routing, slots, out, late)
         for tag in (Tag.CPU_EXECUTE, Tag.EXPERT_LOWBIT):
-            for key, key_uses in _by_key(by_tag.get(tag, [])).items():
+            for key, key_uses in group_by_key(by_tag.get(tag, [])).items():
                 try:
                     self._run_single(module, key, tag, key_uses, hidden, flat_weights, out)
                 except ExpertQuarantined as exc:
@@ -180,7 +165,7 @@ class ExpertDispatch:
             if use.decision.failure:
                 ctx.log.fail(ctx.batch.request_ids[use.request_index], use.decision.failure)
             else:
-                self._record(use, Tag.EXPERT_DEFER, 0, None, 0.0, "", 0)
+                record_use(ctx, self.store, use, Tag.EXPERT_DEFER, 0, None, 0.0, "", 0)
         forced = {u.key for u in uses if u.decision.is_forced}
         ctx.deferred_expert_keys.extend(dict.fromkeys(u.key for u in uses if u.key not in forced))
 
@@ -211,7 +196,7 @@ class ExpertDispatch:
     ) -> None:
         """Place every expert an `exact_load` use needs (each once), with the layer's experts pinned; set the
         slots of the rows they serve (a quarantined expert's rows stay unset: deferred or failed)."""
-        store, by_key = self.store, _by_key(loads)
+        store, by_key = self.store, group_by_key(loads)
         pins = {(layer, int(e)) for e in np.unique(routing.experts[routing.slots >= 0])} | set(by_key)
         for key, key_uses in by_key.items():
             if not store.can_place(key) and not self.host.make_room(
@@ -343,53 +328,10 @@ class ExpertDispatch:
     def _record_fetched(
         self, uses: list[ExpertUse], fetch_tag: Tag, fetched: Fetched, transfer_s: float, wait_ns: int
     ) -> None:
-        """The first use carries the fetch (bytes, source, modeled and measured time); later uses reuse the
-        fetched weights."""
-        first, *rest = uses
-        moved = fetched.bytes_moved
-        self._record(first, fetch_tag, moved, fetched.source_tier if moved else None, transfer_s, fetched.note, wait_ns)
-        reused = Tag.RESIDENT if fetch_tag is Tag.EXACT_LOAD else fetch_tag
-        for use in rest:
-            self._record(use, reused, 0, None, 0.0, "", 0)
-
-    def _record(
-        self, use: ExpertUse, tag: Tag, moved: int, tier: Tier | None, modeled_s: float, note: str, wait_ns: int
-    ) -> None:
-        ctx = self.ctx
-        request_id = ctx.batch.request_ids[use.request_index]
-        if ctx.log.capture is not None and (tag is not Tag.RESIDENT or moved):
-            before = tier if moved and tier is not None else self.store.home(use.key)
-            call = len(ctx.log.capture.routing) - 1
-            ctx.log.capture.expert_served.append((call, use.key[1], request_id, before, tag, moved, wait_ns))
-        decided = use.decision.tag
-        if decided is not Tag.RESIDENT and use.decision.reason:
-            note = (note + "; " if note else "") + use.decision.reason
-        if ctx.is_observe and decided not in (Tag.RESIDENT, Tag.EXACT_LOAD, tag):
-            note = (note + "; " if note else "") + f"observe: would serve {decided.value}"
-        cost = use.decision.predicted_cost if not ctx.is_observe else 0.0
-        ctx.log.add(
-            request_id,
-            use.key[0],
-            ObjectKind.EXPERT,
-            tag,
-            bytes_moved=moved,
-            source_tier=tier,
-            predicted_cost=cost,
-            modeled_s=modeled_s,
-            note=note,
-            object_id=use.key[1] if tag.is_approximate else None,
-            bits=self.store.lowbit_bits if tag is Tag.EXPERT_LOWBIT else 0,
-        )
+        record_fetched(self.ctx, self.store, uses, fetch_tag, fetched, transfer_s, wait_ns)
 
     def _expert_s(self, num_tokens: int, hidden: torch.Tensor, on_cpu: bool) -> float:
         """Predicted (modeled) seconds of one expert call from the profile's measured curve."""
         weight_bytes = self.num_expert_params * hidden.element_size()
         dtype = str(hidden.dtype).removeprefix("torch.")
         return self.profile.expert_s(num_tokens, weight_bytes, self.num_expert_params, on_cpu, dtype)
-
-
-def _by_key(uses: list[ExpertUse]) -> dict[ExpertKey, list[ExpertUse]]:
-    by_key: dict[ExpertKey, list[ExpertUse]] = {}
-    for use in uses:
-        by_key.setdefault(use.key, []).append(use)
-    return by_key
