@@ -29,10 +29,11 @@ from fallbackgate.engine.pressure import make_room_for_kv, preempt
 from fallbackgate.engine.scheduler import Scheduler
 from fallbackgate.engine.sequence import SamplingParams, Sequence
 from fallbackgate.engine.step_context import EventLog, StepUses
-from fallbackgate.engine.tags import ObjectKind, Tag
+from fallbackgate.engine.step_log import ENGINE_REQUEST_ID, log_prefetches, log_resumed
+from fallbackgate.engine.tags import ObjectKind
 from fallbackgate.engine.view import LiveView
 
-ENGINE_REQUEST_ID = "__engine__"  # events not caused by one request (prefetches)
+__all__ = ["ENGINE_REQUEST_ID", "Engine"]  # ENGINE_REQUEST_ID: where the ledger has always imported it from
 
 
 class Engine(BaselineAccess):
@@ -203,19 +204,7 @@ class Engine(BaselineAccess):
         if self.is_capturing:
             log.capture = StepCapture(time.monotonic_ns() - int(1e9 * (time.perf_counter() - started)))
         log.modeled_transfer_s += self.executor.take_pending_modeled_s()
-        for request_id, staged in self.scheduler.restored:
-            if log.capture is not None:  # the resume's read is not timed: it ran inside scheduling
-                log.capture.kv_served[staged.key] = (staged.source_tier, Tag.EXACT_LOAD, staged.bytes_moved, 0)
-            log.add_transfer(
-                self.config.profile,
-                request_id,
-                staged.key[1],
-                ObjectKind.KV_BLOCK,
-                Tag.EXACT_LOAD,
-                staged.bytes_moved,
-                staged.source_tier,
-                note="resume: tail block",
-            )
+        log_resumed(log, self.config.profile, self.scheduler.restored)
         self.scheduler.restored.clear()
         self.runner.resolve_kv(plan.step_id, chosen, log, self.is_observe, self.scheduler.is_layer_staged)
         return log
@@ -283,17 +272,7 @@ class Engine(BaselineAccess):
         self.executor.end_step(actions.spill)
         self.expert_store.evict_chosen(actions.evict_experts)
         self.kv_store.promote_chosen(actions.promote_kv)
-        for key, fetched in self.expert_store.end_step(actions.load_experts, log.step_id + 1):
-            log.add_transfer(
-                self.config.profile,
-                ENGINE_REQUEST_ID,
-                key[0],
-                ObjectKind.EXPERT,
-                Tag.EXACT_LOAD,
-                fetched.bytes_moved,
-                fetched.source_tier,
-                note="prefetch after defer",
-            )
+        log_prefetches(log, self.config.profile, self.expert_store.end_step(actions.load_experts, log.step_id + 1))
         self.kv_store.clear_scratch()
 
     def _append_token(self, seq: Sequence, token: int, kept: torch.Tensor | None, now: float) -> bool:
