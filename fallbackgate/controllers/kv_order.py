@@ -74,7 +74,9 @@ class KVOrder:
 
     def _place(self, key: KVBlockKey, seen: Mapping, is_sorted: bool) -> None:
         rank = seen.get(key)
-        sort_key = (key[2], key[1], self.position[key[0]]) if rank is None else (rank, 0, 0)
+        # a request missing from the (unchanged) request order came and went between two calls: any position
+        position = self.position.get(key[0], len(self.position))
+        sort_key = (key[2], key[1], position) if rank is None else (rank, 0, 0)
         which = 2 * (key[0] in self.running) + (rank is not None)
         self.where[key] = (which, sort_key)
         if is_sorted:
