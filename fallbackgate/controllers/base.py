@@ -6,6 +6,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Iterator
 
+from fallbackgate.controllers.kv_order import KVOrder
 from fallbackgate.controllers.link import LinkBudget
 from fallbackgate.controllers.timing import cpu_expert_s, step_deadline_s
 from fallbackgate.engine.controller import (
@@ -33,6 +34,7 @@ class Recency:
         self.experts: OrderedDict[ExpertKey, None] = OrderedDict()
         self.kv: OrderedDict[KVBlockKey, None] = OrderedDict()
         self._kv_rank: dict[KVBlockKey, int] | None = None  # position in `kv`, until the next touch
+        self._kv_order = KVOrder()  # the KV order kept from a view's residency journal, until the next touch
 
     def touch(self, view: ControllerView) -> None:
         """Move the last step's used experts and KV blocks to the most recent end."""
@@ -43,6 +45,7 @@ class Recency:
             self.kv.pop(key, None)
             self.kv[key] = None
         self._kv_rank = None
+        self._kv_order.invalidate()
 
     def experts_lru_first(self, view: ControllerView) -> Iterator[ExpertKey]:
         """Device experts, least recently used first (never-used ones first of all), produced lazily."""
@@ -54,7 +57,14 @@ class Recency:
     def kv_lru_first(self, view: ControllerView) -> Iterator[KVBlockKey]:
         """Device KV blocks: blocks of requests not running first, then older blocks first — never-read
         blocks by (index, layer, request order), then read ones by when they were last read — produced
-        lazily: a request's blocks are walked only as far as they are taken."""
+        lazily: a request's blocks are walked only as far as they are taken. A view with a KV residency
+        journal (``kv_changes_since``) gets the same order from :class:`KVOrder`, patched per change."""
+        if self._kv_rank is None:
+            self._kv_rank = {k: i for i, k in enumerate(self.kv)}
+        kept = self._kv_order.ordered(view, self._kv_rank)
+        if kept is not None:
+            yield from kept
+            return
         running = set(view.running_ids)
         rids = view.kv_request_ids
         for group in ([r for r in rids if r not in running], [r for r in rids if r in running]):
@@ -62,8 +72,6 @@ class Recency:
             walks = [self._never_read(view.device_kv_blocks_of(rid, is_index_major=True), read) for rid in group]
             yield from heapq.merge(*walks, key=lambda key: (key[2], key[1]))  # ties keep request order
             if read:  # every walk is finished: `read` holds all of them
-                if self._kv_rank is None:
-                    self._kv_rank = {k: i for i, k in enumerate(self.kv)}
                 yield from sorted(read, key=self._kv_rank.__getitem__)
 
     def _never_read(self, walk: Iterator[KVBlockInfo], read: list[KVBlockKey]) -> Iterator[KVBlockKey]:

@@ -73,7 +73,9 @@ class ExactLRUController(Controller):
         pinned_kv: Container[KVBlockKey],
     ) -> Iterator[Victim]:
         experts = (Victim(expert_key=k) for k in self.recency.experts_lru_first(view))
-        blocks = (Victim(kv_block_key=k, spill_mode=self.kv_spill_mode) for k in self.recency.kv_lru_first(view))
+        mode = self.kv_spill_mode
+        kv = (k for k in self.recency.kv_lru_first(view) if k not in pinned_kv)  # pinned: skipped unbuilt
+        blocks = (Victim(kv_block_key=k, spill_mode=mode) for k in kv)
         return take_victims(itertools.chain(experts, blocks), view, pinned_experts, pinned_kv)
 
     def on_step_end(self, view: ControllerView) -> StepEndActions:

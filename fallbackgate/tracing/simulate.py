@@ -72,6 +72,7 @@ class SimulatedView:
         self._request_ids: tuple[str, ...] | None = ()  # kv_request_ids, until membership changes
         self._index_major: dict[str, list[KVBlockInfo]] = {}  # per request, by (block, layer), kept sorted
         self._device_tuple: tuple[KVBlockInfo, ...] | None = ()  # device_kv_blocks(), until the next change
+        self._kv_journal: list[tuple[KVKey, bool]] = []  # (block, whether it came on device), in order
         self.running_ids: tuple[str, ...] = ()
         self.used_expert_keys: tuple[ExpertKey, ...] = ()
         self.used_kv_block_keys: tuple[KVKey, ...] = ()
@@ -92,6 +93,7 @@ class SimulatedView:
                 self._seq[key] = self._next_seq
                 self._next_seq += 1
                 self._request_ids = None
+                self._kv_journal.append((key, True))
                 bisect.insort(ordered, info, key=_index_major)
             else:
                 ordered[bisect.bisect_left(ordered, _index_major(info), key=_index_major)] = info
@@ -110,6 +112,7 @@ class SimulatedView:
         if self.device_infos.pop(key, None) is None:
             return
         self._device_tuple, self._request_ids = None, None
+        self._kv_journal.append((key, False))
         del self._seq[key]
         mine = self.by_request[key[0]]
         del mine[key]
@@ -143,6 +146,11 @@ class SimulatedView:
 
     def expert_changes_since(self, cursor: int) -> tuple[tuple[ExpertKey, ...] | None, int]:
         return None, -1  # no residency journal: a controller walks device_expert_keys
+
+    def kv_changes_since(self, cursor: int) -> tuple[tuple[tuple[KVKey, bool], ...] | None, int]:
+        """(block, whether it came on device) for every device KV change since ``cursor``, in order."""
+        end = len(self._kv_journal)
+        return (None if cursor < 0 else tuple(self._kv_journal[cursor:])), end
 
     def quantized_bytes(self, kind: ObjectKind, bits: int) -> int:
         full = self.bytes_per_expert if kind is ObjectKind.EXPERT else self.bytes_per_kv_block
