@@ -79,6 +79,7 @@ class EngineConfig:
     lowbit_cache_bytes: int = 8 * 1024 * MIB  # cap of the persisted low-bit copies per checkpoint and bit width
     is_prefix_reused: bool = True  # full KV blocks kept by content hash after their request, reused by prefixes
     prefix_spill_cap_bytes: int = 1024 * MIB  # kept prefix blocks off the fast tier (disk, host) at most
+    prefix_ram_cap_bytes: int = 256 * MIB  # kept prefix blocks on the fast tier at most (least recent dropped)
     # test only: on a CPU, emulate CUDA's device/host/disk layout as two RAM budgets (the device tier aliases
     # host copies, cpu_execute offered); never from a policy file or the CLI, named in the summary and ledger
     is_emulated_device_tier: bool = False
@@ -112,6 +113,8 @@ class EngineConfig:
             raise ValueError(f"lowbit_cache_bytes must be >= 0, got {self.lowbit_cache_bytes}")
         if self.prefix_spill_cap_bytes < 0:
             raise ValueError(f"prefix_spill_cap_bytes must be >= 0, got {self.prefix_spill_cap_bytes}")
+        if self.prefix_ram_cap_bytes < 0:
+            raise ValueError(f"prefix_ram_cap_bytes must be >= 0, got {self.prefix_ram_cap_bytes}")
         if self.audit_cache_bytes < 0:
             raise ValueError(f"audit_cache_bytes must be >= 0, got {self.audit_cache_bytes}")
         if self.is_emulated_device_tier and self.device == "cuda":

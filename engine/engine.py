@@ -74,7 +74,11 @@ class Engine(BaselineAccess):
         self._used_ids: set[str] = set()  # every id accepted, never reused (a str in a set: ~100 bytes each)
         self.scheduler = Scheduler(config, self.kv_store, self._make_room_for_kv, expert_floor, self._preempt)
         self.prefix = PrefixCache(
-            self.kv_store, config.is_prefix_reused, lambda: self.scheduler.step_id, config.prefix_spill_cap_bytes
+            self.kv_store,
+            config.is_prefix_reused,
+            lambda: self.scheduler.step_id,
+            config.prefix_spill_cap_bytes,
+            config.prefix_ram_cap_bytes,
         )
         self.scheduler.adopt = self.prefix.adopt
         uses = StepUses()

@@ -206,6 +206,7 @@ def engine_config(policy: Policy, settings: RunSettings, overrides: Overrides) -
         device=_ENGINE_DEFAULTS["device"] if overrides.device is None else overrides.device,
         is_emulated_device_tier=overrides.is_emulated_device_tier,
         is_prefix_reused=policy.memory.prefix_reuse,
+        prefix_ram_cap_bytes=int(policy.memory.prefix_cache_mb * MIB),
     )
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import random
 import sqlite3
@@ -16,6 +17,7 @@ from fallbackgate.batch.prompts import PromptSpec, load_prompts
 from fallbackgate.bench import victims_reference as ref
 from fallbackgate.bench.prefix_reuse import make_engine, run_sessions, spill_kept
 from fallbackgate.cli import main
+from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.controllers.joint import JointController
 from fallbackgate.engine.controller import KVBlockInfo
 from fallbackgate.engine.engine import Engine
@@ -113,6 +115,23 @@ def test_reuse_off_keeps_nothing(tmp_path: pathlib.Path, sessions: list[PromptSp
     assert engine.prefix.summary()["num_kept_now"] == 0 and engine.prefix.stats.num_kept_blocks == 0
     assert set(engine.kv_store.tables) == set()
     engine.close()
+
+
+def test_kept_blocks_in_ram_stay_within_the_ram_cap(tmp_path: pathlib.Path, sessions: list[PromptSpec]) -> None:
+    engine = _engine(tmp_path, True)
+    unbounded = run_sessions(engine, sessions)[0]
+    kept = engine.prefix.summary()["num_kept_layer_blocks_on_device"]
+    engine.close()
+    assert kept > 4
+    cap_blocks = kept // 3
+    config = dataclasses.replace(engine.config, prefix_ram_cap_bytes=cap_blocks * engine.kv_store.bytes_per_block)
+    capped = Engine(config, ExactLRUController())
+    outputs = run_sessions(capped, sessions)[0]
+    summary = capped.prefix.summary()
+    capped.close()
+    assert 0 < summary["num_kept_layer_blocks_on_device"] <= cap_blocks  # the least recent were dropped
+    assert summary["num_dropped_blocks"] > 0
+    assert {r: o.output_token_ids for r, o in outputs.items()} == {r: o.output_token_ids for r, o in unbounded.items()}
 
 
 def test_hash_chain_names_the_whole_prefix() -> None:

@@ -34,6 +34,7 @@ from fallbackgate.engine.tags import Exactness, ObjectKind, Tag, Tier
 PREFIX_ID = "prefix:"  # pseudo request ids of kept blocks start with it
 ROOT_DIGEST = b"fallbackgate-prefix-v1"  # the parent of a request's first block
 DEFAULT_SPILL_CAP_BYTES = 1 << 30  # kept blocks off RAM (disk, host) at most; the least recently used go first
+DEFAULT_RAM_CAP_BYTES = 256 << 20  # kept blocks on the fast tier (RAM on a CPU) at most; least recent dropped
 
 
 def chain_hashes(token_ids: list[int], block_size: int, num_blocks: int, known: list[bytes]) -> list[bytes]:
@@ -105,9 +106,10 @@ class PrefixCache:
         is_enabled: bool,
         step_of: Callable[[], int],
         spill_cap_bytes: int = DEFAULT_SPILL_CAP_BYTES,
+        ram_cap_bytes: int = DEFAULT_RAM_CAP_BYTES,
     ) -> None:
         self.kv, self.is_enabled, self.step_of = kv, is_enabled, step_of
-        self.spill_cap_bytes = spill_cap_bytes
+        self.spill_cap_bytes, self.ram_cap_bytes = spill_cap_bytes, ram_cap_bytes
         self.entries: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()  # least recent first
         self.by_id: dict[str, bytes] = {}  # pseudo request id -> digest
         self.chains: dict[str, list[bytes]] = {}  # live request -> hashes of its full blocks so far
@@ -258,7 +260,8 @@ class PrefixCache:
 
     def _prune(self) -> None:
         """Drop entries with a layer left without a full-precision copy (the controller dropped it), then the
-        least recently used ones while kept blocks off the fast tier exceed the spill cap."""
+        least recently used ones while kept blocks off the fast tier exceed the spill cap or those on it the
+        RAM cap (a server's kept prefixes stay within a stated bound, not the whole budget)."""
         kv = self.kv
         dead = [e for e in self.entries.values() if not all(t[0].has_exact_copy for t in kv.tables[e.request_id])]
         for entry in dead:
@@ -270,6 +273,14 @@ class PrefixCache:
                 break
             if off[entry.digest]:
                 total -= off[entry.digest] * kv.bytes_per_block
+                self._drop(entry)
+        on = {e.digest: len(kv.tables[e.request_id]) - off[e.digest] for e in self.entries.values()}
+        total = sum(on.values()) * kv.bytes_per_block
+        for entry in list(self.entries.values()):
+            if total <= self.ram_cap_bytes:
+                break
+            if on[entry.digest]:
+                total -= on[entry.digest] * kv.bytes_per_block
                 self._drop(entry)
 
     # --- the controller's view -------------------------------------------------------------------

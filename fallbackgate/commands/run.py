@@ -83,6 +83,13 @@ def add_parser(subparsers: Any) -> None:
         "(default: kept and reused, policy memory.prefix_reuse)",
     )
     p.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=None,
+        help="kept prefix blocks in RAM at most, MiB (default 256, policy memory.prefix_cache_mb); the least "
+        "recently used are dropped beyond it",
+    )
+    p.add_argument(
         "--profile",
         choices=PROFILE_NAMES,
         default=None,

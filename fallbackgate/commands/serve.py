@@ -108,6 +108,13 @@ def add_parser(subparsers: Any) -> None:
         help="do not keep full KV blocks after their request for later requests with the same prefix "
         "(default: kept and reused, policy memory.prefix_reuse)",
     )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=None,
+        help="kept prefix blocks in RAM at most, MiB (default 256, policy memory.prefix_cache_mb); the least "
+        "recently used are dropped beyond it",
+    )
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument("--seed", type=int, default=0)
     add_trace_flag(p)

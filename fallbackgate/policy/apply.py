@@ -23,6 +23,7 @@ OVERRIDES: dict[str, tuple[str, str]] = {
     "preempt": ("memory", "preempt_mode"),
     "max_model_len": ("memory", "max_model_len"),
     "prefix_reuse": ("memory", "prefix_reuse"),
+    "prefix_cache_mb": ("memory", "prefix_cache_mb"),
     "profile": ("hardware", "profile"),
     "audit_rate": ("audit", "sample_rate"),
     "mode": ("audit", "mode"),

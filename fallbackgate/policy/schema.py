@@ -91,6 +91,8 @@ class MemorySpec(_Strict):
     max_model_len: Annotated[int, Field(ge=1, le=1 << 24)] | None = None
     # full KV blocks kept by content hash after their request and reused by later requests with that prefix
     prefix_reuse: bool = True
+    # kept prefix blocks in RAM (the fast tier) at most, MiB; the least recently used are dropped beyond it
+    prefix_cache_mb: Annotated[float, Field(ge=0)] = 256.0
 
     @field_validator("block_size")
     @classmethod
