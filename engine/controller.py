@@ -231,10 +231,11 @@ class ControllerView(Protocol):
         """Requests holding KV blocks, in the order `device_kv_blocks` lists their blocks."""
         ...
 
-    # Optional (a view without it is walked with `device_kv_blocks_of`; the engine's view has none):
-    # def kv_changes_since(self, cursor: int) -> tuple[Sequence[tuple[KVBlockKey, bool]] | None, int]:
-    #     (block, whether it came on device) for every device KV change since `cursor`, in order, and the
-    #     cursor to pass next time; None instead of the changes for a negative cursor.
+    def kv_changes_since(self, cursor: int) -> tuple[Sequence[tuple[KVBlockKey, bool]] | None, int]:
+        """(block, whether it came on device) for every device KV change since `cursor`, in order, and the
+        cursor to pass next time; None instead of the changes for a negative cursor. A returned cursor < 0:
+        this view keeps no journal (walk `device_kv_blocks_of`; the engine's view, for now)."""
+        ...
 
     def device_kv_blocks_of(self, request_id: str, is_index_major: bool = False) -> Iterator[KVBlockInfo]:
         """The request's part of `device_kv_blocks`, in that order (by layer, then index; `is_index_major`:

@@ -128,6 +128,9 @@ class LiveView:
     def expert_home(self, key: ExpertKey) -> Tier:
         return self._experts.home(key)
 
+    def kv_changes_since(self, cursor: int) -> tuple[tuple[tuple[KVBlockKey, bool], ...] | None, int]:
+        return None, -1  # no device KV journal here: a controller walks device_kv_blocks_of
+
     def expert_changes_since(self, cursor: int) -> tuple[tuple[ExpertKey, ...] | None, int]:
         changed, cursor = self._experts.journal.since(cursor)
         return (tuple(changed) if changed is not None else None), cursor

@@ -73,6 +73,9 @@ class StaticView:
     def expert_home(self, key: ExpertKey) -> Tier:
         return self.expert_homes.get(key, Tier.HOST)
 
+    def kv_changes_since(self, cursor: int) -> tuple[None, int]:
+        return None, -1  # fixed state, no journal: a controller walks device_kv_blocks_of
+
     def expert_changes_since(self, cursor: int) -> tuple[tuple[ExpertKey, ...] | None, int]:
         return None, -1  # fixed state, no journal: a controller walks device_expert_keys
 

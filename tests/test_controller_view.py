@@ -88,6 +88,7 @@ class ViewProbe(Controller):
             "is_expert_on_device": [view.is_expert_on_device(k) for k in keys],
             "expert_home": [view.expert_home(k) for k in keys],
             "expert_changes_since": [view.expert_changes_since(c) for c in (-1, 0)],
+            "kv_changes_since": [view.kv_changes_since(c) for c in (-1, 0)],
             "num_kv_tokens": [view.num_kv_tokens(r) for r in rids],
             "quantized_bytes": [view.quantized_bytes(k, bits) for k in ObjectKind for bits in (8, 4)],
             "off_device_kv_blocks": [view.off_device_kv_blocks(r, 99) for r in view.running_ids],

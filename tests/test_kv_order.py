@@ -16,14 +16,14 @@ from fallbackgate.tracing.simulate import SimulatedView
 
 
 class NoJournal:
-    """The same view without `kv_changes_since`: `kv_lru_first` walks it the old way."""
+    """The same view keeping no KV journal (`kv_changes_since` says so): `kv_lru_first` walks it the old way."""
 
     def __init__(self, view: SimulatedView) -> None:
         self._view = view
 
     def __getattr__(self, name: str) -> Any:
         if name == "kv_changes_since":
-            raise AttributeError(name)
+            return lambda cursor: (None, -1)
         return getattr(self._view, name)
 
 

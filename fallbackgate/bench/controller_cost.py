@@ -101,6 +101,9 @@ class BenchView:
     def device_expert_keys(self) -> tuple:  # as the store answers: a walk of its entries
         return tuple(k for k, is_on in self.on_device.items() if is_on)
 
+    def kv_changes_since(self, cursor: int) -> tuple[None, int]:
+        return None, -1  # no KV journal: the controller walks device_kv_blocks_of, as the engine's view
+
     def expert_changes_since(self, cursor: int) -> tuple[list | None, int]:
         return self.table.journal.since(cursor)
 

@@ -38,10 +38,7 @@ class KVOrder:
 
     def ordered(self, view: ControllerView, seen: Mapping[KVBlockKey, int]) -> Iterator[KVBlockKey] | None:
         """The order for `view` (``seen``: every read block's rank), or None when `view` keeps no journal."""
-        changes_since = getattr(view, "kv_changes_since", None)  # views predating the journal lack it
-        if changes_since is None:
-            return None
-        changes, cursor = changes_since(self.cursor if view is self.view else -1)
+        changes, cursor = view.kv_changes_since(self.cursor if view is self.view else -1)
         if cursor < 0:
             return None
         running, rids = tuple(view.running_ids), view.kv_request_ids
