@@ -19,6 +19,32 @@ def check_output_path(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path}: directory {parent} is not writable")
 
 
+def add_kv_flags(parser: argparse.ArgumentParser) -> None:
+    """``--max-model-len``, ``--no-prefix-reuse`` and ``--prefix-cache-mb`` (policy ``memory`` overrides)."""
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="prompt + output tokens per request (default 2048), capped by the model's max_position_embeddings",
+    )
+    parser.add_argument(
+        "--no-prefix-reuse",
+        dest="prefix_reuse",
+        action="store_const",
+        const=False,
+        default=None,
+        help="do not keep full KV blocks after their request for later requests with the same prefix "
+        "(default: kept and reused, policy memory.prefix_reuse)",
+    )
+    parser.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=None,
+        help="kept prefix blocks in RAM at most, MiB (default 256, policy memory.prefix_cache_mb); the least "
+        "recently used are dropped beyond it",
+    )
+
+
 def add_trace_flag(parser: argparse.ArgumentParser) -> None:
     """``--trace DIR``: write the run's joint trace (format v1) there, live."""
     parser.add_argument(

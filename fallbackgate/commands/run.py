@@ -17,7 +17,7 @@ from fallbackgate.batch.prompts import PromptsFileError, PromptSpec, check_class
 from fallbackgate.batch.report import print_report, to_json, write_json
 from fallbackgate.batch.session import RunSettings, run_prompts
 from fallbackgate.batch.summary import print_prefix_reuse, print_slips, print_slo_misses, print_summary
-from fallbackgate.commands.checks import add_trace_flag, check_output_path, check_trace_flag
+from fallbackgate.commands.checks import add_kv_flags, add_trace_flag, check_output_path, check_trace_flag
 from fallbackgate.controllers.exact_lru import FORCEABLE_TAGS
 from fallbackgate.engine.config import PREEMPT_MODES
 from fallbackgate.engine.engine import Engine
@@ -67,28 +67,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together at most (default 8)")
     p.add_argument("--preempt", choices=PREEMPT_MODES, default=None, help="what preemption does to KV")
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="prompt + output tokens per request (default 2048), capped by the model's max_position_embeddings",
-    )
-    p.add_argument(
-        "--no-prefix-reuse",
-        dest="prefix_reuse",
-        action="store_const",
-        const=False,
-        default=None,
-        help="do not keep full KV blocks after their request for later requests with the same prefix "
-        "(default: kept and reused, policy memory.prefix_reuse)",
-    )
-    p.add_argument(
-        "--prefix-cache-mb",
-        type=float,
-        default=None,
-        help="kept prefix blocks in RAM at most, MiB (default 256, policy memory.prefix_cache_mb); the least "
-        "recently used are dropped beyond it",
-    )
+    add_kv_flags(p)
     p.add_argument(
         "--profile",
         choices=PROFILE_NAMES,

@@ -31,7 +31,7 @@ from typing import Any
 from fallbackgate.assembly import Assembly, Overrides, assemble, no_policy
 from fallbackgate.batch.prompts import PromptsFileError
 from fallbackgate.batch.session import memory_summary
-from fallbackgate.commands.checks import add_trace_flag, check_trace_flag
+from fallbackgate.commands.checks import add_kv_flags, add_trace_flag, check_trace_flag
 from fallbackgate.engine.errors import EngineError
 from fallbackgate.ledger.backlog import DEFAULT_BUFFER_BYTES
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
@@ -93,28 +93,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--device-budget-mb", type=float, default=None)
     p.add_argument("--host-budget-mb", type=float, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None, help="requests decoded together at most")
-    p.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="prompt + output tokens per request (default 2048), capped by the model's max_position_embeddings",
-    )
-    p.add_argument(
-        "--no-prefix-reuse",
-        dest="prefix_reuse",
-        action="store_const",
-        const=False,
-        default=None,
-        help="do not keep full KV blocks after their request for later requests with the same prefix "
-        "(default: kept and reused, policy memory.prefix_reuse)",
-    )
-    p.add_argument(
-        "--prefix-cache-mb",
-        type=float,
-        default=None,
-        help="kept prefix blocks in RAM at most, MiB (default 256, policy memory.prefix_cache_mb); the least "
-        "recently used are dropped beyond it",
-    )
+    add_kv_flags(p)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None)
     p.add_argument("--seed", type=int, default=0)
     add_trace_flag(p)
