@@ -13,17 +13,11 @@ from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
 from tests.test_faults_local import LAYER, POLICY, copy_bundled, some_not_all
+from tests.test_faults_run import TEXTS as RUN_TEXTS
 from tests.test_faults_run import routed_experts
 from tests.test_server import Server
 
-TEXTS = [
-    "Once upon a time there was a little girl",
-    "The king called his three sons to him and said,",
-    "It was a cold winter morning, and the snow lay deep",
-    "The old man sat by the fire and told a story",
-    "A fox saw a bunch of grapes hanging from a vine",
-    "The little bird flew over the river",
-]
+TEXTS = [*RUN_TEXTS, "The little bird flew over the river"]
 NEW_TOKENS = 6
 MODEL = "bundled"  # the copied checkpoint's directory name, as /v1/models lists it
 
