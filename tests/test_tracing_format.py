@@ -149,3 +149,15 @@ def test_a_write_failing_on_the_sink_is_raised_by_close(tmp_path: Path) -> None:
     with pytest.raises(TraceFormatError, match="kv_access.layer: cannot be read as int16"):
         writer.close()
     assert not (tmp_path / "t" / "metadata.json").exists()  # an unfinished trace is not one read_trace accepts
+
+
+def test_kv_content_hash_column_follows_each_reads_blocks_in_every_layer() -> None:
+    """Rows are layer-major per read; a block past the read's hashed ones (a partial tail) is null."""
+    from fallbackgate.tracing.access_columns import KVPending
+
+    pending = KVPending()
+    pending.blocks += [3, 2, 1]
+    pending.hashes += [[11, 12], [21, 22, 23], []]  # read 1 lists more hashes than blocks read: the first 2 count
+    column = pending._hash_column(num_layers=2)
+    assert column.mask.tolist() == [False, False, True] * 2 + [False, False] * 2 + [True] * 2
+    assert column.data[~column.mask].tolist() == [11, 12, 11, 12, 21, 22, 21, 22]

@@ -4,6 +4,8 @@ use's or block's bytes and wait on its first row, resident defaults for everythi
 
 from __future__ import annotations
 
+import itertools
+
 from typing import Any
 
 import numpy as np
@@ -131,14 +133,24 @@ class KVPending:
         """Each row's block content hash, null for blocks not hashed (a partial tail); None: none hashed."""
         if not any(self.hashes):
             return None
-        parts, masks = [], []
-        for hashes, num_blocks in zip(self.hashes, self.blocks, strict=True):
-            known = np.zeros(num_blocks, dtype=np.uint64)
-            known[: len(hashes)] = np.array(hashes[:num_blocks], dtype=np.uint64)
-            missing = np.arange(num_blocks) >= len(hashes)
-            parts.append(np.tile(known, num_layers))
-            masks.append(np.tile(missing, num_layers))
-        return np.ma.MaskedArray(np.concatenate(parts), mask=np.concatenate(masks))
+        blocks = np.array(self.blocks, dtype=np.int64)
+        num_known = np.minimum([len(h) for h in self.hashes], blocks)  # hashed blocks per read (the first ones)
+        read_starts = np.concatenate([[0], np.cumsum(blocks)[:-1]]).astype(np.int64)  # per read, into `known`
+        known = np.zeros(int(blocks.sum()), dtype=np.uint64)  # per read, its blocks' hashes (0 where none)
+        is_known = np.zeros(len(known), dtype=bool)
+        flat = np.fromiter(itertools.chain.from_iterable(h[:n] for h, n in zip(self.hashes, num_known, strict=True)),
+                           dtype=np.uint64, count=int(num_known.sum()))  # fmt: skip
+        known_starts = np.concatenate([[0], np.cumsum(num_known)[:-1]]).astype(np.int64)
+        at = np.repeat(read_starts, num_known) + np.arange(len(flat)) - np.repeat(known_starts, num_known)
+        known[at], is_known[at] = flat, True
+        rows_per_read = blocks * num_layers  # rows (layer-major, then block) of each read
+        row_read = np.repeat(np.arange(len(blocks)), rows_per_read)
+        row_starts = np.concatenate([[0], np.cumsum(rows_per_read)[:-1]]).astype(np.int64)
+        row_block = (np.arange(int(rows_per_read.sum())) - np.repeat(row_starts, rows_per_read)) % np.repeat(
+            np.maximum(blocks, 1), rows_per_read
+        )
+        index = read_starts[row_read] + row_block
+        return np.ma.MaskedArray(known[index], mask=~is_known[index])
 
 
 def kv_columns(step: int, cap: StepCapture, names: list[str], index: dict[str, int], num_layers: int) -> dict:
