@@ -5,7 +5,6 @@ use's or block's bytes and wait on its first row, resident defaults for everythi
 from __future__ import annotations
 
 import itertools
-
 from typing import Any
 
 import numpy as np
