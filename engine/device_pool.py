@@ -16,7 +16,7 @@ class Scratch(str, enum.Enum):
     KV_STAGED = "kv_staged"  # an off-device KV block made readable for one step (loaded, dequantized, rebuilt)
     KV_GATHER = "kv_gather"  # one layer's K/V of the packed requests laid out contiguously for attention
     KV_EXPAND = "kv_expand"  # one request's MLA latents expanded to every head's K/V for one layer's attention
-    EXPERT_DEQUANT = "expert_dequant"  # a low-bit expert's transfer copy and its dequantized weights
+    EXPERT_DEQUANT = "expert_dequant"  # a low-bit expert's transfer copy and dequantized weights; FP8 dequant staging
 
 
 class HeldCopy(str, enum.Enum):

@@ -4,6 +4,7 @@ fp8 e4m3 for the codec), at 8 and 4 bits.
 The counted bytes (`num_bytes`, the formulas in `engine/experts/quant.py` / `engine/kv/codec.py`, and what
 the host pool reserves) are compared with the storages of the tensors really held, deduplicated by storage;
 int4 codes are packed two per byte and dequantize to exactly the values of the former one-code-per-byte form.
+An FP8-held expert (e4m3 codes + fp32 block scales) is counted at those storages.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fallbackgate.engine.device_pool import TierPool
+from fallbackgate.engine.experts import fp8_experts
 from fallbackgate.engine.experts.quant import (
     Quantized,
     dequantize,
@@ -27,9 +29,11 @@ from fallbackgate.engine.experts.quant import (
     unpack_int4,
     unpacked_codes,
 )
+from fallbackgate.engine.experts.weights import BlockScaled, ExpertWeights
 from fallbackgate.engine.kv.codec import dequantize_kv, quant_kv_nbytes, quantize_kv, read_quant, write_quant
 from fallbackgate.engine.kv.spill import SpillDir
 from fallbackgate.engine.kv.store import KVStore, SpillMode
+from fallbackgate.engine.model import fp8
 from fallbackgate.engine.tags import ObjectKind
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -162,3 +166,26 @@ def test_a_spilled_quantized_block_reads_back_the_same(bits: int, tmp_path: path
     back = read_quant(spill, on_disk)
     assert back.num_bytes == quant.num_bytes
     assert torch.equal(dequantize_kv(back), dequantize_kv(quant))
+
+
+fp8_blocks = st.tuples(st.sampled_from((1, 2, 4, 8)), st.sampled_from((1, 2, 4, 8)), st.sampled_from((4, 16)))
+
+
+@FAST
+@given(fp8_blocks, st.sampled_from(DTYPES), st.integers(0, 2**16))
+def test_an_fp8_held_expert_is_counted_at_its_storage_bytes(grid, dtype, seed) -> None:
+    """An FP8 host copy (codes + fp32 block scales, as the checkpoint stores it) is counted for exactly the
+    storages it holds, and filling a slot from it is the whole-tensor dequantization bitwise."""
+    block_rows, block_cols, block = grid
+    inter, hidden = block_rows * block, block_cols * block
+    gen = torch.Generator().manual_seed(seed)
+    coded = [fp8.quantize_blocks(torch.randn(r, c, generator=gen), (block, block))
+             for r, c in ((inter, hidden), (inter, hidden), (hidden, inter))]  # fmt: skip
+    held = BlockScaled(torch.cat([coded[0][0], coded[1][0]]), coded[2][0], tuple(s for _, s in coded))
+    assert held.num_bytes == storage_bytes(held.gate_up, held.down, *held.scales)
+    assert held.num_bytes == 3 * inter * hidden + 4 * 3 * block_rows * block_cols
+    slot = ExpertWeights(torch.empty(2 * inter, hidden, dtype=dtype), torch.empty(hidden, inter, dtype=dtype))
+    fp8_experts.write_into(slot, held)
+    whole = [fp8.dequantize(c, s, dtype) for c, s in coded]
+    assert bitwise_equal(slot.gate_up, torch.cat(whole[:2])) and bitwise_equal(slot.down, whole[2])
+    assert slot.num_bytes == 3 * inter * hidden * dtype.itemsize

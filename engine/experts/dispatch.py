@@ -200,7 +200,7 @@ class ExpertDispatch:
         pins = {(layer, int(e)) for e in np.unique(routing.experts[routing.slots >= 0])} | set(by_key)
         for key, key_uses in by_key.items():
             if not store.can_place(key) and not self.host.make_room(
-                store.bytes_per_expert, pinned_experts=pins, is_kv_evictable=False
+                store.place_bytes, pinned_experts=pins, is_kv_evictable=False
             ):  # the layer's working set does not fit at once: compute what is ready, then unpin it
                 self._flush(module, layer, hidden, flat_weights, slots, out)
                 pins = {k for k in pins if k in by_key and not store.is_on_device(k)} | {key}

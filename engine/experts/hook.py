@@ -85,7 +85,7 @@ def fetch_for_tag(store: ExpertStore, key: ExpertKey, tag: Tag, make_room: Calla
         return Fetched(store.device_weights(key), None, 0)
     if tag is Tag.EXACT_LOAD:
         if not store.can_place(key):
-            make_room(store.bytes_per_expert, pinned_experts={key}, is_kv_evictable=False)
+            make_room(store.place_bytes, pinned_experts={key}, is_kv_evictable=False)
         if not store.can_place(key):
             raise EngineError(f"no device room for expert {key} even after eviction")
         return store.place(key)

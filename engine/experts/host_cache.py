@@ -11,11 +11,12 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from fallbackgate.engine.device_pool import TierPool
+from fallbackgate.engine.experts import fp8_experts
 from fallbackgate.engine.experts.journal import ChangeLog
-from fallbackgate.engine.experts.quarantine import ExpertQuarantined, read_checked
+from fallbackgate.engine.experts.quarantine import ExpertQuarantined, read_checked_stored
 from fallbackgate.engine.experts.read_ahead import ReadAhead
 from fallbackgate.engine.experts.reader import ExpertKey, ExpertReader
-from fallbackgate.engine.experts.weights import ExpertWeights, Fetched
+from fallbackgate.engine.experts.weights import ExpertWeights, Fetched, HeldWeights
 from fallbackgate.engine.tags import ObjectKind, Tier
 
 READ_SLOTS = 8  # experts read ahead at once at most
@@ -24,12 +25,16 @@ READ_SLOTS = 8  # experts read ahead at once at most
 class HoldsFull(Protocol):
     """What the host cache reads of a store entry."""
 
-    host: ExpertWeights | None
+    host: HeldWeights | None
     device: ExpertWeights | None
 
 
 class HostCache:
-    """Full-precision host copies (each in its entry's ``host``), least recently used first to go, and the reads."""
+    """Full-precision host copies (each in its entry's ``host``), least recently used first to go, and the reads.
+
+    A copy is held as the checkpoint stores it when that is FP8 (codes and scales: `BlockScaled`, counted at
+    those bytes) and dequantized per use (`read_home`, `read_home_held` + `fp8_experts.write_into`); other
+    checkpoints' copies are held in the compute dtype."""
 
     def __init__(
         self,
@@ -44,7 +49,7 @@ class HostCache:
         self.reader, self.entries, self.journal = reader, entries, journal
         self.host_pool, self.staging_pool = host_pool, staging_pool  # staging: holds the reads ahead in flight
         self.is_ram_tiered = is_ram_tiered
-        self.bytes_per_expert = reader.compute_bytes_per_expert  # what a copy holds in memory (pools count it)
+        self.bytes_per_expert = reader.held_bytes_per_expert  # what a copy holds in memory (pools count it)
         self.checkpoint_bytes_per_expert = reader.checkpoint_bytes_per_expert  # what a read takes from the files
         self.lru: collections.OrderedDict[ExpertKey, None] = collections.OrderedDict()
         self.num_disk_reads = 0
@@ -126,22 +131,32 @@ class HostCache:
             self.read_ahead_cached.add(key)
 
     def read_home(self, key: ExpertKey, is_cached: bool) -> Fetched:
-        """The full-precision copy: the host cache's, else read from the checkpoint (kept when `is_cached`)."""
+        """The full-precision copy in the compute dtype (FP8: dequantized now, a fresh copy): the host
+        cache's, else read from the checkpoint (kept when `is_cached`)."""
+        held, fetched = self.read_home_held(key, is_cached)
+        fetched.weights = fp8_experts.to_compute(held, self.reader.compute_dtype)
+        return fetched
+
+    def read_home_held(self, key: ExpertKey, is_cached: bool) -> tuple[HeldWeights, Fetched]:
+        """The copy as held (FP8: codes and scales) and what getting it cost (its `weights` are the held
+        copy when that is in the compute dtype; callers of an FP8 copy dequantize it where they use it)."""
         entry = self.entries[key]
         if entry.host is not None:
+            held = entry.host
             self.lru.move_to_end(key)
             if key in self.read_ahead_cached:  # read from the checkpoint ahead, in an earlier step
                 self.read_ahead_cached.discard(key)
-                return Fetched(entry.host, Tier.DISK, self.checkpoint_bytes_per_expert, "read ahead in an earlier step")
-            return Fetched(entry.host, Tier.HOST, self.bytes_per_expert)
-        weights, note = self.read_disk(key)
+                note = "read ahead in an earlier step"
+                return held, Fetched(_as_weights(held), Tier.DISK, self.checkpoint_bytes_per_expert, note)
+            return held, Fetched(_as_weights(held), Tier.HOST, self.bytes_per_expert)
+        held, note = self.read_disk(key)
         if is_cached:
             self.make_room()
             if self.host_pool.can_reserve(self.bytes_per_expert + self.read_slot_bytes()):
-                self.cache(key, weights)
-        return Fetched(weights, Tier.DISK, self.checkpoint_bytes_per_expert, note)
+                self.cache(key, held)
+        return held, Fetched(_as_weights(held), Tier.DISK, self.checkpoint_bytes_per_expert, note)
 
-    def read_disk(self, key: ExpertKey) -> tuple[ExpertWeights, str]:
+    def read_disk(self, key: ExpertKey) -> tuple[HeldWeights, str]:
         """The expert from the checkpoint: a read started ahead (waited for), else a read now."""
         self.num_disk_reads += 1
         if self.read_ahead.is_in_flight(key):
@@ -151,12 +166,12 @@ class HostCache:
             return weights, "; ".join(filter(None, ["read ahead", note]))
         return self.read_ahead.demand_read(key)
 
-    def verified_read(self, key: ExpertKey) -> tuple[ExpertWeights, str]:
-        """A verified read; one re-read clears a transient fault, a second failure quarantines the expert
-        (ExpertQuarantined)."""
-        return read_checked(self.reader, key)
+    def verified_read(self, key: ExpertKey) -> tuple[HeldWeights, str]:
+        """A verified read, as held (FP8: codes and scales); one re-read clears a transient fault, a second
+        failure quarantines the expert (ExpertQuarantined)."""
+        return read_checked_stored(self.reader, key)
 
-    def cache(self, key: ExpertKey, weights: ExpertWeights) -> None:
+    def cache(self, key: ExpertKey, weights: HeldWeights) -> None:
         """Keep `weights` as the host copy of `key` (the caller checked the room)."""
         self.host_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
         self.entries[key].host = weights
@@ -179,3 +194,8 @@ class HostCache:
     def make_room(self) -> None:
         """Evict the least recently used host copy when the cache is full (it can be read again)."""
         self.free(self.bytes_per_expert + self.read_slot_bytes())
+
+
+def _as_weights(held: HeldWeights) -> ExpertWeights:
+    """The held copy as ExpertWeights: itself, or for FP8 its codes (a placeholder the caller replaces)."""
+    return held if isinstance(held, ExpertWeights) else ExpertWeights(held.gate_up, held.down)

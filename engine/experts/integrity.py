@@ -19,7 +19,7 @@ import torch
 
 from fallbackgate.engine.experts.reader import weights_digest
 from fallbackgate.engine.experts.store import ExpertKey, ExpertStore
-from fallbackgate.engine.experts.weights import ExpertWeights
+from fallbackgate.engine.experts.weights import BlockScaled, ExpertWeights
 from fallbackgate.engine.messages import Verification
 from fallbackgate.engine.model.dense_loader import tensor_digest
 from fallbackgate.engine.tags import Tier
@@ -97,7 +97,9 @@ class CopyVerifier:
         if tier is Tier.DEVICE and entry.ready is not None:  # a side-stream copy may still be writing it
             entry.ready.synchronize()
         reader = self.store.reader
-        if reader.is_block_scaled:  # FP8: a copy is the dequantized weights a verified read produced
+        if isinstance(copy, BlockScaled):  # an FP8 host copy holds the codes and scales as the files do
+            passed = weights_digest(ExpertWeights(copy.gate_up, copy.down), copy.scales) == reader.digests[key]
+        elif reader.is_block_scaled:  # FP8 device copy: the dequantized weights a verified read produced
             as_computed = ExpertWeights(copy.gate_up.to("cpu"), copy.down.to("cpu"))
             passed = weights_digest(as_computed) == reader.compute_digest(key)
         else:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Protocol
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
 from fallbackgate.engine.errors import CheckpointError, EngineError, ExpertReadError
-from fallbackgate.engine.experts.weights import ExpertWeights
+from fallbackgate.engine.experts.weights import ExpertWeights, HeldWeights
 
 ExpertKey = tuple[int, int]
 READ_FAULTS = (ExpertReadError, OSError, CheckpointError)  # what a read of an expert's bytes can fail with
@@ -83,6 +84,9 @@ class Quarantine:
             return self._records.setdefault(record.key, record)
 
 
+W = TypeVar("W")
+
+
 class CheckedReader(Protocol):
     """What `read_checked` needs of an ExpertReader."""
 
@@ -90,6 +94,8 @@ class CheckedReader(Protocol):
     digests: dict[ExpertKey, str]
 
     def read(self, key: ExpertKey) -> ExpertWeights: ...
+
+    def read_stored(self, key: ExpertKey) -> HeldWeights: ...
 
     def tensor_files(self, key: ExpertKey) -> dict[str, str]: ...
 
@@ -103,17 +109,26 @@ def _record(reader: CheckedReader, key: ExpertKey, exc: BaseException) -> Quaran
 
 def read_checked(reader: CheckedReader, key: ExpertKey) -> tuple[ExpertWeights, str]:
     """Read expert `key` through `reader` (an ExpertReader) verified, retrying once after a fault; returns
-    (weights, note). Raises ExpertQuarantined when it is (or now becomes) quarantined."""
+    (weights in the compute dtype, note). Raises ExpertQuarantined when it is (or now becomes) quarantined."""
+    return _read_checked(reader, key, reader.read)
+
+
+def read_checked_stored(reader: CheckedReader, key: ExpertKey) -> tuple[HeldWeights, str]:
+    """`read_checked`, the weights as held (FP8: codes and scales as stored, see `ExpertReader.read_stored`)."""
+    return _read_checked(reader, key, reader.read_stored)
+
+
+def _read_checked(reader: CheckedReader, key: ExpertKey, read: Callable[[ExpertKey], W]) -> tuple[W, str]:
     quarantine = reader.quarantine
     known = quarantine.get(key)
     if known is not None:
         raise ExpertQuarantined(known)
     try:
-        return reader.read(key), ""
+        return read(key), ""
     except READ_FAULTS as first:
         quarantine.num_retried += 1
         try:
-            weights = reader.read(key)
+            weights = read(key)
         except READ_FAULTS as second:
             raise ExpertQuarantined(quarantine.add(_record(reader, key, second))) from second
         quarantine.num_cleared += 1

@@ -17,11 +17,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from fallbackgate.engine.experts.weights import ExpertWeights
+from fallbackgate.engine.experts.weights import HeldWeights
 from fallbackgate.engine.io.context import IOPriority, current_io_context, io_context
 
 ExpertKey = tuple[int, int]
-Read = tuple[ExpertWeights, str]  # the weights and a note for the ledger (e.g. a cleared checksum fault)
+Read = tuple[HeldWeights, str]  # the weights and a note for the ledger (e.g. a cleared checksum fault)
 
 
 @dataclasses.dataclass(slots=True)
@@ -125,7 +125,7 @@ class ReadAhead:
         self.clock.num_unpredicted += 1
         return got
 
-    def finished_before(self, step_id: int) -> list[tuple[ExpertKey, ExpertWeights | None]]:
+    def finished_before(self, step_id: int) -> list[tuple[ExpertKey, HeldWeights | None]]:
         """Reads started before `step_id`, finished and not taken: their results (None for a failed read),
         removed. Reads still running stay in flight (nothing waits for them here)."""
         out = []

@@ -9,7 +9,8 @@ An expert's matrices are found by name, in either layout transformers reads:
 
 Block-scaled FP8 checkpoints (DeepSeek-V3, Qwen3-FP8 as published) hold each per-expert matrix as e4m3
 codes with a ``….weight_scale_inv`` beside it: the codes and scales stream from disk (about half a bf16
-expert's bytes) and are dequantized when the expert is read, as transformers dequantizes them.
+expert's bytes) and stay FP8 (`read_stored`) until the expert is used, then are dequantized as transformers
+dequantizes them (`fp8_experts`).
 
 Integrity: a manifest (``fallbackgate-manifest.json`` beside the weights) records, per expert, the tensors
 it maps to and an xxh3-64 of its bytes (gate_up then down, in the checkpoint's dtype). It is written by
@@ -30,8 +31,9 @@ import torch
 import xxhash
 
 from fallbackgate.engine.errors import CheckpointError, ExpertReadError
+from fallbackgate.engine.experts import fp8_experts
 from fallbackgate.engine.experts.quarantine import Quarantine
-from fallbackgate.engine.experts.weights import ExpertWeights
+from fallbackgate.engine.experts.weights import BlockScaled, ExpertWeights, HeldWeights
 from fallbackgate.engine.model import fp8
 from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
 
@@ -263,6 +265,16 @@ class ExpertReader:
 
     def read(self, key: ExpertKey) -> ExpertWeights:
         """Read, verify against the manifest, and cast (FP8: dequantize) to the compute dtype."""
+        held = self.read_stored(key)
+        if isinstance(held, ExpertWeights):
+            return held
+        weights = fp8_experts.to_compute(held, self.compute_dtype)
+        self.compute_digests[key] = weights_digest(weights)
+        return weights
+
+    def read_stored(self, key: ExpertKey) -> HeldWeights:
+        """Read and verify against the manifest; FP8 stays codes and scales as stored (`BlockScaled`),
+        anything else is cast to the compute dtype."""
         weights, source = self.read_raw(key), self.sources[key]
         scales = read_scales(self.files, source)
         found = weights_digest(weights, scales) if self.is_checksum_verified else self.digests[key]
@@ -275,10 +287,9 @@ class ExpertReader:
                 found,
             )
         if scales:
-            weights = self._dequantize(weights, scales, key)
-            self.compute_digests[key] = weights_digest(weights)
-        elif weights.gate_up.dtype != self.compute_dtype:
-            weights = ExpertWeights(weights.gate_up.to(self.compute_dtype), weights.down.to(self.compute_dtype))
+            return BlockScaled(weights.gate_up, weights.down, scales)
+        if weights.gate_up.dtype != self.compute_dtype:
+            return ExpertWeights(weights.gate_up.to(self.compute_dtype), weights.down.to(self.compute_dtype))
         return weights
 
     def compute_digest(self, key: ExpertKey) -> str:
@@ -286,18 +297,6 @@ class ExpertReader:
         if key not in self.compute_digests:
             self.read(key)
         return self.compute_digests[key]
-
-    def _dequantize(self, weights: ExpertWeights, scales: tuple[torch.Tensor, ...], key: ExpertKey) -> ExpertWeights:
-        """Gate, up and down dequantized each with its own scales (as transformers does before it
-        concatenates gate and up), in the compute dtype."""
-        gate_rows = self.files.shape(self.sources[key].parts[0][0])[0]
-        names = [name for name, _ in self.sources[key].parts]
-        gate, up = weights.gate_up[:gate_rows], weights.gate_up[gate_rows:]
-        gate, up, down = (
-            fp8.dequantize(w, s, self.compute_dtype, n)
-            for w, s, n in zip((gate, up, weights.down), scales, names, strict=True)
-        )
-        return ExpertWeights(torch.cat([gate, up]), down)
 
     @property
     def num_params_per_expert(self) -> int:
@@ -333,6 +332,24 @@ class ExpertReader:
     def compute_bytes_per_expert(self) -> int:
         """Bytes one expert occupies in memory, in the compute dtype."""
         return self.num_params_per_expert * self.compute_dtype.itemsize
+
+    @property
+    def held_bytes_per_expert(self) -> int:
+        """Bytes of one host copy as `read_stored` returns it: FP8 codes and scales as stored, else the
+        compute dtype."""
+        return self.checkpoint_bytes_per_expert if self.is_block_scaled else self.compute_bytes_per_expert
+
+    @functools.cached_property
+    def dequant_scratch_bytes(self) -> int:
+        """FP8: peak bytes of one expert's dequantization into a slot (`fp8_experts.scratch_bytes`); else 0."""
+        if not self.is_block_scaled:
+            return 0
+        key = next(iter(self.sources))
+        block_rows = max(
+            self.files.shape(name)[0] // self.files.shape(scales)[0]
+            for (name, _), scales in zip(self.sources[key].parts, self.sources[key].scale_parts, strict=True)
+        )
+        return fp8_experts.scratch_bytes(self.matrix_shapes, block_rows, self.compute_dtype)
 
 
 def _num_elements(files: CheckpointFiles, name: str, index: int | None) -> int:

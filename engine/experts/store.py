@@ -26,8 +26,9 @@ from collections.abc import Callable
 import torch
 
 from fallbackgate.engine.config import TierLayout, tier_layout
-from fallbackgate.engine.device_pool import HeldCopy, PoolKind, TierPool
+from fallbackgate.engine.device_pool import HeldCopy, PoolKind, Scratch, TierPool
 from fallbackgate.engine.errors import EngineError
+from fallbackgate.engine.experts import fp8_experts
 from fallbackgate.engine.experts.host_cache import HostCache
 from fallbackgate.engine.experts.journal import ChangeLog
 from fallbackgate.engine.experts.lowbit_cache import LowbitDiskCache
@@ -36,7 +37,7 @@ from fallbackgate.engine.experts.quant import Quantized
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined
 from fallbackgate.engine.experts.reader import ExpertKey, ExpertReader
 from fallbackgate.engine.experts.slots import SlotPool
-from fallbackgate.engine.experts.weights import ExpertWeights, Fetched
+from fallbackgate.engine.experts.weights import ExpertWeights, Fetched, HeldWeights
 from fallbackgate.engine.tags import ObjectKind, Tier
 
 __all__ = ["DEQUANT_ROWS", "ExpertKey", "ExpertStore", "ExpertWeights", "Fetched"]
@@ -44,7 +45,7 @@ __all__ = ["DEQUANT_ROWS", "ExpertKey", "ExpertStore", "ExpertWeights", "Fetched
 
 @dataclasses.dataclass(slots=True)
 class _Entry:
-    host: ExpertWeights | None = None  # full-precision copy in the host cache (host pool)
+    host: HeldWeights | None = None  # full-precision copy in the host cache (host pool); FP8: codes and scales
     device: ExpertWeights | None = None  # device copy (device pool); on CPU the former host tensors
     lowbit: tuple[Quantized, Quantized] | None = None  # int8/int4 copy in host memory, made on demand
     ready: torch.cuda.Event | None = None  # CUDA: set when an async (side-stream) copy completes
@@ -81,7 +82,11 @@ class ExpertStore:
         )
         # every key whose device or host copy came or went, in order: what readers consume instead of a walk
         self.journal: ChangeLog[ExpertKey] = ChangeLog(4 * len(self.entries))
-        self.bytes_per_expert = reader.compute_bytes_per_expert  # what a copy holds in memory (pools count it)
+        self.bytes_per_expert = reader.compute_bytes_per_expert  # what a device copy holds (pools count it)
+        self.dequant_scratch_bytes = reader.dequant_scratch_bytes  # FP8: staging while a slot is filled
+        self.place_bytes = self.bytes_per_expert + self.dequant_scratch_bytes  # device room an exact_load needs
+        # FP8: the host copy (codes and scales) is not the device copy's bytes, so nothing moves between them
+        self.is_moved_on_place = self.is_in_place and not reader.is_block_scaled
         self.checkpoint_bytes_per_expert = reader.checkpoint_bytes_per_expert  # what a read takes from the files
         self.stacked_layers: set[int] = set()  # layers whose experts all sit in one resident stack (pinned)
         self.host_cache = HostCache(
@@ -142,7 +147,7 @@ class ExpertStore:
         credits them). Returns the prefetches started."""
         started = []
         for key in prefetch:
-            if self.is_on_device(key) or not self.device_pool.can_reserve(self.bytes_per_expert):
+            if self.is_on_device(key) or not self.device_pool.can_reserve(self.place_bytes):
                 continue
             try:
                 started.append((key, self.place(key, is_async=True)))
@@ -162,13 +167,11 @@ class ExpertStore:
             keys = [key for key in self.entries if key[0] == layer]
             base = len(self.slots.slot_of)
             for key in keys:
-                weights, slot = (
-                    self.host_cache.read_home(key, is_cached=False).weights,
-                    self.slots.assign(key, base + key[1]),
-                )
-                slot.gate_up.copy_(weights.gate_up)
-                slot.down.copy_(weights.down)
+                held, _ = self.host_cache.read_home_held(key, is_cached=False)
+                slot = self.slots.assign(key, base + key[1])
                 self.device_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
+                with self.device_pool.held(Scratch.EXPERT_DEQUANT, self.dequant_scratch_bytes):
+                    fp8_experts.write_into(slot, held)
                 self.entries[key].device = slot
                 self.journal.record(key)
             gate_up, down = self.slots.gate_up[base : base + len(keys)], self.slots.down[base : base + len(keys)]
@@ -240,33 +243,35 @@ class ExpertStore:
     # --- mechanism -----------------------------------------------------------------------------
     def can_place(self, key: ExpertKey) -> bool:
         """True when `key` is on device already or its bytes fit in the device budget now."""
-        return self.is_on_device(key) or self.device_pool.can_reserve(self.bytes_per_expert)
+        return self.is_on_device(key) or self.device_pool.can_reserve(self.place_bytes)
 
     def place(self, key: ExpertKey, is_async: bool = False) -> Fetched:
         """Bring `key` to device at full precision (exact_load).
 
         On CUDA with `is_async`, the copy runs on a side stream and overlaps compute; the first use waits
-        for it on the GPU (see `device_weights`).
+        for it on the GPU (see `device_weights`). An FP8 copy is dequantized into the slot as it is written,
+        its temporaries counted in the device pool as Scratch.EXPERT_DEQUANT meanwhile.
         """
         entry = self.entries[key]
         if entry.device is not None:
             return Fetched(self.device_weights(key), None, 0)
-        fetched = self.host_cache.read_home(key, is_cached=not self.is_in_place)
+        held, fetched = self.host_cache.read_home_held(key, is_cached=not self.is_moved_on_place)
         if self.is_ram_tiered:
-            self.drop_lowbit(self.bytes_per_expert)
+            self.drop_lowbit(self.place_bytes)
         self.device_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
-        if self.is_in_place and entry.host is not None:  # the host copy moves under the device budget
+        if self.is_moved_on_place and entry.host is not None:  # the host copy moves under the device budget
             self.host_cache.drop(key)
         slot = self.slots.assign(key)
-        if is_async and self.copy_stream is not None:
-            self.copy_stream.wait_stream(torch.cuda.current_stream())  # the slot's last readers are done
-            with torch.cuda.stream(self.copy_stream):
-                _copy_into(slot, fetched.weights)
-                entry.ready = torch.cuda.Event()
-                entry.ready.record(self.copy_stream)
-            self.pending_ready.add(key)
-        else:
-            _copy_into(slot, fetched.weights)
+        with self.device_pool.held(Scratch.EXPERT_DEQUANT, self.dequant_scratch_bytes):
+            if is_async and self.copy_stream is not None:
+                self.copy_stream.wait_stream(torch.cuda.current_stream())  # the slot's last readers are done
+                with torch.cuda.stream(self.copy_stream):
+                    fp8_experts.write_into(slot, held)
+                    entry.ready = torch.cuda.Event()
+                    entry.ready.record(self.copy_stream)
+                self.pending_ready.add(key)
+            else:
+                fp8_experts.write_into(slot, held)
         entry.device = slot
         self.journal.record(key)
         return Fetched(entry.device, fetched.source_tier, fetched.bytes_moved, fetched.note)
@@ -286,7 +291,7 @@ class ExpertStore:
         weights, entry.device = entry.device, None
         self.device_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)
         self.journal.record(key)
-        if self.is_aliased:  # the bytes stay in RAM as the host cache's newest entry (one LRU over both)
+        if self.is_aliased and self.is_moved_on_place:  # the bytes stay in RAM as the host cache's newest entry
             self.host_cache.make_room()
             if self.host_pool.can_reserve(self.bytes_per_expert + self.host_cache.read_slot_bytes()):
                 with torch.inference_mode(False):  # a host copy like any read: a normal tensor
@@ -333,8 +338,3 @@ class ExpertStore:
         `num_bytes` free in the RAM pool) or none is left; returns the number dropped (a copy is remade from
         the checkpoint on its next use)."""
         return self.lowbit.drop(is_done or (lambda: self.device_pool.can_reserve(num_bytes)))
-
-
-def _copy_into(slot: ExpertWeights, weights: ExpertWeights) -> None:
-    slot.gate_up.copy_(weights.gate_up, non_blocking=True)
-    slot.down.copy_(weights.down, non_blocking=True)

@@ -3,8 +3,9 @@
 
 transformers loads such a checkpoint on a machine without an FP8 GPU by dequantizing every weight once
 (``Fp8Dequantize``: codes and scales to float32, multiplied blockwise, cast to the parameter's dtype). The
-engine does the same arithmetic, per dense tensor at load and per routed expert when it is read, so its
-weights are bitwise those transformers computes; what streams from disk is the FP8 bytes.
+engine does the same arithmetic, per dense tensor at load and per routed expert each time it is used (its
+host copy stays FP8: `engine/experts/fp8_experts.py`), so its weights are bitwise those transformers
+computes; what streams from disk and sits in the host cache is the FP8 bytes.
 """
 
 from __future__ import annotations
