@@ -1,25 +1,30 @@
-"""python -m fallbackgate.bench.scale --model DIR --json bench-scale.json [--cgroup-mb 8192] [--host-budget-mb 4096]
-                                     [--device-budget-mb 2048] [--num-prompts 4] [--max-new-tokens 8]
+"""python -m fallbackgate.bench.scale --model DIR --json bench-scale.json [--cgroup-mb 8192] [--ram-budget-mb 6144]
+                                     [--workloads short-chat long-reasoning] [--num-prompts 4] [--max-new-tokens 64]
+                                     [--quick]
 
 A checkpoint larger than memory (e.g. ``python -m fallbackgate.synth --like olmoe-1b-7b --out DIR``, 13.5 GB
-in bf16), measured in one run on this machine (root and the cgroup v1 memory controller needed):
+in bf16), measured in one run on this machine (root and the cgroup v1 memory controller needed), in the
+RAM-and-disk regime: RAM is the one budgeted tier (``--ram-budget-mb``, the engine's device budget on a CPU)
+and the disk the one link, through the engine's I/O scheduler. For each workload (``fallbackgate workload``'s
+generators, seed ``--seed``, answers capped at ``--max-new-tokens``, all requests submitted at once):
 
-(a) the engine inside a memory cgroup capped at ``--cgroup-mb`` (page cache included), streaming experts
-    with the engine's default I/O threads, and again with the other choice (reads ahead on 2 I/O threads,
-    or every read on the compute thread), for the read-ahead ratio;
-(b) accelerate's disk offload inside the same cgroup, given the same memory for weights;
-(c) the physical bound: expert-miss bytes per token, counted as Belady's MIN would at the engine's cache
-    size on the engine's own expert trace, divided by the cold per-expert random read bandwidth;
-(d) the same checkpoint with everything in memory (no cgroup): the engine (each layer's experts stacked,
-    transformers' grouped_mm kernels) against transformers' generate(); and the greedy tokens of (a)
-    against the in-memory engine with experts kept one by one (the same kernels as (a): bf16 near-ties
-    flip between kernels) under identical scheduling.
-Every variant runs in its own process; ratios are computed from this one run.
+(a) the engine inside a memory cgroup capped at ``--cgroup-mb`` (page cache included), exact-only, with the
+    bytes every tag says it read from disk against the kernel's count (``/proc/PID/io`` ``read_bytes``);
+(b) accelerate's disk offload inside the same cgroup, given the same memory (as many decoder layers as
+    ``--ram-budget-mb`` holds; fewer when the cap kills it, each attempt recorded);
+(c) the same engine with everything in RAM (no cgroup, experts kept one by one: the same kernels as (a)),
+    for the greedy tokens and the in-memory tokens/s;
+(d) the roofline ``min((c)'s tokens/s, tokens/s if the bytes Belady's MIN must read on (a)'s trace came at the
+    best measured disk rate for the read size over queue depths 1-32)``, the disk rates from
+    ``fallbackgate profile``'s disk table measured on the checkpoint's file system (``fallbackgate.bench.scale_bound``).
+Every variant runs in its own process; ratios are computed from this one run. ``--quick`` (a small checkpoint,
+e.g. ``--num-layers 2``, in a small cgroup): the profile's quick disk grid, 2 prompts, 8 new tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -28,9 +33,11 @@ import sys
 import tempfile
 from typing import Any
 
+from fallbackgate.bench.scale_bound import roofline
 from fallbackgate.bench.scale_child import drop_page_cache
-from fallbackgate.engine.config import default_io_threads
-from fallbackgate.sweep.belady import belady_misses, lru_misses
+from fallbackgate.engine.disk_model import DiskTable
+from fallbackgate.profiling.disk import disk_grid, measure_disk_table
+from fallbackgate.workloads.kinds import WorkloadKind
 
 CGROUP_ROOT = pathlib.Path("/sys/fs/cgroup/memory")
 GIB = 1 << 30
@@ -54,18 +61,21 @@ class Cgroup:
         self.path.rmdir()
 
 
-def run_child(variant: str, args: argparse.Namespace, extra: list[str], cgroup: Cgroup | None) -> dict[str, Any]:
+def run_child(
+    variant: str, args: argparse.Namespace, workload: str, extra: list[str], cgroup: Cgroup | None
+) -> dict[str, Any]:
     """Run one variant in a fresh process (inside `cgroup` when given) and return its JSON plus exit status."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
         out_path = out.name
     cmd = [sys.executable, "-m", "fallbackgate.bench.scale_child", variant, "--model", args.model, "--out", out_path]
-    cmd += ["--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens), *extra]
+    cmd += ["--num-prompts", str(args.num_prompts), "--max-new-tokens", str(args.max_new_tokens)]
+    cmd += ["--workload", workload, "--seed", str(args.seed), *extra]
     drop_page_cache(args.model)
     if cgroup is not None:
         cgroup.reset_peak()
         script = f'echo $$ > {cgroup.path}/cgroup.procs && exec "$@"'
         cmd = ["bash", "-c", script, "bash", *cmd]
-    print(f"[{variant}{' in cgroup' if cgroup else ''}] running ...", flush=True)
+    print(f"[{workload} {variant}{' in cgroup' if cgroup else ''}] running ...", flush=True)
     done = subprocess.run(cmd, check=False)
     result = json.loads(pathlib.Path(out_path).read_text()) if done.returncode == 0 else {}
     os.unlink(out_path)
@@ -78,38 +88,20 @@ def run_child(variant: str, args: argparse.Namespace, extra: list[str], cgroup: 
     return result
 
 
-def physical_bound(engine: dict[str, Any], read: dict[str, Any]) -> dict[str, Any]:
-    """Tokens/s if only Belady-optimal expert misses cost time, at the measured random read bandwidth."""
-    trace = [tuple(k) for k in engine["trace"]]
-    slots = int(engine["num_expert_slots"])
-    misses = belady_misses(trace, slots)
-    miss_bytes_per_token = misses * engine["bytes_per_expert"] / engine["num_output_tokens"]
-    return {
-        "num_expert_slots": slots,
-        "num_expert_uses": len(trace),
-        "belady_misses": misses,
-        "lru_misses": lru_misses(trace, slots),
-        "engine_disk_reads": engine["num_expert_disk_reads"],
-        "miss_bytes_per_token": miss_bytes_per_token,
-        "read_bytes_per_s": read["bytes_per_s"],
-        "tokens_per_s": read["bytes_per_s"] / miss_bytes_per_token if miss_bytes_per_token else float("inf"),
-    }
-
-
 def layers_in_memory(args: argparse.Namespace) -> int:
     """Decoder layers accelerate keeps in memory for the same weight memory the engine's budgets give."""
     config = json.loads((pathlib.Path(args.model) / "config.json").read_text())
     total = sum(p.stat().st_size for p in pathlib.Path(args.model).glob("*.safetensors"))
     per_layer = total / config["num_hidden_layers"]  # embeddings are small next to a layer here
-    return int((args.device_budget_mb + args.host_budget_mb) * (1 << 20) // per_layer)
+    return int(args.ram_budget_mb * (1 << 20) // per_layer)
 
 
-def run_accelerate(args: argparse.Namespace, scratch: list[str], cgroup: Cgroup) -> dict[str, Any]:
-    """accelerate with as many decoder layers in memory as the engine's budgets hold; when loading that many
+def run_accelerate(args: argparse.Namespace, workload: str, scratch: list[str], cgroup: Cgroup) -> dict[str, Any]:
+    """accelerate with as many decoder layers in memory as the engine's RAM budget holds; when loading that many
     is killed by the cap, again with fewer (each attempt is recorded)."""
     attempts = []
     for layers in range(layers_in_memory(args), -1, -2):
-        result = run_child("accelerate", args, ["--layers-in-memory", str(layers), *scratch], cgroup)
+        result = run_child("accelerate", args, workload, ["--layers-in-memory", str(layers), *scratch], cgroup)
         result["layers_in_memory"] = layers
         attempts.append({k: v for k, v in result.items() if k != "output_token_ids"})
         if result["exit_status"] == 0:
@@ -119,89 +111,96 @@ def run_accelerate(args: argparse.Namespace, scratch: list[str], cgroup: Cgroup)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fallbackgate.bench.scale", description=__doc__.splitlines()[3])
+    p = argparse.ArgumentParser(prog="python -m fallbackgate.bench.scale", description=__doc__.splitlines()[4])
     p.add_argument("--model", required=True, help="checkpoint directory (larger than --cgroup-mb)")
     p.add_argument("--json", default="bench-scale.json")
     p.add_argument("--cgroup-mb", type=int, default=8192)
-    p.add_argument("--device-budget-mb", type=float, default=2048)
-    p.add_argument("--host-budget-mb", type=float, default=4096)
-    p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--num-reads", type=int, default=64, help="random experts read for the bandwidth")
+    p.add_argument("--ram-budget-mb", type=float, default=6144, help="the engine's RAM budget (its device budget)")
+    kinds = [k.value for k in WorkloadKind]
+    p.add_argument("--workloads", nargs="+", default=["short-chat", "long-reasoning"], choices=kinds)
+    p.add_argument("--seed", type=int, default=0, help="the workloads' seed")
+    p.add_argument("--num-prompts", type=int, default=None, help="requests per workload (default 4; --quick 2)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="answer cap (default 64; --quick 8)")
+    p.add_argument("--quick", action="store_true", help="the quick disk grid and small defaults (a small checkpoint)")
     p.add_argument("--scratch", default=None, help="directory for accelerate's offload folder (default: TMPDIR)")
     p.add_argument("--io-threads", type=int, default=None, help="engine threads reading experts ahead in (a)")
     p.add_argument("--skip-accelerate", action="store_true", help="skip (b), accelerate's disk offload")
-    p.add_argument("--skip-in-memory", action="store_true", help="skip (d) when the machine cannot hold the model")
-    return p.parse_args(argv)
+    p.add_argument("--skip-in-memory", action="store_true", help="skip (c) when the machine cannot hold the model")
+    args = p.parse_args(argv)
+    args.num_prompts = args.num_prompts or (2 if args.quick else 4)
+    args.max_new_tokens = args.max_new_tokens or (8 if args.quick else 64)
+    if args.max_new_tokens > 64:
+        p.error("--max-new-tokens: at most 64 (the issue's benchmark cells)")
+    return args
+
+
+def measure_workload(args: argparse.Namespace, workload: str, cgroup: Cgroup) -> dict[str, Any]:
+    """(a), (b) and (c) for one workload."""
+    threads = [] if args.io_threads is None else ["--io-threads", str(args.io_threads)]
+    budget = ["--ram-budget-mb", str(args.ram_budget_mb), *threads, "--no-stack"]
+    out: dict[str, Any] = {"engine_cgroup": run_child("engine", args, workload, budget, cgroup)}
+    if not args.skip_accelerate:
+        out["accelerate_cgroup"] = run_accelerate(
+            args, workload, ["--scratch", args.scratch] * bool(args.scratch), cgroup
+        )
+    if not args.skip_in_memory:
+        out["engine_in_memory"] = run_child("engine", args, workload, ["--no-stack", *threads], None)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not (pathlib.Path(args.model) / "config.json").is_file():
+    model = pathlib.Path(args.model)
+    if not (model / "config.json").is_file():
         print(f"error: --model {args.model}: no config.json", file=sys.stderr)
         return 2
     if not CGROUP_ROOT.is_dir() or os.geteuid() != 0:
         print(f"error: needs root and the cgroup v1 memory controller at {CGROUP_ROOT}", file=sys.stderr)
         return 2
-    cgroup = Cgroup(f"fallbackgate-bench-{os.getpid()}", args.cgroup_mb << 20)
-    budgets = ["--device-budget-mb", str(args.device_budget_mb), "--host-budget-mb", str(args.host_budget_mb)]
-    scratch = ["--scratch", args.scratch] if args.scratch else []
+    print(f"[disk] measuring the disk table of {model.resolve()} ...", flush=True)
+    table = measure_disk_table(model.resolve(), *disk_grid(args.quick))
     results: dict[str, Any] = {"model": args.model, "cgroup_bytes": args.cgroup_mb << 20, "args": vars(args)}
+    results["disk_table"] = dataclasses.asdict(table)
+    cgroup = Cgroup(f"fallbackgate-bench-{os.getpid()}", args.cgroup_mb << 20)
     try:
-        results["disk_read"] = run_child("diskread", args, ["--num-reads", str(args.num_reads)], cgroup)
-        threads = args.io_threads if args.io_threads is not None else default_io_threads()
-        results["io_threads"] = threads
-        results["engine_cgroup"] = run_child("engine", args, [*budgets, "--io-threads", str(threads)], cgroup)
-        other = ["--io-threads", "0" if threads else "2"]  # the other choice, for the read-ahead ratio
-        results["engine_cgroup_other_io"] = run_child("engine", args, [*budgets, *other], cgroup)
-        if not args.skip_accelerate:
-            results["accelerate_cgroup"] = run_accelerate(args, scratch, cgroup)
-        if not args.skip_in_memory:
-            results["engine_in_memory"] = run_child("engine", args, [], None)
-            results["engine_in_memory_unstacked"] = run_child("engine", args, ["--no-stack"], None)
-            results["generate_in_memory"] = run_child("generate", args, [], None)
+        results["workloads"] = {w: measure_workload(args, w, cgroup) for w in args.workloads}
     finally:
         cgroup.remove()
-    summarise(results)
-    pathlib.Path(args.json).write_text(json.dumps(results, indent=1))
+    for workload, runs in results["workloads"].items():
+        runs["summary"] = summarise(runs, table)
+        print(f"== {workload}")
+        for key, value in runs["summary"].items():
+            print(f"{key:36s} {value:.4g}" if isinstance(value, float) else f"{key:36s} {value}")
+    pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     print(f"wrote {args.json}")
     return 0
 
 
-def summarise(results: dict[str, Any]) -> None:
-    """Add the ratios and checks, and print them."""
-    engine, acc = results["engine_cgroup"], results.get("accelerate_cgroup", {})
+def summarise(runs: dict[str, Any], table: DiskTable) -> dict[str, Any]:
+    """One workload's ratios and checks (and its roofline, into `runs`)."""
+    engine, acc, memory = (runs.get(k, {}) for k in ("engine_cgroup", "accelerate_cgroup", "engine_in_memory"))
     summary: dict[str, Any] = {}
-    if engine.get("exit_status") == 0:
-        results["bound"] = physical_bound(engine, results["disk_read"])
-        summary["engine_tokens_per_s"] = engine["tokens_per_s"]
-        summary["engine_peak_cgroup_gib"] = engine["cgroup_peak_bytes"] / GIB
-        summary["engine_over_bound"] = engine["tokens_per_s"] / results["bound"]["tokens_per_s"]
-        uses, reads = results["bound"]["num_expert_uses"], engine["num_expert_disk_reads"]
-        summary["expert_hit_rate"] = 1 - reads / uses
-        summary["expert_bytes_read_per_token"] = reads * engine["bytes_per_expert"] / engine["num_output_tokens"]
-    other = results.get("engine_cgroup_other_io", {})
-    if other.get("exit_status") == 0 and engine.get("exit_status") == 0:
-        with_threads, without = (engine, other) if results["io_threads"] else (other, engine)
-        summary["read_ahead_speedup"] = with_threads["tokens_per_s"] / without["tokens_per_s"]
-        summary["tokens_equal_with_and_without_read_ahead"] = other["output_token_ids"] == engine["output_token_ids"]
-        summary["read_ahead_tokens_per_s"] = with_threads["tokens_per_s"]
-        for key in ("hidden_fraction", "prefetch_precision", "prefetch_recall"):
-            summary[f"read_ahead_{key}"] = with_threads["expert_reads"][key]
-    if acc.get("exit_status") == 0 and engine.get("exit_status") == 0:
+    if engine.get("exit_status") != 0:
+        return {"engine_exit_status": engine.get("exit_status")}
+    tagged = sum(engine["disk_bytes_by_tag"].values())
+    summary["engine_tokens_per_s"] = engine["tokens_per_s"]
+    summary["engine_num_output_tokens"] = engine["num_output_tokens"]
+    summary["engine_peak_cgroup_gib"] = engine["cgroup_peak_bytes"] / GIB
+    summary["expert_hit_rate"] = 1 - engine["num_expert_disk_reads"] / max(1, len(engine["trace"]))
+    summary["tagged_disk_gib"] = tagged / GIB
+    summary["kernel_read_gib"] = engine["kernel_read_bytes"] / GIB
+    summary["tagged_over_kernel_bytes"] = tagged / engine["kernel_read_bytes"] if engine["kernel_read_bytes"] else None
+    if acc.get("exit_status") == 0:
         summary["engine_over_accelerate"] = engine["tokens_per_s"] / acc["tokens_per_s"]
+        summary["accelerate_tokens_per_s"] = acc["tokens_per_s"]
+        summary["accelerate_layers_in_memory"] = acc["layers_in_memory"]
         summary["accelerate_peak_cgroup_gib"] = acc["cgroup_peak_bytes"] / GIB
-    memory, unstacked = results.get("engine_in_memory", {}), results.get("engine_in_memory_unstacked", {})
-    if unstacked.get("exit_status") == 0 and engine.get("exit_status") == 0:
-        summary["tokens_equal_in_memory"] = unstacked["output_token_ids"] == engine["output_token_ids"]
-    if memory.get("exit_status") == 0 and engine.get("exit_status") == 0:
-        summary["tokens_equal_in_memory_stacked"] = memory["output_token_ids"] == engine["output_token_ids"]
-        generate = results["generate_in_memory"]
-        if generate.get("exit_status") == 0:
-            summary["in_memory_engine_over_generate"] = memory["tokens_per_s"] / generate["tokens_per_s"]
-    results["summary"] = summary
-    for key, value in summary.items():
-        print(f"{key:36s} {value:.4g}" if isinstance(value, float) else f"{key:36s} {value}")
+    if memory.get("exit_status") == 0:
+        runs["roofline"] = roofline(engine, memory["tokens_per_s"], table)
+        summary["roofline_tokens_per_s"] = runs["roofline"]["tokens_per_s"]
+        summary["engine_over_roofline"] = engine["tokens_per_s"] / runs["roofline"]["tokens_per_s"]
+        summary["tokens_equal_in_memory"] = memory["output_token_ids"] == engine["output_token_ids"]
+    return summary
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
-"""python -m fallbackgate.bench.scale_child {engine|accelerate|generate|diskread} --model DIR --out FILE ...
+"""python -m fallbackgate.bench.scale_child {engine|accelerate|generate} --model DIR --out FILE --workload KIND ...
 
 One measured variant of ``fallbackgate.bench.scale``, run in its own process (inside a memory cgroup when
 the parent says so). Each writes one JSON object to ``--out``; times are wall clock of generation only
-(loading excluded, reported separately).
+(loading excluded, reported separately). The prompts are ``fallbackgate workload KIND``'s requests from
+``--seed`` (answers capped at ``--max-new-tokens``), all submitted at once (arrival times not honoured).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import argparse
 import json
 import os
 import pathlib
-import random
 import resource
 import tempfile
 import time
@@ -21,19 +21,37 @@ from typing import Any, cast
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fallbackgate.assembly import Assembly, Overrides, fold_host_into_ram
-from fallbackgate.batch.prompts import BUILTIN_PROMPTS
+from fallbackgate.assembly import Assembly, Overrides
 from fallbackgate.bench.engines import exact_assembly
 from fallbackgate.engine.config import MIB
-from fallbackgate.engine.experts.reader import map_experts, read_source
+from fallbackgate.engine.experts.reader import map_experts
 from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
 from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.engine.tags import Tier
 from fallbackgate.sweep.belady import TraceRecorder
+from fallbackgate.workloads.build import generate
+from fallbackgate.workloads.kinds import Context, WorkloadKind
+from fallbackgate.workloads.text import TextPool
+from fallbackgate.workloads.tokens import ModelTokens, length_limit
+
+Prompt = tuple[list[int], int]  # (token ids, new tokens)
 
 
-def prompt_ids(model: str, num_prompts: int) -> list[list[int]]:
+def workload_prompts(model: str, kind: str, seed: int, num_prompts: int, max_new_tokens: int) -> list[Prompt]:
+    """`num_prompts` requests of workload `kind` from `seed` as (token ids, new tokens capped at `max_new_tokens`)."""
+    tokens = ModelTokens(model)
+    ctx = Context(tokens, TextPool.load(tokens, None), length_limit(model, None).tokens)
+    requests = generate(ctx, WorkloadKind(kind), seed, num_prompts, None).requests
     tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
-    return [tokenizer.encode(text) for text in BUILTIN_PROMPTS[:num_prompts]]
+    return [(tokenizer.encode(r.prompt), min(max_new_tokens, r.max_new_tokens)) for r in requests]
+
+
+def kernel_read_bytes() -> int:
+    """This process's bytes read from storage so far, as the kernel counts them (``/proc/self/io``)."""
+    for line in pathlib.Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise RuntimeError("no read_bytes in /proc/self/io")
 
 
 def drop_page_cache(model: str) -> None:
@@ -48,51 +66,58 @@ def drop_page_cache(model: str) -> None:
 
 def engine_assembly(args: argparse.Namespace) -> Assembly:
     """The engine the flags describe: exact-only, the expert-access trace recorded, all prompts batched together;
-    budgets in MiB when ``--device-budget-mb`` is given (then ``--host-budget-mb`` too), else everything fits."""
-    budgets: dict[str, int] = {}
-    if args.device_budget_mb is not None:  # on a CPU one RAM budget of both (no host tier)
-        device, host = fold_host_into_ram(args.device_budget_mb * MIB, args.host_budget_mb * MIB)
-        budgets = {"device_budget_bytes": int(device or 0)} | ({} if host is None else {"host_budget_bytes": int(host)})
+    under one RAM budget of ``--ram-budget-mb`` (on a CPU the device budget is the RAM budget), else everything
+    fits."""
+    budget = {} if args.ram_budget_mb is None else {"device_budget_bytes": int(args.ram_budget_mb * MIB)}
     overrides = Overrides(
         is_stacked_when_fits=not args.no_stack,
         num_io_threads=args.io_threads,
         wrap_controller=TraceRecorder,
-        **budgets,
+        **budget,
     )
     return exact_assembly(args.model, overrides, max_num_seqs=args.num_prompts)
 
 
 def run_engine(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine with the given budgets, all prompts continuously batched, exact-only, trace recorded."""
+    """The engine on the workload's prompts, continuously batched, exact-only, trace and bytes by tag recorded."""
     started = time.perf_counter()
     built = engine_assembly(args)
     engine = built.engine
     recorder = cast(TraceRecorder, built.controller)  # wrap_controller=TraceRecorder
     loaded_s = time.perf_counter() - started
-    prompts = prompt_ids(args.model, args.num_prompts)
-    reads_before = engine.expert_store.num_disk_reads
-    started = time.perf_counter()
-    outputs = engine.generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens))
-    wall = time.perf_counter() - started
-    tags: dict[str, int] = {}
-    for out in outputs:
-        for tag, count in out.tag_counts.items():
-            tags[tag] = tags.get(tag, 0) + count
+    prompts = workload_prompts(args.model, args.workload, args.seed, args.num_prompts, args.max_new_tokens)
     store = engine.expert_store
+    reads_before, kernel_before = store.num_disk_reads, kernel_read_bytes()
+    started = time.perf_counter()
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=n)) for p, n in prompts]
+    tagged: dict[str, int] = {}
+    while engine.has_unfinished():
+        for event in engine.step().events:
+            if event.source_tier is Tier.DISK:
+                tagged[event.tag.value] = tagged.get(event.tag.value, 0) + event.bytes_moved
+    wall = time.perf_counter() - started
+    kernel_read = kernel_read_bytes() - kernel_before
+    outputs = [engine.finished.pop(i) for i in ids if i in engine.finished]
+    source = next(iter(map_experts(CheckpointFiles(pathlib.Path(args.model))).values()))
     return {
         "load_s": loaded_s,
         "wall_s": wall,
+        "num_requests": len(prompts),
+        "num_prompt_tokens": sum(len(p) for p, _ in prompts),
         "num_output_tokens": sum(len(o.output_token_ids) for o in outputs),
         "output_token_ids": [o.output_token_ids for o in outputs],
-        "tags": tags,
+        "num_failed": len(prompts) - len(outputs),
+        "disk_bytes_by_tag": tagged,
+        "kernel_read_bytes": kernel_read,
         "num_expert_disk_reads": store.num_disk_reads - reads_before,
         "bytes_per_expert": store.bytes_per_expert,
-        "num_expert_slots": (store.device_pool.budget_bytes + store.host_pool.budget_bytes) // store.bytes_per_expert,
-        "peak_device_pool_bytes": store.device_pool.peak_used_bytes,
-        "peak_host_pool_bytes": store.host_pool.peak_used_bytes,
+        "checkpoint_bytes_per_expert": store.checkpoint_bytes_per_expert,
+        "expert_io_bytes": store.checkpoint_bytes_per_expert // len(source.parts),  # one read per tensor
+        "ram_budget_bytes": store.device_pool.budget_bytes,
+        "num_expert_slots": store.device_pool.budget_bytes // store.bytes_per_expert,
+        "peak_ram_pool_bytes": store.device_pool.peak_used_bytes,
         "dense_bytes": engine.num_dense_bytes,
         "trace": [list(k) for k in recorder.trace],
-        "expert_reads": store.read_ahead.total.summary(),
     }
 
 
@@ -118,33 +143,18 @@ def run_transformers(args: argparse.Namespace, is_offloaded: bool) -> dict[str, 
         else:
             model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).eval()
         loaded_s = time.perf_counter() - started
-        prompts = prompt_ids(args.model, args.num_prompts)
+        pairs = workload_prompts(args.model, args.workload, args.seed, args.num_prompts, args.max_new_tokens)
+        prompts, max_new = [p for p, _ in pairs], max(n for _, n in pairs)  # every row runs to the longest answer
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         model.generation_config.eos_token_id = None
         started = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(
-                ids, attention_mask=mask, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=0
-            )
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=0)
         wall = time.perf_counter() - started
     tokens = out[:, width:].tolist()
     return {"load_s": loaded_s, "wall_s": wall, "num_output_tokens": sum(map(len, tokens)), "output_token_ids": tokens}
-
-
-def run_diskread(args: argparse.Namespace) -> dict[str, Any]:
-    """Cold reads of random whole experts with the engine's read pattern (mmap slices, one expert at a time)."""
-    files = CheckpointFiles(pathlib.Path(args.model))
-    sources = map_experts(files)
-    keys = random.Random(0).sample(sorted(sources), min(args.num_reads, len(sources)))
-    drop_page_cache(args.model)
-    num_bytes, started = 0, time.perf_counter()
-    for key in keys:
-        weights = read_source(files, sources[key])
-        num_bytes += weights.num_bytes
-    wall = time.perf_counter() - started
-    return {"num_experts": len(keys), "bytes": num_bytes, "wall_s": wall, "bytes_per_s": num_bytes / wall}
 
 
 def peak_rss_bytes() -> int:
@@ -154,15 +164,15 @@ def peak_rss_bytes() -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m fallbackgate.bench.scale_child")
-    p.add_argument("variant", choices=("engine", "accelerate", "generate", "diskread"))
+    p.add_argument("variant", choices=("engine", "accelerate", "generate"))
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=8)
-    p.add_argument("--device-budget-mb", type=float, default=None)
-    p.add_argument("--host-budget-mb", type=float, default=None)
+    p.add_argument("--workload", default=WorkloadKind.SHORT_CHAT.value, choices=[k.value for k in WorkloadKind])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ram-budget-mb", type=float, default=None, help="the engine's one RAM budget (None: all fits)")
     p.add_argument("--layers-in-memory", type=int, default=0)
-    p.add_argument("--num-reads", type=int, default=64)
     p.add_argument("--scratch", default=None, help="directory for accelerate's offload folder")
     p.add_argument("--no-stack", action="store_true", help="everything in memory, but experts kept one by one")
     p.add_argument("--io-threads", type=int, default=None, help="engine threads reading experts ahead (0: none)")
@@ -172,7 +182,6 @@ def main() -> None:
         "engine": lambda: run_engine(args),
         "accelerate": lambda: run_transformers(args, is_offloaded=True),
         "generate": lambda: run_transformers(args, is_offloaded=False),
-        "diskread": lambda: run_diskread(args),
     }
     result = runners[args.variant]()
     result["peak_rss_bytes"] = peak_rss_bytes()
