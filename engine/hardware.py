@@ -8,6 +8,7 @@ unless labelled modeled.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from fallbackgate.engine.disk_model import DiskTable
 from fallbackgate.engine.tags import Tier
@@ -77,6 +78,8 @@ class HardwareProfile:
     # per "cpu/<dtype>" or "device/<dtype>": measured expert-call time by token count
     disk: DiskTable | None = None  # the disk's latency and bandwidth by size and queue depth (None: profiles
     # measured before the table existed, and the what-ifs: the scalar disk rates stand in)
+    engine_io: dict[str, Any] | None = None  # a miss through the engine's I/O path by size and depth
+    # (`fallbackgate.profiling.engine_io`: wait, service, wakeup, checksum, copy; None: not measured)
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -16,7 +16,7 @@ from fallbackgate.engine.disk_model import DiskOp, DiskPoint, DiskTable
 from fallbackgate.engine.hardware import CPU_BOX
 from fallbackgate.engine.io import IOEntry, IOOp, IOSnapshot
 from fallbackgate.engine.tags import ObjectKind, Tier
-from fallbackgate.profiling import disk, store
+from fallbackgate.profiling import disk, engine_io, store
 
 KIB, MIB = 1024, 1024 * 1024
 
@@ -124,6 +124,8 @@ def test_profile_disk_only_measures_the_table_into_the_cached_profile(
     monkeypatch.setattr(disk, "disk_grid", lambda is_quick: ((4 * KIB, 16 * KIB), (1, 2)))
     monkeypatch.setattr(disk, "SCRATCH_BYTES", MIB)
     monkeypatch.setattr(disk, "DEFAULT_SECONDS", 0.01)
+    monkeypatch.setattr(engine_io, "ENGINE_IO_SIZES", (4 * KIB, 16 * KIB))
+    monkeypatch.setattr(engine_io, "READS_PER_POINT", 4)
     spill = tmp_path / "spill"
     spill.mkdir()
     assert main(["profile", "--disk-only", "--quick", "--disk-dir", str(spill)]) == 0
@@ -132,6 +134,11 @@ def test_profile_disk_only_measures_the_table_into_the_cached_profile(
     cached = json.loads(store.cache_path().read_text())
     assert cached["raw"] == {"kept": 1} and cached["profile"]["disk"]["directory"] == str(spill)
     assert len(store.load_profile_file(store.cache_path()).disk.points) == 3 * 2 * 2
+    engine_path = store.load_profile_file(store.cache_path()).engine_io  # the engine's I/O path, per size x depth
+    assert engine_path is not None and engine_path["directory"] == str(spill)
+    assert {(p["num_bytes"], p["queue_depth"]) for p in engine_path["points"]} == {
+        (s, d) for s in (4 * KIB, 16 * KIB) for d in engine_io.ENGINE_IO_DEPTHS
+    }
     with pytest.raises(SystemExit):
         main(["profile", "--disk-only", "--disk-dir", str(tmp_path / "absent")])
 

@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.profiling.disk import disk_grid, measure_disk_table
+from fallbackgate.profiling.engine_io import measure_engine_io
 from fallbackgate.profiling.fit import build_profile, curve_errors, fit_curve, fit_errors, fit_roofline, group_timings
 from fallbackgate.profiling.machine import machine_key
 from fallbackgate.profiling.measure import (
@@ -43,6 +44,7 @@ def measure_machine(
     write_rate, read_rate = measure_disk(disk_dir, DISK_BYTES)
     bar.update()
     disk_table = measure_disk_table(disk_dir, *disk_grid(is_quick))
+    engine_io = measure_engine_io(disk_dir)
     bar.update()
     to_device, to_host = measure_copies(device, COPY_BYTES)
     bar.update()
@@ -86,6 +88,7 @@ def measure_machine(
         engine_steps,
         disk_table,
     )
+    profile = dataclasses.replace(profile, engine_io=engine_io)
     errors = {
         key: {"roofline": fit_errors(fits[key], group), "curve": curve_errors(curves[key], group)}
         for key, group in groups.items()

@@ -85,13 +85,14 @@ def measured_profile(
 def remeasure_disk(
     profile: HardwareProfile, path: pathlib.Path, disk_dir: pathlib.Path | None = None, is_quick: bool = False
 ) -> HardwareProfile:
-    """`profile` with its disk table measured again (on `disk_dir`'s file system), saved to `path` with the
-    raw measurements `path` already held."""
+    """`profile` with its disk table and engine I/O path measured again (on `disk_dir`'s file system), saved
+    to `path` with the raw measurements `path` already held."""
     from fallbackgate.profiling.disk import disk_grid, measure_disk_table
+    from fallbackgate.profiling.engine_io import measure_engine_io
 
     disk_dir = disk_dir or pathlib.Path(tempfile.gettempdir())
     table = measure_disk_table(disk_dir, *disk_grid(is_quick))
-    updated = dataclasses.replace(profile, disk=table)
+    updated = dataclasses.replace(profile, disk=table, engine_io=measure_engine_io(disk_dir))
     try:
         raw = json.loads(path.read_text()).get("raw", {}) if path.is_file() else {}
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):

@@ -101,7 +101,7 @@ def fit_waits(trace: Trace) -> DeviceModel | None:
         slope, intercept = np.polyfit(size, wait, 1)
         if slope > 0 and intercept >= 0:
             return DeviceModel("waits", float(intercept), 1e9 / float(slope), 1, False, source)
-    profile = fit_profile(trace)
+    profile = fit_profile_disk(trace)
     bandwidth = profile.bandwidth_bytes_per_s if profile else float(size.sum() / (wait.sum() / 1e9))
     latency = max(float(wait.mean() - size.mean() * 1e9 / bandwidth), 0.0)
     return DeviceModel("waits", latency, bandwidth, 1, False, source + "; bandwidth " + (
@@ -109,6 +109,25 @@ def fit_waits(trace: Trace) -> DeviceModel | None:
 
 
 def fit_profile(trace: Trace) -> DeviceModel | None:
+    """A miss as ``fallbackgate profile`` measured it through the engine's own I/O path (the trace's recorded
+    profile, ``engine_io``): at queue depth 1, the mean of submission until the waiter woke, plus the xxh3
+    checksum and the copy into a slot, per read size; latency and bandwidth fitted to those (least relative
+    squares). Profiles without that table fall back to the pure disk (:func:`fit_profile_disk`)."""
+    points = ((trace.metadata.get("profile") or {}).get("engine_io") or {}).get("points") or []
+    reads = [p for p in points if p.get("queue_depth") == 1 and p.get("mean_total_s")]
+    if len({p["num_bytes"] for p in reads}) < 2:
+        return fit_profile_disk(trace)
+    fitted = _fit_relative([p["num_bytes"] for p in reads], [p["mean_total_s"] for p in reads])
+    if fitted is None:
+        return fit_profile_disk(trace)
+    return DeviceModel(
+        "profile", fitted[0], fitted[1], 1, False,
+        f"fitted to the recorded `fallbackgate profile` engine I/O path at queue depth 1 ({len(reads)} sizes: "
+        "shared scheduler wait and wakeup, xxh3 checksum, copy into a slot)",
+    )  # fmt: skip
+
+
+def fit_profile_disk(trace: Trace) -> DeviceModel | None:
     """The disk as ``fallbackgate profile`` measured it (the trace's recorded profile): latency and bandwidth
     fitted to its queue-depth-1 read points (mean latency of a read of each size; least relative squares, so
     small reads count as much as 16 MiB ones); None without them."""
@@ -116,19 +135,30 @@ def fit_profile(trace: Trace) -> DeviceModel | None:
     reads = [p for p in points if p.get("op") == "read" and p.get("queue_depth") == 1 and p.get("latency_s")]
     if len({p["num_bytes"] for p in reads}) < 2:
         return None
-    sizes = np.array([p["num_bytes"] for p in reads], dtype=np.float64)
-    latency = np.array([p["latency_s"] for p in reads], dtype=np.float64) * 1e9
-    slope, intercept = np.polyfit(sizes, latency, 1, w=1 / latency)  # relative errors: every size counts
-    if slope <= 0:
+    fitted = _fit_relative([p["num_bytes"] for p in reads], [p["latency_s"] for p in reads])
+    if fitted is None:
         return None
     return DeviceModel(
-        "profile", max(float(intercept), 0.0), 1e9 / float(slope), 1, False,
+        "profile-disk", fitted[0], fitted[1], 1, False,
         f"fitted to the recorded `fallbackgate profile` disk reads at queue depth 1 ({len(reads)} sizes)",
     )  # fmt: skip
 
 
+def _fit_relative(sizes: list[int], seconds: list[float]) -> tuple[float, float] | None:
+    """(latency ns, bandwidth bytes/s) of time = latency + bytes / bandwidth, weighted by 1 / time (relative
+    errors: every size counts); None when the slope is not positive."""
+    size = np.array(sizes, dtype=np.float64)
+    ns = np.array(seconds, dtype=np.float64) * 1e9
+    slope, intercept = np.polyfit(size, ns, 1, w=1 / ns)
+    if slope <= 0:
+        return None
+    return max(float(intercept), 0.0), 1e9 / float(slope)
+
+
 def simulation_devices(trace: Trace) -> list[DeviceModel]:
-    """What ``trace simulate`` offers: the measured model, the trace's own waits, the profile's disk, the
-    what-ifs (those the trace allows)."""
+    """What ``trace simulate`` offers: the measured model, the trace's own waits, the profile's engine I/O
+    path, the profile's pure disk, the what-ifs (those the trace allows)."""
     fitted = [fit_measured(trace), fit_waits(trace), fit_profile(trace)]
+    if fitted[2] is not None and fitted[2].name != "profile-disk":
+        fitted.append(fit_profile_disk(trace))
     return [d for d in fitted if d is not None] + list(WHAT_IFS)

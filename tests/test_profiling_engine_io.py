@@ -1,0 +1,52 @@
+"""The profile's engine I/O path: measured through the shared scheduler, and what the simulator prices."""
+
+from __future__ import annotations
+
+import pathlib
+import types
+
+import pytest
+
+from fallbackgate.profiling.engine_io import KIB, measure_engine_io
+from fallbackgate.tracing.devices import fit_profile, fit_profile_disk
+
+
+def test_engine_io_points_time_each_part(tmp_path: pathlib.Path) -> None:
+    table = measure_engine_io(tmp_path, sizes=(64 * KIB, 256 * KIB), depths=(1, 2), reads_per_point=4)
+    assert table["num_workers"] >= 1
+    assert [(p["num_bytes"], p["queue_depth"]) for p in table["points"]] == [
+        (64 * KIB, 1), (64 * KIB, 2), (256 * KIB, 1), (256 * KIB, 2),
+    ]  # fmt: skip
+    for point in table["points"]:
+        assert point["num_reads"] == 4
+        assert point["checksum_s"] > 0 and point["copy_s"] > 0 and point["service_s"] > 0
+        if point["queue_depth"] == 1:  # one read in flight: its wait holds its whole service
+            assert point["wait_s"] >= point["service_s"]
+    assert not list(tmp_path.iterdir())  # the scratch file is removed
+
+
+def _trace(engine_points: list[dict], disk_points: list[dict]) -> types.SimpleNamespace:
+    return types.SimpleNamespace(metadata={"profile": {"engine_io": {"points": engine_points},
+                                                       "disk": {"points": disk_points}}})  # fmt: skip
+
+
+def test_profile_device_is_the_engine_path_and_disk_stays() -> None:
+    latency_s, bandwidth = 1.1e-3, 400e6  # planted: a miss = 1.1 ms + bytes / 400 MB/s through the engine
+    engine = [{"num_bytes": n, "queue_depth": 1, "mean_total_s": latency_s + n / bandwidth} for n in (65536, 1 << 20)]
+    engine.append({"num_bytes": 65536, "queue_depth": 4, "mean_total_s": 1.0})  # other depths are not fitted
+    disk = [{"op": "read", "num_bytes": n, "queue_depth": 1, "latency_s": 1e-4 + n / 2e9} for n in (4096, 1 << 20)]
+    trace = _trace(engine, disk)
+    device = fit_profile(trace)
+    assert device is not None and device.name == "profile"
+    assert device.latency_ns == pytest.approx(latency_s * 1e9, rel=1e-6)
+    assert device.bandwidth_bytes_per_s == pytest.approx(bandwidth, rel=1e-6)
+    pure = fit_profile_disk(trace)
+    assert pure is not None and pure.name == "profile-disk"
+    assert pure.latency_ns == pytest.approx(1e5, rel=1e-6) and pure.bandwidth_bytes_per_s == pytest.approx(2e9)
+
+
+def test_profile_without_engine_path_falls_back_to_the_disk() -> None:
+    disk = [{"op": "read", "num_bytes": n, "queue_depth": 1, "latency_s": 1e-4 + n / 2e9} for n in (4096, 1 << 20)]
+    device = fit_profile(_trace([], disk))
+    assert device is not None and device.name == "profile-disk"
+    assert fit_profile(_trace([], [])) is None
