@@ -91,6 +91,9 @@ class PrefixStats:
     num_reused_spilled: int = 0  # adopted layer blocks whose copy was on disk (or host): read exact_load
     num_checksum_failures: int = 0  # kept blocks whose bytes no longer matched their CRC (dropped, not reused)
     num_dropped_blocks: int = 0  # kept block positions dropped (no exact copy left, over the spill cap)
+    num_published_blocks: int = 0  # block positions shared while their request still ran (its prefill of them done)
+    num_shared_blocks: int = 0  # adoptions of a block another live request held at the time (concurrent sharing)
+    num_kept_on_abort: int = 0  # block positions kept when their request was aborted or drop-preempted
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -115,6 +118,9 @@ class PrefixCache:
         self.chains: dict[str, list[bytes]] = {}  # live request -> hashes of its full blocks so far
         self.clean_tokens: dict[str, int] = {}  # live request -> positions below which its KV is exact
         self.hits: dict[str, list[int]] = {}  # live request -> adopted blocks' hit counts, by block index
+        self.next_shared: dict[str, int] = {}  # live request -> its first block index not yet looked at to share
+        self.computed: dict[bytes, str] = {}  # content hash -> the live request whose own full exact block has it
+        self.computed_by: dict[str, list[bytes]] = {}  # live request -> the hashes it put in `computed`
         self.stats = PrefixStats()
 
     # --- hashes ----------------------------------------------------------------------------------
@@ -143,22 +149,30 @@ class PrefixCache:
 
     # --- adoption --------------------------------------------------------------------------------
     def adopt(self, seq: Sequence) -> int:
-        """At first admission: move the kept blocks matching the request's prompt into its table and skip
-        their prefill; returns the tokens skipped."""
+        """At first admission: take the kept or live blocks matching the request's prompt (shared when every
+        layer of one is in the fast tier, else moved into its table) and skip their prefill; returns the
+        tokens skipped."""
         kv, size = self.kv, self.kv.block_size
-        if not self.is_enabled or not self.entries or seq.num_computed_tokens or seq.num_recompute_tokens:
+        if not self.is_enabled or not (self.entries or self.computed) or seq.num_computed_tokens:
+            return 0
+        if seq.num_recompute_tokens:  # a drop-preempted request rebuilds its own KV (tagged recompute)
             return 0
         if seq.num_scored_tokens or seq.params.num_prompt_logprobs is not None or kv.num_tokens[seq.request_id]:
             return 0  # prompt positions asked for: they must be computed
         max_blocks = (len(seq.prompt_token_ids) - 1) // size
         hits: list[int] = []
         for index, digest in enumerate(self.hashes(seq, max_blocks)):
-            entry = self.entries.get(digest)
+            entry = self.entries.get(digest) or self._publish(digest, index)
             if entry is None or not self._is_intact(entry):
                 break
-            del self.entries[digest]
-            self._move_entry(entry, seq.request_id, index)
-            hits.append(entry.num_hits + 1)
+            if self._share(entry, seq.request_id, index):
+                hits.append(entry.num_hits)
+            elif kv.holders.get(entry.request_id):
+                break  # cannot happen: a held block stays in the fast tier
+            else:
+                del self.entries[digest]
+                self._move_entry(entry, seq.request_id, index)
+                hits.append(entry.num_hits + 1)
         if hits:
             num = len(hits) * size
             kv.num_tokens[seq.request_id] = seq.num_computed_tokens = seq.num_reused_tokens = num
@@ -168,17 +182,33 @@ class PrefixCache:
             self.stats.num_reused_requests += 1
         return len(hits) * size
 
+    def _share(self, entry: _Entry, request_id: str, index: int) -> bool:
+        """Alias an entry whose every layer is in the fast tier at the request's block `index` (a shared
+        read, counted once); False (nothing done) when a layer is off it (then it is moved, if nobody holds it)."""
+        kv = self.kv
+        if not all(t[0].device is not None for t in kv.tables[entry.request_id]):
+            return False
+        self.stats.num_shared_blocks += bool(kv.holders.get(entry.request_id))
+        kv.alias(request_id, index, entry.request_id)
+        self.entries.move_to_end(entry.digest)
+        entry.num_hits, entry.last_step = entry.num_hits + 1, self.step_of()
+        self.stats.num_reused_resident += kv.num_layers
+        return True
+
     def _is_intact(self, entry: _Entry) -> bool:
         """Every layer's block still has a full-precision copy, and those in the fast tier the bytes they
         had when kept; an entry that fails is dropped."""
         blocks = [table[0] for table in self.kv.tables[entry.request_id]]
+        is_held = bool(self.kv.holders.get(entry.request_id))  # in use: not dropped, only not shared further
         if not all(b.has_exact_copy for b in blocks):
-            self._drop(entry)
+            if not is_held:
+                self._drop(entry)
             return False
         for block, crc in zip(blocks, entry.crcs, strict=True):
             if block.device is not None and crc is not None and block_crc(block) != crc:
                 self.stats.num_checksum_failures += 1
-                self._drop(entry)
+                if not is_held:
+                    self._drop(entry)
                 return False
         return True
 
@@ -213,34 +243,137 @@ class PrefixCache:
             kv.note_copy(CopyAction.MOVED_IN, block, tier, 0)
 
     # --- keeping ---------------------------------------------------------------------------------
-    def release(self, seq: Sequence) -> None:
-        """A request ended: keep its exact full blocks (each position not kept already), free the rest."""
-        kv, rid = self.kv, seq.request_id
-        if self.is_enabled and rid in kv.tables:
-            size = kv.block_size
+    def share_computed(self, seqs: Iterable[Sequence]) -> None:
+        """Step end: note each running request's full blocks whose prefill is done and that are exact (no
+        non-exact event at or before them) as adoptable by hash; a block still being filled is not. One is
+        shared when a request adopts it (`_publish`): until then it is its request's own, spilled like any."""
+        if not self.is_enabled:
+            return
+        kv, size = self.kv, self.kv.block_size
+        for seq in seqs:
+            rid = seq.request_id
+            if rid not in kv.tables:
+                continue
             num_full = min(kv.num_tokens.get(rid, 0), self.clean_tokens.get(rid, 1 << 62)) // size
-            hits = self.hits.get(rid, [])
-            for index, digest in enumerate(self.hashes(seq, num_full)):
+            index = self.next_shared.get(rid, 0)
+            digests = self.hashes(seq, num_full)
+            while index < num_full:
                 blocks = [kv.tables[rid][layer][index] for layer in range(kv.num_layers)]
-                if not all(b.num_tokens == size and b.has_exact_copy for b in blocks):
-                    break
-                if digest not in self.entries:
-                    self._keep(digest, blocks, hits[index] if index < len(hits) else 0)
-            self._prune()
-        kv.free_sequence(rid)
-        self.forget(rid)
+                if any(b.num_tokens != size for b in blocks):
+                    break  # not filled yet (a chunked prefill): looked at again next step
+                digest = digests[index]
+                if blocks[0].key[0] == rid and digest not in self.entries and digest not in self.computed:
+                    self.computed[digest] = rid
+                    self.computed_by.setdefault(rid, []).append(digest)
+                index += 1
+            self.next_shared[rid] = index
 
-    def _keep(self, digest: bytes, blocks: list[KVBlock], num_hits: int) -> None:
+    def _publish(self, digest: bytes, index: int) -> _Entry | None:
+        """A live request's own block with this hash, moved into a shared entry its request then reads through
+        an alias (None: no such block, or it is no longer exact, full and in the fast tier in every layer)."""
+        kv, owner = self.kv, self.computed.get(digest)
+        table = kv.tables.get(owner) if owner is not None else None
+        if owner is None or table is None or index >= len(table[0]):
+            return None
+        if (index + 1) * kv.block_size > self.clean_tokens.get(owner, 1 << 62):
+            return None
+        blocks = [t[index] for t in table]
+        if not all(b.key == (owner, layer, index) and b.num_tokens == kv.block_size and b.device is not None
+                   for layer, b in enumerate(blocks)):  # fmt: skip
+            return None
+        del self.computed[digest]
+        self._keep(digest, blocks, 0, holder=owner)
+        self.stats.num_published_blocks += 1
+        return self.entries[digest]
+
+    def release(self, seq: Sequence, is_aborted: bool = False, is_kept: bool = True) -> None:
+        """A request ended (finished, aborted): it lets go of the blocks it shares; its own exact full blocks
+        are kept unless `is_kept` is False (each position not kept already), the rest freed."""
+        if is_kept:
+            self.keep_blocks(seq, is_aborted)
+        else:
+            self._let_go_all(seq.request_id)
+        self.kv.free_sequence(seq.request_id)
+        self.forget(seq.request_id)
+        self._prune()
+
+    def keep_blocks(self, seq: Sequence, is_aborted: bool = False) -> None:
+        """Keep the request's own exact full blocks as entries nobody holds yet (on finish, abort, or before a
+        drop-preemption frees its KV); the shared ones it held lose a holder (the caller frees its table)."""
+        kv, rid = self.kv, seq.request_id
+        if not self.is_enabled or rid not in kv.tables:
+            return
+        size = kv.block_size
+        num_full = min(kv.num_tokens.get(rid, 0), self.clean_tokens.get(rid, 1 << 62)) // size
+        hits = self.hits.get(rid, [])
+        self._let_go_all(rid)
+        self._forget_computed(rid)
+        for index, digest in enumerate(self.hashes(seq, num_full)):
+            blocks = [kv.tables[rid][layer][index] for layer in range(kv.num_layers)]
+            if blocks[0].key[0] != rid:
+                continue  # another table's block (it was shared)
+            if not all(b.num_tokens == size and b.has_exact_copy for b in blocks):
+                break
+            if digest not in self.entries:
+                self._keep(digest, blocks, hits[index] if index < len(hits) else 0)
+                self.stats.num_kept_on_abort += is_aborted
+
+    def _let_go_all(self, request_id: str) -> None:
+        for index, owner_id in list(self.kv.aliases.get(request_id, {}).items()):
+            self._let_go(request_id, index, owner_id)
+
+    def _let_go(self, request_id: str, index: int, owner_id: str) -> None:
+        """`request_id` stops holding the shared block `owner_id` (its block `index`): with one holder left the
+        block goes back to that request's own table; with none it is a kept entry (capped, spillable)."""
+        kv = self.kv
+        holders = kv.holders.get(owner_id, set())
+        holders.discard(request_id)
+        kv.aliases.get(request_id, {}).pop(index, None)
+        digest = self.by_id.get(owner_id)
+        if digest is None or digest not in self.entries:
+            return
+        if len(holders) == 1:
+            self._unshare(self.entries[digest], next(iter(holders)), index)
+        elif not holders:
+            self.entries.move_to_end(digest)
+            self.entries[digest].last_step = self.step_of()
+
+    def _unshare(self, entry: _Entry, holder: str, index: int) -> None:
+        """The last holder takes the shared block back as its own (its copies journalled as moved to it), so it
+        may spill it again; it stays adoptable by hash while that request runs."""
+        kv = self.kv
+        del kv.aliases[holder][index]
+        kv.holders.pop(entry.request_id, None)
+        for table in kv.tables.pop(entry.request_id):
+            self._move(table[0], holder, index)  # the holder's table already has this block object there
+        kv.num_tokens.pop(entry.request_id, None)
+        kv.off_device.pop(entry.request_id, None)
+        self.by_id.pop(entry.request_id, None)
+        del self.entries[entry.digest]
+        self.computed[entry.digest] = holder
+        self.computed_by.setdefault(holder, []).append(entry.digest)
+
+    def _forget_computed(self, request_id: str) -> None:
+        for digest in self.computed_by.pop(request_id, []):
+            if self.computed.get(digest) == request_id:
+                del self.computed[digest]
+        self.next_shared.pop(request_id, None)
+
+    def _keep(self, digest: bytes, blocks: list[KVBlock], num_hits: int, holder: str | None = None) -> None:
+        """Move `blocks` (one block position, every layer) into a one-block table of their own; `holder`: the
+        live request they came from keeps reading them there (an alias), else its table keeps empty places."""
         kv = self.kv
         pid = PREFIX_ID + digest.hex()
         kv.add_sequence(pid)
+        owner, _, index = blocks[0].key
         for layer, block in enumerate(blocks):
-            owner, _, index = block.key
             kv.tables[owner][layer][index] = KVBlock(block.key)  # the owner's table keeps an empty place
             kv.drop_quant_copies(block)
             self._move(block, pid, 0)
             kv.tables[pid][layer].append(block)
         kv.num_tokens[pid] = kv.block_size
+        if holder is not None:
+            kv.alias(holder, index, pid)
         crcs = [block_crc(b) if b.device is not None else None for b in blocks]
         self.entries[digest] = _Entry(pid, digest, crcs, self.step_of(), num_hits)
         self.by_id[pid] = digest
@@ -251,6 +384,7 @@ class PrefixCache:
         self.chains.pop(request_id, None)
         self.clean_tokens.pop(request_id, None)
         self.hits.pop(request_id, None)
+        self._forget_computed(request_id)
 
     def _drop(self, entry: _Entry) -> None:
         self.entries.pop(entry.digest, None)
@@ -263,20 +397,23 @@ class PrefixCache:
         least recently used ones while kept blocks off the fast tier exceed the spill cap or those on it the
         RAM cap (a server's kept prefixes stay within a stated bound, not the whole budget)."""
         kv = self.kv
-        dead = [e for e in self.entries.values() if not all(t[0].has_exact_copy for t in kv.tables[e.request_id])]
+        idle = [e for e in self.entries.values() if not kv.holders.get(e.request_id)]  # held ones are in use
+        dead = [e for e in idle if not all(t[0].has_exact_copy for t in kv.tables[e.request_id])]
         for entry in dead:
             self._drop(entry)
-        off = {e.digest: sum(t[0].device is None for t in kv.tables[e.request_id]) for e in self.entries.values()}
+        idle = [e for e in idle if e.digest in self.entries]
+        off = {e.digest: sum(t[0].device is None for t in kv.tables[e.request_id]) for e in idle}
         total = sum(off.values()) * kv.bytes_per_block
-        for entry in list(self.entries.values()):
+        for entry in idle:
             if total <= self.spill_cap_bytes:
                 break
             if off[entry.digest]:
                 total -= off[entry.digest] * kv.bytes_per_block
                 self._drop(entry)
-        on = {e.digest: len(kv.tables[e.request_id]) - off[e.digest] for e in self.entries.values()}
+        idle = [e for e in idle if e.digest in self.entries]
+        on = {e.digest: len(kv.tables[e.request_id]) - off[e.digest] for e in idle}
         total = sum(on.values()) * kv.bytes_per_block
-        for entry in list(self.entries.values()):
+        for entry in idle:
             if total <= self.ram_cap_bytes:
                 break
             if on[entry.digest]:
