@@ -13,93 +13,41 @@ them (at least one prompt token is always computed, for the logits). A block ado
 disk is read ``exact_load`` from the spill (every page's CRC32 checked). Moves of host and disk copies are
 journalled (``moved_out`` from the old owner, ``moved_in`` to the new one, in that order), so the audit's
 copy replay follows a copy from the request that wrote it to the one that reads it.
+
+Requests that run at the same time share blocks too (`prefix_share.py`): a running request's full exact
+block is adoptable once its prefill is done; the adopter and it then read one copy (one device slot) through
+aliases, and it stays in RAM while either holds it. An aborted or drop-preempted request's exact full blocks
+are kept as on finish.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import hashlib
-import zlib
 from collections.abc import Callable, Iterable
 
-import torch
-
 from fallbackgate.engine.kv.block import KVBlock
+from fallbackgate.engine.kv.prefix_share import PrefixSharing
+from fallbackgate.engine.kv.prefix_types import (
+    DEFAULT_RAM_CAP_BYTES,
+    DEFAULT_SPILL_CAP_BYTES,
+    PREFIX_ID,
+    ROOT_DIGEST,
+    KeptEntry,
+    PrefixEntryInfo,
+    PrefixStats,
+    block_crc,
+    chain_hashes,
+    hash_u64,
+)
 from fallbackgate.engine.kv.store import KVStore
 from fallbackgate.engine.messages import CopyAction, Event, StepPlan
 from fallbackgate.engine.sequence import Sequence
 from fallbackgate.engine.tags import Exactness, ObjectKind, Tag, Tier
 
-PREFIX_ID = "prefix:"  # pseudo request ids of kept blocks start with it
-ROOT_DIGEST = b"fallbackgate-prefix-v1"  # the parent of a request's first block
-DEFAULT_SPILL_CAP_BYTES = 1 << 30  # kept blocks off RAM (disk, host) at most; the least recently used go first
-DEFAULT_RAM_CAP_BYTES = 256 << 20  # kept blocks on the fast tier (RAM on a CPU) at most; least recent dropped
+__all__ = ["PREFIX_ID", "ROOT_DIGEST", "PrefixCache", "PrefixEntryInfo", "PrefixStats", "chain_hashes", "hash_u64"]
 
 
-def chain_hashes(token_ids: list[int], block_size: int, num_blocks: int, known: list[bytes]) -> list[bytes]:
-    """The content hashes of the first `num_blocks` full blocks of `token_ids`, extending `known` (a prefix
-    of the answer computed before) in place."""
-    while len(known) < num_blocks:
-        index = len(known)
-        parent = known[-1] if known else ROOT_DIGEST
-        block = token_ids[index * block_size : (index + 1) * block_size]
-        data = torch.tensor(block, dtype=torch.int64).numpy().tobytes()
-        known.append(hashlib.blake2b(parent + data, digest_size=16).digest())
-    return known[:num_blocks]
-
-
-def hash_u64(digest: bytes) -> int:
-    """A content hash as the trace's uint64 (its first 8 bytes, little-endian)."""
-    return int.from_bytes(digest[:8], "little")
-
-
-def block_crc(block: KVBlock) -> int:
-    """CRC32 of a block's device bytes."""
-    assert block.device is not None
-    return zlib.crc32(block.device.detach().contiguous().cpu().view(torch.uint8).numpy())
-
-
-@dataclasses.dataclass(slots=True, frozen=True)
-class PrefixEntryInfo:
-    """What a controller sees of one kept block position (all its layers)."""
-
-    digest: str  # content hash, hex
-    num_hits: int  # times requests adopted this prefix block so far
-    idle_steps: int  # engine steps since it was kept or last adopted
-    num_on_device: int  # layers whose block is in the fast tier
-
-
-@dataclasses.dataclass(slots=True)
-class _Entry:
-    request_id: str  # pseudo id of its one-block table
-    digest: bytes
-    crcs: list[int | None]  # per layer: CRC32 of the device bytes when kept (None: not on device then)
-    last_step: int
-    num_hits: int
-
-
-@dataclasses.dataclass(slots=True)
-class PrefixStats:
-    """What prefix reuse did in a run."""
-
-    num_kept_blocks: int = 0  # block positions kept when their request ended (each: every layer's block)
-    num_reused_blocks: int = 0  # block positions adopted by later requests
-    num_reused_tokens: int = 0  # prefill tokens skipped by those adoptions
-    num_reused_requests: int = 0  # requests that adopted at least one block
-    num_reused_resident: int = 0  # adopted layer blocks that were in the fast tier
-    num_reused_spilled: int = 0  # adopted layer blocks whose copy was on disk (or host): read exact_load
-    num_checksum_failures: int = 0  # kept blocks whose bytes no longer matched their CRC (dropped, not reused)
-    num_dropped_blocks: int = 0  # kept block positions dropped (no exact copy left, over the spill cap)
-    num_published_blocks: int = 0  # block positions shared while their request still ran (its prefill of them done)
-    num_shared_blocks: int = 0  # adoptions of a block another live request held at the time (concurrent sharing)
-    num_kept_on_abort: int = 0  # block positions kept when their request was aborted or drop-preempted
-
-    def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
-
-
-class PrefixCache:
+class PrefixCache(PrefixSharing):
     """Kept full KV blocks by content hash, and the requests' hash chains (mechanism: the controller
     decides what leaves RAM)."""
 
@@ -113,7 +61,7 @@ class PrefixCache:
     ) -> None:
         self.kv, self.is_enabled, self.step_of = kv, is_enabled, step_of
         self.spill_cap_bytes, self.ram_cap_bytes = spill_cap_bytes, ram_cap_bytes
-        self.entries: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()  # least recent first
+        self.entries: collections.OrderedDict[bytes, KeptEntry] = collections.OrderedDict()  # least recent first
         self.by_id: dict[str, bytes] = {}  # pseudo request id -> digest
         self.chains: dict[str, list[bytes]] = {}  # live request -> hashes of its full blocks so far
         self.clean_tokens: dict[str, int] = {}  # live request -> positions below which its KV is exact
@@ -182,20 +130,7 @@ class PrefixCache:
             self.stats.num_reused_requests += 1
         return len(hits) * size
 
-    def _share(self, entry: _Entry, request_id: str, index: int) -> bool:
-        """Alias an entry whose every layer is in the fast tier at the request's block `index` (a shared
-        read, counted once); False (nothing done) when a layer is off it (then it is moved, if nobody holds it)."""
-        kv = self.kv
-        if not all(t[0].device is not None for t in kv.tables[entry.request_id]):
-            return False
-        self.stats.num_shared_blocks += bool(kv.holders.get(entry.request_id))
-        kv.alias(request_id, index, entry.request_id)
-        self.entries.move_to_end(entry.digest)
-        entry.num_hits, entry.last_step = entry.num_hits + 1, self.step_of()
-        self.stats.num_reused_resident += kv.num_layers
-        return True
-
-    def _is_intact(self, entry: _Entry) -> bool:
+    def _is_intact(self, entry: KeptEntry) -> bool:
         """Every layer's block still has a full-precision copy, and those in the fast tier the bytes they
         had when kept; an entry that fails is dropped."""
         blocks = [table[0] for table in self.kv.tables[entry.request_id]]
@@ -212,7 +147,7 @@ class PrefixCache:
                 return False
         return True
 
-    def _move_entry(self, entry: _Entry, request_id: str, index: int) -> None:
+    def _move_entry(self, entry: KeptEntry, request_id: str, index: int) -> None:
         kv = self.kv
         for layer, table in enumerate(kv.tables.pop(entry.request_id)):
             block = table[0]
@@ -243,49 +178,6 @@ class PrefixCache:
             kv.note_copy(CopyAction.MOVED_IN, block, tier, 0)
 
     # --- keeping ---------------------------------------------------------------------------------
-    def share_computed(self, seqs: Iterable[Sequence]) -> None:
-        """Step end: note each running request's full blocks whose prefill is done and that are exact (no
-        non-exact event at or before them) as adoptable by hash; a block still being filled is not. One is
-        shared when a request adopts it (`_publish`): until then it is its request's own, spilled like any."""
-        if not self.is_enabled:
-            return
-        kv, size = self.kv, self.kv.block_size
-        for seq in seqs:
-            rid = seq.request_id
-            if rid not in kv.tables:
-                continue
-            num_full = min(kv.num_tokens.get(rid, 0), self.clean_tokens.get(rid, 1 << 62)) // size
-            index = self.next_shared.get(rid, 0)
-            digests = self.hashes(seq, num_full)
-            while index < num_full:
-                blocks = [kv.tables[rid][layer][index] for layer in range(kv.num_layers)]
-                if any(b.num_tokens != size for b in blocks):
-                    break  # not filled yet (a chunked prefill): looked at again next step
-                digest = digests[index]
-                if blocks[0].key[0] == rid and digest not in self.entries and digest not in self.computed:
-                    self.computed[digest] = rid
-                    self.computed_by.setdefault(rid, []).append(digest)
-                index += 1
-            self.next_shared[rid] = index
-
-    def _publish(self, digest: bytes, index: int) -> _Entry | None:
-        """A live request's own block with this hash, moved into a shared entry its request then reads through
-        an alias (None: no such block, or it is no longer exact, full and in the fast tier in every layer)."""
-        kv, owner = self.kv, self.computed.get(digest)
-        table = kv.tables.get(owner) if owner is not None else None
-        if owner is None or table is None or index >= len(table[0]):
-            return None
-        if (index + 1) * kv.block_size > self.clean_tokens.get(owner, 1 << 62):
-            return None
-        blocks = [t[index] for t in table]
-        if not all(b.key == (owner, layer, index) and b.num_tokens == kv.block_size and b.device is not None
-                   for layer, b in enumerate(blocks)):  # fmt: skip
-            return None
-        del self.computed[digest]
-        self._keep(digest, blocks, 0, holder=owner)
-        self.stats.num_published_blocks += 1
-        return self.entries[digest]
-
     def release(self, seq: Sequence, is_aborted: bool = False, is_kept: bool = True) -> None:
         """A request ended (finished, aborted): it lets go of the blocks it shares; its own exact full blocks
         are kept unless `is_kept` is False (each position not kept already), the rest freed."""
@@ -318,47 +210,6 @@ class PrefixCache:
                 self._keep(digest, blocks, hits[index] if index < len(hits) else 0)
                 self.stats.num_kept_on_abort += is_aborted
 
-    def _let_go_all(self, request_id: str) -> None:
-        for index, owner_id in list(self.kv.aliases.get(request_id, {}).items()):
-            self._let_go(request_id, index, owner_id)
-
-    def _let_go(self, request_id: str, index: int, owner_id: str) -> None:
-        """`request_id` stops holding the shared block `owner_id` (its block `index`): with one holder left the
-        block goes back to that request's own table; with none it is a kept entry (capped, spillable)."""
-        kv = self.kv
-        holders = kv.holders.get(owner_id, set())
-        holders.discard(request_id)
-        kv.aliases.get(request_id, {}).pop(index, None)
-        digest = self.by_id.get(owner_id)
-        if digest is None or digest not in self.entries:
-            return
-        if len(holders) == 1:
-            self._unshare(self.entries[digest], next(iter(holders)), index)
-        elif not holders:
-            self.entries.move_to_end(digest)
-            self.entries[digest].last_step = self.step_of()
-
-    def _unshare(self, entry: _Entry, holder: str, index: int) -> None:
-        """The last holder takes the shared block back as its own (its copies journalled as moved to it), so it
-        may spill it again; it stays adoptable by hash while that request runs."""
-        kv = self.kv
-        del kv.aliases[holder][index]
-        kv.holders.pop(entry.request_id, None)
-        for table in kv.tables.pop(entry.request_id):
-            self._move(table[0], holder, index)  # the holder's table already has this block object there
-        kv.num_tokens.pop(entry.request_id, None)
-        kv.off_device.pop(entry.request_id, None)
-        self.by_id.pop(entry.request_id, None)
-        del self.entries[entry.digest]
-        self.computed[entry.digest] = holder
-        self.computed_by.setdefault(holder, []).append(entry.digest)
-
-    def _forget_computed(self, request_id: str) -> None:
-        for digest in self.computed_by.pop(request_id, []):
-            if self.computed.get(digest) == request_id:
-                del self.computed[digest]
-        self.next_shared.pop(request_id, None)
-
     def _keep(self, digest: bytes, blocks: list[KVBlock], num_hits: int, holder: str | None = None) -> None:
         """Move `blocks` (one block position, every layer) into a one-block table of their own; `holder`: the
         live request they came from keeps reading them there (an alias), else its table keeps empty places."""
@@ -375,7 +226,7 @@ class PrefixCache:
         if holder is not None:
             kv.alias(holder, index, pid)
         crcs = [block_crc(b) if b.device is not None else None for b in blocks]
-        self.entries[digest] = _Entry(pid, digest, crcs, self.step_of(), num_hits)
+        self.entries[digest] = KeptEntry(pid, digest, crcs, self.step_of(), num_hits)
         self.by_id[pid] = digest
         self.stats.num_kept_blocks += 1
 
@@ -386,7 +237,7 @@ class PrefixCache:
         self.hits.pop(request_id, None)
         self._forget_computed(request_id)
 
-    def _drop(self, entry: _Entry) -> None:
+    def _drop(self, entry: KeptEntry) -> None:
         self.entries.pop(entry.digest, None)
         self.by_id.pop(entry.request_id, None)
         self.kv.free_sequence(entry.request_id)
