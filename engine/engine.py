@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from fallbackgate.engine import requests
 from fallbackgate.engine.baseline.access import BaselineAccess
-from fallbackgate.engine.config import DTYPES, EngineConfig
+from fallbackgate.engine.config import DTYPES, EngineConfig, PreemptMode
 from fallbackgate.engine.controller import Controller, ControllerView
 from fallbackgate.engine.errors import EngineError
 from fallbackgate.engine.experts.executor import Executor
@@ -233,6 +233,7 @@ class Engine(BaselineAccess):
         finished = []
         events = log.events()
         self.prefix.note_events(plan, events)
+        self.prefix.share_computed(seq for seq, _ in chosen)  # full exact blocks adoptable while they still run
         modeled = log.modeled_transfer_s + log.modeled_compute_s
         self.modeled_clock_s += modeled
         now = time.perf_counter()
@@ -242,7 +243,7 @@ class Engine(BaselineAccess):
                 finished.append(request_id)
         for request_id, why in log.failed.items():
             if request_id in self.sequences:
-                self.failed[request_id] = (self.abort_request(request_id), why)
+                self.failed[request_id] = (self.abort_request(request_id, is_kept=False), why)
         pool = self.kv_store.device_pool
         if log.capture is not None:
             log.capture.end_ns = time.monotonic_ns()
@@ -301,14 +302,14 @@ class Engine(BaselineAccess):
         seq.finish_s, seq.modeled_finish_s = time.perf_counter(), self.modeled_clock_s
         return request_output(seq)
 
-    def abort_request(self, request_id: str) -> RequestOutput:
+    def abort_request(self, request_id: str, is_kept: bool = True) -> RequestOutput:
         """End the unfinished request `request_id` now, between steps (its client went away, its time ran out):
-        it leaves the scheduler, every copy of its KV blocks is freed; returns what it had produced."""
+        it leaves the scheduler, its exact full KV blocks are kept for later prefixes as on finish (`is_kept`
+        False, a request that met a fault: none), every other copy is freed; returns what it had produced."""
         output = self.partial_output(request_id)
         seq = self.sequences.pop(request_id)
         self.scheduler.abort(seq)
-        self.kv_store.free_sequence(request_id)
-        self.prefix.forget(request_id)
+        self.prefix.release(seq, is_aborted=True, is_kept=is_kept)
         return output
 
     # --- memory pressure -----------------------------------------------------------------------
@@ -318,6 +319,8 @@ class Engine(BaselineAccess):
         return make_room_for_kv(self.executor, num_bytes, pinned, is_done, is_kv_only)
 
     def _preempt(self, seq: Sequence) -> None:
+        if self.config.preempt_mode != PreemptMode.SWAP.value:  # its KV is dropped: the exact full blocks are kept
+            self.prefix.keep_blocks(seq, is_aborted=True)
         preempt(self.config.preempt_mode, self.kv_store, self.executor, seq)
 
     def view(self) -> ControllerView:

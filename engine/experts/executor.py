@@ -194,8 +194,8 @@ class Executor:
         """Take a KV block off device, keeping the copy `mode` names (host falls back to disk when full)."""
         request_id, layer, index = key
         block = self.kv_store.blocks(request_id, layer)[index]
-        if block.device is None:
-            return
+        if block.device is None or block.key != key or self.kv_store.is_held(key):
+            return  # a shared block in use (or an alias of one) stays in the fast tier
         if not self.kv_store.spill_cost_fits_host(mode):
             mode = SpillMode.DISK_INT8 if mode in (SpillMode.HOST_INT8, SpillMode.HOST_INT4) else SpillMode.DISK_FULL
         written = self.kv_store.spill_block(block, mode)

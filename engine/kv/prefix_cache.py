@@ -13,90 +13,41 @@ them (at least one prompt token is always computed, for the logits). A block ado
 disk is read ``exact_load`` from the spill (every page's CRC32 checked). Moves of host and disk copies are
 journalled (``moved_out`` from the old owner, ``moved_in`` to the new one, in that order), so the audit's
 copy replay follows a copy from the request that wrote it to the one that reads it.
+
+Requests that run at the same time share blocks too (`prefix_share.py`): a running request's full exact
+block is adoptable once its prefill is done; the adopter and it then read one copy (one device slot) through
+aliases, and it stays in RAM while either holds it. An aborted or drop-preempted request's exact full blocks
+are kept as on finish.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
-import hashlib
-import zlib
 from collections.abc import Callable, Iterable
 
-import torch
-
 from fallbackgate.engine.kv.block import KVBlock
+from fallbackgate.engine.kv.prefix_share import PrefixSharing
+from fallbackgate.engine.kv.prefix_types import (
+    DEFAULT_RAM_CAP_BYTES,
+    DEFAULT_SPILL_CAP_BYTES,
+    PREFIX_ID,
+    ROOT_DIGEST,
+    KeptEntry,
+    PrefixEntryInfo,
+    PrefixStats,
+    block_crc,
+    chain_hashes,
+    hash_u64,
+)
 from fallbackgate.engine.kv.store import KVStore
 from fallbackgate.engine.messages import CopyAction, Event, StepPlan
 from fallbackgate.engine.sequence import Sequence
 from fallbackgate.engine.tags import Exactness, ObjectKind, Tag, Tier
 
-PREFIX_ID = "prefix:"  # pseudo request ids of kept blocks start with it
-ROOT_DIGEST = b"fallbackgate-prefix-v1"  # the parent of a request's first block
-DEFAULT_SPILL_CAP_BYTES = 1 << 30  # kept blocks off RAM (disk, host) at most; the least recently used go first
-DEFAULT_RAM_CAP_BYTES = 256 << 20  # kept blocks on the fast tier (RAM on a CPU) at most; least recent dropped
+__all__ = ["PREFIX_ID", "ROOT_DIGEST", "PrefixCache", "PrefixEntryInfo", "PrefixStats", "chain_hashes", "hash_u64"]
 
 
-def chain_hashes(token_ids: list[int], block_size: int, num_blocks: int, known: list[bytes]) -> list[bytes]:
-    """The content hashes of the first `num_blocks` full blocks of `token_ids`, extending `known` (a prefix
-    of the answer computed before) in place."""
-    while len(known) < num_blocks:
-        index = len(known)
-        parent = known[-1] if known else ROOT_DIGEST
-        block = token_ids[index * block_size : (index + 1) * block_size]
-        data = torch.tensor(block, dtype=torch.int64).numpy().tobytes()
-        known.append(hashlib.blake2b(parent + data, digest_size=16).digest())
-    return known[:num_blocks]
-
-
-def hash_u64(digest: bytes) -> int:
-    """A content hash as the trace's uint64 (its first 8 bytes, little-endian)."""
-    return int.from_bytes(digest[:8], "little")
-
-
-def block_crc(block: KVBlock) -> int:
-    """CRC32 of a block's device bytes."""
-    assert block.device is not None
-    return zlib.crc32(block.device.detach().contiguous().cpu().view(torch.uint8).numpy())
-
-
-@dataclasses.dataclass(slots=True, frozen=True)
-class PrefixEntryInfo:
-    """What a controller sees of one kept block position (all its layers)."""
-
-    digest: str  # content hash, hex
-    num_hits: int  # times requests adopted this prefix block so far
-    idle_steps: int  # engine steps since it was kept or last adopted
-    num_on_device: int  # layers whose block is in the fast tier
-
-
-@dataclasses.dataclass(slots=True)
-class _Entry:
-    request_id: str  # pseudo id of its one-block table
-    digest: bytes
-    crcs: list[int | None]  # per layer: CRC32 of the device bytes when kept (None: not on device then)
-    last_step: int
-    num_hits: int
-
-
-@dataclasses.dataclass(slots=True)
-class PrefixStats:
-    """What prefix reuse did in a run."""
-
-    num_kept_blocks: int = 0  # block positions kept when their request ended (each: every layer's block)
-    num_reused_blocks: int = 0  # block positions adopted by later requests
-    num_reused_tokens: int = 0  # prefill tokens skipped by those adoptions
-    num_reused_requests: int = 0  # requests that adopted at least one block
-    num_reused_resident: int = 0  # adopted layer blocks that were in the fast tier
-    num_reused_spilled: int = 0  # adopted layer blocks whose copy was on disk (or host): read exact_load
-    num_checksum_failures: int = 0  # kept blocks whose bytes no longer matched their CRC (dropped, not reused)
-    num_dropped_blocks: int = 0  # kept block positions dropped (no exact copy left, over the spill cap)
-
-    def as_dict(self) -> dict[str, int]:
-        return dataclasses.asdict(self)
-
-
-class PrefixCache:
+class PrefixCache(PrefixSharing):
     """Kept full KV blocks by content hash, and the requests' hash chains (mechanism: the controller
     decides what leaves RAM)."""
 
@@ -110,11 +61,14 @@ class PrefixCache:
     ) -> None:
         self.kv, self.is_enabled, self.step_of = kv, is_enabled, step_of
         self.spill_cap_bytes, self.ram_cap_bytes = spill_cap_bytes, ram_cap_bytes
-        self.entries: collections.OrderedDict[bytes, _Entry] = collections.OrderedDict()  # least recent first
+        self.entries: collections.OrderedDict[bytes, KeptEntry] = collections.OrderedDict()  # least recent first
         self.by_id: dict[str, bytes] = {}  # pseudo request id -> digest
         self.chains: dict[str, list[bytes]] = {}  # live request -> hashes of its full blocks so far
         self.clean_tokens: dict[str, int] = {}  # live request -> positions below which its KV is exact
         self.hits: dict[str, list[int]] = {}  # live request -> adopted blocks' hit counts, by block index
+        self.next_shared: dict[str, int] = {}  # live request -> its first block index not yet looked at to share
+        self.computed: dict[bytes, str] = {}  # content hash -> the live request whose own full exact block has it
+        self.computed_by: dict[str, list[bytes]] = {}  # live request -> the hashes it put in `computed`
         self.stats = PrefixStats()
 
     # --- hashes ----------------------------------------------------------------------------------
@@ -143,22 +97,30 @@ class PrefixCache:
 
     # --- adoption --------------------------------------------------------------------------------
     def adopt(self, seq: Sequence) -> int:
-        """At first admission: move the kept blocks matching the request's prompt into its table and skip
-        their prefill; returns the tokens skipped."""
+        """At first admission: take the kept or live blocks matching the request's prompt (shared when every
+        layer of one is in the fast tier, else moved into its table) and skip their prefill; returns the
+        tokens skipped."""
         kv, size = self.kv, self.kv.block_size
-        if not self.is_enabled or not self.entries or seq.num_computed_tokens or seq.num_recompute_tokens:
+        if not self.is_enabled or not (self.entries or self.computed) or seq.num_computed_tokens:
+            return 0
+        if seq.num_recompute_tokens:  # a drop-preempted request rebuilds its own KV (tagged recompute)
             return 0
         if seq.num_scored_tokens or seq.params.num_prompt_logprobs is not None or kv.num_tokens[seq.request_id]:
             return 0  # prompt positions asked for: they must be computed
         max_blocks = (len(seq.prompt_token_ids) - 1) // size
         hits: list[int] = []
         for index, digest in enumerate(self.hashes(seq, max_blocks)):
-            entry = self.entries.get(digest)
+            entry = self.entries.get(digest) or self._publish(digest, index)
             if entry is None or not self._is_intact(entry):
                 break
-            del self.entries[digest]
-            self._move_entry(entry, seq.request_id, index)
-            hits.append(entry.num_hits + 1)
+            if self._share(entry, seq.request_id, index):
+                hits.append(entry.num_hits)
+            elif kv.holders.get(entry.request_id):
+                break  # cannot happen: a held block stays in the fast tier
+            else:
+                del self.entries[digest]
+                self._move_entry(entry, seq.request_id, index)
+                hits.append(entry.num_hits + 1)
         if hits:
             num = len(hits) * size
             kv.num_tokens[seq.request_id] = seq.num_computed_tokens = seq.num_reused_tokens = num
@@ -168,21 +130,24 @@ class PrefixCache:
             self.stats.num_reused_requests += 1
         return len(hits) * size
 
-    def _is_intact(self, entry: _Entry) -> bool:
+    def _is_intact(self, entry: KeptEntry) -> bool:
         """Every layer's block still has a full-precision copy, and those in the fast tier the bytes they
         had when kept; an entry that fails is dropped."""
         blocks = [table[0] for table in self.kv.tables[entry.request_id]]
+        is_held = bool(self.kv.holders.get(entry.request_id))  # in use: not dropped, only not shared further
         if not all(b.has_exact_copy for b in blocks):
-            self._drop(entry)
+            if not is_held:
+                self._drop(entry)
             return False
         for block, crc in zip(blocks, entry.crcs, strict=True):
             if block.device is not None and crc is not None and block_crc(block) != crc:
                 self.stats.num_checksum_failures += 1
-                self._drop(entry)
+                if not is_held:
+                    self._drop(entry)
                 return False
         return True
 
-    def _move_entry(self, entry: _Entry, request_id: str, index: int) -> None:
+    def _move_entry(self, entry: KeptEntry, request_id: str, index: int) -> None:
         kv = self.kv
         for layer, table in enumerate(kv.tables.pop(entry.request_id)):
             block = table[0]
@@ -213,36 +178,55 @@ class PrefixCache:
             kv.note_copy(CopyAction.MOVED_IN, block, tier, 0)
 
     # --- keeping ---------------------------------------------------------------------------------
-    def release(self, seq: Sequence) -> None:
-        """A request ended: keep its exact full blocks (each position not kept already), free the rest."""
-        kv, rid = self.kv, seq.request_id
-        if self.is_enabled and rid in kv.tables:
-            size = kv.block_size
-            num_full = min(kv.num_tokens.get(rid, 0), self.clean_tokens.get(rid, 1 << 62)) // size
-            hits = self.hits.get(rid, [])
-            for index, digest in enumerate(self.hashes(seq, num_full)):
-                blocks = [kv.tables[rid][layer][index] for layer in range(kv.num_layers)]
-                if not all(b.num_tokens == size and b.has_exact_copy for b in blocks):
-                    break
-                if digest not in self.entries:
-                    self._keep(digest, blocks, hits[index] if index < len(hits) else 0)
-            self._prune()
-        kv.free_sequence(rid)
-        self.forget(rid)
+    def release(self, seq: Sequence, is_aborted: bool = False, is_kept: bool = True) -> None:
+        """A request ended (finished, aborted): it lets go of the blocks it shares; its own exact full blocks
+        are kept unless `is_kept` is False (each position not kept already), the rest freed."""
+        if is_kept:
+            self.keep_blocks(seq, is_aborted)
+        else:
+            self._let_go_all(seq.request_id)
+        self.kv.free_sequence(seq.request_id)
+        self.forget(seq.request_id)
+        self._prune()
 
-    def _keep(self, digest: bytes, blocks: list[KVBlock], num_hits: int) -> None:
+    def keep_blocks(self, seq: Sequence, is_aborted: bool = False) -> None:
+        """Keep the request's own exact full blocks as entries nobody holds yet (on finish, abort, or before a
+        drop-preemption frees its KV); the shared ones it held lose a holder (the caller frees its table)."""
+        kv, rid = self.kv, seq.request_id
+        if not self.is_enabled or rid not in kv.tables:
+            return
+        size = kv.block_size
+        num_full = min(kv.num_tokens.get(rid, 0), self.clean_tokens.get(rid, 1 << 62)) // size
+        hits = self.hits.get(rid, [])
+        self._let_go_all(rid)
+        self._forget_computed(rid)
+        for index, digest in enumerate(self.hashes(seq, num_full)):
+            blocks = [kv.tables[rid][layer][index] for layer in range(kv.num_layers)]
+            if blocks[0].key[0] != rid:
+                continue  # another table's block (it was shared)
+            if not all(b.num_tokens == size and b.has_exact_copy for b in blocks):
+                break
+            if digest not in self.entries:
+                self._keep(digest, blocks, hits[index] if index < len(hits) else 0)
+                self.stats.num_kept_on_abort += is_aborted
+
+    def _keep(self, digest: bytes, blocks: list[KVBlock], num_hits: int, holder: str | None = None) -> None:
+        """Move `blocks` (one block position, every layer) into a one-block table of their own; `holder`: the
+        live request they came from keeps reading them there (an alias), else its table keeps empty places."""
         kv = self.kv
         pid = PREFIX_ID + digest.hex()
         kv.add_sequence(pid)
+        owner, _, index = blocks[0].key
         for layer, block in enumerate(blocks):
-            owner, _, index = block.key
             kv.tables[owner][layer][index] = KVBlock(block.key)  # the owner's table keeps an empty place
             kv.drop_quant_copies(block)
             self._move(block, pid, 0)
             kv.tables[pid][layer].append(block)
         kv.num_tokens[pid] = kv.block_size
+        if holder is not None:
+            kv.alias(holder, index, pid)
         crcs = [block_crc(b) if b.device is not None else None for b in blocks]
-        self.entries[digest] = _Entry(pid, digest, crcs, self.step_of(), num_hits)
+        self.entries[digest] = KeptEntry(pid, digest, crcs, self.step_of(), num_hits)
         self.by_id[pid] = digest
         self.stats.num_kept_blocks += 1
 
@@ -251,8 +235,9 @@ class PrefixCache:
         self.chains.pop(request_id, None)
         self.clean_tokens.pop(request_id, None)
         self.hits.pop(request_id, None)
+        self._forget_computed(request_id)
 
-    def _drop(self, entry: _Entry) -> None:
+    def _drop(self, entry: KeptEntry) -> None:
         self.entries.pop(entry.digest, None)
         self.by_id.pop(entry.request_id, None)
         self.kv.free_sequence(entry.request_id)
@@ -263,20 +248,23 @@ class PrefixCache:
         least recently used ones while kept blocks off the fast tier exceed the spill cap or those on it the
         RAM cap (a server's kept prefixes stay within a stated bound, not the whole budget)."""
         kv = self.kv
-        dead = [e for e in self.entries.values() if not all(t[0].has_exact_copy for t in kv.tables[e.request_id])]
+        idle = [e for e in self.entries.values() if not kv.holders.get(e.request_id)]  # held ones are in use
+        dead = [e for e in idle if not all(t[0].has_exact_copy for t in kv.tables[e.request_id])]
         for entry in dead:
             self._drop(entry)
-        off = {e.digest: sum(t[0].device is None for t in kv.tables[e.request_id]) for e in self.entries.values()}
+        idle = [e for e in idle if e.digest in self.entries]
+        off = {e.digest: sum(t[0].device is None for t in kv.tables[e.request_id]) for e in idle}
         total = sum(off.values()) * kv.bytes_per_block
-        for entry in list(self.entries.values()):
+        for entry in idle:
             if total <= self.spill_cap_bytes:
                 break
             if off[entry.digest]:
                 total -= off[entry.digest] * kv.bytes_per_block
                 self._drop(entry)
-        on = {e.digest: len(kv.tables[e.request_id]) - off[e.digest] for e in self.entries.values()}
+        idle = [e for e in idle if e.digest in self.entries]
+        on = {e.digest: len(kv.tables[e.request_id]) - off[e.digest] for e in idle}
         total = sum(on.values()) * kv.bytes_per_block
-        for entry in list(self.entries.values()):
+        for entry in idle:
             if total <= self.ram_cap_bytes:
                 break
             if on[entry.digest]:

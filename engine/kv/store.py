@@ -60,6 +60,8 @@ class KVStore(KVCopies):
         self.tables: dict[str, list[list[KVBlock]]] = {}  # request -> layer -> blocks
         self.off_device: dict[str, set[tuple[int, int]]] = {}  # request -> (layer, index) of its off-device blocks
         self.num_tokens: dict[str, int] = {}
+        self.aliases: dict[str, dict[int, str]] = {}  # request -> block index -> shared table it reads there
+        self.holders: dict[str, set[str]] = {}  # shared table (a prefix block's) -> live requests aliasing it
         self.scratch: dict[KVBlockKey, Staged] = {}
         self.pending_exact: dict[KVBlockKey, PendingRead] = {}  # disk reads queued ahead of their staging
         self.copy_changes, self.num_copy_changes = [], 0  # the copy journal (`KVCopies.note_copy`)
@@ -71,10 +73,14 @@ class KVStore(KVCopies):
         self.num_tokens[request_id] = 0
 
     def free_sequence(self, request_id: str) -> None:
-        """Release every copy of every block of a request."""
+        """Release every copy of every block of a request; a block it shares (an alias of another table's
+        block) is only let go: its holder count drops, its copies stay with the table that owns it."""
+        for pid in self.aliases.pop(request_id, {}).values():
+            self.holders.get(pid, set()).discard(request_id)
         for blocks in self.tables.pop(request_id, []):
             for block in blocks:
-                self._drop_copies(block, keep_device=False)
+                if block.key[0] == request_id:
+                    self._drop_copies(block, keep_device=False)
         self.num_tokens.pop(request_id, None)
         self.off_device.pop(request_id, None)
         for key in [k for k in self.scratch if k[0] == request_id]:
@@ -83,25 +89,46 @@ class KVStore(KVCopies):
     def blocks(self, request_id: str, layer: int) -> list[KVBlock]:
         return self.tables[request_id][layer]
 
+    # --- shared blocks (prefix reuse by concurrent requests) -----------------------------------
+    def alias(self, request_id: str, index: int, owner_id: str) -> None:
+        """Let `request_id` read `owner_id`'s one-block table at its block `index` (every layer): the same
+        block objects, one device slot each, counted once in the pool; the owner's blocks are never spilled
+        while a request holds them, and no holder writes them (full blocks are append-only)."""
+        for layer, blocks in enumerate(self.tables[request_id]):
+            block = self.tables[owner_id][layer][0]
+            if index < len(blocks):
+                blocks[index] = block
+            else:
+                blocks.append(block)
+        self.aliases.setdefault(request_id, {})[index] = owner_id
+        self.holders.setdefault(owner_id, set()).add(request_id)
+
+    def is_held(self, key: KVBlockKey) -> bool:
+        """Whether the block `key` names is shared by a live request (then it stays in the fast tier)."""
+        return bool(self.holders.get(key[0]))
+
     def block_keys(self, request_ids: list[str]) -> RequestBlockKeys:
         """Every block of every layer of these requests (those without a table have none), as a set-like
         container built in O(len(request_ids))."""
         return RequestBlockKeys(frozenset(rid for rid in request_ids if rid in self.tables))
 
     def device_blocks(self) -> list[KVBlock]:
-        return [b for table in self.tables.values() for blocks in table for b in blocks if b.device is not None]
+        """Every device block that may be spilled, once (aliases and held shared blocks left out)."""
+        return [b for rid in self.tables for b in self.device_blocks_of(rid)]
 
     def device_blocks_of(self, request_id: str, is_index_major: bool = False) -> Iterator[KVBlock]:
         """The request's device blocks in `device_blocks` order (layer, then index; `is_index_major`: index,
         then layer), walked lazily: a caller that stops after k blocks walks about k blocks (those off device
         are skipped as met)."""
         table = self.tables.get(request_id, [])
-        if not is_index_major:
-            yield from (block for blocks in table for block in blocks if block.device is not None)
+        if self.holders.get(request_id):
+            return  # a shared block in use stays where it is
+        if not is_index_major:  # an alias (another table's block) is listed by its owner only
+            yield from (b for blocks in table for b in blocks if b.device is not None and b.key[0] == request_id)
             return
         for index in range(max((len(blocks) for blocks in table), default=0)):
             for blocks in table:
-                if index < len(blocks) and blocks[index].device is not None:
+                if index < len(blocks) and blocks[index].device is not None and blocks[index].key[0] == request_id:
                     yield blocks[index]
 
     def off_device_blocks(self, request_id: str, num_blocks: int) -> list[KVBlock]:
@@ -341,6 +368,9 @@ class KVStore(KVCopies):
 
     def held_device_bytes(self) -> dict[str, int]:
         """Bytes of the device tensors this store really holds (blocks and staged scratch), by pool kind."""
-        blocks = sum(b.device.nbytes for t in self.tables.values() for bs in t for b in bs if b.device is not None)
+        blocks = sum(
+            b.device.nbytes for rid, t in self.tables.items() for bs in t for b in bs
+            if b.device is not None and b.key[0] == rid
+        )  # fmt: skip
         staged = sum(s.tensor.nbytes for s in self.scratch.values())
         return {ObjectKind.KV_BLOCK.value: blocks, Scratch.KV_STAGED.value: staged}
