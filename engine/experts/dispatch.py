@@ -82,9 +82,10 @@ class ExpertDispatch:
         ctx, store = self.ctx, self.store
         num_tokens, top_k = top_k_index.shape
         request_ids = ctx.batch.request_ids
-        routing = group_layer(
-            top_k_index, top_k_weights, store.slots.table(layer), row_owner(ctx.token_owner, top_k), len(request_ids)
-        )
+        table = store.slots.table(layer)
+        row_slots = table[top_k_index.reshape(-1)]  # gathered once: the routing's host copy and the kernel's slots
+        owner = row_owner(ctx.token_owner, top_k)
+        routing = group_layer(top_k_index, top_k_weights, table, owner, len(request_ids), row_slots)
         for request_index in np.flatnonzero(routing.resident_uses):
             ctx.log.add_expert_uses(request_ids[request_index], layer, int(routing.resident_uses[request_index]))
         ctx.used_expert_keys.extend((layer, int(e)) for e in routing.used_experts)
@@ -94,9 +95,8 @@ class ExpertDispatch:
         )
         store.wait_layer_ready(layer)
         if not routing.misses:  # everything resident: one kernel, no host work beyond the counts
-            slots = store.slots.table(layer)[top_k_index.reshape(-1)]
             return sum_rows(
-                self._kernel(module, layer, hidden, slots, top_k_weights.reshape(-1), top_k),
+                self._kernel(module, layer, hidden, row_slots, top_k_weights.reshape(-1), top_k),
                 num_tokens,
                 top_k,
                 hidden.dtype,

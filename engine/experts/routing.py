@@ -42,11 +42,21 @@ def row_owner(token_owner: list[int], top_k: int) -> np.ndarray:
 
 
 def group_layer(
-    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, table: torch.Tensor, owner: np.ndarray, num_requests: int
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    table: torch.Tensor,
+    owner: np.ndarray,
+    num_requests: int,
+    row_slots: torch.Tensor | None = None,
 ) -> LayerRouting:
-    """Group one layer's rows; `table` maps expert id -> slot (-1: off device), `owner` each row's request."""
+    """Group one layer's rows; `table` maps expert id -> slot (-1: off device), `owner` each row's request.
+
+    `row_slots` is ``table[top_k_index.reshape(-1)]`` when the caller already gathered it on the device.
+    """
     flat = top_k_index.reshape(-1)
-    packed = torch.stack([flat.double(), table[flat].double(), top_k_weights.reshape(-1).double()])
+    if row_slots is None:
+        row_slots = table[flat]
+    packed = torch.stack([flat.double(), row_slots.double(), top_k_weights.reshape(-1).double()])
     host = packed.cpu().numpy()  # the layer's one host sync
     experts, slots, weights = host[0].astype(np.int64), host[1].astype(np.int64), host[2]
     pairs = experts * num_requests + owner
