@@ -16,6 +16,8 @@ from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.io import IOSnapshot
 from fallbackgate.engine.tags import Tier
 
+_DEVICE, _HOST, _DISK = Tier.DEVICE, Tier.HOST, Tier.DISK  # bound once: the hot path skips enum lookups
+
 
 @dataclasses.dataclass
 class LinkBudget:
@@ -50,14 +52,14 @@ class LinkBudget:
 
     def legs(self, num_bytes: int, source: Tier | None) -> dict[Tier, float]:
         """Seconds `num_bytes` from `source` occupy each link (empty when nothing moves)."""
-        if source is None or source is Tier.DEVICE or num_bytes <= 0:
+        if source is None or source is _DEVICE or num_bytes <= 0:
             return {}
         p = self.profile
         pcie = p.link_latency_s + num_bytes / p.host_to_device_bytes_per_s
-        if source is Tier.DISK:
+        if source is _DISK:
             disk_s = p.disk_read_busy_s(num_bytes, self.disk_queue_depth)
-            return {Tier.DISK: disk_s} if self.is_ram_tiered else {Tier.DISK: disk_s, Tier.HOST: pcie}
-        return {Tier.HOST: pcie}
+            return {_DISK: disk_s} if self.is_ram_tiered else {_DISK: disk_s, _HOST: pcie}
+        return {_HOST: pcie}
 
     def disk_arrival_s(self, num_bytes: int) -> float:
         """Predicted seconds from submission to arrival of the next disk read of `num_bytes`."""
@@ -65,22 +67,37 @@ class LinkBudget:
 
     def fits(self, num_bytes: int, source: Tier | None) -> bool:
         """Whether the transfer can still arrive before the deadline."""
-        return all(self.left_s.get(t, 0.0) >= s for t, s in self.legs(num_bytes, source).items())
+        if source is None or source is _DEVICE or num_bytes <= 0:
+            return True  # nothing moves (`legs` is empty)
+        p, left = self.profile, self.left_s
+        if source is _DISK:
+            if left.get(_DISK, 0.0) < p.disk_read_busy_s(num_bytes, self.disk_queue_depth):
+                return False
+            if self.is_ram_tiered:
+                return True
+        return left.get(_HOST, 0.0) >= p.link_latency_s + num_bytes / p.host_to_device_bytes_per_s
 
     def take(self, num_bytes: int, source: Tier | None) -> None:
         """Queue the transfer (the link may go negative: a slipped deadline)."""
-        for tier, seconds in self.legs(num_bytes, source).items():
-            self.left_s[tier] = self.left_s.get(tier, 0.0) - seconds
-        if source is Tier.DISK and num_bytes > 0:
+        if source is None or source is _DEVICE or num_bytes <= 0:
+            return  # nothing moves (`legs` is empty)
+        p, left = self.profile, self.left_s
+        if source is _DISK:
+            left[_DISK] = left.get(_DISK, 0.0) - p.disk_read_busy_s(num_bytes, self.disk_queue_depth)
             self.num_disk_queued += 1
+            if self.is_ram_tiered:
+                return
+        left[_HOST] = left.get(_HOST, 0.0) - (p.link_latency_s + num_bytes / p.host_to_device_bytes_per_s)
 
     def used_s(self, source: Tier | None) -> float:
         """Link seconds queued so far this step on the links `source` uses (the latest of them): when a
         transfer queued now would start arriving."""
-        tiers = [Tier.DISK, Tier.HOST] if source is Tier.DISK else [Tier.HOST]
-        if source is Tier.DISK and self.is_ram_tiered:
-            tiers = [Tier.DISK]
-        return max(self.deadline_s - self.left_s.get(t, self.deadline_s) for t in tiers)
+        deadline, left = self.deadline_s, self.left_s
+        host = deadline - left.get(_HOST, deadline)
+        if source is not _DISK:
+            return host
+        disk = deadline - left.get(_DISK, deadline)
+        return disk if self.is_ram_tiered else max(disk, host)
 
     def reserve_s(self, tier: Tier, seconds: float) -> None:
         """Hold `seconds` of one link back for later, higher-priority transfers."""
