@@ -57,6 +57,13 @@ def request_tokens(ledger: Ledger, run_id: int, request_id: str) -> tuple[list[i
     return list(rows[0]["token_ids"]), int(rows[0]["num_prompt_tokens"])
 
 
+def request_reused_tokens(ledger: Ledger, run_id: int, request_id: str) -> int:
+    """Prompt positions the request adopted from kept prefix blocks instead of computing them (0: none)."""
+    stmt = select(Request.num_reused_tokens).where(Request.run_id == run_id, Request.request_id == request_id)
+    rows = _all(ledger, stmt)
+    return int(rows[0]["num_reused_tokens"] or 0) if rows else 0
+
+
 def step_event_counts(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
     """Per step: the event rows the engine said it produced (``expected``) and those found (``found``)."""
     return _expected_and_found(ledger, run_id, EventRow, Step.num_events)

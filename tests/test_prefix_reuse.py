@@ -9,16 +9,21 @@ import random
 import sqlite3
 
 import pytest
+import torch
 
 from fallbackgate.assembly import Overrides, assemble
 from fallbackgate.audit.kv_copies import _replay_journal
+from fallbackgate.audit.replay import replay_logits
+from fallbackgate.audit.replay_trace import ADOPTED_PREFIX_STEP, Segment, TraceError, load_trace
 from fallbackgate.batch.demo import DEMO_POLICY
 from fallbackgate.batch.prompts import PromptSpec, load_prompts
+from fallbackgate.batch.session import RunSettings
 from fallbackgate.bench import victims_reference as ref
 from fallbackgate.bench.prefix_reuse import make_engine, run_sessions, spill_kept
 from fallbackgate.cli import main
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.controllers.joint import JointController
+from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.controller import KVBlockInfo
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.hardware import CPU_BOX
@@ -27,8 +32,10 @@ from fallbackgate.engine.kv.prefix_cache import PREFIX_ID, PrefixCache, PrefixEn
 from fallbackgate.engine.messages import Event, StepKind, StepPlan
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.ledger.db import open_ledger
 from fallbackgate.policy.apply import with_sections
 from fallbackgate.policy.loader import load_policy
+from fallbackgate.recording import record_and_judge
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 from fallbackgate.tracing import read_trace
 from fallbackgate.workloads.build import generate, prompt_specs
@@ -246,3 +253,27 @@ def test_a_rebuild_pass_spills_no_block_the_step_already_resolved(tmp_path: path
     finally:
         engine.close()
     assert len(engine.finished) == 6
+
+
+def test_the_replay_recomputes_an_adopted_prefix_from_tokens(tmp_path: pathlib.Path) -> None:
+    """A request whose first step starts after adopted blocks is replayed from position 0 (the adopted
+    prefix recomputed from tokens, no step's actions on it): its greedy tokens come back. Before, the replay
+    refused it ("starts at position N but only 0 were computed"), so an adopted request that later took an
+    approximate action failed its audit."""
+    prompts = tmp_path / "mt.jsonl"
+    assert main(["workload", "multi-turn", "--out", str(prompts), "--seed", "1", "--num-requests", "4"]) == 0
+    config = EngineConfig(model_dir=str(CHECKPOINT_DIR), device_budget_bytes=64 << 20, host_budget_bytes=0, seed=0)
+    engine = Engine(config, ExactLRUController())
+    settings = RunSettings(model_dir=str(CHECKPOINT_DIR), max_new_tokens=16, seed=0)
+    recorded = record_and_judge(engine, load_prompts(str(prompts)), str(tmp_path / "l.db"), settings=settings)
+    adopted = [o for o in recorded.outcome.outputs if o.num_reused_tokens]
+    assert adopted, "no request adopted a kept prefix"
+    with open_ledger(str(tmp_path / "l.db"), read_only=True) as ledger:
+        trace = load_trace(ledger, recorded.run_id, adopted[0].request_id)
+    assert trace.segments[0] == Segment(ADOPTED_PREFIX_STEP, 0, adopted[0].num_reused_tokens, is_sampled=False)
+    logits = torch.cat(list(replay_logits(engine, trace)))
+    engine.close()
+    assert logits.argmax(-1).tolist() == adopted[0].output_token_ids
+    own = dataclasses.replace(trace, segments=trace.segments[1:])  # the request's own steps only: refused
+    with pytest.raises(TraceError, match="only 0 were computed"):
+        list(replay_logits(engine, own))

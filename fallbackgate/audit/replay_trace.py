@@ -13,6 +13,8 @@ from fallbackgate.engine.tags import ObjectKind, Tag
 from fallbackgate.ledger import audit_queries, kv_copy_queries
 from fallbackgate.ledger.db import Ledger
 
+ADOPTED_PREFIX_STEP = -1  # step id of the segment that recomputes adopted prefix blocks: no step acted on it
+
 
 class TraceError(ValueError):
     """The ledger's rows for a request cannot describe what was served (missing or contradictory steps)."""
@@ -94,6 +96,9 @@ def load_trace(ledger: Ledger, run_id: int, request_id: str) -> ReplayTrace:
     if not rows:
         raise TraceError(f"request {request_id}: no step rows recorded")
     segments = [Segment(r["step_id"], r["start_position"], r["num_tokens"], bool(r["is_sampled"])) for r in rows]
+    num_reused = audit_queries.request_reused_tokens(ledger, run_id, request_id)
+    if num_reused and segments[0].start == num_reused:  # adopted exact prefix blocks: recomputed from tokens
+        segments.insert(0, Segment(ADOPTED_PREFIX_STEP, 0, num_reused, is_sampled=False))
     trace = ReplayTrace(request_id, tokens[0], tokens[1], segments, {}, {})
     for e in audit_queries.replay_events(ledger, run_id, request_id):
         ids, step, layer = _ids(e["object_ids"]), e["step_id"], e["layer"]
