@@ -88,8 +88,8 @@ def test_gpu_check_engines_are_assembled_as_before(closing: list[Assembly]) -> N
 @pytest.mark.parametrize(
     "flags",
     [
-        {"device_budget_mb": None, "host_budget_mb": None, "no_stack": False, "io_threads": None},
-        {"device_budget_mb": 3.5, "host_budget_mb": 1.25, "no_stack": True, "io_threads": 0},
+        {"ram_budget_mb": None, "no_stack": False, "io_threads": None},
+        {"ram_budget_mb": 4.75, "no_stack": True, "io_threads": 0},
     ],
 )
 def test_scale_child_engine_is_assembled_as_before(closing: list[Assembly], flags: dict) -> None:
@@ -97,8 +97,8 @@ def test_scale_child_engine_is_assembled_as_before(closing: list[Assembly], flag
     built = scale_child.engine_assembly(args)
     closing.append(built)
     budgets = {}
-    if args.device_budget_mb is not None:  # on a CPU one RAM budget holding both (no host tier)
-        budgets["device_budget_bytes"] = int((args.device_budget_mb + args.host_budget_mb) * MIB)
+    if args.ram_budget_mb is not None:  # on a CPU one RAM budget (the device budget; no host tier)
+        budgets["device_budget_bytes"] = int(args.ram_budget_mb * MIB)
     before = EngineConfig(
         model_dir=MODEL,
         max_num_seqs=3,
