@@ -30,12 +30,8 @@ class PrefixSharing:
     computed_by: dict[str, list[bytes]]  # live request -> the hashes it put in `computed`
     stats: PrefixStats
     hashes: Callable[[Sequence, int], list[bytes]]
-
-    def _keep(self, digest: bytes, blocks: list[KVBlock], num_hits: int, holder: str | None = None) -> None:
-        raise NotImplementedError
-
-    def _move(self, block: KVBlock, request_id: str, index: int) -> None:
-        raise NotImplementedError
+    _keep: Callable[..., None]  # PrefixCache._keep(digest, blocks, num_hits, holder=None): keep as an entry
+    _move: Callable[[KVBlock, str, int], None]  # PrefixCache._move(block, request_id, index): into a table
 
     def _share(self, entry: KeptEntry, request_id: str, index: int) -> bool:
         """Alias an entry whose every layer is in the fast tier at the request's block `index` (a shared
