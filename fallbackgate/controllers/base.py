@@ -6,6 +6,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Iterator
 
+from fallbackgate.controllers.expert_recency import ExpertRecency
 from fallbackgate.controllers.kv_order import KVOrder
 from fallbackgate.controllers.link import LinkBudget
 from fallbackgate.controllers.timing import cpu_expert_s, step_deadline_s
@@ -35,12 +36,14 @@ class Recency:
         self.kv: OrderedDict[KVBlockKey, None] = OrderedDict()
         self._kv_rank: dict[KVBlockKey, int] | None = None  # position in `kv`, until the next touch
         self._kv_order = KVOrder()  # the KV order kept from a view's residency journal, until the next touch
+        self._expert_order = ExpertRecency()  # the expert order kept from a view's residency journal
 
     def touch(self, view: ControllerView) -> None:
         """Move the last step's used experts and KV blocks to the most recent end."""
         for key in view.used_expert_keys:
             self.experts.pop(key, None)
             self.experts[key] = None
+        self._expert_order.touch(view.used_expert_keys)
         for key in view.used_kv_block_keys:
             self.kv.pop(key, None)
             self.kv[key] = None
@@ -48,7 +51,12 @@ class Recency:
         self._kv_order.invalidate()
 
     def experts_lru_first(self, view: ControllerView) -> Iterator[ExpertKey]:
-        """Device experts, least recently used first (never-used ones first of all), produced lazily."""
+        """Device experts, least recently used first (never-used ones first of all, in the store's order),
+        produced lazily; O(log n) per expert taken where the view keeps a residency journal."""
+        kept = self._expert_order.lru_first(view)
+        if kept is not None:
+            yield from kept
+            return
         on_device = view.device_expert_keys()
         yield from (k for k in on_device if k not in self.experts)
         resident = set(on_device)
