@@ -66,13 +66,16 @@ class Recency:
         """Device KV blocks: blocks of requests not running first, then older blocks first — never-read
         blocks by (index, layer, request order), then read ones by when they were last read — produced
         lazily: a request's blocks are walked only as far as they are taken. A view with a KV residency
-        journal (``kv_changes_since``) gets the same order from :class:`KVOrder`, patched per change."""
+        journal (``kv_changes_since``) gets the same order from :class:`KVOrder`, patched per change (at this
+        call, not at the first block taken)."""
         if self._kv_rank is None:
             self._kv_rank = {k: i for i, k in enumerate(self.kv)}
         kept = self._kv_order.ordered(view, self._kv_rank)
-        if kept is not None:
-            yield from kept
-            return
+        return kept if kept is not None else self._kv_walk(view)
+
+    def _kv_walk(self, view: ControllerView) -> Iterator[KVBlockKey]:
+        """`kv_lru_first` for a view without a journal: each request's blocks walked as far as taken."""
+        assert self._kv_rank is not None
         running = set(view.running_ids)
         rids = view.kv_request_ids
         for group in ([r for r in rids if r not in running], [r for r in rids if r in running]):

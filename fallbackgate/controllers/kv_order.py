@@ -11,12 +11,15 @@ instead of re-walking every request's blocks for every victim taken. Anything el
 from __future__ import annotations
 
 import bisect
+import itertools
+import operator
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from fallbackgate.engine.controller import ControllerView
 from fallbackgate.engine.kv.store import KVBlockKey
 
+_KEY = operator.itemgetter(1)  # (sort key, block key) -> block key
 SortKey = tuple[int, int, int]  # never read: (index, layer, request position); read: (rank, 0, 0)
 
 
@@ -48,7 +51,8 @@ class KVOrder:
             for key, is_on in changes:
                 self._patch(key, is_on, seen)
         self.view, self.cursor = view, cursor
-        return self._walk([list(items) for items in self.lists])
+        # a copy, so a later call's patches do not move what an unfinished walk still reads; iterated in C
+        return map(_KEY, itertools.chain.from_iterable([list(items) for items in self.lists]))
 
     def _rebuild(self, view: ControllerView, seen: Mapping, running: tuple[str, ...], rids: tuple[str, ...]) -> None:
         self.running, self.request_ids = running, rids
@@ -80,9 +84,3 @@ class KVOrder:
             bisect.insort(self.lists[which], (sort_key, key))
         else:
             self.lists[which].append((sort_key, key))
-
-    @staticmethod
-    def _walk(lists: list[list]) -> Iterator[KVBlockKey]:
-        for items in lists:
-            for _, key in items:
-                yield key
