@@ -292,6 +292,13 @@ class Controller(abc.ABC):
         needed. The engine takes victims in order only until enough is free, so the result may be lazy (a
         generator over the controller's priority structures); it reads the view as it goes."""
 
+    @property
+    def reads_profile(self) -> bool:
+        """Whether a decision may depend on ``view.profile`` or ``view.io_snapshot()`` (link and compute
+        rates, the I/O queue). A controller that says False decides the same on every device model, so a
+        simulation may share one decision pass among device models (default True: assume it does)."""
+        return True
+
     def on_step_start(self, plan: StepPlan, view: ControllerView) -> None:  # noqa: B027 - optional hook
         """Called before each step's forward pass."""
 

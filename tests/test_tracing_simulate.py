@@ -12,7 +12,7 @@ from fallbackgate.cli import main
 from fallbackgate.controllers.registry import registered_kinds
 from fallbackgate.tracing.devices import DeviceModel
 from fallbackgate.tracing.simulate import SimulationConfig
-from fallbackgate.tracing.simulate_run import simulate_many
+from fallbackgate.tracing.simulate_run import Simulator, _device_groups, _load, _run_group, load_input, simulate_many
 from fallbackgate.tracing.synthetic import Planted, write_planted_trace
 
 DEVICE = DeviceModel("flat", 100_000, 2e9)
@@ -66,3 +66,25 @@ def test_cli_writes_one_result_per_configuration(planted: tuple, tmp_path: Path)
     ]  # fmt: skip
     assert {r["device"] for r in results} == {"nvme-pcie4 (what-if)"}
     assert main(["trace", "simulate", path, "--out", str(out), "--controllers", "nope"]) == 2
+
+
+def test_one_decision_pass_per_device_group_equals_one_run_per_configuration(
+    planted: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A profile-free controller's decisions are made once per device group and priced on each device; one
+    that reads the profile (joint) decides once per configuration; every result equals its own run."""
+    p, path = planted
+    devices = [DEVICE, DeviceModel("slow-link (test)", latency_ns=2_000_000.0, bandwidth_bytes_per_s=50e6)]
+    configs = [
+        SimulationConfig(k.value, p.total_budget_bytes // 3, d, 0.4) for k in registered_kinds() for d in devices
+    ]
+    alone = [Simulator(load_input(path), c).run() for c in configs]
+    passes: list[str] = []
+    decide = Simulator.decide
+    monkeypatch.setattr(Simulator, "decide", lambda self, *a: passes.append(self.config.controller) or decide(self, *a))
+    _load(path)
+    grouped = [r for group in _device_groups(configs) for r in _run_group([configs[i] for i in group])]
+    assert [g for g in grouped if "error" in g] == []
+    assert grouped == alone
+    assert alone[0]["stall_s"] != alone[1]["stall_s"]  # the devices price the same decisions differently
+    assert sorted(passes) == ["exact_lru", "independent_lru", "joint", "joint", "static_split"]

@@ -135,6 +135,11 @@ class ExactBaseline(Controller):
         self.link = LinkBudget(CPU_BOX)
         self.cpu_left_s = 0.0
 
+    @property
+    def reads_profile(self) -> bool:
+        """Only the equivalent-tag deadline check reads the profile; exact-only decisions never do."""
+        return self.is_equivalent_allowed
+
     def on_step_start(self, plan: StepPlan, view: ControllerView) -> None:
         if self.is_equivalent_allowed and self.policy is not None:
             self.link.profile = view.profile

@@ -47,6 +47,10 @@ class ExactLRUController(Controller):
             self.kv_spill_mode = SpillMode.DROP
         self.recency = Recency()
 
+    @property
+    def reads_profile(self) -> bool:
+        return False  # every decision is fixed by the forced tags and recency
+
     def expert_action(self, miss: ExpertMiss) -> Decision:
         if Tag.EXPERT_DEFER in self.force:
             return Decision(Tag.EXPERT_DEFER, reason="forced")

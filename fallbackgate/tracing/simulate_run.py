@@ -300,12 +300,40 @@ def _load(path: str) -> None:
 
 
 def _run_one(config: SimulationConfig) -> dict[str, Any]:
+    return _run_group([config])[0]
+
+
+def _run_group(configs: list[SimulationConfig]) -> list[dict[str, Any]]:
+    """Configurations that differ only in their device model. A controller that decides without the profile
+    (``Controller.reads_profile`` False) makes the same decisions on every device, so one decision pass is
+    priced on each device; any other runs once per configuration."""
     assert _INPUT is not None
-    try:
-        return Simulator(_INPUT, config).run()
-    except Exception as exc:  # a controller failing on one configuration stays that configuration's result
-        return {"controller": config.controller, "budget_gib": config.budget_bytes / GIB, "device": config.device.name,
-                "expert_fraction": config.expert_fraction, "error": f"{type(exc).__name__}: {exc}"}  # fmt: skip
+    results: list[dict[str, Any]] = []
+    shared: tuple[Simulator, np.ndarray, np.ndarray] | None = None
+    for config in configs:
+        try:
+            if shared is None:
+                simulator = Simulator(_INPUT, config)
+                reads, moved = simulator.decide()
+                if not simulator.controller.reads_profile:
+                    shared = simulator, reads, moved
+            else:
+                simulator, reads, moved = shared
+                simulator.config = config
+            results.append(simulator.result(config.device.stall_ns(reads, moved)))
+        except Exception as exc:  # a controller failing on one configuration stays that configuration's result
+            results.append({"controller": config.controller, "budget_gib": config.budget_bytes / GIB,
+                            "device": config.device.name, "expert_fraction": config.expert_fraction,
+                            "error": f"{type(exc).__name__}: {exc}"})  # fmt: skip
+    return results
+
+
+def _device_groups(configs: list[SimulationConfig]) -> list[list[int]]:
+    """Indices of the configurations that differ only in their device model, in order of first appearance."""
+    groups: dict[tuple, list[int]] = {}
+    for index, c in enumerate(configs):
+        groups.setdefault((c.controller, c.budget_bytes, c.expert_fraction), []).append(index)
+    return list(groups.values())
 
 
 def iter_simulations(
@@ -316,14 +344,15 @@ def iter_simulations(
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(configs)))
     if jobs == 1:
         _load(path)
-        for index, config in enumerate(configs):
-            yield index, _run_one(config)
+        for group in _device_groups(configs):
+            yield from zip(group, _run_group([configs[i] for i in group]), strict=True)
         return
     with concurrent.futures.ProcessPoolExecutor(jobs, initializer=_load, initargs=(path,)) as pool:
-        futures = {pool.submit(_run_one, config): index for index, config in enumerate(configs)}
+        groups = _device_groups(configs)
+        futures = {pool.submit(_run_group, [configs[i] for i in group]): group for group in groups}
         try:
             for future in concurrent.futures.as_completed(futures):
-                yield futures[future], future.result()
+                yield from zip(futures[future], future.result(), strict=True)
         finally:
             for future in futures:
                 future.cancel()
