@@ -11,8 +11,9 @@ configurations per second, CPU seconds of the workers, errors, and the 1/5/15-mi
 and after (other sessions load this shared machine). Past ``--limit-s`` the rest is cancelled and the rate
 is over the configurations that finished (the grid runs in a seeded shuffled order, so they are a fair
 sample of it); ``configs_per_worker_cpu_s`` is the rate per CPU second the workers
-got, which a loaded machine does not shrink. Goal (issue 24): ≥ 1,000 configurations of a trace with
-≥ 100k accesses in ≤ 10 minutes on 2 cores.
+got, which a loaded machine does not shrink. ``decision_passes``: the exact baselines decide without the
+device model, so one pass of theirs is priced on all 4 devices (``Controller.reads_profile``). Goal
+(issue 24): ≥ 1,000 configurations of a trace with ≥ 100k accesses in ≤ 10 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from fallbackgate.tracing.devices import simulation_devices
 from fallbackgate.tracing.reader import read_trace
 from fallbackgate.tracing.schema import TraceTable
 from fallbackgate.tracing.simulate import SimulationConfig
-from fallbackgate.tracing.simulate_run import iter_simulations
+from fallbackgate.tracing.simulate_run import iter_simulations, num_decision_passes
 from fallbackgate.tracing.synthetic import Planted, write_planted_trace
 
 GOAL_CONFIGS, GOAL_ACCESSES, GOAL_S = 1000, 100_000, 600.0
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     children = resource.getrusage(resource.RUSAGE_CHILDREN)
     out = {
         "configurations": len(configs), "finished": len(results), "accesses": accesses,
+        "decision_passes": num_decision_passes(configs),
         "steps": int(trace.tables[TraceTable.STEPS].num_rows),
         "jobs": args.jobs, "cpus": os.cpu_count(), "wall_s": wall, "configs_per_s": len(results) / wall,
         "worker_cpu_s": children.ru_utime + children.ru_stime,

@@ -328,6 +328,13 @@ def _run_group(configs: list[SimulationConfig]) -> list[dict[str, Any]]:
     return results
 
 
+def num_decision_passes(configs: list[SimulationConfig]) -> int:
+    """How many decision passes `iter_simulations` makes for `configs` (one per device group of a profile-free
+    controller, one per configuration otherwise)."""
+    is_shared = {k: not make_controller(k).reads_profile for k in {c.controller for c in configs}}
+    return sum(1 if is_shared[configs[g[0]].controller] else len(g) for g in _device_groups(configs))
+
+
 def _device_groups(configs: list[SimulationConfig]) -> list[list[int]]:
     """Indices of the configurations that differ only in their device model, in order of first appearance."""
     groups: dict[tuple, list[int]] = {}
