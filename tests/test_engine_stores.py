@@ -14,6 +14,7 @@ from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import CheckpointError, ChecksumError
+from fallbackgate.engine.kv.block import SpillMode
 from fallbackgate.engine.kv.spill import PAGE_BYTES, SpillDir
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import Tag, Tier
@@ -182,3 +183,31 @@ def test_restored_tail_block_never_comes_back_stale(tmp_path: pathlib.Path) -> N
     staged = kv.stage(block, Tag.EXACT_LOAD)
     assert staged.tensor[0, 3].tolist() == [7.0, 7.0, 7.0, 7.0]
     assert host.used_bytes == kv.bytes_per_block  # one copy accounted, not two
+
+
+@pytest.mark.parametrize("mode", [SpillMode.DISK_INT8, SpillMode.HOST_INT8, SpillMode.DROP])
+def test_a_partial_tail_spilled_lossy_keeps_a_full_copy_and_resumes_exactly(checkpoint_factory, mode) -> None:
+    """A victim order may name a running request's partial tail with a quantized-only (or no) copy, as the
+    joint controller's does for a class that may read kv_dequant; the tail is written to again, so it is kept
+    in full precision and the request's tokens stay those of generate() (before: 'no full-precision copy')."""
+    path = checkpoint_factory("olmoe")
+    prompts = _prompts(1)
+    ref_tokens, _ = reference(path, prompts)
+    engine = Engine(EngineConfig(model_dir=str(path), block_size=4, host_budget_bytes=0), ExactLRUController())
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in prompts]
+    num_tails = 0
+    for step in range(10_000):
+        if not engine.has_unfinished():
+            break
+        if step in (3, 5):
+            rid = ids[1]
+            for layer in range(engine.kv_store.num_layers):
+                for block in engine.kv_store.blocks(rid, layer):
+                    if block.device is not None and block.num_tokens < engine.kv_store.block_size:
+                        engine.executor.spill_kv(block.key, mode)
+                        assert block.device is None and (block.disk is not None or block.host is not None)
+                        num_tails += 1
+        engine.step()
+    assert num_tails > 0
+    assert [engine.finished[i].output_token_ids for i in ids] == ref_tokens
+    engine.close()

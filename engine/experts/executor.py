@@ -14,6 +14,7 @@ from fallbackgate.engine.experts.dispatch import ExpertDispatch
 from fallbackgate.engine.experts.grouped import stacked_forward
 from fallbackgate.engine.experts.store import ExpertKey, ExpertStore
 from fallbackgate.engine.hardware import HardwareProfile
+from fallbackgate.engine.kv.block import FULL_COPY_MODES
 from fallbackgate.engine.kv.store import KVBlockKey, KVStore, RequestBlockKeys, SpillMode
 from fallbackgate.engine.messages import RoutingCall
 from fallbackgate.engine.step_context import StepContext, StepUses
@@ -196,6 +197,8 @@ class Executor:
         block = self.kv_store.blocks(request_id, layer)[index]
         if block.device is None or block.key != key or self.kv_store.is_held(key):
             return  # a shared block in use (or an alias of one) stays in the fast tier
+        if block.num_tokens < self.kv_store.block_size and mode not in FULL_COPY_MODES:
+            mode = SpillMode.HOST_FULL  # a partial tail is written to again: it comes back exactly, so a full copy
         if not self.kv_store.spill_cost_fits_host(mode):
             mode = SpillMode.DISK_INT8 if mode in (SpillMode.HOST_INT8, SpillMode.HOST_INT4) else SpillMode.DISK_FULL
         written = self.kv_store.spill_block(block, mode)

@@ -45,6 +45,11 @@ class SpillMode(str, enum.Enum):
     DROP = "drop"  # no copy kept: the block must be rebuilt by recompute
 
 
+FULL_COPY_MODES = frozenset(
+    {SpillMode.HOST_FULL, SpillMode.DISK_FULL, SpillMode.HOST_FULL_AND_INT8, SpillMode.HOST_FULL_AND_INT4}
+)  # the modes that keep a full-precision copy (what a partial tail needs: its request writes to it again)
+
+
 @dataclasses.dataclass(slots=True)
 class KVBlock:
     """One layer's K and V for `block_size` tokens of one request, and where its copies are."""
