@@ -23,6 +23,7 @@ from typing import TypeVar
 from fallbackgate.controllers.arbitration import Arbitration, arbitrate, expert_arbitration
 from fallbackgate.controllers.base import Recency
 from fallbackgate.controllers.cost import CostModel, lowbit_error_energy
+from fallbackgate.controllers.expected_misses import ExpectedMisses
 from fallbackgate.controllers.expert_rank import ExpertRanking
 from fallbackgate.controllers.joint_memory import rebalance
 from fallbackgate.controllers.link import LinkBudget
@@ -76,6 +77,7 @@ class JointController(Controller):
         self.book = BudgetBook({n: c.budget for n, c in policy.classes.items()}, QualityBudget())
         self.values, self.recency = ValueModel(spec.routing_decay), Recency()
         self.ranking = ExpertRanking()  # device experts by value, kept between misses and steps
+        self.expected = ExpectedMisses()  # the next step's expected miss time, kept between steps
         self.link = LinkBudget(CPU_BOX)
         self.kv_bits = spec.kv_quant_bits
         self.step_id, self.is_observe = -1, False
@@ -103,7 +105,7 @@ class JointController(Controller):
             self._budget(rid, view.request_class(rid)).begin_step(plan.step_id, plan.num_tokens[rid] == 1, base)
         self._queue_kv(plan, view)
         must = any(not self._can_fall_back(self.book.requests[r]) for r in plan.request_ids)
-        expected = sum(p * self._load_s(view, k) for k, p in self.values.expected_misses(view)) if must else 0.0
+        expected = self.expected.seconds(view, self.values, self._home_load_s) if must else 0.0
         self.strict_reserve_s = min(expected, max(0.0, self.link.left_s[Tier.HOST]))
 
     def _queue_kv(self, plan: StepPlan, view: ControllerView) -> None:
@@ -130,7 +132,12 @@ class JointController(Controller):
         return taken
 
     def _load_s(self, view: ControllerView, key: ExpertKey) -> float:
-        return sum(self.link.legs(view.bytes_per_expert, view.expert_home(key)).values())
+        return self._home_load_s(view.expert_home(key))
+
+    def _home_load_s(self, home: Tier) -> float:
+        """One expert's load time from `home` on the step's links now."""
+        assert self.view is not None, "on_step_start gives the controller its view"
+        return sum(self.link.legs(self.view.bytes_per_expert, home).values())
 
     def _budget(self, request_id: str, request_class: str) -> RequestBudget:
         return self.book.get(request_id, request_class)
