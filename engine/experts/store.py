@@ -35,8 +35,9 @@ from fallbackgate.engine.experts.lowbit_cache import LowbitDiskCache
 from fallbackgate.engine.experts.lowbit_copies import DEQUANT_ROWS, LowbitCopies
 from fallbackgate.engine.experts.quant import Quantized
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined
-from fallbackgate.engine.experts.reader import ExpertKey, ExpertReader
+from fallbackgate.engine.experts.reader import ExpertReader
 from fallbackgate.engine.experts.slots import SlotPool
+from fallbackgate.engine.experts.sources import ExpertKey
 from fallbackgate.engine.experts.weights import ExpertWeights, Fetched, HeldWeights
 from fallbackgate.engine.tags import ObjectKind, Tier
 
