@@ -33,7 +33,8 @@ class ExpertEntry:
 
 
 class DevicePlacement:
-    """Places experts in device slots and takes them out for :class:`~fallbackgate.engine.experts.store.ExpertStore`."""
+    """Places experts in device slots and takes them out of them, for
+    :class:`~fallbackgate.engine.experts.store.ExpertStore`."""
 
     entries: dict[ExpertKey, ExpertEntry]
     device_pool: TierPool
