@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Container, Iterable
 
+import torch
 from tqdm.auto import tqdm
 
 from fallbackgate.engine import requests
@@ -19,8 +20,8 @@ from fallbackgate.engine.kv import paged_attention
 from fallbackgate.engine.kv.prefix_cache import PrefixCache
 from fallbackgate.engine.kv.store import KVBlockKey
 from fallbackgate.engine.messages import RequestOutput, StepPlan
-from fallbackgate.engine.model.build import build_stores, fill_expert_tiers, probe_kv_shapes, resolve_device
-from fallbackgate.engine.model.loader import find_routers, load_checkpoint
+from fallbackgate.engine.model.build import KVShape, build_stores, fill_expert_tiers, probe_kv_shapes, resolve_device
+from fallbackgate.engine.model.loader import LoadedCheckpoint, find_routers, load_checkpoint
 from fallbackgate.engine.model.runner import ModelRunner
 from fallbackgate.engine.outputs import request_output
 from fallbackgate.engine.pressure import make_room_for_kv, preempt
@@ -83,19 +84,32 @@ class Engine(BaselineAccess, EngineStepping):
         self._view = LiveView(
             self.expert_store, self.kv_store, config.profile, self.sequences, self.scheduler, uses, self.io, self.prefix
         )
+        self._attach_executor(loaded, model, shape, uses)
+        self.finished: dict[str, RequestOutput] = {}
+        self.failed: dict[str, tuple[RequestOutput, str]] = {}  # ended by a fault only they met: output, why
+        self.modeled_clock_s = 0.0
+        self.is_observe = config.is_observe
+        self.last_plan: StepPlan | None = None  # plan of the latest step, for recorders
+        self.is_capturing = False  # fill StepResult.capture with every access of each step (a trace recorder)
+
+    def _attach_executor(
+        self, loaded: LoadedCheckpoint, model: torch.nn.Module, shape: KVShape, uses: StepUses
+    ) -> None:
+        """The executor that computes routed experts and paged attention over the stores, hooked into the model's
+        experts and attention modules, and the runner of the model's packed forwards."""
         first = next(iter(loaded.experts_by_layer.values()))
         self.executor = Executor(
             self.expert_store,
             self.kv_store,
-            controller,
-            config.profile,
+            self.controller,
+            self.config.profile,
             view=self._view,
             uses=uses,
             hidden_size=int(self.model_config.hidden_size),
             intermediate_size=int(first.intermediate_dim),
             routers=find_routers(model, loaded.experts_by_layer),
             top_k=loaded.top_k,
-            audit_cache_bytes=config.audit_cache_bytes,
+            audit_cache_bytes=self.config.audit_cache_bytes,
         )
         paged_attention.attach(model, self.executor)
         self.kv_store.expand_bytes_per_token = paged_attention.expand_bytes_per_token(model, self.kv_store.dtype)
@@ -106,12 +120,6 @@ class Engine(BaselineAccess, EngineStepping):
         self.runner = ModelRunner(
             model, self.executor, shape.num_layers, self.device, 2.0 * self.num_dense_params, attn_flops
         )
-        self.finished: dict[str, RequestOutput] = {}
-        self.failed: dict[str, tuple[RequestOutput, str]] = {}  # ended by a fault only they met: output, why
-        self.modeled_clock_s = 0.0
-        self.is_observe = config.is_observe
-        self.last_plan: StepPlan | None = None  # plan of the latest step, for recorders
-        self.is_capturing = False  # fill StepResult.capture with every access of each step (a trace recorder)
 
     @property
     def dtype_name(self) -> str:
