@@ -33,9 +33,13 @@ class RoomMaker(Protocol):
 
     def make_room(
         self, num_bytes: int, *, pinned_experts: Container[ExpertKey] | None = None, is_kv_evictable: bool = True
-    ) -> bool: ...
+    ) -> bool:
+        """Free `num_bytes` of device room, never evicting `pinned_experts`; whether they are free now."""
+        ...
 
-    def ensure_room(self, num_bytes: int, what: str, *, is_kv_evictable: bool = True) -> None: ...
+    def ensure_room(self, num_bytes: int, what: str, *, is_kv_evictable: bool = True) -> None:
+        """Free `num_bytes` of device room for `what`, or raise."""
+        ...
 
 
 class MissFetching:

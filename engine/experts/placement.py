@@ -80,6 +80,7 @@ class DevicePlacement:
             self.stacked_layers.add(layer)
 
     def device_weights(self, key: ExpertKey) -> ExpertWeights:
+        """The device copy of `key` to compute with (the compute stream waits for a copy-stream placement)."""
         entry = self.entries[key]
         if entry.device is None:
             raise EngineError(f"expert {key} used as resident but it is not on device")

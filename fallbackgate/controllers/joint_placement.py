@@ -92,6 +92,7 @@ class JointPlacement:
                     yield value, Victim(kv_block_key=block.key, spill_mode=mode)
 
     def on_step_end(self, view: ControllerView) -> StepEndActions:
+        """Update the values and the ranking with the step's uses, then rebalance into the host link time left."""
         self.values.update(view)
         self.recency.touch(view)
         self.ranking.sync(view, self.values)

@@ -73,6 +73,7 @@ class Simulator:
         return view.device_free_bytes >= need
 
     def take_off(self, key: tuple[str, int, int], mode: Any) -> None:
+        """Take a device KV block off the device, leaving the copies `mode` says (spill bytes counted)."""
         view = self.view
         if key in view.kv and view.kv[key][0] is Tier.DEVICE:
             exact, quant, bits = _copies(mode)
@@ -83,6 +84,7 @@ class Simulator:
                 self.ops[-1].append(IOOp("write", "kv_block", key, num, key[1], "spill"))
 
     def place_kv(self, key: tuple[str, int, int]) -> None:
+        """Put a KV block on the device (its only copy)."""
         self.view.set_kv(key, (Tier.DEVICE, None, 0))
 
     def kv_read(self, index: int, key: tuple[str, int, int], pinned: tuple[set, set]) -> int:
@@ -190,6 +192,7 @@ class Simulator:
                 view.drop_kv(key)
 
     def step_end(self) -> None:
+        """Carry out the controller's step-end actions: spills, evictions, promotions, prefetches."""
         view, t = self.view, self.tally
         actions = self.controller.on_step_end(view)
         for key, mode in actions.spill:
