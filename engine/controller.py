@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Container, Iterable, Iterator, Sequence
 from typing import NamedTuple, Protocol
 
-from fallbackgate.engine.experts.reader import ExpertKey
+from fallbackgate.engine.experts.sources import ExpertKey
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.io.requests import IOSnapshot
 from fallbackgate.engine.kv.block import KVBlockKey, SpillMode

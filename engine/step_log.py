@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fallbackgate.engine.experts.reader import ExpertKey
+from fallbackgate.engine.experts.sources import ExpertKey
 from fallbackgate.engine.experts.weights import Fetched
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.kv.block import Staged

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Mapping
 
 from fallbackgate.engine.controller import KVBlockInfo
 from fallbackgate.engine.experts.quant import lowbit_expert_nbytes
-from fallbackgate.engine.experts.reader import ExpertKey
+from fallbackgate.engine.experts.sources import ExpertKey
 from fallbackgate.engine.experts.store import ExpertStore
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.io import EMPTY_SNAPSHOT, IOScheduler, IOSnapshot

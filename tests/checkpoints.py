@@ -17,7 +17,8 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from fallbackgate.engine.experts.reader import map_experts, weights_digest, write_manifest
+from fallbackgate.engine.experts.manifest import weights_digest, write_manifest
+from fallbackgate.engine.experts.sources import map_experts
 from fallbackgate.engine.experts.weights import ExpertWeights
 from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
 from fallbackgate.engine.model.loader import find_experts_modules

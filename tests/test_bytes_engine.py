@@ -20,8 +20,10 @@ from safetensors.torch import save_file
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.experts.manifest import weights_digest, write_manifest
 from fallbackgate.engine.experts.quant import lowbit_expert_nbytes
-from fallbackgate.engine.experts.reader import ExpertReader, map_experts, weights_digest, write_manifest
+from fallbackgate.engine.experts.reader import ExpertReader
+from fallbackgate.engine.experts.sources import map_experts
 from fallbackgate.engine.experts.span_pool import GRANULE
 from fallbackgate.engine.experts.weights import ExpertWeights
 from fallbackgate.engine.kv.codec import quant_kv_nbytes

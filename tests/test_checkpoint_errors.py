@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fallbackgate import cli
-from fallbackgate.engine.experts.reader import MANIFEST_FILE
+from fallbackgate.engine.experts.manifest import MANIFEST_FILE
 from fallbackgate.engine.model.checkpoint_files import INDEX_FILE
 from fallbackgate.synth import __main__ as synth
 from fallbackgate.synth.shapes import PUBLISHED

@@ -14,7 +14,8 @@ from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.device_pool import Scratch
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.experts import fp8_experts
-from fallbackgate.engine.experts.reader import ExpertReader, weights_digest
+from fallbackgate.engine.experts.manifest import weights_digest
+from fallbackgate.engine.experts.reader import ExpertReader
 from fallbackgate.engine.experts.weights import BlockScaled, ExpertWeights
 from fallbackgate.engine.model import fp8
 from fallbackgate.engine.sequence import SamplingParams

@@ -14,7 +14,7 @@ import torch
 from fallbackgate.audit.table import print_table
 from fallbackgate.batch.session import RunSettings
 from fallbackgate.engine.controller import Decision
-from fallbackgate.engine.experts.reader import weights_digest
+from fallbackgate.engine.experts.manifest import weights_digest
 from fallbackgate.engine.experts.span_pool import GRANULE, SpanPool
 from fallbackgate.engine.step_context import EventLog
 from fallbackgate.engine.tags import ObjectKind, Tag

@@ -28,7 +28,7 @@ from fallbackgate.engine.device_pool import HeldCopy
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import BudgetError, EngineError
 from fallbackgate.engine.experts.lowbit_cache import manifest_hash
-from fallbackgate.engine.experts.reader import MANIFEST_FILE
+from fallbackgate.engine.experts.manifest import MANIFEST_FILE
 from fallbackgate.engine.ram import MARGIN_FIXED_BYTES, MemoryLimit, memory_limit, physical_ram_bytes, size_ram_budget
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier

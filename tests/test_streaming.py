@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
-from fallbackgate.engine.experts.reader import MANIFEST_FILE, build_manifest
+from fallbackgate.engine.experts.manifest import MANIFEST_FILE, build_manifest
 from fallbackgate.engine.model.checkpoint_files import INDEX_FILE
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import ObjectKind, Tag

@@ -14,7 +14,9 @@ from fallbackgate.tracing.devices import fit_profile, fit_waits
 from fallbackgate.tracing.reader import read_trace
 from fallbackgate.tracing.realio import RealIO, simulate_real
 from fallbackgate.tracing.simulate import SimulationConfig
-from fallbackgate.tracing.simulate_run import Simulator, load_input, simulate_many
+from fallbackgate.tracing.simulate_input import load_input
+from fallbackgate.tracing.simulate_run import simulate_many
+from fallbackgate.tracing.simulator import Simulator
 from fallbackgate.tracing.synthetic import Planted, write_planted_trace
 from fallbackgate.tracing.validate import recorded_budget, recorded_outcome, within
 

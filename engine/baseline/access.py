@@ -15,7 +15,7 @@ from transformers.cache_utils import Cache
 
 from fallbackgate.engine.experts.executor import Executor
 from fallbackgate.engine.experts.integrity import verify_dense
-from fallbackgate.engine.experts.reader import ExpertKey
+from fallbackgate.engine.experts.sources import ExpertKey
 from fallbackgate.engine.experts.weights import ExpertWeights
 from fallbackgate.engine.messages import Verification
 from fallbackgate.engine.model.runner import ModelRunner

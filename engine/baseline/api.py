@@ -29,7 +29,7 @@ from fallbackgate.engine.controller import (
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.experts.grouped import stacked_forward
 from fallbackgate.engine.experts.quant import dequantize_rows, quantize, quantized_to
-from fallbackgate.engine.experts.reader import ExpertKey
+from fallbackgate.engine.experts.sources import ExpertKey
 from fallbackgate.engine.experts.store import DEQUANT_ROWS
 from fallbackgate.engine.experts.weights import ExpertWeights
 from fallbackgate.engine.kv.codec import dequantize_kv, quantize_kv

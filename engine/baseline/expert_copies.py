@@ -15,8 +15,10 @@ from collections import OrderedDict
 
 import torch
 
+from fallbackgate.engine.experts.manifest import weights_digest
 from fallbackgate.engine.experts.quarantine import read_checked
-from fallbackgate.engine.experts.reader import ExpertKey, ExpertReader, weights_digest
+from fallbackgate.engine.experts.reader import ExpertReader
+from fallbackgate.engine.experts.sources import ExpertKey
 from fallbackgate.engine.experts.weights import ExpertWeights
 from fallbackgate.engine.messages import Verification
 

@@ -15,7 +15,8 @@ from fallbackgate.engine.experts import fp8_experts
 from fallbackgate.engine.experts.journal import ChangeLog
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined, read_checked_stored
 from fallbackgate.engine.experts.read_ahead import ReadAhead
-from fallbackgate.engine.experts.reader import ExpertKey, ExpertReader
+from fallbackgate.engine.experts.reader import ExpertReader
+from fallbackgate.engine.experts.sources import ExpertKey
 from fallbackgate.engine.experts.weights import ExpertWeights, Fetched, HeldWeights
 from fallbackgate.engine.tags import ObjectKind, Tier
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 import torch
 
-from fallbackgate.engine.experts.reader import weights_digest
+from fallbackgate.engine.experts.manifest import weights_digest
 from fallbackgate.engine.experts.store import ExpertKey, ExpertStore
 from fallbackgate.engine.experts.weights import BlockScaled, ExpertWeights
 from fallbackgate.engine.messages import Verification

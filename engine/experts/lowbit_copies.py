@@ -15,7 +15,8 @@ import torch
 from fallbackgate.engine.device_pool import PoolKind, TierPool
 from fallbackgate.engine.experts.lowbit_cache import LowbitDiskCache
 from fallbackgate.engine.experts.quant import Quantized, dequantize_rows, lowbit_expert_nbytes, quantize, quantized_to
-from fallbackgate.engine.experts.reader import ExpertKey, ExpertReader
+from fallbackgate.engine.experts.reader import ExpertReader
+from fallbackgate.engine.experts.sources import ExpertKey
 from fallbackgate.engine.experts.weights import ExpertWeights, Fetched
 from fallbackgate.engine.tags import Tier
 

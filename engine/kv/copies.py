@@ -23,7 +23,7 @@ INITIAL_SLOTS_PER_LAYER = 64  # device and host slot tensors start this large (o
 
 
 class KVCopies:
-    """Slots and copies of KV blocks; :class:`KVStore` holds the block tables and the staging."""
+    """Slots and copies of KV blocks; :class:`KVStore` holds the block tables, :class:`KVStaging` the staging."""
 
     num_layers: int
     key_dim: int

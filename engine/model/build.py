@@ -14,7 +14,7 @@ from fallbackgate.engine.config import EngineConfig, TierLayout, tier_layout
 from fallbackgate.engine.device_pool import TierPool
 from fallbackgate.engine.errors import BudgetError, CheckpointError
 from fallbackgate.engine.experts.lowbit_cache import LowbitDiskCache, manifest_hash
-from fallbackgate.engine.experts.reader import MANIFEST_FILE
+from fallbackgate.engine.experts.manifest import MANIFEST_FILE
 from fallbackgate.engine.experts.store import ExpertStore
 from fallbackgate.engine.kv.spill import SpillDir
 from fallbackgate.engine.kv.store import KVStore

@@ -17,7 +17,7 @@ import xxhash
 from transformers import PreTrainedModel
 
 from fallbackgate.engine.errors import CheckpointError
-from fallbackgate.engine.experts.reader import is_expert_tensor
+from fallbackgate.engine.experts.sources import is_expert_tensor
 from fallbackgate.engine.model import fp8
 from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
 

@@ -12,7 +12,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from fallbackgate.engine.errors import CheckpointError
-from fallbackgate.engine.experts.reader import ExpertReader, map_experts
+from fallbackgate.engine.experts.reader import ExpertReader
+from fallbackgate.engine.experts.sources import map_experts
 from fallbackgate.engine.model import fp8
 from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
 from fallbackgate.engine.model.dense_loader import load_dense_weights

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from fallbackgate.assembly import Assembly, Overrides
 from fallbackgate.bench.engines import exact_assembly
 from fallbackgate.engine.config import MIB
-from fallbackgate.engine.experts.reader import map_experts
+from fallbackgate.engine.experts.sources import map_experts
 from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import Tier

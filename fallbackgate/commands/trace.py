@@ -40,7 +40,8 @@ from fallbackgate.tracing.devices import simulation_devices
 from fallbackgate.tracing.reader import Trace, read_trace
 from fallbackgate.tracing.realio import RealIO, simulate_real
 from fallbackgate.tracing.simulate import SimulationConfig
-from fallbackgate.tracing.simulate_run import GIB, simulate_many
+from fallbackgate.tracing.simulate_run import simulate_many
+from fallbackgate.tracing.simulator import GIB
 from fallbackgate.tracing.synthetic import Planted, write_planted_trace
 from fallbackgate.tracing.validate import recorded_budget, validate
 from fallbackgate.tracing.vllm_trace import import_vllm

@@ -16,7 +16,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from fallbackgate.engine.errors import CheckpointError
-from fallbackgate.engine.experts.reader import build_manifest, map_experts, read_manifest, source_digest
+from fallbackgate.engine.experts.manifest import build_manifest, read_manifest, source_digest
+from fallbackgate.engine.experts.sources import map_experts
 from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
 
 

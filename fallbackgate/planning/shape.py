@@ -8,7 +8,7 @@ import math
 import pathlib
 
 from fallbackgate.engine.errors import CheckpointError
-from fallbackgate.engine.experts.reader import is_expert_tensor, map_experts
+from fallbackgate.engine.experts.sources import is_expert_tensor, map_experts
 from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
 
 

@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
-from fallbackgate.engine.experts.reader import map_experts, weights_digest, write_manifest
+from fallbackgate.engine.experts.manifest import weights_digest, write_manifest
+from fallbackgate.engine.experts.sources import map_experts
 from fallbackgate.engine.experts.weights import ExpertWeights
 from fallbackgate.engine.model import fp8
 from fallbackgate.engine.model.checkpoint_files import INDEX_FILE, CheckpointFiles

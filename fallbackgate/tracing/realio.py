@@ -35,7 +35,8 @@ from fallbackgate.engine.tags import ObjectKind
 from fallbackgate.tracing.reader import read_trace
 from fallbackgate.tracing.schema import TraceTable
 from fallbackgate.tracing.simulate import SimulationConfig
-from fallbackgate.tracing.simulate_run import IOOp, SimulationInput, Simulator, load_input
+from fallbackgate.tracing.simulate_input import SimulationInput, load_input
+from fallbackgate.tracing.simulator import IOOp, Simulator
 
 
 @dataclasses.dataclass(slots=True, frozen=True)

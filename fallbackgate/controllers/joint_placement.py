@@ -1,0 +1,99 @@
+"""Where the joint controller's device bytes go (the memory half of
+:class:`~fallbackgate.controllers.joint.JointController`): the copy a KV block leaves behind when it is spilled,
+the victims to free room, lowest value per byte first, and the step-end rebalancing
+(:func:`~fallbackgate.controllers.joint_memory.rebalance`)."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Container, Iterator
+from typing import TypeVar
+
+from fallbackgate.controllers.base import Recency
+from fallbackgate.controllers.expert_rank import ExpertRanking
+from fallbackgate.controllers.joint_memory import rebalance
+from fallbackgate.controllers.link import LinkBudget
+from fallbackgate.controllers.values import ValueModel
+from fallbackgate.engine.controller import ControllerView, StepEndActions, Victim
+from fallbackgate.engine.experts.store import ExpertKey
+from fallbackgate.engine.kv.store import KVBlockKey, SpillMode
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.policy.budgets import BudgetBook
+
+T = TypeVar("T")
+
+
+def _drain(heap: list[T]) -> Iterator[T]:
+    """Pop a heap's items smallest first, as they are asked for."""
+    while heap:
+        yield heapq.heappop(heap)
+
+
+class JointPlacement:
+    """Spill modes, victims and step-end actions of :class:`~fallbackgate.controllers.joint.JointController`."""
+
+    book: BudgetBook
+    values: ValueModel
+    recency: Recency
+    ranking: ExpertRanking  # device experts by value, kept between misses and steps
+    link: LinkBudget
+    kv_bits: int
+    top_k: int
+    is_observe: bool
+
+    def spill_mode(self, request_id: str, view: ControllerView) -> SpillMode:
+        """A quantized copy only for classes that may read one and rebuild exactly when their budget is spent."""
+        budget = self.book.requests.get(request_id)
+        if budget is None or self.is_observe:
+            return SpillMode.HOST_FULL
+        tags = budget.limits.allowed_tags
+        if Tag.KV_DEQUANT.value in tags and Tag.RECOMPUTE.value in tags and not budget.is_spent:
+            return SpillMode.HOST_INT8 if self.kv_bits == 8 else SpillMode.HOST_INT4
+        return SpillMode.HOST_FULL
+
+    def choose_victims(
+        self,
+        num_bytes: int,
+        view: ControllerView,
+        pinned_experts: Container[ExpertKey],
+        pinned_kv: Container[KVBlockKey],
+    ) -> Iterator[Victim]:
+        """Everything on device, lowest value per byte first, ties in the store's order with experts before
+        KV blocks (as one stable sort of experts then blocks would give), produced lazily: experts from the
+        maintained ranking (synced with what changed since the last call, read without popping), KV blocks
+        request by request (a request's blocks share one value) in the order of a heap of request values,
+        so k victims cost O(c log E + R log R + k log E) for c experts changed since the last call, E device
+        experts and R requests, whatever the KV length."""
+        self.ranking.sync(view, self.values)
+        ranked_experts = (
+            (value, Victim(expert_key=key)) for value, key in self.ranking.victims(view, self.values, pinned_experts)
+        )
+        ranked_kv = self._kv_victims(view, pinned_kv)
+        return (victim for _, victim in heapq.merge(ranked_experts, ranked_kv, key=lambda item: item[0]))
+
+    def _kv_victims(self, view: ControllerView, pinned_kv: Container[KVBlockKey]) -> Iterator[tuple[float, Victim]]:
+        """Device KV blocks by value, requests in value order (ties in the view's order), each one's blocks
+        walked lazily."""
+        running = set(view.running_ids)
+        quant_fraction = view.quantized_bytes(ObjectKind.KV_BLOCK, self.kv_bits) / max(1, view.bytes_per_kv_block)
+        requests = []
+        for i, rid in enumerate(view.kv_request_ids):
+            entry = view.prefix_entry(rid)
+            if entry is not None:  # a kept prefix: goes to disk, still reusable, when colder than what stays
+                requests.append((self.values.prefix_value(entry, view), i, rid, SpillMode.HOST_FULL))
+                continue
+            mode = self.spill_mode(rid, view)
+            fraction = 1.0 if mode is SpillMode.HOST_FULL else quant_fraction
+            requests.append((self.values.kv_value((rid, 0, 0), view, running, fraction), i, rid, mode))
+        heapq.heapify(requests)
+        for value, _, rid, mode in _drain(requests):
+            for block in view.device_kv_blocks_of(rid):
+                if block.key not in pinned_kv:
+                    yield value, Victim(kv_block_key=block.key, spill_mode=mode)
+
+    def on_step_end(self, view: ControllerView) -> StepEndActions:
+        """Update the values and the ranking with the step's uses, then rebalance into the host link time left."""
+        self.values.update(view)
+        self.recency.touch(view)
+        self.ranking.sync(view, self.values)
+        return rebalance(view, self.values, self.link.left_s.get(Tier.HOST, 0.0), self.top_k, self.ranking)

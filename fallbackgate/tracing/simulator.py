@@ -1,0 +1,247 @@
+"""One simulation configuration's run over a trace's grouped accesses: the controller's decisions step by step on a
+simulated device, the I/O they issue and their outcome (see :mod:`fallbackgate.tracing.simulate` for what is
+simulated and what is simplified)."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from fallbackgate.controllers.registry import make_controller
+from fallbackgate.engine.controller import Controller, ExpertMiss, KVMiss
+from fallbackgate.engine.messages import StepKind, StepPlan
+from fallbackgate.engine.tags import Tag, Tier
+from fallbackgate.tracing.simulate import SimulatedView, SimulationConfig, _copies
+from fallbackgate.tracing.simulate_input import SimulationInput
+
+GIB = float(1 << 30)
+
+
+class IOOp(NamedTuple):
+    """One transfer a simulated decision issues (what ``--io real`` performs)."""
+
+    op: str  # read or write
+    kind: str  # expert or kv_block
+    key: tuple  # the object's key
+    num_bytes: int
+    layer: int  # the layer whose attention or MoE waits on it (demand reads)
+    requester: str  # demand, prefetch or spill
+
+
+@dataclasses.dataclass(slots=True)
+class _Tally:
+    hits: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # kind -> hits
+    tags: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # tag -> misses
+    bytes_by_tag: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    spill_bytes: int = 0  # device -> host writes of KV taken off device
+    prefetch_bytes: int = 0  # step-end expert loads
+    num_invalid: int = 0  # decisions the object's copies could not serve (served by recompute / exact load)
+
+
+class Simulator:
+    """One configuration's run over one input."""
+
+    def __init__(self, data: SimulationInput, config: SimulationConfig):
+        m = data.model
+        self.data, self.config = data, config
+        self.view = SimulatedView(config.device, config.budget_bytes, m["num_layers"], m["num_experts"],
+                                  m["bytes_per_expert"], m["bytes_per_kv_block"], m.get("block_size", 16),
+                                  data.classes)  # fmt: skip
+        self.controller: Controller = make_controller(
+            config.controller, top_k=m.get("top_k", 1), expert_fraction=config.expert_fraction
+        )
+        self.tally = _Tally()
+        self.staged: set[tuple[str, int, int]] = set()
+        self.ops: list[list[IOOp]] | None = None  # per step, when recording: the I/O its decisions issue
+
+    def make_room(self, need: int, pinned_e: set, pinned_kv: set) -> bool:
+        """Free ``need`` bytes with the controller's victims; whether they fit now."""
+        view = self.view
+        if view.device_free_bytes >= need:
+            return True
+        for victim in self.controller.choose_victims(need - view.device_free_bytes, view, pinned_e, pinned_kv):
+            if view.device_free_bytes >= need:
+                break
+            if victim.expert_key is not None and victim.expert_key in view.experts:
+                if victim.expert_key not in pinned_e:
+                    del view.experts[victim.expert_key]
+            elif victim.kv_block_key is not None and victim.kv_block_key not in pinned_kv:
+                self.take_off(victim.kv_block_key, victim.spill_mode)
+        return view.device_free_bytes >= need
+
+    def take_off(self, key: tuple[str, int, int], mode: Any) -> None:
+        """Take a device KV block off the device, leaving the copies `mode` says (spill bytes counted)."""
+        view = self.view
+        if key in view.kv and view.kv[key][0] is Tier.DEVICE:
+            exact, quant, bits = _copies(mode)
+            view.set_kv(key, (exact, quant, bits))
+            num = (view.bytes_per_kv_block if exact else 0) + view.bytes_per_kv_block * bits // 16
+            self.tally.spill_bytes += num
+            if self.ops is not None and num:
+                self.ops[-1].append(IOOp("write", "kv_block", key, num, key[1], "spill"))
+
+    def place_kv(self, key: tuple[str, int, int]) -> None:
+        """Put a KV block on the device (its only copy)."""
+        self.view.set_kv(key, (Tier.DEVICE, None, 0))
+
+    def kv_read(self, index: int, key: tuple[str, int, int], pinned: tuple[set, set]) -> int:
+        """Serve one KV read; returns the bytes it moved on demand."""
+        view, t = self.view, self.tally
+        copies = view.kv.get(key)
+        view.max_block[key[0]] = max(view.max_block[key[0]], key[2])
+        if copies is None:  # the block's write
+            if self.make_room(view.bytes_per_kv_block, *pinned):
+                self.place_kv(key)
+            else:
+                view.set_kv(key, (Tier.HOST, None, 0))
+                t.spill_bytes += view.bytes_per_kv_block
+                if self.ops is not None:
+                    self.ops[-1].append(IOOp("write", "kv_block", key, view.bytes_per_kv_block, key[1], "spill"))
+            return 0
+        if copies[0] is Tier.DEVICE:
+            t.hits["kv"] += 1
+            return 0
+        miss = KVMiss(self.data.step_ids[index], key[0], view.request_class(key[0]), key[1], key[2], copies[0],
+                      copies[1], copies[2], view.bytes_per_kv_block)  # fmt: skip
+        tag = self.controller.kv_action(miss).tag
+        moved = 0
+        if tag is Tag.KV_DEQUANT and copies[1] is not None:
+            moved = view.bytes_per_kv_block * copies[2] // 16
+        elif tag is Tag.EXACT_LOAD and copies[0] is not None:
+            moved = view.bytes_per_kv_block
+            self.staged.add(key)
+        elif tag is not Tag.RECOMPUTE:
+            t.num_invalid += 1
+            tag = Tag.RECOMPUTE
+        if tag is Tag.RECOMPUTE:
+            self.staged.add(key)
+        t.tags[f"kv:{tag.value}"] += 1
+        t.bytes_by_tag[f"kv:{tag.value}"] += moved
+        if self.ops is not None and moved:
+            self.ops[-1].append(IOOp("read", "kv_block", key, moved, key[1], "demand"))
+        return moved
+
+    def expert_use(self, index: int, key: tuple[int, int], rows: list, pinned: tuple[set, set]) -> int:
+        """Serve one expert used by ``rows`` (layer, expert, request, weight) this step; returns demand bytes."""
+        view, t = self.view, self.tally
+        if key in view.experts:
+            t.hits["expert"] += 1
+            return 0
+        request = rows[0][2]
+        miss = ExpertMiss(self.data.step_ids[index], request, view.request_class(request), key[0], key[1], len(rows),
+                          max(r[3] for r in rows), Tier.HOST, view.bytes_per_expert, True,
+                          view.device_free_bytes >= view.bytes_per_expert, view.compute_dtype)  # fmt: skip
+        tag = self.controller.expert_action(miss).tag
+        moved = {Tag.EXACT_LOAD: view.bytes_per_expert, Tag.EXPERT_LOWBIT: view.bytes_per_expert // 2}.get(tag, 0)
+        if tag is Tag.EXACT_LOAD and self.make_room(view.bytes_per_expert, *pinned):
+            view.experts[key] = None
+        if tag is Tag.EXPERT_DEFER:
+            self.deferred.append(key)
+        t.tags[f"expert:{tag.value}"] += 1
+        t.bytes_by_tag[f"expert:{tag.value}"] += moved
+        if self.ops is not None and moved:
+            self.ops[-1].append(IOOp("read", "expert", key, moved, key[0], "demand"))
+        return moved
+
+    def step(self, index: int) -> tuple[int, int]:
+        """Run one step; returns (demand reads, demand bytes)."""
+        data, view = self.data, self.view
+        requests = data.step_requests[index]
+        view.running_ids = tuple(requests)
+        phase = data.phases[index]
+        kind = StepKind.PREFILL if phase == "prefill" else StepKind.MIXED if phase == "mixed" else StepKind.DECODE
+        plan = StepPlan(data.step_ids[index], kind, list(requests), dict.fromkeys(requests, 1),
+                        {r: view.num_kv_tokens(r) for r in requests})  # fmt: skip
+        self.controller.on_step_start(plan, view)
+        kv_rows, expert_rows = data.kv_rows[index], data.expert_rows[index]
+        by_expert: dict[tuple[int, int], list] = {}
+        for row in expert_rows:
+            by_expert.setdefault((row[0], row[1]), []).append(row)
+        pinned = (set(by_expert), set(kv_rows))
+        self.deferred: list[tuple[int, int]] = []
+        reads = moved = 0
+        layers = sorted({r[1] for r in kv_rows} | {k[0] for k in by_expert})
+        kv_by_layer: dict[int, list] = collections.defaultdict(list)
+        for key in kv_rows:
+            kv_by_layer[key[1]].append(key)
+        experts_by_layer: dict[int, list] = collections.defaultdict(list)
+        for key in by_expert:
+            experts_by_layer[key[0]].append(key)
+        for layer in layers:  # attention reads the layer's KV, then its MoE uses the experts
+            for key in kv_by_layer[layer]:
+                num = self.kv_read(index, key, pinned)
+                reads, moved = reads + (num > 0), moved + num
+            for key in experts_by_layer[layer]:
+                num = self.expert_use(index, key, by_expert[key], pinned)
+                reads, moved = reads + (num > 0), moved + num
+        view.used_expert_keys, view.used_kv_block_keys = tuple(by_expert), tuple(kv_rows)
+        view.deferred_expert_keys = tuple(self.deferred)
+        self.step_end()
+        self.free(data.finished[index])
+        return reads, moved
+
+    def free(self, request_ids: list[str]) -> None:
+        """Drop every KV block of requests that ended (as the engine frees a finished request's blocks)."""
+        view = self.view
+        gone = set(request_ids)
+        if gone:
+            for key in [k for k in view.kv if k[0] in gone]:
+                view.drop_kv(key)
+
+    def step_end(self) -> None:
+        """Carry out the controller's step-end actions: spills, evictions, promotions, prefetches."""
+        view, t = self.view, self.tally
+        actions = self.controller.on_step_end(view)
+        for key, mode in actions.spill:
+            self.take_off(key, mode)
+        for key in actions.evict_experts:
+            view.experts.pop(key, None)
+        for key in actions.promote_kv:
+            if key in self.staged and view.kv.get(key, (None,))[0] is not Tier.DEVICE:
+                if self.make_room(view.bytes_per_kv_block, set(), set()):
+                    self.place_kv(key)
+        self.staged.clear()
+        for key in actions.load_experts:
+            if key not in view.experts and self.make_room(view.bytes_per_expert, set(), set()):
+                view.experts[key] = None
+                t.prefetch_bytes += view.bytes_per_expert
+                if self.ops is not None:
+                    self.ops[-1].append(IOOp("read", "expert", key, view.bytes_per_expert, key[0], "prefetch"))
+
+    def decide(self, is_recording: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Every step's decisions; per step (demand reads, demand bytes). ``is_recording`` keeps each step's
+        I/O in :attr:`ops` (for ``--io real``)."""
+        n = len(self.data.step_ids)
+        reads, moved = np.zeros(n), np.zeros(n)
+        self.ops = [] if is_recording else None
+        for index in range(n):
+            if self.ops is not None:
+                self.ops.append([])
+            reads[index], moved[index] = self.step(index)
+        return reads, moved
+
+    def run(self) -> dict[str, Any]:
+        """Every step; the configuration's outcome on its device model."""
+        reads, moved = self.decide()
+        return self.result(self.config.device.stall_ns(reads, moved))
+
+    def result(self, stall_ns: np.ndarray) -> dict[str, Any]:
+        """The outcome with each step lasting its compute, its time before the next step and ``stall_ns``."""
+        timeline = self.data.timeline
+        between = timeline.between_ns if timeline.between_ns is not None else 0.0
+        outcome = timeline.outcome(timeline.compute_ns + between + stall_ns)
+        outcome["stall_s"] = float(np.sum(stall_ns) / 1e9)
+        with_slo = int(np.sum(~np.isnan(timeline.request_slo_ns)))
+        t = self.tally
+        return {
+            "controller": self.config.controller, "budget_gib": self.config.budget_bytes / GIB,
+            "expert_fraction": self.config.expert_fraction, "device": self.config.device.name,
+            "expert_hits": t.hits["expert"], "kv_hits": t.hits["kv"], "misses_by_tag": dict(t.tags),
+            "bytes_by_tag": dict(t.bytes_by_tag), "spill_bytes": t.spill_bytes, "prefetch_bytes": t.prefetch_bytes,
+            "num_invalid_decisions": t.num_invalid, "stall_s": outcome["stall_s"],
+            "p99_tpot_ms": outcome["p99_tpot_ms"], "mean_tpot_ms": outcome["mean_tpot_ms"],
+            "slo_attainment": 1 - outcome["slo_violations"] / with_slo if with_slo else float("nan"),
+        }  # fmt: skip
