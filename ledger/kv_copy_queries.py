@@ -35,3 +35,11 @@ def kv_arbitrations(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
     cols = (a.step_id, a.request_id, a.layer, a.object_id, a.choice)
     stmt = select(*cols).where(a.run_id == run_id, a.object_kind == ObjectKind.KV_BLOCK.value).order_by(a.id)
     return _all(ledger, stmt)
+
+
+def request_copy_changes(ledger: Ledger, run_id: int, request_id: str) -> list[dict[str, Any]]:
+    """One request's copy changes (written, read, freed, moved), in the order the KV store made them."""
+    c = KVCopyRow
+    cols = (c.step_id, c.action, c.layer, c.tier, c.bits, c.block_ids)
+    stmt = select(*cols).where(c.run_id == run_id, c.request_id == request_id)
+    return _all(ledger, stmt.order_by(c.seq))

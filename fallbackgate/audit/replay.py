@@ -7,11 +7,13 @@ ledger says. Each audited request is recomputed teacher-forced, forward by forwa
 - experts read from the checkpoint files through the checksummed reader (never the store's copies);
 - the same experts deferred per step, layer and request, their gate weights renormalised to the old sum;
 - the same low-bit copies: the file's weights quantized and dequantized with the engine's codec and bits;
-- each query position reading the KV version it really read: blocks a step read dequantized are
-  quantized from the replay's own K/V with the recorded bits, their codes rebuilt to the checksum recorded
-  for the served copy (``kv_codes``: a code at a rounding boundary may flip; any other difference fails
-  the request), then dequantized; blocks a step rebuilt are
-  recomputed by a rebuild pass with that pass's own expert actions; a re-prefill restarts from its start;
+- each query position reading the KV version it really read (``ReplayTrace.read_versions``): blocks a
+  step rebuilt are recomputed by a rebuild pass with that pass's own expert actions, and that version is
+  read while the block stays on device; a copy read (exactly or dequantized) is the block's version when
+  the copy was written, not a later rebuild's; blocks a step read dequantized are quantized from that
+  version with the recorded bits, their codes rebuilt to the checksum recorded for the served copy
+  (``kv_codes``: a code at a rounding boundary may flip; any other difference fails the request), then
+  dequantized; a re-prefill restarts from its start;
 - its own attention: per-request SDPA over its own K/V with an explicit causal mask.
 
 Served logits that differ from the replay's beyond the numeric floor are a correctness bug, whatever the
@@ -29,7 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fallbackgate.audit.kv_codes import served_round_trip
-from fallbackgate.audit.replay_trace import ExpertActions, KVActions, ReplayTrace, Segment, TraceError
+from fallbackgate.audit.replay_trace import ExpertActions, KVActions, ReplayTrace, Segment, TraceError, Versions
 from fallbackgate.engine.baseline.api import (
     BaselineEngine,
     ExpertWeights,
@@ -72,8 +74,16 @@ class Replayer:
     def __init__(self, engine: BaselineEngine, trace: ReplayTrace) -> None:
         self.engine, self.trace = engine, trace
         self.block_size, self.key_dim = engine.block_size, engine.kv_key_dim
-        self.keys: dict[int, torch.Tensor] = {}  # layer -> [1, H, L, Dk] as written
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> [1, H, L, Dk] as the positions were written
         self.values: dict[int, torch.Tensor] = {}
+        self.versions = trace.read_versions(self.block_size)  # step -> the versions its queries read
+        self._kept: dict[tuple[int, int, int], int] = {}  # (layer, block, rebuild step) -> last step reading it
+        for step, by_layer in sorted(self.versions.items()):
+            for layer, blocks in by_layer.items():
+                for block, v in blocks.items():
+                    if v.rebuilt_at is not None:
+                        self._kept[layer, block, v.rebuilt_at] = step
+        self.rebuilt: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # -> [1, H, n, D] K, V
         self.cache = Cache(layers=[_ReplayLayer(self, i) for i in range(engine.num_layers)])
         self._lowbit: OrderedDict[tuple[int, int, int], ExpertWeights] = OrderedDict()  # round-tripped copies
         # the current forward
@@ -81,6 +91,7 @@ class Replayer:
         self.token_steps: list[int] = []
         self.is_rebuild = False
         self.kv_actions = KVActions()
+        self.kv_versions: Versions = {}  # the current forward's
         self.kv_step = 0  # the step whose KV reads the current forward repeats
         self.num_rows = 0  # output rows produced so far
 
@@ -97,8 +108,8 @@ class Replayer:
                     f"only {length} were computed before it (step rows missing?)"
                 )
             is_full = sum(s.is_sampled for s in stretch) >= max_rows
-            reads = self.trace.kv_reads(seg.step_id)
-            is_same_reads = bool(stretch) and reads == self.trace.kv_reads(stretch[0].step_id)
+            reads = self.versions.get(seg.step_id, {})
+            is_same_reads = bool(stretch) and reads == self.versions.get(stretch[0].step_id, {})
             is_rebuilt = self.trace.is_rebuilt(seg.step_id)
             if seg.start < length or is_rebuilt or is_full or (stretch and not is_same_reads):
                 yield from self._forward(stretch)
@@ -120,9 +131,9 @@ class Replayer:
         if not segments:
             return
         self.start, self.is_rebuild = segments[0].start, False
-        kv = self.trace.kv.get(segments[0].step_id, KVActions())  # every segment here reads the same versions
-        self.kv_actions = KVActions(dequantized=kv.dequantized)
+        self.kv_actions = KVActions()  # every segment here reads the same versions, and rebuilds nothing
         self.kv_step = segments[0].step_id
+        self.kv_versions = self.versions.get(self.kv_step, {})
         self.token_steps = [s.step_id for s in segments for _ in range(s.num_tokens)]
         keep = [s.start + s.num_tokens - 1 - self.start for s in segments if s.is_sampled]
         for offset, row in enumerate(keep):
@@ -136,6 +147,8 @@ class Replayer:
         tokens = self.trace.token_ids[self.start : end]
         logits = self.engine.replay_forward(self, self.cache, tokens, self.start, keep)
         self.num_rows += len(keep)
+        last = segments[-1].step_id  # rebuilt versions no later step reads are let go
+        self.rebuilt = {k: kv for k, kv in self.rebuilt.items() if self._kept.get(k, last) > last}
         if keep:
             yield logits[: len(keep)]
 
@@ -148,6 +161,7 @@ class Replayer:
         self.start, self.is_rebuild = begin, True
         self.kv_actions = self.trace.kv[seg.step_id]
         self.kv_step = seg.step_id
+        self.kv_versions = self.versions.get(seg.step_id, {})
         self.token_steps = [seg.step_id] * (seg.start - begin)
         self.engine.replay_forward(self, self.cache, self.trace.token_ids[begin : seg.start], begin, [])
 
@@ -161,28 +175,34 @@ class Replayer:
         """Write this forward's K/V as the engine's blocks take it; return what its queries read."""
         start, n = self.start, keys.shape[2]
         old_k, old_v = self.keys.get(layer), self.values.get(layer)
-        if self.is_rebuild:  # only the blocks the step rebuilt take the new K/V
+        if self.is_rebuild:  # the blocks the step rebuilt take the new K/V as a version of their own
             assert old_k is not None and old_v is not None
-            new_k, new_v = old_k.clone(), old_v.clone()
+            new_k, new_v = old_k, old_v
             for block in self.kv_actions.rebuilt.get(layer, ()):
-                lo, hi = block * self.block_size, (block + 1) * self.block_size
-                new_k[:, :, lo:hi] = keys[:, :, lo - start : hi - start]
-                new_v[:, :, lo:hi] = values[:, :, lo - start : hi - start]
+                if (layer, block, self.kv_step) in self._kept:
+                    lo, hi = block * self.block_size, min((block + 1) * self.block_size, start + n)
+                    part = (keys[:, :, lo - start : hi - start].clone(), values[:, :, lo - start : hi - start].clone())
+                    self.rebuilt[layer, block, self.kv_step] = part
         elif old_k is None or old_v is None:
             new_k, new_v = keys, values
         else:
             new_k, new_v = torch.cat([old_k, keys], dim=2), torch.cat([old_v, values], dim=2)
         self.keys[layer], self.values[layer] = new_k, new_v
         read_k, read_v = new_k[:, :, : start + n], new_v[:, :, : start + n]
-        dequantized = self.kv_actions.dequantized.get(layer)
-        if dequantized:
+        versions = self.kv_versions.get(layer)
+        if versions:
             read_k, read_v = read_k.clone(), read_v.clone()
-            for block, bits in dequantized.items():
+            for block, version in versions.items():
                 lo, hi = block * self.block_size, (block + 1) * self.block_size
+                if version.rebuilt_at is not None:
+                    part_k, part_v = self.rebuilt[layer, block, version.rebuilt_at]
+                    read_k[:, :, lo : lo + part_k.shape[2]], read_v[:, :, lo : lo + part_v.shape[2]] = part_k, part_v
+                if not version.bits:
+                    continue
                 packed = torch.cat([read_k[0, :, lo:hi], read_v[0, :, lo:hi]], dim=-1)
-                checksum = self.trace.served_checksum(self.kv_step, layer, block, bits)
+                checksum = self.trace.served_checksum(self.kv_step, layer, block, version.bits)
                 where = f"request {self.trace.request_id}: step {self.kv_step}, layer {layer}, KV block {block}"
-                both = served_round_trip(packed, bits, self.key_dim, checksum, where).to(packed.dtype)
+                both = served_round_trip(packed, version.bits, self.key_dim, checksum, where).to(packed.dtype)
                 read_k[0, :, lo:hi], read_v[0, :, lo:hi] = both[..., : self.key_dim], both[..., self.key_dim :]
         return read_k, read_v
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from fallbackgate.engine.messages import CopyAction
 from fallbackgate.engine.tags import ObjectKind, Tag
 from fallbackgate.ledger import audit_queries, kv_copy_queries
 from fallbackgate.ledger.db import Ledger
@@ -46,6 +47,30 @@ class KVActions:
     rebuilt: dict[int, set[int]] = dataclasses.field(default_factory=dict)  # layer -> blocks rebuilt first
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVVersion:
+    """Which K/V a step read for one block, when not the K/V its positions were written with: the block as
+    the rebuild pass of step `rebuilt_at` computed it (None: as written), quantized to `bits` (0: not)."""
+
+    bits: int
+    rebuilt_at: int | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CopyChange:
+    """One change to one of the request's KV block copies, from the copy journal (in journal order)."""
+
+    step_id: int
+    action: str
+    layer: int
+    block: int
+    tier: str
+    bits: int
+
+
+Versions = dict[int, dict[int, KVVersion]]  # layer -> block -> version read
+
+
 @dataclasses.dataclass(slots=True)
 class ReplayTrace:
     """Everything needed to recompute one request as it was served."""
@@ -58,6 +83,7 @@ class ReplayTrace:
     kv: dict[int, KVActions]  # step -> KV versions read
     # (layer, block, bits) -> (step, xxh3-64 of the codes) of each quantized copy written, in write order
     code_checksums: dict[tuple[int, int, int], list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
+    copy_changes: list[CopyChange] = dataclasses.field(default_factory=list)  # the request's copy journal
 
     @property
     def num_output_tokens(self) -> int:
@@ -74,13 +100,63 @@ class ReplayTrace:
         written = [c for s, c in self.code_checksums.get((layer, block, bits), ()) if s <= step_id]
         return written[-1] if written else None
 
-    def kv_reads(self, step_id: int) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
-        """What the step's queries read dequantized, as a comparable value: consecutive steps with equal
-        reads can be replayed in one forward."""
-        kv = self.kv.get(step_id)
-        if kv is None:
-            return ()
-        return tuple(sorted((layer, tuple(sorted(blocks.items()))) for layer, blocks in kv.dequantized.items()))
+    def read_versions(self, block_size: int) -> dict[int, Versions]:
+        """Per step: the version of every block its queries read other than as its positions were written.
+
+        A block's copy holds the K/V the block had on device when the copy was written, and the device holds
+        the K/V of the block's latest staging that was kept (promoted): a rebuild's, or an exactly loaded
+        copy's (a dequantized block is never kept). A block on device at a write or at a read without an
+        off-device action was kept at its latest staging, so walking the copy journal and the KV events in
+        step order gives each read's version, without knowing which stagings were kept:
+
+        - a block rebuilt at step s reads the rebuild pass's K/V (``rebuilt_at=s``);
+        - a copy read (exactly or dequantized) has the version the block had when the copy was written
+          (a rebuild after the write does not change it);
+        - a block read on device has the version of its latest exact or rebuilt staging.
+        """
+        live: dict[tuple[int, int], int] = {}  # (layer, block) -> rebuild step of its device K/V (absent: as written)
+        copies: dict[tuple[int, int, str, int], int | None] = {}  # (layer, block, tier, bits) -> the same, at write
+        by_step: dict[int, list[CopyChange]] = {}
+        for change in self.copy_changes:
+            by_step.setdefault(change.step_id, []).append(change)
+        out: dict[int, Versions] = {}
+        length = 0
+        for seg in self.segments:
+            if seg.start < length:  # a re-prefill: the blocks from its start are written again
+                first = seg.start // block_size
+                live = {k: v for k, v in live.items() if k[1] < first}
+                copies = {k: v for k, v in copies.items() if k[1] < first}
+            read: dict[tuple[int, int, int], int | None] = {}  # (layer, block, bits) -> version of the copy read
+            for c in by_step.get(seg.step_id, ()):
+                key, copy = (c.layer, c.block), (c.layer, c.block, c.tier, c.bits)
+                if c.action == CopyAction.WRITTEN.value:
+                    copies[copy] = live.get(key)
+                elif c.action == CopyAction.MOVED_IN.value:  # an adopted prefix block: recomputed from tokens
+                    copies[copy] = None
+                elif c.action == CopyAction.READ.value:
+                    read[c.layer, c.block, c.bits] = copies.get(copy, live.get(key))
+                else:  # freed, moved out
+                    copies.pop(copy, None)
+            kv = self.kv.get(seg.step_id, KVActions())
+            for (layer, block, bits), version in read.items():
+                if not bits:  # an exact load: kept on device, the block holds that copy's K/V
+                    live.pop((layer, block), None)
+                    if version is not None:
+                        live[layer, block] = version
+            for layer, blocks in kv.rebuilt.items():
+                for block in blocks:
+                    live[layer, block] = seg.step_id
+            versions: Versions = {}
+            for (layer, block), version in live.items():
+                if block * block_size < seg.start:
+                    versions.setdefault(layer, {})[block] = KVVersion(0, version)
+            for layer, blocks in kv.dequantized.items():
+                for block, bits in blocks.items():
+                    version = read.get((layer, block, bits), live.get((layer, block)))
+                    versions.setdefault(layer, {})[block] = KVVersion(bits, version)
+            out[seg.step_id] = versions
+            length = seg.start + seg.num_tokens
+        return out
 
 
 def _ids(text: str) -> list[int]:
@@ -119,4 +195,8 @@ def load_trace(ledger: Ledger, run_id: int, request_id: str) -> ReplayTrace:
         for block, checksum in zip(_ids(row["block_ids"]), sums, strict=True):
             key = (row["layer"], block, row["bits"])
             trace.code_checksums.setdefault(key, []).append((row["step_id"], checksum))
+    for row in kv_copy_queries.request_copy_changes(ledger, run_id, request_id):
+        for block in _ids(row["block_ids"]):
+            change = CopyChange(row["step_id"], row["action"], row["layer"], block, row["tier"], int(row["bits"]))
+            trace.copy_changes.append(change)
     return trace
