@@ -41,7 +41,8 @@ class JournaledView:
 
 def walk(view: JournaledView, values: ValueModel) -> float:
     """What the joint controller summed before: every remembered expert not on device."""
-    return sum(p * LOAD_S[view.expert_home(k)] for k, p in values.expected_misses(view))
+    missing = [(k, f) for k, f in values.frequencies() if not view.is_expert_on_device(k)]
+    return sum(min(1.0, f) * LOAD_S[view.expert_home(k)] for k, f in missing)
 
 
 @pytest.mark.parametrize("decay", [0.9, 0.5])

@@ -124,10 +124,6 @@ class ValueModel:
         self._due[key] = update
         self._checks.setdefault(update, []).append(key)
 
-    def expected_misses(self, view: ControllerView) -> list[tuple[ExpertKey, float]]:
-        """Non-resident experts with their probability of being needed next step."""
-        return [(k, min(1.0, f)) for k, f in self.frequencies() if not view.is_expert_on_device(k)]
-
     def expert_value(self, key: ExpertKey, view: ControllerView) -> float:
         """Seconds saved per step per byte by keeping `key` on device."""
         freq = self.frequency(key)
