@@ -138,6 +138,8 @@ def test_requests_still_running_at_shutdown_are_recorded_as_cancelled(tmp_path: 
     deadline = time.monotonic() + 60
     while not any(line.startswith("data: ") for line in received) and time.monotonic() < deadline:
         time.sleep(0.05)
+    while _in_flight(srv.base) < 4 and time.monotonic() < deadline:  # every request admitted, not only sent
+        time.sleep(0.05)
     out = srv.stop()
     for client in clients:
         client.join(timeout=60)
@@ -209,3 +211,10 @@ def test_a_client_that_disconnects_ends_its_request_in_the_engine(guarded: Serve
         assert time.monotonic() < deadline, "the disconnected requests were not cancelled"
         time.sleep(0.1)
     assert _metric(guarded, "fallbackgate_requests_in_flight") == 0  # both left the engine, well before 3 s
+
+
+def _in_flight(base: str) -> float:
+    """The server's own count of admitted, unfinished requests (its /metrics gauge)."""
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    lines = [line for line in text.splitlines() if line.startswith("fallbackgate_requests_in_flight ")]
+    return float(lines[0].split()[1]) if lines else 0.0
