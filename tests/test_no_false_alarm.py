@@ -4,6 +4,7 @@ with forced approximate tags pass its correctness half (their replay matches wha
 from __future__ import annotations
 
 import pathlib
+import sqlite3
 
 import pytest
 import torch
@@ -90,3 +91,26 @@ def test_no_false_alarm_over_forty_seeded_configurations(tmp_path: pathlib.Path)
         _assert_no_false_alarm(seed, tmp_path)
     for seed in range(40):  # ... and with each forced approximate tag set: the replay agrees
         _assert_replay_matches(seed, tmp_path / "approximate")
+
+
+def test_a_rebuild_pass_with_every_expert_resident_is_evidence_of_its_recompute(tmp_path: pathlib.Path) -> None:
+    """Forced recompute under a budget that holds every expert: each step's rebuild pass uses resident experts
+    only, and those uses are the pass's own (rebuild events), so the audit finds the pass behind every
+    recompute and the step's own rows count only the step's tokens."""
+    path = make_checkpoint("olmoe", tmp_path / "ck", seed=3)
+    expert, block, layers, _ = sizes(path)
+    config = EngineConfig(
+        model_dir=str(path), block_size=4, max_num_seqs=3, seed=0, device_budget_bytes=64 * layers * (expert + block)
+    )
+    engine = Engine(config, ExactLRUController(("recompute",)))
+    prompts = ["the cat sat on the mat and then", "a dog ran far away from the house", "one two three four"]
+    settings = RunSettings(model_dir=str(path), max_new_tokens=6, seed=0)
+    recorded = record_and_judge(engine, prompts, str(tmp_path / "ledger.sqlite"), settings=settings)
+    assert all(o.tag_counts.get("recompute", 0) > 0 for o in recorded.outcome.outputs)
+    assert [(v.request_id, v.reasons) for v in recorded.verdict.requests if not v.correctness_passed] == []
+    with sqlite3.connect(tmp_path / "ledger.sqlite") as conn:  # decode steps after the first rebuild
+        rows = conn.execute(
+            "SELECT num_tokens, rebuild_objects, resident_expert_uses FROM step_requests WHERE step_id >= 2"
+        ).fetchall()
+    assert rows and all(n == 1 and rebuilt > 0 for n, rebuilt, _ in rows), rows
+    assert all(max(map(int, uses.split(","))) <= 2 for _, _, uses in rows), rows  # top-2, one token

@@ -26,7 +26,7 @@ from fallbackgate.engine.experts.served import LayerRows, group_by_key, record_u
 from fallbackgate.engine.experts.store import ExpertStore
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.step_context import StepContext
-from fallbackgate.engine.tags import Tag
+from fallbackgate.engine.tags import ObjectKind, Tag
 
 
 class ExpertDispatch(MissFetching):
@@ -69,8 +69,7 @@ class ExpertDispatch(MissFetching):
         row_slots = table[top_k_index.reshape(-1)]  # gathered once: the routing's host copy and the kernel's slots
         owner = row_owner(ctx.token_owner, top_k)
         routing = group_layer(top_k_index, top_k_weights, table, owner, len(request_ids), row_slots)
-        for request_index in np.flatnonzero(routing.resident_uses):
-            ctx.log.add_expert_uses(request_ids[request_index], layer, int(routing.resident_uses[request_index]))
+        self._count_resident(layer, routing)
         ctx.used_expert_keys.extend((layer, int(e)) for e in routing.used_experts)
         num_rows = num_tokens * top_k
         ctx.log.modeled_compute_s += len(routing.used_experts) * self._expert_s(
@@ -132,6 +131,17 @@ class ExpertDispatch(MissFetching):
         rows = [torch.as_tensor(r, device=hidden.device) for r in late]
         rescale_late_defers(result, weights, [(r // top_k, r % top_k) for r in rows])
         return result
+
+    def _count_resident(self, layer: int, routing: LayerRouting) -> None:
+        """Count the layer's resident uses per request: on the step's rows, or as rebuild events in a KV
+        rebuild pass (they are that pass's work, which the audit's KV reconciliation looks for)."""
+        log, request_ids = self.ctx.log, self.ctx.batch.request_ids
+        for request_index in np.flatnonzero(routing.resident_uses):
+            count, request_id = int(routing.resident_uses[request_index]), request_ids[request_index]
+            if log.is_rebuild_pass:
+                log.add(request_id, layer, ObjectKind.EXPERT, Tag.RESIDENT, count=count)
+            else:
+                log.add_expert_uses(request_id, layer, count)
 
     def _decide(self, layer: int, miss: MissUse) -> Decision:
         """The controller's action for one (expert, request) miss; a quarantined expert's is forced."""
