@@ -62,6 +62,7 @@ class RequestStatRow(Base):
     replay_mean_kl: Mapped[float | None] = mapped_column(Float)
     replay_max_position: Mapped[int | None] = mapped_column(Integer)  # output position of replay_max_kl
     replay_top1_agreement: Mapped[float | None] = mapped_column(Float)
+    replay_error: Mapped[str | None] = mapped_column(Text)  # why the replay could not follow the trace
 
 
 class VerdictRow(Base):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import sqlite3
 from pathlib import Path
 
 import numpy as np
@@ -222,6 +223,22 @@ def test_request_drilldown_of_an_exact_request_has_no_divergence(db: Path, monke
     assert "SLO targets: TTFT 1 ms, TPOT 1 ms" in [c.value for c in at.caption]  # request b's SLO, given in seconds
     at = open_page(db, "request", monkeypatch, run="1", request="a")
     assert "SLO targets: TTFT 1e+07 ms, TPOT 1e+07 ms" in [c.value for c in at.caption]  # given in ms
+
+
+def test_request_drilldown_names_why_the_replay_could_not_follow(
+    db: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    copy = tmp_path / "ledger.sqlite"
+    copy.write_bytes(db.read_bytes())
+    why = "request b: step 5 starts at position 8 but only 7 were computed before it (step rows missing?)"
+    with sqlite3.connect(copy) as conn:
+        conn.execute("UPDATE request_stats SET replay_error = ? WHERE run_id = 1 AND request_id = 'b'", (why,))
+    monkeypatch.setenv("FALLBACKGATE_LEDGER", str(copy))
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.query_params["page"], at.query_params["run"], at.query_params["request"] = "request", "1", "b"
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert [e.value for e in at.error] == [f"The replay could not follow this request's recorded actions: {why}"]
 
 
 def test_calibration_numbers(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:

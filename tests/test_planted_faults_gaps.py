@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import pathlib
+import sqlite3
 
 import pytest
 import torch
@@ -83,6 +84,30 @@ def test_writer_drops_a_step_request_row(
     print_table(verdict, table)
     assert f"missing (step, request) rows: (step {FAULT_STEP}, request {request_id})" in table.getvalue()
     assert f"ledger incomplete at steps {FAULT_STEP}" in table.getvalue()
+
+
+def test_a_trace_the_replay_cannot_follow_fails_with_the_replays_reason(
+    model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A low-bit request (so it is replayed) whose step row the writer drops: the replay cannot follow its
+    trace, and the verdict and the ledger say why, not only 'max KL inf'."""
+    step_request_rows = ledger_rows._step_request_rows
+
+    def drop_second(run_id, plan, result):
+        out = step_request_rows(run_id, plan, result)
+        return [r for i, r in enumerate(out) if not (plan.step_id == FAULT_STEP and i == 1)]
+
+    monkeypatch.setattr(ledger_rows, "_step_request_rows", drop_second)
+    recorded = _judge(_engine(model, ("expert_lowbit",)), tmp_path)
+    culprit = next(v for v in recorded.verdict.requests if any("cannot follow" in r for r in v.reasons))
+    reason = next(r for r in culprit.reasons if "cannot follow" in r)
+    assert culprit.is_replay_bug and culprit.correctness_passed is False, culprit
+    assert "max KL inf" not in " ".join(culprit.reasons) and len(reason) > len("...cannot follow ...: ") + 20
+    with sqlite3.connect(tmp_path / "ledger.sqlite") as conn:
+        (error,) = conn.execute(
+            "SELECT replay_error FROM request_stats WHERE request_id = ?", (culprit.request_id,)
+        ).fetchone()
+    assert error and reason.endswith(error), (reason, error)
 
 
 @pytest.mark.parametrize("every_layer", [False, True], ids=["one-layer", "every-layer"])

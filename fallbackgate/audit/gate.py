@@ -133,7 +133,8 @@ def judge_request(
 ) -> RequestVerdict:
     """Judge one request from its diff statistics (None when not audited), budget, tag counts, the run's
     floor (a bare number: the control's max KL, float32), its replay statistics (``max_kl``,
-    ``max_position``; None when not replayed) and what completeness found missing for it.
+    ``max_position``, and ``error`` when the replay could not follow the trace; None when not replayed)
+    and what completeness found missing for it.
     ``stats["top1_outside_ties"]``, when present, is the top-1 agreement the budget is checked on.
 
     Two halves: quality (the budget and allowed tags, against the exact baseline) and correctness (exact
@@ -153,7 +154,10 @@ def judge_request(
             )
     if replay is not None and replay.get("max_kl") is not None:
         tol = replay_tolerance(served, floor)
-        if replay["max_kl"] > tol:
+        if replay.get("error"):
+            v.is_replay_bug = True
+            correctness.append(f"correctness bug vs replay: it cannot follow the recorded actions: {replay['error']}")
+        elif replay["max_kl"] > tol:
             v.is_replay_bug = True
             where = f" at output position {replay['max_position']}" if replay.get("max_position") is not None else ""
             correctness.append(
@@ -280,7 +284,7 @@ def evaluate_run(ledger: Ledger, run_id: int) -> RunVerdict:
         stats = {k: req[k] for k in stat_keys} if req["num_positions"] is not None else None
         if stats is not None and tie_margin > 0:
             stats["top1_outside_ties"] = top1_outside_ties(queries.position_diffs(ledger, run_id, rid), tie_margin)
-        replay = {"max_kl": req["replay_max_kl"], "max_position": req["replay_max_position"]}
+        replay = {k: req[f"replay_{k}"] for k in ("max_kl", "max_position", "error")}
         v = judge_request(
             rid,
             stats,

@@ -249,8 +249,7 @@ class RunRecorder:
         for result in results:
             self.record_audit(result.request_id, result.diffs, result.stats)
             if result.replay is not None:
-                replay = {k: v for k, v in result.replay.items() if k != "error"}
-                self.writer.record_replay(result.request_id, replay)
+                self.writer.record_replay(result.request_id, result.replay)
         self.writer.record_verifications(self.engine.verify_audit_copies())  # the baselines' own expert copies
         self.record_floor(floor)
 
