@@ -6,6 +6,7 @@ and down."""
 from __future__ import annotations
 
 import pathlib
+import re
 
 import pytest
 from alembic import command
@@ -66,6 +67,9 @@ def test_a_joint_run_under_dual_misses_records_each_arbitration(
         assert not options["exact_load"]["is_feasible"] and options["exact_load"]["predicted_s"] > 0
         assert row["deadline_s"] >= 0 and row["predicted_arrival_s"] >= 0
         assert options[row["choice"]]["is_feasible"] or row["choice"] == "exact_load"
+        assert row["predicted_cost"] == pytest.approx(options[row["choice"]]["predicted_cost"])  # the choice's own
+        assert re.search(r"late \([0-9.]+ ms of (disk|host-to-device) link, [0-9.]+ ms left\)", row["late"]), row
+        assert all(o["is_feasible"] == (o["note"] == "") for o in row["options"]), row["options"]
     kv_rows = [r for r in rows if r["object_kind"] == ObjectKind.KV_BLOCK.value]
     expert_rows = [r for r in rows if r["object_kind"] == ObjectKind.EXPERT.value]
     assert len(kv_rows) + len(expert_rows) == len(rows)
@@ -85,6 +89,8 @@ def test_a_joint_run_under_dual_misses_records_each_arbitration(
     for row in expert_rows:
         assert row["late"].startswith("expert load late") and "expert_defer" in {o["tag"] for o in row["options"]}
         assert row["choice"] in ({"expert_defer", "exact_load"} if allowed else {"exact_load"})
+        if not allowed:
+            assert {o["tag"]: o["note"] for o in row["options"]}["expert_defer"] == "not allowed for the class"
         assert row["choice"] == "expert_defer" or row["reason"].startswith("slo slip")  # budget spent, or none
         if row["choice"] == "expert_defer":  # never fetched in its step: nothing arrived
             assert row["measured_arrival_s"] is None and row["stall_s"] is None

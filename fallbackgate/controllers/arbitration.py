@@ -21,7 +21,7 @@ from fallbackgate.controllers.link import LinkBudget
 from fallbackgate.engine.controller import ControllerView, Decision, ExpertMiss, KVBlockInfo
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.kv.block import KVBlockKey
-from fallbackgate.engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.engine.tags import ObjectKind, Tag
 from fallbackgate.policy.budgets import RequestBudget
 
 
@@ -90,8 +90,7 @@ def arbitrate(
         link.take(block_bytes, source)
         return None
     load_s = sum(link.legs(block_bytes, source).values())
-    left_ms = 1e3 * max(0.0, link.left_s.get(Tier.HOST, 0.0))
-    late = f"exact copy late ({1e3 * load_s:.3f} ms of link, {left_ms:.3f} ms left)"
+    late = link.late_text("exact copy", block_bytes, source)
     options = [ArbitrationOption(Tag.EXACT_LOAD, load_s, 0.0, False, "arrives after the deadline")]
     options += [_recompute_option(ctrl, block, budget, start, view), _dequant_option(ctrl, block, budget)]
     feasible = [o for o in options if o.is_feasible]
@@ -162,20 +161,18 @@ def expert_arbitration(
     miss: ExpertMiss,
     link: LinkBudget,
     late_s: float,
-    weighed: list[tuple[Tag, float, float, bool]],
+    weighed: list[tuple[Tag, float, float, str]],
     chosen: tuple[Tag, float, float],
     reason: str,
 ) -> Arbitration:
     """A late expert load's arbitration: the late load, every fallback weighed as (tag, predicted seconds,
-    predicted nats, feasible), and the choice as (tag, predicted nats, predicted arrival in seconds from the
-    step's start)."""
+    predicted nats, why it is not feasible: "" when it is), and the choice as (tag, predicted nats, predicted
+    arrival in seconds from the step's start)."""
     choice, cost, arrival_s = chosen
-    left_ms = 1e3 * max(0.0, link.left_s.get(Tier.HOST, 0.0))
-    late = f"expert load late ({1e3 * late_s:.3f} ms of link, {left_ms:.3f} ms left)"
+    late = link.late_text("expert load", miss.num_bytes, miss.home)
     options = [ArbitrationOption(Tag.EXACT_LOAD, late_s, 0.0, False, "arrives after the deadline")]
-    for tag, seconds, cost, is_feasible in weighed:
-        note = "" if is_feasible else "not allowed for the class or over the quality budget"
-        options.append(ArbitrationOption(tag, seconds, cost, is_feasible, note))
+    for tag, seconds, option_cost, note in weighed:
+        options.append(ArbitrationOption(tag, seconds, option_cost, not note, note))
     key = (miss.request_id, miss.layer, miss.expert_id)
     deadline = link.deadline_s
     return Arbitration(step_id, key, choice, reason, late, tuple(options), deadline, arrival_s, cost, ObjectKind.EXPERT)

@@ -141,10 +141,10 @@ class JointController(JointPlacement, Controller):
         if in_time:
             return self._load(miss, budget, "")
         candidates = self._expert_fallbacks(miss)
-        feasible = [budget.fits(tag, cost) for tag, cost in candidates]  # before any of them is spent
+        notes = [budget.why_not(tag, cost) for tag, cost in candidates]  # before any of them is spent
         late_s = sum(self.link.legs(miss.num_bytes, miss.home).values())
-        for (tag, cost), is_feasible in zip(candidates, feasible, strict=True):
-            if is_feasible:
+        for (tag, cost), note in zip(candidates, notes, strict=True):
+            if not note:
                 budget.spend(tag, cost, True)
                 arrival = 0.0  # expert_defer: nothing arrives, the expert's share is skipped
                 if tag is Tag.EXPERT_LOWBIT:
@@ -153,13 +153,13 @@ class JointController(JointPlacement, Controller):
                 if tag is Tag.CPU_EXECUTE:  # the step's CPU experts run one after another: their times add up
                     self.cpu_left_s -= cpu_expert_s(self.link.profile, miss)
                     arrival = self.link.deadline_s - self.cpu_left_s
-                self._note_late_expert(miss, late_s, candidates, feasible, tag, cost, "deadline", arrival)
+                self._note_late_expert(miss, late_s, candidates, notes, tag, cost, "deadline", arrival)
                 return Decision(tag, cost, "deadline")
         reason = "slo slip: quality budget spent" if budget.is_spent else "slo slip: no allowed fallback fits"
         self.slips.append(Slip(self.step_id, miss.request_id, ObjectKind.EXPERT.value, reason))
         decision = self._load(miss, budget, reason)
         arrival = self.link.used_s(miss.home)
-        self._note_late_expert(miss, late_s, candidates, feasible, Tag.EXACT_LOAD, 0.0, reason, arrival)
+        self._note_late_expert(miss, late_s, candidates, notes, Tag.EXACT_LOAD, 0.0, reason, arrival)
         return decision
 
     def _note_late_expert(
@@ -167,17 +167,18 @@ class JointController(JointPlacement, Controller):
         miss: ExpertMiss,
         late_s: float,
         candidates: list[tuple[Tag, float]],
-        feasible: list[bool],
+        notes: list[str],
         choice: Tag,
         cost: float,
         reason: str,
         arrival_s: float,
     ) -> None:
-        """Keep a late expert load's arbitration: the late load, every fallback weighed, the choice."""
+        """Keep a late expert load's arbitration: the late load, every fallback weighed (with why it was not
+        feasible), the choice."""
         if self.is_observe:  # observe serves exactly and decides nothing, as for KV copies
             return
-        pairs = zip(candidates, feasible, strict=True)
-        weighed = [(tag, self._fallback_s(miss, tag), option_cost, ok) for (tag, option_cost), ok in pairs]
+        pairs = zip(candidates, notes, strict=True)
+        weighed = [(tag, self._fallback_s(miss, tag), option_cost, note) for (tag, option_cost), note in pairs]
         decided = expert_arbitration(self.step_id, miss, self.link, late_s, weighed, (choice, cost, arrival_s), reason)
         self.arbitrations.append(decided)
 

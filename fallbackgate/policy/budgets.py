@@ -76,13 +76,21 @@ class RequestBudget:
 
     def fits(self, tag: Tag, cost: float) -> bool:
         """Whether taking `tag` at predicted `cost` keeps every limit."""
+        return not self.why_not(tag, cost)
+
+    def why_not(self, tag: Tag, cost: float) -> str:
+        """The first limit taking `tag` at predicted `cost` would break ("" when it keeps every one)."""
         if not self.allows(tag):
-            return False
+            return "not allowed for the class"
         if not tag.is_approximate:
-            return True
-        if cost > self.remaining() + EPS or not self.may_touch_step():
-            return False
-        return self.approx_objects + 1 <= self.limits.max_approx_fraction * self.total_objects + EPS
+            return ""
+        if cost > self.remaining() + EPS:
+            return f"over the quality budget ({cost:.3g} nats predicted, {self.remaining():.3g} left)"
+        if not self.may_touch_step():
+            return "min_top1_agreement: no more positions may carry an approximate action"
+        if self.approx_objects + 1 > self.limits.max_approx_fraction * self.total_objects + EPS:
+            return f"max_approx_fraction {self.limits.max_approx_fraction:g} reached"
+        return ""
 
     def spend(self, tag: Tag, cost: float, is_expert: bool) -> None:
         """Record an action taken for this request (call `fits` first for approximate tags)."""
