@@ -72,7 +72,8 @@ def check_completeness(ledger: Ledger, run: Mapping[str, Any], requests: list[di
     out.missing_step_ids = sorted(set(out.missing_step_ids) | set(coverage.short_step_ids))
     for rid, reasons in coverage.request_reasons.items():
         out.request_reasons.setdefault(rid, []).extend(reasons)
-    kv_reasons = check_kv_events(ledger, run_id, run.get("memory"))
+    reused = {r["request_id"]: int(r.get("num_reused_tokens") or 0) for r in requests}
+    kv_reasons = check_kv_events(ledger, run_id, run.get("memory"), reused)
     copy_reasons, by_request = check_kv_copies(ledger, run_id, run.get("memory"), run.get("mode"))
     out.reasons += copy_reasons
     for rid, reasons in by_request.items():

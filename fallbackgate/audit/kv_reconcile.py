@@ -31,27 +31,34 @@ def _ids(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def _positions(ledger: Ledger, run_id: int) -> tuple[dict[Key, dict[str, Any]], dict[Key, tuple[int, int]]]:
+def _positions(
+    ledger: Ledger, run_id: int, reused: Mapping[str, int]
+) -> tuple[dict[Key, dict[str, Any]], dict[Key, tuple[int, int]]]:
     """step_requests rows by (step, request), and per (step, request) (positions computed before the step,
-    positions its own forward re-filled) from each request's rows in step order."""
+    positions its own forward re-filled) from each request's rows in step order; a request's adopted prefix
+    (`reused`: request id -> positions) counts as computed before its first step."""
     rows = audit_queries.step_request_positions(ledger, run_id)
     by_key = {(r["step_id"], r["request_id"]): r for r in rows}
     before: dict[Key, tuple[int, int]] = {}
     high: dict[str, int] = {}
     for r in rows:  # ordered by request, then step
         rid, start, n = r["request_id"], int(r["start_position"]), int(r["num_tokens"])
-        mark = high.get(rid, 0)
+        mark = high.get(rid, reused.get(rid, 0))
         before[(r["step_id"], rid)] = (mark, max(0, min(start + n, mark) - start))
         high[rid] = max(mark, start + n)
     return by_key, before
 
 
-def check_kv_events(ledger: Ledger, run_id: int, memory: Mapping[str, Any] | None) -> dict[str, list[str]]:
-    """request id -> reasons its KV events contradict the run's record (see the module docstring)."""
+def check_kv_events(
+    ledger: Ledger, run_id: int, memory: Mapping[str, Any] | None, reused: Mapping[str, int] | None = None
+) -> dict[str, list[str]]:
+    """request id -> reasons its KV events contradict the run's record (see the module docstring);
+    `reused`: request id -> prompt positions it adopted from kept prefix blocks (computed, though by no
+    step of its own: a copy of them exists, which a later load or rebuild may read or replace)."""
     memory = memory or {}
     block_size = int(memory.get("block_size") or 0)
     object_bytes = memory.get("object_bytes") or {}
-    by_key, before = _positions(ledger, run_id)
+    by_key, before = _positions(ledger, run_id, reused or {})
     out: dict[str, list[str]] = {}
 
     def fail(rid: str, text: str) -> None:
