@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import pathlib
 
-from fallbackgate.audit.replay_trace import KVVersion, load_trace
+from fallbackgate.audit.replay_trace import CopyChange, KVActions, KVVersion, ReplayTrace, Segment, load_trace
 from fallbackgate.batch.session import RunSettings
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.controller import Decision, KVMiss
 from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.messages import CopyAction
 from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.recording import record_and_judge
@@ -64,3 +65,20 @@ def test_a_copy_written_before_a_rebuild_is_replayed_as_written(checkpoint_facto
     assert rebuilt & read_as_written, (rebuilt, versions)  # the scenario: copies older than the rebuild read
     (verdict,) = recorded.verdict.requests
     assert verdict.correctness_passed and not verdict.reasons, verdict.reasons
+
+
+def test_a_copy_written_while_the_request_waited_keeps_the_version_it_had_then() -> None:
+    """A block rebuilt at step 3 and kept, its int8 copy written at step 5 while the request was swapped out
+    (no step row of its own), the block rebuilt again at 7, then the copy read at 8: step 8 reads the copy as
+    the block was at 5 (the step-3 rebuild), not as the step-7 rebuild left it. Before, a copy written in a
+    step the request did not run in was missed and read as the latest rebuild (the served codes then matched
+    no re-quantization: 6 of 32 requests of the mixed workload failed their audit)."""
+    segments = [Segment(s, p, 1, True) for s, p in ((1, 4), (2, 5), (3, 6), (4, 7), (7, 8), (8, 9))]
+    kv = {3: KVActions(rebuilt={0: {0}}), 7: KVActions(rebuilt={0: {0}}), 8: KVActions(dequantized={0: {0: 8}})}
+    written, read = CopyAction.WRITTEN.value, CopyAction.READ.value
+    changes = [CopyChange(5, written, 0, 0, "disk", 8), CopyChange(8, read, 0, 0, "disk", 8)]
+    trace = ReplayTrace("r", list(range(10)), 4, segments, {}, kv, copy_changes=changes)
+    versions = trace.read_versions(4)
+    assert versions[4][0][0] == KVVersion(0, 3)  # on device: the step-3 rebuild
+    assert versions[7][0][0] == KVVersion(0, 7)
+    assert versions[8][0][0] == KVVersion(8, 3)  # the copy, as written at step 5

@@ -111,7 +111,8 @@ class ReplayTrace:
 
         - a block rebuilt at step s reads the rebuild pass's K/V (``rebuilt_at=s``);
         - a copy read (exactly or dequantized) has the version the block had when the copy was written
-          (a rebuild after the write does not change it);
+          (a rebuild after the write does not change it), also when the write happened in a step the
+          request did not run in (spilled while it waited, swapped out or preempted);
         - a block read on device has the version of its latest exact or rebuilt staging.
         """
         live: dict[tuple[int, int], int] = {}  # (layer, block) -> rebuild step of its device K/V (absent: as written)
@@ -119,30 +120,20 @@ class ReplayTrace:
         by_step: dict[int, list[CopyChange]] = {}
         for change in self.copy_changes:
             by_step.setdefault(change.step_id, []).append(change)
+        pending = sorted(by_step)  # steps with copy changes, applied in step order up to each segment
         out: dict[int, Versions] = {}
         length = 0
         for seg in self.segments:
+            while pending and pending[0] < seg.step_id:  # changes of steps the request did not run in
+                _apply_changes(by_step[pending.pop(0)], copies, live)
+            if pending and pending[0] == seg.step_id:
+                pending.pop(0)
             if seg.start < length:  # a re-prefill: the blocks from its start are written again
                 first = seg.start // block_size
                 live = {k: v for k, v in live.items() if k[1] < first}
                 copies = {k: v for k, v in copies.items() if k[1] < first}
-            read: dict[tuple[int, int, int], int | None] = {}  # (layer, block, bits) -> version of the copy read
-            for c in by_step.get(seg.step_id, ()):
-                key, copy = (c.layer, c.block), (c.layer, c.block, c.tier, c.bits)
-                if c.action == CopyAction.WRITTEN.value:
-                    copies[copy] = live.get(key)
-                elif c.action == CopyAction.MOVED_IN.value:  # an adopted prefix block: recomputed from tokens
-                    copies[copy] = None
-                elif c.action == CopyAction.READ.value:
-                    read[c.layer, c.block, c.bits] = copies.get(copy, live.get(key))
-                else:  # freed, moved out
-                    copies.pop(copy, None)
+            read = _apply_changes(by_step.get(seg.step_id, []), copies, live)
             kv = self.kv.get(seg.step_id, KVActions())
-            for (layer, block, bits), version in read.items():
-                if not bits:  # an exact load: kept on device, the block holds that copy's K/V
-                    live.pop((layer, block), None)
-                    if version is not None:
-                        live[layer, block] = version
             for layer, blocks in kv.rebuilt.items():
                 for block in blocks:
                     live[layer, block] = seg.step_id
@@ -157,6 +148,32 @@ class ReplayTrace:
             out[seg.step_id] = versions
             length = seg.start + seg.num_tokens
         return out
+
+
+def _apply_changes(
+    changes: list[CopyChange],
+    copies: dict[tuple[int, int, str, int], int | None],
+    live: dict[tuple[int, int], int],
+) -> dict[tuple[int, int, int], int | None]:
+    """Apply one step's copy changes to `copies` (and `live`: an exact read is kept on device with its copy's
+    version); returns the version of each copy read, by (layer, block, bits)."""
+    read: dict[tuple[int, int, int], int | None] = {}
+    for c in changes:
+        key, copy = (c.layer, c.block), (c.layer, c.block, c.tier, c.bits)
+        if c.action == CopyAction.WRITTEN.value:
+            copies[copy] = live.get(key)
+        elif c.action == CopyAction.MOVED_IN.value:  # an adopted prefix block: recomputed from tokens
+            copies[copy] = None
+        elif c.action == CopyAction.READ.value:
+            read[c.layer, c.block, c.bits] = copies.get(copy, live.get(key))
+        else:  # freed, moved out
+            copies.pop(copy, None)
+    for (layer, block, bits), version in read.items():
+        if not bits:  # an exact load: kept on device, the block holds that copy's K/V
+            live.pop((layer, block), None)
+            if version is not None:
+                live[layer, block] = version
+    return read
 
 
 def _ids(text: str) -> list[int]:
