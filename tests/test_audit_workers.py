@@ -16,6 +16,8 @@ import time
 import pytest
 from sqlalchemy import func, select
 
+from fallbackgate.audit import auditor
+from fallbackgate.audit.replay_trace import TraceError
 from fallbackgate.audit.worker import AuditWorker
 from fallbackgate.batch.session import RunSettings
 from fallbackgate.controllers.exact_lru import ExactLRUController
@@ -89,6 +91,26 @@ def test_deferred_audit_by_a_worker_matches_the_inline_audit(model: pathlib.Path
         assert got["max_kl"] == pytest.approx(want["max_kl"], rel=1e-6, abs=1e-12)
         assert got["replay_max_kl"] == pytest.approx(want["replay_max_kl"], rel=1e-3, abs=1e-12)
         assert got["verdict"] == want["verdict"] == "pass"
+
+
+def test_a_worker_keeps_the_replays_reason_when_it_cannot_follow_a_trace(
+    model: pathlib.Path, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = str(tmp_path / "l.sqlite")
+    run_id = _serve_deferred(model, url, 2, ("expert_defer",))  # approximate: every request is replayed
+    why = "request prompt-0: step 3 starts at position 9 but only 7 were computed before it (planted)"
+
+    def unfollowable(*args, **kwargs):
+        raise TraceError(why)
+
+    monkeypatch.setattr(auditor, "load_trace", unfollowable)
+    with open_ledger(url) as ledger:
+        assert AuditWorker(ledger, lease_s=30).run().num_requests == 2
+    for row in _stats(url, run_id):
+        assert row["replay_error"] == why and row["verdict"] == "fail", row
+    with open_ledger(url, read_only=True) as ledger:
+        verdicts = [v for v in queries.verdicts(ledger, run_id) if v["request_id"] is not None]
+    assert len(verdicts) == 2 and all(f"cannot follow the recorded actions: {why}" in v["reason"] for v in verdicts)
 
 
 def test_a_slow_first_worker_cannot_write_a_second_verdict(model: pathlib.Path, tmp_path: pathlib.Path) -> None:

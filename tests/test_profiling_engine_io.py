@@ -23,11 +23,15 @@ def test_engine_io_points_time_each_part(tmp_path: pathlib.Path) -> None:
         if point["queue_depth"] == 1:  # one read in flight: its wait holds its whole service
             assert point["wait_s"] >= point["service_s"]
     assert not list(tmp_path.iterdir())  # the scratch file is removed
+    misses = table["misses"]  # the engine's own time per miss, through the real store
+    assert misses["num_misses"] == 48 and misses["num_bytes"] > 0
+    assert misses["mean_wait_s"] > misses["mean_io_s"] > 0
+    assert misses["overhead_s"] == pytest.approx(misses["mean_wait_s"] - misses["mean_io_s"], rel=1e-9)
 
 
-def _trace(engine_points: list[dict], disk_points: list[dict]) -> types.SimpleNamespace:
-    return types.SimpleNamespace(metadata={"profile": {"engine_io": {"points": engine_points},
-                                                       "disk": {"points": disk_points}}})  # fmt: skip
+def _trace(engine_points: list[dict], disk_points: list[dict], misses: dict | None = None) -> types.SimpleNamespace:
+    engine_io = {"points": engine_points} | ({"misses": misses} if misses else {})
+    return types.SimpleNamespace(metadata={"profile": {"engine_io": engine_io, "disk": {"points": disk_points}}})
 
 
 def test_profile_device_is_the_engine_path_and_disk_stays() -> None:
@@ -50,3 +54,18 @@ def test_profile_without_engine_path_falls_back_to_the_disk() -> None:
     device = fit_profile(_trace([], disk))
     assert device is not None and device.name == "profile-disk"
     assert fit_profile(_trace([], [])) is None
+
+
+def test_profile_device_adds_the_engines_own_time_per_miss() -> None:
+    """With the measured miss overhead the read's wait is fitted without the points' checksum and copy (the
+    overhead holds the engine's own), and the overhead is added to every miss."""
+    latency_s, bandwidth, checksum_s, copy_s, overhead_s = 0.4e-3, 800e6, 2e-5, 6e-5, 0.37e-3
+    engine = [
+        {"num_bytes": n, "queue_depth": 1, "mean_total_s": latency_s + n / bandwidth + checksum_s + copy_s,
+         "checksum_s": checksum_s, "copy_s": copy_s}
+        for n in (65536, 1 << 20, 4 << 20)
+    ]  # fmt: skip
+    device = fit_profile(_trace(engine, [], {"overhead_s": overhead_s, "num_misses": 48}))
+    assert device is not None and device.name == "profile" and "0.370 ms per miss" in device.source
+    assert device.latency_ns == pytest.approx((latency_s + overhead_s) * 1e9, rel=1e-6)
+    assert device.bandwidth_bytes_per_s == pytest.approx(bandwidth, rel=1e-6)

@@ -7,7 +7,8 @@
   exactly the blocks those positions span, in every layer it names;
 - an ``exact_load`` or ``kv_dequant`` names the tier of a copy the run could hold (host only with a host
   budget) and moved that copy's bytes (a full block, or the quantized size of its bits), of blocks whose
-  positions were computed before the step (no copy exists of a block never filled).
+  positions were computed before the step (no copy exists of a block never filled); a request's adopted
+  prefix (``requests.num_reused_tokens``) counts as computed before its first step.
 
 Which spill wrote each copy, and whether each arbitration was served as chosen, are checked against the KV
 store's copy journal in :mod:`fallbackgate.audit.kv_copies`.

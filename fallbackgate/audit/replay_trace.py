@@ -121,13 +121,15 @@ class ReplayTrace:
         for change in self.copy_changes:
             by_step.setdefault(change.step_id, []).append(change)
         pending = sorted(by_step)  # steps with copy changes, applied in step order up to each segment
+        num_applied = 0
         out: dict[int, Versions] = {}
         length = 0
         for seg in self.segments:
-            while pending and pending[0] < seg.step_id:  # changes of steps the request did not run in
-                _apply_changes(by_step[pending.pop(0)], copies, live)
-            if pending and pending[0] == seg.step_id:
-                pending.pop(0)
+            while num_applied < len(pending) and pending[num_applied] < seg.step_id:  # steps it did not run in
+                _apply_changes(by_step[pending[num_applied]], copies, live)
+                num_applied += 1
+            if num_applied < len(pending) and pending[num_applied] == seg.step_id:
+                num_applied += 1
             if seg.start < length:  # a re-prefill: the blocks from its start are written again
                 first = seg.start // block_size
                 live = {k: v for k, v in live.items() if k[1] < first}

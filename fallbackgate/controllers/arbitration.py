@@ -137,9 +137,8 @@ def _dequant_option(ctrl: StepState, block: KVBlockInfo, budget: RequestBudget) 
         return ArbitrationOption(Tag.KV_DEQUANT, seconds, cost, False, "not allowed for the class")
     if not link.fits(quant_bytes, block.quant_tier):
         return ArbitrationOption(Tag.KV_DEQUANT, seconds, cost, False, "arrives after the deadline")
-    if not budget.fits(Tag.KV_DEQUANT, cost):
-        return ArbitrationOption(Tag.KV_DEQUANT, seconds, cost, False, "over the quality budget")
-    return ArbitrationOption(Tag.KV_DEQUANT, seconds, cost, True)
+    why_not = budget.why_not(Tag.KV_DEQUANT, cost)
+    return ArbitrationOption(Tag.KV_DEQUANT, seconds, cost, not why_not, why_not)
 
 
 def _decided(
@@ -160,19 +159,22 @@ def expert_arbitration(
     step_id: int,
     miss: ExpertMiss,
     link: LinkBudget,
-    late_s: float,
+    late: tuple[float, str],
     weighed: list[tuple[Tag, float, float, str]],
     chosen: tuple[Tag, float, float],
     reason: str,
 ) -> Arbitration:
-    """A late expert load's arbitration: the late load, every fallback weighed as (tag, predicted seconds,
+    """A late expert load's arbitration: the late load (its link seconds and why it is late, taken before
+    anything was booked for it), every fallback weighed as (tag, predicted seconds,
     predicted nats, why it is not feasible: "" when it is), and the choice as (tag, predicted nats, predicted
     arrival in seconds from the step's start)."""
     choice, cost, arrival_s = chosen
-    late = link.late_text("expert load", miss.num_bytes, miss.home)
+    late_s, late_text = late
     options = [ArbitrationOption(Tag.EXACT_LOAD, late_s, 0.0, False, "arrives after the deadline")]
     for tag, seconds, option_cost, note in weighed:
         options.append(ArbitrationOption(tag, seconds, option_cost, not note, note))
     key = (miss.request_id, miss.layer, miss.expert_id)
     deadline = link.deadline_s
-    return Arbitration(step_id, key, choice, reason, late, tuple(options), deadline, arrival_s, cost, ObjectKind.EXPERT)
+    return Arbitration(
+        step_id, key, choice, reason, late_text, tuple(options), deadline, arrival_s, cost, ObjectKind.EXPERT
+    )

@@ -142,7 +142,10 @@ class JointController(JointPlacement, Controller):
             return self._load(miss, budget, "")
         candidates = self._expert_fallbacks(miss)
         notes = [budget.why_not(tag, cost) for tag, cost in candidates]  # before any of them is spent
-        late_s = sum(self.link.legs(miss.num_bytes, miss.home).values())
+        late = (
+            sum(self.link.legs(miss.num_bytes, miss.home).values()),
+            self.link.late_text("expert load", miss.num_bytes, miss.home),
+        )  # before anything is booked
         for (tag, cost), note in zip(candidates, notes, strict=True):
             if not note:
                 budget.spend(tag, cost, True)
@@ -153,19 +156,19 @@ class JointController(JointPlacement, Controller):
                 if tag is Tag.CPU_EXECUTE:  # the step's CPU experts run one after another: their times add up
                     self.cpu_left_s -= cpu_expert_s(self.link.profile, miss)
                     arrival = self.link.deadline_s - self.cpu_left_s
-                self._note_late_expert(miss, late_s, candidates, notes, tag, cost, "deadline", arrival)
+                self._note_late_expert(miss, late, candidates, notes, tag, cost, "deadline", arrival)
                 return Decision(tag, cost, "deadline")
         reason = "slo slip: quality budget spent" if budget.is_spent else "slo slip: no allowed fallback fits"
         self.slips.append(Slip(self.step_id, miss.request_id, ObjectKind.EXPERT.value, reason))
         decision = self._load(miss, budget, reason)
         arrival = self.link.used_s(miss.home)
-        self._note_late_expert(miss, late_s, candidates, notes, Tag.EXACT_LOAD, 0.0, reason, arrival)
+        self._note_late_expert(miss, late, candidates, notes, Tag.EXACT_LOAD, 0.0, reason, arrival)
         return decision
 
     def _note_late_expert(
         self,
         miss: ExpertMiss,
-        late_s: float,
+        late: tuple[float, str],
         candidates: list[tuple[Tag, float]],
         notes: list[str],
         choice: Tag,
@@ -179,7 +182,7 @@ class JointController(JointPlacement, Controller):
             return
         pairs = zip(candidates, notes, strict=True)
         weighed = [(tag, self._fallback_s(miss, tag), option_cost, note) for (tag, option_cost), note in pairs]
-        decided = expert_arbitration(self.step_id, miss, self.link, late_s, weighed, (choice, cost, arrival_s), reason)
+        decided = expert_arbitration(self.step_id, miss, self.link, late, weighed, (choice, cost, arrival_s), reason)
         self.arbitrations.append(decided)
 
     def _fallback_s(self, miss: ExpertMiss, tag: Tag) -> float:

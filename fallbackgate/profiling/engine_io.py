@@ -26,6 +26,7 @@ from fallbackgate.engine.config import default_io_threads
 from fallbackgate.engine.io import IOScheduler
 from fallbackgate.engine.io.direct import ALIGN, aligned_buffer, make_scratch_file
 from fallbackgate.engine.tags import ObjectKind
+from fallbackgate.profiling.engine_miss import measure_engine_misses
 
 KIB, MIB = 1024, 1024 * 1024
 ENGINE_IO_SIZES: tuple[int, ...] = (64 * KIB, 256 * KIB, MIB, 4 * MIB)
@@ -40,10 +41,11 @@ def measure_engine_io(
     depths: tuple[int, ...] | None = None,
     reads_per_point: int | None = None,
 ) -> dict[str, Any]:
-    """The engine-path table: ``{"num_workers", "directory", "points": [...]}``, one point per (size, depth)
+    """The engine-path table: ``{"num_workers", "directory", "points": [...], "misses"}``, one point per (size, depth)
     with seconds per read: ``wait_s`` (submit to ``wait`` returned), ``service_s``, ``wakeup_s``,
     ``checksum_s``, ``copy_s`` (medians) and ``mean_total_s`` (mean of wait + checksum + copy). Defaults:
-    the module's ``ENGINE_IO_SIZES``, ``ENGINE_IO_DEPTHS``, ``READS_PER_POINT``."""
+    the module's ``ENGINE_IO_SIZES``, ``ENGINE_IO_DEPTHS``, ``READS_PER_POINT``. ``misses``: the engine's own
+    time per expert miss beyond its read (:func:`fallbackgate.profiling.engine_miss.measure_engine_misses`)."""
     sizes, depths = sizes or ENGINE_IO_SIZES, depths or ENGINE_IO_DEPTHS
     reads_per_point = reads_per_point or READS_PER_POINT
     num_workers = max(1, default_io_threads())
@@ -57,7 +59,8 @@ def measure_engine_io(
             for size in sizes:
                 for depth in depths:
                     points.append(_measure_point(io, path, file_bytes, size, depth, reads_per_point))
-    return {"num_workers": num_workers, "directory": str(directory), "points": points}
+    misses = measure_engine_misses()
+    return {"num_workers": num_workers, "directory": str(directory), "points": points, "misses": misses}
 
 
 def _measure_point(

@@ -113,17 +113,29 @@ def fit_profile(trace: Trace) -> DeviceModel | None:
     profile, ``engine_io``): at queue depth 1, the mean of submission until the waiter woke, plus the xxh3
     checksum and the copy into a slot, per read size; latency and bandwidth fitted to those (least relative
     squares). Profiles without that table fall back to the pure disk (:func:`fit_profile_disk`)."""
-    points = ((trace.metadata.get("profile") or {}).get("engine_io") or {}).get("points") or []
-    reads = [p for p in points if p.get("queue_depth") == 1 and p.get("mean_total_s")]
+    engine_io = (trace.metadata.get("profile") or {}).get("engine_io") or {}
+    reads = [p for p in engine_io.get("points") or [] if p.get("queue_depth") == 1 and p.get("mean_total_s")]
     if len({p["num_bytes"] for p in reads}) < 2:
         return fit_profile_disk(trace)
-    fitted = _fit_relative([p["num_bytes"] for p in reads], [p["mean_total_s"] for p in reads])
+    misses = engine_io.get("misses") or {}
+    if misses.get("overhead_s") is not None:  # the engine's own work per miss, checksum and copy included
+        seconds = [max(p["mean_total_s"] - p["checksum_s"] - p["copy_s"], 1e-9) for p in reads]
+    else:
+        seconds = [p["mean_total_s"] for p in reads]
+    fitted = _fit_relative([p["num_bytes"] for p in reads], seconds)
     if fitted is None:
         return fit_profile_disk(trace)
-    return DeviceModel(
-        "profile", fitted[0], fitted[1], 1, False,
+    source = (
         f"fitted to the recorded `fallbackgate profile` engine I/O path at queue depth 1 ({len(reads)} sizes: "
-        "shared scheduler wait and wakeup, xxh3 checksum, copy into a slot)",
+        "shared scheduler wait and wakeup"
+    )
+    if misses.get("overhead_s") is None:
+        return DeviceModel("profile", fitted[0], fitted[1], 1, False, source + ", xxh3 checksum, copy into a slot)")
+    overhead_ns = 1e9 * float(misses["overhead_s"])
+    return DeviceModel(
+        "profile", fitted[0] + overhead_ns, fitted[1], 1, False,
+        source + f"), plus the engine's own {overhead_ns / 1e6:.3f} ms per miss beyond its read (evict, place, "
+        f"checksum, copy; {misses.get('num_misses')} misses of the bundled model through the real store)",
     )  # fmt: skip
 
 
