@@ -11,9 +11,12 @@ import pytest
 from fallbackgate.cli import main
 from fallbackgate.controllers.registry import registered_kinds
 from fallbackgate.tracing.devices import DeviceModel
+from fallbackgate.tracing.reader import read_trace
+from fallbackgate.tracing.schema import TraceTable
 from fallbackgate.tracing.simulate import SimulationConfig
 from fallbackgate.tracing.simulate_run import Simulator, _device_groups, _load, _run_group, load_input, simulate_many
 from fallbackgate.tracing.synthetic import Planted, write_planted_trace
+from fallbackgate.tracing.validate import recorded_budget
 
 DEVICE = DeviceModel("flat", 100_000, 2e9)
 
@@ -88,3 +91,24 @@ def test_one_decision_pass_per_device_group_equals_one_run_per_configuration(
     assert grouped == alone
     assert alone[0]["stall_s"] != alone[1]["stall_s"]  # the devices price the same decisions differently
     assert sorted(passes) == ["exact_lru", "independent_lru", "joint", "joint", "static_split"]
+
+
+def test_simulating_a_recorded_joint_run_makes_the_misses_it_made(tmp_path: Path) -> None:
+    """The bundled model's built-in prompts under joint at 2.5 MiB: the run keeps every KV block in RAM (a
+    new block's room is made before the forward, from experts; an expert's room never comes from KV; a
+    prefetch only fills free room) and the simulation of its own configuration must too. Before, the
+    simulator made a block's room during the layer's forward, with the step's experts pinned, so blocks went
+    straight to the host and were read back: 558 KV loads the run never made, stall +59 %."""
+    trace = tmp_path / "t"
+    args = ["run", "--controller", "joint", "--device-budget-mb", "2.5", "--trace", str(trace), "--quiet"]
+    assert main([*args, "--ledger", str(tmp_path / "l.sqlite"), "--audit-rate", "0.01"]) == 0
+    recorded = read_trace(str(trace))
+    kv, experts = (recorded.frame(t) for t in (TraceTable.KV_ACCESS, TraceTable.EXPERT_ACCESS))
+    recorded_kv_loads = int((kv["tag"] == "exact_load").sum())
+    recorded_expert_loads = int((experts["tag"] == "exact_load").sum())
+    config = SimulationConfig("joint", recorded_budget(recorded), DEVICE)
+    (result,) = simulate_many(str(trace), [config], jobs=1)
+    assert "error" not in result, result
+    assert result["misses_by_tag"].get("kv:exact_load", 0) <= recorded_kv_loads + 8, result["misses_by_tag"]
+    simulated = result["misses_by_tag"]["expert:exact_load"]
+    assert 0.5 * recorded_expert_loads <= simulated <= 1.25 * recorded_expert_loads, (simulated, recorded_expert_loads)

@@ -57,8 +57,9 @@ class Simulator:
         self.staged: set[tuple[str, int, int]] = set()
         self.ops: list[list[IOOp]] | None = None  # per step, when recording: the I/O its decisions issue
 
-    def make_room(self, need: int, pinned_e: set, pinned_kv: set) -> bool:
-        """Free ``need`` bytes with the controller's victims; whether they fit now."""
+    def make_room(self, need: int, pinned_e: set, pinned_kv: set, is_kv_evictable: bool = True) -> bool:
+        """Free ``need`` bytes with the controller's victims; whether they fit now. As in the engine, an
+        expert's placement (``is_kv_evictable`` False) takes room from other experts only, never from KV."""
         view = self.view
         if view.device_free_bytes >= need:
             return True
@@ -68,7 +69,7 @@ class Simulator:
             if victim.expert_key is not None and victim.expert_key in view.experts:
                 if victim.expert_key not in pinned_e:
                     del view.experts[victim.expert_key]
-            elif victim.kv_block_key is not None and victim.kv_block_key not in pinned_kv:
+            elif victim.kv_block_key is not None and is_kv_evictable and victim.kv_block_key not in pinned_kv:
                 self.take_off(victim.kv_block_key, victim.spill_mode)
         return view.device_free_bytes >= need
 
@@ -92,8 +93,8 @@ class Simulator:
         view, t = self.view, self.tally
         copies = view.kv.get(key)
         view.max_block[key[0]] = max(view.max_block[key[0]], key[2])
-        if copies is None:  # the block's write
-            if self.make_room(view.bytes_per_kv_block, *pinned):
+        if copies is None:  # the block's write: its room is made before the forward, as the engine's append
+            if self.make_room(view.bytes_per_kv_block, set(), pinned[1]):  # does: no expert is pinned yet
                 self.place_kv(key)
             else:
                 view.set_kv(key, (Tier.HOST, None, 0))
@@ -136,7 +137,7 @@ class Simulator:
                           view.device_free_bytes >= view.bytes_per_expert, view.compute_dtype)  # fmt: skip
         tag = self.controller.expert_action(miss).tag
         moved = {Tag.EXACT_LOAD: view.bytes_per_expert, Tag.EXPERT_LOWBIT: view.bytes_per_expert // 2}.get(tag, 0)
-        if tag is Tag.EXACT_LOAD and self.make_room(view.bytes_per_expert, *pinned):
+        if tag is Tag.EXACT_LOAD and self.make_room(view.bytes_per_expert, *pinned, is_kv_evictable=False):
             view.experts[key] = None
         if tag is Tag.EXPERT_DEFER:
             self.deferred.append(key)
@@ -204,8 +205,8 @@ class Simulator:
                 if self.make_room(view.bytes_per_kv_block, set(), set()):
                     self.place_kv(key)
         self.staged.clear()
-        for key in actions.load_experts:
-            if key not in view.experts and self.make_room(view.bytes_per_expert, set(), set()):
+        for key in actions.load_experts:  # prefetches start only into free room, as the engine's do
+            if key not in view.experts and view.device_free_bytes >= view.bytes_per_expert:
                 view.experts[key] = None
                 t.prefetch_bytes += view.bytes_per_expert
                 if self.ops is not None:
