@@ -229,7 +229,8 @@ def test_request_drilldown_names_why_the_replay_could_not_follow(
     db: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     copy = tmp_path / "ledger.sqlite"
-    copy.write_bytes(db.read_bytes())
+    with sqlite3.connect(db) as source, sqlite3.connect(copy) as target:
+        source.backup(target)  # the ledger's pages may sit in its write-ahead log: a byte copy can miss them
     why = "request b: step 5 starts at position 8 but only 7 were computed before it (step rows missing?)"
     with sqlite3.connect(copy) as conn:
         conn.execute("UPDATE request_stats SET replay_error = ? WHERE run_id = 1 AND request_id = 'b'", (why,))

@@ -26,18 +26,18 @@ NUM_SLOTS = 4  # expert slots the measuring engine holds (every layer's experts 
 def measure_engine_misses(num_misses: int = NUM_MISSES, seed: int = 0) -> dict[str, Any]:
     """``{"num_misses", "num_bytes", "mean_wait_s", "mean_io_s", "overhead_s", "median_overhead_s"}``: the
     whole fetch per miss (mean), its read's submission to arrival (mean), and their difference."""
-    from fallbackgate.controllers.exact_lru import ExactLRUController
+    from fallbackgate.engine.baseline.api import ExactController
     from fallbackgate.engine.config import EngineConfig
     from fallbackgate.engine.engine import Engine
     from fallbackgate.tinymoe import CHECKPOINT_DIR
 
-    sizing = Engine(EngineConfig(model_dir=str(CHECKPOINT_DIR), device="cpu"), ExactLRUController())
+    sizing = Engine(EngineConfig(model_dir=str(CHECKPOINT_DIR), device="cpu"), ExactController())
     bytes_per_expert = sizing.expert_store.bytes_per_expert
     sizing.close()
     config = EngineConfig(
         model_dir=str(CHECKPOINT_DIR), device="cpu", device_budget_bytes=NUM_SLOTS * bytes_per_expert + (1 << 20)
     )
-    engine = Engine(config, ExactLRUController())
+    engine = Engine(config, ExactController())
     store, rng = engine.expert_store, random.Random(seed)
     keys = sorted(store.entries)
     placed: collections.deque = collections.deque(k for k in keys if store.is_on_device(k))
