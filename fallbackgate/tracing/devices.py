@@ -110,9 +110,11 @@ def fit_waits(trace: Trace) -> DeviceModel | None:
 
 def fit_profile(trace: Trace) -> DeviceModel | None:
     """A miss as ``fallbackgate profile`` measured it through the engine's own I/O path (the trace's recorded
-    profile, ``engine_io``): at queue depth 1, the mean of submission until the waiter woke, plus the xxh3
-    checksum and the copy into a slot, per read size; latency and bandwidth fitted to those (least relative
-    squares). Profiles without that table fall back to the pure disk (:func:`fit_profile_disk`)."""
+    profile, ``engine_io``): at queue depth 1, the mean of submission until the waiter woke, per read size,
+    latency and bandwidth fitted to those (least relative squares); then, when the profile measured misses
+    through the real store (``engine_io.misses``), the engine's own time per miss beyond its read (evict,
+    place, checksum, copy) is added to the latency; without it the points' checksum and copy into a slot are
+    fitted instead. Profiles without the table fall back to the pure disk (:func:`fit_profile_disk`)."""
     engine_io = (trace.metadata.get("profile") or {}).get("engine_io") or {}
     reads = [p for p in engine_io.get("points") or [] if p.get("queue_depth") == 1 and p.get("mean_total_s")]
     if len({p["num_bytes"] for p in reads}) < 2:
