@@ -24,7 +24,7 @@ from fallbackgate.controllers.joint_memory import rebalance
 from fallbackgate.engine.controller import KVBlockInfo
 from fallbackgate.engine.device_pool import TierPool
 from fallbackgate.engine.hardware import CPU_BOX
-from fallbackgate.engine.kv.block import SpillMode
+from fallbackgate.engine.kv.block import RequestBlockKeys, SpillMode
 from fallbackgate.engine.kv.spill import SpillDir
 from fallbackgate.engine.kv.store import KVStore
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
@@ -154,6 +154,37 @@ def test_taking_k_victims_walks_about_k_blocks() -> None:
         first = list(itertools.islice(controller.choose_victims(1, view, set(), set()), 5))
         assert len(first) == 5 and all(v.kv_block_key is not None for v in first)
         assert len(walked) <= 6  # a heap merge reads one ahead
+
+
+
+def test_requests_pinned_whole_are_not_walked_by_the_joint_victims() -> None:
+    """An expert miss (KV not evictable: every request pinned whole) or a step's own requests: the joint
+    order reads none of those requests' blocks (it walked every one on every miss, a third of a mixed
+    sweep run's wall time), and the victims are the full sort's."""
+    walked = []
+
+    class CountingView(StaticView):
+        def device_kv_blocks_of(self, request_id: str, is_index_major: bool = False):
+            for block in super().device_kv_blocks_of(request_id, is_index_major):
+                walked.append(block.key)
+                yield block
+
+    blocks = tuple(KVBlockInfo((rid, layer, i), 16, Tier.DEVICE, None) for rid in ("a", "b")
+                   for layer in range(4) for i in range(200))  # fmt: skip
+    experts = tuple((0, e) for e in range(6))
+    view = CountingView(
+        CPU_BOX, running_ids=("a", "b"), kv_blocks=blocks, num_layers=4, bytes_per_kv_block=BLOCK_BYTES,
+        on_device_experts=experts, expert_homes=dict.fromkeys(experts, Tier.DISK), num_experts=6,
+        bytes_per_expert=EXPERT_BYTES, quantized_copy_bytes={(ObjectKind.KV_BLOCK, 8): BLOCK_BYTES // 3},
+    )  # fmt: skip
+    joint = JointController(POLICY)
+    for pinned, walked_requests in ((RequestBlockKeys(frozenset({"a", "b"})), set()),
+                                    (RequestBlockKeys(frozenset({"a"})), {"b"})):  # fmt: skip
+        walked.clear()
+        victims = list(joint.choose_victims(1, view, set(), pinned))
+        assert {key[0] for key in walked} == walked_requests
+        assert victims == ref.joint_victims(joint, view, set(), pinned)
+        assert sum(v.expert_key is not None for v in victims) == len(experts)
 
 
 def _kv_store(tmp_path: pathlib.Path) -> KVStore:

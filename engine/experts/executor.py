@@ -178,6 +178,8 @@ class Executor:
         self.expert_store.drop_lowbit(num_bytes, is_done)  # on a CPU kept low-bit copies go first (remade)
         if is_done():
             return True
+        if not is_kv_evictable:  # every block pinned, so a controller's victim order need not walk KV
+            pinned_kv = self.kv_store.block_keys(list(self.kv_store.tables))
         victims = self.controller.choose_victims(
             num_bytes - pool.free_bytes, self.view, pinned_experts or set(), pinned_kv or set()
         )

@@ -16,6 +16,7 @@ from fallbackgate.controllers.link import LinkBudget
 from fallbackgate.controllers.values import ValueModel
 from fallbackgate.engine.controller import ControllerView, StepEndActions, Victim
 from fallbackgate.engine.experts.store import ExpertKey
+from fallbackgate.engine.kv.block import RequestBlockKeys
 from fallbackgate.engine.kv.store import KVBlockKey, SpillMode
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.policy.budgets import BudgetBook
@@ -73,11 +74,14 @@ class JointPlacement:
 
     def _kv_victims(self, view: ControllerView, pinned_kv: Container[KVBlockKey]) -> Iterator[tuple[float, Victim]]:
         """Device KV blocks by value, requests in value order (ties in the view's order), each one's blocks
-        walked lazily."""
+        walked lazily; a request pinned whole (a :class:`RequestBlockKeys` request) is not walked at all."""
         running = set(view.running_ids)
+        whole = pinned_kv.request_ids if isinstance(pinned_kv, RequestBlockKeys) else frozenset()
         quant_fraction = view.quantized_bytes(ObjectKind.KV_BLOCK, self.kv_bits) / max(1, view.bytes_per_kv_block)
         requests = []
         for i, rid in enumerate(view.kv_request_ids):
+            if rid in whole:  # every block pinned: nothing to walk
+                continue
             entry = view.prefix_entry(rid)
             if entry is not None:  # a kept prefix: goes to disk, still reusable, when colder than what stays
                 requests.append((self.values.prefix_value(entry, view), i, rid, SpillMode.HOST_FULL))
