@@ -19,6 +19,8 @@ from fallbackgate.tracing.coburst import co_burst
 from fallbackgate.tracing.contention import overlap, union
 from fallbackgate.tracing.devices import DeviceModel, fit_measured
 from fallbackgate.tracing.recorder import ExpertStep, KVReads, KVStep, StepTracer
+from fallbackgate.tracing.report import _q2
+from fallbackgate.tracing.results import Analysis, AnalysisResult, AnalysisRow
 from fallbackgate.tracing.synthetic import Planted, write_planted_trace
 from fallbackgate.tracing.timeline import build_timeline
 
@@ -232,3 +234,33 @@ def test_flat_kv_reads_equal_per_request_ones(tmp_path: Path) -> None:
     per, flat = (read_trace(tmp_path / n).frame("kv_access") for n in ("per", "flat"))
     assert per.astype(str).to_dict("records") == flat.astype(str).to_dict("records")
     assert per["bytes"].tolist() == [0, 10, 0, 20, 0, 0] and set(per["request"].astype(str)) == {"b"}
+
+
+def _co_burst_analysis(p_expert: float, p_kv: float, ci: tuple[float, float]) -> object:
+    rows = [
+        AnalysisRow(Analysis.CO_BURST, "p_expert_miss", p_expert),
+        AnalysisRow(Analysis.CO_BURST, "p_kv_miss", p_kv),
+        AnalysisRow(Analysis.CO_BURST, "p_both", 0.0),
+        AnalysisRow(Analysis.CO_BURST, "p_product", p_expert * p_kv),
+        AnalysisRow(Analysis.CO_BURST, "lift", 0.0 if p_kv else float("nan"), "ratio", *ci, params={"num_cells": 9}),
+    ]
+
+    class OneResult:
+        def result(self, name: str) -> AnalysisResult:
+            assert name == "co_burst"
+            return AnalysisResult(Analysis.CO_BURST, rows)
+
+    return OneResult()
+
+
+def test_the_report_says_no_data_when_one_kind_of_miss_never_happened(tmp_path: Path) -> None:
+    """A trace without KV misses has no evidence either way: not "compatible with independence"."""
+    nan = float("nan")
+    no_kv = "\n".join(_q2(_co_burst_analysis(0.6, 0.0, (nan, nan)), tmp_path))
+    assert "**no data**" in no_kv and "P(KV miss) = 0" in no_kv and "independence" not in no_kv
+    no_interval = "\n".join(_q2(_co_burst_analysis(0.6, 0.1, (nan, nan)), tmp_path))
+    assert "**undecided**" in no_interval and "independence" not in no_interval
+    apart = "\n".join(_q2(_co_burst_analysis(0.6, 0.1, (0.0, 0.5)), tmp_path))
+    assert "**not independent**" in apart
+    spans = "\n".join(_q2(_co_burst_analysis(0.6, 0.1, (0.5, 1.5)), tmp_path))
+    assert "**compatible with independence**" in spans

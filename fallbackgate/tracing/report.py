@@ -20,6 +20,10 @@ def _f(value: float, digits: int = 3) -> str:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}g}"
 
 
+def _pct(share: float) -> str:
+    return "n/a (no such reads)" if share is None or math.isnan(share) else f"{100 * share:.1f} %"
+
+
 def _figures(analysis: TraceAnalysis, name: str, report_dir: Path) -> list[str]:
     result = analysis.result(name)
     return [f"![{name}]({os.path.relpath(path, report_dir)})" for path in result.figures]
@@ -70,18 +74,23 @@ def _q2(a: TraceAnalysis, report_dir: Path) -> list[str]:
             f"positive): r = {_f(peak.params['r'])} [{_f(peak.params['ci_low'])}, {_f(peak.params['ci_high'])}]"
             + (" (not significant: its interval contains 0)." if peak.params["ci_low"] <= 0 else ".")
         )
-    verdict = (
-        "not independent"
-        if lift.ci_low is not None and (lift.ci_low > 1 or lift.ci_high < 1)
-        else "compatible with independence"
-    )
-    lines.append(f"Verdict: the two kinds of miss are **{verdict}** in this trace.")
+    has_interval = lift.ci_low is not None and not math.isnan(lift.ci_low) and not math.isnan(lift.ci_high)
+    if not r.value("p_product"):  # one kind never missed: no coincidence could be seen either way
+        lines.append(
+            f"Verdict: **no data** — P(expert miss) = {_f(r.value('p_expert_miss'))}, P(KV miss) = "
+            f"{_f(r.value('p_kv_miss'))}: one kind never missed, so this trace cannot say whether they burst together."
+        )
+    elif not has_interval:
+        lines.append("Verdict: **undecided** — the bootstrap gave no interval for the lift.")
+    else:
+        verdict = "not independent" if lift.ci_low > 1 or lift.ci_high < 1 else "compatible with independence"
+        lines.append(f"Verdict: the two kinds of miss are **{verdict}** in this trace.")
     shares = {x.metric: x.value for x in r.rows if x.metric.startswith(("io_overlap", "mean_queue"))}
     if shares:
         lines.append(
             f"Contention on the recorded I/O: an expert read was in flight with a KV read "
-            f"{100 * shares['io_overlap_share_expert']:.1f} % of the expert-read time "
-            f"({100 * shares['io_overlap_share_kv']:.1f} % of the KV-read time); reads met a queue depth of "
+            f"{_pct(shares['io_overlap_share_expert'])} of the expert-read time "
+            f"({_pct(shares['io_overlap_share_kv'])} of the KV-read time); reads met a queue depth of "
             f"{_f(shares['mean_queue_depth_at_submit'])} at submit. The device models give both kinds one link "
             "(one queue, one bandwidth), so co-bursts add their bytes."
         )
