@@ -131,21 +131,28 @@ def test_lazy_victims_are_the_full_sort_in_the_same_order(seed: int) -> None:
     assert rebalance(view, joint.values, slack, joint.top_k) == ref.rebalance(view, joint.values, slack, joint.top_k)
 
 
+class CountingView(StaticView):
+    """A view that records, in `WALKED`, every device KV block its per-request walk hands out."""
+
+    def device_kv_blocks_of(self, request_id: str, is_index_major: bool = False):
+        for block in super().device_kv_blocks_of(request_id, is_index_major):
+            WALKED.append(block.key)
+            yield block
+
+
+WALKED: list = []
+
+
 def test_taking_k_victims_walks_about_k_blocks() -> None:
     """With a long request on device, the first victims come without walking its other blocks."""
-    walked = []
+    walked = WALKED
 
-    class CountingView(StaticView):
-        def device_kv_blocks_of(self, request_id: str, is_index_major: bool = False):
-            for block in super().device_kv_blocks_of(request_id, is_index_major):
-                walked.append(block.key)
-                yield block
-
+    class NoFullWalkView(CountingView):
         def device_kv_blocks(self):  # the full walk the lazy selections must not make
             raise AssertionError("device_kv_blocks walked")
 
     blocks = tuple(KVBlockInfo(("idle", layer, i), 16, Tier.DEVICE, None) for layer in range(4) for i in range(500))
-    view = CountingView(
+    view = NoFullWalkView(
         CPU_BOX, running_ids=(), kv_blocks=blocks, num_layers=4, bytes_per_kv_block=BLOCK_BYTES,
         quantized_copy_bytes={(ObjectKind.KV_BLOCK, 8): BLOCK_BYTES // 3},
     )  # fmt: skip
@@ -156,19 +163,11 @@ def test_taking_k_victims_walks_about_k_blocks() -> None:
         assert len(walked) <= 6  # a heap merge reads one ahead
 
 
-
 def test_requests_pinned_whole_are_not_walked_by_the_joint_victims() -> None:
     """An expert miss (KV not evictable: every request pinned whole) or a step's own requests: the joint
     order reads none of those requests' blocks (it walked every one on every miss, a third of a mixed
     sweep run's wall time), and the victims are the full sort's."""
-    walked = []
-
-    class CountingView(StaticView):
-        def device_kv_blocks_of(self, request_id: str, is_index_major: bool = False):
-            for block in super().device_kv_blocks_of(request_id, is_index_major):
-                walked.append(block.key)
-                yield block
-
+    walked = WALKED
     blocks = tuple(KVBlockInfo((rid, layer, i), 16, Tier.DEVICE, None) for rid in ("a", "b")
                    for layer in range(4) for i in range(200))  # fmt: skip
     experts = tuple((0, e) for e in range(6))
