@@ -163,10 +163,11 @@ def test_taking_k_victims_walks_about_k_blocks() -> None:
         assert len(walked) <= 6  # a heap merge reads one ahead
 
 
-def test_requests_pinned_whole_are_not_walked_by_the_joint_victims() -> None:
+def test_requests_pinned_whole_are_not_walked_by_the_victim_orders() -> None:
     """An expert miss (KV not evictable: every request pinned whole) or a step's own requests: the joint
     order reads none of those requests' blocks (it walked every one on every miss, a third of a mixed
-    sweep run's wall time), and the victims are the full sort's."""
+    sweep run's wall time), nor do the baselines' when every request is pinned; the victims are the full
+    sort's."""
     walked = WALKED
     blocks = tuple(KVBlockInfo((rid, layer, i), 16, Tier.DEVICE, None) for rid in ("a", "b")
                    for layer in range(4) for i in range(200))  # fmt: skip
@@ -184,6 +185,16 @@ def test_requests_pinned_whole_are_not_walked_by_the_joint_victims() -> None:
         assert {key[0] for key in walked} == walked_requests
         assert victims == ref.joint_victims(joint, view, set(), pinned)
         assert sum(v.expert_key is not None for v in victims) == len(experts)
+    everything = RequestBlockKeys(frozenset({"a", "b"}))
+    lru, independent, split = ExactLRUController(), IndependentLRUController(), StaticSplitController(0.5)
+    for controller, expected in (
+        (lru, ref.exact_lru_victims(lru.recency, lru.kv_spill_mode, view, set(), everything)),
+        (independent, ref.independent_lru_victims(independent.recency, view, set(), everything)),
+        (split, ref.static_split_victims(split, view, set(), everything)),
+    ):  # the baselines too: an expert miss walks no KV block
+        walked.clear()
+        assert list(controller.choose_victims(1, view, set(), everything)) == expected
+        assert walked == [] and len(expected) == len(experts)
 
 
 def _kv_store(tmp_path: pathlib.Path) -> KVStore:

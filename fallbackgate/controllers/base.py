@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Iterator
 
@@ -22,6 +23,7 @@ from fallbackgate.engine.controller import (
 )
 from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.hardware import CPU_BOX
+from fallbackgate.engine.kv.block import RequestBlockKeys
 from fallbackgate.engine.kv.store import KVBlockKey, SpillMode
 from fallbackgate.engine.messages import StepPlan
 from fallbackgate.engine.tags import Tag
@@ -72,6 +74,13 @@ class Recency:
             self._kv_rank = {k: i for i, k in enumerate(self.kv)}
         kept = self._kv_order.ordered(view, self._kv_rank)
         return kept if kept is not None else self._kv_walk(view)
+
+    def kv_lru_unpinned(self, view: ControllerView, pinned_kv: Container[KVBlockKey]) -> Iterator[KVBlockKey]:
+        """`kv_lru_first` without the blocks in `pinned_kv`; nothing is walked when every request is pinned
+        whole (an expert miss, where KV may not go: a walk there cost O(KV blocks) per miss)."""
+        if isinstance(pinned_kv, RequestBlockKeys) and pinned_kv.request_ids.issuperset(view.kv_request_ids):
+            return iter(())
+        return itertools.filterfalse(pinned_kv.__contains__, self.kv_lru_first(view))  # pinned: skipped in C
 
     def _kv_walk(self, view: ControllerView) -> Iterator[KVBlockKey]:
         """`kv_lru_first` for a view without a journal: each request's blocks walked as far as taken."""

@@ -78,7 +78,7 @@ class ExactLRUController(Controller):
     ) -> Iterator[Victim]:
         experts = (Victim(expert_key=k) for k in self.recency.experts_lru_first(view))
         mode = self.kv_spill_mode
-        kv = itertools.filterfalse(pinned_kv.__contains__, self.recency.kv_lru_first(view))  # pinned: skipped in C
+        kv = self.recency.kv_lru_unpinned(view, pinned_kv)
         blocks = (Victim(kv_block_key=k, spill_mode=mode) for k in kv)
         return take_victims(itertools.chain(experts, blocks), view, pinned_experts, pinned_kv)
 

@@ -25,7 +25,7 @@ class IndependentLRUController(ExactBaseline):
         pinned_kv: Container[KVBlockKey],
     ) -> Iterator[Victim]:
         ordered = itertools.chain(
-            map(self.kv_victim, itertools.filterfalse(pinned_kv.__contains__, self.recency.kv_lru_first(view))),
+            map(self.kv_victim, self.recency.kv_lru_unpinned(view, pinned_kv)),
             (Victim(expert_key=k) for k in self.recency.experts_lru_first(view)),
         )
         return take_victims(ordered, view, pinned_experts, pinned_kv)

@@ -46,7 +46,7 @@ class StaticSplitController(ExactBaseline):
     ) -> Iterator[Victim]:
         expert_share, kv_share = self._shares(view)
         experts = (k for k in self.recency.experts_lru_first(view) if k not in pinned_experts)
-        blocks = itertools.filterfalse(pinned_kv.__contains__, self.recency.kv_lru_first(view))  # skips in C
+        blocks = self.recency.kv_lru_unpinned(view, pinned_kv)
         per_expert, per_block = view.bytes_per_expert, view.bytes_per_kv_block
         over_e = max(0, -(-(view.device_used_bytes(ObjectKind.EXPERT) - expert_share) // per_expert))
         over_kv = max(0, -(-(view.device_used_bytes(ObjectKind.KV_BLOCK) - kv_share) // per_block))
