@@ -80,8 +80,10 @@ def test_a_joint_run_under_dual_misses_records_each_arbitration(
         options = {o["tag"]: o for o in row["options"]}
         assert row["late"].startswith("exact copy late") and set(options) == {"exact_load", "recompute", "kv_dequant"}
         assert options["kv_dequant"]["note"] == "no quantized copy"  # a swapped-out request keeps full copies
-        if Tag.RECOMPUTE.value in allowed:
-            assert row["choice"] == "recompute" and row["predicted_arrival_s"] > 0
+        if Tag.RECOMPUTE.value in allowed:  # a rebuild pays for the experts it loads: with top_k slots, too late
+            assert row["choice"] == "exact_load" and "slo slip" in row["reason"]
+            assert options["recompute"]["note"] == "past the step's CPU time"
+            assert options["recompute"]["predicted_s"] > options["exact_load"]["predicted_s"]
         else:
             assert row["choice"] == "exact_load" and "slo slip" in row["reason"]
             assert options["recompute"]["note"] == "not allowed for the class"

@@ -14,6 +14,7 @@ import pytest
 
 from fallbackgate.batch.prompts import PromptSpec
 from fallbackgate.batch.session import RunSettings
+from fallbackgate.controllers import arbitration
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.controller import Decision
@@ -141,6 +142,12 @@ def test_correct_kv_dequant_from_disk_passes(model: pathlib.Path, tmp_path: path
     assert {(c["tier"], c["bits"]) for c in reads} >= {(Tier.DISK.value, 8)}
 
 
+def _rebuilds_predicted_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The premise of these checks: every late block the class may rebuild is rebuilt (with top_k expert slots a
+    rebuild's expert loads would otherwise make it later than the late copy)."""
+    monkeypatch.setattr(arbitration, "recompute_s", lambda *_: 0.0)
+
+
 def _joint_run(path: pathlib.Path, tmp_path: pathlib.Path, allowed: list[str]) -> tuple[RecordedRun, list[dict]]:
     engine = _joint_engine(path, allowed)
     prompts = [PromptSpec(" ".join(["word"] * n), f"r{i}", "be") for i, n in enumerate((2, 4, 3))]
@@ -153,7 +160,10 @@ def _joint_run(path: pathlib.Path, tmp_path: pathlib.Path, allowed: list[str]) -
 
 
 @pytest.mark.parametrize("allowed", [["recompute", "expert_defer"], []], ids=["recompute", "exact-late"])
-def test_arbitrated_kv_blocks_are_served_as_chosen(allowed, checkpoint_factory, tmp_path: pathlib.Path) -> None:
+def test_arbitrated_kv_blocks_are_served_as_chosen(
+    allowed, checkpoint_factory, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _rebuilds_predicted_free(monkeypatch)
     recorded, arbitrated = _joint_run(checkpoint_factory("qwen3_moe"), tmp_path, allowed)
     assert arbitrated and {a["choice"] for a in arbitrated} == {"recompute" if allowed else "exact_load"}
     assert not any(_mismatches(recorded).values()), _mismatches(recorded)
@@ -162,6 +172,7 @@ def test_arbitrated_kv_blocks_are_served_as_chosen(allowed, checkpoint_factory, 
 def test_an_arbitration_the_step_did_not_serve(
     checkpoint_factory, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    _rebuilds_predicted_free(monkeypatch)
     path = checkpoint_factory("qwen3_moe")
     engine = _joint_engine(path, ["recompute", "expert_defer"])
     kv_action, overridden = engine.controller.kv_action, []

@@ -15,7 +15,7 @@ from fallbackgate.controllers import make_controller
 from fallbackgate.engine.controller import ExpertMiss, KVBlockInfo, KVMiss
 from fallbackgate.engine.hardware import CPU_BOX, ExpertCurve, HardwareProfile
 from fallbackgate.engine.messages import StepKind, StepPlan
-from fallbackgate.engine.tags import Tag, Tier
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.policy.schema import SLO, Policy, QualityBudget, RequestClass
 from fallbackgate.profiling import store
 from fallbackgate.profiling.fit import curve_errors, fit_curve
@@ -127,18 +127,22 @@ def test_cpu_execute_time_adds_up_within_a_step() -> None:
     assert tags == [Tag.CPU_EXECUTE, Tag.CPU_EXECUTE, Tag.EXPERT_DEFER, Tag.EXPERT_DEFER]
 
 
-def _arbitrated(allowed: list[str]) -> tuple[object, object]:
+def _arbitrated(allowed: list[str], is_experts_resident: bool = True) -> tuple[object, object]:
     """A 1 ms TPOT target, a link on which the block's 64 KiB take 6.6 ms, a fast device: recompute of
-    the 32 tokens since the block is predicted well inside the deadline."""
+    the 32 tokens since the block is predicted well inside the deadline when every expert is on device
+    (else the rebuild's expert loads over the same link are later still)."""
     budget = QualityBudget(max_mean_kl=1.0, max_p99_kl=1.0, max_approx_fraction=1.0, allowed_tags=allowed)
     policy = Policy(classes={"c": RequestClass(slo=SLO(tpot_ms=1.0, ttft_ms=10), budget=budget)}, default_class="c")
     controller = make_controller("joint", policy, top_k=2)
     profile = HardwareProfile("t", 1e7, 1e7, 1e7, 1e7, 1e13, 1e13, 0.0, device_bytes_per_s=1e12)
     plan = StepPlan(1, StepKind.DECODE, ["r"], {"r": 1}, {"r": 32})
     spilled = KVBlockInfo(("r", 0, 0), 16, Tier.HOST, None)  # layer 0's block 0 has only a host copy
+    view = fake_view(profile, {"r": "c"}, ["r"])
+    resident = view.num_layers * view.num_experts * EXPERT_BYTES if is_experts_resident else 0
     view = dataclasses.replace(
-        fake_view(profile, {"r": "c"}, ["r"]), num_expert_params=EXPERT_BYTES // 4, kv_blocks=(spilled,)
-    )
+        view, num_expert_params=EXPERT_BYTES // 4, kv_blocks=(spilled,),
+        device_bytes_by_kind={ObjectKind.EXPERT: resident},
+    )  # fmt: skip
     controller.on_step_start(plan, view)
     decision = controller.kv_action(KVMiss(1, "r", "c", 0, 0, Tier.HOST, None, 0, view.bytes_per_kv_block))
     return decision, controller.arbitrations
@@ -149,6 +153,14 @@ def test_a_late_exact_kv_copy_is_recomputed_when_the_class_allows() -> None:
     assert decision.tag is Tag.RECOMPUTE and arbitration.choice is Tag.RECOMPUTE
     assert "exact copy late (6.554 ms of host-to-device link" in decision.reason
     assert "recompute predicted" in decision.reason
+
+
+def test_a_late_exact_kv_copy_is_not_rebuilt_when_the_rebuild_would_load_the_experts_over_the_same_link() -> None:
+    decision, [arbitration] = _arbitrated(["recompute"], is_experts_resident=False)
+    assert decision.tag is Tag.EXACT_LOAD and arbitration.choice is Tag.EXACT_LOAD
+    options = {o.tag: o for o in arbitration.options}
+    assert options[Tag.RECOMPUTE].note == "past the step's CPU time"
+    assert options[Tag.RECOMPUTE].predicted_s > options[Tag.EXACT_LOAD].predicted_s  # 1 MiB experts at 10 MB/s
 
 
 def test_a_late_exact_kv_copy_loads_late_when_nothing_else_is_allowed() -> None:

@@ -21,7 +21,7 @@ from fallbackgate.controllers.link import LinkBudget
 from fallbackgate.engine.controller import ControllerView, Decision, ExpertMiss, KVBlockInfo
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.kv.block import KVBlockKey
-from fallbackgate.engine.tags import ObjectKind, Tag
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.policy.budgets import RequestBudget
 
 
@@ -71,13 +71,19 @@ class StepState(Protocol):
 
 
 def recompute_s(profile: HardwareProfile, view: ControllerView, num_tokens: int, top_k: int) -> float:
-    """Predicted seconds to run `num_tokens` tokens again through every layer (dense part and experts)."""
+    """Predicted seconds to run `num_tokens` tokens again through every layer (dense part and experts), and
+    to load the experts that pass needs and the device does not hold: its distinct experts per layer times
+    the share of experts off device, each at one expert's load time (a rebuild is not free where experts
+    are short)."""
     layers = view.num_layers
     uses = min(max(1, view.num_experts), num_tokens * top_k)
     per_expert_tokens = max(1, num_tokens * top_k // uses)
     params, dtype = view.num_expert_params, view.compute_dtype
     expert = profile.expert_s(per_expert_tokens, view.bytes_per_expert, params, on_cpu=False, dtype=dtype)
-    return profile.dense_step_s(layers, 0.0) + layers * uses * expert
+    num_resident = view.device_used_bytes(ObjectKind.EXPERT) // max(1, view.bytes_per_expert)
+    off_share = max(0.0, 1.0 - num_resident / max(1, layers * view.num_experts))
+    load_s = profile.transfer_s(view.bytes_per_expert, Tier.DISK if view.is_ram_tiered else Tier.HOST)
+    return profile.dense_step_s(layers, 0.0) + layers * uses * (expert + off_share * load_s)
 
 
 def arbitrate(

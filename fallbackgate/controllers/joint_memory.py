@@ -4,13 +4,20 @@ KV blocks read exactly this step (staged) are promoted into device slots when th
 the least valuable resident experts, which are evicted to make room; experts deferred this step are
 prefetched into free room when they are hot and the step left link time unused. The KV side never takes
 the last `top_k` expert slots, so an expert load can always make room.
+
+Room flows back the other way only here: an expert's placement inside a forward never takes KV room, so
+without :func:`demotions` KV would keep every byte it once won (kept prefixes and idle requests included)
+while the experts thrash in what is left. Demotion spills the KV blocks worth less per byte than the experts
+the step used and no longer holds, one expert's room per such expert, most valuable expert first.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from fallbackgate.controllers.expert_rank import ExpertRanking
 from fallbackgate.controllers.values import ValueModel
-from fallbackgate.engine.controller import ControllerView, StepEndActions
+from fallbackgate.engine.controller import ControllerView, StepEndActions, Victim
 from fallbackgate.engine.tags import ObjectKind, Tag
 
 PREFETCH_MIN_FREQ = 0.3  # decayed use frequency an expert needs before it is prefetched
@@ -59,3 +66,31 @@ def rebalance(
         free -= per_expert
         slack_s -= seconds
     return actions
+
+
+def demotions(
+    view: ControllerView, values: ValueModel, kv_victims: Iterator[tuple[float, Victim]], actions: StepEndActions
+) -> None:
+    """Add to `actions` the spills that give the step's used-but-evicted experts their room back: for each
+    such expert, most valuable first, the cheapest KV blocks (`kv_victims`, lowest value per byte first) while
+    each is worth less per byte than that expert, until one expert's bytes are free (counting the free room
+    and what `actions` already frees or takes)."""
+    missed = [k for k in dict.fromkeys(view.used_expert_keys) if not view.is_expert_on_device(k)]
+    if not missed:
+        return
+    per_expert, per_block = view.bytes_per_expert, view.bytes_per_kv_block
+    promoted = set(actions.promote_kv)
+    free = view.device_free_bytes + per_expert * len(actions.evict_experts) - per_block * len(promoted)
+    free -= per_expert * len(actions.load_experts)
+    ranked = sorted(((values.expert_value(k, view), k) for k in missed), key=lambda item: -item[0])
+    victim = next(kv_victims, None)
+    for expert_value, _ in ranked:
+        while free < per_expert and victim is not None and victim[0] < expert_value:
+            key = victim[1].kv_block_key
+            if key is not None and key not in promoted:
+                actions.spill.append((key, victim[1].spill_mode))
+                free += per_block
+            victim = next(kv_victims, None)
+        if free < per_expert:
+            return
+        free -= per_expert

@@ -11,7 +11,7 @@ from typing import TypeVar
 
 from fallbackgate.controllers.base import Recency
 from fallbackgate.controllers.expert_rank import ExpertRanking
-from fallbackgate.controllers.joint_memory import rebalance
+from fallbackgate.controllers.joint_memory import demotions, rebalance
 from fallbackgate.controllers.link import LinkBudget
 from fallbackgate.controllers.values import ValueModel
 from fallbackgate.engine.controller import ControllerView, StepEndActions, Victim
@@ -43,9 +43,11 @@ class JointPlacement:
     is_observe: bool
 
     def spill_mode(self, request_id: str, view: ControllerView) -> SpillMode:
-        """A quantized copy only for classes that may read one and rebuild exactly when their budget is spent."""
+        """A quantized copy only for classes that may read one and rebuild exactly when their budget is spent,
+        and not on a CPU: there the copy goes to the disk alone (RAM is the fast tier), so every later exact
+        read of a quantized-only block is a recompute, whose tokens run through experts that mostly miss."""
         budget = self.book.requests.get(request_id)
-        if budget is None or self.is_observe:
+        if budget is None or self.is_observe or view.is_ram_tiered:
             return SpillMode.HOST_FULL
         tags = budget.limits.allowed_tags
         if Tag.KV_DEQUANT.value in tags and Tag.RECOMPUTE.value in tags and not budget.is_spent:
@@ -96,8 +98,11 @@ class JointPlacement:
                     yield value, Victim(kv_block_key=block.key, spill_mode=mode)
 
     def on_step_end(self, view: ControllerView) -> StepEndActions:
-        """Update the values and the ranking with the step's uses, then rebalance into the host link time left."""
+        """Update the values and the ranking with the step's uses, rebalance into the host link time left, and
+        give the experts the step lost their room back from colder KV (:func:`demotions`)."""
         self.values.update(view)
         self.recency.touch(view)
         self.ranking.sync(view, self.values)
-        return rebalance(view, self.values, self.link.left_s.get(Tier.HOST, 0.0), self.top_k, self.ranking)
+        actions = rebalance(view, self.values, self.link.left_s.get(Tier.HOST, 0.0), self.top_k, self.ranking)
+        demotions(view, self.values, self._kv_victims(view, ()), actions)
+        return actions

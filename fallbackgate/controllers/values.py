@@ -1,8 +1,9 @@
 """Marginal value per device byte of expert slots and KV blocks, for the joint controller.
 
 - expert: misses avoided per step (decayed per-layer routing frequency of that expert) × its load time;
-- KV block: one read per step while its request runs × its cheapest acceptable reload time (a quantized
-  copy when its class may read one, else the full block); 0 for requests not running;
+- KV block: one read per step while its request runs × its cheapest acceptable reload time from where a
+  spilled block goes (host memory; the disk on a CPU), a quantized copy when its class may read one, else the
+  full block; 0 for requests not running;
 - kept prefix block: its reuse rate, (1 + adoptions) / (1 + steps idle), × the time to read it back from
   the tier it would go to (the disk on a CPU), so a hot prefix outranks a cold expert and a cold one leaves first.
 Values are seconds saved per step per byte, so both sides compare in one unit.
@@ -152,12 +153,18 @@ class ValueModel:
         if key[0] not in running:
             return 0.0
         num_bytes = view.bytes_per_kv_block
-        seconds = view.profile.transfer_s(max(1, int(num_bytes * reload_fraction)), Tier.HOST)
+        seconds = view.profile.transfer_s(max(1, int(num_bytes * reload_fraction)), _spill_tier(view))
         return seconds / num_bytes
 
     def prefix_value(self, entry: PrefixEntryInfo, view: ControllerView) -> float:
         """Seconds saved per step per byte by keeping a kept prefix block in the fast tier."""
         num_bytes = view.bytes_per_kv_block
         rate = min(1.0, (1 + entry.num_hits) / (1 + entry.idle_steps))
-        seconds = view.profile.transfer_s(num_bytes, Tier.DISK if view.is_ram_tiered else Tier.HOST)
+        seconds = view.profile.transfer_s(num_bytes, _spill_tier(view))
         return rate * seconds / num_bytes
+
+
+def _spill_tier(view: ControllerView) -> Tier:
+    """Where a KV block that leaves the fast tier is read back from: the disk on a CPU (RAM is the fast tier),
+    else host memory."""
+    return Tier.DISK if view.is_ram_tiered else Tier.HOST
