@@ -42,6 +42,12 @@ class ControllerView(Protocol):
         """Measured link and compute rates (frozen)."""
         ...
 
+    @property
+    def measured_compute_s(self) -> float:
+        """Decaying mean of the recent decode steps' measured wall time less the disk reads they waited for
+        (0.0 before the first decode step, and where nothing is measured: a simulation, a plan)."""
+        ...
+
     def request_class(self, request_id: str) -> str:
         """The policy class of a live request ("" when the request is unknown or finished)."""
         ...

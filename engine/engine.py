@@ -80,7 +80,7 @@ class Engine(BaselineAccess, EngineStepping):
             config.prefix_ram_cap_bytes,
         )
         self.scheduler.adopt = self.prefix.adopt
-        uses = StepUses()
+        uses = self.step_uses = StepUses()  # what the step used, and the measured decode compute time
         self._view = LiveView(
             self.expert_store, self.kv_store, config.profile, self.sequences, self.scheduler, uses, self.io, self.prefix
         )

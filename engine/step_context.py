@@ -171,6 +171,9 @@ class EventLog:
         return list(self._events.values())
 
 
+MEASURED_DECAY = 0.3  # weight of the newest decode step in StepUses.measured_compute_s
+
+
 @dataclasses.dataclass(slots=True)
 class StepUses:
     """What a step used, in use order, for the controller's view of it; the executor clears it at step end."""
@@ -178,6 +181,15 @@ class StepUses:
     used_expert_keys: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # experts computed
     used_kv_block_keys: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)  # off-device reads
     deferred_expert_keys: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # loads queued
+    measured_compute_s: float = 0.0  # decaying mean of decode steps' wall time less their exposed disk reads
+    # (kept across steps; 0.0 until a decode step ran)
+
+    def note_decode_step(self, wall_s: float, exposed_read_s: float) -> None:
+        """Fold one decode step's measured compute time (wall clock less the disk reads it waited for) into
+        :attr:`measured_compute_s`."""
+        compute_s = max(0.0, wall_s - exposed_read_s)
+        previous = self.measured_compute_s
+        self.measured_compute_s = compute_s if previous == 0.0 else previous + MEASURED_DECAY * (compute_s - previous)
 
     def clear(self) -> None:
         self.used_expert_keys.clear()

@@ -15,13 +15,13 @@ from fallbackgate.engine.experts.integrity import CopyVerifier
 from fallbackgate.engine.experts.store import ExpertStore
 from fallbackgate.engine.kv.prefix_cache import PrefixCache
 from fallbackgate.engine.kv.store import KVStore
-from fallbackgate.engine.messages import RequestOutput, StepCapture, StepPlan, StepResult
+from fallbackgate.engine.messages import RequestOutput, StepCapture, StepKind, StepPlan, StepResult
 from fallbackgate.engine.model.runner import ModelRunner
 from fallbackgate.engine.outputs import count_tags, keep_prompt_logprobs, request_output, sample_rows
 from fallbackgate.engine.packing import pack_step
 from fallbackgate.engine.scheduler import Scheduler
 from fallbackgate.engine.sequence import Sequence
-from fallbackgate.engine.step_context import EventLog
+from fallbackgate.engine.step_context import EventLog, StepUses
 from fallbackgate.engine.step_log import log_prefetches, log_resumed
 from fallbackgate.engine.tags import ObjectKind
 from fallbackgate.engine.view import LiveView
@@ -47,6 +47,7 @@ class EngineStepping:
     last_plan: StepPlan | None
     is_capturing: bool
     _view: LiveView
+    step_uses: StepUses  # shared with the view: the step's uses and the measured decode compute time
     view: Callable[[], ControllerView]  # Engine.view(): what controllers are shown
     abort_request: Callable[..., RequestOutput]  # Engine.abort_request(request_id, is_kept=True)
 
@@ -104,6 +105,9 @@ class EngineStepping:
             if request_id in self.sequences:
                 self.failed[request_id] = (self.abort_request(request_id, is_kept=False), why)
         pool = self.kv_store.device_pool
+        clock = self.expert_store.read_ahead.end_step()
+        if plan.kind is StepKind.DECODE:
+            self.step_uses.note_decode_step(now - started, clock.exposed_s if clock is not None else 0.0)
         if log.capture is not None:
             log.capture.end_ns = time.monotonic_ns()
         return StepResult(
@@ -118,7 +122,7 @@ class EngineStepping:
             finished,
             pool.used_bytes_by_kind[ObjectKind.EXPERT],
             pool.used_bytes_by_kind[ObjectKind.KV_BLOCK],
-            self.expert_store.read_ahead.end_step(),
+            clock,
             self.verifier.verify_step(plan.step_id),
             log.kv_resident_reads,
             list(log.kv_stagings.values()),

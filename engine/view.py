@@ -72,6 +72,10 @@ class LiveView:
     def profile(self) -> HardwareProfile:
         return self._profile
 
+    @property
+    def measured_compute_s(self) -> float:
+        return self._uses.measured_compute_s
+
     def request_class(self, request_id: str) -> str:
         seq = self._sequences.get(request_id)
         return seq.request_class if seq is not None and not seq.is_finished else ""

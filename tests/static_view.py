@@ -50,6 +50,7 @@ class StaticView:
     quant_error_energies: Mapping[KVBlockKey, float] = dataclasses.field(default_factory=_frozen)
     quantized_copy_bytes: Mapping[tuple[ObjectKind, int], int] = dataclasses.field(default_factory=_frozen)
     io: IOSnapshot = EMPTY_SNAPSHOT
+    measured_compute_s: float = 0.0  # the engine's measured decode compute time (0.0: none measured)
     is_ram_tiered: bool = False  # the RAM/disk layout (a CPU): disk reads land in RAM, no host tier
     prefix_entries: Mapping[str, PrefixEntryInfo] = dataclasses.field(default_factory=_frozen)  # kept prefixes
 

@@ -62,11 +62,14 @@ def test_kv_is_priced_at_the_tier_a_spill_goes_to_and_spills_keep_a_full_copy_on
     joint = JointController(POLICY)
     joint._budget("run", "quant")  # the request's budget, as on_step_start opens it
     running = {"run"}
-    for is_ram, tier, mode in ((True, Tier.DISK, SpillMode.HOST_FULL), (False, Tier.HOST, SpillMode.HOST_INT8)):
+    cases = ((True, Tier.DISK, SpillMode.DISK_FULL_AND_INT8), (False, Tier.HOST, SpillMode.HOST_INT8))
+    for is_ram, tier, mode in cases:
         view = _view(is_ram, running_ids=("run",))
         value = joint.values.kv_value(("run", 0, 0), view, running)
         assert value == CPU_BOX.transfer_s(BLOCK_BYTES, tier) / BLOCK_BYTES
         assert joint.spill_mode("run", view) is mode  # int8 alone only where a full copy stays in reach
+    joint.book.requests["run"].spent = 1e9  # nothing approximate fits any more
+    assert joint.spill_mode("run", _view(True, running_ids=("run",))) is SpillMode.DISK_FULL  # no int8 to read
 
 
 def _room_state(idle_steps: int, num_free: int = 0) -> tuple[JointController, StaticView]:

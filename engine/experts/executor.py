@@ -14,7 +14,7 @@ from fallbackgate.engine.experts.dispatch import ExpertDispatch
 from fallbackgate.engine.experts.grouped import stacked_forward
 from fallbackgate.engine.experts.store import ExpertKey, ExpertStore
 from fallbackgate.engine.hardware import HardwareProfile
-from fallbackgate.engine.kv.block import FULL_COPY_MODES
+from fallbackgate.engine.kv.block import DISK_FALLBACK, DISK_MODES, FULL_COPY_MODES
 from fallbackgate.engine.kv.store import KVBlockKey, KVStore, RequestBlockKeys, SpillMode
 from fallbackgate.engine.messages import RoutingCall
 from fallbackgate.engine.step_context import StepContext, StepUses
@@ -194,7 +194,8 @@ class Executor:
         return is_done()
 
     def spill_kv(self, key: KVBlockKey, mode: SpillMode) -> None:
-        """Take a KV block off device, keeping the copy `mode` names (host falls back to disk when full)."""
+        """Take a KV block off device, keeping the copies `mode` names (host falls back to disk when full or
+        absent: a quantized copy to an int8 one, both copies to both, anything else to a full copy)."""
         request_id, layer, index = key
         block = self.kv_store.blocks(request_id, layer)[index]
         if block.device is None or block.key != key or self.kv_store.is_held(key):
@@ -202,9 +203,9 @@ class Executor:
         if block.num_tokens < self.kv_store.block_size and mode not in FULL_COPY_MODES:
             mode = SpillMode.HOST_FULL  # a partial tail is written to again: it comes back exactly, so a full copy
         if not self.kv_store.spill_cost_fits_host(mode):
-            mode = SpillMode.DISK_INT8 if mode in (SpillMode.HOST_INT8, SpillMode.HOST_INT4) else SpillMode.DISK_FULL
+            mode = DISK_FALLBACK.get(mode, SpillMode.DISK_FULL)
         written = self.kv_store.spill_block(block, mode)
-        target = Tier.DISK if mode in (SpillMode.DISK_FULL, SpillMode.DISK_INT8) else Tier.HOST
+        target = Tier.DISK if mode in DISK_MODES else Tier.HOST
         self.pending_modeled_s += self.profile.transfer_s(written, Tier.DEVICE, target) if written else 0.0
 
     # --- step end ------------------------------------------------------------------------------

@@ -40,14 +40,28 @@ class SpillMode(str, enum.Enum):
     HOST_INT4 = "host_int4"
     DISK_FULL = "disk_full"
     DISK_INT8 = "disk_int8"
+    DISK_FULL_AND_INT8 = "disk_full_and_int8"  # both copies on disk (a CPU, where RAM is the fast tier)
     HOST_FULL_AND_INT8 = "host_full_and_int8"  # both copies: the reader may choose exact_load or kv_dequant
     HOST_FULL_AND_INT4 = "host_full_and_int4"
     DROP = "drop"  # no copy kept: the block must be rebuilt by recompute
 
 
 FULL_COPY_MODES = frozenset(
-    {SpillMode.HOST_FULL, SpillMode.DISK_FULL, SpillMode.HOST_FULL_AND_INT8, SpillMode.HOST_FULL_AND_INT4}
+    {
+        SpillMode.HOST_FULL,
+        SpillMode.DISK_FULL,
+        SpillMode.HOST_FULL_AND_INT8,
+        SpillMode.HOST_FULL_AND_INT4,
+        SpillMode.DISK_FULL_AND_INT8,
+    }
 )  # the modes that keep a full-precision copy (what a partial tail needs: its request writes to it again)
+DISK_MODES = frozenset({SpillMode.DISK_FULL, SpillMode.DISK_INT8, SpillMode.DISK_FULL_AND_INT8})  # copies on disk
+DISK_FALLBACK = {
+    SpillMode.HOST_INT8: SpillMode.DISK_INT8,
+    SpillMode.HOST_INT4: SpillMode.DISK_INT8,
+    SpillMode.HOST_FULL_AND_INT8: SpillMode.DISK_FULL_AND_INT8,
+    SpillMode.HOST_FULL_AND_INT4: SpillMode.DISK_FULL_AND_INT8,
+}  # the disk copies a host mode becomes when the host holds no room (the rest: DISK_FULL)
 
 
 @dataclasses.dataclass(slots=True)

@@ -141,6 +141,8 @@ class KVCopies:
         if mode in (SpillMode.HOST_FULL_AND_INT8, SpillMode.HOST_FULL_AND_INT4):
             quant_mode = SpillMode.HOST_INT8 if mode is SpillMode.HOST_FULL_AND_INT8 else SpillMode.HOST_INT4
             return self._write_copy(block, SpillMode.HOST_FULL) + self._write_copy(block, quant_mode)
+        if mode is SpillMode.DISK_FULL_AND_INT8:
+            return self._write_copy(block, SpillMode.DISK_FULL) + self._write_copy(block, SpillMode.DISK_INT8)
         tensor = block.device.cpu()
         if mode is SpillMode.HOST_FULL and block.host is None:
             if self.host_slots is None:

@@ -40,6 +40,12 @@ BATCHES = (1, 8, 32)
 PROMPT_TOKENS, NEW_TOKENS = 16, 5
 
 
+def _synchronize() -> None:
+    """Wait for the GPU's queued work (its kernels run asynchronously), so wall clocks time the work itself."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class LayerTimer:
     """Wraps an engine's experts calls: wall time per call, the time spent placing experts, the inputs."""
 
@@ -49,15 +55,19 @@ class LayerTimer:
         run, place = engine.executor.run_experts, engine.expert_store.place
 
         def timed_place(*args: Any, **kwargs: Any) -> Any:
+            _synchronize()
             started = time.perf_counter()
             try:
                 return place(*args, **kwargs)
             finally:
+                _synchronize()
                 self.io_s += time.perf_counter() - started
 
         def timed_run(module, layer, hidden, top_k_index, top_k_weights):  # noqa: ANN001, ANN202
+            _synchronize()
             io_before, started = self.io_s, time.perf_counter()
             out = run(module, layer, hidden, top_k_index, top_k_weights)
+            _synchronize()
             wall = time.perf_counter() - started
             self.calls.append(
                 (layer, hidden.clone(), top_k_index.clone(), top_k_weights.clone(), wall, self.io_s - io_before)
@@ -88,8 +98,10 @@ def _transformers_s(modules: dict[int, torch.nn.Module], calls: list[tuple]) -> 
     times = []
     with torch.inference_mode():
         for layer, hidden, index, weights, _, _ in calls:
+            _synchronize()
             started = time.perf_counter()
             grouped_mm_experts_forward(modules[layer], hidden, index, weights)
+            _synchronize()
             times.append(time.perf_counter() - started)
     return times
 

@@ -98,7 +98,7 @@ def arbitrate(
     load_s = sum(link.legs(block_bytes, source).values())
     late = link.late_text("exact copy", block_bytes, source)
     options = [ArbitrationOption(Tag.EXACT_LOAD, load_s, 0.0, False, "arrives after the deadline")]
-    options += [_recompute_option(ctrl, block, budget, start, view), _dequant_option(ctrl, block, budget)]
+    options += [_recompute_option(ctrl, block, budget, start, view), _dequant_option(ctrl, block, budget, load_s)]
     feasible = [o for o in options if o.is_feasible]
     if not feasible:
         link.take(block_bytes, source)
@@ -132,8 +132,11 @@ def _recompute_option(
     return ArbitrationOption(Tag.RECOMPUTE, seconds, 0.0, True)
 
 
-def _dequant_option(ctrl: StepState, block: KVBlockInfo, budget: RequestBudget) -> ArbitrationOption:
-    """Read the quantized copy: its bytes on its link, its predicted cost against the budget."""
+def _dequant_option(
+    ctrl: StepState, block: KVBlockInfo, budget: RequestBudget, exact_s: float
+) -> ArbitrationOption:
+    """Read the quantized copy: its bytes on its link, its predicted cost against the budget; feasible when it
+    arrives in time or sooner than the late exact copy (`exact_s` seconds) would."""
     if block.quant_tier is None:
         return ArbitrationOption(Tag.KV_DEQUANT, 0.0, 0.0, False, "no quantized copy")
     link, quant_bytes = ctrl.link, block.quant_bytes
@@ -141,7 +144,7 @@ def _dequant_option(ctrl: StepState, block: KVBlockInfo, budget: RequestBudget) 
     cost = ctrl.cost.kv_cost(block.key[1], ctrl.kv_error_energy(block.key, block.quant_bits))
     if Tag.KV_DEQUANT.value not in budget.limits.allowed_tags:
         return ArbitrationOption(Tag.KV_DEQUANT, seconds, cost, False, "not allowed for the class")
-    if not link.fits(quant_bytes, block.quant_tier):
+    if not link.fits(quant_bytes, block.quant_tier) and seconds >= exact_s:
         return ArbitrationOption(Tag.KV_DEQUANT, seconds, cost, False, "arrives after the deadline")
     why_not = budget.why_not(Tag.KV_DEQUANT, cost)
     return ArbitrationOption(Tag.KV_DEQUANT, seconds, cost, not why_not, why_not)

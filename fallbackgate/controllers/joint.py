@@ -200,13 +200,18 @@ class JointController(JointPlacement, Controller):
         return Decision(Tag.EXACT_LOAD, reason=reason)
 
     def _expert_fallbacks(self, miss: ExpertMiss) -> list[tuple[Tag, float]]:
-        """Fallbacks in order of preference: same math on the CPU when it beats the late load, then by cost."""
+        """Fallbacks in order of preference: same math on the CPU when it beats the late load, then by cost.
+        The low-bit copy is offered when it arrives in time, or sooner than the late exact load would (the
+        deadline is missed either way; the smaller read misses it by less)."""
         options: list[tuple[Tag, float]] = []
         cpu_s = cpu_expert_s(self.link.profile, miss)
-        is_faster = cpu_s < sum(self.link.legs(miss.num_bytes, miss.home).values()) and cpu_s <= self.cpu_left_s
+        exact_s = sum(self.link.legs(miss.num_bytes, miss.home).values())
+        is_faster = cpu_s < exact_s and cpu_s <= self.cpu_left_s
         if miss.is_cpu_execute_offered and is_faster:
             options.append((Tag.CPU_EXECUTE, 0.0))
-        if miss.is_lowbit_available and self.link.fits(self._lowbit_bytes(), Tier.HOST):
+        lowbit_bytes = self._lowbit_bytes()
+        is_sooner = self.link.fits(lowbit_bytes, Tier.HOST) or self._fallback_s(miss, Tag.EXPERT_LOWBIT) < exact_s
+        if miss.is_lowbit_available and is_sooner:
             options.append(
                 (Tag.EXPERT_LOWBIT, self.cost.expert_cost(Tag.EXPERT_LOWBIT, miss.layer, miss.max_gate_weight))
             )

@@ -43,13 +43,17 @@ class JointPlacement:
     is_observe: bool
 
     def spill_mode(self, request_id: str, view: ControllerView) -> SpillMode:
-        """A quantized copy only for classes that may read one and rebuild exactly when their budget is spent,
-        and not on a CPU: there the copy goes to the disk alone (RAM is the fast tier), so every later exact
-        read of a quantized-only block is a recompute, whose tokens run through experts that mostly miss."""
+        """A quantized copy only for classes that may read one and rebuild exactly when their budget is spent.
+        On a CPU the copies go to the disk alone (RAM is the fast tier), where an exact read of a
+        quantized-only block would be a recompute whose tokens run through experts that mostly miss: there a
+        class that may read a quantized copy gets both copies (the reader chooses), any other a full one."""
         budget = self.book.requests.get(request_id)
-        if budget is None or self.is_observe or view.is_ram_tiered:
+        if budget is None or self.is_observe:
             return SpillMode.HOST_FULL
         tags = budget.limits.allowed_tags
+        if view.is_ram_tiered:
+            is_both = Tag.KV_DEQUANT.value in tags and not budget.is_spent
+            return SpillMode.DISK_FULL_AND_INT8 if is_both else SpillMode.DISK_FULL
         if Tag.KV_DEQUANT.value in tags and Tag.RECOMPUTE.value in tags and not budget.is_spent:
             return SpillMode.HOST_INT8 if self.kv_bits == 8 else SpillMode.HOST_INT4
         return SpillMode.HOST_FULL

@@ -12,13 +12,18 @@ ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def step_deadline_s(policy: Policy, plan: StepPlan, view: ControllerView) -> float:
     """The step's link and CPU time: the tightest target of its requests (TPOT for decoding requests, TTFT
-    for prefill) less the step's fixed dense time that the profile predicts."""
+    for prefill) less the step's fixed time: the dense time the profile predicts, or, when the policy's
+    ``controller.step_time`` is ``measured``, the larger of that and the engine's measured decode compute
+    time (recent decode steps' wall clock less the disk reads they waited for), so a profile that is
+    optimistic about this machine does not hide that the SLO leaves no room for loads."""
     targets = []
     for rid in plan.request_ids:
         cls = policy.classes.get(view.request_class(rid))
         if cls is not None:
             targets.append(cls.slo.tpot_ms if plan.num_tokens[rid] == 1 else cls.slo.ttft_ms)
     dense_s = view.profile.dense_step_s(view.num_layers, 0.0)
+    if policy.controller.step_time == "measured":
+        dense_s = max(dense_s, view.measured_compute_s)
     return max((min(targets) if targets else 0.0) / 1000.0 - dense_s, 0.0)
 
 

@@ -110,6 +110,8 @@ class ControllerSpec(_Strict):
     routing_decay: Annotated[float, Field(gt=0, lt=1)] = 0.9  # joint: per-step decay of routing frequency
     kv_quant_bits: Literal[4, 8] = 8  # bits of quantized KV copies
     expert_lowbit_bits: Literal[0, 4, 8] = 8  # bits of low-bit expert copies (0: none)
+    step_time: Literal["modeled", "measured"] = "modeled"  # the step's fixed time a deadline leaves out: the
+    # profile's prediction, or the larger of it and this run's measured decode compute time (wall clock)
 
 
 class AuditSpec(_Strict):

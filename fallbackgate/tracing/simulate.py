@@ -58,6 +58,7 @@ class SimulatedView:
                  bytes_per_expert: int, bytes_per_kv_block: int, block_size: int, classes: dict[str, str]):  # fmt: skip
         self.profile = profile_of(device)
         self.is_ram_tiered = False  # the device model's tiers: device, host, disk
+        self.measured_compute_s = 0.0  # nothing is measured in a simulation: deadlines use the device model
         self.device_budget_bytes = int(budget_bytes)
         self.num_layers, self.num_experts, self.block_size = num_layers, num_experts, block_size
         self.bytes_per_expert, self.bytes_per_kv_block = bytes_per_expert, bytes_per_kv_block
