@@ -85,6 +85,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--kv-shares", type=_fracs, default=d.kv_shares, help="static_split's KV shares of the RAM budget")
     p.add_argument("--controllers", type=_names((STATIC, INDEPENDENT, JOINT)), default=d.controllers)
     p.add_argument("--slo-scale", type=float, default=d.slo_scale, help="SLO = this × the all-in-RAM p50 (strict)")
+    p.add_argument("--step-time", choices=("modeled", "measured"), default=d.step_time,
+                   help="what every controller's deadline leaves out: the profile's step time, or the larger of "
+                        "it and the run's measured decode compute time (controller.step_time)")  # fmt: skip
     p.add_argument("--keep-trace", action="append", default=[], metavar="KEY",
                    help="keep this cell's trace: workload/seed/controller/ram_frac/kv_share (repeatable)")  # fmt: skip
     p.add_argument("--out", default="fallbackgate/sweep_results", help="directory for sweep.json and the PNGs")
@@ -103,6 +106,7 @@ def config_from_args(args: argparse.Namespace) -> RegimeConfig:
         held_out_seed=args.held_out_seed, num_requests=args.num_requests, mixed_requests=args.mixed_requests,
         max_new_tokens=args.max_new_tokens, max_model_len=args.max_model_len, time_scale=args.time_scale,
         ram_fracs=args.ram_fracs, kv_shares=args.kv_shares, controllers=args.controllers, slo_scale=args.slo_scale,
+        step_time=args.step_time,
         keep_traces=tuple(args.keep_trace), trace_out=str(pathlib.Path(args.out) / "traces"),
     )  # fmt: skip
 

@@ -62,6 +62,7 @@ class RegimeConfig:
     kv_shares: tuple[float, ...] = (0.1, 0.3, 0.5)  # static_split's KV share of the RAM budget
     controllers: tuple[str, ...] = (STATIC, INDEPENDENT, JOINT)
     slo_scale: float = 1.5  # SLO targets: this × the all-in-RAM run's p50 TTFT / TPOT (strict; best-effort 2×)
+    step_time: str = "modeled"  # controller.step_time for every controller: "modeled" or "measured"
     audit_rate: float = 1.0
     is_equivalent_allowed: bool = True  # baselines may serve late misses with the equivalent tags joint uses
     keep_traces: tuple[str, ...] = ()  # cell_key()s of the cells whose trace is kept
@@ -140,7 +141,7 @@ def sweep_policy(cfg: RegimeConfig, kind: str, ledger: Ledger) -> tuple[Policy, 
     tpot, ttft = max(ref["tpot_p50_ms"], 1.0), max(ref["ttft_p50_ms"], 1.0)
     strict = (cfg.slo_scale * tpot, cfg.slo_scale * ttft)
     best = (2 * cfg.slo_scale * tpot, 2 * cfg.slo_scale * ttft)
-    policy = default_policy(tpot_ms=(strict[0], best[0]), ttft_ms=(strict[1], best[1]))
+    policy = default_policy(tpot_ms=(strict[0], best[0]), ttft_ms=(strict[1], best[1]), step_time=cfg.step_time)
     info = {"reference": ref, "slo_tpot_ms": [strict[0], best[0]], "slo_ttft_ms": [strict[1], best[1]],
             "geometry": shape, "run_id": recorder.run_id}  # fmt: skip
     return policy, info

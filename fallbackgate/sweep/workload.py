@@ -84,12 +84,14 @@ def default_policy(
     tpot_ms: tuple[float, float] = (15.0, 10.0),
     ttft_ms: tuple[float, float] = (200.0, 100.0),
     profile: str = MEASURED,
+    step_time: str = "modeled",
 ) -> Policy:
     """The sweep's two classes: ``strict`` (exact and equivalent tags only: cpu_execute and recompute) and
     ``best-effort`` (every fallback, small quality budget). ``tpot_ms`` / ``ttft_ms`` are the (strict,
     best-effort) targets in measured wall clock: a decode step of the bundled model with 8 requests takes
     7-9 ms on the 2-core machine this was built on. The controller predicts with ``profile`` (this
-    machine's measured one by default; ``pcie4-gpu-nvme`` is the what-if the sweep used before)."""
+    machine's measured one by default; ``pcie4-gpu-nvme`` is the what-if the sweep used before) and
+    ``step_time`` (``controller.step_time``: what a deadline leaves out, the same for every controller)."""
     is_cpu = resolve_device("auto").type == "cpu"  # cpu_execute is not offered where the device is the CPU
     offered = [t for t in NON_EXACT_TAGS if not (is_cpu and t is Tag.CPU_EXECUTE)]
     equivalent = [t.value for t in offered if t.exactness is Exactness.EQUIVALENT]
@@ -97,7 +99,12 @@ def default_policy(
         {
             "hardware": {"profile": profile},
             "memory": {"block_size": 16, "max_num_seqs": 8},
-            "controller": {"kind": ControllerKind.JOINT.value, "kv_quant_bits": 8, "expert_lowbit_bits": 8},
+            "controller": {
+                "kind": ControllerKind.JOINT.value,
+                "kv_quant_bits": 8,
+                "expert_lowbit_bits": 8,
+                "step_time": step_time,
+            },
             "audit": {"mode": AuditMode.ENFORCE.value},
             "default_class": STRICT,
             "classes": {
