@@ -40,7 +40,10 @@ def test_default_run_at_full_length_uses_an_approximate_tag_within_budget(
     ledger = f"sqlite:///{tmp_path / 'ledger.sqlite'}"
     assert main(["run", "--ledger", ledger, "--quiet"]) == 0
     text = capsys.readouterr().out
-    assert "kv_dequant x" in text  # KV spilled as an int8 copy and read back
+    # On this machine kind (2 cores) a decode step under the demo budget measures more compute than the 20 ms
+    # target, so every read is late and, within the class's budget, low-bit experts and int8 KV copies arrive
+    # sooner than the exact ones (controller.step_time: measured); a much faster machine would load in time.
+    assert "kv_dequant x" in text and "expert_lowbit x" in text
     cost = next(s for s in text.splitlines() if s.startswith("demo audited cost: "))
     words = cost.replace(")", "").replace(",", "").split()
     mean_kl, floor = float(words[words.index("KL") + 1]), float(words[words.index("(floor") + 1])
