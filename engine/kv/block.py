@@ -62,6 +62,11 @@ DISK_FALLBACK = {
     SpillMode.HOST_FULL_AND_INT8: SpillMode.DISK_FULL_AND_INT8,
     SpillMode.HOST_FULL_AND_INT4: SpillMode.DISK_FULL_AND_INT8,
 }  # the disk copies a host mode becomes when the host holds no room (the rest: DISK_FULL)
+BOTH_COPIES = {
+    SpillMode.HOST_FULL_AND_INT8: (SpillMode.HOST_FULL, SpillMode.HOST_INT8),
+    SpillMode.HOST_FULL_AND_INT4: (SpillMode.HOST_FULL, SpillMode.HOST_INT4),
+    SpillMode.DISK_FULL_AND_INT8: (SpillMode.DISK_FULL, SpillMode.DISK_INT8),
+}  # the modes that write two copies: the full one and the quantized one, in that order
 
 
 @dataclasses.dataclass(slots=True)

@@ -12,7 +12,7 @@ import torch
 from fallbackgate.engine.device_pool import TierPool
 from fallbackgate.engine.errors import BudgetError, EngineError
 from fallbackgate.engine.io.context import IOPriority, io_context
-from fallbackgate.engine.kv.block import KVBlock, SpillMode
+from fallbackgate.engine.kv.block import BOTH_COPIES, KVBlock, SpillMode
 from fallbackgate.engine.kv.codec import quant_checksum, quant_kv_nbytes, quantize_kv, write_quant
 from fallbackgate.engine.kv.slots import SlotTier
 from fallbackgate.engine.kv.spill import SpillDir
@@ -138,11 +138,8 @@ class KVCopies:
         return written
 
     def _write_copy(self, block: KVBlock, mode: SpillMode) -> int:
-        if mode in (SpillMode.HOST_FULL_AND_INT8, SpillMode.HOST_FULL_AND_INT4):
-            quant_mode = SpillMode.HOST_INT8 if mode is SpillMode.HOST_FULL_AND_INT8 else SpillMode.HOST_INT4
-            return self._write_copy(block, SpillMode.HOST_FULL) + self._write_copy(block, quant_mode)
-        if mode is SpillMode.DISK_FULL_AND_INT8:
-            return self._write_copy(block, SpillMode.DISK_FULL) + self._write_copy(block, SpillMode.DISK_INT8)
+        if mode in BOTH_COPIES:
+            return sum(self._write_copy(block, part) for part in BOTH_COPIES[mode])
         tensor = block.device.cpu()
         if mode is SpillMode.HOST_FULL and block.host is None:
             if self.host_slots is None:
