@@ -184,6 +184,8 @@ class StepResult:
     # with when (what an arbitration's measured arrival is)
     expert_resident_uses: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)  # request -> layer
     # -> experts used resident as decided, no bytes moved (every other expert use is an event)
+    routing_digests: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)  # request -> layer ->
+    # digest of the experts its own forward routed to (experts.routing.request_digests), for the audit's replay
     expert_arrivals: list[ExpertArrival] = dataclasses.field(default_factory=list)  # experts fetched (not
     # resident), per request, with when (an expert arbitration's measured arrival)
     kv_copies: list[KVCopyChange] = dataclasses.field(default_factory=list)  # KV copies written, read and freed

@@ -46,6 +46,8 @@ class EventLog:
         self.is_rebuild_pass = False  # set by the runner around a KV rebuild forward
         self.kv_resident_reads: dict[str, dict[int, int]] = {}  # request -> layer -> device KV blocks read
         self.expert_resident_uses: dict[str, dict[int, int]] = {}  # request -> layer -> resident experts used
+        self.routing_digests: dict[str, dict[int, int]] = {}  # request -> layer -> digest of its own forward's
+        # routing (experts.routing.request_digests; a rebuild pass's is not kept)
         self.capture: StepCapture | None = None  # every access of the step, when a recorder asked for them
         self.failed: dict[str, str] = {}  # request -> why it cannot be served (a fault only it meets); it ends
 
@@ -166,6 +168,11 @@ class EventLog:
         """Record `count` experts used where they live on device, as decided (counted, not one event each)."""
         by_layer = self.expert_resident_uses.setdefault(request_id, {})
         by_layer[layer] = by_layer.get(layer, 0) + count
+
+    def add_routing(self, request_id: str, layer: int, digest: int) -> None:
+        """Fold one forward's routing digest of `request_id` at `layer` into the step's (sums modulo 2**64)."""
+        by_layer = self.routing_digests.setdefault(request_id, {})
+        by_layer[layer] = (by_layer.get(layer, 0) + digest) & ((1 << 64) - 1)
 
     def events(self) -> list[Event]:
         return list(self._events.values())

@@ -127,6 +127,7 @@ class EngineStepping:
             log.kv_resident_reads,
             list(log.kv_stagings.values()),
             log.expert_resident_uses,
+            log.routing_digests,
             list(log.expert_arrivals.values()),
             self.kv_store.take_copy_changes(),
             log.capture,

@@ -116,3 +116,5 @@ class StepRequest(Base):
     rebuild_objects: Mapped[int | None] = mapped_column(Integer)  # expert objects its KV rebuild pass computed
     num_resident_expert_uses: Mapped[int | None] = mapped_column(Integer)  # experts used resident (not events)
     resident_expert_uses: Mapped[str | None] = mapped_column(Text)  # "8,8,0,8": those uses per layer from 0
+    routing_digests: Mapped[str | None] = mapped_column(Text)  # a 64-bit digest of the experts its own forward
+    # routed to, per layer from 0, in hex (rows.digests_text); the audit's replay checks its routing against them

@@ -78,6 +78,7 @@ STEP_REQUEST_COLUMNS: tuple[str, ...] = (
     "rebuild_objects",
     "num_resident_expert_uses",
     "resident_expert_uses",
+    "routing_digests",
 )
 """Column order of the step_requests tuples that :func:`step_rows` produces."""
 EVENT_OBJECT_COLUMNS: tuple[str, ...] = (
@@ -245,6 +246,7 @@ def _step_request_rows(run_id: int, plan: StepPlan, result: StepResult) -> list[
         if e.is_rebuild:
             rebuilt[e.request_id] = rebuilt.get(e.request_id, 0) + e.count
     sampled, kv_reads, uses = result.sampled_token_ids, result.kv_resident_reads, result.expert_resident_uses
+    digests = result.routing_digests
     return [
         (
             run_id,
@@ -259,6 +261,7 @@ def _step_request_rows(run_id: int, plan: StepPlan, result: StepResult) -> list[
             rebuilt.get(rid, 0),
             sum(uses[rid].values()) if rid in uses else 0,
             _per_layer(uses.get(rid)),
+            digests_text(digests.get(rid)),
         )
         for rid in plan.request_ids
     ]
@@ -274,6 +277,21 @@ def per_layer_counts(text: str | None) -> dict[int, int]:
     if not text:
         return {}
     return {layer: int(n) for layer, n in enumerate(text.split(",")) if int(n)}
+
+
+def digests_text(digests: dict[int, int] | None) -> str | None:
+    """ "0a1b...,,ff00...": a 64-bit digest per layer from 0 in hex, empty for layers without one (None when
+    there are none)."""
+    if not digests:
+        return None
+    return ",".join(f"{digests[layer]:016x}" if layer in digests else "" for layer in range(max(digests) + 1))
+
+
+def per_layer_digests(text: str | None) -> dict[int, int]:
+    """layer -> digest from a :func:`digests_text` column."""
+    if not text:
+        return {}
+    return {layer: int(x, 16) for layer, x in enumerate(text.split(",")) if x}
 
 
 def _per_layer(counts: dict[int, int] | None) -> str | None:

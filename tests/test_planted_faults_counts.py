@@ -90,7 +90,7 @@ def test_writer_drops_a_resident_count(
             if plan.step_id == FAULT_STEP:
                 row = out[0]
                 dropped.append(row[2])
-                out[0] = (*row[:-2], 0, None)  # the request's counted uses, total and per layer, zeroed
+                out[0] = (*row[:-3], 0, None, row[-1])  # the request's counted uses, total and per layer, zeroed
             return out
 
         monkeypatch.setattr(ledger_rows, "_step_request_rows", drop_row_count)

@@ -59,6 +59,14 @@ class BaselineAccess:
         """One routed expert as the checkpoint files hold it (verified, in the compute dtype), on the device."""
         return self.executor.audit_weights.get(key, self.device)
 
+    def router_scores(self, layer: int, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The router logits [T, num_experts] of `layer` for the experts' input `hidden` [T, H] (None when the
+        layer's router is not a plain [num_experts, hidden] projection)."""
+        router = self.executor.routers.get(layer)
+        if router is None:
+            return None
+        return torch.nn.functional.linear(hidden.to(router.weight.dtype), router.weight)
+
     def replay_forward(
         self, hooks: ReplayHooks, cache: Cache, token_ids: list[int], start: int, logits_rows: list[int]
     ) -> torch.Tensor:

@@ -21,7 +21,7 @@ from fallbackgate.engine.experts.grouped import grouped_rows, sum_rows
 from fallbackgate.engine.experts.hook import ExpertUse, renormalise_deferred, served_tag
 from fallbackgate.engine.experts.miss_fetch import MissFetching, RoomMaker
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined
-from fallbackgate.engine.experts.routing import LayerRouting, MissUse, group_layer, row_owner
+from fallbackgate.engine.experts.routing import LayerRouting, MissUse, group_layer, request_digests, row_owner
 from fallbackgate.engine.experts.served import LayerRows, group_by_key, record_use
 from fallbackgate.engine.experts.store import ExpertStore
 from fallbackgate.engine.hardware import HardwareProfile
@@ -70,6 +70,10 @@ class ExpertDispatch(MissFetching):
         owner = row_owner(ctx.token_owner, top_k)
         routing = group_layer(top_k_index, top_k_weights, table, owner, len(request_ids), row_slots)
         self._count_resident(layer, routing)
+        if not ctx.log.is_rebuild_pass:
+            digests = request_digests(routing.experts, top_k, ctx.batch.starts, ctx.batch.lengths)
+            for request_id, digest in zip(request_ids, digests, strict=True):
+                ctx.log.add_routing(request_id, layer, digest)
         ctx.used_expert_keys.extend((layer, int(e)) for e in routing.used_experts)
         num_rows = num_tokens * top_k
         ctx.log.modeled_compute_s += len(routing.used_experts) * self._expert_s(

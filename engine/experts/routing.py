@@ -75,3 +75,41 @@ def group_layer(
             rows = np.sort(order[start:end])
             misses.append(MissUse(pair // num_requests, pair % num_requests, rows, float(tops[group])))
     return LayerRouting(experts, slots, np.unique(experts), resident_uses, misses)
+
+
+# --- routing digests: what the audit's replay checks its own routing against ----------------------------
+_MASK = (1 << 64) - 1
+_POSITION_STRIDE = np.uint64(1 << 24)  # expert ids stay below this
+
+
+def digest_terms(positions: np.ndarray, experts: np.ndarray) -> np.ndarray:
+    """uint64 term of each (token, expert) routed: splitmix64 of (absolute position, expert id), so a
+    request's routing digest -- the sum of its terms modulo 2**64 -- does not depend on the order of a
+    token's top-k, and one expert swapped at one token changes it by a known amount. `positions` [T],
+    `experts` [T, k] (or broadcastable to it)."""
+    with np.errstate(over="ignore"):
+        z = positions.astype(np.uint64)[:, None] * _POSITION_STRIDE + experts.astype(np.uint64)
+        z = z + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def digest_sum(terms: np.ndarray) -> int:
+    """The digest of `terms`: their sum modulo 2**64."""
+    with np.errstate(over="ignore"):
+        return int(terms.sum(dtype=np.uint64)) & _MASK
+
+
+def request_digests(experts: np.ndarray, top_k: int, starts: list[int], lengths: list[int]) -> list[int]:
+    """Routing digest of each request of a packed forward (its tokens contiguous, `lengths` of them from
+    position `starts`): one vectorized pass over the layer's host copy of the routing (`experts`, [T * k])."""
+    if not all(lengths):
+        raise ValueError("every request of a forward has at least one token")
+    num_tokens = int(sum(lengths))
+    offsets = np.cumsum([0, *lengths[:-1]])
+    positions = np.arange(num_tokens) + np.repeat(np.asarray(starts) - offsets, lengths)
+    terms = digest_terms(positions, experts.reshape(num_tokens, top_k))
+    with np.errstate(over="ignore"):
+        sums = np.add.reduceat(terms.sum(axis=1, dtype=np.uint64), offsets)
+    return [int(s) for s in sums]

@@ -26,12 +26,14 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fallbackgate.audit.kv_codes import served_round_trip
 from fallbackgate.audit.replay_trace import ExpertActions, KVActions, ReplayTrace, Segment, TraceError, Versions
+from fallbackgate.audit.routing_ties import RoutingError, served_routing
 from fallbackgate.engine.baseline.api import (
     BaselineEngine,
     ExpertWeights,
@@ -89,6 +91,8 @@ class Replayer:
         # the current forward
         self.start = 0
         self.token_steps: list[int] = []
+        self.segments: list[Segment] = []  # the current forward's (none for a rebuild pass)
+        self.num_routing_swaps = 0  # tokens routed as served across a router near-tie (routing_ties)
         self.is_rebuild = False
         self.kv_actions = KVActions()
         self.kv_versions: Versions = {}  # the current forward's
@@ -135,6 +139,7 @@ class Replayer:
         self.kv_step = segments[0].step_id
         self.kv_versions = self.versions.get(self.kv_step, {})
         self.token_steps = [s.step_id for s in segments for _ in range(s.num_tokens)]
+        self.segments = segments
         keep = [s.start + s.num_tokens - 1 - self.start for s in segments if s.is_sampled]
         for offset, row in enumerate(keep):
             expected = self.trace.num_prompt_tokens - 1 + self.num_rows + offset
@@ -163,6 +168,7 @@ class Replayer:
         self.kv_step = seg.step_id
         self.kv_versions = self.versions.get(seg.step_id, {})
         self.token_steps = [seg.step_id] * (seg.start - begin)
+        self.segments = []
         self.engine.replay_forward(self, self.cache, self.trace.token_ids[begin : seg.start], begin, [])
 
     def _crop(self, length: int) -> None:
@@ -227,7 +233,9 @@ class Replayer:
         top_k_index: torch.Tensor,
         top_k_weights: torch.Tensor,
     ) -> torch.Tensor:
-        """Routed experts with each token's recorded actions: deferred (renormalised), low-bit, else exact."""
+        """Routed experts with each token's recorded actions: deferred (renormalised), low-bit, else exact;
+        routed as served where a router near-tie went the other way (``routing_ties``)."""
+        top_k_index = self._served_routing(layer, hidden, top_k_index)
         bits = self._token_bits(layer, top_k_index)  # -1 deferred, 0 exact, else low-bit bits
         weights = top_k_weights
         deferred = bits < 0
@@ -244,6 +252,31 @@ class Replayer:
             slot_index[(top_k_index == expert_id) & (bits == precision)] = slot
         experts = [self._expert(layer, int(e), int(p)) for e, p in combos]
         return stacked_forward(module, experts, hidden, slot_index, weights)
+
+    def _served_routing(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
+        """`top_k_index` with each segment's tokens routed as its recorded digest says."""
+        for seg in self.segments:
+            recorded = self.trace.routing.get(seg.step_id, {}).get(layer)
+            if recorded is None:
+                continue
+            lo = seg.start - self.start
+            rows = slice(lo, lo + seg.num_tokens)
+            where = f"request {self.trace.request_id}: step {seg.step_id}, layer {layer}"
+
+            def scores(rows: slice = rows, where: str = where) -> torch.Tensor:
+                found = self.engine.router_scores(layer, hidden[rows])
+                if found is None:
+                    raise RoutingError(f"{where}: the replay's routing differs from the served one and layer "
+                                       f"{layer}'s router gives no scores to find near-ties with")  # fmt: skip
+                return found
+
+            positions = np.arange(seg.start, seg.start + seg.num_tokens)
+            served, num_swaps = served_routing(top_k_index[rows], positions, recorded, scores, where)
+            if num_swaps:
+                top_k_index = top_k_index.clone()
+                top_k_index[rows] = served
+                self.num_routing_swaps += num_swaps
+        return top_k_index
 
     def _token_bits(self, layer: int, top_k_index: torch.Tensor) -> torch.Tensor:
         bits = torch.zeros_like(top_k_index)

@@ -13,6 +13,7 @@ from fallbackgate.engine.messages import CopyAction
 from fallbackgate.engine.tags import ObjectKind, Tag
 from fallbackgate.ledger import audit_queries, kv_copy_queries
 from fallbackgate.ledger.db import Ledger
+from fallbackgate.ledger.rows import per_layer_digests
 
 ADOPTED_PREFIX_STEP = -1  # step id of the segment that recomputes adopted prefix blocks: no step acted on it
 
@@ -84,6 +85,8 @@ class ReplayTrace:
     # (layer, block, bits) -> (step, xxh3-64 of the codes) of each quantized copy written, in write order
     code_checksums: dict[tuple[int, int, int], list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
     copy_changes: list[CopyChange] = dataclasses.field(default_factory=list)  # the request's copy journal
+    routing: dict[int, dict[int, int]] = dataclasses.field(default_factory=dict)  # step -> layer -> digest of
+    # the experts its own forward routed the request's tokens to (absent: not recorded)
 
     @property
     def num_output_tokens(self) -> int:
@@ -195,6 +198,7 @@ def load_trace(ledger: Ledger, run_id: int, request_id: str) -> ReplayTrace:
     if num_reused and segments[0].start == num_reused:  # adopted exact prefix blocks: recomputed from tokens
         segments.insert(0, Segment(ADOPTED_PREFIX_STEP, 0, num_reused, is_sampled=False))
     trace = ReplayTrace(request_id, tokens[0], tokens[1], segments, {}, {})
+    trace.routing = {r["step_id"]: per_layer_digests(r.get("routing_digests")) for r in rows}
     for e in audit_queries.replay_events(ledger, run_id, request_id):
         ids, step, layer = _ids(e["object_ids"]), e["step_id"], e["layer"]
         if e["object_kind"] == ObjectKind.EXPERT.value:
