@@ -63,6 +63,8 @@ class RequestStatRow(Base):
     replay_max_position: Mapped[int | None] = mapped_column(Integer)  # output position of replay_max_kl
     replay_top1_agreement: Mapped[float | None] = mapped_column(Float)
     replay_error: Mapped[str | None] = mapped_column(Text)  # why the replay could not follow the trace
+    replay_routing_swaps: Mapped[int | None] = mapped_column(Integer)  # tokens the replay routed as served
+    # across a router near-tie (audit.routing_ties)
 
 
 class VerdictRow(Base):

@@ -37,6 +37,11 @@ def test_forced_kv_dequant_run_matches_its_replay(tmp_path: pathlib.Path) -> Non
     assert "kv_dequant" in tags, tags
     failed = [(v.request_id, v.reasons) for v in recorded.verdict.requests if not v.correctness_passed]
     assert not failed, failed
+    with open_ledger(str(tmp_path / "ledger.sqlite"), read_only=True) as ledger:  # each replay's routing swaps
+        rows = ledger.engine.connect().exec_driver_sql(
+            "SELECT replay_routing_swaps FROM request_stats WHERE replay_max_kl IS NOT NULL"
+        ).fetchall()
+    assert rows and all(n is not None and n >= 0 for (n,) in rows), rows
 
 
 @pytest.mark.slow

@@ -114,6 +114,11 @@ def _metrics(d: dict[str, Any]) -> None:
     halves[1].metric("Correctness (vs replay)", _half(v, "correctness_passed"))
     replay = s.get("replay_max_kl")
     halves[2].metric("Max KL served vs replay", "not replayed (exact only)" if replay is None else f"{replay:.3e}")
+    if s.get("replay_routing_swaps"):
+        st.info(
+            f"The replay routed {s['replay_routing_swaps']} token(s) as served across a router near-tie (the k-th "
+            "expert and the next within rounding): the step's recorded routing digest says which way it went."
+        )
     if s.get("replay_error"):
         st.error(f"The replay could not follow this request's recorded actions: {s['replay_error']}")
     if v is not None and not v["passed"]:

@@ -80,6 +80,8 @@ def group_layer(
 # --- routing digests: what the audit's replay checks its own routing against ----------------------------
 _MASK = (1 << 64) - 1
 _POSITION_STRIDE = np.uint64(1 << 24)  # expert ids stay below this
+_GOLDEN, _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
 
 
 def digest_terms(positions: np.ndarray, experts: np.ndarray) -> np.ndarray:
@@ -87,29 +89,28 @@ def digest_terms(positions: np.ndarray, experts: np.ndarray) -> np.ndarray:
     request's routing digest -- the sum of its terms modulo 2**64 -- does not depend on the order of a
     token's top-k, and one expert swapped at one token changes it by a known amount. `positions` [T],
     `experts` [T, k] (or broadcastable to it)."""
-    with np.errstate(over="ignore"):
-        z = positions.astype(np.uint64)[:, None] * _POSITION_STRIDE + experts.astype(np.uint64)
-        z = z + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
+    z = positions.astype(np.uint64)[:, None] * _POSITION_STRIDE + experts.astype(np.uint64)  # arrays wrap silently
+    z += _GOLDEN
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    return z ^ (z >> _S31)
 
 
 def digest_sum(terms: np.ndarray) -> int:
     """The digest of `terms`: their sum modulo 2**64."""
-    with np.errstate(over="ignore"):
-        return int(terms.sum(dtype=np.uint64)) & _MASK
+    return int(terms.sum(dtype=np.uint64)) & _MASK
 
 
 def request_digests(experts: np.ndarray, top_k: int, starts: list[int], lengths: list[int]) -> list[int]:
     """Routing digest of each request of a packed forward (its tokens contiguous, `lengths` of them from
     position `starts`): one vectorized pass over the layer's host copy of the routing (`experts`, [T * k])."""
+    num_tokens = int(sum(lengths))
+    if num_tokens == len(lengths):  # a decode forward: one token per request
+        terms = digest_terms(np.asarray(starts), experts.reshape(num_tokens, top_k))
+        return terms.sum(axis=1, dtype=np.uint64).tolist()
     if not all(lengths):
         raise ValueError("every request of a forward has at least one token")
-    num_tokens = int(sum(lengths))
     offsets = np.cumsum([0, *lengths[:-1]])
     positions = np.arange(num_tokens) + np.repeat(np.asarray(starts) - offsets, lengths)
     terms = digest_terms(positions, experts.reshape(num_tokens, top_k))
-    with np.errstate(over="ignore"):
-        sums = np.add.reduceat(terms.sum(axis=1, dtype=np.uint64), offsets)
-    return [int(s) for s in sums]
+    return np.add.reduceat(terms.sum(axis=1, dtype=np.uint64), offsets).tolist()

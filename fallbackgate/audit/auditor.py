@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from fallbackgate.audit.baseline import Baseline
-from fallbackgate.audit.replay import replay_logits
+from fallbackgate.audit.replay import Replayer
 from fallbackgate.audit.replay_trace import TraceError, load_trace
 from fallbackgate.audit.stats import PositionDiff, RequestDiffStats, percentile, position_diffs, request_stats
 from fallbackgate.engine.baseline.api import BaselineEngine
@@ -48,14 +48,16 @@ def replay_diffs(
     engine: BaselineEngine, ledger: Ledger, run_id: int, request_id: str, served: ServedRows, chunk: int = AUDIT_CHUNK
 ) -> tuple[list[float] | None, dict[str, Any]]:
     """Served logits against the replay of the request's ledger trace, streamed: KL(replay ‖ served) per
-    output position, and ``max_kl``, ``mean_kl``, ``max_position``, ``top1_agreement``. A trace the replay
+    output position, and ``max_kl``, ``mean_kl``, ``max_position``, ``top1_agreement``, ``routing_swaps``
+    (tokens the replay routed as served across a router near-tie, ``routing_ties``). A trace the replay
     cannot follow (rows missing, or contradicting the served tokens) gives no positions, an infinite
     ``max_kl`` and the ``error``."""
     diffs: list[PositionDiff] = []
     try:
         trace = load_trace(ledger, run_id, request_id)
         output_ids = trace.token_ids[trace.num_prompt_tokens :]
-        for replayed in replay_logits(engine, trace, chunk):
+        replayer = Replayer(engine, trace)
+        for replayed in replayer.run(chunk):
             start, stop = len(diffs), len(diffs) + replayed.shape[0]
             diffs += position_diffs(replayed, served(start, stop), output_ids[start:stop], first_position=start)
     except TraceError as exc:
@@ -68,6 +70,7 @@ def replay_diffs(
         "mean_kl": stats.mean_kl,
         "max_position": worst.position,
         "top1_agreement": stats.top1_agreement,
+        "routing_swaps": replayer.num_routing_swaps,
     }
     return [d.kl for d in diffs], summary
 

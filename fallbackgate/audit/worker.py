@@ -183,7 +183,7 @@ class AuditWorker:
         rows: Rows = {}
         diff_rows(run_id, request_id, diffs, stats, step_ids if len(step_ids) == len(diffs) else None, rows, {})
         if replay is not None:
-            kept = ("max_kl", "mean_kl", "max_position", "top1_agreement", "error")
+            kept = ("max_kl", "mean_kl", "max_position", "top1_agreement", "error", "routing_swaps")
             rows[RequestStatRow.__table__][0].update({f"replay_{k}": v for k, v in replay.items() if k in kept})
         failed = engine.verify_audit_copies()  # the baselines' own expert copies, checked again
         if failed:
