@@ -5,6 +5,8 @@ ledger says. Each audited request is recomputed teacher-forced, forward by forwa
 (consecutive steps that read the same KV versions run as one forward), with
 
 - experts read from the checkpoint files through the checksummed reader (never the store's copies);
+- the served routing: where the replay's router and the step's recorded routing digest disagree, the
+  k-th expert swapped for the next at the tokens nearest a router tie until they agree (``routing_ties``);
 - the same experts deferred per step, layer and request, their gate weights renormalised to the old sum;
 - the same low-bit copies: the file's weights quantized and dequantized with the engine's codec and bits;
 - each query position reading the KV version it really read (``ReplayTrace.read_versions``): blocks a
