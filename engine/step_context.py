@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
+from fallbackgate.engine.experts.routing import DIGEST_MASK
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.messages import Event, ExpertArrival, KVStaging, StepCapture
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
@@ -172,7 +173,7 @@ class EventLog:
     def add_routing(self, request_id: str, layer: int, digest: int) -> None:
         """Fold one forward's routing digest of `request_id` at `layer` into the step's (sums modulo 2**64)."""
         by_layer = self.routing_digests.setdefault(request_id, {})
-        by_layer[layer] = (by_layer.get(layer, 0) + digest) & ((1 << 64) - 1)
+        by_layer[layer] = (by_layer.get(layer, 0) + digest) & DIGEST_MASK
 
     def events(self) -> list[Event]:
         return list(self._events.values())

@@ -78,7 +78,7 @@ def group_layer(
 
 
 # --- routing digests: what the audit's replay checks its own routing against ----------------------------
-_MASK = (1 << 64) - 1
+DIGEST_MASK = (1 << 64) - 1  # digests are sums modulo 2**64
 _POSITION_STRIDE = np.uint64(1 << 24)  # expert ids stay below this
 _GOLDEN, _M1, _M2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
@@ -98,7 +98,7 @@ def digest_terms(positions: np.ndarray, experts: np.ndarray) -> np.ndarray:
 
 def digest_sum(terms: np.ndarray) -> int:
     """The digest of `terms`: their sum modulo 2**64."""
-    return int(terms.sum(dtype=np.uint64)) & _MASK
+    return int(terms.sum(dtype=np.uint64)) & DIGEST_MASK
 
 
 def request_digests(experts: np.ndarray, top_k: int, starts: list[int], lengths: list[int]) -> list[int]:

@@ -19,12 +19,11 @@ import numpy as np
 import torch
 
 from fallbackgate.audit.replay_trace import TraceError
-from fallbackgate.engine.experts.routing import digest_sum, digest_terms
+from fallbackgate.engine.experts.routing import DIGEST_MASK, digest_sum, digest_terms
 
 ROUTING_TIE = 1e-5  # router-score gap (logits) within which rounding may swap the k-th expert and the next
 MAX_CANDIDATES = 64  # tokens nearest a tie tried
 MAX_FLIPS = 3  # swaps tried together
-_MASK = (1 << 64) - 1
 
 
 class RoutingError(TraceError):
@@ -55,7 +54,7 @@ def _find_swaps(deltas: list[int], missing: int) -> tuple[int, ...] | None:
         return (singles[missing],)
     for size in range(2, MAX_FLIPS + 1):
         for combo in itertools.combinations(range(len(deltas)), size - 1):
-            rest = (missing - sum(deltas[i] for i in combo)) & _MASK
+            rest = (missing - sum(deltas[i] for i in combo)) & DIGEST_MASK
             last = singles.get(rest)
             if last is not None and last > combo[-1]:
                 return (*combo, last)
@@ -73,18 +72,14 @@ def served_routing(
     many tokens were swapped; `scores()` gives the router's scores [n, num_experts] (asked only on a
     mismatch). A token swapped keeps the weight of the expert it replaces: the two were within ROUTING_TIE."""
     ids = top_k_index.detach().cpu().numpy()
-    missing = (recorded - digest_sum(digest_terms(positions, ids))) & _MASK
+    missing = (recorded - digest_sum(digest_terms(positions, ids))) & DIGEST_MASK
     if not missing:
         return top_k_index, 0
     found = _candidates(ids, scores().detach().float().cpu().numpy())
-    deltas = [
-        (
-            int(digest_terms(positions[t : t + 1], np.array([[new]]))[0, 0])
-            - int(digest_terms(positions[t : t + 1], ids[t : t + 1, slot : slot + 1])[0, 0])
-        )
-        & _MASK
-        for t, slot, new, _ in found
-    ]
+    tokens, slots, news = (np.array([c[i] for c in found], dtype=np.int64) for i in range(3))
+    swapped_in = digest_terms(positions[tokens], news[:, None])[:, 0]  # what each swap adds and removes
+    swapped_out = digest_terms(positions[tokens], ids[tokens, slots][:, None])[:, 0]
+    deltas = [(int(a) - int(b)) & DIGEST_MASK for a, b in zip(swapped_in, swapped_out, strict=True)]
     swaps = _find_swaps(deltas, missing)
     if swaps is None:
         raise RoutingError(

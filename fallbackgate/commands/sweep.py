@@ -19,7 +19,7 @@ from fallbackgate.assembly import Assembly, Overrides, assemble
 from fallbackgate.engine.errors import EngineError
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError, open_ledger
 from fallbackgate.policy.apply import with_sections
-from fallbackgate.policy.schema import AuditMode
+from fallbackgate.policy.schema import STEP_TIMES, AuditMode
 from fallbackgate.sweep.belady import TraceRecorder
 from fallbackgate.sweep.grid import CellBuilder, SweepConfig
 from fallbackgate.sweep.plot import regime_heatmaps
@@ -85,7 +85,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--kv-shares", type=_fracs, default=d.kv_shares, help="static_split's KV shares of the RAM budget")
     p.add_argument("--controllers", type=_names((STATIC, INDEPENDENT, JOINT)), default=d.controllers)
     p.add_argument("--slo-scale", type=float, default=d.slo_scale, help="SLO = this × the all-in-RAM p50 (strict)")
-    p.add_argument("--step-time", choices=("modeled", "measured"), default=d.step_time,
+    p.add_argument("--step-time", choices=STEP_TIMES, default=d.step_time,
                    help="what every controller's deadline leaves out: the profile's step time, or the larger of "
                         "it and the run's measured decode compute time (controller.step_time)")  # fmt: skip
     p.add_argument("--keep-trace", action="append", default=[], metavar="KEY",

@@ -209,9 +209,9 @@ class JointController(JointPlacement, Controller):
         is_faster = cpu_s < exact_s and cpu_s <= self.cpu_left_s
         if miss.is_cpu_execute_offered and is_faster:
             options.append((Tag.CPU_EXECUTE, 0.0))
-        lowbit_bytes = self._lowbit_bytes()
-        is_sooner = self.link.fits(lowbit_bytes, Tier.HOST) or self._fallback_s(miss, Tag.EXPERT_LOWBIT) < exact_s
-        if miss.is_lowbit_available and is_sooner:
+        if miss.is_lowbit_available and (
+            self.link.fits(self._lowbit_bytes(), Tier.HOST) or self._fallback_s(miss, Tag.EXPERT_LOWBIT) < exact_s
+        ):
             options.append(
                 (Tag.EXPERT_LOWBIT, self.cost.expert_cost(Tag.EXPERT_LOWBIT, miss.layer, miss.max_gate_weight))
             )

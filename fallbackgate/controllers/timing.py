@@ -5,7 +5,7 @@ from __future__ import annotations
 from fallbackgate.engine.controller import ControllerView, ExpertMiss
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.messages import StepPlan
-from fallbackgate.policy.schema import Policy
+from fallbackgate.policy.schema import Policy, StepTime
 
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -22,7 +22,7 @@ def step_deadline_s(policy: Policy, plan: StepPlan, view: ControllerView) -> flo
         if cls is not None:
             targets.append(cls.slo.tpot_ms if plan.num_tokens[rid] == 1 else cls.slo.ttft_ms)
     dense_s = view.profile.dense_step_s(view.num_layers, 0.0)
-    if policy.controller.step_time == "measured":
+    if policy.controller.step_time is StepTime.MEASURED:
         dense_s = max(dense_s, view.measured_compute_s)
     return max((min(targets) if targets else 0.0) / 1000.0 - dense_s, 0.0)
 

@@ -34,10 +34,18 @@ class AuditMode(str, enum.Enum):
     ENFORCE = "enforce"  # acted on
 
 
+class StepTime(str, enum.Enum):
+    """The step's fixed time a deadline leaves out (``controller.step_time``)."""
+
+    MODELED = "modeled"  # the profile's predicted dense time
+    MEASURED = "measured"  # the larger of that and this run's measured decode compute time (wall clock)
+
+
 FALLBACK_TAGS: tuple[str, ...] = tuple(t.value for t in NON_EXACT_TAGS)
 """The tag names a class's ``allowed_tags`` may list: every tag that is not exact."""
 CONTROLLER_KINDS: tuple[str, ...] = tuple(k.value for k in ControllerKind)
 AUDIT_MODES: tuple[str, ...] = tuple(m.value for m in AuditMode)
+STEP_TIMES: tuple[str, ...] = tuple(t.value for t in StepTime)
 _CLASS_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 
 
@@ -110,8 +118,7 @@ class ControllerSpec(_Strict):
     routing_decay: Annotated[float, Field(gt=0, lt=1)] = 0.9  # joint: per-step decay of routing frequency
     kv_quant_bits: Literal[4, 8] = 8  # bits of quantized KV copies
     expert_lowbit_bits: Literal[0, 4, 8] = 8  # bits of low-bit expert copies (0: none)
-    step_time: Literal["modeled", "measured"] = "modeled"  # the step's fixed time a deadline leaves out: the
-    # profile's prediction, or the larger of it and this run's measured decode compute time (wall clock)
+    step_time: StepTime = StepTime.MODELED  # the step's fixed time a deadline leaves out (StepTime)
 
 
 class AuditSpec(_Strict):

@@ -31,7 +31,7 @@ from fallbackgate.batch.prompts import PromptSpec
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.apply import with_sections
-from fallbackgate.policy.schema import ControllerKind, Policy
+from fallbackgate.policy.schema import ControllerKind, Policy, StepTime
 from fallbackgate.sweep import bounds, measures
 from fallbackgate.sweep.metrics import quality_metrics
 from fallbackgate.sweep.workload import BEST_EFFORT, STRICT, default_policy
@@ -62,7 +62,7 @@ class RegimeConfig:
     kv_shares: tuple[float, ...] = (0.1, 0.3, 0.5)  # static_split's KV share of the RAM budget
     controllers: tuple[str, ...] = (STATIC, INDEPENDENT, JOINT)
     slo_scale: float = 1.5  # SLO targets: this × the all-in-RAM run's p50 TTFT / TPOT (strict; best-effort 2×)
-    step_time: str = "modeled"  # controller.step_time for every controller: "modeled" or "measured"
+    step_time: str = StepTime.MODELED.value  # controller.step_time for every controller (StepTime)
     audit_rate: float = 1.0
     is_equivalent_allowed: bool = True  # baselines may serve late misses with the equivalent tags joint uses
     keep_traces: tuple[str, ...] = ()  # cell_key()s of the cells whose trace is kept

@@ -17,7 +17,7 @@ from typing import Any
 from fallbackgate.batch.prompts import PromptSpec
 from fallbackgate.engine.model.build import resolve_device
 from fallbackgate.engine.tags import NON_EXACT_TAGS, Exactness, Tag
-from fallbackgate.policy.schema import FALLBACK_TAGS, AuditMode, ControllerKind, Policy
+from fallbackgate.policy.schema import FALLBACK_TAGS, AuditMode, ControllerKind, Policy, StepTime
 from fallbackgate.profiling.names import MEASURED
 from fallbackgate.resources import package_dir
 
@@ -84,7 +84,7 @@ def default_policy(
     tpot_ms: tuple[float, float] = (15.0, 10.0),
     ttft_ms: tuple[float, float] = (200.0, 100.0),
     profile: str = MEASURED,
-    step_time: str = "modeled",
+    step_time: str = StepTime.MODELED.value,
 ) -> Policy:
     """The sweep's two classes: ``strict`` (exact and equivalent tags only: cpu_execute and recompute) and
     ``best-effort`` (every fallback, small quality budget). ``tpot_ms`` / ``ttft_ms`` are the (strict,
