@@ -52,6 +52,13 @@ def latest_run_id(ledger: Ledger) -> int | None:
         return conn.execute(select(Run.id).order_by(Run.started_at.desc(), Run.id.desc()).limit(1)).scalar()
 
 
+def expert_room_by_step(ledger: Ledger, run_id: int) -> dict[int, int]:
+    """Step id -> the fast-tier bytes the run's expert copies held after that step."""
+    stmt = select(Step.step_id, Step.device_bytes_expert).where(Step.run_id == run_id)
+    with ledger.engine.connect() as conn:
+        return {int(step_id): int(num_bytes) for step_id, num_bytes in conn.execute(stmt)}
+
+
 def list_runs(ledger: Ledger, limit: int = 100) -> list[dict[str, Any]]:
     """Newest runs first, each with its object counts per exactness (``objects_exact``, ...)."""
     u = object_uses()

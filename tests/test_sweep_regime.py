@@ -12,7 +12,8 @@ import pytest
 
 from fallbackgate.cli import main
 from fallbackgate.dashboard import sweep_data
-from fallbackgate.sweep.bounds import StepTrace, belady_by_kind, foo_lower_bound, step_trace
+from fallbackgate.sweep.belady import belady_misses
+from fallbackgate.sweep.bounds import StepTrace, belady_by_kind, belady_expert_at_room, foo_lower_bound, step_trace
 from fallbackgate.sweep.measures import quantile, trace_measures
 from fallbackgate.sweep.summary import compare, gain, interval, summarise, with_budget_fields
 
@@ -62,6 +63,22 @@ def test_belady_by_kind_counts_expert_compulsory_reads_but_not_kv_creation() -> 
     assert out["belady_expert_bytes"] == E
     assert out["belady_kv_bytes"] == 2 * K  # k1/k2 alternate through one slot: two reads after creation
     assert belady_by_kind(trace, E, 2 * K)["belady_kv_bytes"] == 0
+
+
+def test_belady_at_the_runs_own_room_follows_the_room_step_by_step() -> None:
+    a, b, c = ("e", 1, 0), ("e", 1, 1), ("e", 2, 0)
+    steps = [([], [a, b]), ([], [c]), ([], [a, b]), ([], [c]), ([], [a, b])]
+    trace = StepTrace(steps, E, K, [10, 11, 12, 13, 14])
+    assert belady_by_kind(trace, 3 * E, 0)["belady_expert_bytes"] == 3 * E  # three slots: compulsory only
+    assert belady_by_kind(trace, 2 * E, 0)["belady_expert_bytes"] == 5 * E
+    same = belady_expert_at_room(trace, {s: 3 * E for s in trace.step_ids})
+    assert same["belady_expert_bytes_same_room"] == 3 * E and same["belady_same_room_mean_slots"] == 3
+    # room for two until step 12 ends, three after: c's second use and a/b's third hit, c evicted one of a, b
+    shrunk = belady_expert_at_room(trace, {10: 2 * E, 11: 2 * E, 12: 3 * E, 13: 3 * E, 14: 3 * E})
+    assert shrunk["belady_expert_bytes_same_room"] == 4 * E  # a, b, c cold; one of a, b read again at step 12
+    assert belady_misses([a, b, c, a], [1, 1, 1, 3]) == 4 and belady_misses([a, b, a], [2, 2, 2]) == 2
+    with pytest.raises(ValueError, match="rooms for"):
+        belady_misses([a, b], [1])
 
 
 def _frames() -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
@@ -144,6 +161,8 @@ def test_tiny_regime_sweep_writes_points_traces_and_pngs(checkpoint_factory, tmp
         assert m["num_audited"] == 2 and m["gate_passed"] == 1.0 and p["is_held_out"] == (p["seed"] == 1)
         assert m["foo_compulsory_bytes"] <= m["foo_lb_bytes"] <= m["read_bytes"] + 1e-6
         assert 0.0 <= m["expert_miss_rate"] <= 1.0 and m["tpot_p99_ms"] >= m["tpot_p50_ms"]
+        assert m["belady_expert_bytes_same_room"] > 0  # cold reads at least
+        assert m["belady_same_room_mean_slots"] >= 1
     assert (out / "traces" / "short-chat_0_joint_0.5_None" / "metadata.json").is_file()
     assert (out / "sweep-short-chat.png").stat().st_size > 5_000
     assert doc["summary"]["verdicts"]["within_static"]["short-chat@0.5"]["verdict"] in ("met", "not met", "undecided")

@@ -50,7 +50,7 @@ def _random_state(rng: random.Random) -> tuple[StaticView, dict, list, list]:
     experts = [(layer, e) for layer in range(num_layers) for e in range(num_experts)]
     on_device = tuple(k for k in experts if rng.random() < 0.7)
     homes = {k: rng.choice([Tier.HOST, Tier.DISK]) for k in experts}
-    freq = {k: rng.choice([0.1, 0.1, 0.3, 0.5, rng.random()]) for k in experts if rng.random() < 0.7}
+    freq = {k: rng.choice([0.1, 0.1, 0.3, 0.5, rng.random(), 9.5, 9.5]) for k in experts if rng.random() < 0.7}
     rids = [f"r{i}" for i in range(rng.randint(1, 5))]
     blocks = []
     for rid in rids:  # the engine's order: request, then layer, then index
@@ -112,6 +112,7 @@ def test_lazy_victims_are_the_full_sort_in_the_same_order(seed: int) -> None:
     pe, pk = set(pinned_e), set(pinned_kv)
     joint = JointController(POLICY, top_k=rng.randint(1, 2))
     joint.values.set_frequencies(freq)
+    joint.current_layer = rng.randint(-1, view.num_layers - 1)  # the layer of the step's last miss
     for rid in view.request_classes:
         if rng.random() < 0.7:  # requests the budget book knows: their spill mode follows their class
             joint._budget(rid, view.request_class(rid))

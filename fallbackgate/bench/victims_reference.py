@@ -1,7 +1,7 @@
-"""The controllers' selections as they were before their priority structures (issue 27): every call rebuilds
-and sorts everything on device, every step walks every layer × block of every running request.
+"""The controllers' selections without their priority structures (issue 27): every call rebuilds and sorts
+everything on device, every step walks every layer × block of every running request.
 
-Kept verbatim as the reference that `tests/test_victim_order.py` checks the lazy selections against (same
+Kept as the reference that `tests/test_victim_order.py` checks the lazy selections against (same
 victims, same order) and that :mod:`fallbackgate.bench.controller_cost` times them against. Nothing else
 uses it.
 """
@@ -25,13 +25,12 @@ from fallbackgate.engine.tags import ObjectKind, Tag
 def joint_victims(
     joint: JointController, view: ControllerView, pinned_experts: set[ExpertKey], pinned_kv: set[KVBlockKey]
 ) -> list[Victim]:
-    """`JointController.choose_victims` before: all device experts and KV blocks, valued, one stable sort."""
+    """`JointController.choose_victims` by full sorts: all device experts by urgency at the joint's current
+    layer (ties by key), all KV blocks by value (one stable sort), merged by value per byte."""
     running = set(view.running_ids)
-    ranked: list[tuple[float, Victim]] = [
-        (joint.values.expert_value(k, view), Victim(expert_key=k))
-        for k in view.device_expert_keys()
-        if k not in pinned_experts
-    ]
+    experts = _experts_by_urgency(joint.values, view, pinned_experts, joint.current_layer)
+    ranked_experts = [(joint.values.expert_value(k, view), Victim(expert_key=k)) for k in experts]
+    ranked: list[tuple[float, Victim]] = []
     per_request: dict[str, tuple[SpillMode, float]] = {}
     quant_fraction = view.quantized_bytes(ObjectKind.KV_BLOCK, joint.kv_bits) / max(1, view.bytes_per_kv_block)
     for block in view.device_kv_blocks():
@@ -48,7 +47,14 @@ def joint_victims(
         mode, value = per_request[rid]
         ranked.append((value, Victim(kv_block_key=block.key, spill_mode=mode)))
     ranked.sort(key=lambda item: item[0])
-    return [v for _, v in ranked]
+    return [v for _, v in heapq.merge(ranked_experts, ranked, key=lambda item: item[0])]
+
+
+def _experts_by_urgency(
+    values: ValueModel, view: ControllerView, pinned: set[ExpertKey], current_layer: int
+) -> list[ExpertKey]:
+    keys = [k for k in view.device_expert_keys() if k not in pinned]
+    return sorted(keys, key=lambda k: (values.expert_urgency(k, view, current_layer), k))
 
 
 def experts_lru_first(recency: Recency, view: ControllerView) -> list[ExpertKey]:
@@ -109,14 +115,14 @@ def static_split_victims(
 
 
 def rebalance(view: ControllerView, values: ValueModel, slack_s: float, top_k: int) -> StepEndActions:
-    """`joint_memory.rebalance` before (the evictable experts sorted in full)."""
+    """`joint_memory.rebalance` with the evictable experts sorted in full (by urgency at the step's start)."""
     actions = StepEndActions()
     per_expert, per_block = view.bytes_per_expert, view.bytes_per_kv_block
     free = view.device_free_bytes
     kv_cap = view.device_budget_bytes - max(1, top_k) * per_expert
     kv_used = view.device_used_bytes(ObjectKind.KV_BLOCK)
     running = set(view.running_ids)
-    evictable = sorted(view.device_expert_keys(), key=lambda k: values.expert_value(k, view))
+    evictable = _experts_by_urgency(values, view, set(), -1)
     for key in dict.fromkeys(view.used_kv_block_keys):
         staged = view.staged_kv_tag(key)
         if staged is None or staged is Tag.KV_DEQUANT or key[0] not in running:
@@ -171,15 +177,9 @@ def decay_walk(freq: dict[ExpertKey, float], decay: float, used: set[ExpertKey])
 
 
 def joint_expert_victims(values: ValueModel, view: ControllerView, pinned: set[ExpertKey], k: int) -> list[ExpertKey]:
-    """The expert half of `JointController.choose_victims` before: every device expert valued and heapified
-    on every call, then the `k` cheapest popped."""
-    experts = [
-        (value, i, key)
-        for i, (key, value) in enumerate(values.expert_values(view.device_expert_keys(), view))
-        if key not in pinned
-    ]
-    heapq.heapify(experts)
-    return [heapq.heappop(experts)[2] for _ in range(min(k, len(experts)))]
+    """The expert half of `JointController.choose_victims` at a step's start by a full sort: every device
+    expert valued on every call, then the `k` first taken."""
+    return _experts_by_urgency(values, view, pinned, -1)[:k]
 
 
 def copies_walk(entries: dict) -> list[tuple[ExpertKey, int]]:

@@ -1,15 +1,19 @@
-"""Device experts ranked by value per byte, kept between calls: a victim costs O(log n), not a rebuild.
+"""Device experts in victim order, kept between calls: a victim costs O(G + log n), not a rebuild.
 
-The ranking is a binary heap of ``(order value, tie, key)`` over the experts on device, maintained from two
-change logs: the expert store's residency journal (a copy came or went, so residency or home tier changed;
-read through ``view.expert_changes_since``) and the value model's frequency log (a use, a prune). An
-expert's order value is its value per byte without the decay every frequency shares
-(:class:`~fallbackgate.controllers.values.ValueModel` keeps frequencies scaled), so the step-end decay moves
-nothing. Entries are refreshed lazily: a changed key gets a new entry, the old one is skipped when met.
+The order is :meth:`~fallbackgate.controllers.values.ValueModel.expert_urgency`: value per byte divided by
+how soon the expert's layer runs again, so the layer just computed gives up its cold experts before the
+next layer's (a walk over the layers whose experts do not fit otherwise degenerates into LRU). Within one
+group of experts — one layer, one home tier — that order follows the frequency alone, so the ranking keeps a
+binary heap of ``(scaled frequency, key)`` per group and merges the G groups' heads at each call, valued
+for the layer the step is at.
 
-Victims are read off the heap without popping it (best-first over its implicit tree, O(k log k) for k
-victims), so one heap serves every miss of a step. A view without a journal (a static or replayed view)
-gets a rebuild per call, ties in the view's order, as before.
+The heaps are maintained from two change logs: the expert store's residency journal (a copy came or went,
+so residency or home tier changed; read through ``view.expert_changes_since``) and the value model's
+frequency log (a use, a prune). Frequencies are kept scaled (:class:`~fallbackgate.controllers.values.
+ValueModel`), so the step-end decay moves nothing. Entries are refreshed lazily: a changed key gets a new
+entry, the old one is skipped when met. Victims are read off the heaps without popping them (best-first
+over each implicit tree), so one set of heaps serves every miss of a step. A view without a journal (a
+static or replayed view) gets a rebuild per call. Ties go by key.
 """
 
 from __future__ import annotations
@@ -22,91 +26,99 @@ from fallbackgate.engine.controller import ControllerView
 from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.tags import Tier
 
-Entry = tuple[float, object, ExpertKey]  # (order value, tie-break, key)
+Group = tuple[int, Tier]  # (layer, home tier)
+Entry = tuple[float, ExpertKey]  # (scaled frequency, key)
 
 
 class ExpertRanking:
-    """The heap of device experts and the cursors into the logs it follows (see the module docstring)."""
+    """The per-group heaps of device experts and the cursors into the logs they follow (see the module
+    docstring)."""
 
     def __init__(self) -> None:
-        self.heap: list[Entry] = []
-        self.live: dict[ExpertKey, float] = {}  # device key -> its current order value
-        self.homes: dict[ExpertKey, Tier] = {}  # device key -> its home tier (journaled views)
-        self.seconds: dict[Tier, float] = {}  # one expert's load time from each home tier
-        self.view: ControllerView | None = None  # the view the heap follows (another view: rebuild)
+        self.heaps: dict[Group, list[Entry]] = {}
+        self.live: dict[ExpertKey, float] = {}  # device key -> its scaled frequency
+        self.groups: dict[ExpertKey, Group] = {}  # device key -> its group
+        self.num_entries = 0  # entries in all heaps, stale ones included
+        self.view: ControllerView | None = None  # the view the heaps follow (another view: rebuild)
         self.cursor = -1  # into the view's residency journal (-1: rebuild)
         self.values_cursor = -1  # into the value model's frequency log
         self.values_epoch = -1  # the value model's renormalizations seen
         self.num_rebuilds = 0
 
     def sync(self, view: ControllerView, values: ValueModel) -> None:
-        """Bring the heap up to date with what changed since the last call (a rebuild when it cannot)."""
+        """Bring the heaps up to date with what changed since the last call (a rebuild when it cannot)."""
         changed, self.cursor = view.expert_changes_since(self.cursor if view is self.view else -1)
         freq_changed, self.values_cursor = values.changes_since(self.values_cursor)
         if changed is None or freq_changed is None or values.epoch != self.values_epoch or view is not self.view:
-            self._rebuild(view, values, is_journaled=self.cursor >= 0)  # a cursor < 0: the view keeps no journal
+            self._rebuild(view, values)
             return
-        seconds, live, homes, heap = self.seconds, self.live, self.homes, self.heap
-        num_bytes, scaled = view.bytes_per_expert, values.scaled
+        scaled, groups = values.scaled, self.groups
         for key in dict.fromkeys(changed):  # residency or home changed: ask the view
             if not view.is_expert_on_device(key):
-                live.pop(key, None)
-                homes.pop(key, None)
+                self.live.pop(key, None)
+                groups.pop(key, None)
                 continue
-            home = homes[key] = view.expert_home(key)
-            self._push(key, self._order(key, home, view, values))
+            group = (key[0], view.expert_home(key))
+            if groups.get(key) != group:
+                groups[key] = group
+                self.live.pop(key, None)  # a new group needs a new entry whatever the frequency
+            self._push(key, scaled.get(key, 0.0))
         for key in dict.fromkeys(freq_changed):  # only a frequency changed: residency and home are known
-            home = homes.get(key)
-            if home is not None:
-                freq = scaled.get(key, 0.0)
-                order = freq * seconds[home] / num_bytes if freq else 0.0
-                if live[key] != order:
-                    live[key] = order
-                    heapq.heappush(heap, (order, key, key))
-        if len(self.heap) > 2 * len(self.live) + 64:  # stale entries outnumber live ones: compact
-            self.heap = [(order, key, key) for key, order in self.live.items()]
-            heapq.heapify(self.heap)
+            if key in groups:
+                self._push(key, scaled.get(key, 0.0))
+        if self.num_entries > 2 * len(self.live) + 64:  # stale entries outnumber live ones: compact
+            self._heapify()
 
     def _push(self, key: ExpertKey, order: float) -> None:
         if self.live.get(key) != order:
             self.live[key] = order
-            heapq.heappush(self.heap, (order, key, key))
+            heapq.heappush(self.heaps.setdefault(self.groups[key], []), (order, key))
+            self.num_entries += 1
 
-    def _rebuild(self, view: ControllerView, values: ValueModel, is_journaled: bool) -> None:
-        """Every device expert from a walk; ties by key where a journal keeps the heap (the store's order),
-        else by the view's order."""
+    def _rebuild(self, view: ControllerView, values: ValueModel) -> None:
+        """Every device expert from a walk."""
         self.view, self.values_epoch = view, values.epoch
-        self.seconds = {}
         keys = view.device_expert_keys()
-        if is_journaled:  # order values free of the shared decay (the heap outlives this step)
-            self.homes = {key: view.expert_home(key) for key in keys}
-            self.live = {key: self._order(key, home, view, values) for key, home in self.homes.items()}
-        else:  # rebuilt per call: the values themselves, as the full sort had them
-            self.live = dict(values.expert_values(keys, view))
-        self.heap = [(order, key if is_journaled else i, key) for i, (key, order) in enumerate(self.live.items())]
-        heapq.heapify(self.heap)
+        self.groups = {key: (key[0], view.expert_home(key)) for key in keys}
+        self.live = {key: values.scaled_freq(key) for key in keys}
+        self._heapify()
         self.num_rebuilds += 1
 
-    def _order(self, key: ExpertKey, home: Tier, view: ControllerView, values: ValueModel) -> float:
-        """`key`'s order value: its value per byte without the shared decay (the formula the sync repeats)."""
-        if home not in self.seconds:
-            self.seconds[home] = view.profile.transfer_s(view.bytes_per_expert, home)
-        scaled = values.scaled_freq(key)
-        return scaled * self.seconds[home] / view.bytes_per_expert if scaled else 0.0
+    def _heapify(self) -> None:
+        self.heaps = {}
+        for key, order in self.live.items():
+            self.heaps.setdefault(self.groups[key], []).append((order, key))
+        for heap in self.heaps.values():
+            heapq.heapify(heap)
+        self.num_entries = len(self.live)
 
     def victims(
-        self, view: ControllerView, values: ValueModel, pinned: Container[ExpertKey] = ()
+        self,
+        view: ControllerView,
+        values: ValueModel,
+        pinned: Container[ExpertKey] = (),
+        current_layer: int = -1,
     ) -> Iterator[tuple[float, ExpertKey]]:
-        """Device experts not pinned, lowest value first, as (value per byte, key), produced lazily from the
-        heap as it stands (sync first; the heap must not change while the walk is read)."""
-        heap, live, seen = self.heap, self.live, set()
+        """Device experts not pinned, lowest urgency at `current_layer` first (ties by key), as (value per
+        byte, key): the value (``ValueModel.expert_value``) is what other kinds of object compare against.
+        Produced lazily from the heaps as they stand (sync first; they must not change while this is read)."""
+        streams = []
+        for group, heap in self.heaps.items():
+            walk = self._walk(group, heap, pinned)
+            streams.append((values.expert_urgency(key, view, current_layer), key) for key in walk)
+        for _, key in heapq.merge(*streams):
+            yield values.expert_value(key, view), key
+
+    def _walk(self, group: Group, heap: list[Entry], pinned: Container[ExpertKey]) -> Iterator[ExpertKey]:
+        """One group's live, unpinned keys in heap order (lowest frequency first, ties by key)."""
+        live, groups, seen = self.live, self.groups, set()
         frontier = [(heap[0], 0)] if heap else []
         while frontier:
-            (order, _, key), i = heapq.heappop(frontier)
+            (order, key), i = heapq.heappop(frontier)
             for child in (2 * i + 1, 2 * i + 2):
                 if child < len(heap):
                     heapq.heappush(frontier, (heap[child], child))
-            if live.get(key) != order or key in seen or key in pinned:
+            if live.get(key) != order or groups.get(key) != group or key in seen or key in pinned:
                 continue
             seen.add(key)
-            yield values.expert_value(key, view), key
+            yield key

@@ -57,7 +57,8 @@ class JointController(JointPlacement, Controller):
         self.cost = cost_model or CostModel(lowbit_bits=spec.expert_lowbit_bits or 8)
         self.book = BudgetBook({n: c.budget for n, c in policy.classes.items()}, QualityBudget())
         self.values, self.recency = ValueModel(spec.routing_decay), Recency()
-        self.ranking = ExpertRanking()  # device experts by value, kept between misses and steps
+        self.ranking = ExpertRanking()  # device experts in victim order, kept between misses and steps
+        self.current_layer = -1  # the layer of the step's last miss (-1: none yet)
         self.expected = ExpectedMisses()  # the next step's expected miss time, kept between steps
         self.link = LinkBudget(CPU_BOX)
         self.kv_bits = spec.kv_quant_bits
@@ -77,6 +78,7 @@ class JointController(JointPlacement, Controller):
     def on_step_start(self, plan: StepPlan, view: ControllerView) -> None:
         self.link.profile, self.view = view.profile, view
         self.step_id, self.is_observe = plan.step_id, plan.is_observe
+        self.current_layer = -1
         self.loading.clear()
         deadline = step_deadline_s(self.policy, plan, view)
         self.link.reset(deadline, view.io_snapshot(), view.is_ram_tiered)
@@ -131,6 +133,7 @@ class JointController(JointPlacement, Controller):
     def expert_action(self, miss: ExpertMiss) -> Decision:
         budget = self._budget(miss.request_id, miss.request_class)
         key = (miss.layer, miss.expert_id)
+        self.current_layer = miss.layer
         if key in self.loading:  # another request of this step already queued its load
             budget.spend(Tag.EXACT_LOAD, 0.0, True)
             return Decision(Tag.EXACT_LOAD)
@@ -225,6 +228,7 @@ class JointController(JointPlacement, Controller):
 
     def kv_action(self, miss: KVMiss) -> Decision:
         budget = self._budget(miss.request_id, miss.request_class)
+        self.current_layer = miss.layer
         planned = self.kv_plan.pop((miss.request_id, miss.layer, miss.block_index), None)
         if planned is not None:  # budget already spent by the arbitration that planned it
             return planned

@@ -36,7 +36,8 @@ class JointPlacement:
     book: BudgetBook
     values: ValueModel
     recency: Recency
-    ranking: ExpertRanking  # device experts by value, kept between misses and steps
+    ranking: ExpertRanking  # device experts in victim order, kept between misses and steps
+    current_layer: int  # the layer the step is at (its last miss; -1 before the first)
     link: LinkBudget
     kv_bits: int
     top_k: int
@@ -65,15 +66,17 @@ class JointPlacement:
         pinned_experts: Container[ExpertKey],
         pinned_kv: Container[KVBlockKey],
     ) -> Iterator[Victim]:
-        """Everything on device, lowest value per byte first, ties in the store's order with experts before
-        KV blocks (as one stable sort of experts then blocks would give), produced lazily: experts from the
-        maintained ranking (synced with what changed since the last call, read without popping), KV blocks
-        request by request (a request's blocks share one value) in the order of a heap of request values,
-        so k victims cost O(c log E + R log R + k log E) for c experts changed since the last call, E device
-        experts and R requests, whatever the KV length."""
+        """Everything on device, produced lazily: experts in the ranking's order (lowest value per byte per
+        expected step to their next use at the layer the step is at: the farthest cold use first; synced with
+        what changed since the last call, read without popping), KV blocks lowest value per byte first,
+        request by request (a request's blocks share one value) in the order of a heap of request values; the
+        two streams merged by value per byte (ties: the expert first). k victims cost
+        O(c log E + G + R log R + k log E) for c experts changed since the last call, E device experts in G
+        (layer, home) groups and R requests, whatever the KV length."""
         self.ranking.sync(view, self.values)
         ranked_experts = (
-            (value, Victim(expert_key=key)) for value, key in self.ranking.victims(view, self.values, pinned_experts)
+            (value, Victim(expert_key=key))
+            for value, key in self.ranking.victims(view, self.values, pinned_experts, self.current_layer)
         )
         ranked_kv = self._kv_victims(view, pinned_kv)
         return (victim for _, victim in heapq.merge(ranked_experts, ranked_kv, key=lambda item: item[0]))
@@ -104,6 +107,7 @@ class JointPlacement:
     def on_step_end(self, view: ControllerView) -> StepEndActions:
         """Update the values and the ranking with the step's uses, rebalance into the host link time left, and
         give the experts the step lost their room back from colder KV (:func:`demotions`)."""
+        self.current_layer = -1  # what moves now competes for the next step, which starts at the first layer
         self.values.update(view)
         self.recency.touch(view)
         self.ranking.sync(view, self.values)

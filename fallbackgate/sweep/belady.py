@@ -29,11 +29,18 @@ from fallbackgate.engine.kv.store import KVBlockKey
 from fallbackgate.engine.messages import StepPlan
 
 
-def belady_misses(trace: Sequence[ExpertKey], num_slots: int) -> int:
-    """Loads (misses) of Belady's MIN on ``trace`` with ``num_slots`` slots, cold start; O(n log n)."""
-    if num_slots < 1:
-        raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+def belady_misses(trace: Sequence[ExpertKey], num_slots: int | Sequence[int]) -> int:
+    """Loads (misses) of Belady's MIN on ``trace`` with ``num_slots`` slots, cold start; O(n log n).
+
+    ``num_slots`` may also give the slots at each access (a room that changes over the run, as a shared
+    budget's expert share does): a miss then evicts the farthest next uses until the cache is below that
+    access's slots (at least one slot is always there for the miss itself)."""
     n = len(trace)
+    slots = [num_slots] * n if isinstance(num_slots, int) else list(num_slots)
+    if len(slots) != n:
+        raise ValueError(f"num_slots gives {len(slots)} rooms for {n} accesses")
+    if any(s < 1 for s in slots):
+        raise ValueError(f"num_slots must be >= 1, got {min(slots)}")
     next_use = [n] * n
     last: dict[ExpertKey, int] = {}
     for i in range(n - 1, -1, -1):
@@ -45,12 +52,10 @@ def belady_misses(trace: Sequence[ExpertKey], num_slots: int) -> int:
     for i, key in enumerate(trace):
         if key not in cached:
             misses += 1
-            if len(cached) >= num_slots:
-                while True:
-                    neg, victim = heapq.heappop(heap)
-                    if cached.get(victim) == -neg:
-                        del cached[victim]
-                        break
+            while len(cached) >= slots[i]:
+                neg, victim = heapq.heappop(heap)
+                if cached.get(victim) == -neg:
+                    del cached[victim]
         cached[key] = next_use[i]
         heapq.heappush(heap, (-next_use[i], key))
     return misses

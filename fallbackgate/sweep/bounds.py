@@ -38,6 +38,7 @@ class StepTrace:
     steps: list[tuple[list[Key], list[Key]]]  # (KV blocks, experts) per step
     bytes_per_expert: int
     bytes_per_kv_block: int
+    step_ids: list[int] = dataclasses.field(default_factory=list)  # each step's id in the run (empty: unknown)
 
     @property
     def expert_sequence(self) -> list[Key]:
@@ -63,7 +64,8 @@ def step_trace(
     for step, request, layer, block in kv.sort_values(["step", "layer"], kind="stable").itertuples(index=False):
         by_step_k.setdefault(int(step), []).append(("k", str(request), int(layer), int(block)))
     ids = sorted(set(by_step_e) | set(by_step_k))
-    return StepTrace([(by_step_k.get(s, []), by_step_e.get(s, [])) for s in ids], bytes_per_expert, bytes_per_kv_block)
+    steps = [(by_step_k.get(s, []), by_step_e.get(s, [])) for s in ids]
+    return StepTrace(steps, bytes_per_expert, bytes_per_kv_block, ids)
 
 
 def belady_by_kind(trace: StepTrace, expert_bytes: int, kv_bytes: int) -> dict[str, float]:
@@ -79,6 +81,30 @@ def belady_by_kind(trace: StepTrace, expert_bytes: int, kv_bytes: int) -> dict[s
         "belady_kv_bytes": float(max(0, k_reads) * trace.bytes_per_kv_block),
         "belady_expert_slots": float(e_slots),
         "belady_kv_slots": float(k_slots),
+    }
+
+
+def belady_expert_at_room(trace: StepTrace, expert_room_by_step: dict[int, int]) -> dict[str, float]:
+    """Bytes Belady's MIN reads for experts with the room the run itself gave experts step by step
+    (`expert_room_by_step`: step id -> expert bytes held after that step): during a step, the larger of
+    the rooms after it and after the step before, at least one expert (a cold start holds none). The same
+    memory as the run at every step, so the ratio to it measures which experts a policy kept, not how much
+    room it gave them. Steps with no room known get the largest room of the run."""
+    if not trace.step_ids:
+        raise ValueError("the trace has no step ids: build it with step_trace")
+    per_expert = trace.bytes_per_expert
+    largest = max(expert_room_by_step.values(), default=0)
+    slots, rooms, before = [], [], 0
+    for step_id, (_, experts) in zip(trace.step_ids, trace.steps, strict=True):
+        after = expert_room_by_step.get(step_id, largest)
+        room = max(1, max(before, after) // per_expert)
+        slots += [room] * len(experts)
+        rooms.append(room)
+        before = after
+    reads = belady_misses(trace.expert_sequence, slots) if slots else 0
+    return {
+        "belady_expert_bytes_same_room": float(reads * per_expert),
+        "belady_same_room_mean_slots": float(np.mean(rooms)) if rooms else 0.0,
     }
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from fallbackgate.assembly import Assembly, Overrides, assemble
 from fallbackgate.batch.prompts import PromptSpec
+from fallbackgate.ledger import queries
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.apply import with_sections
@@ -170,6 +171,7 @@ def run_cell(cfg: RegimeConfig, policy: Policy, specs: list[PromptSpec], cell: d
         model = trace.metadata["model"]
         steps = bounds.step_trace(experts, kv, model["bytes_per_expert"], model["bytes_per_kv_block"])
         m.update(_bounds(steps, ram, cell, m))
+        m.update(bounds.belady_expert_at_room(steps, queries.expert_room_by_step(ledger, recorder.run_id)))
         built.engine.close()
         key = cell_key(cell)
         if cfg.trace_out and key in cfg.keep_traces:

@@ -150,6 +150,10 @@ def bounds_summary(points: list[dict[str, Any]]) -> dict[str, Any]:
                 [_expert_read(m) / max(1.0, m["belady_expert_bytes"]) for m in mine]
             ),
         }
+        same_room = [_expert_read(m) / max(1.0, m["belady_expert_bytes_same_room"])
+                     for m in mine if "belady_expert_bytes_same_room" in m]  # fmt: skip
+        if same_room:  # sweeps before this bound have none
+            out[controller]["expert_read_over_belady_same_room"] = interval(same_room)
     return out
 
 
