@@ -83,17 +83,17 @@ def _victim(
 
 def test_urgency_is_value_for_the_layer_just_run_and_grows_as_its_layer_nears() -> None:
     values = ValueModel(0.9)
-    values.set_frequencies({(2, 0): 5.0, (2, 1): 0.5})
+    values.set_frequencies({(2, 0): 0.5, (2, 1): 0.05})
     view = _view([(2, 0), (2, 1)])
     seconds_per_byte = CPU_BOX.transfer_s(EXPERT_BYTES, Tier.HOST) / EXPERT_BYTES
-    assert values.expert_urgency((2, 0), view, 2) == pytest.approx(0.1 * values.expert_value((2, 0), view))
+    assert values.expert_urgency((2, 0), view, 2) == pytest.approx(values.expert_value((2, 0), view))
     # p = 0.5 per step; from layer 1 the next use is 1/4 + 1/p - 1 = 1.25 steps away, from layer 2 it is 2
     assert values.expert_urgency((2, 0), view, 1) == pytest.approx(seconds_per_byte / 1.25)
     assert values.expert_urgency((2, 0), view, 2) == pytest.approx(seconds_per_byte / 2.0)
     assert values.expert_urgency((2, 0), view, -1) == pytest.approx(seconds_per_byte / 1.75)
     assert values.expert_urgency((3, 0), view, 1) == 0.0  # never used
     # a hot expert whose layer just ran goes before a colder one whose layer is next
-    values.set_frequencies({(1, 0): 9.0, (2, 5): 7.0})
+    values.set_frequencies({(1, 0): 0.9, (2, 5): 0.7})
     ranking = ExpertRanking()
     both = _view([(1, 0), (2, 5)])
     ranking.sync(both, values)

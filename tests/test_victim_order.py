@@ -50,7 +50,7 @@ def _random_state(rng: random.Random) -> tuple[StaticView, dict, list, list]:
     experts = [(layer, e) for layer in range(num_layers) for e in range(num_experts)]
     on_device = tuple(k for k in experts if rng.random() < 0.7)
     homes = {k: rng.choice([Tier.HOST, Tier.DISK]) for k in experts}
-    freq = {k: rng.choice([0.1, 0.1, 0.3, 0.5, rng.random(), 9.5, 9.5]) for k in experts if rng.random() < 0.7}
+    freq = {k: rng.choice([0.1, 0.1, 0.3, 0.5, rng.random(), 0.95, 0.95]) for k in experts if rng.random() < 0.7}
     rids = [f"r{i}" for i in range(rng.randint(1, 5))]
     blocks = []
     for rid in rids:  # the engine's order: request, then layer, then index

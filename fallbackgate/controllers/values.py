@@ -1,6 +1,7 @@
 """Marginal value per device byte of expert slots and KV blocks, for the joint controller.
 
-- expert: misses avoided per step (decayed per-layer routing frequency of that expert) × its load time;
+- expert: misses avoided per step (decayed per-layer routing frequency of that expert: the share of steps
+  that use it, as a use adds 1 − decay) × its load time;
 - KV block: one read per step while its request runs × its cheapest acceptable reload time from where a
   spilled block goes (host memory; the disk on a CPU), a quantized copy when its class may read one, else the
   full block; 0 for requests not running;
@@ -137,21 +138,20 @@ class ValueModel:
         """Seconds per byte saved by keeping `key` on device, weighted by how soon it is needed again: the
         victim order of the joint controller (lowest first; Belady's MIN evicts the farthest next use).
 
-        Its layer is read once per step, with probability ``p = frequency × (1 − decay)`` (a use adds
-        ``1 − decay``, so an expert used every step tends to 1); after `current_layer` (-1: the step's start)
-        its layer comes ``D`` of the ``N`` decoder layers later, so its next use is expected
-        ``T = D/N + 1/p − 1`` steps away and the order is load seconds per byte ÷ ``T``. For an expert whose
-        layer just ran (``D = N``) that is ``expert_value × (1 − decay)``; 0 when never used. A layer walk
-        whose experts do not fit then evicts the experts whose layer has just run, not the least recently used
-        ones."""
+        Its layer is read once per step and uses it with probability ``p``, its frequency (the share of steps
+        that used it); after `current_layer` (-1: the step's start) its layer comes ``D`` of the ``N``
+        decoder layers later, so its next use is expected ``T = D/N + 1/p − 1`` steps away and the order is
+        load seconds per byte ÷ ``T``. For an expert whose layer just ran (``D = N``) that is
+        ``expert_value``; 0 when never used. A layer walk whose experts do not fit then evicts the experts
+        whose layer has just run, not the least recently used ones."""
         freq = self.frequency(key)
         if not freq:
             return 0.0
         num_layers = view.num_layers
         distance = (key[0] - current_layer - 1) % num_layers + 1
-        per_step = freq * (1.0 - self.decay)
         seconds = view.profile.transfer_s(view.bytes_per_expert, view.expert_home(key))
-        return seconds / view.bytes_per_expert / (distance / num_layers + 1.0 / per_step - 1.0)
+        share = min(1.0, freq)  # a seeded frequency may exceed what uses can leave
+        return seconds / view.bytes_per_expert / (distance / num_layers + 1.0 / share - 1.0)
 
     def expert_values(self, keys: Iterable[ExpertKey], view: ControllerView) -> list[tuple[ExpertKey, float]]:
         """`expert_value` of each key, in order (the same floats; each home tier's load time computed once)."""
