@@ -23,6 +23,7 @@ from fallbackgate.bench.prefix_reuse import make_engine, run_sessions, spill_kep
 from fallbackgate.cli import main
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.controllers.joint import JointController
+from fallbackgate.controllers.joint_placement import prefix_spill_mode
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.controller import Decision, KVBlockInfo
 from fallbackgate.engine.engine import Engine
@@ -179,7 +180,12 @@ def test_kept_blocks_free_their_bytes_when_dropped(tmp_path: pathlib.Path, sessi
     pool = engine.kv_store.device_pool
     kept = engine.prefix.summary()["num_kept_layer_blocks_on_device"]
     assert kept > 0 and pool.used_bytes_by_kind[ObjectKind.KV_BLOCK] == kept * engine.kv_store.bytes_per_block
-    for rid in [r for r in engine.kv_store.tables if r.startswith(PREFIX_ID)]:
+    stats = engine.prefix.stats
+    assert stats.num_kept_blocks > 1 and stats.num_reused_blocks == 0  # one turn: nothing adopted yet
+    prefix_ids = [r for r in engine.kv_store.tables if r.startswith(PREFIX_ID)]
+    info = engine.prefix.entry_info(prefix_ids[0])
+    assert info.reuse_share == 1 / (1 + stats.num_kept_blocks) and prefix_spill_mode(info) is SpillMode.DROP
+    for rid in prefix_ids:
         engine.executor.spill_kv((rid, 0, 0), SpillMode.DROP)
     engine.prefix._prune()
     assert engine.prefix.summary()["num_kept_now"] == 0
@@ -231,6 +237,22 @@ def test_the_joint_controller_weighs_kept_prefixes_against_experts() -> None:
     order = [v.kv_block_key[0] if v.kv_block_key else "expert" for v in joint.choose_victims(1, view, set(), set())]
     assert order == ["prefix:bb", "expert", "prefix:aa"]  # the cold prefix leaves RAM first, the hot one last
     assert list(joint.choose_victims(1, view, set(), set())) == ref.joint_victims(joint, view, set(), set())
+    modes = {v.spill_mode for v in joint.choose_victims(1, view, set(), set()) if v.kv_block_key}
+    assert modes == {SpillMode.HOST_FULL}  # no share given: as if every kept block were adopted
+
+
+def test_where_kept_prefixes_are_seldom_adopted_an_unadopted_one_leaves_sooner_and_without_a_copy() -> None:
+    view = StaticView(CPU_BOX, bytes_per_kv_block=1 << 10, is_ram_tiered=True)
+    values = JointController(POLICY).values
+    fresh, seldom = PrefixEntryInfo("aa", 0, 0, 1), PrefixEntryInfo("aa", 0, 0, 1, reuse_share=0.2)
+    assert values.prefix_value(seldom, view) == pytest.approx(0.2 * values.prefix_value(fresh, view))
+    adopted = PrefixEntryInfo("aa", 1, 3, 1, reuse_share=0.2)  # (0.2 + 1) / (1 + 3)
+    assert values.prefix_value(adopted, view) == pytest.approx(0.3 * values.prefix_value(fresh, view))
+    often = PrefixEntryInfo("aa", 0, 0, 1, reuse_share=3.0)  # a share above 1 is a certain reuse, no more
+    assert values.prefix_value(often, view) == values.prefix_value(fresh, view)
+    assert prefix_spill_mode(seldom) is SpillMode.DROP  # most kept blocks are never adopted: no write
+    assert prefix_spill_mode(adopted) is SpillMode.HOST_FULL  # adopted once: kept on disk
+    assert prefix_spill_mode(PrefixEntryInfo("aa", 0, 0, 1, reuse_share=0.5)) is SpillMode.HOST_FULL
 
 
 @pytest.mark.slow

@@ -279,7 +279,8 @@ class PrefixCache(PrefixSharing):
         if entry is None:
             return None
         on_device = sum(1 for t in self.kv.tables[request_id] if t[0].device is not None)
-        return PrefixEntryInfo(digest.hex(), entry.num_hits, self.step_of() - entry.last_step, on_device)
+        share = (1 + self.stats.num_reused_blocks) / (1 + self.stats.num_kept_blocks)
+        return PrefixEntryInfo(digest.hex(), entry.num_hits, self.step_of() - entry.last_step, on_device, share)
 
     def summary(self) -> dict[str, int]:
         """Stats plus what is kept now."""

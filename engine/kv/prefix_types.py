@@ -47,6 +47,7 @@ class PrefixEntryInfo:
     num_hits: int  # times requests adopted this prefix block so far
     idle_steps: int  # engine steps since it was kept or last adopted
     num_on_device: int  # layers whose block is in the fast tier
+    reuse_share: float = 1.0  # the run's adoptions per kept block position so far, (1 + adopted) / (1 + kept)
 
 
 @dataclasses.dataclass(slots=True)

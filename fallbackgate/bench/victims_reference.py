@@ -13,6 +13,7 @@ import heapq
 from fallbackgate.controllers.base import Recency
 from fallbackgate.controllers.joint import JointController
 from fallbackgate.controllers.joint_memory import PREFETCH_MIN_FREQ
+from fallbackgate.controllers.joint_placement import prefix_spill_mode
 from fallbackgate.controllers.static_split import StaticSplitController
 from fallbackgate.controllers.values import ValueModel
 from fallbackgate.engine.controller import ControllerView, StepEndActions, Victim
@@ -39,7 +40,7 @@ def joint_victims(
         rid = block.key[0]
         entry = view.prefix_entry(rid)
         if rid not in per_request and entry is not None:  # a kept prefix block
-            per_request[rid] = (SpillMode.HOST_FULL, joint.values.prefix_value(entry, view))
+            per_request[rid] = (prefix_spill_mode(entry), joint.values.prefix_value(entry, view))
         if rid not in per_request:
             mode = joint.spill_mode(rid, view)
             fraction = 1.0 if mode is SpillMode.HOST_FULL else quant_fraction

@@ -17,11 +17,22 @@ from fallbackgate.controllers.values import ValueModel
 from fallbackgate.engine.controller import ControllerView, StepEndActions, Victim
 from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.kv.block import RequestBlockKeys
+from fallbackgate.engine.kv.prefix_cache import PrefixEntryInfo
 from fallbackgate.engine.kv.store import KVBlockKey, SpillMode
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.policy.budgets import BudgetBook
 
 T = TypeVar("T")
+DROP_BELOW_REUSE = 0.5  # adoptions per kept prefix block below which an unadopted one leaves without a copy
+
+
+def prefix_spill_mode(entry: PrefixEntryInfo) -> SpillMode:
+    """A kept prefix block leaving the fast tier keeps a copy (read back exactly if adopted), unless it was
+    never adopted in a run where most kept blocks are not (`DROP_BELOW_REUSE`): then writing it would most
+    likely be wasted, and an adopter that misses it computes its prefill."""
+    if entry.num_hits == 0 and entry.reuse_share < DROP_BELOW_REUSE:
+        return SpillMode.DROP
+    return SpillMode.HOST_FULL
 
 
 def _drain(heap: list[T]) -> Iterator[T]:
@@ -93,7 +104,7 @@ class JointPlacement:
                 continue
             entry = view.prefix_entry(rid)
             if entry is not None:  # a kept prefix: goes to disk, still reusable, when colder than what stays
-                requests.append((self.values.prefix_value(entry, view), i, rid, SpillMode.HOST_FULL))
+                requests.append((self.values.prefix_value(entry, view), i, rid, prefix_spill_mode(entry)))
                 continue
             mode = self.spill_mode(rid, view)
             fraction = 1.0 if mode is SpillMode.HOST_FULL else quant_fraction

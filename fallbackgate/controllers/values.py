@@ -5,8 +5,10 @@
 - KV block: one read per step while its request runs × its cheapest acceptable reload time from where a
   spilled block goes (host memory; the disk on a CPU), a quantized copy when its class may read one, else the
   full block; 0 for requests not running;
-- kept prefix block: its reuse rate, (1 + adoptions) / (1 + steps idle), × the time to read it back from
-  the tier it would go to (the disk on a CPU), so a hot prefix outranks a cold expert and a cold one leaves first.
+- kept prefix block: its reuse rate, (s + adoptions) / (1 + steps idle), × the time to read it back from
+  the tier it would go to (the disk on a CPU), so a hot prefix outranks a cold expert and a cold one leaves
+  first; s, the prior of a block not adopted yet, is the run's adoptions per kept block so far (at most 1;
+  1 before any was kept), so where prefixes are seldom reused they give their room to experts sooner.
 Values are seconds saved per step per byte, so both sides compare in one unit.
 
 Frequencies are kept divided by the decay every one of them shares (``frequency = scaled × scale``), so a
@@ -179,7 +181,7 @@ class ValueModel:
     def prefix_value(self, entry: PrefixEntryInfo, view: ControllerView) -> float:
         """Seconds saved per step per byte by keeping a kept prefix block in the fast tier."""
         num_bytes = view.bytes_per_kv_block
-        rate = min(1.0, (1 + entry.num_hits) / (1 + entry.idle_steps))
+        rate = min(1.0, (min(1.0, entry.reuse_share) + entry.num_hits) / (1 + entry.idle_steps))
         seconds = view.profile.transfer_s(num_bytes, _spill_tier(view))
         return rate * seconds / num_bytes
 
