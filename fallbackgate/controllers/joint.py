@@ -58,7 +58,8 @@ class JointController(JointPlacement, Controller):
         self.book = BudgetBook({n: c.budget for n, c in policy.classes.items()}, QualityBudget())
         self.values, self.recency = ValueModel(spec.routing_decay), Recency()
         self.ranking = ExpertRanking()  # device experts in victim order, kept between misses and steps
-        self.current_layer = -1  # the layer of the step's last miss (-1: none yet)
+        self.current_layer = -1  # the layer of the step's last expert miss (-1: none yet; KV reads are all
+        # decided before the forward, so they leave it at -1)
         self.expected = ExpectedMisses()  # the next step's expected miss time, kept between steps
         self.link = LinkBudget(CPU_BOX)
         self.kv_bits = spec.kv_quant_bits
@@ -228,7 +229,6 @@ class JointController(JointPlacement, Controller):
 
     def kv_action(self, miss: KVMiss) -> Decision:
         budget = self._budget(miss.request_id, miss.request_class)
-        self.current_layer = miss.layer
         planned = self.kv_plan.pop((miss.request_id, miss.layer, miss.block_index), None)
         if planned is not None:  # budget already spent by the arbitration that planned it
             return planned

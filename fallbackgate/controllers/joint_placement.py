@@ -17,7 +17,7 @@ from fallbackgate.controllers.values import ValueModel
 from fallbackgate.engine.controller import ControllerView, StepEndActions, Victim
 from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.kv.block import RequestBlockKeys
-from fallbackgate.engine.kv.prefix_cache import PrefixEntryInfo
+from fallbackgate.engine.kv.prefix_types import PrefixEntryInfo
 from fallbackgate.engine.kv.store import KVBlockKey, SpillMode
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.policy.budgets import BudgetBook
@@ -48,7 +48,7 @@ class JointPlacement:
     values: ValueModel
     recency: Recency
     ranking: ExpertRanking  # device experts in victim order, kept between misses and steps
-    current_layer: int  # the layer the step is at (its last miss; -1 before the first)
+    current_layer: int  # the layer the step is at (its last expert miss; -1 before the first)
     link: LinkBudget
     kv_bits: int
     top_k: int
