@@ -106,6 +106,10 @@ def test_run_trace_matches_the_ledger(traced_run: tuple[pathlib.Path, pathlib.Pa
     off_device = kv[kv["tag"].astype(str) != "resident"].groupby(kv["tag"].astype(str)).size().to_dict()
     assert off_device == {t: c for k, t, _, c in events if k == "kv_block" and t != "resident"}
     assert ((kv["tier_before"].astype(str) == "device") == (kv["tag"].astype(str) == "resident")).all()
+    io = trace.frame("io")  # the serving run's transfers only: the audit's checkpoint reads come after it
+    reads = io[io["op"].astype(str) == "read"].groupby(io["object_kind"].astype(str))["bytes"].sum()
+    assert reads["kv_block"] == by_tag[("kv_block", "exact_load")]
+    assert by_tag[("expert", "exact_load")] <= reads["expert"] <= 1.05 * by_tag[("expert", "exact_load")]
 
 
 @pytest.mark.slow

@@ -24,13 +24,8 @@ from fallbackgate.engine.device_pool import Scratch
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import ObjectKind, Tag
+from fallbackgate.sweep.measures import proc_io
 from fallbackgate.tinymoe import CHECKPOINT_DIR
-
-
-def proc_io() -> dict[str, int]:
-    """This process's I/O counters from /proc/self/io."""
-    lines = pathlib.Path("/proc/self/io").read_text().splitlines()
-    return {key: int(value) for key, value in (line.split(": ") for line in lines if line)}
 
 
 def _steps(engine: Engine) -> list[dict[str, object]]:

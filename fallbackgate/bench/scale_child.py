@@ -29,6 +29,7 @@ from fallbackgate.engine.model.checkpoint_files import CheckpointFiles
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import Tier
 from fallbackgate.sweep.belady import TraceRecorder
+from fallbackgate.sweep.measures import proc_io
 from fallbackgate.workloads.build import generate
 from fallbackgate.workloads.kinds import Context, WorkloadKind
 from fallbackgate.workloads.text import TextPool
@@ -48,10 +49,7 @@ def workload_prompts(model: str, kind: str, seed: int, num_prompts: int, max_new
 
 def kernel_read_bytes() -> int:
     """This process's bytes read from storage so far, as the kernel counts them (``/proc/self/io``)."""
-    for line in pathlib.Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    raise RuntimeError("no read_bytes in /proc/self/io")
+    return proc_io()["read_bytes"]
 
 
 def drop_page_cache(model: str) -> None:

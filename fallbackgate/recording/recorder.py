@@ -184,6 +184,7 @@ class RunRecorder:
         with self._failing():
             for spec, output in zip(outcome.specs, outcome.outputs, strict=True):
                 self.on_request(output, spec.prompt, "failed" if output.request_id in outcome.failures else "finished")
+            self._close_trace()  # the trace is of serving: the audit's own checkpoint reads are not the run's I/O
             audited = self._choose_audited([o for o in outcome.outputs if o.request_id not in outcome.failures])
             self.writer.record_verifications(self.engine.verify_dense())  # the baselines compute with these
             if is_deferred:

@@ -11,6 +11,7 @@ its objects).
 from __future__ import annotations
 
 import math
+import pathlib
 from collections import Counter
 from collections.abc import Sequence
 
@@ -20,6 +21,13 @@ from fallbackgate.batch.session import RunOutcome
 from fallbackgate.policy.schema import Policy
 
 DEVICE = "device"
+
+
+def proc_io() -> dict[str, int]:
+    """This process's I/O counters as the kernel keeps them (``/proc/self/io``: ``read_bytes`` is what really
+    came from storage, page-cache hits excluded; all threads counted)."""
+    lines = pathlib.Path("/proc/self/io").read_text().splitlines()
+    return {key: int(value) for key, value in (line.split(": ") for line in lines if line)}
 
 
 def quantile(values: Sequence[float], q: float) -> float:

@@ -157,9 +157,12 @@ def run_cell(cfg: RegimeConfig, policy: Policy, specs: list[PromptSpec], cell: d
     try:
         built = build(cfg, policy, kind, ram, split, trace_dir)
         recorder = built.recorder(LedgerWriter(ledger), note=f"sweep {cell['workload']} seed {cell['seed']} {kind}")
+        kernel_before = measures.proc_io()["read_bytes"]
         outcome = recorder.serve(specs, built.settings)
+        kernel_read = measures.proc_io()["read_bytes"] - kernel_before  # serving only: the audit reads too
         verdict = recorder.finish(outcome)
         m: dict[str, Any] = measures.latency_measures(outcome, built.policy)
+        m["kernel_read_bytes_serve"] = float(kernel_read)
         m.update(measures.tag_bytes(outcome))
         m["read_bytes"] = measures.read_bytes_of(m)
         m.update(quality_metrics(recorder.audited_stats, verdict))
