@@ -62,7 +62,12 @@ def test_an_experts_rows_do_not_depend_on_its_slot_or_its_neighbours() -> None:
         for _ in range(3)
     ]
     index, weights = torch.tensor([[0, 1], [2, 0], [1, 2], [0, 2], [1, 0], [2, 1]]), torch.rand(6, 2)
-    reference = stacked_forward(module, experts, hidden, index, weights)
+    reference = stacked_forward(module, experts.__getitem__, 3, hidden, index, weights)
+    one_per_group = experts[0].gate_up.nbytes + experts[0].down.nbytes  # three stacks of one expert each
+    loaded: list[int] = []
+    load = lambda i: loaded.append(i) or experts[i]  # noqa: E731
+    grouped = stacked_forward(module, load, 3, hidden, index, weights, one_per_group)
+    assert torch.equal(grouped, reference) and loaded == [0, 1, 2]
     pool_up, pool_down = torch.zeros(9, 32, 16, dtype=torch.bfloat16), torch.zeros(9, 16, 16, dtype=torch.bfloat16)
     slot_of = [7, 2, 4]  # the same experts scattered over a larger pool, among unused slots
     for expert, slot in zip(experts, slot_of, strict=True):

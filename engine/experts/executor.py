@@ -13,6 +13,7 @@ from fallbackgate.engine.errors import BudgetError, EngineError
 from fallbackgate.engine.experts.dispatch import ExpertDispatch
 from fallbackgate.engine.experts.grouped import stacked_forward
 from fallbackgate.engine.experts.store import ExpertKey, ExpertStore
+from fallbackgate.engine.experts.weights import ExpertWeights
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.kv.block import DISK_FALLBACK, DISK_MODES, FULL_COPY_MODES
 from fallbackgate.engine.kv.store import KVBlockKey, KVStore, RequestBlockKeys, SpillMode
@@ -96,10 +97,13 @@ class Executor:
         """The exact baseline: the baselines' own verified copies of the layer's experts, stacked for the
         same grouped kernel the served path runs."""
         ids = torch.unique(top_k_index).tolist()
-        experts = [self.audit_weights.get((layer, int(e)), hidden.device) for e in ids]
         lut = torch.full((int(ids[-1]) + 1,), -1, dtype=torch.int64, device=top_k_index.device)
         lut[torch.as_tensor(ids, device=top_k_index.device)] = torch.arange(len(ids), device=top_k_index.device)
-        return stacked_forward(module, experts, hidden, lut[top_k_index], top_k_weights)
+
+        def load(slot: int) -> ExpertWeights:
+            return self.audit_weights.get((layer, int(ids[slot])), hidden.device)
+
+        return stacked_forward(module, load, len(ids), hidden, lut[top_k_index], top_k_weights)
 
     # --- KV (called by the paged cache) --------------------------------------------------------
     def kv_update(

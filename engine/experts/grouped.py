@@ -10,10 +10,14 @@ matmul whatever other slots the call holds, so an expert's output does not depen
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers.integrations.moe import _grouped_linear
 
 from fallbackgate.engine.experts.weights import ExpertWeights
+
+MAX_STACK_BYTES = 128 * 1024 * 1024  # experts a baseline stacks at once (a layer of a real model is GBs)
 
 
 def grouped_rows(
@@ -62,17 +66,34 @@ def single_expert_rows(
 
 def stacked_forward(
     module: torch.nn.Module,
-    experts: list[ExpertWeights],
+    load: Callable[[int], ExpertWeights],
+    num_experts: int,
     hidden: torch.Tensor,
     slot_index: torch.Tensor,
     top_k_weights: torch.Tensor,
+    max_stack_bytes: int = MAX_STACK_BYTES,
 ) -> torch.Tensor:
-    """The experts forward over a temporary stack of `experts` (a baseline's own copies): `slot_index`
-    ``[T, k]`` names each row's entry in `experts` (-1: omitted)."""
+    """The experts forward over temporary stacks of a baseline's own copies: `slot_index` ``[T, k]`` names each
+    row's expert, ``0 .. num_experts - 1`` (-1: omitted), and ``load(i)`` gives expert ``i``. Experts are loaded
+    and stacked in groups of at most `max_stack_bytes` (at least one), so an audit of a layer holds a group,
+    not the layer; each row is computed by the same per-slot matmul whatever group its expert is in."""
     num_tokens, top_k = slot_index.shape
-    if not experts:
+    if not num_experts:
         return torch.zeros_like(hidden)
-    gate_up = torch.stack([e.gate_up.to(hidden.device) for e in experts])
-    down = torch.stack([e.down.to(hidden.device) for e in experts])
-    rows = grouped_rows(module, gate_up, down, hidden, slot_index.reshape(-1), top_k_weights.reshape(-1), top_k)
+    flat, weights = slot_index.reshape(-1), top_k_weights.reshape(-1)
+    rows: torch.Tensor | None = None
+    first = 0
+    while first < num_experts:
+        group = [load(first)]
+        per_expert = max(1, group[0].gate_up.nbytes + group[0].down.nbytes)
+        stop = min(num_experts, first + max(1, max_stack_bytes // per_expert))
+        group += [load(i) for i in range(first + 1, stop)]
+        gate_up = torch.stack([e.gate_up.to(hidden.device) for e in group])
+        down = torch.stack([e.down.to(hidden.device) for e in group])
+        del group
+        is_here = (flat >= first) & (flat < stop)
+        part = grouped_rows(module, gate_up, down, hidden, torch.where(is_here, flat - first, -1), weights, top_k)
+        del gate_up, down
+        rows = part if rows is None else torch.where(is_here.unsqueeze(-1), part, rows)
+        first = stop
     return sum_rows(rows, num_tokens, top_k, hidden.dtype)

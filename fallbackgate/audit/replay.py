@@ -252,8 +252,11 @@ class Replayer:
         slot_index = torch.full_like(top_k_index, -1)
         for slot, (expert_id, precision) in enumerate(combos):
             slot_index[(top_k_index == expert_id) & (bits == precision)] = slot
-        experts = [self._expert(layer, int(e), int(p)) for e, p in combos]
-        return stacked_forward(module, experts, hidden, slot_index, weights)
+
+        def load(slot: int) -> ExpertWeights:
+            return self._expert(layer, int(combos[slot][0]), int(combos[slot][1]))
+
+        return stacked_forward(module, load, len(combos), hidden, slot_index, weights)
 
     def _served_routing(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor) -> torch.Tensor:
         """`top_k_index` with each segment's tokens routed as its recorded digest says."""

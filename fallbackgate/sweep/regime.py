@@ -20,6 +20,7 @@ import math
 import os
 import pathlib
 import random
+import resource
 import shutil
 import tempfile
 import time
@@ -160,9 +161,11 @@ def run_cell(cfg: RegimeConfig, policy: Policy, specs: list[PromptSpec], cell: d
         kernel_before = measures.proc_io()["read_bytes"]
         outcome = recorder.serve(specs, built.settings)
         kernel_read = measures.proc_io()["read_bytes"] - kernel_before  # serving only: the audit reads too
+        peak_rss_serve = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process high-water mark
         verdict = recorder.finish(outcome)
         m: dict[str, Any] = measures.latency_measures(outcome, built.policy)
         m["kernel_read_bytes_serve"] = float(kernel_read)
+        m["peak_rss_serve_bytes"] = float(peak_rss_serve)
         m.update(measures.tag_bytes(outcome))
         m["read_bytes"] = measures.read_bytes_of(m)
         m.update(quality_metrics(recorder.audited_stats, verdict))
