@@ -31,9 +31,9 @@ from fallbackgate.engine.hardware import CPU_BOX, HardwareProfile
 from fallbackgate.engine.io import IOOp
 from fallbackgate.engine.messages import StepKind, StepPlan
 from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.engine.static_view import StaticView
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.policy.schema import SLO, Policy, QualityBudget, RequestClass
-from tests.static_view import StaticView
 from tests.test_engine_exact import sizes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -19,9 +19,9 @@ from fallbackgate.engine.experts.quant import lowbit_expert_nbytes
 from fallbackgate.engine.hardware import CPU_BOX, HardwareProfile
 from fallbackgate.engine.kv.codec import quant_kv_nbytes
 from fallbackgate.engine.messages import StepKind, StepPlan
+from fallbackgate.engine.static_view import StaticView
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.policy.schema import FALLBACK_TAGS, SLO, Policy, QualityBudget, RequestClass
-from tests.static_view import StaticView
 
 LAYERS, TOP_K, EXPERTS = 4, 2, 8
 EXPERT_BYTES = 1 << 20

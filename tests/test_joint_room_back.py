@@ -15,9 +15,9 @@ from fallbackgate.engine.controller import KVBlockInfo
 from fallbackgate.engine.hardware import CPU_BOX
 from fallbackgate.engine.kv.block import SpillMode
 from fallbackgate.engine.kv.prefix_types import PrefixEntryInfo
+from fallbackgate.engine.static_view import StaticView
 from fallbackgate.engine.tags import ObjectKind, Tier
 from fallbackgate.policy.schema import SLO, Policy, QualityBudget, RequestClass
-from tests.static_view import StaticView
 
 EXPERT_BYTES, BLOCK_BYTES, LAYERS, EXPERTS = 1 << 18, 1 << 13, 2, 4
 LIMITS = {"max_mean_kl": 1.0, "max_p99_kl": 1.0, "max_approx_fraction": 1.0, "min_top1_agreement": 0.0}

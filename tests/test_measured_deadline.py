@@ -18,10 +18,10 @@ from fallbackgate.engine.kv.block import SpillMode
 from fallbackgate.engine.kv.spill import SpillDir
 from fallbackgate.engine.kv.store import KVStore
 from fallbackgate.engine.messages import StepKind, StepPlan
+from fallbackgate.engine.static_view import StaticView
 from fallbackgate.engine.step_context import StepUses
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.policy.schema import SLO, ControllerSpec, Policy, QualityBudget, RequestClass
-from tests.static_view import StaticView
 
 EXPERT_BYTES, BLOCK_BYTES = 1 << 20, 1 << 13
 LIMITS = {"max_mean_kl": 1.0, "max_p99_kl": 1.0, "max_approx_fraction": 1.0, "min_top1_agreement": 0.0}

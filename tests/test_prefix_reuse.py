@@ -32,6 +32,7 @@ from fallbackgate.engine.kv.block import SpillMode
 from fallbackgate.engine.kv.prefix_cache import PREFIX_ID, PrefixCache, PrefixEntryInfo, chain_hashes
 from fallbackgate.engine.messages import Event, StepKind, StepPlan
 from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.engine.static_view import StaticView
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.policy.apply import with_sections
@@ -43,7 +44,6 @@ from fallbackgate.workloads.build import generate, prompt_specs
 from fallbackgate.workloads.kinds import Context, WorkloadKind
 from fallbackgate.workloads.text import TextPool
 from fallbackgate.workloads.tokens import ModelTokens
-from tests.static_view import StaticView
 from tests.test_victim_order import POLICY
 
 LIMIT = 384  # short sessions: the test's prompts stay small

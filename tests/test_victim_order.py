@@ -27,9 +27,9 @@ from fallbackgate.engine.hardware import CPU_BOX
 from fallbackgate.engine.kv.block import RequestBlockKeys, SpillMode
 from fallbackgate.engine.kv.spill import SpillDir
 from fallbackgate.engine.kv.store import KVStore
+from fallbackgate.engine.static_view import StaticView
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.policy.schema import SLO, Policy, QualityBudget, RequestClass
-from tests.static_view import StaticView
 
 EXPERT_BYTES, BLOCK_BYTES = 1 << 20, 1 << 16
 LIMITS = {"max_mean_kl": 1.0, "max_p99_kl": 1.0, "max_approx_fraction": 1.0, "min_top1_agreement": 0.0}

@@ -1,5 +1,6 @@
 """A :class:`~fallbackgate.engine.controller.ControllerView` built from plain data, with no engine behind it:
-what a controller sees when it is driven from synthetic misses (and, later, from recorded traces)."""
+what a controller sees when it is driven from synthetic misses or from a recorded step walk (the tests,
+``fallbackgate.bench.victims_oracle``)."""
 
 from __future__ import annotations
 
