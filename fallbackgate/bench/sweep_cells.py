@@ -1,6 +1,6 @@
 """python -m fallbackgate.bench.sweep_cells --model DIR --json FILE [--cgroup-mb 7168] [--ram-budget-mb 4096]
-                                           [--cells WORKLOAD/CONTROLLER[/kvS] ...] [--max-model-len 2048]
-                                           [--num-requests 4] [--max-new-tokens 64] [--ledger URL] [--quick]
+                                           [--cells WORKLOAD/CONTROLLER[/kvS] ...] [--max-model-len 1536]
+                                           [--num-requests 3] [--max-new-tokens 32] [--ledger URL] [--quick]
 
 Named cells of the RAM-and-disk sweep (``fallbackgate sweep``'s cells, :mod:`fallbackgate.sweep.regime`) on a
 checkpoint larger than memory (e.g. ``python -m fallbackgate.synth --like olmoe-1b-7b --out DIR``, 13.5 GB in
@@ -160,18 +160,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ram-budget-mb", type=float, default=None, help="every controller's RAM budget (default 4096)")
     p.add_argument("--cells", nargs="+", default=None, help=f"named cells (default: {' '.join(DEFAULT_CELLS)})")
     p.add_argument("--seed", type=int, default=0, help="the workloads' seed")
-    p.add_argument("--num-requests", type=int, default=None, help="requests per workload (default 4; mixed 6)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="answer cap, at most 64 (default 64; quick 8)")
-    p.add_argument("--max-model-len", type=int, default=None, help="length limit the workloads scale to (2048)")
+    p.add_argument("--num-requests", type=int, default=None, help="requests per workload (default 3; mixed 6)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="answer cap, at most 64 (default 32; quick 8)")
+    p.add_argument("--max-model-len", type=int, default=None, help="length limit the workloads scale to (1536)")
     p.add_argument("--ledger", default=None, help="ledger URL (default: a SQLite file next to --json)")
     p.add_argument("--quick", action="store_true", help="small defaults for a small checkpoint")
     args = p.parse_args(argv)
     quick = args.quick
     args.cgroup_mb = args.cgroup_mb or (1536 if quick else 7168)
     args.ram_budget_mb = args.ram_budget_mb or (160 if quick else 4096)
-    args.num_requests = args.num_requests or (2 if quick else 4)
-    args.max_new_tokens = args.max_new_tokens or (8 if quick else 64)
-    args.max_model_len = args.max_model_len or (256 if quick else 2048)
+    args.num_requests = args.num_requests or (2 if quick else 3)
+    args.max_new_tokens = args.max_new_tokens or (8 if quick else 32)
+    args.max_model_len = args.max_model_len or (256 if quick else 1536)
     try:
         args.cells = [parse_cell(c) for c in (args.cells or (QUICK_CELLS if quick else DEFAULT_CELLS))]
     except ValueError as exc:
