@@ -75,8 +75,9 @@ def stacked_forward(
 ) -> torch.Tensor:
     """The experts forward over temporary stacks of a baseline's own copies: `slot_index` ``[T, k]`` names each
     row's expert, ``0 .. num_experts - 1`` (-1: omitted), and ``load(i)`` gives expert ``i``. Experts are loaded
-    and stacked in groups of at most `max_stack_bytes` (at least one), so an audit of a layer holds a group,
-    not the layer; each row is computed by the same per-slot matmul whatever group its expert is in."""
+    and stacked in groups of at most `max_stack_bytes` (at least one), each computed over its own rows only, so
+    an audit of a layer holds one group and its rows, not the layer and every row each time; a row is computed
+    by the same per-slot matmul, over the same rows in the same order, whatever group its expert is in."""
     num_tokens, top_k = slot_index.shape
     if not num_experts:
         return torch.zeros_like(hidden)
@@ -91,9 +92,11 @@ def stacked_forward(
         gate_up = torch.stack([e.gate_up.to(hidden.device) for e in group])
         down = torch.stack([e.down.to(hidden.device) for e in group])
         del group
-        is_here = (flat >= first) & (flat < stop)
-        part = grouped_rows(module, gate_up, down, hidden, torch.where(is_here, flat - first, -1), weights, top_k)
+        here = torch.nonzero((flat >= first) & (flat < stop)).squeeze(-1)  # the group's rows, in row order
+        part = grouped_rows(module, gate_up, down, hidden[here // top_k], flat[here] - first, weights[here], 1)
         del gate_up, down
-        rows = part if rows is None else torch.where(is_here.unsqueeze(-1), part, rows)
+        if rows is None:
+            rows = torch.zeros((flat.numel(), part.shape[-1]), dtype=part.dtype, device=part.device)
+        rows[here] = part
         first = stop
     return sum_rows(rows, num_tokens, top_k, hidden.dtype)

@@ -1,4 +1,4 @@
-"""python -m fallbackgate.bench.sweep_cells --model DIR --json FILE [--cgroup-mb 7168] [--ram-budget-mb 4096]
+"""python -m fallbackgate.bench.sweep_cells --model DIR --json FILE [--cgroup-mb 8192] [--ram-budget-mb 4096]
                                            [--cells WORKLOAD/CONTROLLER[/kvS] ...] [--max-model-len 1536]
                                            [--num-requests 3] [--max-new-tokens 32] [--ledger URL] [--quick]
 
@@ -156,7 +156,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m fallbackgate.bench.sweep_cells", description=__doc__.splitlines()[4])
     p.add_argument("--model", required=True, help="checkpoint directory (larger than --cgroup-mb)")
     p.add_argument("--json", default="bench-sweep-cells.json")
-    p.add_argument("--cgroup-mb", type=int, default=None, help="memory cap of every cell (default 7168; quick 2048)")
+    p.add_argument("--cgroup-mb", type=int, default=None, help="memory cap of every cell (default 8192; quick 2048)")
     p.add_argument("--ram-budget-mb", type=float, default=None, help="every controller's RAM budget (default 4096)")
     p.add_argument("--cells", nargs="+", default=None, help=f"named cells (default: {' '.join(DEFAULT_CELLS)})")
     p.add_argument("--seed", type=int, default=0, help="the workloads' seed")
@@ -167,7 +167,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small defaults for a small checkpoint")
     args = p.parse_args(argv)
     quick = args.quick
-    args.cgroup_mb = args.cgroup_mb or (2048 if quick else 7168)
+    args.cgroup_mb = args.cgroup_mb or (2048 if quick else 8192)
     args.ram_budget_mb = args.ram_budget_mb or (160 if quick else 4096)
     args.num_requests = args.num_requests or (2 if quick else 3)
     args.max_new_tokens = args.max_new_tokens or (8 if quick else 32)
