@@ -75,3 +75,16 @@ def test_quick_cells_run_inside_the_cap_with_tagged_bytes_equal_to_the_kernel_s(
         assert 0.9 <= s["kernel_over_io_read"] <= 1.1  # what the run says it read is what the kernel read
         assert max(m["peak_pool_by_kind"].values()) <= result["ram_budget_bytes"]
     assert "joint_over_independent_lru" in result["comparisons"]["long-retrieval"]
+
+
+def test_the_table_has_one_row_per_cell_and_says_which_failed() -> None:
+    full = {"tokens_per_s": 2.5, "ttft_p50_ms": 1500.0, "ttft_p99_ms": 2500.0, "tpot_p50_ms": 300.0,
+            "tpot_p99_ms": 900.0, "slo_attainment": 0.5, "expert_miss_rate": 0.6, "kv_miss_rate": 0.01,
+            "read_gib": 12.25, "kernel_over_io_read": 0.999, "io_write_gib": 0.25, "stall_expert_s": 30.0,
+            "stall_kv_s": 0.5, "expert_read_over_belady_same_room": 1.4, "read_over_foo": 1.5, "mean_kl": 2e-6,
+            "cgroup_peak_gib": 7.5}  # fmt: skip
+    table = sweep_cells.markdown_table({"mixed/joint": {"summary": full}, "mixed/independent_lru": {"exit_status": -9}})
+    head, rule, joint, failed = table.splitlines()
+    assert head.count("|") == rule.count("|") == joint.count("|") == failed.count("|") == 14
+    assert "| mixed/joint | 2.50 | 1.5 / 2.5 | 300 / 900 | 0.50 | 0.60 / 0.010 | 12.25 (0.999) | 0.25 |" in joint
+    assert "| 1.40 | 1.50 | 2.0e-06 | 7.50 |" in joint and "| mixed/independent_lru | exit -9 |" in failed

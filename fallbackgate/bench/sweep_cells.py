@@ -152,6 +152,28 @@ def comparisons(cells: dict[str, dict[str, Any]], workload: str) -> dict[str, An
     return out
 
 
+def markdown_table(cells: dict[str, dict[str, Any]]) -> str:
+    """The finished cells as a Markdown table (the README's)."""
+    head = ("| cell | tokens/s | TTFT p50 / p99 (s) | TPOT p50 / p99 (ms) | SLO met | expert / KV miss rate | "
+            "read GiB (kernel ÷ I/O) | written GiB | stall s (expert / KV) | expert bytes ÷ MIN same room | "
+            "read ÷ FOO | mean KL | cgroup peak GiB |")  # fmt: skip
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, point in cells.items():
+        s = point.get("summary")
+        if s is None:
+            lines.append(f"| {name} | exit {point['exit_status']} |" + " |" * (head.count("|") - 3))
+            continue
+        lines.append(
+            f"| {name} | {s['tokens_per_s']:.2f} | {s['ttft_p50_ms'] / 1e3:.1f} / {s['ttft_p99_ms'] / 1e3:.1f} | "
+            f"{s['tpot_p50_ms']:.0f} / {s['tpot_p99_ms']:.0f} | {s['slo_attainment']:.2f} | "
+            f"{s['expert_miss_rate']:.2f} / {s['kv_miss_rate']:.3f} | {s['read_gib']:.2f} "
+            f"({s['kernel_over_io_read'] or 0:.3f}) | {s['io_write_gib']:.2f} | {s['stall_expert_s']:.1f} / "
+            f"{s['stall_kv_s']:.1f} | {s['expert_read_over_belady_same_room'] or 0:.2f} | "
+            f"{s['read_over_foo'] or 0:.2f} | {s['mean_kl']:.1e} | {s['cgroup_peak_gib']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m fallbackgate.bench.sweep_cells", description=__doc__.splitlines()[4])
     p.add_argument("--model", required=True, help="checkpoint directory (larger than --cgroup-mb)")
@@ -248,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     results["comparisons"] = {w: comparisons(results["cells"], w) for w in results["references"]}
     results["load_average_at_end"] = list(os.getloadavg())
     pathlib.Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    print(markdown_table(results["cells"]))
     print(json.dumps(results["comparisons"], indent=1))
     print(f"wrote {args.json}")
     return 0 if all(c["exit_status"] == 0 for c in results["cells"].values()) else 1
