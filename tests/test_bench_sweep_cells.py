@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -88,3 +89,20 @@ def test_the_table_has_one_row_per_cell_and_says_which_failed() -> None:
     assert head.count("|") == rule.count("|") == joint.count("|") == failed.count("|") == 14
     assert "| mixed/joint | 2.50 | 1.5 / 2.5 | 300 / 900 | 0.50 | 0.60 / 0.010 | 12.25 (0.999) | 0.25 |" in joint
     assert "| 1.40 | 1.50 | 2.0e-06 | 7.50 |" in joint and "| mixed/independent_lru | exit -9 |" in failed
+
+
+def test_references_are_reused_only_from_a_run_of_the_same_requests(tmp_path: pathlib.Path, capsys) -> None:
+    args = sweep_cells.parse_args(["--model", "m", "--cells", "mixed/joint"])
+    config = dataclasses.asdict(sweep_cells.regime_config(args))
+    earlier = tmp_path / "earlier.json"
+    refs = {"mixed": {"exit_status": 0, "demand_bytes": 9}, "long-retrieval": {"exit_status": -9}}
+    earlier.write_text(json.dumps({"config": config, "references": refs}))
+    assert sweep_cells.reused_references(str(earlier), config) == {"mixed": refs["mixed"]}  # failed ones rerun
+    earlier.write_text(json.dumps({"config": {**config, "max_new_tokens": 64}, "references": refs}))
+    with pytest.raises(ValueError, match="max_new_tokens differ"):
+        sweep_cells.reused_references(str(earlier), config)
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    missing = ["--model", str(tmp_path / "m"), "--references", str(tmp_path / "none.json")]
+    if os.geteuid() == 0 and CGROUP_ROOT.is_dir():  # the cgroup check comes first elsewhere
+        assert sweep_cells.main(missing) == 2 and "none.json" in capsys.readouterr().err

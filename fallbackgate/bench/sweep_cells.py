@@ -186,6 +186,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="answer cap, at most 64 (default 32; quick 8)")
     p.add_argument("--max-model-len", type=int, default=None, help="length limit the workloads scale to (1536)")
     p.add_argument("--ledger", default=None, help="ledger URL (default: a SQLite file next to --json)")
+    p.add_argument("--references", default=None, help="reuse the all-in-RAM references of an earlier --json")
     p.add_argument("--quick", action="store_true", help="small defaults for a small checkpoint")
     args = p.parse_args(argv)
     quick = args.quick
@@ -215,15 +216,32 @@ def regime_config(args: argparse.Namespace) -> RegimeConfig:
     )  # fmt: skip
 
 
+def reused_references(path: str, config: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The references of an earlier run's JSON, when it ran the same requests (ValueError otherwise)."""
+    earlier = json.loads(pathlib.Path(path).read_text())
+    same = ("model_dir", "seeds", "num_requests", "mixed_requests", "max_new_tokens", "max_model_len", "time_scale",
+            "slo_scale", "step_time")  # fmt: skip
+    theirs = earlier.get("config", {})
+    differ = [k for k in same if json.dumps(theirs.get(k)) != json.dumps(config[k])]
+    if differ:
+        raise ValueError(f"--references {path}: ran other requests or targets ({', '.join(differ)} differ)")
+    return {w: r for w, r in earlier.get("references", {}).items() if r.get("exit_status") == 0}
+
+
 def run_cells(args: argparse.Namespace, cgroup: Cgroup, results: dict[str, Any]) -> None:
     """Each workload's reference, then its cells; `results` filled as they finish (and written to --json)."""
     cfg = regime_config(args)
     config = dataclasses.asdict(cfg)
     ram = int(args.ram_budget_mb * (1 << 20))
+    kept = reused_references(args.references, config) if args.references else {}
     for workload in cfg.workloads:
-        print(f"[{workload}] all-in-RAM reference (SLO targets, demand) ...", flush=True)
-        ref = run_child("reference", {"config": config, "ledger": results["ledger"], "workload": workload},
-                        args.model, None)  # fmt: skip
+        if workload in kept:
+            ref = kept[workload]
+            print(f"[{workload}] reference (SLO targets, demand) from {args.references}", flush=True)
+        else:
+            print(f"[{workload}] all-in-RAM reference (SLO targets, demand) ...", flush=True)
+            ref = run_child("reference", {"config": config, "ledger": results["ledger"], "workload": workload},
+                            args.model, None)  # fmt: skip
         results["references"][workload] = ref
         if ref["exit_status"] != 0:
             print(f"[{workload}] reference failed (exit {ref['exit_status']}); its cells are skipped", flush=True)
@@ -255,12 +273,18 @@ def main(argv: list[str] | None = None) -> int:
     if not CGROUP_ROOT.is_dir() or os.geteuid() != 0:
         print(f"error: needs root and the cgroup v1 memory controller at {CGROUP_ROOT}", file=sys.stderr)
         return 2
+    if args.references:
+        try:
+            reused_references(args.references, dataclasses.asdict(regime_config(args)))
+        except (OSError, ValueError) as exc:  # a JSONDecodeError is a ValueError
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     ledger = args.ledger or f"sqlite:///{pathlib.Path(args.json).resolve().with_suffix('.ledger.db')}"
     results: dict[str, Any] = {
         "model": args.model, "args": {**vars(args), "cells": [c.name for c in args.cells]},
         "cgroup_bytes": args.cgroup_mb << 20, "ram_budget_bytes": int(args.ram_budget_mb * (1 << 20)),
         "ledger": ledger, "command": "python -m fallbackgate.bench.sweep_cells " + " ".join(sys.argv[1:]),
-        "references": {}, "cells": {},
+        "config": dataclasses.asdict(regime_config(args)), "references": {}, "cells": {},
     }  # fmt: skip
     cgroup = Cgroup(f"fallbackgate-cells-{os.getpid()}", args.cgroup_mb << 20)
     try:
