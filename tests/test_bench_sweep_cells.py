@@ -11,7 +11,8 @@ import pathlib
 import pytest
 
 from fallbackgate.bench import sweep_cells
-from fallbackgate.bench.sweep_cells import CGROUP_ROOT, DEFAULT_CELLS, NamedCell, comparisons, parse_cell
+from fallbackgate.bench.scale import CGROUP_ROOT
+from fallbackgate.bench.sweep_cells import DEFAULT_CELLS, NamedCell, comparisons, parse_cell
 from fallbackgate.synth.__main__ import main as synth
 
 GIB = 1 << 30

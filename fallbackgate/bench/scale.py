@@ -148,14 +148,20 @@ def measure_workload(args: argparse.Namespace, workload: str, cgroup: Cgroup) ->
     return out
 
 
+def cannot_run(model: str) -> str | None:
+    """Why a cgroup benchmark of checkpoint `model` cannot run here (None: it can)."""
+    if not (pathlib.Path(model) / "config.json").is_file():
+        return f"--model {model}: no config.json"
+    if not CGROUP_ROOT.is_dir() or os.geteuid() != 0:
+        return f"needs root and the cgroup v1 memory controller at {CGROUP_ROOT}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = pathlib.Path(args.model)
-    if not (model / "config.json").is_file():
-        print(f"error: --model {args.model}: no config.json", file=sys.stderr)
-        return 2
-    if not CGROUP_ROOT.is_dir() or os.geteuid() != 0:
-        print(f"error: needs root and the cgroup v1 memory controller at {CGROUP_ROOT}", file=sys.stderr)
+    if (why := cannot_run(args.model)) is not None:
+        print(f"error: {why}", file=sys.stderr)
         return 2
     print(f"[disk] measuring the disk table of {model.resolve()} ...", flush=True)
     table = measure_disk_table(model.resolve(), *disk_grid(args.quick))

@@ -31,7 +31,7 @@ import sys
 import tempfile
 from typing import Any
 
-from fallbackgate.bench.scale import CGROUP_ROOT, GIB, Cgroup
+from fallbackgate.bench.scale import GIB, Cgroup, cannot_run
 from fallbackgate.bench.scale_child import drop_page_cache
 from fallbackgate.sweep.regime import INDEPENDENT, JOINT, STATIC, RegimeConfig
 from fallbackgate.workloads.kinds import WorkloadKind
@@ -266,12 +266,8 @@ def run_cells(args: argparse.Namespace, cgroup: Cgroup, results: dict[str, Any])
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    model = pathlib.Path(args.model)
-    if not (model / "config.json").is_file():
-        print(f"error: --model {args.model}: no config.json", file=sys.stderr)
-        return 2
-    if not CGROUP_ROOT.is_dir() or os.geteuid() != 0:
-        print(f"error: needs root and the cgroup v1 memory controller at {CGROUP_ROOT}", file=sys.stderr)
+    if (why := cannot_run(args.model)) is not None:
+        print(f"error: {why}", file=sys.stderr)
         return 2
     if args.references:
         try:
