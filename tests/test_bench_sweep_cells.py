@@ -76,6 +76,8 @@ def test_quick_cells_run_inside_the_cap_with_tagged_bytes_equal_to_the_kernel_s(
         assert s["gate_passed"] == 1.0 and m["output_tokens"] > 0 and s["expert_miss_rate"] > 0.5
         assert 0.9 <= s["kernel_over_io_read"] <= 1.1  # what the run says it read is what the kernel read
         assert max(m["peak_pool_by_kind"].values()) <= result["ram_budget_bytes"]
+        assert s["peak_kv_pool_gib"] * GIB == m["peak_pool_by_kind"]["kv_block"] > 0
+        assert 0 < m["peak_rss_serve_bytes"] <= point["peak_rss_bytes"]  # this cell's serving, then its audit
     assert "joint_over_independent_lru" in result["comparisons"]["long-retrieval"]
 
 
@@ -90,6 +92,9 @@ def test_the_table_has_one_row_per_cell_and_says_which_failed() -> None:
     assert head.count("|") == rule.count("|") == joint.count("|") == failed.count("|") == 14
     assert "| mixed/joint | 2.50 | 1.5 / 2.5 | 300 / 900 | 0.50 | 0.60 / 0.010 | 12.25 (0.999) | 0.25 |" in joint
     assert "| 1.40 | 1.50 | 2.0e-06 | 7.50 |" in joint and "| mixed/independent_lru | exit -9 |" in failed
+    unknown = {**full, "kernel_over_io_read": None, "read_over_foo": None}  # nothing read: no ratio, not 0
+    row = sweep_cells.markdown_table({"mixed/joint": {"summary": unknown}}).splitlines()[2]
+    assert "12.25 (—)" in row and "| 1.40 | — |" in row
 
 
 def test_references_are_reused_only_from_a_run_of_the_same_requests(tmp_path: pathlib.Path, capsys) -> None:

@@ -31,14 +31,10 @@ from fallbackgate.engine.kv.store import KVStore, SpillMode
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.policy.apply import policy_from_args
+from fallbackgate.sweep.measures import proc_io
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 PROMPT_LEN, NEW_TOKENS = 100, 4
-
-
-def _io() -> dict[str, int]:
-    lines = pathlib.Path("/proc/self/io").read_text().split("\n")
-    return {k: int(v) for k, v in (line.split(": ") for line in lines if line)}
 
 
 def _prompt(engine: Engine) -> list[int]:
@@ -100,7 +96,7 @@ def _check_outgrows_the_room(model: pathlib.Path, tmp_path: pathlib.Path) -> Non
     assert engine.scheduler.expert_floor_bytes == floor
     num_checked = _check_layer_buffers(engine)
     assert kv_bytes >= 4 * (pool.budget_bytes - floor)
-    before = _io()
+    before = proc_io()
     engine.add_request(_prompt(engine), SamplingParams(max_new_tokens=NEW_TOKENS), "big")
     disk_loads, per_layer_steps = 0, 0
     while engine.has_unfinished():
@@ -109,7 +105,7 @@ def _check_outgrows_the_room(model: pathlib.Path, tmp_path: pathlib.Path) -> Non
         kv_events = [e for e in result.events if e.object_kind is ObjectKind.KV_BLOCK]
         disk_loads += sum(e.count for e in kv_events if e.tag is Tag.EXACT_LOAD and e.source_tier is Tier.DISK)
         assert pool.used_bytes <= pool.budget_bytes
-    after = _io()
+    after = proc_io()
     spill = engine.kv_store.spill
     out = engine.finished["big"]
     assert out.output_token_ids == tokens

@@ -33,6 +33,7 @@ from fallbackgate.engine.ram import MARGIN_FIXED_BYTES, MemoryLimit, memory_limi
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.policy.loader import PolicyError, load_policy
+from fallbackgate.sweep.measures import proc_io
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 MIB = 1 << 20
@@ -40,10 +41,7 @@ NEW_TOKENS = 12
 
 
 def _read_bytes() -> int:
-    for line in pathlib.Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    raise AssertionError("no read_bytes in /proc/self/io")
+    return proc_io()["read_bytes"]
 
 
 def _engine(budget_bytes: int | None, **knobs: object) -> Engine:

@@ -112,7 +112,7 @@ def cell_summary(point: dict[str, Any]) -> dict[str, Any]:
     out["expert_read_over_belady_same_room"] = _ratio(_expert_read(m), m.get("belady_expert_bytes_same_room"))
     out["read_over_foo"] = _ratio(m["read_bytes"], m.get("foo_lb_bytes"))
     out["cgroup_peak_gib"] = point["cgroup_peak_bytes"] / GIB
-    out["peak_kv_pool_gib"] = m.get("peak_pool_by_kind", {}).get("kv", 0) / GIB
+    out["peak_kv_pool_gib"] = m.get("peak_pool_by_kind", {}).get("kv_block", 0) / GIB
     return out
 
 
@@ -167,11 +167,15 @@ def markdown_table(cells: dict[str, dict[str, Any]]) -> str:
             f"| {name} | {s['tokens_per_s']:.2f} | {s['ttft_p50_ms'] / 1e3:.1f} / {s['ttft_p99_ms'] / 1e3:.1f} | "
             f"{s['tpot_p50_ms']:.0f} / {s['tpot_p99_ms']:.0f} | {s['slo_attainment']:.2f} | "
             f"{s['expert_miss_rate']:.2f} / {s['kv_miss_rate']:.3f} | {s['read_gib']:.2f} "
-            f"({s['kernel_over_io_read'] or 0:.3f}) | {s['io_write_gib']:.2f} | {s['stall_expert_s']:.1f} / "
-            f"{s['stall_kv_s']:.1f} | {s['expert_read_over_belady_same_room'] or 0:.2f} | "
-            f"{s['read_over_foo'] or 0:.2f} | {s['mean_kl']:.1e} | {s['cgroup_peak_gib']:.2f} |"
+            f"({_num(s['kernel_over_io_read'], 3)}) | {s['io_write_gib']:.2f} | {s['stall_expert_s']:.1f} / "
+            f"{s['stall_kv_s']:.1f} | {_num(s['expert_read_over_belady_same_room'])} | "
+            f"{_num(s['read_over_foo'])} | {s['mean_kl']:.1e} | {s['cgroup_peak_gib']:.2f} |"
         )
     return "\n".join(lines)
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -209,9 +213,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def regime_config(args: argparse.Namespace) -> RegimeConfig:
     """The sweep's configuration these cells run under."""
     workloads = tuple(dict.fromkeys(c.workload for c in args.cells))
+    mixed = args.num_requests if args.quick else max(args.num_requests, 6)  # mixed needs requests for its phases
     return RegimeConfig(
         model_dir=str(pathlib.Path(args.model).resolve()), workloads=workloads, seeds=(args.seed,),
-        held_out_seed=-1, num_requests=args.num_requests, mixed_requests=max(args.num_requests, 6 * (not args.quick)),
+        held_out_seed=-1, num_requests=args.num_requests, mixed_requests=mixed,
         max_new_tokens=args.max_new_tokens, max_model_len=args.max_model_len,
     )  # fmt: skip
 

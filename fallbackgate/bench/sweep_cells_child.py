@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import pathlib
-import resource
 import sys
 from typing import Any
 
 from fallbackgate.ledger.db import Ledger, open_ledger
 from fallbackgate.sweep import regime
+from fallbackgate.sweep.measures import peak_rss_bytes
 from fallbackgate.sweep.workload import default_policy
 from fallbackgate.workloads.tokens import ModelTokens
 
@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
         out = reference(cfg, spec["workload"], ledger) if mode == "reference" else cell(cfg, spec, ledger)
     finally:
         ledger.close()
-    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    out["peak_rss_bytes"] = peak_rss_bytes()  # a cell: since its serving started, the audit included
     pathlib.Path(out_path).write_text(json.dumps(out, default=str))
     return 0
 

@@ -30,6 +30,19 @@ def proc_io() -> dict[str, int]:
     return {key: int(value) for key, value in (line.split(": ") for line in lines if line)}
 
 
+def reset_peak_rss() -> None:
+    """Start this process's peak RSS over from its current RSS (``/proc/self/clear_refs``, Linux 4.0+)."""
+    pathlib.Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak RSS since it started or since :func:`reset_peak_rss` (``VmHWM``)."""
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def quantile(values: Sequence[float], q: float) -> float:
     """Nearest-rank quantile (0 for no values)."""
     if not values:

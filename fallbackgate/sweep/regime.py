@@ -20,7 +20,6 @@ import math
 import os
 import pathlib
 import random
-import resource
 import shutil
 import tempfile
 import time
@@ -159,9 +158,10 @@ def run_cell(cfg: RegimeConfig, policy: Policy, specs: list[PromptSpec], cell: d
         built = build(cfg, policy, kind, ram, split, trace_dir)
         recorder = built.recorder(LedgerWriter(ledger), note=f"sweep {cell['workload']} seed {cell['seed']} {kind}")
         kernel_before = measures.proc_io()["read_bytes"]
+        measures.reset_peak_rss()  # a sweep runs many cells in one process: this cell's peak, not the run's
         outcome = recorder.serve(specs, built.settings)
         kernel_read = measures.proc_io()["read_bytes"] - kernel_before  # serving only: the audit reads too
-        peak_rss_serve = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # process high-water mark
+        peak_rss_serve = measures.peak_rss_bytes()
         verdict = recorder.finish(outcome)
         m: dict[str, Any] = measures.latency_measures(outcome, built.policy)
         m["kernel_read_bytes_serve"] = float(kernel_read)
