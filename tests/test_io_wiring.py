@@ -20,8 +20,9 @@ from fallbackgate.engine.errors import EngineError
 from fallbackgate.engine.io import IOOp, IOPriority, IORecord, io_context
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.sweep.measures import proc_io
 from fallbackgate.tinymoe import CHECKPOINT_DIR
-from tests.test_kv_pool import NEW_TOKENS, _all_in_ram, _io, _prompt
+from tests.test_kv_pool import NEW_TOKENS, _all_in_ram, _prompt
 
 
 def _spilling_engine(tmp_path: pathlib.Path, controller: ExactLRUController) -> tuple[Engine, list[int]]:
@@ -47,7 +48,7 @@ def _disk_bytes(events, kind: ObjectKind) -> int:
 def test_reported_disk_loads_are_what_the_kernel_read_and_tokens_match_ram(tmp_path: pathlib.Path) -> None:
     engine, tokens = _spilling_engine(tmp_path, ExactLRUController())
     engine.io.take_completed()  # the warm-up's reads
-    before = _io()
+    before = proc_io()
     engine.add_request(_prompt(engine), SamplingParams(max_new_tokens=NEW_TOKENS), "big")
     events, records, num_shared_steps = [], [], 0
     while engine.has_unfinished():
@@ -55,7 +56,7 @@ def test_reported_disk_loads_are_what_the_kernel_read_and_tokens_match_ram(tmp_p
         step_records = engine.io.take_completed()
         num_shared_steps += _same_step_misses(step_records)  # both kinds read in this step
         records += step_records
-    after = _io()
+    after = proc_io()
     assert engine.finished["big"].output_token_ids == tokens
     expert_bytes, kv_bytes = _disk_bytes(events, ObjectKind.EXPERT), _disk_bytes(events, ObjectKind.KV_BLOCK)
     assert expert_bytes > 0 and kv_bytes > 0
