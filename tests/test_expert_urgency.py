@@ -74,3 +74,14 @@ def test_even_true_routing_rates_leave_the_mixed_walk_above_1_3x_beladys_min() -
     online, oracle = (rule_loads(r, walk, num_layers, 28) for r in ("urgency", "oracle_rates"))
     assert oracle < online
     assert 1.3 * floor < oracle < 1.45 * floor, (oracle, floor)
+
+
+def test_even_knowing_the_rest_of_each_step_leaves_the_mixed_walk_above_1_3x_beladys_min() -> None:
+    """The limit of a cross-layer predictor: told exactly which experts the rest of each step routes to (a
+    perfect next-layers predictor), the urgency order keeps them and reads fewer experts than online, yet on
+    the mixed walk still more than 1.3× MIN: the misses over MIN come from the routing of later steps."""
+    walk, num_layers = recorded_walk(TRACE.parent / "mixed_0_joint_0.25_None")
+    floor = belady_misses([key for keys in walk for key in keys], 28)
+    online, told = (rule_loads(r, walk, num_layers, 28) for r in ("urgency", "oracle_step"))
+    assert told < 0.95 * online
+    assert 1.3 * floor < told < 1.45 * floor, (told, online, floor)

@@ -11,10 +11,14 @@ demand cache of ``--slots`` experts is simulated with these rules and its loads 
   at): online, it knows only the past;
 - ``oracle_rates``: the same urgency with each expert's true share of the run's steps (known in advance: no
   online policy has it);
-- ``oracle_window``: the same with each expert's share of the next ``--window`` steps.
+- ``oracle_window``: the same with each expert's share of the next ``--window`` steps;
+- ``oracle_step``: the online urgency, but told which experts the *rest of the step* routes to (a perfect
+  next-layers predictor: no such predictor exists, a router applied early is right only part of the time):
+  those stay, and if every candidate is needed later in the step, the one needed last goes.
 
-The oracle rows bound what better rate estimates could give: where they stay above a goal, only knowing the
-order of future routing (not its rates) could reach it. Defaults: the traces the sweep's report keeps.
+The oracle rows bound what better rate estimates, or a better cross-layer predictor, could give: where they
+stay above a goal, only knowing the routing of *later steps* could reach it. Defaults: the traces the
+sweep's report keeps.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ Key = tuple[int, int]  # (layer, expert)
 Walk = list[list[Key]]  # per step, the distinct experts it used, in layer order
 TRACES = pathlib.Path(fallbackgate.__file__).parent / "sweep_results/report/traces"
 EXPERT_BYTES = 1 << 16  # any size: every rule compares experts of one size
-RULES = ("lru", "frequency", "urgency", "oracle_rates", "oracle_window")
+RULES = ("lru", "frequency", "urgency", "oracle_rates", "oracle_window", "oracle_step")
 
 
 def recorded_walk(path: str | pathlib.Path) -> tuple[Walk, int]:
@@ -86,15 +90,21 @@ def rule_loads(rule: str, walk: Walk, num_layers: int, num_slots: int, window: i
     """Loads of `rule` (one of :data:`RULES`) on `walk`."""
     if rule == "lru":
         return demand_loads(walk, num_layers, num_slots, lambda r, pinned, *_: next(k for k in r if k not in pinned))
-    if rule in ("urgency", "frequency"):
+    if rule in ("urgency", "frequency", "oracle_step"):
         values, ranking = ValueModel(), ExpertRanking()
 
-        def online(resident: OrderedDict, pinned: set, layer: int, _: int) -> Key:
+        def online(resident: OrderedDict, pinned: set, layer: int, index: int) -> Key:
             view = _view(list(resident), (), num_layers)
             if rule == "frequency":
                 return min((k for k in resident if k not in pinned), key=lambda k: (values.expert_value(k, view), k))
             ranking.sync(view, values)
-            return next(iter(ranking.victims(view, values, pinned, layer)))[1]
+            later = {k for k in walk[index] if k[0] > layer} if rule == "oracle_step" else set()
+            needed = []
+            for _, key in ranking.victims(view, values, pinned, layer):
+                if key not in later:
+                    return key
+                needed.append(key)
+            return max(needed)  # every candidate runs later in this step: the one that runs last
 
         def learn(resident: OrderedDict, keys: list[Key]) -> None:
             values.update(_view(list(resident), tuple(keys), num_layers))
