@@ -14,6 +14,8 @@ import dataclasses
 import enum
 import math
 
+MAX_REMEMBERED = 1 << 14  # predictions a table keeps (cleared when full)
+
 
 class DiskOp(str, enum.Enum):
     """The mix of transfers a table point was measured under."""
@@ -41,9 +43,11 @@ class DiskPoint:
             raise ValueError(f"disk point needs positive size, depth, latency and rate: {self}")
 
 
-@dataclasses.dataclass(slots=True, frozen=True)
+@dataclasses.dataclass(frozen=True)
 class DiskTable:
-    """Every measured point of one disk, with where and how it was measured."""
+    """Every measured point of one disk, with where and how it was measured. Controllers ask it thousands of
+    times a step, so the points are indexed by operation, size and depth once and predictions remembered
+    (outside the dataclass fields: the table's value, equality and saved form are its points alone)."""
 
     points: tuple[DiskPoint, ...]  # at least one per operation that is predicted
     directory: str  # the directory whose file system was measured (the spill directory's)
@@ -54,6 +58,8 @@ class DiskTable:
         object.__setattr__(self, "points", points)
         if not points:
             raise ValueError("a disk table needs at least one measured point")
+        object.__setattr__(self, "_by_op", {})  # op -> (sizes, size -> (depths, depth -> point))
+        object.__setattr__(self, "_predicted", {})  # (op, bytes, depth, is_latency) -> seconds
 
     def read_s(self, num_bytes: int, queue_depth: int = 1) -> float:
         """Predicted seconds from submission to arrival of one read of `num_bytes` that finds
@@ -81,12 +87,34 @@ class DiskTable:
             raise ValueError(f"the disk table has no {op.value} points")
         return chosen
 
+    def _indexed(self, op: DiskOp) -> tuple[list[int], dict[int, tuple[list[int], dict[int, DiskPoint]]]]:
+        """The points of `op` (as :meth:`_of` chooses them) by size, then depth: sorted sizes, and per size
+        its sorted depths and the point at each."""
+        index = self._by_op.get(op)  # type: ignore[attr-defined]
+        if index is None:
+            by_size: dict[int, dict[int, DiskPoint]] = {}
+            for p in self._of(op):
+                by_size.setdefault(p.num_bytes, {})[p.queue_depth] = p
+            index = (sorted(by_size), {size: (sorted(d), d) for size, d in by_size.items()})
+            self._by_op[op] = index  # type: ignore[attr-defined]
+        return index
+
     def _sizes(self, op: DiskOp) -> list[int]:
-        return sorted({p.num_bytes for p in self._of(op)})
+        return self._indexed(op)[0]
 
     def _predict(self, op: DiskOp, num_bytes: int, queue_depth: int, is_latency: bool) -> float:
         if num_bytes <= 0:
             return 0.0
+        key = (op, num_bytes, queue_depth, is_latency)
+        predicted: dict = self._predicted  # type: ignore[attr-defined]
+        seconds = predicted.get(key)
+        if seconds is None:
+            if len(predicted) >= MAX_REMEMBERED:
+                predicted.clear()
+            seconds = predicted[key] = self._interpolate(op, num_bytes, queue_depth, is_latency)
+        return seconds
+
+    def _interpolate(self, op: DiskOp, num_bytes: int, queue_depth: int, is_latency: bool) -> float:
         low, high = _bracket(self._sizes(op), num_bytes)
         at_low = self._at_size(op, low, queue_depth, is_latency)
         if low == high:  # a measured size, or beyond either end: the fixed cost below, the bytes above
@@ -96,8 +124,8 @@ class DiskTable:
 
     def _at_size(self, op: DiskOp, num_bytes: int, queue_depth: int, is_latency: bool) -> float:
         """Seconds at a measured size, interpolated in log2(depth) between measured depths."""
-        by_depth = {p.queue_depth: p for p in self._of(op) if p.num_bytes == num_bytes}
-        depths, depth = sorted(by_depth), max(1, queue_depth)
+        depths, by_depth = self._indexed(op)[1][num_bytes]
+        depth = max(1, queue_depth)
 
         def value(d: int) -> float:
             point = by_depth[d]

@@ -152,3 +152,16 @@ def test_a_policy_disk_rate_replaces_the_measured_table(monkeypatch: pytest.Monk
     assert loader.hardware_profile(Policy(hardware=HardwareSpec(device_flops=1e9))).disk == measured.disk
     overridden = loader.hardware_profile(Policy(hardware=HardwareSpec(disk_to_host_bytes_per_s=1e6)))
     assert overridden.disk is None and overridden.disk_read_s(MIB) == pytest.approx(MIB / 1e6)
+
+
+def test_a_remembered_prediction_is_the_interpolated_one_and_the_saved_form_is_the_points_alone() -> None:
+    """Predictions are indexed and remembered (controllers ask thousands a step): the same seconds as the
+    interpolation computed afresh, and neither the index nor the memo enters the table's fields."""
+    table = _table()
+    for size, depth in ((4096, 1), (6000, 3), (1 << 20, 64), (1, 1)):
+        first = table.read_s(size, depth)
+        assert table.read_s(size, depth) == first == table._interpolate(DiskOp.READ, size, depth, True)
+        assert table.read_busy_s(size, depth) == table._interpolate(DiskOp.READ, size, depth, False)
+    saved = dataclasses.asdict(table)
+    assert set(saved) == {"points", "directory", "is_direct"}
+    assert DiskTable(**saved) == table
