@@ -42,10 +42,12 @@ class ExpertMiss:
     max_gate_weight: float  # largest routing weight among those tokens (proxy for defer cost)
     home: Tier  # where the full-precision copy lives
     num_bytes: int  # full-precision bytes of the expert
-    is_lowbit_available: bool  # an int8/int4 copy exists
+    is_lowbit_available: bool  # an int8/int4 copy exists or can be made (see `lowbit_disk_bytes`)
     is_device_room: bool  # the expert fits on device without evicting anything
     dtype: str = ""  # compute dtype of the expert's weights ("bfloat16", ...), for its measured compute time
     is_cpu_execute_offered: bool = True  # False where the device is the CPU: RAM is the one fast tier
+    lowbit_disk_bytes: int = 0  # bytes the low-bit copy must first read from disk: 0 kept (or made from a
+    # resident or host copy), a low-bit copy's when persisted, the whole expert when made from the checkpoint
 
 
 @dataclasses.dataclass(slots=True)

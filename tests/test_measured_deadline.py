@@ -71,11 +71,11 @@ def test_the_engine_folds_decode_steps_into_a_decaying_mean_of_compute_less_expo
     assert uses.measured_compute_s > 0
 
 
-def _miss(view: StaticView) -> ExpertMiss:
+def _miss(view: StaticView, lowbit_disk_bytes: int = 0) -> ExpertMiss:
     return ExpertMiss(
         step_id=1, request_id="r", request_class="c", layer=0, expert_id=1, num_tokens=1, max_gate_weight=0.3,
         home=Tier.DISK, num_bytes=EXPERT_BYTES, is_lowbit_available=True, is_device_room=False, dtype="float32",
-        is_cpu_execute_offered=False,
+        is_cpu_execute_offered=False, lowbit_disk_bytes=lowbit_disk_bytes,
     )  # fmt: skip
 
 
@@ -91,6 +91,28 @@ def test_a_low_bit_copy_is_chosen_when_it_arrives_sooner_than_a_late_exact_load(
         options = {o.tag: o for o in row.options}
         assert not options[Tag.EXACT_LOAD].is_feasible and options[Tag.EXPERT_LOWBIT].is_feasible
         assert options[Tag.EXPERT_LOWBIT].predicted_s < options[Tag.EXACT_LOAD].predicted_s
+
+
+@pytest.mark.parametrize(
+    "disk_bytes, tag",
+    [(0, Tag.EXPERT_LOWBIT), (EXPERT_BYTES // 4, Tag.EXPERT_LOWBIT), (EXPERT_BYTES, Tag.EXACT_LOAD)],
+    ids=["kept in RAM", "persisted on disk", "made from the checkpoint"],
+)
+def test_a_low_bit_copy_that_must_first_read_the_whole_expert_is_not_a_fallback(disk_bytes: int, tag: Tag) -> None:
+    """On the RAM/disk layout a low-bit copy not kept in RAM is read from disk first: a persisted one still
+    arrives before the late exact load (a quarter of its bytes), one made from the checkpoint reads the whole
+    expert, so the exact load (slipping) is the better choice and the arbitration says why."""
+    view = _view(0.025)
+    joint = JointController(_policy("measured", ["expert_lowbit"]))
+    joint.on_step_start(_plan(), view)
+    assert joint.expert_action(_miss(view, disk_bytes)).tag is tag
+    (row,) = joint.take_arbitrations()
+    options = {o.tag: o for o in row.options}
+    if disk_bytes == EXPERT_BYTES:
+        assert Tag.EXPERT_LOWBIT not in options  # not offered: no sooner than the exact load it would replace
+    else:
+        exact, lowbit = options[Tag.EXACT_LOAD].predicted_s, options[Tag.EXPERT_LOWBIT].predicted_s
+        assert lowbit < exact and (lowbit == 0.0) == (disk_bytes == 0)
 
 
 def test_a_late_kv_block_is_read_from_its_int8_copy_when_that_arrives_sooner() -> None:

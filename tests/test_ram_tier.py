@@ -246,8 +246,15 @@ def test_persisted_lowbit_copies_make_a_miss_read_half_the_bytes(tmp_path: pathl
     try:
         store, cache = second.expert_store, second.expert_store.lowbit_cache
         assert cache is not None and set(cache.slots) == used  # every copy made in the first run persisted
+        off_device = [k for k in store.entries if not store.is_on_device(k)]
+        persisted = [k for k in off_device if f"{k[0]}:{k[1]}" in cache.slots]
+        not_persisted = [k for k in off_device if f"{k[0]}:{k[1]}" not in cache.slots]
+        assert persisted and not_persisted  # what a low-bit miss reads first, as the controller is told:
+        assert {store.lowbit_disk_bytes(k) for k in persisted} == {cache.copy_bytes}  # the persisted copy
+        assert {store.lowbit_disk_bytes(k) for k in not_persisted} == {store.bytes_per_expert}  # the whole expert
         again, events, read = _run(second)
         assert again == tokens
+        assert store.lowbit_lru and {store.lowbit_disk_bytes(k) for k in store.lowbit_lru} == {0}  # kept in RAM
         moved = [e for e in events if e.tag is Tag.EXPERT_LOWBIT and e.bytes_moved]
         assert moved and all(e.bytes_moved == e.count * cache.copy_bytes for e in moved)
         assert cache.copy_bytes < 0.6 * store.bytes_per_expert  # int8 codes plus fp32 scales and zero points

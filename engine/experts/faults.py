@@ -40,6 +40,7 @@ def expert_miss(
         store.device_pool.can_reserve(store.bytes_per_expert),
         str(store.reader.compute_dtype).removeprefix("torch."),
         not store.is_ram_tiered,
+        store.lowbit_disk_bytes(key),
     )
 
 

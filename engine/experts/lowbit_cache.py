@@ -77,6 +77,10 @@ class LowbitDiskCache:
         tmp.write_text(json.dumps(body))
         tmp.replace(self.index_file)
 
+    def __contains__(self, key: tuple[int, int]) -> bool:
+        """Whether expert `key` has a persisted copy (not yet verified: a corrupt one is found by `get`)."""
+        return f"{key[0]}:{key[1]}" in self.slots
+
     def get(self, key: tuple[int, int]) -> LowbitPair | None:
         """The persisted copy of expert `key`, read from disk and verified; None when absent or corrupt."""
         name = f"{key[0]}:{key[1]}"

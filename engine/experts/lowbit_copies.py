@@ -87,6 +87,17 @@ class LowbitCopies:
             return Fetched(weights, Tier.DISK if moved else None, moved, note)
         return Fetched(weights, source, moved + low[0].num_bytes + low[1].num_bytes, note)
 
+    def disk_read_bytes(self, key: ExpertKey, home: Tier, num_full_bytes: int) -> int:
+        """Bytes :meth:`weights` must read from disk before `key` can run low-bit: none for a kept copy or
+        one made from a resident or host copy, a low-bit copy's for a persisted one, the whole expert
+        (`num_full_bytes`) for one made from the checkpoint on disk (`home`)."""
+        entry = self.entries[key]
+        if entry.lowbit is not None or (self.is_in_place and entry.device is not None):
+            return 0
+        if self.cache is not None and key in self.cache:
+            return self.cache.copy_bytes
+        return num_full_bytes if home is Tier.DISK else 0
+
     def _keep(self, key: ExpertKey, low: LowbitPair, free_host: Callable[[int], None]) -> None:
         """Keep a new low-bit copy while its pool has room: on CUDA full host copies make room (they can be
         re-read); on a CPU the RAM pool must have it free (nothing else is evicted for it)."""

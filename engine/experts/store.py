@@ -157,8 +157,14 @@ class ExpertStore(DevicePlacement):
         return self.entries[key].device is not None
 
     def has_lowbit(self, key: ExpertKey) -> bool:
-        """True when a low-bit copy exists or can be made (it is made on first use)."""
+        """True when a low-bit copy exists or can be made (it is made on first use; see `lowbit_disk_bytes`)."""
         return self.lowbit_bits > 0
+
+    def lowbit_disk_bytes(self, key: ExpertKey) -> int:
+        """Bytes serving `key` low-bit must first read from disk: 0 when a copy is kept or is made from a
+        resident or host copy, a low-bit copy's when persisted, the whole expert when made from the checkpoint
+        (a "fallback" that reads more than the exact load it replaces)."""
+        return self.lowbit.disk_read_bytes(key, self.home(key), self.bytes_per_expert) if self.lowbit_bits else 0
 
     def device_keys(self) -> list[ExpertKey]:
         return [key for key, entry in self.entries.items() if entry.device is not None]

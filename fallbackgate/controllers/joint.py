@@ -155,8 +155,8 @@ class JointController(JointPlacement, Controller):
                 budget.spend(tag, cost, True)
                 arrival = 0.0  # expert_defer: nothing arrives, the expert's share is skipped
                 if tag is Tag.EXPERT_LOWBIT:
-                    self.link.take(self._lowbit_bytes(), Tier.HOST)
-                    arrival = self.link.used_s(Tier.HOST)
+                    self.link.take_legs(self._lowbit_legs(miss))
+                    arrival = self.link.used_s(Tier.DISK if miss.lowbit_disk_bytes else Tier.HOST)
                 if tag is Tag.CPU_EXECUTE:  # the step's CPU experts run one after another: their times add up
                     self.cpu_left_s -= cpu_expert_s(self.link.profile, miss)
                     arrival = self.link.deadline_s - self.cpu_left_s
@@ -194,8 +194,19 @@ class JointController(JointPlacement, Controller):
         if tag is Tag.CPU_EXECUTE:
             return cpu_expert_s(self.link.profile, miss)
         if tag is Tag.EXPERT_LOWBIT:
-            return sum(self.link.legs(self._lowbit_bytes(), Tier.HOST).values())
+            return sum(self._lowbit_legs(miss).values())
         return 0.0
+
+    def _lowbit_legs(self, miss: ExpertMiss) -> dict[Tier, float]:
+        """Link seconds the low-bit copy takes: its disk read first when it has no copy in memory (persisted:
+        a low-bit copy's bytes; none at all: the whole expert from the checkpoint), then, off the RAM/disk
+        layout, the low-bit bytes to the device."""
+        legs = {}
+        if miss.lowbit_disk_bytes:
+            legs[Tier.DISK] = self.link.legs(miss.lowbit_disk_bytes, Tier.DISK)[Tier.DISK]
+        if not self.link.is_ram_tiered:
+            legs.update(self.link.legs(self._lowbit_bytes(), Tier.HOST))
+        return legs
 
     def _load(self, miss: ExpertMiss, budget: RequestBudget, reason: str) -> Decision:
         self.link.take(miss.num_bytes, miss.home)
@@ -206,7 +217,8 @@ class JointController(JointPlacement, Controller):
     def _expert_fallbacks(self, miss: ExpertMiss) -> list[tuple[Tag, float]]:
         """Fallbacks in order of preference: same math on the CPU when it beats the late load, then by cost.
         The low-bit copy is offered when it arrives in time, or sooner than the late exact load would (the
-        deadline is missed either way; the smaller read misses it by less)."""
+        deadline is missed either way; the smaller read misses it by less): one that must first be made from
+        the checkpoint reads the whole expert, so it is neither."""
         options: list[tuple[Tag, float]] = []
         cpu_s = cpu_expert_s(self.link.profile, miss)
         exact_s = sum(self.link.legs(miss.num_bytes, miss.home).values())
@@ -214,7 +226,7 @@ class JointController(JointPlacement, Controller):
         if miss.is_cpu_execute_offered and is_faster:
             options.append((Tag.CPU_EXECUTE, 0.0))
         if miss.is_lowbit_available and (
-            self.link.fits(self._lowbit_bytes(), Tier.HOST) or self._fallback_s(miss, Tag.EXPERT_LOWBIT) < exact_s
+            self.link.fits_legs(self._lowbit_legs(miss)) or self._fallback_s(miss, Tag.EXPERT_LOWBIT) < exact_s
         ):
             options.append(
                 (Tag.EXPERT_LOWBIT, self.cost.expert_cost(Tag.EXPERT_LOWBIT, miss.layer, miss.max_gate_weight))

@@ -89,6 +89,17 @@ class LinkBudget:
                 return
         left[_HOST] = left.get(_HOST, 0.0) - (p.link_latency_s + num_bytes / p.host_to_device_bytes_per_s)
 
+    def fits_legs(self, legs: dict[Tier, float]) -> bool:
+        """Whether every leg (as :meth:`legs` gives them) still fits its link before the deadline."""
+        return all(self.left_s.get(tier, 0.0) >= seconds for tier, seconds in legs.items())
+
+    def take_legs(self, legs: dict[Tier, float]) -> None:
+        """Queue a transfer given as its legs (a disk leg counts as one more disk read queued)."""
+        for tier, seconds in legs.items():
+            self.left_s[tier] = self.left_s.get(tier, 0.0) - seconds
+        if _DISK in legs:
+            self.num_disk_queued += 1
+
     def used_s(self, source: Tier | None) -> float:
         """Link seconds queued so far this step on the links `source` uses (the latest of them): when a
         transfer queued now would start arriving."""
