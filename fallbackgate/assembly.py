@@ -207,6 +207,8 @@ def engine_config(policy: Policy, settings: RunSettings, overrides: Overrides) -
         is_emulated_device_tier=overrides.is_emulated_device_tier,
         is_prefix_reused=policy.memory.prefix_reuse,
         prefix_ram_cap_bytes=int(policy.memory.prefix_cache_mb * MIB),
+        lowbit_cache_dir=policy.memory.lowbit_dir,
+        is_lowbit_prepared=policy.memory.lowbit_dir is not None,
     )
 
 

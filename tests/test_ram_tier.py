@@ -17,6 +17,7 @@ import io
 import pathlib
 
 import pytest
+import torch
 
 from fallbackgate.assembly import Overrides, assemble
 from fallbackgate.batch.report import print_memory
@@ -27,7 +28,7 @@ from fallbackgate.engine.config import EngineConfig, TierLayout
 from fallbackgate.engine.device_pool import HeldCopy
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import BudgetError, EngineError
-from fallbackgate.engine.experts.lowbit_cache import manifest_hash
+from fallbackgate.engine.experts.lowbit_cache import _parts, manifest_hash
 from fallbackgate.engine.experts.manifest import MANIFEST_FILE
 from fallbackgate.engine.ram import MARGIN_FIXED_BYTES, MemoryLimit, memory_limit, physical_ram_bytes, size_ram_budget
 from fallbackgate.engine.sequence import SamplingParams
@@ -224,12 +225,46 @@ def test_lowbit_copies_live_in_the_one_ram_budget_and_move_only_disk_bytes() -> 
         engine.close()
 
 
-def _lowbit_engine(cache_dir: pathlib.Path, cap_bytes: int = 1 << 30) -> Engine:
+def _lowbit_engine(cache_dir: pathlib.Path, cap_bytes: int = 1 << 30, is_prepared: bool = False) -> Engine:
     config = EngineConfig(
         model_dir=str(CHECKPOINT_DIR), device="cpu", device_budget_bytes=4 * MIB, num_io_threads=0,
         num_verified_copies_per_step=0, lowbit_cache_dir=str(cache_dir), lowbit_cache_bytes=cap_bytes,
+        is_lowbit_prepared=is_prepared,
     )
     return Engine(config, ExactLRUController([Tag.EXPERT_LOWBIT]))
+
+
+def test_prepared_lowbit_copies_are_the_copies_a_miss_makes_and_no_low_bit_miss_reads_an_expert(
+    tmp_path: pathlib.Path,
+) -> None:
+    """``memory.lowbit_dir``: every expert's copy is persisted at build, byte for byte the copy a first-use
+    miss makes from the checkpoint, so every low-bit miss then reads a copy (a quarter of the fp32 expert
+    plus scales), never the whole expert, and the tokens are those of copies made on use."""
+    on_use = _lowbit_engine(tmp_path / "on-use")
+    try:
+        tokens, _, _ = _run(on_use)
+        cache = on_use.expert_store.lowbit_cache
+        assert cache is not None and cache.slots
+        made = {key: cache.get(key) for key in (tuple(map(int, name.split(":"))) for name in list(cache.slots))}
+    finally:
+        on_use.close()
+    before = proc_io()["read_bytes"]
+    prepared = _lowbit_engine(tmp_path / "prepared", is_prepared=True)
+    try:
+        store, cache = prepared.expert_store, prepared.expert_store.lowbit_cache
+        assert cache is not None and len(cache.slots) == len(store.entries)  # before any step
+        assert proc_io()["read_bytes"] - before >= len(store.entries) * store.bytes_per_expert  # read at build
+        for key, copy in made.items():
+            assert all(torch.equal(a, b) for a, b in zip(_parts(copy), _parts(cache.get(key)), strict=True))
+        again, events, read = _run(prepared)
+        assert again == tokens
+        lowbit = [e for e in events if e.tag is Tag.EXPERT_LOWBIT]
+        assert lowbit and all(e.bytes_moved in (0, e.count * cache.copy_bytes) for e in lowbit)
+        assert any(e.bytes_moved for e in lowbit)
+        tagged = sum(e.bytes_moved for e in events if e.source_tier is Tier.DISK)
+        assert abs(read - tagged) <= 0.10 * tagged, (read / MIB, tagged / MIB)
+    finally:
+        prepared.close()
 
 
 def test_persisted_lowbit_copies_make_a_miss_read_half_the_bytes(tmp_path: pathlib.Path) -> None:

@@ -15,11 +15,14 @@ import json
 import mmap
 import os
 import pathlib
+from collections.abc import Callable, Iterable
 
 import torch
+import tqdm
 import xxhash
 
 from fallbackgate.engine.experts.quant import Quantized, quantize
+from fallbackgate.engine.experts.weights import ExpertWeights
 from fallbackgate.engine.model.checkpoint_files import DIRECT_ALIGN
 
 INDEX_VERSION = 1
@@ -121,6 +124,24 @@ class LowbitDiskCache:
         self.slots[name] = (free, xxhash.xxh3_64(raw).hexdigest())
         self._save_index()
         return True
+
+    def fill(
+        self,
+        keys: Iterable[tuple[int, int]],
+        read: Callable[[tuple[int, int]], ExpertWeights],
+        progress: bool = False,
+    ) -> int:
+        """Persist a copy of every expert in `keys` that has none, made from ``read(key)`` (its full-precision
+        weights in the compute dtype, quantized as a low-bit miss quantizes them), until the cap; returns the
+        copies made."""
+        missing = [key for key in keys if key not in self]
+        num_made, shown = 0, progress and bool(missing)
+        for key in tqdm.tqdm(missing, desc=f"int{self.bits} expert copies", unit="expert", disable=not shown):
+            full = read(key)
+            if not self.put(key, (quantize(full.gate_up, self.bits, axis=1), quantize(full.down, self.bits, axis=1))):
+                break  # the cap: the rest are made on first use
+            num_made += 1
+        return num_made
 
     def close(self) -> None:
         """Close the slots file."""

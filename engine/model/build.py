@@ -178,6 +178,10 @@ def build_stores(
             loaded.reader.matrix_shapes,
             config.lowbit_cache_bytes,
         )
+        if config.is_lowbit_prepared:  # before serving: these reads are no step's
+            expert_store.lowbit_cache.fill(
+                list(expert_store.entries), loaded.reader.read, progress=True
+            )
     kv_store = KVStore(
         shape.num_layers,
         shape.num_kv_heads,

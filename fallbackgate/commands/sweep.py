@@ -9,10 +9,13 @@ traces of the ``--keep-trace`` cells under ``--out``/traces. Exit status: 0 on s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import sys
+import tempfile
 from typing import Any
 
 from fallbackgate.assembly import Assembly, Overrides, assemble
@@ -90,6 +93,10 @@ def add_parser(subparsers: Any) -> None:
                         "it and the run's measured decode compute time (controller.step_time)")  # fmt: skip
     p.add_argument("--keep-trace", action="append", default=[], metavar="KEY",
                    help="keep this cell's trace: workload/seed/controller/ram_frac/kv_share (repeatable)")  # fmt: skip
+    p.add_argument("--lowbit-dir", default=None, help="memory.lowbit_dir of every cell: low-bit expert copies "
+                   "prepared once there (default: a directory of this sweep's, removed at its end)")  # fmt: skip
+    p.add_argument("--no-lowbit-copies", action="store_true", help="no prepared low-bit copies: a low-bit miss "
+                   "makes its copy from the checkpoint (the sweeps before stop 39)")  # fmt: skip
     p.add_argument("--out", default="fallbackgate/sweep_results", help="directory for sweep.json and the PNGs")
     p.add_argument("--ledger", default=None, help=f"ledger URL (default: ${ENV_VAR}, else {DEFAULT_LEDGER})")
     p.set_defaults(func=run)
@@ -106,7 +113,7 @@ def config_from_args(args: argparse.Namespace) -> RegimeConfig:
         held_out_seed=args.held_out_seed, num_requests=args.num_requests, mixed_requests=args.mixed_requests,
         max_new_tokens=args.max_new_tokens, max_model_len=args.max_model_len, time_scale=args.time_scale,
         ram_fracs=args.ram_fracs, kv_shares=args.kv_shares, controllers=args.controllers, slo_scale=args.slo_scale,
-        step_time=args.step_time,
+        step_time=args.step_time, lowbit_dir=args.lowbit_dir,
         keep_traces=tuple(args.keep_trace), trace_out=str(pathlib.Path(args.out) / "traces"),
     )  # fmt: skip
 
@@ -149,6 +156,10 @@ def run(args: argparse.Namespace) -> int:
     except (LedgerError, ValueError) as exc:
         print(f"fallbackgate sweep: error: {exc}", file=sys.stderr)
         return 2
+    scratch = None
+    if cfg.lowbit_dir is None and not args.no_lowbit_copies:
+        scratch = tempfile.mkdtemp(prefix="fg-sweep-lowbit-")
+        cfg = dataclasses.replace(cfg, lowbit_dir=scratch)
     try:
         result = run_regime(cfg, ledger)
     except EngineError as exc:
@@ -156,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     finally:
         ledger.close()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     result["command"] = "fallbackgate sweep " + " ".join(sys.argv[2:])
     result["load_average_at_end"] = list(os.getloadavg())
     write_outputs(result, args.out, is_plotted=False)  # the raw points first

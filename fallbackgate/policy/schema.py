@@ -101,6 +101,10 @@ class MemorySpec(_Strict):
     prefix_reuse: bool = True
     # kept prefix blocks in RAM (the fast tier) at most, MiB; the least recently used are dropped beyond it
     prefix_cache_mb: Annotated[float, Field(ge=0)] = 256.0
+    # CPU: every expert's low-bit copy made once before serving and kept on disk here (per checkpoint and bit
+    # width, reused by later runs), so an expert_lowbit miss reads the copy, not the whole expert; null: a
+    # copy is made from the checkpoint on first use and kept in RAM while room lasts
+    lowbit_dir: str | None = None
 
     @field_validator("block_size")
     @classmethod

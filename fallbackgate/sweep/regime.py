@@ -68,6 +68,7 @@ class RegimeConfig:
     is_equivalent_allowed: bool = True  # baselines may serve late misses with the equivalent tags joint uses
     keep_traces: tuple[str, ...] = ()  # cell_key()s of the cells whose trace is kept
     trace_out: str | None = None  # where kept traces go
+    lowbit_dir: str | None = None  # memory.lowbit_dir of every cell: low-bit expert copies prepared once there
 
 
 def cell_key(cell: dict[str, Any]) -> str:
@@ -102,7 +103,8 @@ def workload_specs(cfg: RegimeConfig, kind: str, seed: int) -> list[PromptSpec]:
 
 def build(cfg: RegimeConfig, policy: Policy, kind: str, ram: int | None, split: float, trace: str | None) -> Assembly:
     """An enforce-mode engine with controller ``kind`` under ``ram`` bytes (None: sized from memory)."""
-    merged = with_sections(policy, {"controller": {"kind": kind}, "memory": {"device_budget_mb": None}}, cfg.model_dir)
+    memory = {"device_budget_mb": None, "lowbit_dir": cfg.lowbit_dir}
+    merged = with_sections(policy, {"controller": {"kind": kind}, "memory": memory}, cfg.model_dir)
     overrides = Overrides(
         max_new_tokens=cfg.max_new_tokens,
         device_budget_bytes=ram,
