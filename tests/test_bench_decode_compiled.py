@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from fallbackgate.bench.decode import _prompts, engine_assembly
-from fallbackgate.bench.decode_compiled import compile_layers, run_engine
+from fallbackgate.bench.decode import _prompts, engine_assembly, run_engine
+from fallbackgate.bench.decode_compiled import compile_layers
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 

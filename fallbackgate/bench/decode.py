@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from fallbackgate.assembly import Assembly
 from fallbackgate.bench.engines import exact_assembly
+from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
@@ -63,28 +64,37 @@ def engine_assembly(model_dir: str, batch: int) -> Assembly:
     return exact_assembly(model_dir, max_num_seqs=batch)
 
 
-def bench_engine(
-    model_dir: str, prompts: list[list[int]], new_tokens: int, batch: int
-) -> tuple[float, list[list[int]]]:
-    """The engine of :func:`engine_assembly`: generated tokens per second and the tokens."""
-    engine = engine_assembly(model_dir, batch).engine
+def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
+    """`engine` over `prompts`: generated tokens per second and the tokens."""
     started = time.perf_counter()
     outputs = [out.output_token_ids for out in engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens))]
     return sum(map(len, outputs)) / (time.perf_counter() - started), outputs
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def bench_engine(
+    model_dir: str, prompts: list[list[int]], new_tokens: int, batch: int
+) -> tuple[float, list[list[int]]]:
+    """The engine of :func:`engine_assembly`: generated tokens per second and the tokens."""
+    return run_engine(engine_assembly(model_dir, batch).engine, prompts, new_tokens)
+
+
+def decode_setup(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, PreTrainedModel, list[list[int]]]:
+    """The decode benchmarks' shared flags parsed, transformers' reference model and the prompts."""
     parser.add_argument("--model", default=str(CHECKPOINT_DIR))
     parser.add_argument("--num-prompts", type=int, default=8, help="prompts, also the larger batch size")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", default="bench-engine.json")
     args = parser.parse_args()
     reference = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto").eval()
     reference.generation_config.eos_token_id = None  # both sides stop at max_new_tokens only, eos never masked
-    prompts = _prompts(reference.config.vocab_size, args.num_prompts, args.prompt_len, 0)
+    return args, reference, _prompts(reference.config.vocab_size, args.num_prompts, args.prompt_len, 0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", default="bench-engine.json")
+    args, reference, prompts = decode_setup(parser)
     batches = sorted({1, args.num_prompts})
     runs: dict[str, list[float]] = {f"{side}_b{b}": [] for b in batches for side in ("generate", "engine")}
     sides: dict[str, Callable[[int], tuple[float, list[list[int]]]]] = {

@@ -18,15 +18,13 @@ import statistics
 import time
 
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers import AttentionInterface
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from fallbackgate.bench.decode import _prompts, bench_generate, engine_assembly
+from fallbackgate.bench.decode import bench_generate, decode_setup, engine_assembly, run_engine
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.experts.hook import fallbackgate_experts_forward
 from fallbackgate.engine.kv.paged_attention import paged_attention_forward
-from fallbackgate.engine.sequence import SamplingParams
-from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 COMPILED_NAME = "fallbackgate_eager_in_compiled"  # the engine's functions, registered as graph breaks
 
@@ -46,25 +44,10 @@ def compile_layers(engine: Engine) -> None:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-    """Generated tokens per second and the tokens, one prompt at a time (batch 1)."""
-    started = time.perf_counter()
-    outputs = [out.output_token_ids for out in engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens))]
-    return sum(map(len, outputs)) / (time.perf_counter() - started), outputs
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(CHECKPOINT_DIR))
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default="bench-decode-compiled.json")
-    args = parser.parse_args()
-    reference = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto").eval()
-    reference.generation_config.eos_token_id = None
-    prompts = _prompts(reference.config.vocab_size, args.num_prompts, args.prompt_len, 0)
+    args, reference, prompts = decode_setup(parser)
     eager, compiled = (engine_assembly(args.model, 1).engine for _ in range(2))
     compile_layers(compiled)
     started = time.perf_counter()
