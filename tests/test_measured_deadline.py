@@ -4,6 +4,7 @@ disk — what makes the bundled demo choose among its tags on a 2-core machine w
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import pytest
@@ -105,6 +106,7 @@ def test_a_low_bit_copy_that_must_first_read_the_whole_expert_is_not_a_fallback(
     view = _view(0.025)
     joint = JointController(_policy("measured", ["expert_lowbit"]))
     joint.on_step_start(_plan(), view)
+    weighed_s = joint.link.legs(disk_bytes, Tier.DISK).get(Tier.DISK, 0.0)  # the read, priced before it is queued
     assert joint.expert_action(_miss(view, disk_bytes)).tag is tag
     (row,) = joint.take_arbitrations()
     options = {o.tag: o for o in row.options}
@@ -113,6 +115,22 @@ def test_a_low_bit_copy_that_must_first_read_the_whole_expert_is_not_a_fallback(
     else:
         exact, lowbit = options[Tag.EXACT_LOAD].predicted_s, options[Tag.EXPERT_LOWBIT].predicted_s
         assert lowbit < exact and (lowbit == 0.0) == (disk_bytes == 0)
+        assert lowbit == weighed_s  # the ledger's prediction is the one weighed, not one priced after booking
+
+
+def test_a_low_bit_copy_two_requests_need_in_one_step_is_read_once() -> None:
+    """The engine makes one low-bit copy per expert and step: a second request's low-bit miss of the same
+    expert books no second disk read (its option is free), as a second exact load books none."""
+    view = _view(0.025, request_classes={"r": "c", "s": "c"}, running_ids=("r", "s"))
+    joint = JointController(_policy("measured", ["expert_lowbit"]))
+    joint.on_step_start(StepPlan(1, StepKind.DECODE, ["r", "s"], {"r": 1, "s": 1}, {"r": 40, "s": 40}), view)
+    first = joint.expert_action(_miss(view, EXPERT_BYTES // 4))
+    left, queued = dict(joint.link.left_s), joint.link.num_disk_queued
+    second = joint.expert_action(dataclasses.replace(_miss(view, EXPERT_BYTES // 4), request_id="s"))
+    assert first.tag is second.tag is Tag.EXPERT_LOWBIT
+    assert joint.link.left_s == left and joint.link.num_disk_queued == queued == 1
+    booked, shared = ({o.tag: o for o in row.options} for row in joint.take_arbitrations())
+    assert booked[Tag.EXPERT_LOWBIT].predicted_s > 0.0 == shared[Tag.EXPERT_LOWBIT].predicted_s
 
 
 def test_a_late_kv_block_is_read_from_its_int8_copy_when_that_arrives_sooner() -> None:

@@ -295,15 +295,21 @@ def test_persisted_lowbit_copies_make_a_miss_read_half_the_bytes(tmp_path: pathl
         assert cache.copy_bytes < 0.6 * store.bytes_per_expert  # int8 codes plus fp32 scales and zero points
         tagged = sum(e.bytes_moved for e in events if e.source_tier is Tier.DISK)
         assert abs(read - tagged) <= 0.10 * tagged, (read / MIB, tagged / MIB)
-        name = next(iter(cache.slots))
-        slot, _ = cache.slots[name]
-        with open(cache.slots_file, "r+b") as handle:  # plant a flipped byte in one expert's slot
-            handle.seek(slot * cache.slot_bytes + 7)
-            byte = handle.read(1)
-            handle.seek(slot * cache.slot_bytes + 7)
-            handle.write(bytes([byte[0] ^ 0xFF]))
-        layer, expert = (int(x) for x in name.split(":"))
-        assert cache.get((layer, expert)) is None and name not in cache.slots
+        assert cache.dir.name == "int8-float32"  # keyed by the compute dtype the copies were made from
+        store.drop_lowbit(store.device_pool.budget_bytes)  # no copy kept in RAM: a miss goes to the slot
+        unused = [k for k in persisted[1:] if not store.is_on_device(k)]
+        for key in (persisted[0], next(k for k in unused if f"{k[0]}:{k[1]}" in cache.slots)):
+            slot, _ = cache.slots[f"{key[0]}:{key[1]}"]
+            with open(cache.slots_file, "r+b") as handle:  # plant a flipped byte in the expert's slot
+                handle.seek(slot * cache.slot_bytes + 7)
+                byte = handle.read(1)
+                handle.seek(slot * cache.slot_bytes + 7)
+                handle.write(bytes([byte[0] ^ 0xFF]))
+        assert cache.get(persisted[0]) is None and f"{persisted[0][0]}:{persisted[0][1]}" not in cache.slots
+        key = next(k for k in unused if f"{k[0]}:{k[1]}" in cache.slots)  # a miss meets a corrupt slot:
+        fetched = store.lowbit_weights(key)  # the slot was read, then the whole expert: both counted
+        assert fetched.bytes_moved == cache.slot_bytes + store.checkpoint_bytes_per_expert
+        assert "corrupt" in fetched.note and f"{key[0]}:{key[1]}" in cache.slots  # remade and persisted again
     finally:
         second.close()
     small = _lowbit_engine(tmp_path / "small", cap_bytes=3 * cache.slot_bytes)

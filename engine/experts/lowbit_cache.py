@@ -21,6 +21,7 @@ import torch
 import tqdm
 import xxhash
 
+from fallbackgate.engine.errors import ExpertReadError
 from fallbackgate.engine.experts.quant import Quantized, quantize
 from fallbackgate.engine.experts.weights import ExpertWeights
 from fallbackgate.engine.model.checkpoint_files import DIRECT_ALIGN
@@ -48,8 +49,10 @@ class LowbitDiskCache:
         bits: int,
         matrix_shapes: tuple[tuple[int, int], tuple[int, int]],
         cap_bytes: int,
+        compute_dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.dir = root / key_hash / f"int{bits}"
+        # copies are made from the compute dtype's weights: another dtype's copies may differ in a code
+        self.dir = root / key_hash / f"int{bits}-{str(compute_dtype).removeprefix('torch.')}"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.bits = bits
         self.template = tuple(quantize(torch.zeros(shape), bits, axis=1) for shape in matrix_shapes)
@@ -107,8 +110,9 @@ class LowbitDiskCache:
             for i, q in enumerate(self.template)
         )
 
-    def put(self, key: tuple[int, int], pair: LowbitPair) -> bool:
-        """Persist expert `key`'s copy in the next free slot; False when the cap is reached."""
+    def put(self, key: tuple[int, int], pair: LowbitPair, is_saved: bool = True) -> bool:
+        """Persist expert `key`'s copy in the next free slot; False when the cap is reached. `is_saved`
+        False leaves the index file to the caller (:meth:`fill` writes it once)."""
         name = f"{key[0]}:{key[1]}"
         used = {slot for slot, _ in self.slots.values()}
         free = next((s for s in range(self.num_slots) if s not in used), None)
@@ -122,7 +126,8 @@ class LowbitDiskCache:
         view[len(raw) :] = bytes(self.slot_bytes - len(raw))
         os.pwritev(self.fd, [self.buffer], free * self.slot_bytes)
         self.slots[name] = (free, xxhash.xxh3_64(raw).hexdigest())
-        self._save_index()
+        if is_saved:
+            self._save_index()
         return True
 
     def fill(
@@ -133,18 +138,29 @@ class LowbitDiskCache:
     ) -> int:
         """Persist a copy of every expert in `keys` that has none, made from ``read(key)`` (its full-precision
         weights in the compute dtype, quantized as a low-bit miss quantizes them), until the cap; returns the
-        copies made."""
+        copies made. An expert that cannot be read (``read`` raises :class:`ExpertReadError`) is skipped: its
+        copy is made, or its fault found, on first use."""
         missing = [key for key in keys if key not in self]
         num_made, shown = 0, progress and bool(missing)
-        for key in tqdm.tqdm(missing, desc=f"int{self.bits} expert copies", unit="expert", disable=not shown):
-            full = read(key)
-            if not self.put(key, (quantize(full.gate_up, self.bits, axis=1), quantize(full.down, self.bits, axis=1))):
-                break  # the cap: the rest are made on first use
-            num_made += 1
+        try:
+            for key in tqdm.tqdm(missing, desc=f"int{self.bits} expert copies", unit="expert", disable=not shown):
+                if len(self.slots) >= self.num_slots:
+                    break  # the cap: the rest are made on first use
+                try:
+                    full = read(key)
+                except ExpertReadError:
+                    continue
+                pair = (quantize(full.gate_up, self.bits, axis=1), quantize(full.down, self.bits, axis=1))
+                num_made += self.put(key, pair, is_saved=False)
+        finally:
+            if num_made:
+                self._save_index()
         return num_made
 
     def close(self) -> None:
-        """Close the slots file."""
+        """Close the slots file and the read buffer."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if not self.buffer.closed:
+            self.buffer.close()

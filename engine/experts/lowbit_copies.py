@@ -61,15 +61,21 @@ class LowbitCopies:
         entry, source, moved, note = self.entries[key], Tier.HOST, 0, ""
         if entry.lowbit is None:
             full = entry.device if self.is_in_place and entry.device is not None else None
-            low = self.cache.get(key) if full is None and self.cache is not None else None
+            low, slot_read = None, 0
+            if full is None and self.cache is not None:
+                before = self.cache.num_bytes_read
+                low = self.cache.get(key)
+                slot_read = self.cache.num_bytes_read - before
             if low is not None:  # persisted: a half or a quarter of the expert's bytes read from disk
                 source, moved, note = Tier.DISK, low[0].num_bytes + low[1].num_bytes, "persisted low-bit copy"
             else:
+                if slot_read:  # a persisted copy failed its check: its slot was read, then dropped
+                    source, moved, note = Tier.DISK, slot_read, "persisted low-bit copy corrupt, remade"
                 if full is None:
                     fetched = read_full(key)
-                    full, note = fetched.weights, fetched.note
+                    full, note = fetched.weights, note or fetched.note
                     if fetched.source_tier is Tier.DISK:
-                        source, moved = Tier.DISK, fetched.bytes_moved
+                        source, moved = Tier.DISK, moved + fetched.bytes_moved
                 low = (quantize(full.gate_up, self.bits, axis=1), quantize(full.down, self.bits, axis=1))
                 if self.cache is not None:
                     self.cache.put(key, low)

@@ -164,7 +164,9 @@ class ExpertStore(DevicePlacement):
         """Bytes serving `key` low-bit must first read from disk: 0 when a copy is kept or is made from a
         resident or host copy, a low-bit copy's when persisted, the whole expert when made from the checkpoint
         (a "fallback" that reads more than the exact load it replaces)."""
-        return self.lowbit.disk_read_bytes(key, self.home(key), self.bytes_per_expert) if self.lowbit_bits else 0
+        if not self.lowbit_bits:
+            return 0
+        return self.lowbit.disk_read_bytes(key, self.home(key), self.checkpoint_bytes_per_expert)
 
     def device_keys(self) -> list[ExpertKey]:
         return [key for key, entry in self.entries.items() if entry.device is not None]

@@ -177,11 +177,10 @@ def build_stores(
             config.expert_lowbit_bits,
             loaded.reader.matrix_shapes,
             config.lowbit_cache_bytes,
+            loaded.reader.compute_dtype,
         )
         if config.is_lowbit_prepared:  # before serving: these reads are no step's
-            expert_store.lowbit_cache.fill(
-                list(expert_store.entries), loaded.reader.read, progress=True
-            )
+            expert_store.lowbit_cache.fill(list(expert_store.entries), loaded.reader.read, progress=True)
     kv_store = KVStore(
         shape.num_layers,
         shape.num_kv_heads,

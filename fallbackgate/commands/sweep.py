@@ -93,10 +93,15 @@ def add_parser(subparsers: Any) -> None:
                         "it and the run's measured decode compute time (controller.step_time)")  # fmt: skip
     p.add_argument("--keep-trace", action="append", default=[], metavar="KEY",
                    help="keep this cell's trace: workload/seed/controller/ram_frac/kv_share (repeatable)")  # fmt: skip
-    p.add_argument("--lowbit-dir", default=None, help="memory.lowbit_dir of every cell: low-bit expert copies "
-                   "prepared once there (default: a directory of this sweep's, removed at its end)")  # fmt: skip
-    p.add_argument("--no-lowbit-copies", action="store_true", help="no prepared low-bit copies: a low-bit miss "
-                   "makes its copy from the checkpoint (the sweeps before stop 39)")  # fmt: skip
+    lowbit = p.add_mutually_exclusive_group()
+    lowbit.add_argument(
+        "--lowbit-dir",
+        default=None,
+        help="memory.lowbit_dir of every cell: low-bit expert "
+        "copies prepared once there (default: a directory of this sweep's, removed at its end)",
+    )
+    lowbit.add_argument("--no-lowbit-copies", action="store_true", help="no prepared low-bit copies: a low-bit "
+                        "miss makes its copy from the checkpoint (the sweeps before stop 39)")  # fmt: skip
     p.add_argument("--out", default="fallbackgate/sweep_results", help="directory for sweep.json and the PNGs")
     p.add_argument("--ledger", default=None, help=f"ledger URL (default: ${ENV_VAR}, else {DEFAULT_LEDGER})")
     p.set_defaults(func=run)

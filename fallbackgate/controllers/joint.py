@@ -65,6 +65,7 @@ class JointController(JointPlacement, Controller):
         self.kv_bits = spec.kv_quant_bits
         self.step_id, self.is_observe = -1, False
         self.loading: set[ExpertKey] = set()
+        self.lowbit_loading: set[ExpertKey] = set()  # experts whose low-bit copy this step already booked
         self.strict_reserve_s = 0.0
         self.cpu_left_s = 0.0  # CPU time left in this step for cpu_execute experts
         self.kv_energy: dict[KVBlockKey, float] = {}
@@ -81,6 +82,7 @@ class JointController(JointPlacement, Controller):
         self.step_id, self.is_observe = plan.step_id, plan.is_observe
         self.current_layer = -1
         self.loading.clear()
+        self.lowbit_loading.clear()
         deadline = step_deadline_s(self.policy, plan, view)
         self.link.reset(deadline, view.io_snapshot(), view.is_ram_tiered)
         self.cpu_left_s = deadline
@@ -150,23 +152,25 @@ class JointController(JointPlacement, Controller):
             sum(self.link.legs(miss.num_bytes, miss.home).values()),
             self.link.late_text("expert load", miss.num_bytes, miss.home),
         )  # before anything is booked
+        weighed_s = [self._fallback_s(miss, tag) for tag, _ in candidates]  # as weighed, before booking
         for (tag, cost), note in zip(candidates, notes, strict=True):
             if not note:
                 budget.spend(tag, cost, True)
                 arrival = 0.0  # expert_defer: nothing arrives, the expert's share is skipped
                 if tag is Tag.EXPERT_LOWBIT:
                     self.link.take_legs(self._lowbit_legs(miss))
+                    self.lowbit_loading.add(key)
                     arrival = self.link.used_s(Tier.DISK if miss.lowbit_disk_bytes else Tier.HOST)
                 if tag is Tag.CPU_EXECUTE:  # the step's CPU experts run one after another: their times add up
                     self.cpu_left_s -= cpu_expert_s(self.link.profile, miss)
                     arrival = self.link.deadline_s - self.cpu_left_s
-                self._note_late_expert(miss, late, candidates, notes, tag, cost, "deadline", arrival)
+                self._note_late_expert(miss, late, candidates, notes, weighed_s, (tag, cost, "deadline", arrival))
                 return Decision(tag, cost, "deadline")
         reason = "slo slip: quality budget spent" if budget.is_spent else "slo slip: no allowed fallback fits"
         self.slips.append(Slip(self.step_id, miss.request_id, ObjectKind.EXPERT.value, reason))
         decision = self._load(miss, budget, reason)
         arrival = self.link.used_s(miss.home)
-        self._note_late_expert(miss, late, candidates, notes, Tag.EXACT_LOAD, 0.0, reason, arrival)
+        self._note_late_expert(miss, late, candidates, notes, weighed_s, (Tag.EXACT_LOAD, 0.0, reason, arrival))
         return decision
 
     def _note_late_expert(
@@ -175,17 +179,17 @@ class JointController(JointPlacement, Controller):
         late: tuple[float, str],
         candidates: list[tuple[Tag, float]],
         notes: list[str],
-        choice: Tag,
-        cost: float,
-        reason: str,
-        arrival_s: float,
+        weighed_s: list[float],
+        chosen: tuple[Tag, float, str, float],
     ) -> None:
-        """Keep a late expert load's arbitration: the late load, every fallback weighed (with why it was not
-        feasible), the choice."""
+        """Keep a late expert load's arbitration: the late load, every fallback weighed (its predicted seconds
+        as weighed, before anything was booked, and why it was not feasible), the choice (tag, cost, reason,
+        arrival)."""
         if self.is_observe:  # observe serves exactly and decides nothing, as for KV copies
             return
-        pairs = zip(candidates, notes, strict=True)
-        weighed = [(tag, self._fallback_s(miss, tag), option_cost, note) for (tag, option_cost), note in pairs]
+        choice, cost, reason, arrival_s = chosen
+        rows = zip(candidates, weighed_s, notes, strict=True)
+        weighed = [(tag, seconds, option_cost, note) for (tag, option_cost), seconds, note in rows]
         decided = expert_arbitration(self.step_id, miss, self.link, late, weighed, (choice, cost, arrival_s), reason)
         self.arbitrations.append(decided)
 
@@ -200,8 +204,11 @@ class JointController(JointPlacement, Controller):
     def _lowbit_legs(self, miss: ExpertMiss) -> dict[Tier, float]:
         """Link seconds the low-bit copy takes: its disk read first when it has no copy in memory (persisted:
         a low-bit copy's bytes; none at all: the whole expert from the checkpoint), then, off the RAM/disk
-        layout, the low-bit bytes to the device."""
-        legs = {}
+        layout, the low-bit bytes to the device; nothing when another request's miss booked it this step (the
+        engine makes one copy per expert and step)."""
+        legs: dict[Tier, float] = {}
+        if (miss.layer, miss.expert_id) in self.lowbit_loading:
+            return legs
         if miss.lowbit_disk_bytes:
             legs[Tier.DISK] = self.link.legs(miss.lowbit_disk_bytes, Tier.DISK)[Tier.DISK]
         if not self.link.is_ram_tiered:
@@ -217,8 +224,9 @@ class JointController(JointPlacement, Controller):
     def _expert_fallbacks(self, miss: ExpertMiss) -> list[tuple[Tag, float]]:
         """Fallbacks in order of preference: same math on the CPU when it beats the late load, then by cost.
         The low-bit copy is offered when it arrives in time, or sooner than the late exact load would (the
-        deadline is missed either way; the smaller read misses it by less): one that must first be made from
-        the checkpoint reads the whole expert, so it is neither."""
+        deadline is missed either way; the smaller read misses it by less): on the RAM/disk layout one that
+        must first be made from the checkpoint reads the whole expert, so it is neither (elsewhere its smaller
+        host-to-device leg may still win; the CPU time to quantize it is not modeled)."""
         options: list[tuple[Tag, float]] = []
         cpu_s = cpu_expert_s(self.link.profile, miss)
         exact_s = sum(self.link.legs(miss.num_bytes, miss.home).values())
