@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 from collections.abc import Callable
 
@@ -207,7 +208,7 @@ def engine_config(policy: Policy, settings: RunSettings, overrides: Overrides) -
         is_emulated_device_tier=overrides.is_emulated_device_tier,
         is_prefix_reused=policy.memory.prefix_reuse,
         prefix_ram_cap_bytes=int(policy.memory.prefix_cache_mb * MIB),
-        lowbit_cache_dir=policy.memory.lowbit_dir,
+        lowbit_cache_dir=os.path.expanduser(policy.memory.lowbit_dir) if policy.memory.lowbit_dir else None,
         is_lowbit_prepared=policy.memory.lowbit_dir is not None,
     )
 

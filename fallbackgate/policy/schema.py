@@ -103,7 +103,7 @@ class MemorySpec(_Strict):
     prefix_cache_mb: Annotated[float, Field(ge=0)] = 256.0
     # CPU: every expert's low-bit copy made once before serving and kept on disk here (per checkpoint and bit
     # width, reused by later runs), so an expert_lowbit miss reads the copy, not the whole expert; null: a
-    # copy is made from the checkpoint on first use and kept in RAM while room lasts
+    # copy is made from the checkpoint on first use and kept in RAM while room lasts; "~" is expanded
     lowbit_dir: str | None = None
 
     @field_validator("block_size")
