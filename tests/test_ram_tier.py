@@ -286,7 +286,7 @@ def test_persisted_lowbit_copies_make_a_miss_read_half_the_bytes(tmp_path: pathl
         not_persisted = [k for k in off_device if f"{k[0]}:{k[1]}" not in cache.slots]
         assert persisted and not_persisted  # what a low-bit miss reads first, as the controller is told:
         assert {store.lowbit_disk_bytes(k) for k in persisted} == {cache.copy_bytes}  # the persisted copy
-        assert {store.lowbit_disk_bytes(k) for k in not_persisted} == {store.bytes_per_expert}  # the whole expert
+        assert {store.lowbit_disk_bytes(k) for k in not_persisted} == {store.checkpoint_bytes_per_expert}  # whole
         again, events, read = _run(second)
         assert again == tokens
         assert store.lowbit_lru and {store.lowbit_disk_bytes(k) for k in store.lowbit_lru} == {0}  # kept in RAM

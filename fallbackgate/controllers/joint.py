@@ -233,9 +233,8 @@ class JointController(JointPlacement, Controller):
         is_faster = cpu_s < exact_s and cpu_s <= self.cpu_left_s
         if miss.is_cpu_execute_offered and is_faster:
             options.append((Tag.CPU_EXECUTE, 0.0))
-        if miss.is_lowbit_available and (
-            self.link.fits_legs(self._lowbit_legs(miss)) or self._fallback_s(miss, Tag.EXPERT_LOWBIT) < exact_s
-        ):
+        lowbit_legs = self._lowbit_legs(miss) if miss.is_lowbit_available else {}
+        if miss.is_lowbit_available and (self.link.fits_legs(lowbit_legs) or sum(lowbit_legs.values()) < exact_s):
             options.append(
                 (Tag.EXPERT_LOWBIT, self.cost.expert_cost(Tag.EXPERT_LOWBIT, miss.layer, miss.max_gate_weight))
             )
