@@ -78,6 +78,7 @@ class EngineConfig:
     lowbit_cache_dir: str | None = None  # CPU: low-bit copies persisted here (see lowbit_cache.py); None: none
     lowbit_cache_bytes: int = 8 * 1024 * MIB  # cap of the persisted low-bit copies per checkpoint and bit width
     is_lowbit_prepared: bool = False  # CPU: persist every expert's low-bit copy at build (lowbit_cache_dir)
+    is_decode_compiled: bool = False  # decode forwards run as one torch.compile graph (engine/model/compiled.py)
     is_prefix_reused: bool = True  # full KV blocks kept by content hash after their request, reused by prefixes
     prefix_spill_cap_bytes: int = 1024 * MIB  # kept prefix blocks off the fast tier (disk, host) at most
     prefix_ram_cap_bytes: int = 256 * MIB  # kept prefix blocks on the fast tier at most (least recent dropped)

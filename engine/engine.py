@@ -21,6 +21,7 @@ from fallbackgate.engine.kv.prefix_cache import PrefixCache
 from fallbackgate.engine.kv.store import KVBlockKey
 from fallbackgate.engine.messages import RequestOutput, StepPlan
 from fallbackgate.engine.model.build import KVShape, build_stores, fill_expert_tiers, probe_kv_shapes, resolve_device
+from fallbackgate.engine.model.compiled import CompiledDecode
 from fallbackgate.engine.model.loader import LoadedCheckpoint, find_routers, load_checkpoint
 from fallbackgate.engine.model.runner import ModelRunner
 from fallbackgate.engine.outputs import request_output
@@ -120,6 +121,8 @@ class Engine(BaselineAccess, EngineStepping):
         self.runner = ModelRunner(
             model, self.executor, shape.num_layers, self.device, 2.0 * self.num_dense_params, attn_flops
         )
+        if self.config.is_decode_compiled:
+            self.runner.compiled = CompiledDecode(model, self.executor, loaded.experts_by_layer)
 
     @property
     def dtype_name(self) -> str:
@@ -189,6 +192,8 @@ class Engine(BaselineAccess, EngineStepping):
         """Stop the expert read threads, release the host room of reads in flight and remove the spill
         directory (the engine serves no more afterwards)."""
         self.expert_store.close()
+        if self.runner.compiled is not None:
+            self.runner.compiled.close()
         self.kv_store.spill.close()
         self.io.close()
         self.expert_store.reader.files.io = None  # an audit after close reads the checkpoint in its own thread

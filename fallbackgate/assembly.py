@@ -206,6 +206,7 @@ def engine_config(policy: Policy, settings: RunSettings, overrides: Overrides) -
         is_observe=policy.audit.mode == AuditMode.OBSERVE,
         device=_ENGINE_DEFAULTS["device"] if overrides.device is None else overrides.device,
         is_emulated_device_tier=overrides.is_emulated_device_tier,
+        is_decode_compiled=policy.hardware.compile_decode,
         is_prefix_reused=policy.memory.prefix_reuse,
         prefix_ram_cap_bytes=int(policy.memory.prefix_cache_mb * MIB),
         lowbit_cache_dir=os.path.expanduser(policy.memory.lowbit_dir) if policy.memory.lowbit_dir else None,

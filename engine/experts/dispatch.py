@@ -82,7 +82,7 @@ class ExpertDispatch(MissFetching):
         store.wait_layer_ready(layer)
         if not routing.misses:  # everything resident: one kernel, no host work beyond the counts
             return sum_rows(
-                self._kernel(module, layer, hidden, row_slots, top_k_weights.reshape(-1), top_k),
+                self._kernel(module, layer, hidden, row_slots, top_k_weights.reshape(-1), top_k, routing.slots),
                 num_tokens,
                 top_k,
                 hidden.dtype,
@@ -196,7 +196,8 @@ class ExpertDispatch(MissFetching):
         pending[todo] = slots[todo]
         self.store.wait_layer_ready(layer)
         top_k = len(slots) // hidden.shape[0]
-        rows = self._kernel(module, layer, hidden, torch.as_tensor(pending, device=hidden.device), flat_weights, top_k)
+        device_pending = torch.as_tensor(pending, device=hidden.device)
+        rows = self._kernel(module, layer, hidden, device_pending, flat_weights, top_k, pending)
         out.put(todo, rows[torch.as_tensor(todo, device=hidden.device)])
 
     def _kernel(
@@ -207,11 +208,14 @@ class ExpertDispatch(MissFetching):
         slots: torch.Tensor,
         flat_weights: torch.Tensor,
         top_k: int,
+        host_slots: np.ndarray,
     ) -> torch.Tensor:
+        """Every row with a slot through the grouped kernel (`host_slots`: `slots` on the host)."""
         gate_up, down, base = self.store.kernel_stack(layer)
         if base:
             slots = torch.where(slots >= 0, slots - base, slots)
-        return grouped_rows(module, gate_up, down, hidden, slots, flat_weights, top_k)
+            host_slots = np.where(host_slots >= 0, host_slots - base, host_slots)
+        return grouped_rows(module, gate_up, down, hidden, slots, flat_weights, top_k, host_slots)
 
     def _expert_s(self, num_tokens: int, hidden: torch.Tensor, on_cpu: bool) -> float:
         """Predicted (modeled) seconds of one expert call from the profile's measured curve."""

@@ -6,18 +6,25 @@ dequantized low-bit copy — and every expert an exact or replay baseline comput
 gate, the routing weight applied per (token, top-k) row. :func:`sum_rows` then reduces each token's top-k
 rows exactly as transformers does (reshape + sum). A slot's rows are computed by the same per-group
 matmul whatever other slots the call holds, so an expert's output does not depend on where it sits.
+
+On a CPU, when the caller has the rows' slots on the host (the dispatch's one routing copy) and they fall in
+few groups (a decode step), the rows are sorted on the host and each non-empty group gets its own matmul:
+exactly the per-group matmul of transformers' ``grouped_mm`` on a CPU (bitwise, tests/test_dispatch.py),
+without its walk over every empty group and the device-side sort.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from transformers.integrations.moe import _grouped_linear
 
 from fallbackgate.engine.experts.weights import ExpertWeights
 
 MAX_STACK_BYTES = 128 * 1024 * 1024  # experts a baseline stacks at once (a layer of a real model is GBs)
+MAX_HOST_GROUPS = 8  # on a CPU, at most this many non-empty groups are computed one matmul each
 
 
 def grouped_rows(
@@ -28,13 +35,22 @@ def grouped_rows(
     slots: torch.Tensor,
     weights: torch.Tensor,
     top_k: int,
+    host_slots: np.ndarray | None = None,
 ) -> torch.Tensor:
     """Weighted expert output per (token, top-k) row, ``[T * k, H]``.
 
     `gate_up` ``[S, 2I, H]`` and `down` ``[S, H, I]`` are the slot stacks, `slots` ``[T * k]`` the slot of
-    each row (-1: not computed here, its row is zero), `weights` ``[T * k]`` the routing weights.
+    each row (-1: not computed here, its row is zero), `weights` ``[T * k]`` the routing weights;
+    `host_slots`, when given, is `slots` on the host.
     """
     num_slots = gate_up.shape[0]
+    if host_slots is not None and hidden.device.type == "cpu":
+        keys_np = np.where(host_slots >= 0, host_slots, num_slots)
+        perm_np = np.argsort(keys_np, kind="stable")
+        sorted_keys = keys_np[perm_np]
+        groups, starts = np.unique(sorted_keys, return_index=True)
+        if len(groups) - (groups[-1] == num_slots) <= MAX_HOST_GROUPS:
+            return _host_grouped_rows(module, gate_up, down, hidden, weights, top_k, perm_np, groups, starts)
     keys = torch.where(slots >= 0, slots, num_slots)  # rows computed elsewhere sort to the tail, past every group
     keys_g, perm = torch.sort(keys, stable=True)
     x = hidden[perm // top_k]
@@ -47,6 +63,43 @@ def grouped_rows(
         proj = module.post_expert_norm(proj)
     weighted = proj * weights[perm].unsqueeze(-1)
     rows = torch.empty_like(weighted)
+    rows[perm] = weighted
+    return rows
+
+
+def _host_grouped_rows(
+    module: torch.nn.Module,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    hidden: torch.Tensor,
+    weights: torch.Tensor,
+    top_k: int,
+    perm_np: np.ndarray,
+    groups: np.ndarray,
+    starts: np.ndarray,
+) -> torch.Tensor:
+    """:func:`grouped_rows` with the rows sorted on the host (`perm_np`; `groups` the sorted slot keys present,
+    `starts` where each begins, a key of ``S`` the rows not computed here): one matmul per non-empty group."""
+    num_slots, num_rows = gate_up.shape[0], len(perm_np)
+    ends = [*starts[1:].tolist(), num_rows]
+    spans = [(int(g), int(a), b) for g, a, b in zip(groups, starts, ends, strict=True) if g < num_slots]
+    num_done = spans[-1][2] if spans else 0
+    if not num_done:
+        dtype = torch.promote_types(down.dtype, weights.dtype)
+        return torch.zeros((num_rows, down.shape[1]), dtype=dtype, device=hidden.device)
+    perm = torch.from_numpy(perm_np[:num_done])
+    x = hidden[perm // top_k].to(gate_up.dtype)
+    proj = x.new_empty((num_done, gate_up.shape[1]))
+    for slot, first, stop in spans:
+        torch.mm(x[first:stop], gate_up[slot].t(), out=proj[first:stop])
+    proj = module._apply_gate(proj).to(down.dtype)
+    out = proj.new_empty((num_done, down.shape[1]))
+    for slot, first, stop in spans:
+        torch.mm(proj[first:stop], down[slot].t(), out=out[first:stop])
+    if getattr(module, "has_post_expert_norm", False):
+        out = module.post_expert_norm(out)
+    weighted = out * weights[perm].unsqueeze(-1)
+    rows = weighted.new_zeros((num_rows, weighted.shape[1]))
     rows[perm] = weighted
     return rows
 

@@ -17,6 +17,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from fallbackgate.engine.controller import Decision
 from fallbackgate.engine.errors import EngineError
 from fallbackgate.engine.experts.store import ExpertKey, ExpertStore, Fetched
+from fallbackgate.engine.model import compiled_ops
 from fallbackgate.engine.tags import Tag, Tier
 
 EXPERTS_IMPLEMENTATION = "fallbackgate"
@@ -38,7 +39,10 @@ class ExpertsRunner(Protocol):
 def fallbackgate_experts_forward(
     self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """Experts interface entry point: delegate to the executor attached to this module."""
+    """Experts interface entry point: delegate to the executor attached to this module (from a compiled decode
+    forward, through its custom operator)."""
+    if torch.compiler.is_compiling():
+        return compiled_ops.experts(hidden_states, top_k_index, top_k_weights, self._fg_handle, self._fg_layer)
     executor: ExpertsRunner | None = getattr(self, "_fg_executor", None)
     if executor is None:
         raise EngineError("experts module has no fallbackgate executor attached (model not built by the engine)")

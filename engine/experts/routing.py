@@ -56,15 +56,21 @@ def group_layer(
     flat = top_k_index.reshape(-1)
     if row_slots is None:
         row_slots = table[flat]
-    packed = torch.stack([flat.double(), row_slots.double(), top_k_weights.reshape(-1).double()])
-    host = packed.cpu().numpy()  # the layer's one host sync
-    experts, slots, weights = host[0].astype(np.int64), host[1].astype(np.int64), host[2]
+    weights: np.ndarray | None = None
+    if flat.device.type == "cpu":  # the host arrays view the tensors: nothing to copy
+        experts, slots = flat.numpy().astype(np.int64, copy=False), row_slots.numpy().astype(np.int64, copy=False)
+    else:
+        packed = torch.stack([flat.double(), row_slots.double(), top_k_weights.reshape(-1).double()])
+        host = packed.cpu().numpy()  # the layer's one host sync
+        experts, slots, weights = host[0].astype(np.int64), host[1].astype(np.int64), host[2]
     pairs = experts * num_requests + owner
     is_miss = slots < 0
     resident_pairs = np.unique(pairs[~is_miss])
     resident_uses = np.bincount(resident_pairs % num_requests, minlength=num_requests)
     misses: list[MissUse] = []
     if is_miss.any():
+        if weights is None:
+            weights = top_k_weights.reshape(-1).double().numpy()
         miss_rows = np.flatnonzero(is_miss)
         order = miss_rows[np.argsort(pairs[miss_rows], kind="stable")]
         sorted_pairs = pairs[order]

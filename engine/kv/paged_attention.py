@@ -23,6 +23,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from fallbackgate.engine.device_pool import Scratch
+from fallbackgate.engine.model import compiled_ops
 
 if TYPE_CHECKING:
     from fallbackgate.engine.experts.executor import Executor
@@ -38,7 +39,10 @@ def paged_attention_forward(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """[1, H, T, D] packed queries -> [1, T, H, Dv], each request attending to its own K/V only."""
+    """[1, H, T, D] packed queries -> [1, T, H, Dv], each request attending to its own K/V only (from a
+    compiled decode forward, through its custom operator)."""
+    if torch.compiler.is_compiling():
+        return compiled_ops.attention(query, key, value, module._fg_handle, module.layer_idx), None
     executor: Executor | None = getattr(module, "_fg_executor", None)
     ctx = executor.ctx if executor is not None else None
     if ctx is None or ctx.is_exact_baseline:

@@ -15,6 +15,7 @@ from fallbackgate.engine.experts.executor import Executor
 from fallbackgate.engine.kv.layer_read import plan_layer_read, read_layer
 from fallbackgate.engine.kv.paged_cache import PagedCache
 from fallbackgate.engine.kv.store import KVBlock, RequestBlockKeys, Staged
+from fallbackgate.engine.model.compiled import CompiledDecode
 from fallbackgate.engine.sequence import Sequence
 from fallbackgate.engine.step_context import EventLog, ForwardBatch, StepContext
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
@@ -60,6 +61,7 @@ class ModelRunner:
         self.is_per_layer = False  # the current step stages off-device KV layer by layer
         self.layer_plan: dict[tuple[str, int, int], ServePlan] = {}  # per-layer step: how each read is served
         self.layer_staging_s = 0.0  # wall seconds spent laying out per-layer K/V since the caller last reset it
+        self.compiled: CompiledDecode | None = None  # decode forwards' compiled graph (is_decode_compiled)
 
     # --- KV blocks a step reads ------------------------------------------------------------------
     def resolve_kv(
@@ -305,9 +307,13 @@ class ModelRunner:
         input_ids = torch.tensor([token_ids], device=self.device)
         keep = torch.tensor(logits_rows or [len(token_ids) - 1], device=self.device)
         self.executor.kv_layer_update = self.layer_update if self.is_per_layer else None
+        model = self.model
+        if self.compiled is not None and self.compiled.takes(batch):
+            model = self.compiled.forward
+            self.compiled.num_forwards += 1
         try:
             with torch.inference_mode():
-                out = self.model(
+                out = model(
                     input_ids=input_ids,
                     position_ids=positions[None].to(self.device),
                     cache=self.cache,

@@ -13,13 +13,16 @@ from fallbackgate.engine.hardware import CPU_BOX
 from fallbackgate.policy.schema import Policy
 
 
-def exact_policy(model: str, *, max_num_seqs: int | None = None) -> Policy:
+def exact_policy(model: str, *, max_num_seqs: int | None = None, compile_decode: bool = False) -> Policy:
     """The benchmarks' policy for checkpoint ``model``; ``max_num_seqs``: running requests at most (None: the
-    policy's default)."""
+    policy's default); ``compile_decode``: decode forwards compiled."""
     memory: dict[str, object] = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
-    return no_policy(model, hardware={"profile": CPU_BOX.name}, memory=memory)
+    hardware: dict[str, object] = {"profile": CPU_BOX.name, "compile_decode": compile_decode}
+    return no_policy(model, hardware=hardware, memory=memory)
 
 
-def exact_assembly(model: str, overrides: Overrides | None = None, *, max_num_seqs: int | None = None) -> Assembly:
+def exact_assembly(
+    model: str, overrides: Overrides | None = None, *, max_num_seqs: int | None = None, compile_decode: bool = False
+) -> Assembly:
     """The exact-mode engine of checkpoint ``model`` (see :func:`exact_policy`) with ``overrides``."""
-    return assemble(exact_policy(model, max_num_seqs=max_num_seqs), overrides)
+    return assemble(exact_policy(model, max_num_seqs=max_num_seqs, compile_decode=compile_decode), overrides)

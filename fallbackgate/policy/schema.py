@@ -70,9 +70,11 @@ class _Strict(BaseModel):
 
 class HardwareSpec(_Strict):
     """The hardware profile the controller predicts with: ``measured`` (this machine, measured once and
-    cached; see ``fallbackgate profile``) or a shipped what-if, with any of its rates overridden."""
+    cached; see ``fallbackgate profile``) or a shipped what-if, with any of its rates overridden; and whether
+    decode forwards run compiled (one ``torch.compile`` graph, the engine's functions inside it as operators)."""
 
     profile: ProfileName = MEASURED
+    compile_decode: bool = False
     host_to_device_bytes_per_s: PositiveRate | None = None
     device_to_host_bytes_per_s: PositiveRate | None = None
     disk_to_host_bytes_per_s: PositiveRate | None = None
@@ -83,7 +85,7 @@ class HardwareSpec(_Strict):
 
     def overrides(self) -> dict[str, float]:
         """The rates this spec sets explicitly."""
-        return {k: v for k, v in self.model_dump(exclude={"profile"}).items() if v is not None}
+        return {k: v for k, v in self.model_dump(exclude={"profile", "compile_decode"}).items() if v is not None}
 
 
 class MemorySpec(_Strict):

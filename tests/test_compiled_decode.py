@@ -1,0 +1,91 @@
+"""Decode forwards compiled whole (``hardware.compile_decode``): the engine's K/V update, attention and experts
+run inside the graph as custom operators, so they decide, serve and record exactly as eagerly.
+
+- exact, everything in memory: the eager engine's tokens, logits within fp32 noise, every decode forward
+  compiled, the engine's experts function called as often;
+- under a budget that misses: the same tokens and the same fallback tags per request as the eager engine
+  under the same budget and schedule (misses decided inside the compiled forward);
+- a model the operators do not cover is refused with its reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fallbackgate.assembly import Overrides
+from fallbackgate.bench.decode import _prompts
+from fallbackgate.bench.engines import exact_assembly
+from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.errors import EngineError
+from fallbackgate.engine.model.compiled import CompiledDecode
+from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.tinymoe import CHECKPOINT_DIR
+
+NEW_TOKENS = 6
+
+
+def _engines(overrides: Overrides | None, max_num_seqs: int) -> tuple[Engine, Engine]:
+    eager, compiled = (
+        exact_assembly(str(CHECKPOINT_DIR), overrides, max_num_seqs=max_num_seqs, compile_decode=is_compiled).engine
+        for is_compiled in (False, True)
+    )
+    return eager, compiled
+
+
+def _count_experts_calls(engine: Engine) -> list[int]:
+    """Every call of `engine`'s experts function appends its layer to the returned list."""
+    executor = engine.runner.executor
+    run, calls = executor.run_experts, []
+
+    def counted(module, layer, *args):
+        calls.append(layer)
+        return run(module, layer, *args)
+
+    executor.run_experts = counted
+    return calls
+
+
+@pytest.mark.slow
+def test_compiled_decode_gives_the_eager_engines_tokens_through_the_engines_own_functions() -> None:
+    prompts = _prompts(4096, 2, 12, 3)
+    eager, compiled = _engines(None, 1)
+    calls = [_count_experts_calls(eager), _count_experts_calls(compiled)]
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    expected, outputs = eager.generate(prompts, params), compiled.generate(prompts, params)
+    assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in expected]
+    for got, want in zip(outputs, expected, strict=True):
+        assert torch.allclose(got.output_logits, want.output_logits, atol=1e-4, rtol=0)
+        assert got.tag_counts == want.tag_counts
+    assert compiled.runner.compiled.num_forwards == len(prompts) * (NEW_TOKENS - 1)  # every decode, no prefill
+    assert len(calls[1]) == len(calls[0]) == 4 * NEW_TOKENS * len(prompts)  # 4 MoE layers a forward
+
+
+@pytest.mark.slow
+def test_misses_under_a_budget_are_decided_and_recorded_inside_the_compiled_forward() -> None:
+    prompts = _prompts(4096, 3, 10, 5)
+    budget = Overrides(device_budget_bytes=6 * 1024 * 1024, max_new_tokens=NEW_TOKENS)  # ~20 of 64 experts
+    eager, compiled = _engines(budget, 2)
+    dispatch, decode_misses = compiled.runner.executor.dispatch, []
+    run_with_misses = dispatch._run_with_misses
+
+    def counted(*args):
+        decode_misses.append(CompiledDecode.takes(dispatch.ctx.batch))
+        return run_with_misses(*args)
+
+    dispatch._run_with_misses = counted
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    expected, outputs = eager.generate(prompts, params), compiled.generate(prompts, params)
+    assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in expected]
+    assert [o.tag_counts for o in outputs] == [o.tag_counts for o in expected]
+    assert sum(o.tag_counts.get("exact_load", 0) for o in outputs) > 0
+    assert compiled.runner.compiled.num_forwards > 0 and sum(decode_misses) >= 5  # layers missing in decodes
+
+
+def test_a_model_whose_attention_the_operators_do_not_cover_is_refused_with_its_reason() -> None:
+    class Attention(torch.nn.Module):
+        layer_idx, scaling, sliding_window = 0, 1.0, 128
+
+    model = torch.nn.Sequential(Attention())
+    with pytest.raises(EngineError, match="sliding window"):
+        CompiledDecode(model, object(), {})  # type: ignore[arg-type]
