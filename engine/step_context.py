@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from fallbackgate.engine.experts.routing import DIGEST_MASK
@@ -239,6 +240,7 @@ class StepContext:
     used_expert_keys: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     deferred_expert_keys: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     token_owner: list[int] = dataclasses.field(default_factory=list)  # batch.token_owner as a list
+    row_owner: np.ndarray | None = None  # request index of each (token, top-k) row (set by the first MoE layer)
 
     def __post_init__(self) -> None:
         self.token_owner = self.batch.token_owner.tolist()

@@ -54,6 +54,21 @@ def test_group_layer_counts_resident_uses_and_lists_misses_per_expert_and_reques
     ]
 
 
+def test_a_small_all_resident_layer_groups_as_the_general_path_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fallbackgate.engine.experts import routing
+
+    gen = torch.Generator().manual_seed(2)
+    top_k_index, weights = torch.randint(0, 6, (5, 3), generator=gen), torch.rand(5, 3, generator=gen)
+    table, owner = torch.tensor([4, 0, 9, 2, 7, 1]), row_owner([0, 0, 2, 1, 2], 3)
+    small = group_layer(top_k_index, weights, table, owner, 3)
+    monkeypatch.setattr(routing, "MAX_SMALL_ROWS", 0)
+    general = group_layer(top_k_index, weights, table, owner, 3)
+    assert small.used_experts.tolist() == general.used_experts.tolist() == sorted(set(top_k_index.ravel().tolist()))
+    assert small.resident_uses.tolist() == general.resident_uses.tolist()
+    assert small.misses == general.misses == []
+    assert small.slots.tolist() == general.slots.tolist() == table[top_k_index.ravel()].tolist()
+
+
 def test_an_experts_rows_do_not_depend_on_its_slot_or_its_neighbours() -> None:
     torch.manual_seed(0)
     module, hidden = _Gated(), torch.randn(6, 16, dtype=torch.bfloat16)

@@ -45,6 +45,17 @@ def test_request_digests_split_a_packed_forward_by_request() -> None:
     assert got == [_digest(np.arange(40, 43), ids[:3]), _digest(np.arange(0, 2), ids[3:])]
 
 
+def test_a_decodes_digests_are_the_same_with_python_ints_and_with_numpy() -> None:
+    """Small decode forwards digest with Python ints, large ones with numpy: each request's digest is its
+    (position, expert) terms summed either way."""
+    gen = np.random.default_rng(0)
+    for num_requests, top_k in ((1, 2), (3, 8), (40, 2)):  # 2, 24 and 80 rows (the last one through numpy)
+        ids = gen.integers(0, 1 << 20, size=(num_requests, top_k))
+        starts = gen.integers(0, 1 << 30, size=num_requests).tolist()
+        got = request_digests(ids.reshape(-1), top_k, starts=starts, lengths=[1] * num_requests)
+        assert got == [_digest(np.array([start]), ids[i : i + 1]) for i, start in enumerate(starts)]
+
+
 def _tied(num_tokens: int = 12, num_experts: int = 8, ties: dict[int, float] | None = None) -> torch.Tensor:
     """Router scores where each token's top-2 are clear winners except at `ties` (token -> gap between its
     2nd and 3rd expert)."""

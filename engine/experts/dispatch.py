@@ -66,8 +66,14 @@ class ExpertDispatch(MissFetching):
         num_tokens, top_k = top_k_index.shape
         request_ids = ctx.batch.request_ids
         table = store.slots.table(layer)
-        row_slots = table[top_k_index.reshape(-1)]  # gathered once: the routing's host copy and the kernel's slots
-        owner = row_owner(ctx.token_owner, top_k)
+        flat = top_k_index.reshape(-1)
+        if table.device.type == "cpu":  # looked up on the host: the routing's host arrays view these tensors
+            row_slots = torch.from_numpy(table.numpy()[flat.numpy()])
+        else:  # gathered once: the routing's host copy and the kernel's slots
+            row_slots = table[flat]
+        owner = ctx.row_owner
+        if owner is None or len(owner) != len(flat):
+            owner = ctx.row_owner = row_owner(ctx.token_owner, top_k)
         routing = group_layer(top_k_index, top_k_weights, table, owner, len(request_ids), row_slots)
         self._count_resident(layer, routing)
         if not ctx.log.is_rebuild_pass:

@@ -25,6 +25,7 @@ from fallbackgate.engine.experts.weights import ExpertWeights
 
 MAX_STACK_BYTES = 128 * 1024 * 1024  # experts a baseline stacks at once (a layer of a real model is GBs)
 MAX_HOST_GROUPS = 8  # on a CPU, at most this many non-empty groups are computed one matmul each
+MAX_HOST_ROWS = 64  # ... in a call of at most this many rows
 
 
 def grouped_rows(
@@ -44,13 +45,10 @@ def grouped_rows(
     `host_slots`, when given, is `slots` on the host.
     """
     num_slots = gate_up.shape[0]
-    if host_slots is not None and hidden.device.type == "cpu":
-        keys_np = np.where(host_slots >= 0, host_slots, num_slots)
-        perm_np = np.argsort(keys_np, kind="stable")
-        sorted_keys = keys_np[perm_np]
-        groups, starts = np.unique(sorted_keys, return_index=True)
-        if len(groups) - (groups[-1] == num_slots) <= MAX_HOST_GROUPS:
-            return _host_grouped_rows(module, gate_up, down, hidden, weights, top_k, perm_np, groups, starts)
+    if host_slots is not None and hidden.device.type == "cpu" and len(host_slots) <= MAX_HOST_ROWS:
+        groups = _host_groups(host_slots.tolist())
+        if groups is not None:
+            return _host_grouped_rows(module, gate_up, down, hidden, weights, top_k, *groups)
     keys = torch.where(slots >= 0, slots, num_slots)  # rows computed elsewhere sort to the tail, past every group
     keys_g, perm = torch.sort(keys, stable=True)
     x = hidden[perm // top_k]
@@ -67,6 +65,21 @@ def grouped_rows(
     return rows
 
 
+def _host_groups(slots: list[int]) -> tuple[list[int], list[tuple[int, int, int]]] | None:
+    """The computed rows (slot >= 0) in slot order, stably, and each group's (slot, first, stop) in that
+    order; None when there are more than MAX_HOST_GROUPS groups."""
+    perm = sorted((row for row, slot in enumerate(slots) if slot >= 0), key=slots.__getitem__)
+    spans: list[tuple[int, int, int]] = []
+    first = 0
+    for position in range(1, len(perm) + 1):
+        if position == len(perm) or slots[perm[position]] != slots[perm[first]]:
+            if len(spans) == MAX_HOST_GROUPS:
+                return None
+            spans.append((slots[perm[first]], first, position))
+            first = position
+    return perm, spans
+
+
 def _host_grouped_rows(
     module: torch.nn.Module,
     gate_up: torch.Tensor,
@@ -74,26 +87,22 @@ def _host_grouped_rows(
     hidden: torch.Tensor,
     weights: torch.Tensor,
     top_k: int,
-    perm_np: np.ndarray,
-    groups: np.ndarray,
-    starts: np.ndarray,
+    perm_rows: list[int],
+    spans: list[tuple[int, int, int]],
 ) -> torch.Tensor:
-    """:func:`grouped_rows` with the rows sorted on the host (`perm_np`; `groups` the sorted slot keys present,
-    `starts` where each begins, a key of ``S`` the rows not computed here): one matmul per non-empty group."""
-    num_slots, num_rows = gate_up.shape[0], len(perm_np)
-    ends = [*starts[1:].tolist(), num_rows]
-    spans = [(int(g), int(a), b) for g, a, b in zip(groups, starts, ends, strict=True) if g < num_slots]
-    num_done = spans[-1][2] if spans else 0
-    if not num_done:
+    """:func:`grouped_rows` with the computed rows sorted on the host (`perm_rows`, grouped as `spans`, see
+    :func:`_host_groups`): one matmul per non-empty group; rows not computed here stay zero."""
+    num_rows = weights.shape[0]
+    if not perm_rows:
         dtype = torch.promote_types(down.dtype, weights.dtype)
         return torch.zeros((num_rows, down.shape[1]), dtype=dtype, device=hidden.device)
-    perm = torch.from_numpy(perm_np[:num_done])
-    x = hidden[perm // top_k].to(gate_up.dtype)
-    proj = x.new_empty((num_done, gate_up.shape[1]))
+    perm = torch.tensor(perm_rows)
+    x = hidden[torch.tensor([row // top_k for row in perm_rows])].to(gate_up.dtype)
+    proj = x.new_empty((len(perm_rows), gate_up.shape[1]))
     for slot, first, stop in spans:
         torch.mm(x[first:stop], gate_up[slot].t(), out=proj[first:stop])
     proj = module._apply_gate(proj).to(down.dtype)
-    out = proj.new_empty((num_done, down.shape[1]))
+    out = proj.new_empty((len(perm_rows), down.shape[1]))
     for slot, first, stop in spans:
         torch.mm(proj[first:stop], down[slot].t(), out=out[first:stop])
     if getattr(module, "has_post_expert_norm", False):

@@ -14,6 +14,8 @@ import dataclasses
 import numpy as np
 import torch
 
+MAX_SMALL_ROWS = 64  # rows of a layer grouped with Python sets when all are resident
+
 
 @dataclasses.dataclass(slots=True)
 class MissUse:
@@ -63,6 +65,8 @@ def group_layer(
         packed = torch.stack([flat.double(), row_slots.double(), top_k_weights.reshape(-1).double()])
         host = packed.cpu().numpy()  # the layer's one host sync
         experts, slots, weights = host[0].astype(np.int64), host[1].astype(np.int64), host[2]
+    if len(experts) <= MAX_SMALL_ROWS and not (slots < 0).any():  # a decode's few rows, all resident
+        return _resident_small(experts, slots, owner, num_requests)
     pairs = experts * num_requests + owner
     is_miss = slots < 0
     resident_pairs = np.unique(pairs[~is_miss])
@@ -81,6 +85,16 @@ def group_layer(
             rows = np.sort(order[start:end])
             misses.append(MissUse(pair // num_requests, pair % num_requests, rows, float(tops[group])))
     return LayerRouting(experts, slots, np.unique(experts), resident_uses, misses)
+
+
+def _resident_small(experts: np.ndarray, slots: np.ndarray, owner: np.ndarray, num_requests: int) -> LayerRouting:
+    """:func:`group_layer` of a few rows whose experts are all on device, with Python sets (numpy's per-call
+    cost dominates at this size)."""
+    used = sorted(set(experts.tolist()))
+    resident_uses = np.zeros(num_requests, dtype=np.int64)
+    for _, request_index in set(zip(experts.tolist(), owner.tolist(), strict=True)):
+        resident_uses[request_index] += 1
+    return LayerRouting(experts, slots, np.asarray(used, dtype=np.int64), resident_uses, [])
 
 
 # --- routing digests: what the audit's replay checks its own routing against ----------------------------
@@ -102,6 +116,17 @@ def digest_terms(positions: np.ndarray, experts: np.ndarray) -> np.ndarray:
     return z ^ (z >> _S31)
 
 
+_STRIDE = int(_POSITION_STRIDE)
+
+
+def _splitmix(z: int) -> int:
+    """:func:`digest_terms` of one (position, expert) as Python ints (``z`` = position * stride + expert)."""
+    z = (z + int(_GOLDEN)) & DIGEST_MASK
+    z = ((z ^ (z >> 30)) * int(_M1)) & DIGEST_MASK
+    z = ((z ^ (z >> 27)) * int(_M2)) & DIGEST_MASK
+    return z ^ (z >> 31)
+
+
 def digest_sum(terms: np.ndarray) -> int:
     """The digest of `terms`: their sum modulo 2**64."""
     return int(terms.sum(dtype=np.uint64)) & DIGEST_MASK
@@ -111,6 +136,12 @@ def request_digests(experts: np.ndarray, top_k: int, starts: list[int], lengths:
     """Routing digest of each request of a packed forward (its tokens contiguous, `lengths` of them from
     position `starts`): one vectorized pass over the layer's host copy of the routing (`experts`, [T * k])."""
     num_tokens = int(sum(lengths))
+    if num_tokens == len(lengths) and len(experts) <= MAX_SMALL_ROWS:  # a small decode forward: Python ints
+        flat = experts.tolist()
+        return [
+            sum(_splitmix(start * _STRIDE + e) for e in flat[i * top_k : (i + 1) * top_k]) & DIGEST_MASK
+            for i, start in enumerate(starts)
+        ]
     if num_tokens == len(lengths):  # a decode forward: one token per request
         terms = digest_terms(np.asarray(starts), experts.reshape(num_tokens, top_k))
         return terms.sum(axis=1, dtype=np.uint64).tolist()

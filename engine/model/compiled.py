@@ -59,7 +59,8 @@ class CompiledDecode:
             return executor.run_experts(experts_by_layer[layer], layer, hidden, index, weights)
 
         compiled_ops.register(self.handle, compiled_ops.OpTarget(executor.kv_update, attend, run_experts))
-        self.forward = torch.compile(model, fullgraph=True)
+        # the C++ wrapper calls the graph's kernels without a Python frame each (on a CPU: ~15 % of a decode)
+        self.forward = torch.compile(model, fullgraph=True, options={"cpp_wrapper": True})
         self.num_forwards = 0  # decode forwards run compiled
 
     @staticmethod

@@ -1,12 +1,11 @@
 """python -m fallbackgate.bench.decode_compiled --json bench-decode-compiled.json
 
-Would ``torch.compile`` give the engine a faster forward? The engine at batch 1 against transformers'
-generate() (as ``fallbackgate.bench.decode``), with a third side: the same engine whose decoder layers are
-compiled by ``torch.compile`` (inductor, dynamic shapes), the engine's own experts, attention and K/V-store
-functions left eager — each a graph break, since they decide misses, read the paged store and record — and
-registered under their own names on that engine's model only, so the other two sides run unchanged. The
-compiled engine is warmed up (compiled) before any timing, and its compile seconds are reported apart.
-Sides are interleaved over the repeats; medians, every run, ratios and whether tokens match go to JSON.
+Does compiling the decode forward give the engine a faster forward? The engine at batch 1 against transformers'
+generate() (as ``fallbackgate.bench.decode``), with a third side: the same engine with ``hardware.compile_decode``
+(engine/model/compiled.py) — every decode forward one ``torch.compile`` graph of the model's own modules, the
+engine's K/V update, attention and experts called inside it as custom operators (they decide, serve and record
+as eagerly). The compiled engine is warmed up (compiled) before any timing, and its compile seconds are reported
+apart. Sides are interleaved over the repeats; medians, every run, ratios and whether tokens match go to JSON.
 """
 
 from __future__ import annotations
@@ -18,41 +17,18 @@ import statistics
 import time
 
 import torch
-from transformers import AttentionInterface
-from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from fallbackgate.bench.decode import bench_generate, decode_setup, engine_assembly, run_engine
-from fallbackgate.engine.engine import Engine
-from fallbackgate.engine.experts.hook import fallbackgate_experts_forward
-from fallbackgate.engine.kv.paged_attention import paged_attention_forward
-
-COMPILED_NAME = "fallbackgate_eager_in_compiled"  # the engine's functions, registered as graph breaks
-
-
-def compile_layers(engine: Engine) -> None:
-    """Compile every decoder layer of `engine`'s model; the engine's functions stay eager (graph breaks)."""
-    ALL_EXPERTS_FUNCTIONS.register(COMPILED_NAME, torch.compiler.disable(fallbackgate_experts_forward))
-    AttentionInterface.register(COMPILED_NAME, torch.compiler.disable(paged_attention_forward))
-    model = engine.runner.model
-    model.config._attn_implementation = COMPILED_NAME
-    model.config._experts_implementation = COMPILED_NAME
-    for layer in engine.runner.cache.layers:
-        layer.update = torch.compiler.disable(layer.update)
-    torch._dynamo.config.allow_unspec_int_on_nn_module = True  # one graph for every layer index
-    torch._dynamo.config.recompile_limit = 64
-    for layer in model.model.layers:
-        layer.forward = torch.compile(layer.forward, dynamic=True)
+from fallbackgate.bench.decode import bench_generate, decode_setup, run_engine
+from fallbackgate.bench.engines import exact_assembly
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default="bench-decode-compiled.json")
     args, reference, prompts = decode_setup(parser)
-    eager, compiled = (engine_assembly(args.model, 1).engine for _ in range(2))
-    compile_layers(compiled)
+    eager, compiled = (exact_assembly(args.model, max_num_seqs=1, compile_decode=c).engine for c in (False, True))
     started = time.perf_counter()
-    for _ in range(2):  # prefill and decode shapes, then the dynamic-shape recompiles
-        run_engine(compiled, prompts, args.new_tokens)
+    run_engine(compiled, prompts[:2], args.new_tokens)  # the decode graph compiled
     compile_s = time.perf_counter() - started
     sides = {
         "generate": lambda: bench_generate(reference, prompts, args.new_tokens, 1),
