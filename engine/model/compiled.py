@@ -39,6 +39,21 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+def kept_guards(entries: list) -> list[bool]:
+    """Which of dynamo's guards a call of the compiled forward checks: torch's global state, everything about
+    the call's arguments (tensor shapes and dtypes, the cache's type and layers, the engine handles baked into
+    the graph) and the model's class and handles — not the ~1,400 guards on the model's own parameters,
+    attributes, hooks and transformers' module globals, which the engine never changes after it is built and
+    which cost about as much as the rest of a decode's compiled graph to check each call."""
+    return [
+        entry.is_global
+        or entry.name.startswith("kwargs")
+        or entry.name.endswith(("handle", "_fg_handle"))
+        or (entry.name == "self" and entry.guard_type == "TYPE_MATCH")
+        for entry in entries
+    ]
+
+
 class CompiledDecode:
     """One engine's compiled decode forward and its operators' registration."""
 
@@ -60,7 +75,8 @@ class CompiledDecode:
 
         compiled_ops.register(self.handle, compiled_ops.OpTarget(executor.kv_update, attend, run_experts))
         # the C++ wrapper calls the graph's kernels without a Python frame each (on a CPU: ~15 % of a decode)
-        self.forward = torch.compile(model, fullgraph=True, options={"cpp_wrapper": True})
+        options = {"cpp_wrapper": True, "guard_filter_fn": kept_guards}
+        self.forward = torch.compile(model, fullgraph=True, options=options)
         self.num_forwards = 0  # decode forwards run compiled
 
     @staticmethod
