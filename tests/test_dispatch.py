@@ -102,16 +102,23 @@ def test_the_host_sorted_path_gives_the_grouped_mm_rows_bitwise(dtype: torch.dty
     grouped_mm path's bit for bit, unused rows zero, for few groups and for more than the host path takes."""
     torch.manual_seed(1)
     module, num_slots = _Gated(), 12
-    pool_up, pool_down = torch.randn(num_slots, 64, 48, dtype=dtype), torch.randn(num_slots, 48, 32, dtype=dtype)
-    for num_tokens, top_k, num_used in ((1, 2, 2), (3, 2, 4), (5, 4, 12)):
-        hidden = torch.randn(num_tokens, 48, dtype=dtype)
-        slots = torch.randint(0, num_used, (num_tokens * top_k,)) * (num_slots // num_used)
-        slots[0] = -1  # a row computed elsewhere
-        weights = torch.rand(num_tokens * top_k)
-        on_device = grouped_rows(module, pool_up, pool_down, hidden, slots, weights, top_k)
-        on_host = grouped_rows(module, pool_up, pool_down, hidden, slots, weights, top_k, slots.numpy())
-        assert on_host.dtype == on_device.dtype and torch.equal(on_host, on_device)
-        assert not on_host[0].any() and on_host[1:].abs().sum() > 0
+    for inner in (32, 24):  # 24: the gate's rows end in a partial vector
+        pool_up = torch.randn(num_slots, 2 * inner, 48, dtype=dtype)
+        pool_down = torch.randn(num_slots, 48, inner, dtype=dtype)
+        for num_tokens, top_k, num_used, is_partial in ((1, 2, 12, False), (1, 2, 2, True), (3, 2, 4, True),
+                                                         (2, 3, 12, False), (5, 4, 12, True)):  # fmt: skip
+            hidden = torch.randn(num_tokens, 48, dtype=dtype)
+            slots = torch.randperm(num_used)[: num_tokens * top_k] if num_used >= num_tokens * top_k else None
+            if slots is None:
+                slots = torch.randint(0, num_used, (num_tokens * top_k,))
+            slots = slots * (num_slots // num_used)
+            if is_partial:
+                slots[0] = -1  # a row computed elsewhere
+            weights = torch.rand(num_tokens * top_k)
+            on_device = grouped_rows(module, pool_up, pool_down, hidden, slots, weights, top_k)
+            on_host = grouped_rows(module, pool_up, pool_down, hidden, slots, weights, top_k, slots.numpy())
+            assert on_host.dtype == on_device.dtype and torch.equal(on_host, on_device)
+            assert on_host[int(is_partial) :].abs().sum() > 0 and not (is_partial and on_host[0].any())
 
 
 @pytest.fixture(scope="module")

@@ -96,6 +96,8 @@ def _host_grouped_rows(
     if not perm_rows:
         dtype = torch.promote_types(down.dtype, weights.dtype)
         return torch.zeros((num_rows, down.shape[1]), dtype=dtype, device=hidden.device)
+    if len(perm_rows) == num_rows and all(stop - first == 1 for _, first, stop in spans):
+        return _one_row_groups(module, gate_up, down, hidden, weights, top_k, perm_rows, spans)
     perm = torch.tensor(perm_rows)
     x = hidden[torch.tensor([row // top_k for row in perm_rows])].to(gate_up.dtype)
     proj = x.new_empty((len(perm_rows), gate_up.shape[1]))
@@ -111,6 +113,30 @@ def _host_grouped_rows(
     rows = weighted.new_zeros((num_rows, weighted.shape[1]))
     rows[perm] = weighted
     return rows
+
+
+def _one_row_groups(
+    module: torch.nn.Module,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    hidden: torch.Tensor,
+    weights: torch.Tensor,
+    top_k: int,
+    perm_rows: list[int],
+    spans: list[tuple[int, int, int]],
+) -> torch.Tensor:
+    """:func:`_host_grouped_rows` when every row is computed here and each group has one row (a decode of one
+    token, or of tokens routed to distinct experts): each row's two matmuls and gate on that row alone, written
+    in row order, with no gather or scatter; the same per-row arithmetic."""
+    out = torch.empty((weights.shape[0], down.shape[1]), dtype=down.dtype, device=hidden.device)
+    for slot, first, _ in spans:
+        row = perm_rows[first]
+        token = row // top_k
+        proj = module._apply_gate(torch.mm(hidden[token : token + 1].to(gate_up.dtype), gate_up[slot].t()))
+        torch.mm(proj.to(down.dtype), down[slot].t(), out=out[row : row + 1])
+    if getattr(module, "has_post_expert_norm", False):
+        out = module.post_expert_norm(out)
+    return out * weights.unsqueeze(-1)
 
 
 def sum_rows(rows: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
