@@ -146,8 +146,9 @@ class ExpertDispatch(MissFetching):
         """Count the layer's resident uses per request: on the step's rows, or as rebuild events in a KV
         rebuild pass (they are that pass's work, which the audit's KV reconciliation looks for)."""
         log, request_ids = self.ctx.log, self.ctx.batch.request_ids
-        for request_index in np.flatnonzero(routing.resident_uses):
-            count, request_id = int(routing.resident_uses[request_index]), request_ids[request_index]
+        for request_id, count in zip(request_ids, routing.resident_uses.tolist(), strict=True):
+            if not count:
+                continue
             if log.is_rebuild_pass:
                 log.add(request_id, layer, ObjectKind.EXPERT, Tag.RESIDENT, count=count)
             else:
@@ -218,10 +219,7 @@ class ExpertDispatch(MissFetching):
     ) -> torch.Tensor:
         """Every row with a slot through the grouped kernel (`host_slots`: `slots` on the host)."""
         gate_up, down, base = self.store.kernel_stack(layer)
-        if base:
-            slots = torch.where(slots >= 0, slots - base, slots)
-            host_slots = np.where(host_slots >= 0, host_slots - base, host_slots)
-        return grouped_rows(module, gate_up, down, hidden, slots, flat_weights, top_k, host_slots)
+        return grouped_rows(module, gate_up, down, hidden, slots, flat_weights, top_k, host_slots, base)
 
     def _expert_s(self, num_tokens: int, hidden: torch.Tensor, on_cpu: bool) -> float:
         """Predicted (modeled) seconds of one expert call from the profile's measured curve."""

@@ -37,18 +37,22 @@ def grouped_rows(
     weights: torch.Tensor,
     top_k: int,
     host_slots: np.ndarray | None = None,
+    base: int = 0,
 ) -> torch.Tensor:
     """Weighted expert output per (token, top-k) row, ``[T * k, H]``.
 
     `gate_up` ``[S, 2I, H]`` and `down` ``[S, H, I]`` are the slot stacks, `slots` ``[T * k]`` the slot of
     each row (-1: not computed here, its row is zero), `weights` ``[T * k]`` the routing weights;
-    `host_slots`, when given, is `slots` on the host.
+    `host_slots`, when given, is `slots` on the host; `base` is the slot the stacks start at (`slots` count
+    from the start of a larger pool).
     """
     num_slots = gate_up.shape[0]
     if host_slots is not None and hidden.device.type == "cpu" and len(host_slots) <= MAX_HOST_ROWS:
-        groups = _host_groups(host_slots.tolist())
+        groups = _host_groups([slot - base if slot >= 0 else -1 for slot in host_slots.tolist()])
         if groups is not None:
             return _host_grouped_rows(module, gate_up, down, hidden, weights, top_k, *groups)
+    if base:
+        slots = torch.where(slots >= 0, slots - base, slots)
     keys = torch.where(slots >= 0, slots, num_slots)  # rows computed elsewhere sort to the tail, past every group
     keys_g, perm = torch.sort(keys, stable=True)
     x = hidden[perm // top_k]
@@ -129,11 +133,13 @@ def _one_row_groups(
     token, or of tokens routed to distinct experts): each row's two matmuls and gate on that row alone, written
     in row order, with no gather or scatter; the same per-row arithmetic."""
     out = torch.empty((weights.shape[0], down.shape[1]), dtype=down.dtype, device=hidden.device)
+    x = hidden if hidden.dtype == gate_up.dtype else hidden.to(gate_up.dtype)
+    is_same_dtype = gate_up.dtype == down.dtype
     for slot, first, _ in spans:
         row = perm_rows[first]
         token = row // top_k
-        proj = module._apply_gate(torch.mm(hidden[token : token + 1].to(gate_up.dtype), gate_up[slot].t()))
-        torch.mm(proj.to(down.dtype), down[slot].t(), out=out[row : row + 1])
+        proj = module._apply_gate(torch.mm(x[token : token + 1], gate_up[slot].t()))
+        torch.mm(proj if is_same_dtype else proj.to(down.dtype), down[slot].t(), out=out[row : row + 1])
     if getattr(module, "has_post_expert_norm", False):
         out = module.post_expert_norm(out)
     return out * weights.unsqueeze(-1)
