@@ -5,7 +5,8 @@ generate() (as ``fallbackgate.bench.decode``), with a third side: the same engin
 (engine/model/compiled.py) — every decode forward one ``torch.compile`` graph of the model's own modules, the
 engine's K/V update, attention and experts called inside it as custom operators (they decide, serve and record
 as eagerly). The compiled engine is warmed up (compiled) before any timing, and its compile seconds are reported
-apart. Sides are interleaved over the repeats; medians, every run, ratios and whether tokens match go to JSON.
+apart. Sides are interleaved over the repeats, their order rotated each repeat (a side run right after the eager
+engine's measured slower here); medians, every run, ratios and whether tokens match go to JSON.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ def main() -> None:
     }
     runs: dict[str, list[float]] = {side: [] for side in sides}
     tokens: dict[str, list[list[int]]] = {}
-    for _ in range(args.repeats):
-        for side, bench in sides.items():
-            rate, tokens[side] = bench()
+    names = list(sides)
+    for repeat in range(args.repeats):  # the order rotates: a run right after another side's is not always one side's
+        for side in names[repeat % len(names) :] + names[: repeat % len(names)]:
+            rate, tokens[side] = sides[side]()
             runs[side].append(rate)
     medians = {side: statistics.median(rates) for side, rates in runs.items()}
     result = {
