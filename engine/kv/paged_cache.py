@@ -7,8 +7,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from fallbackgate.engine.model import compiled_ops
-
 if TYPE_CHECKING:
     from fallbackgate.engine.experts.executor import Executor
 
@@ -23,7 +21,6 @@ class PagedLayer(CacheLayerMixin):
         super().__init__()
         self.executor = executor
         self.layer = layer
-        self.handle = id(executor)  # the compiled decode operators' handle of this engine
         self.is_initialized = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -37,9 +34,10 @@ class PagedLayer(CacheLayerMixin):
         reshape with an inferred size, which zero tokens make ambiguous): what it does with them (MLA's
         `expand_kv` of the packed latents, every head's K/V of the whole chunk) stays one token's bytes
         outside the budget. The exact baseline and replay passes, whose attention uses what the forward
-        passes, get this forward's own K/V. A compiled decode forward writes through its custom operator."""
+        passes, get this forward's own K/V. A compiled forward passes them through: its attention operator
+        writes them (`compiled_ops.attention`)."""
         if torch.compiler.is_compiling():
-            return compiled_ops.kv_update(key_states, value_states, self.handle, self.layer)
+            return key_states, value_states
         keys, values = self.executor.kv_update(self.layer, key_states, value_states)
         ctx = self.executor.ctx
         if ctx is not None and not ctx.is_exact_baseline and ctx.replay is None:

@@ -1,16 +1,17 @@
-"""The engine's three forward functions as torch custom operators, for a decode forward compiled whole.
+"""The engine's forward functions as torch custom operators, for a decode forward compiled whole.
 
 ``torch.compile`` traces the model's own modules (norms, projections, rotary embedding, router, LM head) into
-one graph; where the model calls the engine — its K/V cache update, its attention function, its experts
-function — the graph calls one of these operators instead, and each runs the engine's own Python function
-unchanged: misses decided and served, the paged store read and written, every use recorded, as in an eager
-forward. The operators are opaque to the compiler (fake implementations give only output shapes), so no
-engine decision is traced or guarded on. Each finds the engine it serves through `TARGETS` by the handle the
-engine registered (`register`); the hooks call them only while being compiled (`torch.compiler.is_compiling`).
+one graph; where the model calls the engine, the graph calls an operator instead: `attention` for the K/V cache
+update and the attention function (the cache passes K/V through in a compiled forward; the operator writes them,
+then attends), `experts` for the experts function. Each runs the engine's own Python functions unchanged: misses
+decided and served, the paged store read and written, every use recorded, as in an eager forward. The operators
+are opaque to the compiler (fake implementations give only output shapes), so no engine decision is traced or
+guarded on. Each finds the engine it serves through `TARGETS` by the handle the engine registered (`register`);
+the hooks call them only while being compiled (`torch.compiler.is_compiling`).
 
-They declare no mutated arguments, so their order in the graph is their data dependencies: a layer's attention
-reads the K/V update's outputs, its experts the attention's result through the residual stream, the next layer's
-update the experts' output — the order of an eager forward.
+They declare no mutated arguments, so their order in the graph is their data dependencies: a layer's experts read
+its attention's result through the residual stream, the next layer's attention the experts' output — the order
+of an eager forward.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ Experts = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 class OpTarget:
     """What one engine's operators call (each takes the decoder layer first)."""
 
-    kv_update: KVUpdate  # (layer, K, V) -> the forward's K/V as the paged cache returns them
+    kv_update: KVUpdate  # (layer, K, V) -> the forward's K/V written, as the paged cache returns them
     attention: Attention  # (layer, Q, K, V) -> [1, T, H, Dv], each request over its own paged K/V
     experts: Experts  # (layer, hidden, top_k_index, top_k_weights) -> [T, hidden]
 
@@ -47,24 +48,14 @@ def unregister(handle: int) -> None:
     TARGETS.pop(handle, None)
 
 
-@torch.library.custom_op("fallbackgate::kv_update", mutates_args=())
-def kv_update(key: torch.Tensor, value: torch.Tensor, handle: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write the forward's K/V ``[1, heads, T, dim]`` into the paged store; returns what the paged cache gives
-    an engine step back (the first token's K/V: attention reads each request's K/V from the executor)."""
-    keys, values = TARGETS[handle].kv_update(layer, key, value)
-    return keys[..., :1, :].clone(), values[..., :1, :].clone()
-
-
-@kv_update.register_fake
-def _(key: torch.Tensor, value: torch.Tensor, handle: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return key[..., :1, :].clone(), value[..., :1, :].clone()
-
-
 @torch.library.custom_op("fallbackgate::attention", mutates_args=())
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, handle: int, layer: int) -> torch.Tensor:
-    """Paged attention of the packed queries ``[1, H, T, D]`` -> ``[1, T, H, Dv]`` (`key`, `value`: the K/V
-    update's outputs, taken so the graph orders the update first)."""
-    return TARGETS[handle].attention(layer, query, key, value).contiguous()
+    """The forward's K/V ``[1, heads, T, dim]`` written into the paged store, then paged attention of the packed
+    queries ``[1, H, T, D]`` -> ``[1, T, H, Dv]`` (in the graph the cache update passes K/V through unchanged:
+    one operator does both, in the eager order)."""
+    target = TARGETS[handle]
+    keys, values = target.kv_update(layer, key, value)
+    return target.attention(layer, query, keys, values).contiguous()
 
 
 @attention.register_fake
