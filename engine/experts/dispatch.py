@@ -80,7 +80,7 @@ class ExpertDispatch(MissFetching):
             digests = request_digests(routing.experts, top_k, ctx.batch.starts, ctx.batch.lengths)
             for request_id, digest in zip(request_ids, digests, strict=True):
                 ctx.log.add_routing(request_id, layer, digest)
-        ctx.used_expert_keys.extend((layer, int(e)) for e in routing.used_experts)
+        ctx.used_expert_keys.extend((layer, e) for e in routing.used_experts.tolist())
         num_rows = num_tokens * top_k
         ctx.log.modeled_compute_s += len(routing.used_experts) * self._expert_s(
             max(1, num_rows // max(1, len(routing.used_experts))), hidden, on_cpu=False

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from transformers.integrations.moe import _grouped_linear
 
 from fallbackgate.engine.experts.weights import ExpertWeights
@@ -130,16 +131,14 @@ def _one_row_groups(
     spans: list[tuple[int, int, int]],
 ) -> torch.Tensor:
     """:func:`_host_grouped_rows` when every row is computed here and each group has one row (a decode of one
-    token, or of tokens routed to distinct experts): each row's two matmuls and gate on that row alone, written
-    in row order, with no gather or scatter; the same per-row arithmetic."""
-    out = torch.empty((weights.shape[0], down.shape[1]), dtype=down.dtype, device=hidden.device)
-    x = hidden if hidden.dtype == gate_up.dtype else hidden.to(gate_up.dtype)
-    is_same_dtype = gate_up.dtype == down.dtype
-    for slot, first, _ in spans:
-        row = perm_rows[first]
-        token = row // top_k
-        proj = module._apply_gate(torch.mm(x[token : token + 1], gate_up[slot].t()))
-        torch.mm(proj if is_same_dtype else proj.to(down.dtype), down[slot].t(), out=out[row : row + 1])
+    token, or of tokens routed to distinct experts): each row's matmuls on that row alone, in row order, the
+    gate once over all rows; no gather or scatter, the same per-row arithmetic, fewer operator calls."""
+    slot_of = {perm_rows[first]: slot for slot, first, _ in spans}
+    x = (hidden if hidden.dtype == gate_up.dtype else hidden.to(gate_up.dtype)).split(1)
+    rows = range(len(perm_rows))
+    proj = module._apply_gate(torch.cat([F.linear(x[row // top_k], gate_up[slot_of[row]]) for row in rows]))
+    proj = (proj if proj.dtype == down.dtype else proj.to(down.dtype)).split(1)
+    out = torch.cat([F.linear(proj[row], down[slot_of[row]]) for row in rows])
     if getattr(module, "has_post_expert_norm", False):
         out = module.post_expert_norm(out)
     return out * weights.unsqueeze(-1)
@@ -147,7 +146,8 @@ def _one_row_groups(
 
 def sum_rows(rows: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
     """Each token's top-k rows summed (as transformers' grouped forward reduces them), in `dtype`."""
-    return rows.view(num_tokens, top_k, rows.shape[-1]).sum(dim=1).to(dtype)
+    summed = rows.view(num_tokens, top_k, rows.shape[-1]).sum(dim=1)
+    return summed if summed.dtype == dtype else summed.to(dtype)
 
 
 def single_expert_rows(

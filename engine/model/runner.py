@@ -303,7 +303,10 @@ class ModelRunner:
         batch.token_owner = batch.token_owner.to(self.device)
         ctx = StepContext(step_id, batch, log, is_observe=is_observe)
         self.executor.ctx = ctx
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(batch.starts, batch.lengths, strict=True)])
+        if len(token_ids) == len(batch.starts):  # a decode: one token per request
+            positions = torch.tensor(batch.starts)
+        else:
+            positions = torch.cat([torch.arange(s, s + n) for s, n in zip(batch.starts, batch.lengths, strict=True)])
         input_ids = torch.tensor([token_ids], device=self.device)
         keep = torch.tensor(logits_rows or [len(token_ids) - 1], device=self.device)
         self.executor.kv_layer_update = self.layer_update if self.is_per_layer else None
