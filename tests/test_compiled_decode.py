@@ -89,3 +89,19 @@ def test_a_model_whose_attention_the_operators_do_not_cover_is_refused_with_its_
     model = torch.nn.Sequential(Attention())
     with pytest.raises(EngineError, match="sliding window"):
         CompiledDecode(model, object(), {})  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+def test_two_compiled_engines_in_one_process_each_run_their_own_engine() -> None:
+    """Graphs bake in their engine's handle; an engine built later (same model class) gets its own graph."""
+    prompts = _prompts(4096, 2, 10, 7)
+    params = SamplingParams(max_new_tokens=NEW_TOKENS)
+    budget = Overrides(device_budget_bytes=6 * 1024 * 1024, max_new_tokens=NEW_TOKENS)
+    roomy = exact_assembly(str(CHECKPOINT_DIR), max_num_seqs=1, compile_decode=True).engine
+    tight = exact_assembly(str(CHECKPOINT_DIR), budget, max_num_seqs=1, compile_decode=True).engine
+    first, missed, again = roomy.generate(prompts, params), tight.generate(prompts, params), roomy.generate(prompts, params)
+    assert [o.output_token_ids for o in again] == [o.output_token_ids for o in first]
+    assert not any(o.tag_counts.get("exact_load") for o in first + again)
+    assert sum(o.tag_counts.get("exact_load", 0) for o in missed) > 0
+    assert roomy.runner.compiled.handle != tight.runner.compiled.handle
+    assert roomy.runner.compiled.num_forwards == 2 * tight.runner.compiled.num_forwards > 0  # every decode compiled

@@ -61,10 +61,7 @@ class CompiledDecode:
         reason = unsupported_reason(model)
         if reason is not None:
             raise EngineError(f"is_decode_compiled: {reason}")
-        self.handle = id(executor)
         attention = attention_modules(model)
-        for module in (*attention.values(), *experts_by_layer.values()):
-            module._fg_handle = self.handle
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             module = attention[layer]
@@ -73,7 +70,9 @@ class CompiledDecode:
         def run_experts(layer: int, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
             return executor.run_experts(experts_by_layer[layer], layer, hidden, index, weights)
 
-        compiled_ops.register(self.handle, compiled_ops.OpTarget(executor.kv_update, attend, run_experts))
+        self.handle = compiled_ops.register(compiled_ops.OpTarget(executor.kv_update, attend, run_experts))
+        for module in (*attention.values(), *experts_by_layer.values()):
+            module._fg_handle = self.handle
         # the C++ wrapper calls the graph's kernels without a Python frame each (on a CPU: ~15 % of a decode)
         options = {"cpp_wrapper": True, "guard_filter_fn": kept_guards}
         self.forward = torch.compile(model, fullgraph=True, options=options)

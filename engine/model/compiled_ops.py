@@ -6,8 +6,9 @@ update and the attention function (the cache passes K/V through in a compiled fo
 then attends), `experts` for the experts function. Each runs the engine's own Python functions unchanged: misses
 decided and served, the paged store read and written, every use recorded, as in an eager forward. The operators
 are opaque to the compiler (fake implementations give only output shapes), so no engine decision is traced or
-guarded on. Each finds the engine it serves through `TARGETS` by the handle the engine registered (`register`);
-the hooks call them only while being compiled (`torch.compiler.is_compiling`).
+guarded on. Each finds the engine it serves through `TARGETS` by the handle the engine registered (`register`; a
+handle is never reused, so a graph compiled for one engine, its handles baked in, never serves another); the
+hooks call them only while being compiled (`torch.compiler.is_compiling`).
 
 They declare no mutated arguments, so their order in the graph is their data dependencies: a layer's experts read
 its attention's result through the residual stream, the next layer's attention the experts' output — the order
@@ -17,6 +18,7 @@ of an eager forward.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 
 import torch
@@ -36,11 +38,14 @@ class OpTarget:
 
 
 TARGETS: dict[int, OpTarget] = {}  # handle -> the engine's functions
+_HANDLES = itertools.count(1)  # never reused in a process: a graph compiled for one engine names its handle
 
 
-def register(handle: int, target: OpTarget) -> None:
-    """Make `target` the functions the operators call for `handle`."""
+def register(target: OpTarget) -> int:
+    """Make `target` the functions the operators call for a new handle; returns the handle."""
+    handle = next(_HANDLES)
     TARGETS[handle] = target
+    return handle
 
 
 def unregister(handle: int) -> None:
