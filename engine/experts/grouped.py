@@ -96,13 +96,23 @@ def _host_grouped_rows(
     spans: list[tuple[int, int, int]],
 ) -> torch.Tensor:
     """:func:`grouped_rows` with the computed rows sorted on the host (`perm_rows`, grouped as `spans`, see
-    :func:`_host_groups`): one matmul per non-empty group; rows not computed here stay zero."""
+    :func:`_host_groups`): one matmul per non-empty group; rows not computed here stay zero. When every row is
+    computed here and each group has one row (a one-token decode), each row's matmuls run on that row in row
+    order with one gate call over all rows: no gather or scatter, the same per-row arithmetic."""
     num_rows = weights.shape[0]
     if not perm_rows:
         dtype = torch.promote_types(down.dtype, weights.dtype)
         return torch.zeros((num_rows, down.shape[1]), dtype=dtype, device=hidden.device)
     if len(perm_rows) == num_rows and all(stop - first == 1 for _, first, stop in spans):
-        return _one_row_groups(module, gate_up, down, hidden, weights, top_k, perm_rows, spans)
+        slot_of = {perm_rows[first]: slot for slot, first, _ in spans}
+        rows_x = (hidden if hidden.dtype == gate_up.dtype else hidden.to(gate_up.dtype)).split(1)
+        order = range(num_rows)
+        gated = module._apply_gate(torch.cat([F.linear(rows_x[r // top_k], gate_up[slot_of[r]]) for r in order]))
+        gated_rows = (gated if gated.dtype == down.dtype else gated.to(down.dtype)).split(1)
+        out = torch.cat([F.linear(gated_rows[r], down[slot_of[r]]) for r in order])
+        if getattr(module, "has_post_expert_norm", False):
+            out = module.post_expert_norm(out)
+        return out * weights.unsqueeze(-1)
     perm = torch.tensor(perm_rows)
     x = hidden[torch.tensor([row // top_k for row in perm_rows])].to(gate_up.dtype)
     proj = x.new_empty((len(perm_rows), gate_up.shape[1]))
@@ -118,30 +128,6 @@ def _host_grouped_rows(
     rows = weighted.new_zeros((num_rows, weighted.shape[1]))
     rows[perm] = weighted
     return rows
-
-
-def _one_row_groups(
-    module: torch.nn.Module,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    hidden: torch.Tensor,
-    weights: torch.Tensor,
-    top_k: int,
-    perm_rows: list[int],
-    spans: list[tuple[int, int, int]],
-) -> torch.Tensor:
-    """:func:`_host_grouped_rows` when every row is computed here and each group has one row (a decode of one
-    token, or of tokens routed to distinct experts): each row's matmuls on that row alone, in row order, the
-    gate once over all rows; no gather or scatter, the same per-row arithmetic, fewer operator calls."""
-    slot_of = {perm_rows[first]: slot for slot, first, _ in spans}
-    x = (hidden if hidden.dtype == gate_up.dtype else hidden.to(gate_up.dtype)).split(1)
-    rows = range(len(perm_rows))
-    proj = module._apply_gate(torch.cat([F.linear(x[row // top_k], gate_up[slot_of[row]]) for row in rows]))
-    proj = (proj if proj.dtype == down.dtype else proj.to(down.dtype)).split(1)
-    out = torch.cat([F.linear(proj[row], down[slot_of[row]]) for row in rows])
-    if getattr(module, "has_post_expert_norm", False):
-        out = module.post_expert_norm(out)
-    return out * weights.unsqueeze(-1)
 
 
 def sum_rows(rows: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype) -> torch.Tensor:
