@@ -5,10 +5,15 @@ run inside the graph as custom operators, so they decide, serve and record exact
   compiled, the engine's experts function called as often;
 - under a budget that misses: the same tokens and the same fallback tags per request as the eager engine
   under the same budget and schedule (misses decided inside the compiled forward);
-- a model the operators do not cover is refused with its reason.
+- the same on every architecture the operators cover (random Qwen3-MoE, Mixtral, OLMoE checkpoints); MLA models
+  refused with their reason;
+- what an engine function raises inside the compiled forward comes out with its own type and message;
+- engines built one after another each get their own graphs, past dynamo's default limit of 8 per code.
 """
 
 from __future__ import annotations
+
+import pathlib
 
 import pytest
 import torch
@@ -21,6 +26,7 @@ from fallbackgate.engine.errors import EngineError
 from fallbackgate.engine.model.compiled import CompiledDecode
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.tinymoe import CHECKPOINT_DIR
+from tests.checkpoints import ARCHITECTURES, make_checkpoint
 
 NEW_TOKENS = 6
 
@@ -70,7 +76,7 @@ def test_misses_under_a_budget_are_decided_and_recorded_inside_the_compiled_forw
     run_with_misses = dispatch._run_with_misses
 
     def counted(*args):
-        decode_misses.append(CompiledDecode.takes(dispatch.ctx.batch))
+        decode_misses.append(CompiledDecode.takes(dispatch.ctx.batch, is_rebuild_pass=False))
         return run_with_misses(*args)
 
     dispatch._run_with_misses = counted
@@ -106,3 +112,51 @@ def test_two_compiled_engines_in_one_process_each_run_their_own_engine() -> None
     assert sum(o.tag_counts.get("exact_load", 0) for o in missed) > 0
     assert roomy.runner.compiled.handle != tight.runner.compiled.handle
     assert roomy.runner.compiled.num_forwards == 2 * tight.runner.compiled.num_forwards > 0  # every decode compiled
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_covered_architecture_decodes_compiled_as_eagerly(arch: str, tmp_path: pathlib.Path) -> None:
+    path = str(make_checkpoint(arch, tmp_path / arch))
+    prompts, params = [[5, 17, 33, 9, 101, 250, 7], [44, 2, 190, 31]], SamplingParams(max_new_tokens=NEW_TOKENS)
+    eager = exact_assembly(path, max_num_seqs=2).engine
+    if arch.startswith("deepseek"):  # MLA: the eager attention function expands latents per request
+        with pytest.raises(EngineError, match="MLA"):
+            exact_assembly(path, max_num_seqs=2, compile_decode=True)
+        return
+    compiled = exact_assembly(path, max_num_seqs=2, compile_decode=True).engine
+    expected, outputs = eager.generate(prompts, params), compiled.generate(prompts, params)
+    assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in expected]
+    for got, want in zip(outputs, expected, strict=True):
+        assert torch.allclose(got.output_logits, want.output_logits, atol=1e-4, rtol=0)
+    assert compiled.runner.compiled.num_forwards == NEW_TOKENS - 1
+
+
+@pytest.mark.slow
+def test_an_engine_error_inside_the_compiled_forward_comes_out_as_raised() -> None:
+    engine = exact_assembly(str(CHECKPOINT_DIR), max_num_seqs=1, compile_decode=True).engine
+    executor, calls = engine.runner.executor, []
+    run = executor.run_experts
+
+    def failing(module, layer, *args):
+        calls.append(layer)
+        if len(calls) == 4 * 3 + 2:  # the second decode forward's second MoE layer
+            raise EngineError("planted: spill directory full")
+        return run(module, layer, *args)
+
+    executor.run_experts = failing
+    with pytest.raises(EngineError, match="planted: spill directory full"):
+        engine.generate([[5, 17, 33, 9]], SamplingParams(max_new_tokens=NEW_TOKENS))
+    assert len(calls) == 4 * 3 + 2  # the layers after it did no engine work
+
+
+@pytest.mark.slow
+def test_engines_built_one_after_another_each_compile_their_own_graphs(tmp_path: pathlib.Path) -> None:
+    path = str(make_checkpoint("olmoe", tmp_path / "olmoe"))
+    params = SamplingParams(max_new_tokens=3)
+    expected = exact_assembly(path, max_num_seqs=3).engine.generate([[5, 17, 33], [9, 4], [8]], params)
+    for _ in range(9):  # two graphs each (batch 3, then 1)
+        engine = exact_assembly(path, max_num_seqs=3, compile_decode=True).engine
+        outputs = engine.generate([[5, 17, 33], [9, 4], [8]], params)
+        assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in expected]
+        engine.close()

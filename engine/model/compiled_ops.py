@@ -22,6 +22,7 @@ import itertools
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 KVUpdate = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -38,6 +39,7 @@ class OpTarget:
 
 
 TARGETS: dict[int, OpTarget] = {}  # handle -> the engine's functions
+ERRORS: dict[int, Exception] = {}  # handle -> what an operator raised during the current forward
 _HANDLES = itertools.count(1)  # never reused in a process: a graph compiled for one engine names its handle
 
 
@@ -51,6 +53,27 @@ def register(target: OpTarget) -> int:
 def unregister(handle: int) -> None:
     """Forget `handle` (its engine is closed)."""
     TARGETS.pop(handle, None)
+    ERRORS.pop(handle, None)
+
+
+def raise_pending(handle: int) -> None:
+    """Re-raise, with its own type and message, what an operator of `handle` raised during the forward that
+    just returned (a compiled graph's C++ wrapper would replace it with a bare RuntimeError)."""
+    error = ERRORS.pop(handle, None)
+    if error is not None:
+        raise error
+
+
+def _run(handle: int, call: Callable[[OpTarget], torch.Tensor], placeholder: Callable[[], torch.Tensor]) -> Tensor:
+    """`call` on the handle's target; once one has raised in this forward the rest do no engine work and give
+    `placeholder`'s output (the forward's result is discarded: `raise_pending` raises after it returns)."""
+    if handle in ERRORS:
+        return placeholder()
+    try:
+        return call(TARGETS[handle])
+    except Exception as exc:  # noqa: BLE001 - kept whole and re-raised by raise_pending
+        ERRORS[handle] = exc
+        return placeholder()
 
 
 @torch.library.custom_op("fallbackgate::attention", mutates_args=())
@@ -58,14 +81,21 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, handl
     """The forward's K/V ``[1, heads, T, dim]`` written into the paged store, then paged attention of the packed
     queries ``[1, H, T, D]`` -> ``[1, T, H, Dv]`` (in the graph the cache update passes K/V through unchanged:
     one operator does both, in the eager order)."""
-    target = TARGETS[handle]
-    keys, values = target.kv_update(layer, key, value)
-    return target.attention(layer, query, keys, values).contiguous()
+
+    def call(target: OpTarget) -> torch.Tensor:
+        keys, values = target.kv_update(layer, key, value)
+        return target.attention(layer, query, keys, values).contiguous()
+
+    return _run(handle, call, lambda: _attention_shape(query, value).zero_())
+
+
+def _attention_shape(query: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    return query.new_empty((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
 
 
 @attention.register_fake
 def _(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, handle: int, layer: int) -> torch.Tensor:
-    return query.new_empty((query.shape[0], query.shape[2], query.shape[1], value.shape[-1]))
+    return _attention_shape(query, value)
 
 
 @torch.library.custom_op("fallbackgate::experts", mutates_args=())
@@ -73,7 +103,11 @@ def experts(
     hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, handle: int, layer: int
 ) -> torch.Tensor:
     """The layer's routed experts of the packed tokens ``[T, hidden]``, as the engine serves them."""
-    return TARGETS[handle].experts(layer, hidden, top_k_index, top_k_weights).contiguous()
+    return _run(
+        handle,
+        lambda target: target.experts(layer, hidden, top_k_index, top_k_weights).contiguous(),
+        lambda: torch.zeros_like(hidden),
+    )
 
 
 @experts.register_fake

@@ -311,9 +311,8 @@ class ModelRunner:
         keep = torch.tensor(logits_rows or [len(token_ids) - 1], device=self.device)
         self.executor.kv_layer_update = self.layer_update if self.is_per_layer else None
         model = self.model
-        if self.compiled is not None and self.compiled.takes(batch):
-            model = self.compiled.forward
-            self.compiled.num_forwards += 1
+        if self.compiled is not None and self.compiled.takes(batch, log.is_rebuild_pass):
+            model = self.compiled.run
         try:
             with torch.inference_mode():
                 out = model(
