@@ -24,7 +24,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError, OperationalError, SQLAlchemyError
 from sqlalchemy.pool import StaticPool
 
 DEFAULT_LEDGER = "./fallbackgate-ledger.sqlite"
@@ -207,14 +207,25 @@ def _make_engine(url: URL, read_only: bool) -> Engine:
             if path is not None:
                 _check_sqlite_path(path, read_only)
             return _sqlite_engine(url, path, read_only)
-        connect_args = _PG_CONNECT_ARGS if url.get_backend_name() == "postgresql" else {}
-        return create_engine(url, connect_args=connect_args, pool_pre_ping=True)
+        if url.get_backend_name() != "postgresql":
+            return create_engine(url, pool_pre_ping=True)
+        engine = create_engine(url, connect_args=_PG_CONNECT_ARGS, pool_pre_ping=True)
+        event.listen(engine, "handle_error", _lost_server_is_a_disconnect)
+        return engine
     except NoSuchModuleError:
         raise LedgerError(f"unknown database kind {url.drivername!r} in ledger URL") from None
     except ImportError as exc:
         raise LedgerError(f"database driver for {url.drivername!r} is not installed: {exc}") from None
     except ArgumentError as exc:
         raise LedgerError(f"malformed ledger URL: {exc}") from None
+
+
+def _lost_server_is_a_disconnect(context: Any) -> None:
+    """A PostgreSQL operational error (the server shut down or went away, also mid-pipeline, where psycopg leaves
+    the connection busy rather than closed) invalidates the connection, so the pool drops it instead of trying to
+    roll it back, which fails and logs a traceback; the ledger's writer then retries on a fresh connection."""
+    if isinstance(context.sqlalchemy_exception, OperationalError):  # the driver's OperationalError, wrapped
+        context.is_disconnect = True
 
 
 def _first_line(exc: BaseException) -> str:
