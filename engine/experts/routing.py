@@ -116,14 +116,14 @@ def digest_terms(positions: np.ndarray, experts: np.ndarray) -> np.ndarray:
     return z ^ (z >> _S31)
 
 
-_STRIDE = int(_POSITION_STRIDE)
+_STRIDE, _GOLDEN_INT, _M1_INT, _M2_INT = int(_POSITION_STRIDE), int(_GOLDEN), int(_M1), int(_M2)
 
 
 def _splitmix(z: int) -> int:
     """:func:`digest_terms` of one (position, expert) as Python ints (``z`` = position * stride + expert)."""
-    z = (z + int(_GOLDEN)) & DIGEST_MASK
-    z = ((z ^ (z >> 30)) * int(_M1)) & DIGEST_MASK
-    z = ((z ^ (z >> 27)) * int(_M2)) & DIGEST_MASK
+    z = (z + _GOLDEN_INT) & DIGEST_MASK
+    z = ((z ^ (z >> 30)) * _M1_INT) & DIGEST_MASK
+    z = ((z ^ (z >> 27)) * _M2_INT) & DIGEST_MASK
     return z ^ (z >> 31)
 
 
