@@ -101,7 +101,7 @@ def _place_wrong_once(engine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """From FAULT_STEP, the first expert loaded gets its neighbour's weights (an exact-path bug)."""
     armed, place, loaded_at = _at_step(engine, FAULT_STEP), ExpertStore.place, []
 
-    def place_wrong(self: ExpertStore, key: ExpertKey, is_async: bool = False) -> Fetched:
+    def place_wrong(self: ExpertStore, key: ExpertKey) -> Fetched:
         if not armed() or self.is_on_device(key) or loaded_at:
             return place(self, key)
         other = self.reader.read((key[0], (key[1] + 1) % engine.model_config.num_experts))

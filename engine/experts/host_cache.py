@@ -10,9 +10,10 @@ import collections
 from collections.abc import Mapping
 from typing import Protocol
 
-from fallbackgate.engine.device_pool import TierPool
+from fallbackgate.engine.device_pool import Scratch, TierPool
 from fallbackgate.engine.experts import fp8_experts
 from fallbackgate.engine.experts.journal import ChangeLog
+from fallbackgate.engine.experts.pinned import PinnedHostCopies, footprint
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined, read_checked_stored
 from fallbackgate.engine.experts.read_ahead import ReadAhead
 from fallbackgate.engine.experts.reader import ExpertReader
@@ -35,7 +36,8 @@ class HostCache:
 
     A copy is held as the checkpoint stores it when that is FP8 (codes and scales: `BlockScaled`, counted at
     those bytes) and dequantized per use (`read_home`, `read_home_held` + `fp8_experts.write_into`); other
-    checkpoints' copies are held in the compute dtype."""
+    checkpoints' copies are held in the compute dtype. With a `pinner` (CUDA) each copy is page-locked, counted
+    at its locked footprint."""
 
     def __init__(
         self,
@@ -46,11 +48,16 @@ class HostCache:
         staging_pool: TierPool,
         num_io_threads: int,
         is_ram_tiered: bool,
+        pinner: PinnedHostCopies | None = None,
     ) -> None:
         self.reader, self.entries, self.journal = reader, entries, journal
         self.host_pool, self.staging_pool = host_pool, staging_pool  # staging: holds the reads ahead in flight
         self.is_ram_tiered = is_ram_tiered
-        self.bytes_per_expert = reader.held_bytes_per_expert  # what a copy holds in memory (pools count it)
+        self.pinner = pinner  # CUDA: locks each cached copy for asynchronous copies to the device
+        held_bytes = reader.held_bytes_per_expert
+        # what a copy holds in memory (pools count it): a locked copy is page-rounded
+        self.bytes_per_expert = footprint(held_bytes) if pinner is not None else held_bytes
+        self.num_unpinned = 0  # copies cached pageable: no host room for the pageable read beside the locked copy
         self.checkpoint_bytes_per_expert = reader.checkpoint_bytes_per_expert  # what a read takes from the files
         self.lru: collections.OrderedDict[ExpertKey, None] = collections.OrderedDict()
         self.num_disk_reads = 0
@@ -66,8 +73,9 @@ class HostCache:
     def warm(self) -> int:
         """Fill the host cache in key order while it has room (what a fresh process would read first)."""
         num_read = 0
+        room = self.bytes_per_expert * (2 if self.pinner is not None else 1)  # a locked copy is made beside its read
         for key in self.entries:
-            if not self.host_pool.can_reserve(self.bytes_per_expert + self.read_slot_bytes()):
+            if not self.host_pool.can_reserve(room + self.read_slot_bytes()):
                 break
             try:
                 self.cache(key, self.read_disk(key)[0])
@@ -91,11 +99,13 @@ class HostCache:
         self._pump()
 
     def close(self) -> None:
-        """Stop the read threads and give back the host room of reads nobody took."""
+        """Stop the read threads, give back the host room of reads nobody took, unlock the locked copies."""
         self.read_ahead.close()
         self.staging_pool.release(ObjectKind.EXPERT, len(self.read_ahead.flights) * self.bytes_per_expert)
         self.read_ahead.flights.clear()
         self.pending_reads.clear()
+        if self.pinner is not None:
+            self.pinner.close()
 
     def _is_disk_only(self, key: ExpertKey) -> bool:
         entry = self.entries[key]
@@ -126,7 +136,7 @@ class HostCache:
             if is_dropped or self.is_ram_tiered:  # a CPU has no host cache to keep it in: read, then freed
                 self.staging_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)  # dropped: slots stay free
                 continue
-            entry.host = weights
+            entry.host = self._locked(weights)
             self.lru[key] = None
             self.journal.record(key)
             self.read_ahead_cached.add(key)
@@ -154,7 +164,7 @@ class HostCache:
         if is_cached:
             self.make_room()
             if self.host_pool.can_reserve(self.bytes_per_expert + self.read_slot_bytes()):
-                self.cache(key, held)
+                held = self.cache(key, held)
         return held, Fetched(_as_weights(held), Tier.DISK, self.checkpoint_bytes_per_expert, note)
 
     def read_disk(self, key: ExpertKey) -> tuple[HeldWeights, str]:
@@ -172,16 +182,33 @@ class HostCache:
         failure quarantines the expert (ExpertQuarantined)."""
         return read_checked_stored(self.reader, key)
 
-    def cache(self, key: ExpertKey, weights: HeldWeights) -> None:
-        """Keep `weights` as the host copy of `key` (the caller checked the room)."""
+    def cache(self, key: ExpertKey, weights: HeldWeights) -> HeldWeights:
+        """Keep `weights` as the host copy of `key` (the caller checked the room); returns the copy kept (with
+        a pinner, a locked copy of `weights`)."""
         self.host_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
-        self.entries[key].host = weights
+        kept = self.entries[key].host = self._locked(weights)
         self.lru[key] = None
         self.journal.record(key)
+        return kept
+
+    def _locked(self, weights: HeldWeights) -> HeldWeights:
+        """With a pinner, a page-locked copy of `weights`, made while the host pool also holds the pageable read
+        (room made as for a new copy; left pageable, and counted in `num_unpinned`, when none can be made)."""
+        if self.pinner is None:
+            return weights
+        self.free(self.bytes_per_expert + self.read_slot_bytes())  # an older copy goes, as for any new one
+        if not self.host_pool.can_reserve(self.bytes_per_expert):
+            self.num_unpinned += 1
+            return weights
+        with self.host_pool.held(Scratch.EXPERT_PIN, self.bytes_per_expert):
+            return self.pinner.pin(weights)
 
     def drop(self, key: ExpertKey) -> None:
-        """Drop the host copy of `key`."""
+        """Drop the host copy of `key` (a locked copy is unlocked once copies out of it have completed)."""
         self.read_ahead_cached.discard(key)
+        held = self.entries[key].host
+        if self.pinner is not None and held is not None:
+            self.pinner.unpin(held)
         self.entries[key].host = None
         del self.lru[key]
         self.journal.record(key)

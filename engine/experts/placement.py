@@ -1,4 +1,4 @@
-"""Device copies of experts: placing one into a slot at full precision (exact_load, on CUDA optionally on the
+"""Device copies of experts: placing one into a slot at full precision (exact_load and prefetch, on CUDA on the
 copy stream), evicting or discarding one, waiting for copy-stream placements, and stacking every expert of a
 layer into one resident tensor when everything fits (the device half of
 :class:`~fallbackgate.engine.experts.store.ExpertStore`)."""
@@ -50,6 +50,7 @@ class DevicePlacement:
     is_aliased: bool
     copy_stream: torch.cuda.Stream | None
     pending_ready: set[ExpertKey]  # CUDA: placed on the copy stream, not yet waited for
+    slot_freed: dict[int, torch.cuda.Event]  # CUDA: freed slot -> recorded on the compute stream when freed
     stacked_layers: set[int]  # layers whose experts all sit in one resident stack (pinned)
     stacked_spans: dict[int, tuple[int, int]]  # stacked layer -> its contiguous slot range
     is_on_device: Callable[[ExpertKey], bool]  # ExpertStore.is_on_device(key)
@@ -108,12 +109,12 @@ class DevicePlacement:
         """True when `key` is on device already or its bytes fit in the device budget now."""
         return self.is_on_device(key) or self.device_pool.can_reserve(self.place_bytes)
 
-    def place(self, key: ExpertKey, is_async: bool = False) -> Fetched:
-        """Bring `key` to device at full precision (exact_load).
+    def place(self, key: ExpertKey) -> Fetched:
+        """Bring `key` to device at full precision (exact_load, or a prefetch).
 
-        On CUDA with `is_async`, the copy runs on a side stream and overlaps compute; the first use waits
-        for it on the GPU (see `device_weights`). An FP8 copy is dequantized into the slot as it is written,
-        its temporaries counted in the device pool as Scratch.EXPERT_DEQUANT meanwhile.
+        On CUDA the copy runs on the copy stream and overlaps compute; the expert's first use waits for it on
+        the GPU (see `device_weights`). An FP8 copy is dequantized into the slot as it is written, its
+        temporaries counted in the device pool as Scratch.EXPERT_DEQUANT meanwhile.
         """
         entry = self.entries[key]
         if entry.device is not None:
@@ -126,18 +127,37 @@ class DevicePlacement:
             self.host_cache.drop(key)
         slot = self.slots.assign(key)
         with self.device_pool.held(Scratch.EXPERT_DEQUANT, self.dequant_scratch_bytes):
-            if is_async and self.copy_stream is not None:
-                self.copy_stream.wait_stream(torch.cuda.current_stream())  # the slot's last readers are done
-                with torch.cuda.stream(self.copy_stream):
-                    fp8_experts.write_into(slot, held)
-                    entry.ready = torch.cuda.Event()
-                    entry.ready.record(self.copy_stream)
-                self.pending_ready.add(key)
+            if self.copy_stream is not None:
+                self._copy_on_stream(key, slot, held)
             else:
                 fp8_experts.write_into(slot, held)
         entry.device = slot
         self.journal.record(key)
         return Fetched(entry.device, fetched.source_tier, fetched.bytes_moved, fetched.note)
+
+    def _copy_on_stream(self, key: ExpertKey, slot: ExpertWeights, held: HeldWeights) -> None:
+        """CUDA: write `held` into `slot` on the copy stream once the slot's last reader is done (an asynchronous
+        DMA from a page-locked host copy); the compute stream waits for it at the expert's first use
+        (`device_weights`, `wait_layer_ready`), the host does not."""
+        index = self.slots.slot_of[key]
+        freed = self.slot_freed.pop(index, None)
+        assert self.copy_stream is not None
+        if freed is not None:
+            self.copy_stream.wait_event(freed)
+        with torch.cuda.stream(self.copy_stream):
+            fp8_experts.write_into(slot, held)
+            ready = self.entries[key].ready = torch.cuda.Event()
+            ready.record(self.copy_stream)
+        if self.host_cache.pinner is not None:
+            self.host_cache.pinner.record_copy(held, self.copy_stream)
+        self.pending_ready.add(key)
+
+    def _release_slot(self, key: ExpertKey) -> None:
+        """Free `key`'s slot; on CUDA note when the kernels queued so far (its last readers) are done."""
+        if self.copy_stream is not None:
+            freed = self.slot_freed[self.slots.slot_of[key]] = torch.cuda.Event()
+            freed.record(torch.cuda.current_stream())
+        self.slots.release(key)
 
     def evict(self, key: ExpertKey) -> None:
         """Drop the device copy of `key`; emulated, its bytes become the host cache's most recent entry; on a
@@ -159,7 +179,7 @@ class DevicePlacement:
             if self.host_pool.can_reserve(self.bytes_per_expert + self.host_cache.read_slot_bytes()):
                 with torch.inference_mode(False):  # a host copy like any read: a normal tensor
                     self.host_cache.cache(key, ExpertWeights(weights.gate_up.clone(), weights.down.clone()))
-        self.slots.release(key)
+        self._release_slot(key)
 
     def discard_copy(self, key: ExpertKey, tier: Tier) -> bool:
         """Drop a copy found corrupt without caching it anywhere (the next use reads the checkpoint); False
@@ -178,6 +198,6 @@ class DevicePlacement:
             entry.device = None
             self.device_pool.release(ObjectKind.EXPERT, self.bytes_per_expert)
             self.journal.record(key)
-            self.slots.release(key)
+            self._release_slot(key)
             return True
         return False

@@ -31,6 +31,7 @@ from fallbackgate.engine.experts.host_cache import HostCache
 from fallbackgate.engine.experts.journal import ChangeLog
 from fallbackgate.engine.experts.lowbit_cache import LowbitDiskCache
 from fallbackgate.engine.experts.lowbit_copies import DEQUANT_ROWS, LowbitCopies
+from fallbackgate.engine.experts.pinned import PinnedHostCopies
 from fallbackgate.engine.experts.placement import DevicePlacement, ExpertEntry
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined
 from fallbackgate.engine.experts.reader import ExpertReader
@@ -40,6 +41,11 @@ from fallbackgate.engine.experts.weights import ExpertWeights, Fetched
 from fallbackgate.engine.tags import ObjectKind, Tier
 
 __all__ = ["DEQUANT_ROWS", "ExpertKey", "ExpertStore", "ExpertWeights", "Fetched"]
+
+
+def pins_host_copies(layout: TierLayout) -> bool:
+    """Whether host expert copies are page-locked: where a device reads them over a link (CUDA)."""
+    return layout is TierLayout.DEVICE_HOST_DISK
 
 
 class ExpertStore(DevicePlacement):
@@ -64,7 +70,7 @@ class ExpertStore(DevicePlacement):
         self.is_aliased = self.layout is TierLayout.EMULATED_DEVICE_HOST_DISK  # test only: two RAM budgets
         self.is_in_place = self.is_aliased or self.is_ram_tiered  # a read lands where the expert computes
         self.staging_pool = device_pool if self.is_ram_tiered else host_pool  # holds the reads ahead in flight
-        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # prefetch side stream
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # exact loads, prefetches
         self.entries: dict[ExpertKey, ExpertEntry] = {key: ExpertEntry() for key in sorted(reader.sources)}
         lowbit_pool = device_pool if self.is_ram_tiered else host_pool  # where low-bit copies are counted
         lowbit_kind: PoolKind = HeldCopy.EXPERT_LOWBIT if self.is_ram_tiered else ObjectKind.EXPERT
@@ -80,12 +86,14 @@ class ExpertStore(DevicePlacement):
         self.is_moved_on_place = self.is_in_place and not reader.is_block_scaled
         self.checkpoint_bytes_per_expert = reader.checkpoint_bytes_per_expert  # what a read takes from the files
         self.stacked_layers: set[int] = set()  # layers whose experts all sit in one resident stack (pinned)
+        pinner = PinnedHostCopies() if pins_host_copies(self.layout) else None
         self.host_cache = HostCache(
-            reader, self.entries, self.journal, host_pool, self.staging_pool, num_io_threads, self.is_ram_tiered
+            reader, self.entries, self.journal, host_pool, self.staging_pool, num_io_threads, self.is_ram_tiered, pinner
         )
         self.read_ahead = self.host_cache.read_ahead
         self.stacked_spans: dict[int, tuple[int, int]] = {}  # stacked layer -> its contiguous slot range
         self.pending_ready: set[ExpertKey] = set()  # CUDA: placed on the copy stream, not yet waited for
+        self.slot_freed: dict[int, torch.cuda.Event] = {}  # CUDA: freed slot -> when its last readers are done
         num_experts = collections.Counter(layer for layer, _ in self.entries)
         capacity = min(len(self.entries), device_pool.budget_bytes // max(1, self.bytes_per_expert))
         # every device copy is a slot of one stack (see slots.py); a slot's bytes are reserved while it is held
@@ -141,7 +149,7 @@ class ExpertStore(DevicePlacement):
             if self.is_on_device(key) or not self.device_pool.can_reserve(self.place_bytes):
                 continue
             try:
-                started.append((key, self.place(key, is_async=True)))
+                started.append((key, self.place(key)))
             except ExpertQuarantined:  # a prefetch found the fault: the requests that need it are told at use
                 continue
         self.host_cache.settle_reads(next_step_id)

@@ -1,6 +1,6 @@
 """python -m fallbackgate.bench.gpu_check --model DIR --json FILE [--device cuda] [--expert-fraction 0.25]
 
-GPU readiness on a small real-shaped checkpoint (``.ci/gpu-check`` builds one and runs this), three checks:
+GPU readiness on a small real-shaped checkpoint (``.ci/gpu-check`` builds one and runs this), four checks:
 
 1. exactness, under identical batch shapes only: the engine at a tight device budget serving one request at
    a time gives transformers' own greedy tokens with the kernel the engine runs (same dtype, ``grouped_mm``
@@ -10,8 +10,11 @@ GPU readiness on a small real-shaped checkpoint (``.ci/gpu-check`` builds one an
    same prompts), compared up to and including the first step where tokens part;
 2. memory: ``torch.cuda.max_memory_allocated()`` stays under dense bytes + device budget + ``--slack-mb``
    (activations, attention workspace and the allocator's rounding, which the budget does not count);
-3. speed: tokens/s of the engine against accelerate's offload given the same GPU memory
-   (``device_map="auto"`` with ``max_memory``), measured in this one run.
+3. pinned host copies: every expert copy the host cache holds at the end is page-locked (so exact loads and
+   prefetches are asynchronous copies on the copy stream), and the bytes locked are within what the host
+   pool counts for them;
+4. speed (reported, not checked): tokens/s of the engine against accelerate's offload given the same GPU
+   memory (``device_map="auto"`` with ``max_memory``), measured in this one run.
 
 Imports only the engine (and transformers/accelerate for the references). Writes one JSON object; exit 1
 when a check fails, 2 on bad input. ``--device cpu`` runs the same code without the memory check (a dry
@@ -37,7 +40,7 @@ from fallbackgate.assembly import Assembly, Overrides
 from fallbackgate.batch.prompts import BUILTIN_PROMPTS
 from fallbackgate.bench.engines import exact_assembly
 from fallbackgate.engine.sequence import SamplingParams
-from fallbackgate.engine.tags import Tag
+from fallbackgate.engine.tags import ObjectKind, Tag
 
 MIB = 1 << 20
 
@@ -127,6 +130,7 @@ def run_engine(
     wall = time.perf_counter() - started
     peak = torch.cuda.max_memory_allocated(device) - baseline if device.type == "cuda" else None
     dense_bytes, peak_pool = engine.num_dense_bytes, engine.kv_store.device_pool.peak_used_bytes
+    pinning = host_pinning(engine)
     del engine
     gc.collect()
     return {
@@ -139,6 +143,22 @@ def run_engine(
         "max_memory_allocated": peak,  # less what the process held before the engine was built
         "allocated_before_bytes": baseline,
         "tags": {t: sum(o.tag_counts.get(t, 0) for o in outputs) for t in (Tag.RESIDENT.value, Tag.EXACT_LOAD.value)},
+        **pinning,
+    }
+
+
+def host_pinning(engine: Any) -> dict[str, int]:
+    """The host cache's expert copies at the end of a run: how many, how many page-locked, the bytes locked
+    and the bytes the host pool counts for them."""
+    host_cache, store = engine.expert_store.host_cache, engine.expert_store
+    held = [e.host for e in store.entries.values() if e.host is not None]
+    pinner = host_cache.pinner
+    return {
+        "host_copies": len(held),
+        "host_copies_locked": sum(pinner.is_pinned(h) for h in held) if pinner is not None else 0,
+        "host_locked_bytes": pinner.num_locked_bytes if pinner is not None else 0,
+        "host_pool_expert_bytes": store.host_pool.used_bytes_by_kind[ObjectKind.EXPERT],
+        "host_copies_left_pageable": host_cache.num_unpinned,
     }
 
 
@@ -187,7 +207,11 @@ def run_accelerate(
     started = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
-            ids, attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=args.new_tokens,
+            do_sample=False,
+            pad_token_id=0,
             eos_token_id=None,
         )
     _synchronize(device)
@@ -230,7 +254,11 @@ def check(args: argparse.Namespace) -> dict[str, Any]:
     result["accelerate_tokens_per_s"] = accelerate_rate
     result["engine_over_accelerate"] = batched["tokens_per_s"] / accelerate_rate
     result["accelerate_layers_on_gpu"] = num_layers_on_gpu
-    checks = ("tokens_equal_one_at_a_time", "batched_within_floor", "memory_within_limit")
+    result["host_copies_pinned"] = device.type != "cuda" or (
+        batched["host_copies_locked"] == batched["host_copies"]
+        and batched["host_locked_bytes"] <= batched["host_pool_expert_bytes"]
+    )
+    checks = ("tokens_equal_one_at_a_time", "batched_within_floor", "memory_within_limit", "host_copies_pinned")
     result["passed"] = all(result[name] for name in checks)
     return result
 
