@@ -194,7 +194,7 @@ class Engine(BaselineAccess, EngineStepping):
         self.expert_store.close()
         if self.runner.compiled is not None:
             self.runner.compiled.close()
-        self.kv_store.spill.close()
+        self.kv_store.close()
         self.io.close()
         self.expert_store.reader.files.io = None  # an audit after close reads the checkpoint in its own thread
 

@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from fallbackgate.controllers.exact_lru import ExactLRUController
+from fallbackgate.engine import pinned_memory as pinned
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.device_pool import Scratch
 from fallbackgate.engine.engine import Engine
-from fallbackgate.engine.experts import pinned, store
+from fallbackgate.engine.experts import store
 from fallbackgate.engine.experts.weights import BlockScaled, ExpertWeights
+from fallbackgate.engine.kv.slots import SlotTier
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import ObjectKind
 from tests.checkpoints import make_checkpoint
@@ -133,3 +135,20 @@ def test_an_engine_with_pinned_host_copies_gives_the_same_tokens_and_counts_ever
     assert host_pool.peak_used_bytes <= host_pool.budget_bytes
     engine.close()
     assert runtime.registered == {} and runtime.num_registers == runtime.num_unregisters
+
+
+def test_the_host_kv_tier_locks_its_slot_tensors_at_their_size_and_unlocks_the_old_one_when_a_layer_grows() -> None:
+    runtime = FakeRuntime()
+    tier = SlotTier("host", 2, (2, 4, 8), torch.bfloat16, torch.device("cpu"), 4, 64, runtime.pinner())
+    assert len(runtime.registered) == 2 and tier.locked_bytes == tier.capacity_bytes == 2 * 2 * 4 * 4 * 8 * 2
+    assert sum(runtime.registered.values()) == 2 * pinned.footprint(0)  # 512 B each: one page
+    slots = [tier.take(0) for _ in range(4)]
+    for slot in slots:
+        tier.view(0, slot).fill_(slot + 1)
+    old = tier.tensors[0].untyped_storage().data_ptr()
+    extra = tier.take(0)  # layer 0 grows to 8 slots; its 4-slot tensor is unlocked
+    assert tier.num_slots == 8 and extra not in slots and old not in runtime.registered
+    assert all(bool((tier.view(0, s) == s + 1).all()) for s in slots), "blocks kept their values"
+    assert tier.locked_bytes == tier.capacity_bytes == (8 + 4) * 2 * 4 * 8 * 2
+    assert sorted(runtime.registered.values()) == [mmap.PAGESIZE, mmap.PAGESIZE]
+    assert runtime.num_unregisters == 1

@@ -13,12 +13,12 @@ from typing import Protocol
 from fallbackgate.engine.device_pool import Scratch, TierPool
 from fallbackgate.engine.experts import fp8_experts
 from fallbackgate.engine.experts.journal import ChangeLog
-from fallbackgate.engine.experts.pinned import PinnedHostCopies, footprint
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined, read_checked_stored
 from fallbackgate.engine.experts.read_ahead import ReadAhead
 from fallbackgate.engine.experts.reader import ExpertReader
 from fallbackgate.engine.experts.sources import ExpertKey
 from fallbackgate.engine.experts.weights import ExpertWeights, Fetched, HeldWeights
+from fallbackgate.engine.pinned_memory import PinnedHostCopies, footprint
 from fallbackgate.engine.tags import ObjectKind, Tier
 
 READ_SLOTS = 8  # experts read ahead at once at most

@@ -31,13 +31,13 @@ from fallbackgate.engine.experts.host_cache import HostCache
 from fallbackgate.engine.experts.journal import ChangeLog
 from fallbackgate.engine.experts.lowbit_cache import LowbitDiskCache
 from fallbackgate.engine.experts.lowbit_copies import DEQUANT_ROWS, LowbitCopies
-from fallbackgate.engine.experts.pinned import PinnedHostCopies
 from fallbackgate.engine.experts.placement import DevicePlacement, ExpertEntry
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined
 from fallbackgate.engine.experts.reader import ExpertReader
 from fallbackgate.engine.experts.slots import SlotPool
 from fallbackgate.engine.experts.sources import ExpertKey
 from fallbackgate.engine.experts.weights import ExpertWeights, Fetched
+from fallbackgate.engine.pinned_memory import PinnedHostCopies
 from fallbackgate.engine.tags import ObjectKind, Tier
 
 __all__ = ["DEQUANT_ROWS", "ExpertKey", "ExpertStore", "ExpertWeights", "Fetched"]

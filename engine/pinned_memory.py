@@ -1,12 +1,12 @@
-"""CUDA: host expert copies in page-locked memory, so a copy to the device is one asynchronous DMA on the copy
-stream instead of a staged copy that holds the host thread.
+"""CUDA: host memory the device copies from, page-locked (expert host copies, the host KV tier's slot tensors),
+so a copy to the device is one asynchronous DMA instead of a staged copy that holds the host thread.
 
 torch's pinned allocator rounds every allocation up to a power of two (a 9 MiB expert would lock 12 MiB the
-host budget does not count). Instead each copy gets its own anonymous mapping of exactly its bytes rounded up
-to a page, locked in place with ``cudaHostRegister`` (as torch's own checkpoint stager pins memory): the host
-pool counts `footprint` per copy, which is what is locked. A copy is unlocked only after the last device copy
-out of it has completed (an event recorded on the stream that copied it), so memory a DMA still reads is never
-unmapped or reused.
+host budget does not count). Instead each copy or tensor gets its own anonymous mapping of exactly its bytes
+rounded up to a page, locked in place with ``cudaHostRegister`` (as torch's own checkpoint stager pins
+memory): the host pool counts `footprint` per expert copy, which is what is locked. An expert copy is
+unlocked only after the last device copy out of it has completed (an event recorded on the stream that copied
+it), a tensor after the device has finished its queued work, so memory a DMA still reads is never unmapped.
 """
 
 from __future__ import annotations
@@ -59,6 +59,13 @@ def _round_up(num_bytes: int, multiple: int) -> int:
     return -(-num_bytes // multiple) * multiple
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
 def footprint(num_bytes: int) -> int:
     """Bytes a locked copy of an expert whose tensors hold `num_bytes` occupies at most (page-rounded, with the
     alignment padding between its tensors)."""
@@ -101,6 +108,25 @@ class PinnedHostCopies:
             for offset, t in zip(offsets, tensors, strict=True)
         ]
         return _rebuilt(held, copies)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised page-locked tensor (committed: every byte of it is resident while locked)."""
+        num_bytes = _round_up(max(1, dtype.itemsize * _numel(shape)), mmap.PAGESIZE)
+        mapping = mmap.mmap(-1, num_bytes)
+        base = torch.frombuffer(mapping, dtype=torch.uint8)
+        self.register(base.data_ptr(), num_bytes)
+        self.locked[base.data_ptr()] = _Locked(mapping, num_bytes)
+        return base[: dtype.itemsize * _numel(shape)].view(dtype).view(shape)
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Unlock a tensor from `empty` once the device has finished the work queued so far (it stays valid,
+        pageable, while referenced)."""
+        address = tensor.untyped_storage().data_ptr()
+        record = self.locked.pop(address, None)
+        if record is not None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._unlock(address, record)
 
     def is_pinned(self, held: HeldWeights) -> bool:
         """True when `held` is a copy this object locked and has not unlocked."""
