@@ -1,18 +1,23 @@
-"""CUDA: host memory the device copies from, page-locked (expert host copies, the host KV tier's slot tensors),
-so a copy to the device is one asynchronous DMA instead of a staged copy that holds the host thread.
+"""CUDA: expert host copies in page-locked memory, so a copy to the device is one asynchronous DMA on the copy
+stream instead of a staged copy that holds the host thread.
 
 torch's pinned allocator rounds every allocation up to a power of two (a 9 MiB expert would lock 12 MiB the
-host budget does not count). Instead each copy or tensor gets its own anonymous mapping of exactly its bytes
-rounded up to a page, locked in place with ``cudaHostRegister`` (as torch's own checkpoint stager pins
-memory): the host pool counts `footprint` per expert copy, which is what is locked. An expert copy is
-unlocked only after the last device copy out of it has completed (an event recorded on the stream that copied
-it), a tensor after the device has finished its queued work, so memory a DMA still reads is never unmapped.
+host budget does not count). Instead each copy gets its own anonymous mapping of exactly its bytes rounded up
+to a page, locked in place with ``cudaHostRegister`` (portable, as torch's own checkpoint stager pins memory):
+the host pool counts `footprint` per copy, which bounds what is locked. A copy is unlocked only after the last
+device copy out of it has completed (an event recorded on the stream that copied it), so memory a DMA still
+reads is never unmapped or reused; whatever is still locked when the owner closes or is collected is unlocked
+then. A failed register leaves the copy pageable (the caller counts it); a failed unregister is logged and
+the bookkeeping goes on.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import logging
 import mmap
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -22,6 +27,9 @@ from fallbackgate.engine.experts.weights import BlockScaled, ExpertWeights, Held
 
 PART_ALIGN = 256  # byte alignment of each tensor inside a copy's mapping (any dtype views it)
 MAX_PARTS = 5  # gate_up, down and, for FP8, three block-scale tensors
+REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, not only the current one
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -31,15 +39,26 @@ class _Locked:
     last_copy: torch.cuda.Event | None = None  # recorded after the latest device copy out of it
 
 
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed register, so the next kernel-launch check does not
+    report it against an unrelated operation (best effort: the runtime library torch loaded)."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libcudart" in line}
+    for path in paths:
+        ctypes.CDLL(path).cudaGetLastError()
+
+
 def _cudart_register(ptr: int, num_bytes: int) -> None:
-    code = int(torch.cuda.cudart().cudaHostRegister(ptr, num_bytes, 0))
+    code = int(torch.cuda.cudart().cudaHostRegister(ptr, num_bytes, REGISTER_PORTABLE))
     if code != 0:
+        _clear_cuda_error()
         raise EngineError(f"cudaHostRegister of {num_bytes} host bytes failed with CUDA error {code}")
 
 
 def _cudart_unregister(ptr: int) -> None:
     code = int(torch.cuda.cudart().cudaHostUnregister(ptr))
     if code != 0:
+        _clear_cuda_error()
         raise EngineError(f"cudaHostUnregister failed with CUDA error {code}")
 
 
@@ -59,17 +78,26 @@ def _round_up(num_bytes: int, multiple: int) -> int:
     return -(-num_bytes // multiple) * multiple
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count
-
-
 def footprint(num_bytes: int) -> int:
     """Bytes a locked copy of an expert whose tensors hold `num_bytes` occupies at most (page-rounded, with the
     alignment padding between its tensors)."""
     return _round_up(num_bytes + MAX_PARTS * PART_ALIGN, mmap.PAGESIZE)
+
+
+def _unlock(unregister: Callable[[int], None], address: int, record: _Locked) -> None:
+    """Wait for the last copy out of `record`, then unregister it (a failure is logged, not raised)."""
+    try:
+        if record.last_copy is not None:
+            record.last_copy.synchronize()
+        unregister(address)
+    except Exception as exc:  # noqa: BLE001 - the copy is dropped either way; nothing else depends on it
+        log.warning("could not unlock a %d B expert host copy: %s", record.num_bytes, exc)
+
+
+def _unlock_all(unregister: Callable[[int], None], locked: dict[int, _Locked]) -> None:
+    while locked:
+        address, record = locked.popitem()
+        _unlock(unregister, address, record)
 
 
 class PinnedHostCopies:
@@ -82,6 +110,8 @@ class PinnedHostCopies:
     ) -> None:
         self.register, self.unregister = register, unregister
         self.locked: dict[int, _Locked] = {}  # mapping address -> its record
+        # an owner dropped without close(): unlock before the mappings can be unmapped while registered
+        self._finalizer = weakref.finalize(self, _unlock_all, unregister, self.locked)
 
     @property
     def num_locked_bytes(self) -> int:
@@ -89,7 +119,8 @@ class PinnedHostCopies:
         return sum(record.num_bytes for record in self.locked.values())
 
     def pin(self, held: HeldWeights) -> HeldWeights:
-        """A page-locked copy of `held` (the caller drops `held` and counts the copy as `footprint`)."""
+        """A page-locked copy of `held` (the caller drops `held` and counts the copy as `footprint`); raises
+        EngineError, holding nothing, when the runtime refuses to lock it."""
         tensors = _tensors(held)
         if len(tensors) > MAX_PARTS:
             raise EngineError(f"a host copy of {len(tensors)} tensors; at most {MAX_PARTS} can be pinned")
@@ -109,25 +140,6 @@ class PinnedHostCopies:
         ]
         return _rebuilt(held, copies)
 
-    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised page-locked tensor (committed: every byte of it is resident while locked)."""
-        num_bytes = _round_up(max(1, dtype.itemsize * _numel(shape)), mmap.PAGESIZE)
-        mapping = mmap.mmap(-1, num_bytes)
-        base = torch.frombuffer(mapping, dtype=torch.uint8)
-        self.register(base.data_ptr(), num_bytes)
-        self.locked[base.data_ptr()] = _Locked(mapping, num_bytes)
-        return base[: dtype.itemsize * _numel(shape)].view(dtype).view(shape)
-
-    def release(self, tensor: torch.Tensor) -> None:
-        """Unlock a tensor from `empty` once the device has finished the work queued so far (it stays valid,
-        pageable, while referenced)."""
-        address = tensor.untyped_storage().data_ptr()
-        record = self.locked.pop(address, None)
-        if record is not None:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self._unlock(address, record)
-
     def is_pinned(self, held: HeldWeights) -> bool:
         """True when `held` is a copy this object locked and has not unlocked."""
         return held.gate_up.untyped_storage().data_ptr() in self.locked
@@ -142,17 +154,11 @@ class PinnedHostCopies:
     def unpin(self, held: HeldWeights) -> None:
         """Unlock `held` once the last copy out of it has completed (a no-op for a copy not pinned here); the
         tensors stay valid, pageable, while anything still refers to them."""
-        record = self.locked.pop(held.gate_up.untyped_storage().data_ptr(), None)
+        address = held.gate_up.untyped_storage().data_ptr()
+        record = self.locked.pop(address, None)
         if record is not None:
-            self._unlock(held.gate_up.untyped_storage().data_ptr(), record)
+            _unlock(self.unregister, address, record)
 
     def close(self) -> None:
         """Unlock every copy still locked (the store is closing)."""
-        while self.locked:
-            address, record = self.locked.popitem()
-            self._unlock(address, record)
-
-    def _unlock(self, address: int, record: _Locked) -> None:
-        if record.last_copy is not None:
-            record.last_copy.synchronize()
-        self.unregister(address)
+        _unlock_all(self.unregister, self.locked)

@@ -5,6 +5,7 @@ The CUDA runtime's register/unregister are replaced by a ledger of calls here (n
 
 from __future__ import annotations
 
+import gc
 import mmap
 import pathlib
 
@@ -16,9 +17,9 @@ from fallbackgate.engine import pinned_memory as pinned
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.device_pool import Scratch
 from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.errors import EngineError
 from fallbackgate.engine.experts import store
 from fallbackgate.engine.experts.weights import BlockScaled, ExpertWeights
-from fallbackgate.engine.kv.slots import SlotTier
 from fallbackgate.engine.sequence import SamplingParams
 from fallbackgate.engine.tags import ObjectKind
 from tests.checkpoints import make_checkpoint
@@ -111,16 +112,19 @@ def test_an_engine_with_pinned_host_copies_gives_the_same_tokens_and_counts_ever
     engine = _engine(checkpoint)
     host_cache = engine.expert_store.host_cache
     assert host_cache.bytes_per_expert == pinned.footprint(engine.expert_store.bytes_per_expert)
-    assert runtime.num_registers == sum(e.host is not None for e in engine.expert_store.entries.values()) > 0
+    num_warm = sum(e.host is not None for e in engine.expert_store.entries.values())
+    # warm-up stops while the pool still has room for the last copy's pageable read beside it
+    assert runtime.num_registers == num_warm == 5 and host_cache.num_unpinned == 0
     for sid, prompt in enumerate(PROMPTS):
         engine.add_request(list(prompt), params, request_id=f"r{sid}")
     num_checks = 0
     while engine.has_unfinished():
         engine.step()
         held = [e.host for e in engine.expert_store.entries.values() if e.host is not None]
-        assert all(host_cache.pinner.is_pinned(h) for h in held)  # the pool had room: every cached copy locked
+        num_locked = sum(host_cache.pinner.is_pinned(h) for h in held)
+        assert num_locked == len(held) == len(runtime.registered)  # the pool had room: every cached copy locked
         locked = sum(runtime.registered.values())
-        assert locked == host_cache.pinner.num_locked_bytes <= len(held) * host_cache.bytes_per_expert
+        assert locked == host_cache.pinner.num_locked_bytes <= num_locked * host_cache.bytes_per_expert
         counted = engine.expert_store.host_pool.used_bytes_by_kind[ObjectKind.EXPERT]
         assert counted == len(held) * host_cache.bytes_per_expert
         num_checks += 1
@@ -137,18 +141,46 @@ def test_an_engine_with_pinned_host_copies_gives_the_same_tokens_and_counts_ever
     assert runtime.registered == {} and runtime.num_registers == runtime.num_unregisters
 
 
-def test_the_host_kv_tier_locks_its_slot_tensors_at_their_size_and_unlocks_the_old_one_when_a_layer_grows() -> None:
+def test_a_refused_lock_leaves_the_copy_pageable_and_a_failed_unlock_loses_no_bookkeeping(
+    checkpoint: pathlib.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     runtime = FakeRuntime()
-    tier = SlotTier("host", 2, (2, 4, 8), torch.bfloat16, torch.device("cpu"), 4, 64, runtime.pinner())
-    assert len(runtime.registered) == 2 and tier.locked_bytes == tier.capacity_bytes == 2 * 2 * 4 * 4 * 8 * 2
-    assert sum(runtime.registered.values()) == 2 * pinned.footprint(0)  # 512 B each: one page
-    slots = [tier.take(0) for _ in range(4)]
-    for slot in slots:
-        tier.view(0, slot).fill_(slot + 1)
-    old = tier.tensors[0].untyped_storage().data_ptr()
-    extra = tier.take(0)  # layer 0 grows to 8 slots; its 4-slot tensor is unlocked
-    assert tier.num_slots == 8 and extra not in slots and old not in runtime.registered
-    assert all(bool((tier.view(0, s) == s + 1).all()) for s in slots), "blocks kept their values"
-    assert tier.locked_bytes == tier.capacity_bytes == (8 + 4) * 2 * 4 * 8 * 2
-    assert sorted(runtime.registered.values()) == [mmap.PAGESIZE, mmap.PAGESIZE]
-    assert runtime.num_unregisters == 1
+    calls = {"register": 0}
+
+    def flaky_register(address: int, num_bytes: int) -> None:
+        calls["register"] += 1
+        if calls["register"] % 3 == 0:
+            raise EngineError("cudaHostRegister of 1 host bytes failed with CUDA error 2")
+        runtime.register(address, num_bytes)
+
+    def failing_unregister(address: int) -> None:
+        runtime.unregister(address)
+        if runtime.num_unregisters == 1:
+            raise EngineError("cudaHostUnregister failed with CUDA error 1")
+
+    params = SamplingParams(max_new_tokens=6)
+    reference = _engine(checkpoint).generate([list(p) for p in PROMPTS], params)
+    monkeypatch.setattr(store, "pins_host_copies", lambda layout: True)
+    monkeypatch.setattr(store, "PinnedHostCopies", lambda: pinned.PinnedHostCopies(flaky_register, failing_unregister))
+    engine = _engine(checkpoint)
+    outputs = engine.generate([list(p) for p in PROMPTS], params)
+    assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in reference]
+    host_cache = engine.expert_store.host_cache
+    refused = calls["register"] // 3
+    assert refused > 0 and host_cache.num_unpinned == refused
+    assert "could not unlock" in caplog.text and "left pageable" in caplog.text
+    held = [e.host for e in engine.expert_store.entries.values() if e.host is not None]
+    counted = engine.expert_store.host_pool.used_bytes_by_kind[ObjectKind.EXPERT]
+    assert counted == len(held) * host_cache.bytes_per_expert  # the failed unlock's copy left the pool too
+    engine.close()
+    assert runtime.registered == {}
+
+
+def test_copies_still_locked_when_their_owner_is_dropped_are_unlocked() -> None:
+    runtime = FakeRuntime()
+    pinner = runtime.pinner()
+    copies = [pinner.pin(ExpertWeights(torch.randn(8, 4), torch.randn(4, 4))) for _ in range(2)]
+    del pinner
+    gc.collect()
+    assert runtime.registered == {} and runtime.num_unregisters == 2
+    assert all(bool(torch.isfinite(c.gate_up).all()) for c in copies)  # still readable, pageable

@@ -7,10 +7,12 @@ Mechanism only: the store decides what to place; this part keeps copies while th
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Mapping
 from typing import Protocol
 
 from fallbackgate.engine.device_pool import Scratch, TierPool
+from fallbackgate.engine.errors import EngineError
 from fallbackgate.engine.experts import fp8_experts
 from fallbackgate.engine.experts.journal import ChangeLog
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined, read_checked_stored
@@ -22,6 +24,8 @@ from fallbackgate.engine.pinned_memory import PinnedHostCopies, footprint
 from fallbackgate.engine.tags import ObjectKind, Tier
 
 READ_SLOTS = 8  # experts read ahead at once at most
+
+log = logging.getLogger(__name__)
 
 
 class HoldsFull(Protocol):
@@ -54,8 +58,9 @@ class HostCache:
         self.host_pool, self.staging_pool = host_pool, staging_pool  # staging: holds the reads ahead in flight
         self.is_ram_tiered = is_ram_tiered
         self.pinner = pinner  # CUDA: locks each cached copy for asynchronous copies to the device
-        held_bytes = reader.held_bytes_per_expert
+        self.held_bytes_per_expert = reader.held_bytes_per_expert  # a copy's tensors (what a use moves)
         # what a copy holds in memory (pools count it): a locked copy is page-rounded
+        held_bytes = self.held_bytes_per_expert
         self.bytes_per_expert = footprint(held_bytes) if pinner is not None else held_bytes
         self.num_unpinned = 0  # copies cached pageable: no host room for the pageable read beside the locked copy
         self.checkpoint_bytes_per_expert = reader.checkpoint_bytes_per_expert  # what a read takes from the files
@@ -78,7 +83,7 @@ class HostCache:
             if not self.host_pool.can_reserve(room + self.read_slot_bytes()):
                 break
             try:
-                self.cache(key, self.read_disk(key)[0])
+                self.cache(key, self.read_disk(key)[0], may_evict=False)
             except ExpertQuarantined:  # recorded; requests that route to it are told when they do
                 continue
             num_read += 1
@@ -159,7 +164,7 @@ class HostCache:
                 self.read_ahead_cached.discard(key)
                 note = "read ahead in an earlier step"
                 return held, Fetched(_as_weights(held), Tier.DISK, self.checkpoint_bytes_per_expert, note)
-            return held, Fetched(_as_weights(held), Tier.HOST, self.bytes_per_expert)
+            return held, Fetched(_as_weights(held), Tier.HOST, self.held_bytes_per_expert)
         held, note = self.read_disk(key)
         if is_cached:
             self.make_room()
@@ -182,26 +187,33 @@ class HostCache:
         failure quarantines the expert (ExpertQuarantined)."""
         return read_checked_stored(self.reader, key)
 
-    def cache(self, key: ExpertKey, weights: HeldWeights) -> HeldWeights:
+    def cache(self, key: ExpertKey, weights: HeldWeights, may_evict: bool = True) -> HeldWeights:
         """Keep `weights` as the host copy of `key` (the caller checked the room); returns the copy kept (with
-        a pinner, a locked copy of `weights`)."""
+        a pinner, a locked copy of `weights`; room for making it may evict an older copy when `may_evict`)."""
         self.host_pool.reserve(ObjectKind.EXPERT, self.bytes_per_expert)
-        kept = self.entries[key].host = self._locked(weights)
+        kept = self.entries[key].host = self._locked(weights, may_evict)
         self.lru[key] = None
         self.journal.record(key)
         return kept
 
-    def _locked(self, weights: HeldWeights) -> HeldWeights:
+    def _locked(self, weights: HeldWeights, may_evict: bool = True) -> HeldWeights:
         """With a pinner, a page-locked copy of `weights`, made while the host pool also holds the pageable read
-        (room made as for a new copy; left pageable, and counted in `num_unpinned`, when none can be made)."""
+        (room made as for a new copy when `may_evict`); left pageable, and counted in `num_unpinned`, when no
+        room can be made or the runtime refuses to lock it."""
         if self.pinner is None:
             return weights
-        self.free(self.bytes_per_expert + self.read_slot_bytes())  # an older copy goes, as for any new one
+        if may_evict:
+            self.free(self.bytes_per_expert + self.read_slot_bytes())  # an older copy goes, as for any new one
         if not self.host_pool.can_reserve(self.bytes_per_expert):
             self.num_unpinned += 1
             return weights
         with self.host_pool.held(Scratch.EXPERT_PIN, self.bytes_per_expert):
-            return self.pinner.pin(weights)
+            try:
+                return self.pinner.pin(weights)
+            except EngineError as exc:
+                log.warning("expert host copy left pageable: %s", exc)
+                self.num_unpinned += 1
+                return weights
 
     def drop(self, key: ExpertKey) -> None:
         """Drop the host copy of `key` (a locked copy is unlocked once copies out of it have completed)."""

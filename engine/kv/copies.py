@@ -17,7 +17,6 @@ from fallbackgate.engine.kv.codec import quant_checksum, quant_kv_nbytes, quanti
 from fallbackgate.engine.kv.slots import SlotTier
 from fallbackgate.engine.kv.spill import SpillDir
 from fallbackgate.engine.messages import CopyAction, KVCopyChange
-from fallbackgate.engine.pinned_memory import PinnedHostCopies
 from fallbackgate.engine.tags import ObjectKind, Tier
 
 INITIAL_SLOTS_PER_LAYER = 64  # device and host slot tensors start this large (or at their budget), then double
@@ -37,7 +36,6 @@ class KVCopies:
     spill: SpillDir
     device_slots: SlotTier | None
     host_slots: SlotTier | None
-    pinner: PinnedHostCopies | None  # CUDA: locks the host tier's slot tensors
     tables: dict[str, list[list[KVBlock]]]
     off_device: dict[str, set[tuple[int, int]]]  # request -> (layer, index) of its off-device blocks
     copy_changes: list[KVCopyChange]  # copies written, read and freed since the last `take_copy_changes`
@@ -93,7 +91,6 @@ class KVCopies:
             device,
             min(INITIAL_SLOTS_PER_LAYER, max_slots // self.num_layers),
             max_slots,
-            self.pinner if name == "host" else None,
         )
         tier.on_moved.append(lambda layer, _: self._repoint(layer))
         return tier

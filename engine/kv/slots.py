@@ -16,7 +16,6 @@ from collections.abc import Callable
 import torch
 
 from fallbackgate.engine.errors import BudgetError
-from fallbackgate.engine.pinned_memory import PinnedHostCopies
 
 MIN_SLOTS = 4  # a layer's first capacity at least
 
@@ -33,14 +32,12 @@ class SlotTier:
         device: torch.device,
         initial_slots: int,
         max_slots: int,
-        pinner: PinnedHostCopies | None = None,
     ) -> None:
-        """`initial_slots` per layer are allocated at once (at least MIN_SLOTS, at most `max_slots`); with a
-        `pinner` (CUDA's host tier) in page-locked memory of their exact size, the old tensor unlocked after
-        a growth."""
+        """`initial_slots` per layer are allocated at once (at least MIN_SLOTS, at most `max_slots`). A host
+        tier is pageable on CUDA too: locked, every slot of a tensor's capacity would be resident and uncounted,
+        and a block (a strided view) is copied through a pageable contiguous buffer anyway."""
         self.name, self.block_shape, self.dtype, self.device = name, block_shape, dtype, device
         self.max_slots = max(1, int(max_slots))
-        self.pinner = pinner if device.type == "cpu" else None
         capacity = min(self.max_slots, max(MIN_SLOTS, int(initial_slots)))
         self.tensors = [self._allocate(capacity) for _ in range(num_layers)]
         self.free_slots: list[list[int]] = [list(range(capacity - 1, -1, -1)) for _ in range(num_layers)]
@@ -49,14 +46,7 @@ class SlotTier:
 
     def _allocate(self, capacity: int) -> torch.Tensor:
         heads, block_size, width = self.block_shape
-        if self.pinner is not None:
-            return self.pinner.empty((heads, capacity, block_size, width), self.dtype)
         return torch.empty((heads, capacity, block_size, width), dtype=self.dtype, device=self.device)
-
-    @property
-    def locked_bytes(self) -> int:
-        """Bytes of page-locked memory the slot tensors hold (0 unpinned): every slot, taken or not."""
-        return self.capacity_bytes if self.pinner is not None else 0
 
     @property
     def capacity_bytes(self) -> int:
@@ -100,5 +90,3 @@ class SlotTier:
         self.num_grown += 1
         for callback in self.on_moved:
             callback(layer, grown)
-        if self.pinner is not None:
-            self.pinner.release(old)

@@ -23,7 +23,6 @@ from fallbackgate.engine.kv.block import KVBlock, KVBlockKey, RequestBlockKeys, 
 from fallbackgate.engine.kv.copies import KVCopies
 from fallbackgate.engine.kv.spill import PendingRead, SpillDir
 from fallbackgate.engine.kv.staging import KVStaging
-from fallbackgate.engine.pinned_memory import PinnedHostCopies
 from fallbackgate.engine.tags import ObjectKind, Tag
 
 __all__ = ["KVBlock", "KVBlockKey", "KVStore", "SpillMode", "Staged"]
@@ -54,7 +53,6 @@ class KVStore(KVCopies, KVStaging):
         self.block_shape = (num_kv_heads, block_size, key_dim + value_dim)  # K and V side by side per token
         self.bytes_per_block = num_kv_heads * block_size * (key_dim + value_dim) * dtype.itemsize
         self.expand_bytes_per_token = 0  # MLA: bytes one cached position expands to for attention (set by the engine)
-        self.pinner = PinnedHostCopies() if device.type == "cuda" else None  # locks the host tier's slot tensors
         self.device_slots = self._slot_tier("device", device_pool, device)
         self.host_slots = self._slot_tier("host", self.host_pool, torch.device("cpu"))
         self.tables: dict[str, list[list[KVBlock]]] = {}  # request -> layer -> blocks
@@ -68,10 +66,8 @@ class KVStore(KVCopies, KVStaging):
 
     # --- block tables --------------------------------------------------------------------------
     def close(self) -> None:
-        """Remove the spill directory and unlock the host tier's slot tensors (the store serves no more)."""
+        """Remove the spill directory (the store serves no more)."""
         self.spill.close()
-        if self.pinner is not None:
-            self.pinner.close()
 
     def add_sequence(self, request_id: str) -> None:
         self.tables[request_id] = [[] for _ in range(self.num_layers)]
