@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from fallbackgate.audit.completeness import CHECKPOINT_READ
 from fallbackgate.batch.prompts import PromptSpec
+from fallbackgate.engine import heap
 from fallbackgate.engine.config import PreemptMode
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.experts.quant import quantize
@@ -83,21 +84,22 @@ def run_prompts(
     total = sum(spec.max_new_tokens or settings.max_new_tokens for spec in specs)
     steps: list[StepResult] = []
     num_submitted = 0
-    started = time.perf_counter()
-    with tqdm(total=total, disable=not is_progress_shown, unit="tok", desc="decoding") as bar:
-        while num_submitted < len(due) or engine.has_unfinished():
-            now = time.perf_counter()
-            while num_submitted < len(due) and (arrival := started + (due[num_submitted].arrival_s or 0.0)) <= now:
-                _submit(engine, due[num_submitted], settings, stop_ids, logits_kept_ids, arrival)
-                num_submitted += 1
-            if not engine.has_unfinished():  # idle until the next arrival
-                time.sleep(max(0.0, started + (due[num_submitted].arrival_s or 0.0) - time.perf_counter()))
-                continue
-            result = engine.step()
-            steps.append(result)
-            if on_step is not None:
-                on_step(engine.last_plan, result)
-            bar.update(len(result.sampled_token_ids))
+    with heap.frozen_while_serving():  # no full collection inside a step (collected once before the clock starts)
+        started = time.perf_counter()
+        with tqdm(total=total, disable=not is_progress_shown, unit="tok", desc="decoding") as bar:
+            while num_submitted < len(due) or engine.has_unfinished():
+                now = time.perf_counter()
+                while num_submitted < len(due) and (arrival := started + (due[num_submitted].arrival_s or 0.0)) <= now:
+                    _submit(engine, due[num_submitted], settings, stop_ids, logits_kept_ids, arrival)
+                    num_submitted += 1
+                if not engine.has_unfinished():  # idle until the next arrival
+                    time.sleep(max(0.0, started + (due[num_submitted].arrival_s or 0.0) - time.perf_counter()))
+                    continue
+                result = engine.step()
+                steps.append(result)
+                if on_step is not None:
+                    on_step(engine.last_plan, result)
+                bar.update(len(result.sampled_token_ids))
     failed = {s.request_id: engine.failed.pop(s.request_id) for s in specs if s.request_id in engine.failed}
     failures = {rid: why for rid, (_, why) in failed.items()}
     # a failed request's output is what it had produced when it failed

@@ -32,6 +32,7 @@ from fallbackgate.assembly import Assembly, Overrides, assemble, no_policy
 from fallbackgate.batch.prompts import PromptsFileError
 from fallbackgate.batch.session import memory_summary
 from fallbackgate.commands.checks import add_kv_flags, add_trace_flag, check_trace_flag
+from fallbackgate.engine import heap
 from fallbackgate.engine.errors import EngineError
 from fallbackgate.ledger.backlog import DEFAULT_BUFFER_BYTES
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
@@ -211,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=int(args.grace_s) or None
     )
-    return 0 if _serve_until_stopped(config, service.stop_admitting) else 3
+    with heap.frozen_while_serving():  # no full collection inside an engine step while the server runs
+        return 0 if _serve_until_stopped(config, service.stop_admitting) else 3
 
 
 def _serve_until_stopped(config: Any, on_exit: Callable[[], None]) -> bool:
