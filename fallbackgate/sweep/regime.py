@@ -56,7 +56,7 @@ class RegimeConfig:
     held_out_seed: int = 2  # reported apart; nothing (SLOs included) is set from it
     num_requests: int = 5
     mixed_requests: int = 8  # mixed needs enough requests for its phases
-    max_new_tokens: int = 16  # cap on every request's answer (the machine is shared)
+    max_new_tokens: int = 256  # cap on every answer: half the 512-token limit keeps each workload's own lengths
     max_model_len: int = 512  # the length limit the workloads' fractions refer to
     time_scale: float = 0.25  # arrival times are multiplied by this
     ram_fracs: tuple[float, ...] = (0.25, 0.5)  # RAM budget as a fraction of experts + KV demand
