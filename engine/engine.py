@@ -139,10 +139,13 @@ class Engine(BaselineAccess, EngineStepping):
         num_scored_tokens: int = 0,
         is_logits_kept: bool = True,
         arrival_s: float | None = None,
+        session_id: str | None = None,
     ) -> str:
         """Queue a request; returns its id (default: ``req-<n>`` for the n-th request accepted).
 
         `arrival_s`: when the request arrived (``time.perf_counter``; default: now), what its TTFT counts from.
+        `session_id`: the client's session (a multi-turn conversation) the request belongs to; a later turn may
+        continue its text, so the blocks it leaves as kept prefixes are marked as a session's.
 
         `num_scored_tokens` = k > 0 keeps the prefill logits of the last k prompt positions; they come back as
         `RequestOutput.prompt_logits` [k, vocab] (teacher-forced scoring through the engine's own path).
@@ -165,6 +168,7 @@ class Engine(BaselineAccess, EngineStepping):
             self.modeled_clock_s,
             seed,
         )
+        seq.session_id = session_id
         self.scheduler.add(seq)  # refuses a request that could never fit on device
         self.sequences[request_id] = seq
         self._used_ids.add(request_id)

@@ -63,6 +63,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     request_class: str = "default"
+    session_id: str | None = None  # a client-declared session: later requests may continue this one's text
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     is_logits_kept: bool = True  # False: output logits dropped at the end (only `output_logprobs`, when asked)

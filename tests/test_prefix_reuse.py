@@ -193,6 +193,23 @@ def test_kept_blocks_free_their_bytes_when_dropped(tmp_path: pathlib.Path, sessi
     engine.close()
 
 
+def test_a_sessions_kept_blocks_keep_a_copy_however_seldom_the_run_adopts(
+    tmp_path: pathlib.Path, sessions: list[PromptSpec]
+) -> None:
+    engine = _engine(tmp_path, True)
+    first = next(s for s in sessions if s.turn == 0)
+    prompt = engine.tokenizer.encode(first.prompt)
+    engine.add_request(prompt, SamplingParams(max_new_tokens=4), first.request_id, session_id=first.session)
+    while engine.has_unfinished():
+        engine.step()
+    infos = [engine.prefix.entry_info(rid) for rid in engine.kv_store.tables if rid.startswith(PREFIX_ID)]
+    assert len(infos) == (len(prompt) + 4 - 1) // engine.kv_store.block_size  # every full block kept
+    assert all(i is not None and i.is_session and i.num_hits == 0 and i.reuse_share < 0.5 for i in infos)
+    assert {prefix_spill_mode(i) for i in infos} == {SpillMode.HOST_FULL}  # its next turn is declared
+    assert prefix_spill_mode(dataclasses.replace(infos[0], is_session=False)) is SpillMode.DROP
+    engine.close()
+
+
 @pytest.mark.slow
 def test_run_on_a_multi_turn_workload_reuses_prefixes_and_passes_the_audit(
     tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]

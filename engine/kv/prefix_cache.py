@@ -207,10 +207,14 @@ class PrefixCache(PrefixSharing):
             if not all(b.num_tokens == size and b.has_exact_copy for b in blocks):
                 break
             if digest not in self.entries:
-                self._keep(digest, blocks, hits[index] if index < len(hits) else 0)
+                self._keep(
+                    digest, blocks, hits[index] if index < len(hits) else 0, is_session=seq.session_id is not None
+                )
                 self.stats.num_kept_on_abort += is_aborted
 
-    def _keep(self, digest: bytes, blocks: list[KVBlock], num_hits: int, holder: str | None = None) -> None:
+    def _keep(
+        self, digest: bytes, blocks: list[KVBlock], num_hits: int, holder: str | None = None, is_session: bool = False
+    ) -> None:
         """Move `blocks` (one block position, every layer) into a one-block table of their own; `holder`: the
         live request they came from keeps reading them there (an alias), else its table keeps empty places."""
         kv = self.kv
@@ -226,7 +230,7 @@ class PrefixCache(PrefixSharing):
         if holder is not None:
             kv.alias(holder, index, pid)
         crcs = [block_crc(b) if b.device is not None else None for b in blocks]
-        self.entries[digest] = KeptEntry(pid, digest, crcs, self.step_of(), num_hits)
+        self.entries[digest] = KeptEntry(pid, digest, crcs, self.step_of(), num_hits, is_session)
         self.by_id[pid] = digest
         self.stats.num_kept_blocks += 1
 
@@ -280,7 +284,8 @@ class PrefixCache(PrefixSharing):
             return None
         on_device = sum(1 for t in self.kv.tables[request_id] if t[0].device is not None)
         share = (1 + self.stats.num_reused_blocks) / (1 + self.stats.num_kept_blocks)
-        return PrefixEntryInfo(digest.hex(), entry.num_hits, self.step_of() - entry.last_step, on_device, share)
+        idle = self.step_of() - entry.last_step
+        return PrefixEntryInfo(digest.hex(), entry.num_hits, idle, on_device, share, entry.is_session)
 
     def summary(self) -> dict[str, int]:
         """Stats plus what is kept now."""

@@ -48,6 +48,7 @@ class PrefixEntryInfo:
     idle_steps: int  # engine steps since it was kept or last adopted
     num_on_device: int  # layers whose block is in the fast tier
     reuse_share: float = 1.0  # the run's adoptions per kept block position so far, (1 + adopted) / (1 + kept)
+    is_session: bool = False  # kept by a request of a client-declared session (a later turn may adopt it)
 
 
 @dataclasses.dataclass(slots=True)
@@ -59,6 +60,7 @@ class KeptEntry:
     crcs: list[int | None]  # per layer: CRC32 of the device bytes when kept (None: not on device then)
     last_step: int
     num_hits: int
+    is_session: bool = False  # kept by a request with a session id
 
 
 @dataclasses.dataclass(slots=True)

@@ -127,7 +127,13 @@ def _submit(
     is_kept = logits_kept_ids is None or spec.request_id in logits_kept_ids
     token_ids = engine.tokenizer.encode(spec.prompt)
     engine.add_request(
-        token_ids, params, spec.request_id, spec.request_class, is_logits_kept=is_kept, arrival_s=arrival
+        token_ids,
+        params,
+        spec.request_id,
+        spec.request_class,
+        is_logits_kept=is_kept,
+        arrival_s=arrival,
+        session_id=spec.session,
     )
 
 

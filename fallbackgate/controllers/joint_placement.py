@@ -29,8 +29,9 @@ DROP_BELOW_REUSE = 0.5  # adoptions per kept prefix block below which an unadopt
 def prefix_spill_mode(entry: PrefixEntryInfo) -> SpillMode:
     """A kept prefix block leaving the fast tier keeps a copy (read back exactly if adopted), unless it was
     never adopted in a run where most kept blocks are not (`DROP_BELOW_REUSE`): then writing it would most
-    likely be wasted, and an adopter that misses it computes its prefill."""
-    if entry.num_hits == 0 and entry.reuse_share < DROP_BELOW_REUSE:
+    likely be wasted, and an adopter that misses it computes its prefill. A session's block always keeps one:
+    its next turn is declared, and the run's share judges a conversation before its second turns arrive."""
+    if entry.num_hits == 0 and entry.reuse_share < DROP_BELOW_REUSE and not entry.is_session:
         return SpillMode.DROP
     return SpillMode.HOST_FULL
 
