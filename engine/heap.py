@@ -13,26 +13,30 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Iterator
 
 _num_serving = 0  # serving loops running now (nested or in threads)
+_lock = threading.Lock()  # guards _num_serving and the freeze/unfreeze that follow its changes
 
 
 def hold() -> None:
     """A serving loop starts: collect once, then freeze the heap (while another loop serves, only freeze)."""
     global _num_serving
-    if _num_serving == 0:
-        gc.collect()
-    gc.freeze()
-    _num_serving += 1
+    with _lock:
+        if _num_serving == 0:
+            gc.collect()
+        gc.freeze()
+        _num_serving += 1
 
 
 def release() -> None:
     """A serving loop ended: when it was the last, hand the frozen objects back to the collector."""
     global _num_serving
-    _num_serving = max(0, _num_serving - 1)
-    if _num_serving == 0:
-        gc.unfreeze()
+    with _lock:
+        _num_serving = max(0, _num_serving - 1)
+        if _num_serving == 0:
+            gc.unfreeze()
 
 
 @contextlib.contextmanager

@@ -60,7 +60,8 @@ class KeptEntry:
     crcs: list[int | None]  # per layer: CRC32 of the device bytes when kept (None: not on device then)
     last_step: int
     num_hits: int
-    is_session: bool = False  # kept by a request with a session id
+    is_session: bool = False  # kept when a request with a session id ended (a block published while its
+    # request ran is adopted at once, so the drop rule never asks)
 
 
 @dataclasses.dataclass(slots=True)
