@@ -27,12 +27,18 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fallbackgate.api_server.protocol import DEFAULT_CHAT_TEMPLATE, ChatRequest, CompletionRequest
+from fallbackgate.api_server.protocol import (
+    DEFAULT_CHAT_TEMPLATE,
+    MAX_SESSION_CHARS,
+    ChatRequest,
+    CompletionRequest,
+)
 from fallbackgate.api_server.responses import error_body
 from fallbackgate.api_server.service import EngineService
 from fallbackgate.api_server.serving import ApiError, Prompt, Responder, Route
 
 CLASS_HEADER = "X-Fallbackgate-Class"
+SESSION_HEADER = "X-Fallbackgate-Session"
 
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413) before it is read
@@ -193,7 +199,20 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
             )
         asked = body.fallbackgate.timeout_s if body.fallbackgate is not None else None
         limits = [t for t in (asked, info.request_timeout_s) if t is not None]
-        return Route(body, _class_of(body, request), info.run_id, min(limits) if limits else None)
+        timeout_s = min(limits) if limits else None
+        return Route(body, _class_of(body, request), info.run_id, timeout_s, _session_of(body, request))
+
+    def _session_of(body: Any, request: Request) -> str | None:
+        named = body.fallbackgate.session if body.fallbackgate is not None else None
+        named = named or request.headers.get(SESSION_HEADER)
+        if named is not None and not 0 < len(named) <= MAX_SESSION_CHARS:
+            raise ApiError(
+                400,
+                f"a session id has 1 to {MAX_SESSION_CHARS} characters, got {len(named)}",
+                "fallbackgate.session",
+                "invalid_value",
+            )
+        return named
 
     def _class_of(body: Any, request: Request) -> str:
         named = body.fallbackgate.request_class if body.fallbackgate is not None else None

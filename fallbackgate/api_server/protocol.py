@@ -7,7 +7,8 @@ lists: one choice per prompt), ``stop`` strings, ``logprobs`` (completions: top-
 defaults, refused beyond them with a 400 naming the field: ``n``/``best_of`` (1), ``presence_penalty`` and
 ``frequency_penalty`` (0); ``logprobs`` or ``echo`` with ``stream``, and several prompts with ``stream``.
 A request names its quality class in a ``fallbackgate`` object in the body (``{"class": "strict"}``) or the
-``X-Fallbackgate-Class`` header.
+``X-Fallbackgate-Class`` header, and may name its conversation there (``{"session": "chat-42"}``) or in the
+``X-Fallbackgate-Session`` header: the engine then keeps its prefix blocks for the session's next turn.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ DEFAULT_CHAT_TEMPLATE = (
 "assistant:"."""
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
+MAX_SESSION_CHARS = 256  # a session id's length at most
+SessionId = Annotated[str, Field(min_length=1, max_length=MAX_SESSION_CHARS)]
 
 
 def _listed(value: Any) -> Any:
@@ -61,6 +64,7 @@ class FallbackgateOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     request_class: str | None = Field(default=None, alias="class")
     timeout_s: Annotated[float, Field(gt=0.0, le=86_400.0)] | None = None  # this request's own time limit
+    session: SessionId | None = None  # the conversation it continues or starts (its kept blocks wait for the next turn)
 
 
 class _Common(BaseModel):

@@ -95,6 +95,7 @@ class Submission:
     is_streamed: bool = True  # its handler wants every Token; a whole response waits for Done or Failed only
     is_audited: bool = False  # chosen for audit at admission: only then are its full logits kept
     num_checked_chars: int = 0  # characters of its decoded output already searched for stop strings
+    session_id: str | None = None  # the client's conversation (None: none declared)
 
 
 class EngineService:
@@ -223,7 +224,12 @@ class EngineService:
             sub.is_audited = self.recorder is not None and self.sampler.draw()
             try:
                 self.engine.add_request(
-                    sub.token_ids, sub.params, sub.request_id, sub.request_class, is_logits_kept=sub.is_audited
+                    sub.token_ids,
+                    sub.params,
+                    sub.request_id,
+                    sub.request_class,
+                    is_logits_kept=sub.is_audited,
+                    session_id=sub.session_id,
                 )
             except (EngineError, ValueError) as exc:
                 self._push(sub, Failed(str(exc)))

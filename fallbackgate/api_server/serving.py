@@ -70,6 +70,7 @@ class Route:
     request_class: str  # the class it is served in
     run_id: int | None  # the ledger run of this server (None without a ledger)
     timeout_s: float | None  # its time limit from submission (None: none)
+    session_id: str | None = None  # the conversation it belongs to (None: none declared)
 
 
 class Responder:
@@ -107,6 +108,7 @@ class Responder:
                 stop_strings=StopStrings(body.stop_strings),
                 deadline_s=deadline,
                 is_streamed=body.stream,
+                session_id=route.session_id,
             )
             for i, p in enumerate(prompts)
         ]
