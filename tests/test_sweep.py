@@ -7,7 +7,7 @@ import random
 import pytest
 
 from fallbackgate.sweep.belady import belady_misses, lru_misses
-from fallbackgate.sweep.metrics import _p99, headline
+from fallbackgate.sweep.metrics import headline, p99
 
 # The textbook reference string 1 2 3 4 1 2 5 1 2 3 4 5 (as (layer, expert) keys).
 TEXTBOOK = [(0, e) for e in (1, 2, 3, 4, 1, 2, 5, 1, 2, 3, 4, 5)]
@@ -48,10 +48,10 @@ def test_belady_rejects_zero_slots() -> None:
 
 
 def test_p99_nearest_rank() -> None:
-    assert _p99([]) == 0.0
-    assert _p99([3.0]) == 3.0
-    assert _p99([float(i) for i in range(1, 101)]) == 99.0
-    assert _p99([1.0, 2.0]) == 2.0
+    assert p99([]) == 0.0
+    assert p99([3.0]) == 3.0
+    assert p99([float(i) for i in range(1, 101)]) == 99.0
+    assert p99([1.0, 2.0]) == 2.0
 
 
 def test_headline_compares_joint_with_the_best_static_split() -> None:

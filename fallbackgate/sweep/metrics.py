@@ -18,7 +18,7 @@ EXACT_CONTROLLERS = (ControllerKind.EXACT_LRU, ControllerKind.INDEPENDENT_LRU, C
 """The exact-only controllers whose trace Belady's MIN is computed on, first found first."""
 
 
-def _p99(values: Sequence[float]) -> float:
+def p99(values: Sequence[float]) -> float:
     """Nearest-rank 99th percentile (0 for no values)."""
     if not values:
         return 0.0
@@ -40,14 +40,14 @@ def timing_metrics(outcome: RunOutcome) -> dict[str, float]:
     ttft = [1000 * o.modeled_ttft_s for o in outcome.outputs]
     return {
         "tpot_mean_ms": _mean(measured_tpot),
-        "tpot_p99_ms": _p99(measured_tpot),
+        "tpot_p99_ms": p99(measured_tpot),
         "ttft_mean_ms": _mean(measured_ttft),
-        "ttft_p99_ms": _p99(measured_ttft),
+        "ttft_p99_ms": p99(measured_ttft),
         "wall_ms": 1000 * outcome.wall_s,
         "modeled_tpot_mean_ms": _mean(tpot),
-        "modeled_tpot_p99_ms": _p99(tpot),
+        "modeled_tpot_p99_ms": p99(tpot),
         "modeled_ttft_mean_ms": _mean(ttft),
-        "modeled_ttft_p99_ms": _p99(ttft),
+        "modeled_ttft_p99_ms": p99(ttft),
         "modeled_total_ms": 1000 * sum(s.modeled_s for s in outcome.steps),
     }
 

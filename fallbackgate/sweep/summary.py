@@ -63,7 +63,7 @@ def _groups(points: list[dict[str, Any]]) -> dict[tuple[str, float], dict[int, l
     return out
 
 
-def _chosen_share(by_seed: dict[int, list[dict[str, Any]]], held_out: int) -> float | None:
+def chosen_share(by_seed: dict[int, list[dict[str, Any]]], held_out: int) -> float | None:
     """The KV share with the best mean (SLO attainment, then P99 TPOT) over the non-held-out seeds."""
     scores: dict[float, list[tuple[float, float]]] = {}
     for seed, cell in by_seed.items():
@@ -78,7 +78,7 @@ def _chosen_share(by_seed: dict[int, list[dict[str, Any]]], held_out: int) -> fl
 
 def compare(by_seed: dict[int, list[dict[str, Any]]], held_out: int) -> dict[str, Any]:
     """Per partner and metric, joint's gain per seed and its interval (all seeds; held-out apart)."""
-    share = _chosen_share(by_seed, held_out)
+    share = chosen_share(by_seed, held_out)
     rows: dict[str, dict[str, dict[int, float]]] = {}
     quality: dict[int, dict[str, float]] = {}
     for seed, cell in sorted(by_seed.items()):

@@ -1,0 +1,169 @@
+"""Where a sweep cell's slowest decoding request spent its time, read back from the sweep's ledger.
+
+    python -m fallbackgate.sweep.anatomy fallbackgate/sweep_results/sweep.json --ledger sqlite:///sweep.sqlite
+
+A request's TPOT (wall clock, as recorded) is split over its decode steps — the steps after its first token
+that sampled one of its tokens — into the **expert stall** (``steps.transfer_exposed_s``: seconds the compute
+thread spent in or waiting for expert reads), the rest of those steps' time split by whether the step also
+carried prefill tokens (``kind`` ``mixed``: a prompt chunk batched beside the decodes) or not, and the **gap**
+between its steps (steps it was not in, the scheduler, recording). Summed over its decode steps and divided
+by its tokens after the first, the four parts add up to its TPOT.
+
+The **stall ceiling** of a run is ``1 − P99(TPOT − stall) / P99(TPOT)``: the P99 TPOT gain a controller
+would reach against it by removing every expert stall and changing nothing else. Where a partner's ceiling
+is a few per cent, no memory controller can beat it by much: the requests were not waiting for memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import pathlib
+import statistics
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import select
+
+from fallbackgate.ledger.db import Ledger, open_ledger
+from fallbackgate.ledger.models import Request, Step, StepRequest
+from fallbackgate.sweep.metrics import p99
+from fallbackgate.sweep.summary import INDEPENDENT, JOINT, STATIC, chosen_share, gain, interval
+
+PARTS = ("stall_ms", "prefill_step_ms", "decode_step_ms", "gap_ms")
+"""The parts of a request's TPOT, in milliseconds per output token after the first."""
+
+
+@dataclasses.dataclass(slots=True)
+class RequestAnatomy:
+    """One request's TPOT split into its parts (ms per output token after the first)."""
+
+    request_id: str  # the ledger's request id
+    tpot_ms: float  # as recorded: (finish − first token) / (tokens − 1), wall clock
+    stall_ms: float  # expert-read time the compute thread was exposed to in its decode steps
+    prefill_step_ms: float  # the rest of its decode steps that also carried prefill tokens
+    decode_step_ms: float  # the rest of its decode-only steps
+    gap_ms: float  # time between its steps: steps without it, scheduling and recording
+
+    @property
+    def stall_free_tpot_ms(self) -> float:
+        """Its TPOT with every expert stall removed and nothing else changed."""
+        return self.tpot_ms - self.stall_ms
+
+
+def request_anatomies(ledger: Ledger, run_id: int) -> list[RequestAnatomy]:
+    """Every request of the run with at least two output tokens, split into its TPOT's parts."""
+    steps_q = (
+        select(StepRequest.request_id, StepRequest.step_id, Step.kind, Step.wall_s, Step.transfer_exposed_s)
+        .join(Step, (Step.run_id == StepRequest.run_id) & (Step.step_id == StepRequest.step_id))
+        .where(StepRequest.run_id == run_id, StepRequest.is_sampled.is_(True))
+        .order_by(StepRequest.step_id)
+    )
+    req_q = select(Request.request_id, Request.num_output_tokens, Request.tpot_s).where(Request.run_id == run_id)
+    sampled: dict[str, list[tuple[str, float, float]]] = collections.defaultdict(list)
+    with ledger.engine.connect() as conn:
+        for rid, _, kind, wall_s, exposed_s in conn.execute(steps_q):
+            sampled[rid].append((kind, wall_s or 0.0, exposed_s or 0.0))
+        requests = list(conn.execute(req_q))
+    out = []
+    for rid, num_output, tpot_s in requests:
+        decode = sampled.get(rid, [])[1:]  # its first sampled step ended its prefill
+        if num_output < 2 or tpot_s is None or not decode:
+            continue
+        per_token = 1e3 / (num_output - 1)
+        stall = sum(x for _, _, x in decode)
+        mixed = sum(w - x for k, w, x in decode if k != "decode")
+        plain = sum(w - x for k, w, x in decode if k == "decode")
+        tpot = tpot_s * 1e3
+        out.append(RequestAnatomy(rid, tpot, stall * per_token, mixed * per_token, plain * per_token,
+                                  tpot - (stall + mixed + plain) * per_token))  # fmt: skip
+    return out
+
+
+def run_anatomy(anatomies: list[RequestAnatomy]) -> dict[str, float]:
+    """A run's P99 TPOT, the parts of the request at that rank, P99 of the stall-free TPOTs and the ceiling."""
+    if not anatomies:
+        return {}
+    ranked = sorted(anatomies, key=lambda a: a.tpot_ms)
+    at_p99 = ranked[min(len(ranked) - 1, max(0, -(-99 * len(ranked) // 100) - 1))]
+    tpot_p99, free_p99 = p99([a.tpot_ms for a in anatomies]), p99([a.stall_free_tpot_ms for a in anatomies])
+    return {"tpot_p99_ms": tpot_p99, "stall_free_tpot_p99_ms": free_p99,
+            "stall_ceiling": 1.0 - free_p99 / tpot_p99 if tpot_p99 > 0 else 0.0,
+            **{f"p99_request_{k}": getattr(at_p99, k) for k in PARTS}}  # fmt: skip
+
+
+def sweep_anatomy(points: Iterable[dict[str, Any]], ledger: Ledger, held_out: int) -> dict[str, Any]:
+    """Per workload@RAM cell: each controller's mean run anatomy over seeds, and per partner (the chosen static
+    split, two LRUs) its stall ceiling beside joint's measured P99 TPOT gain, intervals over seeds."""
+    cells: dict[str, dict[int, list[dict[str, Any]]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    for p in points:
+        p = {**p, "anatomy": run_anatomy(request_anatomies(ledger, p["run_id"]))}
+        cells[f"{p['workload']}@{p['ram_frac']}"][p["seed"]].append(p)
+    out: dict[str, Any] = {}
+    for key, by_seed in sorted(cells.items()):
+        share = chosen_share(by_seed, held_out)
+        partners = {"chosen_static": lambda p, s=share: p["controller"] == STATIC and p["kv_share"] == s,
+                    INDEPENDENT: lambda p: p["controller"] == INDEPENDENT}  # fmt: skip
+        runs = {"joint": pick_joint, **partners}
+        cell: dict[str, Any] = {"chosen_static_kv_share": share, "mean": {}, "vs": {}}
+        for name, pick in runs.items():
+            found = [p["anatomy"] for ps in by_seed.values() for p in ps if pick(p) and p["anatomy"]]
+            cell["mean"][name] = {k: statistics.fmean(a[k] for a in found) for k in found[0]} if found else {}
+        for name, pick in partners.items():
+            ceilings, gains = [], []
+            for ps in by_seed.values():
+                joint = next((p["anatomy"] for p in ps if pick_joint(p)), None)
+                partner = next((p["anatomy"] for p in ps if pick(p)), None)
+                if joint and partner:
+                    ceilings.append(partner["stall_ceiling"])
+                    gains.append(gain("tpot_p99_ms", joint["tpot_p99_ms"], partner["tpot_p99_ms"]))
+            cell["vs"][name] = {"stall_ceiling": interval(ceilings), "joint_tpot_p99_gain": interval(gains)}
+        out[key] = cell
+    return out
+
+
+def pick_joint(point: dict[str, Any]) -> bool:
+    """Whether a sweep point is a joint run."""
+    return point["controller"] == JOINT
+
+
+def markdown_table(anatomy: dict[str, Any]) -> str:
+    """One row per cell: the P99 request's parts per controller and each partner's stall ceiling vs joint's gain."""
+    head = ("| workload @ RAM | P99 request, ms/token: stall + prefill-step + decode-step + gap — joint / chosen "
+            "static / two LRUs | stall ceiling vs joint's P99 TPOT gain, %: chosen static | two LRUs |")  # fmt: skip
+    lines = [head, "|---|---|---|---|"]
+    for key, cell in anatomy.items():
+        parts = []
+        for name in ("joint", "chosen_static", INDEPENDENT):
+            m = cell["mean"].get(name) or {}
+            parts.append(" + ".join(f"{round(m.get(f'p99_request_{k}', float('nan')), 1) + 0.0:.1f}" for k in PARTS))
+        vs = [f"{_pct(cell['vs'][n]['stall_ceiling'])} vs {_pct(cell['vs'][n]['joint_tpot_p99_gain'])}"
+              for n in ("chosen_static", INDEPENDENT)]  # fmt: skip
+        lines.append(f"| {key} | {' / '.join(parts)} | {vs[0]} | {vs[1]} |")
+    return "\n".join(lines)
+
+
+def _pct(iv: dict[str, float]) -> str:
+    return f"{100 * iv['mean']:+.0f} [{100 * iv['lo']:+.0f}, {100 * iv['hi']:+.0f}]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write ``anatomy.json`` beside the sweep results and print the table."""
+    parser = argparse.ArgumentParser(prog="python -m fallbackgate.sweep.anatomy", description=__doc__.split("\n")[0])
+    parser.add_argument("sweep", type=pathlib.Path, help="a sweep.json")
+    parser.add_argument("--ledger", required=True, help="the sweep's ledger URL (its runs are the points' run_id)")
+    parser.add_argument("--out", type=pathlib.Path, help="where to write the JSON (default: anatomy.json beside)")
+    args = parser.parse_args(argv)
+    result = json.loads(args.sweep.read_text())
+    ledger = open_ledger(args.ledger, read_only=True, must_exist=True)
+    anatomy = sweep_anatomy(result["points"], ledger, result.get("config", {}).get("held_out_seed", 2))
+    out = args.out or args.sweep.with_name("anatomy.json")
+    out.write_text(json.dumps({"sweep": str(args.sweep), "cells": anatomy}, indent=1) + "\n")
+    print(markdown_table(anatomy))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
