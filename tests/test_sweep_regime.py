@@ -170,6 +170,13 @@ def test_tiny_regime_sweep_writes_points_traces_and_pngs(checkpoint_factory, tmp
     assert doc["summary"]["verdicts"]["within_static"]["short-chat@0.5"]["verdict"] in ("met", "not met", "undecided")
     df, problems = sweep_data.load_sweep(None, str(out / "sweep.json"))
     assert problems == [] and len(df) == 6
+    cell = doc["anatomy"]["short-chat@0.5"]  # the P99 requests' TPOT parts, read back from the ledger
+    joint = cell["mean"]["joint"]
+    recorded = [p["metrics"]["tpot_p99_ms"] for p in doc["points"] if p["controller"] == "joint"]
+    assert joint["tpot_p99_ms"] == pytest.approx(sum(recorded) / 2, rel=1e-6)
+    parts = sum(joint[f"p99_request_{k}"] for k in ("stall_ms", "prefill_step_ms", "decode_step_ms", "gap_ms"))
+    assert parts == pytest.approx(joint["tpot_p99_ms"], rel=1e-6) and joint["p99_request_gap_ms"] >= 0
+    assert 0.0 <= cell["vs"]["independent_lru"]["stall_ceiling"]["mean"] < 1.0
 
 
 def test_sweep_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:

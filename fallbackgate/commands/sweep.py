@@ -23,6 +23,8 @@ from fallbackgate.engine.errors import EngineError
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError, open_ledger
 from fallbackgate.policy.apply import with_sections
 from fallbackgate.policy.schema import STEP_TIMES, AuditMode
+from fallbackgate.sweep.anatomy import markdown_table as anatomy_table
+from fallbackgate.sweep.anatomy import sweep_anatomy
 from fallbackgate.sweep.belady import TraceRecorder
 from fallbackgate.sweep.grid import CellBuilder, SweepConfig
 from fallbackgate.sweep.plot import regime_heatmaps
@@ -179,7 +181,13 @@ def run(args: argparse.Namespace) -> int:
     write_outputs(result, args.out, is_plotted=False)  # the raw points first
     result["points"] = with_budget_fields(result["points"])
     result["summary"] = summarise(result["points"], cfg.held_out_seed)
+    ledger = open_ledger(args.ledger, read_only=True, must_exist=True)
+    try:  # the P99 requests' TPOT parts, read back from the runs just recorded
+        result["anatomy"] = sweep_anatomy(result["points"], ledger, cfg.held_out_seed)
+    finally:
+        ledger.close()
     paths = write_outputs(result, args.out)
     print("\n".join(summary_lines(result["summary"])))
+    print(anatomy_table(result["anatomy"]))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
