@@ -177,6 +177,7 @@ def test_tiny_regime_sweep_writes_points_traces_and_pngs(checkpoint_factory, tmp
     parts = sum(joint[f"p99_request_{k}"] for k in ("stall_ms", "prefill_step_ms", "decode_step_ms", "gap_ms"))
     assert parts == pytest.approx(joint["tpot_p99_ms"], rel=1e-6) and joint["p99_request_gap_ms"] >= 0
     assert 0.0 <= cell["vs"]["independent_lru"]["stall_ceiling"]["mean"] < 1.0
+    assert (out / "anatomy.png").stat().st_size > 5_000
 
 
 def test_sweep_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:

@@ -27,7 +27,7 @@ from fallbackgate.sweep.anatomy import markdown_table as anatomy_table
 from fallbackgate.sweep.anatomy import sweep_anatomy
 from fallbackgate.sweep.belady import TraceRecorder
 from fallbackgate.sweep.grid import CellBuilder, SweepConfig
-from fallbackgate.sweep.plot import regime_heatmaps
+from fallbackgate.sweep.plot import anatomy_bars, regime_heatmaps
 from fallbackgate.sweep.regime import INDEPENDENT, JOINT, STATIC, RegimeConfig, run_regime
 from fallbackgate.sweep.summary import summarise, summary_lines, with_budget_fields
 from fallbackgate.tinymoe import CHECKPOINT_DIR
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         result["anatomy"] = sweep_anatomy(result["points"], ledger, cfg.held_out_seed)
     finally:
         ledger.close()
-    paths = write_outputs(result, args.out)
+    paths = [*write_outputs(result, args.out), anatomy_bars(result["anatomy"], pathlib.Path(args.out) / "anatomy.png")]
     print("\n".join(summary_lines(result["summary"])))
     print(anatomy_table(result["anatomy"]))
     print("wrote " + ", ".join(str(p) for p in paths))

@@ -30,6 +30,7 @@ from sqlalchemy import select
 from fallbackgate.ledger.db import Ledger, open_ledger
 from fallbackgate.ledger.models import Request, Step, StepRequest
 from fallbackgate.sweep.metrics import p99
+from fallbackgate.sweep.plot import anatomy_bars
 from fallbackgate.sweep.summary import INDEPENDENT, JOINT, STATIC, chosen_share, gain, interval
 
 PARTS = ("stall_ms", "prefill_step_ms", "decode_step_ms", "gap_ms")
@@ -150,7 +151,7 @@ def _pct(iv: dict[str, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Write ``anatomy.json`` beside the sweep results and print the table."""
+    """Write ``anatomy.json`` and ``anatomy.png`` beside the sweep results and print the table."""
     parser = argparse.ArgumentParser(prog="python -m fallbackgate.sweep.anatomy", description=__doc__.split("\n")[0])
     parser.add_argument("sweep", type=pathlib.Path, help="a sweep.json")
     parser.add_argument("--ledger", required=True, help="the sweep's ledger URL (its runs are the points' run_id)")
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     anatomy = sweep_anatomy(result["points"], ledger, result.get("config", {}).get("held_out_seed", 2))
     out = args.out or args.sweep.with_name("anatomy.json")
     out.write_text(json.dumps({"sweep": str(args.sweep), "cells": anatomy}, indent=1) + "\n")
+    anatomy_bars(anatomy, out.with_suffix(".png"))
     print(markdown_table(anatomy))
     return 0
 

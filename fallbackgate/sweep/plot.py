@@ -97,3 +97,37 @@ def regime_heatmaps(points: list[dict[str, Any]], folder: str | pathlib.Path) ->
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+ANATOMY_PARTS: tuple[tuple[str, str, str], ...] = (  # (part, label, colour)
+    ("stall_ms", "expert stall", "tab:red"),
+    ("prefill_step_ms", "steps with a prefill chunk", "tab:orange"),
+    ("decode_step_ms", "decode-only steps", "tab:blue"),
+    ("gap_ms", "between its steps", "tab:gray"),
+)
+ANATOMY_RUNS: tuple[tuple[str, str], ...] = (("joint", "J"), ("chosen_static", "S"), ("independent_lru", "L"))
+
+
+def anatomy_bars(anatomy: dict[str, Any], path: str | pathlib.Path) -> pathlib.Path:
+    """Stacked bars of each cell's P99 request TPOT parts (mean over seeds, ms per token) for joint (J), the
+    chosen static split (S) and two LRUs (L); writes ``path`` (PNG) and returns it."""
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(anatomy)), 4.2))
+    xs, labels = [], []
+    for i, (key, cell) in enumerate(anatomy.items()):
+        for j, (name, short) in enumerate(ANATOMY_RUNS):
+            m, x = cell["mean"].get(name) or {}, i * (len(ANATOMY_RUNS) + 1) + j
+            bottom = 0.0
+            for part, label, colour in ANATOMY_PARTS:
+                value = max(0.0, m.get(f"p99_request_{part}", 0.0))
+                ax.bar(x, value, bottom=bottom, color=colour, label=label if i == j == 0 else None, width=0.85)
+                bottom += value
+            xs.append(x)
+            labels.append(f"{short}\n{key}" if j == 1 else short)
+    ax.set_xticks(xs, labels, fontsize=7)
+    ax.set_ylabel("P99 request TPOT, ms per token (wall clock)")
+    ax.set_title("Where the slowest request's decode time went (mean over seeds)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return pathlib.Path(path)
