@@ -10,20 +10,23 @@ from sqlalchemy.orm import Session
 
 from fallbackgate.ledger.db import Ledger, open_ledger
 from fallbackgate.ledger.models import Request, Run, Step, StepRequest
-from fallbackgate.sweep.anatomy import markdown_table, request_anatomies, run_anatomy, sweep_anatomy
+from fallbackgate.sweep.anatomy import markdown_table, request_anatomies, run_anatomy, sweep_anatomy, ttft_table
 
 MS = 1e-3
 
 
-def _run(ledger: Ledger, requests: dict[str, tuple[int, float]], steps: list[tuple[str, float, float, list]]) -> int:
-    """A run with `requests` (id -> (output tokens, TPOT s)) and `steps` ((kind, wall s, exposed s, [(request id,
-    is_sampled)])) in order."""
+def _run(ledger: Ledger, requests: dict[str, tuple], steps: list[tuple[str, float, float, list]]) -> int:
+    """A run with `requests` (id -> (output tokens, TPOT s[, TTFT s, TTFT target ms])) and `steps` ((kind, wall s,
+    exposed s, [(request id, is_sampled)])) in order."""
     with Session(ledger.engine) as db, db.begin():
         run = Run(controller="test")
         db.add(run)
         db.flush()
-        for rid, (num_output, tpot_s) in requests.items():
-            db.add(Request(run_id=run.id, request_id=rid, num_output_tokens=num_output, tpot_s=tpot_s))
+        for rid, (num_output, tpot_s, *ttft) in requests.items():
+            ttft_s, target_ms = ttft or (0.05, None)
+            slo = None if target_ms is None else {"ttft_ms": target_ms, "tpot_ms": 100.0}
+            db.add(Request(run_id=run.id, request_id=rid, num_output_tokens=num_output, tpot_s=tpot_s, ttft_s=ttft_s,
+                           slo=slo))  # fmt: skip
         for step_id, (kind, wall_s, exposed_s, members) in enumerate(steps, 1):
             db.add(Step(run_id=run.id, step_id=step_id, kind=kind, num_requests=len(members), num_tokens=1,
                         wall_s=wall_s, transfer_exposed_s=exposed_s))  # fmt: skip
@@ -41,7 +44,7 @@ def ledger(tmp_path: pathlib.Path) -> Ledger:
 def test_a_requests_parts_add_up_to_its_tpot(ledger: Ledger) -> None:
     run_id = _run(
         ledger,
-        {"a": (4, 10 * MS), "b": (1, 0.0), "c": (2, 20 * MS)},
+        {"a": (4, 10 * MS, 32 * MS, 30.0), "b": (1, 0.0), "c": (2, 20 * MS, 45 * MS, 30.0)},
         [
             ("prefill", 30 * MS, 5 * MS, [("a", True), ("c", False)]),  # a's first token: not a decode step
             ("mixed", 12 * MS, 2 * MS, [("a", True), ("c", True), ("b", True)]),
@@ -64,6 +67,11 @@ def test_a_requests_parts_add_up_to_its_tpot(ledger: Ledger) -> None:
     assert summary["stall_free_tpot_p99_ms"] == pytest.approx(19.0)
     assert summary["stall_ceiling"] == pytest.approx(0.05)
     assert summary["p99_request_gap_ms"] == pytest.approx(12.0)
+    assert (a.ttft_own_steps_ms, a.ttft_own_stall_ms) == pytest.approx((30.0, 5.0))  # its prefill step
+    assert (c.ttft_own_steps_ms, c.ttft_own_stall_ms) == pytest.approx((42.0, 7.0))  # two steps up to its token
+    assert summary["ttft_met"] == 0.0  # 32 and 45 ms against 30
+    assert summary["ttft_met_without_own_stall"] == 0.5  # a: 27 ms; c: 38 ms
+    assert summary["ttft_ms"] == pytest.approx(38.5) and summary["ttft_target_ms"] == 30.0
 
 
 def _decoding_run(ledger: Ledger, step_ms: float, stall_ms: float) -> int:
@@ -92,3 +100,7 @@ def test_a_cell_sets_each_partners_stall_ceiling_beside_joints_gain(ledger: Ledg
     assert cell["mean"]["joint"]["p99_request_stall_ms"] == pytest.approx(1.0)
     table = markdown_table({"w@0.5": cell})
     assert "| w@0.5 | 1.0 + 0.0 + 7.0 + 0.0 /" in table and "+50 [" in table
+    assert "ttft_met" not in cell["mean"]["joint"]  # no SLO, no attainment
+    assert "| w@0.5 | nan | 50.0 (10.0; 0.0) / 50.0 (10.0; 0.0) / 50.0 (10.0; 0.0) | – / – / – |" in ttft_table(
+        {"w@0.5": cell}
+    )

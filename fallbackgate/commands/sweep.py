@@ -24,7 +24,7 @@ from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError,
 from fallbackgate.policy.apply import with_sections
 from fallbackgate.policy.schema import STEP_TIMES, AuditMode
 from fallbackgate.sweep.anatomy import markdown_table as anatomy_table
-from fallbackgate.sweep.anatomy import sweep_anatomy
+from fallbackgate.sweep.anatomy import sweep_anatomy, ttft_table
 from fallbackgate.sweep.belady import TraceRecorder
 from fallbackgate.sweep.grid import CellBuilder, SweepConfig
 from fallbackgate.sweep.plot import anatomy_bars, regime_heatmaps
@@ -189,5 +189,6 @@ def run(args: argparse.Namespace) -> int:
     paths = [*write_outputs(result, args.out), anatomy_bars(result["anatomy"], pathlib.Path(args.out) / "anatomy.png")]
     print("\n".join(summary_lines(result["summary"])))
     print(anatomy_table(result["anatomy"]))
+    print(ttft_table(result["anatomy"]))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

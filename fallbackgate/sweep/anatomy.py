@@ -39,14 +39,19 @@ PARTS = ("stall_ms", "prefill_step_ms", "decode_step_ms", "gap_ms")
 
 @dataclasses.dataclass(slots=True)
 class RequestAnatomy:
-    """One request's TPOT split into its parts (ms per output token after the first)."""
+    """One request's TPOT split into its parts (ms per output token after the first), and its TTFT beside the
+    time of its own prefill steps."""
 
     request_id: str  # the ledger's request id
     tpot_ms: float  # as recorded: (finish − first token) / (tokens − 1), wall clock
     stall_ms: float  # expert-read time the compute thread was exposed to in its decode steps
     prefill_step_ms: float  # the rest of its decode steps that also carried prefill tokens
     decode_step_ms: float  # the rest of its decode-only steps
-    gap_ms: float  # time between its steps: steps without it, scheduling and recording
+    gap_ms: float  # the rest: steps without it or that sampled nothing for it, scheduling, recording
+    ttft_ms: float  # as recorded: arrival to first token, wall clock
+    ttft_own_steps_ms: float  # the steps that computed its prompt, up to the one that sampled its first token
+    ttft_own_stall_ms: float  # of which exposed expert reads
+    ttft_target_ms: float | None  # its class's TTFT target (None: no SLO)
 
     @property
     def stall_free_tpot_ms(self) -> float:
@@ -54,45 +59,73 @@ class RequestAnatomy:
         return self.tpot_ms - self.stall_ms
 
 
+_Row = tuple[str, float, float]  # (step kind, wall s, exposed s)
+
+
 def request_anatomies(ledger: Ledger, run_id: int) -> list[RequestAnatomy]:
     """Every request of the run with at least two output tokens, split into its TPOT's parts."""
     steps_q = (
-        select(StepRequest.request_id, StepRequest.step_id, Step.kind, Step.wall_s, Step.transfer_exposed_s)
+        select(StepRequest.request_id, StepRequest.is_sampled, Step.kind, Step.wall_s, Step.transfer_exposed_s)
         .join(Step, (Step.run_id == StepRequest.run_id) & (Step.step_id == StepRequest.step_id))
-        .where(StepRequest.run_id == run_id, StepRequest.is_sampled.is_(True))
+        .where(StepRequest.run_id == run_id)
         .order_by(StepRequest.step_id)
     )
-    req_q = select(Request.request_id, Request.num_output_tokens, Request.tpot_s).where(Request.run_id == run_id)
-    sampled: dict[str, list[tuple[str, float, float]]] = collections.defaultdict(list)
+    req_q = select(Request.request_id, Request.num_output_tokens, Request.tpot_s, Request.ttft_s, Request.slo).where(
+        Request.run_id == run_id
+    )
+    prompt: dict[str, list[_Row]] = collections.defaultdict(list)  # its steps up to its first token
+    decode: dict[str, list[_Row]] = collections.defaultdict(list)  # its sampled steps after it
+    has_first: set[str] = set()
     with ledger.engine.connect() as conn:
-        for rid, _, kind, wall_s, exposed_s in conn.execute(steps_q):
-            sampled[rid].append((kind, wall_s or 0.0, exposed_s or 0.0))
+        for rid, is_sampled, kind, wall_s, exposed_s in conn.execute(steps_q):
+            row = (kind, wall_s or 0.0, exposed_s or 0.0)
+            if rid not in has_first:
+                prompt[rid].append(row)
+                if is_sampled:
+                    has_first.add(rid)
+            elif is_sampled:
+                decode[rid].append(row)
         requests = list(conn.execute(req_q))
     out = []
-    for rid, num_output, tpot_s in requests:
-        decode = sampled.get(rid, [])[1:]  # its first sampled step ended its prefill
-        if num_output < 2 or tpot_s is None or not decode:
+    for rid, num_output, tpot_s, ttft_s, slo in requests:
+        steps = decode.get(rid, [])
+        if num_output < 2 or tpot_s is None or ttft_s is None or not steps:
             continue
         per_token = 1e3 / (num_output - 1)
-        stall = sum(x for _, _, x in decode)
-        mixed = sum(w - x for k, w, x in decode if k != "decode")
-        plain = sum(w - x for k, w, x in decode if k == "decode")
+        stall = sum(x for _, _, x in steps)
+        mixed = sum(w - x for k, w, x in steps if k != "decode")
+        plain = sum(w - x for k, w, x in steps if k == "decode")
         tpot = tpot_s * 1e3
+        target = (slo or {}).get("ttft_ms")
         out.append(RequestAnatomy(rid, tpot, stall * per_token, mixed * per_token, plain * per_token,
-                                  tpot - (stall + mixed + plain) * per_token))  # fmt: skip
+                                  tpot - (stall + mixed + plain) * per_token, ttft_s * 1e3,
+                                  1e3 * sum(w for _, w, _ in prompt[rid]), 1e3 * sum(x for _, _, x in prompt[rid]),
+                                  None if target is None else float(target)))  # fmt: skip
     return out
 
 
 def run_anatomy(anatomies: list[RequestAnatomy]) -> dict[str, float]:
-    """A run's P99 TPOT, the parts of the request at that rank, P99 of the stall-free TPOTs and the ceiling."""
+    """A run's P99 TPOT, the parts of the request at that rank, P99 of the stall-free TPOTs and the ceiling;
+    mean TTFT, its own prefill steps and their stall, and the share of requests meeting the TTFT target as run
+    and without their own steps' stall."""
     if not anatomies:
         return {}
     ranked = sorted(anatomies, key=lambda a: a.tpot_ms)
     at_p99 = ranked[min(len(ranked) - 1, max(0, -(-99 * len(ranked) // 100) - 1))]
     tpot_p99, free_p99 = p99([a.tpot_ms for a in anatomies]), p99([a.stall_free_tpot_ms for a in anatomies])
-    return {"tpot_p99_ms": tpot_p99, "stall_free_tpot_p99_ms": free_p99,
-            "stall_ceiling": 1.0 - free_p99 / tpot_p99 if tpot_p99 > 0 else 0.0,
-            **{f"p99_request_{k}": getattr(at_p99, k) for k in PARTS}}  # fmt: skip
+    targeted = [a for a in anatomies if a.ttft_target_ms is not None]
+    out = {"tpot_p99_ms": tpot_p99, "stall_free_tpot_p99_ms": free_p99,
+           "stall_ceiling": 1.0 - free_p99 / tpot_p99 if tpot_p99 > 0 else 0.0,
+           **{f"p99_request_{k}": getattr(at_p99, k) for k in PARTS},
+           **{k: statistics.fmean(getattr(a, k) for a in anatomies)
+              for k in ("ttft_ms", "ttft_own_steps_ms", "ttft_own_stall_ms")}}  # fmt: skip
+    if targeted:
+        out["ttft_met"] = statistics.fmean(a.ttft_ms <= a.ttft_target_ms for a in targeted)
+        out["ttft_met_without_own_stall"] = statistics.fmean(
+            a.ttft_ms - a.ttft_own_stall_ms <= a.ttft_target_ms for a in targeted
+        )
+        out["ttft_target_ms"] = statistics.fmean(a.ttft_target_ms for a in targeted)
+    return out
 
 
 def sweep_anatomy(points: Iterable[dict[str, Any]], ledger: Ledger, held_out: int) -> dict[str, Any]:
@@ -111,7 +144,8 @@ def sweep_anatomy(points: Iterable[dict[str, Any]], ledger: Ledger, held_out: in
         cell: dict[str, Any] = {"chosen_static_kv_share": share, "mean": {}, "vs": {}}
         for name, pick in runs.items():
             found = [p["anatomy"] for ps in by_seed.values() for p in ps if pick(p) and p["anatomy"]]
-            cell["mean"][name] = {k: statistics.fmean(a[k] for a in found) for k in found[0]} if found else {}
+            keys = sorted(set.intersection(*(set(a) for a in found))) if found else []
+            cell["mean"][name] = {k: statistics.fmean(a[k] for a in found) for k in keys}
         for name, pick in partners.items():
             ceilings, gains = [], []
             for ps in by_seed.values():
@@ -146,6 +180,22 @@ def markdown_table(anatomy: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def ttft_table(anatomy: dict[str, Any]) -> str:
+    """One row per cell: TTFT against its target per controller (mean over seeds)."""
+    head = ("| workload @ RAM | TTFT target, ms | joint / chosen static / two LRUs: mean TTFT, ms (own prefill steps; "
+            "their expert stall) | share meeting the TTFT target: as run → without own stall |")  # fmt: skip
+    lines = [head, "|---|---|---|---|"]
+    for key, cell in anatomy.items():
+        runs = [cell["mean"].get(name) or {} for name in ("joint", "chosen_static", INDEPENDENT)]
+        target = runs[0].get("ttft_target_ms", float("nan"))
+        times = " / ".join(f"{m.get('ttft_ms', float('nan')):.1f} ({m.get('ttft_own_steps_ms', float('nan')):.1f}; "
+                           f"{m.get('ttft_own_stall_ms', float('nan')):.1f})" for m in runs)  # fmt: skip
+        met = " / ".join("–" if "ttft_met" not in m else f"{100 * m['ttft_met']:.0f} → "
+                         f"{100 * m['ttft_met_without_own_stall']:.0f} %" for m in runs)  # fmt: skip
+        lines.append(f"| {key} | {target:.1f} | {times} | {met} |")
+    return "\n".join(lines)
+
+
 def _pct(iv: dict[str, float]) -> str:
     return f"{100 * iv['mean']:+.0f} [{100 * iv['lo']:+.0f}, {100 * iv['hi']:+.0f}]"
 
@@ -164,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps({"sweep": str(args.sweep), "cells": anatomy}, indent=1) + "\n")
     anatomy_bars(anatomy, out.with_suffix(".png"))
     print(markdown_table(anatomy))
+    print(ttft_table(anatomy))
     return 0
 
 
