@@ -197,6 +197,8 @@ def ttft_table(anatomy: dict[str, Any]) -> str:
 
 
 def _pct(iv: dict[str, float]) -> str:
+    if not iv["n"]:
+        return "–"
     return f"{100 * iv['mean']:+.0f} [{100 * iv['lo']:+.0f}, {100 * iv['hi']:+.0f}]"
 
 
