@@ -27,7 +27,7 @@ from typing import Any
 
 from sqlalchemy import select
 
-from fallbackgate.ledger.db import Ledger, open_ledger
+from fallbackgate.ledger.db import Ledger, LedgerError, open_ledger
 from fallbackgate.ledger.models import Request, Step, StepRequest
 from fallbackgate.sweep.metrics import p99
 from fallbackgate.sweep.plot import anatomy_bars
@@ -203,20 +203,23 @@ def _pct(iv: dict[str, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Write ``anatomy.json`` and ``anatomy.png`` beside the sweep results and print the table."""
+    """Add ``anatomy`` to a sweep.json in place (as ``fallbackgate sweep`` writes it), draw ``anatomy.png``
+    beside it and print the tables."""
     parser = argparse.ArgumentParser(prog="python -m fallbackgate.sweep.anatomy", description=__doc__.split("\n")[0])
-    parser.add_argument("sweep", type=pathlib.Path, help="a sweep.json")
+    parser.add_argument("sweep", type=pathlib.Path, help="a sweep.json (rewritten with its anatomy)")
     parser.add_argument("--ledger", required=True, help="the sweep's ledger URL (its runs are the points' run_id)")
-    parser.add_argument("--out", type=pathlib.Path, help="where to write the JSON (default: anatomy.json beside)")
     args = parser.parse_args(argv)
     result = json.loads(args.sweep.read_text())
-    ledger = open_ledger(args.ledger, read_only=True, must_exist=True)
-    anatomy = sweep_anatomy(result["points"], ledger, result.get("config", {}).get("held_out_seed", 2))
-    out = args.out or args.sweep.with_name("anatomy.json")
-    out.write_text(json.dumps({"sweep": str(args.sweep), "cells": anatomy}, indent=1) + "\n")
-    anatomy_bars(anatomy, out.with_suffix(".png"))
-    print(markdown_table(anatomy))
-    print(ttft_table(anatomy))
+    try:
+        with open_ledger(args.ledger, read_only=True, must_exist=True) as ledger:
+            held_out = result.get("config", {}).get("held_out_seed", 2)
+            result["anatomy"] = sweep_anatomy(result["points"], ledger, held_out)
+    except LedgerError as exc:
+        parser.exit(2, f"python -m fallbackgate.sweep.anatomy: error: {exc}\n")
+    args.sweep.write_text(json.dumps(result, indent=1) + "\n")
+    anatomy_bars(result["anatomy"], args.sweep.with_name("anatomy.png"))
+    print(markdown_table(result["anatomy"]))
+    print(ttft_table(result["anatomy"]))
     return 0
 
 
