@@ -97,3 +97,39 @@ def metric_columns(df: pd.DataFrame) -> list[str]:
     ]
     first = [m for m in PREFERRED_METRICS if m in numeric]
     return first + [c for c in numeric if c not in first]
+
+
+ANATOMY_PARTS = ("stall_ms", "prefill_step_ms", "decode_step_ms", "gap_ms")  # sweep/anatomy.py's PARTS, in order
+ANATOMY_RUNS = ("joint", "chosen_static", "independent_lru")
+
+
+def load_anatomy(setting: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """From every sweep JSON with an ``anatomy`` (``fallbackgate sweep``): the slowest requests' TPOT parts, one row
+    per (source, cell, run, part) with ``ms`` per token, and per (source, cell, partner) the stall ceiling beside
+    joint's P99 TPOT gain (means and 95 % bounds, in %). Files without one add nothing; unreadable ones are
+    reported by :func:`load_sweep`."""
+    parts: list[dict[str, Any]] = []
+    ceilings: list[dict[str, Any]] = []
+    for path in sweep_paths(setting):
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        anatomy = doc.get("anatomy") if isinstance(doc, dict) else None
+        for cell, data in (anatomy or {}).items():
+            for run in ANATOMY_RUNS:
+                means = data.get("mean", {}).get(run) or {}
+                parts += [{"source": str(path), "cell": cell, "run": run, "part": part.removesuffix("_ms"),
+                           "ms": means.get(f"p99_request_{part}")} for part in ANATOMY_PARTS]  # fmt: skip
+            for partner, vs in data.get("vs", {}).items():
+                row = {"source": str(path), "cell": cell, "partner": partner}
+                for name in ("stall_ceiling", "joint_tpot_p99_gain"):
+                    iv = vs.get(name) or {}
+                    row |= {f"{name}_%": _percent(iv.get("mean")), f"{name}_lo_%": _percent(iv.get("lo")),
+                            f"{name}_hi_%": _percent(iv.get("hi"))}  # fmt: skip
+                ceilings.append(row)
+    return pd.DataFrame(parts).dropna(subset=["ms"]) if parts else pd.DataFrame(), pd.DataFrame(ceilings)
+
+
+def _percent(value: float | None) -> float | None:
+    return None if value is None else round(100.0 * value, 1)

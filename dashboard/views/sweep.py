@@ -68,3 +68,32 @@ def render(url: str, f: RunFilter, ledger: Ledger | None = None) -> None:
     st.metric("Controllers", len(controllers))
     st.altair_chart(heatmap(df, metric), width="content")
     st.dataframe(df, hide_index=True, key="sweep_points")
+    parts, ceilings = sweep_data.load_anatomy()
+    if not parts.empty:
+        st.subheader("Where the slowest request's time goes")
+        st.caption(
+            "The P99 request's TPOT per cell, ms per token (wall clock, mean over seeds), split into expert stall, "
+            "steps with a prefill chunk, decode-only steps and the gap between its steps; the stall ceiling is "
+            "the P99 TPOT gain of removing every expert stall of the partner's runs."
+        )
+        st.altair_chart(anatomy_bars(parts), width="content")
+        st.dataframe(ceilings, hide_index=True, key="sweep_ceilings")
+
+
+def anatomy_bars(parts: pd.DataFrame) -> alt.Chart:
+    """Stacked bars of the TPOT parts, one bar per run kind, one panel per cell (wrapping)."""
+    names = [p.removesuffix("_ms") for p in sweep_data.ANATOMY_PARTS]
+    ranked = parts.assign(part_rank=parts["part"].map({name: i for i, name in enumerate(names)}))
+    bars = (
+        alt.Chart(ranked)
+        .mark_bar()
+        .encode(
+            x=alt.X("run:N", title=None, sort=list(sweep_data.ANATOMY_RUNS)),
+            y=alt.Y("sum(ms):Q", title="ms per token"),
+            color=alt.Color("part:N", sort=names, legend=alt.Legend(orient="bottom")),
+            order=alt.Order("part_rank:Q"),
+            tooltip=["cell", "run", "part", alt.Tooltip("ms:Q", format=".2f")],
+        )
+        .properties(width=alt.Step(28), height=180)
+    )
+    return bars.facet(facet=alt.Facet("cell:N", title="workload @ RAM"), columns=5)
