@@ -103,32 +103,49 @@ ANATOMY_PARTS = ("stall_ms", "prefill_step_ms", "decode_step_ms", "gap_ms")  # s
 ANATOMY_RUNS = ("joint", "chosen_static", "independent_lru")
 
 
-def load_anatomy(setting: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+def load_anatomy(setting: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
     """From every sweep JSON with an ``anatomy`` (``fallbackgate sweep``): the slowest requests' TPOT parts, one row
-    per (source, cell, run, part) with ``ms`` per token, and per (source, cell, partner) the stall ceiling beside
-    joint's P99 TPOT gain (means and 95 % bounds, in %). Files without one add nothing; unreadable ones are
-    reported by :func:`load_sweep`."""
+    per (source, cell, run, part) with ``ms`` per token; per (source, cell, partner) the stall ceiling beside
+    joint's P99 TPOT gain (means and 95 % bounds, in %); and one message per file whose anatomy could not be read.
+    Files without one add nothing; unreadable files are reported by :func:`load_sweep`."""
     parts: list[dict[str, Any]] = []
     ceilings: list[dict[str, Any]] = []
+    problems: list[str] = []
     for path in sweep_paths(setting):
         try:
             doc = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
         anatomy = doc.get("anatomy") if isinstance(doc, dict) else None
-        for cell, data in (anatomy or {}).items():
-            for run in ANATOMY_RUNS:
-                means = data.get("mean", {}).get(run) or {}
-                parts += [{"source": str(path), "cell": cell, "run": run, "part": part.removesuffix("_ms"),
-                           "ms": means.get(f"p99_request_{part}")} for part in ANATOMY_PARTS]  # fmt: skip
-            for partner, vs in data.get("vs", {}).items():
-                row = {"source": str(path), "cell": cell, "partner": partner}
-                for name in ("stall_ceiling", "joint_tpot_p99_gain"):
-                    iv = vs.get(name) or {}
-                    row |= {f"{name}_%": _percent(iv.get("mean")), f"{name}_lo_%": _percent(iv.get("lo")),
-                            f"{name}_hi_%": _percent(iv.get("hi"))}  # fmt: skip
-                ceilings.append(row)
-    return pd.DataFrame(parts).dropna(subset=["ms"]) if parts else pd.DataFrame(), pd.DataFrame(ceilings)
+        try:
+            for cell, data in (anatomy or {}).items():
+                parts += _parts(str(path), cell, data)
+                ceilings += _ceilings(str(path), cell, data)
+        except (AttributeError, TypeError) as exc:
+            problems.append(f"{path}: its anatomy is malformed ({exc})")
+    parts_df = pd.DataFrame(parts).dropna(subset=["ms"]) if parts else pd.DataFrame()
+    return parts_df, pd.DataFrame(ceilings), problems
+
+
+def _parts(source: str, cell: str, data: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for run in ANATOMY_RUNS:
+        means = data.get("mean", {}).get(run) or {}
+        rows += [{"source": source, "cell": cell, "run": run, "part": part.removesuffix("_ms"),
+                  "ms": means.get(f"p99_request_{part}")} for part in ANATOMY_PARTS]  # fmt: skip
+    return rows
+
+
+def _ceilings(source: str, cell: str, data: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for partner, vs in (data.get("vs") or {}).items():
+        row = {"source": source, "cell": cell, "partner": partner}
+        for name in ("stall_ceiling", "joint_tpot_p99_gain"):
+            iv = vs.get(name) or {}
+            row |= {f"{name}_%": _percent(iv.get("mean")), f"{name}_lo_%": _percent(iv.get("lo")),
+                    f"{name}_hi_%": _percent(iv.get("hi"))}  # fmt: skip
+        rows.append(row)
+    return rows
 
 
 def _percent(value: float | None) -> float | None:

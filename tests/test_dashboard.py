@@ -14,8 +14,6 @@ import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from fallbackgate.commands.dashboard import SHIPPED_SWEEP
-from fallbackgate.dashboard import sweep_data
 from tests.test_dashboard_ledger import BUDGET, CALIBRATION, real_ledger, sql
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
@@ -287,26 +285,6 @@ def test_budget_sweep_heatmaps_per_controller(db: Path, monkeypatch: pytest.Monk
     assert spec["facet"]["field"] == "controller" and spec["columns"] == 2  # panels wrap, never clipped
     at.selectbox(key="sweep_metric").set_value("slo").run()
     assert charts(at)[0]["spec"]["layer"][0]["encoding"]["color"]["field"] == "slo"
-
-
-def test_budget_sweep_shows_the_anatomy_of_the_shipped_sweep(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    shipped = json.loads(SHIPPED_SWEEP.read_text())
-    monkeypatch.setenv("FALLBACKGATE_SWEEP_JSON", str(SHIPPED_SWEEP))
-    at = open_page(db, "sweep", monkeypatch)
-    assert at.subheader[0].value == "Where the slowest request's time goes"
-    spec = charts(at)[1]
-    assert spec["facet"]["field"] == "cell" and spec["spec"]["encoding"]["order"]["field"] == "part_rank"
-    (parts,) = chart_rows(at, 1)
-    joint = shipped["anatomy"]["mixed@0.25"]["mean"]["joint"]
-    got = parts[(parts.cell == "mixed@0.25") & (parts.run == "joint")].set_index("part")["ms"]
-    assert got.to_dict() == pytest.approx({k.removesuffix("_ms"): joint[f"p99_request_{k}"]
-                                           for k in sweep_data.ANATOMY_PARTS})  # fmt: skip
-    assert len(parts) == 10 * 3 * 4  # cells × runs × parts
-    ceilings = frame(at, "stall_ceiling_%")
-    row = ceilings[(ceilings.cell == "long-reasoning@0.5") & (ceilings.partner == "independent_lru")].iloc[0]
-    vs = shipped["anatomy"]["long-reasoning@0.5"]["vs"]["independent_lru"]
-    assert row["stall_ceiling_%"] == pytest.approx(100 * vs["stall_ceiling"]["mean"], abs=0.05)
-    assert row["joint_tpot_p99_gain_lo_%"] == pytest.approx(100 * vs["joint_tpot_p99_gain"]["lo"], abs=0.05)
 
 
 def test_pareto_page_plots_measured_tpot_against_audited_kl(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -74,3 +74,21 @@ def test_a_bad_session_id_is_a_400_naming_the_field(served: tuple[TestClient, En
     assert "session" in reply.text
     assert engine.num_added == 0  # nothing reached the engine
     assert _chat(client)["usage"]["completion_tokens"] == 4  # and the server still serves
+
+
+def test_the_header_is_checked_and_the_body_wins(served: tuple[TestClient, Engine]) -> None:
+    client, engine = served
+    body = {"model": MODEL, "prompt": "The king said", "max_tokens": 2, "temperature": 0}
+    reply = client.post("/v1/completions", json=body, headers={"X-Fallbackgate-Session": "x" * 257})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "X-Fallbackgate-Session", reply.text
+    assert engine.num_added == 0
+    empty = client.post("/v1/completions", json=body, headers={"X-Fallbackgate-Session": ""})
+    assert empty.status_code == 200, empty.text  # an empty header names no session
+    assert not any(_kept_sessions(engine))
+    long_prompts = [CHAT[0]["content"] * 2, "The river ran past the castle walls. " * 6]
+    both = body | {"fallbackgate": {"session": "from-body"}, "prompt": long_prompts}
+    reply = client.post("/v1/completions", json=both, headers={"X-Fallbackgate-Session": "x" * 300})
+    assert reply.status_code == 200, reply.text  # the body's session is used; the header is not read
+    assert len(reply.json()["choices"]) == 2
+    kept = _kept_sessions(engine)
+    assert len(kept) >= 2 and all(kept), kept  # both prompts' full blocks, kept as the session's

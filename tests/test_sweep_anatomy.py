@@ -8,18 +8,20 @@ import pathlib
 import pytest
 from sqlalchemy.orm import Session
 
-from fallbackgate.ledger.db import Ledger, open_ledger
+from fallbackgate.ledger.db import Ledger, LedgerError, open_ledger
 from fallbackgate.ledger.models import Request, Run, Step, StepRequest
 from fallbackgate.sweep.anatomy import markdown_table, request_anatomies, run_anatomy, sweep_anatomy, ttft_table
 
 MS = 1e-3
 
 
-def _run(ledger: Ledger, requests: dict[str, tuple], steps: list[tuple[str, float, float, list]]) -> int:
+def _run(
+    ledger: Ledger, requests: dict[str, tuple], steps: list[tuple[str, float, float, list]], controller: str = "joint"
+) -> int:
     """A run with `requests` (id -> (output tokens, TPOT s[, TTFT s, TTFT target ms])) and `steps` ((kind, wall s,
     exposed s, [(request id, is_sampled)])) in order."""
     with Session(ledger.engine) as db, db.begin():
-        run = Run(controller="test")
+        run = Run(controller=controller)
         db.add(run)
         db.flush()
         for rid, (num_output, tpot_s, *ttft) in requests.items():
@@ -74,10 +76,10 @@ def test_a_requests_parts_add_up_to_its_tpot(ledger: Ledger) -> None:
     assert summary["ttft_ms"] == pytest.approx(38.5) and summary["ttft_target_ms"] == 30.0
 
 
-def _decoding_run(ledger: Ledger, step_ms: float, stall_ms: float) -> int:
+def _decoding_run(ledger: Ledger, step_ms: float, stall_ms: float, controller: str) -> int:
     """One request of 11 tokens whose ten decode steps each take `step_ms`, `stall_ms` of it exposed reads."""
     steps = [("prefill", 0.01, 0.0, [("r", True)])] + [("decode", step_ms * MS, stall_ms * MS, [("r", True)])] * 10
-    return _run(ledger, {"r": (11, step_ms * MS)}, steps)
+    return _run(ledger, {"r": (11, step_ms * MS)}, steps, controller)
 
 
 def test_a_cell_sets_each_partners_stall_ceiling_beside_joints_gain(ledger: Ledger) -> None:
@@ -87,7 +89,7 @@ def test_a_cell_sets_each_partners_stall_ceiling_beside_joints_gain(ledger: Ledg
         runs |= {("static_split", share): (10.0 + share, 2.0) for share in (0.1, 0.5)}
         for (controller, share), (step_ms, stall_ms) in runs.items():
             points.append({"workload": "w", "ram_frac": 0.5, "seed": seed, "controller": controller,
-                           "kv_share": share, "run_id": _decoding_run(ledger, step_ms, stall_ms),
+                           "kv_share": share, "run_id": _decoding_run(ledger, step_ms, stall_ms, controller),
                            "metrics": {"slo_attainment": 0.5, "tpot_p99_ms": step_ms}})  # fmt: skip
     cell = sweep_anatomy(points, ledger, held_out=2)["w@0.5"]
     assert cell["chosen_static_kv_share"] == 0.1  # the faster split
@@ -104,3 +106,17 @@ def test_a_cell_sets_each_partners_stall_ceiling_beside_joints_gain(ledger: Ledg
     assert "| w@0.5 | nan | 50.0 (10.0; 0.0) / 50.0 (10.0; 0.0) / 50.0 (10.0; 0.0) | – / – / – |" in ttft_table(
         {"w@0.5": cell}
     )
+
+
+def test_another_sweeps_ledger_is_refused(ledger: Ledger) -> None:
+    run_id = _decoding_run(ledger, 10.0, 1.0, "static_split")
+    point = {"workload": "w", "ram_frac": 0.5, "seed": 0, "controller": "joint", "kv_share": None}
+    with pytest.raises(LedgerError, match=f"run {run_id} \\(joint, w seed 0\\) is a static_split run"):
+        sweep_anatomy([point | {"run_id": run_id}], ledger, held_out=2)
+    with pytest.raises(LedgerError, match="run 99 .* is not in it"):
+        sweep_anatomy([point | {"run_id": 99}], ledger, held_out=2)
+    twin = _decoding_run(ledger, 10.0, 1.0, "joint")  # the same run id and controller, another sweep's timing
+    timed = point | {"run_id": twin, "metrics": {"tpot_p99_ms": 12.5}}
+    with pytest.raises(LedgerError, match="has P99 TPOT 10.0000 ms in .*, the sweep says 12.5000"):
+        sweep_anatomy([timed], ledger, held_out=2)
+    assert sweep_anatomy([timed | {"metrics": {"tpot_p99_ms": 10.0}}], ledger, held_out=2)["w@0.5"]

@@ -52,6 +52,7 @@ def test_two_sweeps_pool_their_seeds_into_one_interval() -> None:
         (_sweep([1, 3], 8.0), "seed 1 is in both a and b"),
         (_sweep([3], 8.0, max_new_tokens=16), "config 'max_new_tokens' is 16, not 256"),
         (_sweep([3], 8.0, held_out_seed=3), "'held_out_seed'"),
+        ({**_sweep([3], 8.0), "points": [_point(3, "joint", 8.0, run_id=1)]}, "run 1 is in both a and b"),
     ],
 )
 def test_a_different_grid_or_a_repeated_seed_is_refused(second: dict, needle: str) -> None:

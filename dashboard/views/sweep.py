@@ -68,9 +68,14 @@ def render(url: str, f: RunFilter, ledger: Ledger | None = None) -> None:
     st.metric("Controllers", len(controllers))
     st.altair_chart(heatmap(df, metric), width="content")
     st.dataframe(df, hide_index=True, key="sweep_points")
-    parts, ceilings = sweep_data.load_anatomy()
+    parts, ceilings, problems = sweep_data.load_anatomy()
+    for p in problems:
+        st.warning(p)
     if not parts.empty:
         st.subheader("Where the slowest request's time goes")
+        sources = sorted(parts["source"].unique())
+        source = st.selectbox("Sweep", sources, key="anatomy_source") if len(sources) > 1 else sources[0]
+        parts, ceilings = parts[parts["source"] == source], ceilings[ceilings["source"] == source]
         st.caption(
             "The P99 request's TPOT per cell, ms per token (wall clock, mean over seeds), split into expert stall, "
             "steps with a prefill chunk, decode-only steps and the gap between its steps; the stall ceiling is "

@@ -200,19 +200,7 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
         asked = body.fallbackgate.timeout_s if body.fallbackgate is not None else None
         limits = [t for t in (asked, info.request_timeout_s) if t is not None]
         timeout_s = min(limits) if limits else None
-        return Route(body, _class_of(body, request), info.run_id, timeout_s, _session_of(body, request))
-
-    def _session_of(body: Any, request: Request) -> str | None:
-        named = body.fallbackgate.session if body.fallbackgate is not None else None
-        named = named or request.headers.get(SESSION_HEADER)
-        if named is not None and not 0 < len(named) <= MAX_SESSION_CHARS:
-            raise ApiError(
-                400,
-                f"a session id has 1 to {MAX_SESSION_CHARS} characters, got {len(named)}",
-                "fallbackgate.session",
-                "invalid_value",
-            )
-        return named
+        return Route(body, _class_of(body, request), info.run_id, timeout_s, session_of(body, request))
 
     def _class_of(body: Any, request: Request) -> str:
         named = body.fallbackgate.request_class if body.fallbackgate is not None else None
@@ -228,6 +216,24 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
         return named
 
     return app
+
+
+def session_of(body: CompletionRequest | ChatRequest, request: Request) -> str | None:
+    """The session a request names: the body's ``fallbackgate.session`` (validated with the body), else the
+    ``X-Fallbackgate-Session`` header (empty: none, as an empty class header names no class); an over-long
+    header is a 400 naming it."""
+    named = body.fallbackgate.session if body.fallbackgate is not None else None
+    if named is not None:
+        return named
+    header = request.headers.get(SESSION_HEADER) or None
+    if header is not None and len(header) > MAX_SESSION_CHARS:
+        raise ApiError(
+            400,
+            f"a session id has 1 to {MAX_SESSION_CHARS} characters, got {len(header)}",
+            SESSION_HEADER,
+            "invalid_value",
+        )
+    return header
 
 
 def _errors(app: FastAPI) -> None:

@@ -223,14 +223,8 @@ class EngineService:
                 continue
             sub.is_audited = self.recorder is not None and self.sampler.draw()
             try:
-                self.engine.add_request(
-                    sub.token_ids,
-                    sub.params,
-                    sub.request_id,
-                    sub.request_class,
-                    is_logits_kept=sub.is_audited,
-                    session_id=sub.session_id,
-                )
+                self.engine.add_request(sub.token_ids, sub.params, sub.request_id, sub.request_class,
+                                        is_logits_kept=sub.is_audited, session_id=sub.session_id)  # fmt: skip
             except (EngineError, ValueError) as exc:
                 self._push(sub, Failed(str(exc)))
                 continue

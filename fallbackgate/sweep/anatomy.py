@@ -20,6 +20,7 @@ import argparse
 import collections
 import dataclasses
 import json
+import math
 import pathlib
 import statistics
 from collections.abc import Iterable
@@ -28,7 +29,7 @@ from typing import Any
 from sqlalchemy import select
 
 from fallbackgate.ledger.db import Ledger, LedgerError, open_ledger
-from fallbackgate.ledger.models import Request, Step, StepRequest
+from fallbackgate.ledger.models import Request, Run, Step, StepRequest
 from fallbackgate.sweep.metrics import p99
 from fallbackgate.sweep.plot import anatomy_bars
 from fallbackgate.sweep.summary import INDEPENDENT, JOINT, STATIC, chosen_share, gain, interval
@@ -131,9 +132,12 @@ def run_anatomy(anatomies: list[RequestAnatomy]) -> dict[str, float]:
 def sweep_anatomy(points: Iterable[dict[str, Any]], ledger: Ledger, held_out: int) -> dict[str, Any]:
     """Per workload@RAM cell: each controller's mean run anatomy over seeds, and per partner (the chosen static
     split, two LRUs) its stall ceiling beside joint's measured P99 TPOT gain, intervals over seeds."""
+    points = list(points)
+    _check_runs(points, ledger)
     cells: dict[str, dict[int, list[dict[str, Any]]]] = collections.defaultdict(lambda: collections.defaultdict(list))
     for p in points:
         p = {**p, "anatomy": run_anatomy(request_anatomies(ledger, p["run_id"]))}
+        _check_timings(p, ledger)
         cells[f"{p['workload']}@{p['ram_frac']}"][p["seed"]].append(p)
     out: dict[str, Any] = {}
     for key, by_seed in sorted(cells.items()):
@@ -157,6 +161,29 @@ def sweep_anatomy(points: Iterable[dict[str, Any]], ledger: Ledger, held_out: in
             cell["vs"][name] = {"stall_ceiling": interval(ceilings), "joint_tpot_p99_gain": interval(gains)}
         out[key] = cell
     return out
+
+
+def _check_runs(points: list[dict[str, Any]], ledger: Ledger) -> None:
+    """Raise LedgerError unless every point's run is in the ledger with the point's controller (another sweep's
+    ledger would give other runs' numbers)."""
+    run_ids = [p["run_id"] for p in points]
+    with ledger.engine.connect() as conn:
+        found = dict(conn.execute(select(Run.id, Run.controller).where(Run.id.in_(run_ids))).all())
+    for p in points:
+        if found.get(p["run_id"]) != p["controller"]:
+            why = "is not in it" if p["run_id"] not in found else f"is a {found[p['run_id']]} run"
+            raise LedgerError(f"run {p['run_id']} ({p['controller']}, {p['workload']} seed {p['seed']}) {why}: "
+                              f"is this the sweep's ledger ({ledger.display_url})?")  # fmt: skip
+
+
+def _check_timings(point: dict[str, Any], ledger: Ledger) -> None:
+    """Raise LedgerError unless the run's recorded P99 TPOT is the point's (wall clock is never the same twice: a
+    same-shaped sweep recorded in another ledger has the same run ids, controllers and tokens)."""
+    recorded, measured = point.get("metrics", {}).get("tpot_p99_ms"), point["anatomy"].get("tpot_p99_ms")
+    if recorded is not None and measured is not None and not math.isclose(recorded, measured, rel_tol=1e-6):
+        raise LedgerError(f"run {point['run_id']} ({point['workload']} seed {point['seed']} {point['controller']}) "
+                          f"has P99 TPOT {measured:.4f} ms in {ledger.display_url}, the sweep says {recorded:.4f}: "
+                          "is this the sweep's ledger?")  # fmt: skip
 
 
 def pick_joint(point: dict[str, Any]) -> bool:

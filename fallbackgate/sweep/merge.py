@@ -5,9 +5,10 @@
 Each seed's comparison is made inside its own sweep (joint against partners of the same seed, the same SLO
 targets), so seeds from sweeps run one after another may be pooled; what may not differ is the grid: the
 model, workloads, requests, answer lengths, time scale, RAM fractions, KV shares, controllers, SLO scale,
-step time and held-out seed must agree, and no seed may appear twice. Each source's SLO references are kept
-(``slo_references_by_source``). Runs recorded in one ledger keep distinct run ids, so
-:mod:`fallbackgate.sweep.anatomy` can read the merged file back when every source used the same ledger.
+step time and held-out seed must agree, and no seed may appear twice. Nothing here can tell the code a sweep ran
+(the sources' commands and SLO references are kept: ``command``, ``slo_references_by_source``). The sources must
+have been recorded in one ledger (no run id twice), so :mod:`fallbackgate.sweep.anatomy` can read the merged
+file back; their own ``anatomy`` is not carried over (rerun it on the merged file).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
     if len(results) < 2:
         raise MergeError("give at least two sweeps to merge")
     first = results[0]["config"]
-    seen: dict[int, str] = {}
+    seen: dict[int, str] = {}  # seed -> its source
+    run_sources: dict[int, str] = {}  # ledger run id -> its source
     for result, source in zip(results, sources, strict=True):
         config = result["config"]
         for key in GRID_KEYS:
@@ -45,6 +47,11 @@ def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
             if seed in seen:
                 raise MergeError(f"seed {seed} is in both {seen[seed]} and {source}")
             seen[seed] = source
+        for point in result["points"]:
+            if point["run_id"] in run_sources:
+                raise MergeError(f"run {point['run_id']} is in both {run_sources[point['run_id']]} and {source}: "
+                                 "sweeps recorded in different ledgers cannot be read back together")  # fmt: skip
+            run_sources[point["run_id"]] = source
     points = with_budget_fields([p for r in results for p in r["points"]])
     return {
         "points": points,
@@ -72,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     regime_heatmaps(merged["points"], args.out.parent)
     print("\n".join(summary_lines(merged["summary"])))
     print(markdown_table(merged["summary"]))
+    print(f"anatomy: python -m fallbackgate.sweep.anatomy {args.out} --ledger <the sources' ledger>")
     return 0
 
 
