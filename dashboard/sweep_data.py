@@ -10,6 +10,7 @@ and numeric metrics, at top level or under ``metrics``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -33,6 +34,18 @@ def sweep_paths(setting: str | None = None) -> list[Path]:
         p = Path(part).expanduser()
         out.extend(sorted(p.glob("*.json")) if p.is_dir() else [p])
     return out
+
+
+def read_doc(path: Path) -> Any:
+    """The parsed JSON of `path`, parsed once per version of the file (the page reads each file for its points
+    and its anatomy, on every rerun); raises OSError or ValueError. Callers must not change what it returns."""
+    stat = path.stat()
+    return _parsed(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed(path: str, mtime_ns: int, size: int) -> Any:
+    return json.loads(Path(path).read_text())
 
 
 def _points(doc: Any) -> list[dict[str, Any]]:
@@ -77,7 +90,7 @@ def load_sweep(ledger: Ledger | None, setting: str | None = None) -> tuple[pd.Da
             problems.append(f"ledger sweep table: {exc}")
     for path in sweep_paths(setting):
         try:
-            frames.append(normalise(_points(json.loads(path.read_text())), str(path)))
+            frames.append(normalise(_points(read_doc(path)), str(path)))
         except (OSError, ValueError) as exc:
             problems.append(f"{path}: {exc}")
     frames = [f for f in frames if not f.empty]
@@ -99,10 +112,6 @@ def metric_columns(df: pd.DataFrame) -> list[str]:
     return first + [c for c in numeric if c not in first]
 
 
-ANATOMY_PARTS = ("stall_ms", "prefill_step_ms", "decode_step_ms", "gap_ms")  # sweep/anatomy.py's PARTS, in order
-ANATOMY_RUNS = ("joint", "chosen_static", "independent_lru")
-
-
 def load_anatomy(setting: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
     """From every sweep JSON with an ``anatomy`` (``fallbackgate sweep``): the slowest requests' TPOT parts, one row
     per (source, cell, run, part) with ``ms`` per token; per (source, cell, partner) the stall ceiling beside
@@ -113,7 +122,7 @@ def load_anatomy(setting: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame
     problems: list[str] = []
     for path in sweep_paths(setting):
         try:
-            doc = json.loads(path.read_text())
+            doc = read_doc(path)
         except (OSError, ValueError):
             continue
         anatomy = doc.get("anatomy") if isinstance(doc, dict) else None
@@ -128,11 +137,18 @@ def load_anatomy(setting: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame
 
 
 def _parts(source: str, cell: str, data: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (run, part) in the order the cell names them (``runs``, ``parts``); a cell written before
+    those were kept names its runs by its means and its parts by their ``p99_request_*`` keys."""
+    means_by_run = data.get("mean", {})
+    runs = list(data.get("runs") or means_by_run)
+    names = list(data.get("parts") or {k.removeprefix("p99_request_"): k for r in means_by_run.values()
+                                       for k in (r or {}) if k.startswith("p99_request_")})  # fmt: skip
     rows = []
-    for run in ANATOMY_RUNS:
-        means = data.get("mean", {}).get(run) or {}
-        rows += [{"source": source, "cell": cell, "run": run, "part": part.removesuffix("_ms"),
-                  "ms": means.get(f"p99_request_{part}")} for part in ANATOMY_PARTS]  # fmt: skip
+    for run_rank, run in enumerate(runs):
+        means = means_by_run.get(run) or {}
+        rows += [{"source": source, "cell": cell, "run": run, "run_rank": run_rank, "part": part.removesuffix("_ms"),
+                  "part_rank": rank, "ms": means.get(f"p99_request_{part}")}
+                 for rank, part in enumerate(names)]  # fmt: skip
     return rows
 
 

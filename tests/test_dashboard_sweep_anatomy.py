@@ -29,8 +29,10 @@ def test_budget_sweep_shows_the_anatomy_of_the_shipped_sweep(db: Path, monkeypat
     (parts,) = chart_rows(at, 1)
     joint = shipped["anatomy"]["mixed@0.25"]["mean"]["joint"]
     got = parts[(parts.cell == "mixed@0.25") & (parts.run == "joint")].set_index("part")["ms"]
-    assert got.to_dict() == pytest.approx({k.removesuffix("_ms"): joint[f"p99_request_{k}"]
-                                           for k in sweep_data.ANATOMY_PARTS})  # fmt: skip
+    names = list(shipped["anatomy"]["mixed@0.25"]["parts"])
+    assert names == ["stall_ms", "prefill_step_ms", "decode_step_ms", "gap_ms"]  # in the order the chart stacks
+    assert got.to_dict() == pytest.approx({k.removesuffix("_ms"): joint[f"p99_request_{k}"] for k in names})
+    assert list(parts.sort_values("part_rank")["part"].unique()) == [k.removesuffix("_ms") for k in names]
     assert len(parts) == 10 * 3 * 4  # cells × runs × parts
     ceilings = frame(at, "stall_ceiling_%")
     row = ceilings[(ceilings.cell == "long-reasoning@0.5") & (ceilings.partner == "independent_lru")].iloc[0]
@@ -52,3 +54,17 @@ def test_several_sweeps_are_shown_one_at_a_time_and_a_malformed_anatomy_is_a_war
     assert at.selectbox(key="anatomy_source").options == [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
     (parts,) = chart_rows(at, 1)
     assert len(parts) == 10 * 3 * 4 and set(parts["source"]) == {str(tmp_path / "a.json")}  # not a + b summed
+
+
+def test_an_anatomy_written_before_cells_named_their_parts_and_runs_still_reads(tmp_path: Path) -> None:
+    shipped = json.loads(SHIPPED_SWEEP.read_text())
+    named = ("parts", "runs")
+    old = {key: {k: v for k, v in cell.items() if k not in named} for key, cell in shipped["anatomy"].items()}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"points": shipped["points"][:3], "anatomy": old}))
+    parts, ceilings, problems = sweep_data.load_anatomy(str(path))
+    now, now_ceilings, _ = sweep_data.load_anatomy(str(SHIPPED_SWEEP))
+    assert not problems and len(parts) == len(now) == 10 * 3 * 4 and len(ceilings) == len(now_ceilings)
+    key = ["cell", "run", "part"]
+    assert parts.set_index(key)["ms"].sort_index().equals(now.set_index(key)["ms"].sort_index())
+    assert list(parts.sort_values("run_rank")["run"].unique()) == ["joint", "chosen_static", "independent_lru"]

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pathlib
 import types
 
+import pyarrow as pa
 import pytest
 
 from fallbackgate.profiling.engine_io import KIB, measure_engine_io
-from fallbackgate.tracing.devices import fit_profile, fit_profile_disk
+from fallbackgate.tracing.devices import device_models, fit_profile, fit_profile_disk
+from fallbackgate.tracing.schema import TraceTable
 
 
 def test_engine_io_points_time_each_part(tmp_path: pathlib.Path) -> None:
@@ -69,3 +71,19 @@ def test_profile_device_adds_the_engines_own_time_per_miss() -> None:
     assert device is not None and device.name == "profile" and "0.370 ms per miss" in device.source
     assert device.latency_ns == pytest.approx((latency_s + overhead_s) * 1e9, rel=1e-6)
     assert device.bandwidth_bytes_per_s == pytest.approx(bandwidth, rel=1e-6)
+
+
+def test_a_recording_whose_reads_are_one_size_is_priced_on_its_profile() -> None:
+    """Every read an expert's size: no line through them, so the analyses' measured device is the profile's miss
+    (what a report showed as what-ifs only before), followed by the two what-ifs."""
+    engine = [{"num_bytes": n, "queue_depth": 1, "mean_total_s": 1e-3 + n / 400e6} for n in (65536, 1 << 20)]
+    trace = _trace(engine, [])
+    reads = {"op": ["read"] * 4, "bytes": [294912] * 4, "start_ns": [0, 10, 20, 30], "end_ns": [5, 16, 27, 38]}
+    trace.tables = {TraceTable.IO: pa.table(reads | {"queue_depth": [0] * 4})}
+    measured, *what_ifs = device_models(trace)
+    assert measured.name == "profile" and not measured.is_what_if
+    assert measured.latency_ns == pytest.approx(1e6, rel=1e-6)
+    assert [d.is_what_if for d in what_ifs] == [True, True]
+    bare = _trace([], [])  # no profile numbers either: the what-ifs alone
+    bare.tables = trace.tables
+    assert [d.is_what_if for d in device_models(bare)] == [True, True]

@@ -151,11 +151,30 @@ def test_report_answers_the_six_questions(planted_report: tuple) -> None:
         assert f"## {number}. " in text
     assert "lift **1.7" in text and "lag **3** steps" in text
     assert "| best-split flips | 1 | 1 |" in text
+    served = [line for line in text.splitlines() if line.startswith("| prefill | ") or line.startswith("| decode | ")]
+    shares = collections.defaultdict(float)
+    for line in served:
+        phase, context, _, share = (cell.strip() for cell in line.strip("|").split("|"))
+        shares[(phase, context)] += float(share)
+    assert {phase for phase, _ in shares} == {"prefill", "decode"}  # the planted trace arbitrates in both
+    assert list(shares.values()) == pytest.approx([1.0] * len(shares), abs=1e-3)  # each bucket's options, in all
     figures = [line.split("(")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
     assert len(figures) == 5
     with open_ledger(str(ledger), read_only=True) as opened:
         (listed,) = analysed_traces(opened)
     assert listed["trace_path"] == str(trace_dir.resolve()) and listed["num_rows"] > 50
+
+
+def test_two_traces_of_one_workload_keep_their_own_sections_and_figures(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        write_planted_trace(tmp_path / name, Planted(seed=0, num_steps_per_phase=20))
+    out = tmp_path / "report.md"
+    assert main(["report", "--trace", str(tmp_path / "a"), "--trace", str(tmp_path / "b"), "--out", str(out),
+                 "--no-ledger"]) == 0  # fmt: skip
+    text = out.read_text()
+    assert text.count("### planted-seed0 (a)") == text.count("### planted-seed0 (b)") == 6  # one per question
+    figures = [line.split("(")[-1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
+    assert len(figures) == len(set(figures)) == 10 and all((tmp_path / f).is_file() for f in figures)
 
 
 def test_reanalysis_replaces_rows_and_bad_traces_exit_2(planted_report: tuple, tmp_path: Path) -> None:

@@ -87,13 +87,13 @@ def render(url: str, f: RunFilter, ledger: Ledger | None = None) -> None:
 
 def anatomy_bars(parts: pd.DataFrame) -> alt.Chart:
     """Stacked bars of the TPOT parts, one bar per run kind, one panel per cell (wrapping)."""
-    names = [p.removesuffix("_ms") for p in sweep_data.ANATOMY_PARTS]
-    ranked = parts.assign(part_rank=parts["part"].map({name: i for i, name in enumerate(names)}))
+    names = list(parts.sort_values("part_rank")["part"].unique())  # the order the sweep's JSON gives
+    runs = list(parts.sort_values("run_rank")["run"].unique())
     bars = (
-        alt.Chart(ranked)
+        alt.Chart(parts)
         .mark_bar()
         .encode(
-            x=alt.X("run:N", title=None, sort=list(sweep_data.ANATOMY_RUNS)),
+            x=alt.X("run:N", title=None, sort=runs),
             y=alt.Y("sum(ms):Q", title="ms per token"),
             color=alt.Color("part:N", sort=names, legend=alt.Legend(orient="bottom")),
             order=alt.Order("part_rank:Q"),

@@ -35,7 +35,7 @@ from typing import Any
 from fallbackgate.commands.checks import check_output_path
 from fallbackgate.controllers.registry import registered_kinds
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
-from fallbackgate.tracing.analyze import TraceAnalysis, analyze_trace, store
+from fallbackgate.tracing.analyze import TraceAnalysis, analyze_trace, store, trace_labels
 from fallbackgate.tracing.devices import simulation_devices
 from fallbackgate.tracing.reader import Trace, read_trace
 from fallbackgate.tracing.realio import RealIO, simulate_real
@@ -135,14 +135,12 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def analyze_paths(paths: list[str], out_dir: pathlib.Path, command: str) -> list[TraceAnalysis] | None:
     """Read and analyse every trace; None (after printing why) when one cannot be read."""
-    analyses = []
-    for path in paths:
-        try:
-            analyses.append(analyze_trace(read_trace(path), out_dir))
-        except TraceFormatError as exc:
-            print(f"fallbackgate {command}: error: {exc}", file=sys.stderr)
-            return None
-    return analyses
+    try:
+        traces = [read_trace(path) for path in paths]
+        return [analyze_trace(t, out_dir, label) for t, label in zip(traces, trace_labels(traces), strict=True)]
+    except TraceFormatError as exc:
+        print(f"fallbackgate {command}: error: {exc}", file=sys.stderr)
+        return None
 
 
 def store_all(analyses: list[TraceAnalysis], url: str | None, run_id: int | None, command: str) -> bool:

@@ -34,8 +34,16 @@ from fallbackgate.sweep.metrics import p99
 from fallbackgate.sweep.plot import anatomy_bars
 from fallbackgate.sweep.summary import INDEPENDENT, JOINT, STATIC, chosen_share, gain, interval
 
-PARTS = ("stall_ms", "prefill_step_ms", "decode_step_ms", "gap_ms")
-"""The parts of a request's TPOT, in milliseconds per output token after the first."""
+PARTS: dict[str, str] = {
+    "stall_ms": "expert stall",
+    "prefill_step_ms": "steps with a prefill chunk",
+    "decode_step_ms": "decode-only steps",
+    "gap_ms": "between its steps",
+}
+"""The parts of a request's TPOT (ms per output token after the first), in order, with their labels; each cell of
+:func:`sweep_anatomy` repeats them (``parts``) so readers of the JSON need not spell them."""
+RUNS: dict[str, str] = {"joint": "joint", "chosen_static": "chosen static", INDEPENDENT: "two LRUs"}
+"""The runs a cell compares, in order, with their labels (repeated in each cell as ``runs``)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -145,7 +153,8 @@ def sweep_anatomy(points: Iterable[dict[str, Any]], ledger: Ledger, held_out: in
         partners = {"chosen_static": lambda p, s=share: p["controller"] == STATIC and p["kv_share"] == s,
                     INDEPENDENT: lambda p: p["controller"] == INDEPENDENT}  # fmt: skip
         runs = {"joint": pick_joint, **partners}
-        cell: dict[str, Any] = {"chosen_static_kv_share": share, "mean": {}, "vs": {}}
+        assert list(runs) == list(RUNS), "RUNS names the runs a cell compares, in order"
+        cell: dict[str, Any] = {"chosen_static_kv_share": share, "parts": PARTS, "runs": RUNS, "mean": {}, "vs": {}}
         for name, pick in runs.items():
             found = [p["anatomy"] for ps in by_seed.values() for p in ps if pick(p) and p["anatomy"]]
             keys = sorted(set.intersection(*(set(a) for a in found))) if found else []
@@ -198,11 +207,11 @@ def markdown_table(anatomy: dict[str, Any]) -> str:
     lines = [head, "|---|---|---|---|"]
     for key, cell in anatomy.items():
         parts = []
-        for name in ("joint", "chosen_static", INDEPENDENT):
+        for name in RUNS:
             m = cell["mean"].get(name) or {}
             parts.append(" + ".join(f"{round(m.get(f'p99_request_{k}', float('nan')), 1) + 0.0:.1f}" for k in PARTS))
         vs = [f"{_pct(cell['vs'][n]['stall_ceiling'])} vs {_pct(cell['vs'][n]['joint_tpot_p99_gain'])}"
-              for n in ("chosen_static", INDEPENDENT)]  # fmt: skip
+              for n in list(RUNS)[1:]]  # fmt: skip
         lines.append(f"| {key} | {' / '.join(parts)} | {vs[0]} | {vs[1]} |")
     return "\n".join(lines)
 
@@ -213,7 +222,7 @@ def ttft_table(anatomy: dict[str, Any]) -> str:
             "their expert stall) | share meeting the TTFT target: as run → without own stall |")  # fmt: skip
     lines = [head, "|---|---|---|---|"]
     for key, cell in anatomy.items():
-        runs = [cell["mean"].get(name) or {} for name in ("joint", "chosen_static", INDEPENDENT)]
+        runs = [cell["mean"].get(name) or {} for name in RUNS]
         target = runs[0].get("ttft_target_ms", float("nan"))
         times = " / ".join(f"{m.get('ttft_ms', float('nan')):.1f} ({m.get('ttft_own_steps_ms', float('nan')):.1f}; "
                            f"{m.get('ttft_own_stall_ms', float('nan')):.1f})" for m in runs)  # fmt: skip

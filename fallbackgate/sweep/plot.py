@@ -99,31 +99,29 @@ def regime_heatmaps(points: list[dict[str, Any]], folder: str | pathlib.Path) ->
     return paths
 
 
-ANATOMY_PARTS: tuple[tuple[str, str, str], ...] = (  # (part, label, colour)
-    ("stall_ms", "expert stall", "tab:red"),
-    ("prefill_step_ms", "steps with a prefill chunk", "tab:orange"),
-    ("decode_step_ms", "decode-only steps", "tab:blue"),
-    ("gap_ms", "between its steps", "tab:gray"),
-)
-ANATOMY_RUNS: tuple[tuple[str, str], ...] = (("joint", "J"), ("chosen_static", "S"), ("independent_lru", "L"))
-
-
 def anatomy_bars(anatomy: dict[str, Any], path: str | pathlib.Path) -> pathlib.Path:
-    """Stacked bars of each cell's P99 request TPOT parts (mean over seeds, ms per token) for joint (J), the
-    chosen static split (S) and two LRUs (L); writes ``path`` (PNG) and returns it."""
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(anatomy)), 4.2))
-    xs, labels = [], []
+    """Stacked bars of each cell's P99 request TPOT parts (mean over seeds, ms per token), one bar per run the
+    cell compares (its ``runs``, parts in its ``parts`` order, both as :mod:`fallbackgate.sweep.anatomy` writes
+    them); writes ``path`` (PNG) and returns it."""
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.5 * len(anatomy)), 4.6))
+    xs, labels, colours, is_labelled = [], [], {}, False
     for i, (key, cell) in enumerate(anatomy.items()):
-        for j, (name, short) in enumerate(ANATOMY_RUNS):
-            m, x = cell["mean"].get(name) or {}, i * (len(ANATOMY_RUNS) + 1) + j
+        runs = cell.get("runs") or {}
+        for j, (name, run_label) in enumerate(runs.items()):
+            m, x = cell["mean"].get(name) or {}, i * (len(runs) + 1) + j
             bottom = 0.0
-            for part, label, colour in ANATOMY_PARTS:
+            for part, label in (cell.get("parts") or {}).items():
+                colour = colours.setdefault(part, f"C{len(colours)}")
                 value = max(0.0, m.get(f"p99_request_{part}", 0.0))
-                ax.bar(x, value, bottom=bottom, color=colour, label=label if i == j == 0 else None, width=0.85)
+                ax.bar(x, value, bottom=bottom, color=colour, label=None if is_labelled else label, width=0.85)
                 bottom += value
+            is_labelled = True
             xs.append(x)
-            labels.append(f"{short}\n{key}" if j == 1 else short)
-    ax.set_xticks(xs, labels, fontsize=7)
+            labels.append(run_label)
+        if runs:
+            ax.text(i * (len(runs) + 1) + (len(runs) - 1) / 2, -0.28, key, ha="center", va="top", fontsize=7,
+                    transform=ax.get_xaxis_transform())  # fmt: skip
+    ax.set_xticks(xs, labels, fontsize=6, rotation=90)
     ax.set_ylabel("P99 request TPOT, ms per token (wall clock)")
     ax.set_title("Where the slowest request's decode time went (mean over seeds)")
     ax.legend(fontsize=8)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import re
 from pathlib import Path
@@ -23,6 +24,12 @@ class TraceAnalysis:
     trace: Trace  # the trace analysed
     results: list[AnalysisResult]  # one per analysis (devices' rows ride on flips and marginal value)
     device_names: list[str]  # the device models, measured first
+    label: str = ""  # what a report calls it and its figures are named by ("": the trace's workload)
+
+    @property
+    def title(self) -> str:
+        """The label, else the trace's workload."""
+        return self.label or self.trace.workload
 
     def result(self, name: str) -> AnalysisResult:
         """The result of the analysis called ``name``."""
@@ -41,12 +48,21 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "trace"
 
 
-def analyze_trace(trace: Trace, out_dir: Path) -> TraceAnalysis:
-    """Run every analysis on ``trace`` and write its figures under ``out_dir``."""
+def trace_labels(traces: list[Trace]) -> list[str]:
+    """One label per trace: its workload, with its directory's name where another trace has the same workload
+    (two seeds of one sweep cell), so no two reports' sections or figures share a name."""
+    counts = collections.Counter(t.workload for t in traces)
+    return [t.workload if counts[t.workload] == 1 else f"{t.workload} ({t.path.name})" for t in traces]
+
+
+def analyze_trace(trace: Trace, out_dir: Path, label: str = "") -> TraceAnalysis:
+    """Run every analysis on ``trace`` and write its figures under ``out_dir``, named by ``label`` (default: the
+    trace's workload)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     devices = device_models(trace)
     timeline = build_timeline(trace)
-    name = _slug(trace.workload)
+    title = label or trace.workload
+    name = _slug(title)
     results = [
         coburst.co_burst(trace),
         budget.marginal_value(timeline, devices),
@@ -58,7 +74,7 @@ def analyze_trace(trace: Trace, out_dir: Path) -> TraceAnalysis:
     if by_name["co_burst"].rows:
         by_name["co_burst"].figures.append(
             figures.co_burst_figure(
-                by_name["co_burst"], out_dir / f"{name}-co_burst.png", f"{trace.workload}: co-burst"
+                by_name["co_burst"], out_dir / f"{name}-co_burst.png", f"{title}: co-burst"
             )
         )
     grid_budgets, p99 = budget.budget_grid(timeline, devices[0])
@@ -66,7 +82,7 @@ def analyze_trace(trace: Trace, out_dir: Path) -> TraceAnalysis:
         figures.budget_figure(grid_budgets, p99, out_dir / f"{name}-budget.png", f"{devices[0].name}: P99 TPOT")
     )
     by_name["flips"].figures.append(
-        figures.flips_figure(by_name["flips"], out_dir / f"{name}-flips.png", f"{trace.workload}: best split")
+        figures.flips_figure(by_name["flips"], out_dir / f"{name}-flips.png", f"{title}: best split")
     )
     if by_name["dual_miss"].rows:
         by_name["dual_miss"].figures.append(
@@ -77,7 +93,7 @@ def analyze_trace(trace: Trace, out_dir: Path) -> TraceAnalysis:
     )
     if not any(not d.is_what_if for d in devices):
         by_name["marginal_value"].notes.append("no measured device model (no I/O rows, no profile): what-ifs only")
-    return TraceAnalysis(trace, results, [d.name for d in devices])
+    return TraceAnalysis(trace, results, [d.name for d in devices], label)
 
 
 def store(ledger: Ledger, analysis: TraceAnalysis, run_id: int | None = None) -> int:

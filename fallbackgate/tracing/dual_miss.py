@@ -48,7 +48,9 @@ def dual_miss(trace: Trace, devices: list[DeviceModel]) -> AnalysisResult:
     result = AnalysisResult(Analysis.DUAL_MISS)
     options = trace.frame(TraceTable.ARBITRATION)
     if options.empty:
-        result.notes.append("the trace has no arbitration rows (no dual misses recorded): nothing to compare")
+        result.notes.append(
+            "the trace has no arbitration rows (its controller weighed no late object's options): nothing to compare"
+        )
         return result
     options["option"] = options["option"].astype(str)
     options["phase"] = options["phase"].astype(str)

@@ -102,9 +102,17 @@ def _q2(a: TraceAnalysis, report_dir: Path) -> list[str]:
 def _q3(a: TraceAnalysis, report_dir: Path) -> list[str]:
     r = a.result("dual_miss")
     if not r.rows:
-        return [*r.notes, "What would answer it: a run whose controller arbitrates dual misses (the arbitration "
-                "table), recorded with `run --trace DIR`."]  # fmt: skip
-    lines = ["| device | phase | recompute beats loading the KV block below (context tokens) |", "|---|---|---|"]
+        return [*r.notes, "What would answer it: a run whose controller arbitrates late objects (joint: the "
+                "arbitration table) under a budget where exact KV copies arrive late, recorded with "
+                "`run --trace DIR`."]  # fmt: skip
+    lines = ["What the controller served its late objects with, by phase and context length (share of the late "
+             "objects in each):", "", "| phase | context tokens | served with | share |",
+             "|---|---|---|---|"]  # fmt: skip
+    for row in r.rows:
+        if row.metric == "chosen_share":
+            params = row.params
+            lines.append(f"| {params['phase']} | {params['context']} | {params['option']} | {_f(row.value)} |")
+    lines += ["", "| device | phase | recompute beats loading the KV block below (context tokens) |", "|---|---|---|"]
     for row in r.rows:
         if row.metric == "recompute_crossover_tokens":
             lines.append(f"| {row.device} | {row.params['phase']} | {_f(row.value, 4)} |")
@@ -217,7 +225,7 @@ def build_report(analyses: list[TraceAnalysis], out_file: Path) -> str:
     for question, section in zip(QUESTIONS, sections, strict=True):
         lines += [f"## {question}", ""]
         for a in analyses:
-            lines += [f"### {a.trace.workload}", "", *section(a), ""]
+            lines += [f"### {a.title}", "", *section(a), ""]
     lines += ["## Planted parameters", ""] if any(a.trace.metadata.get("planted") for a in analyses) else []
     for a in analyses:
         lines += _planted(a)
