@@ -20,7 +20,9 @@ from fallbackgate.engine.tags import Tier
 from fallbackgate.sweep.belady import belady_misses
 
 NUM_LAYERS, EXPERT_BYTES = 4, 1 << 16
-TRACE = Path(fallbackgate.__file__).parent / "sweep_results/report/traces/long-retrieval_0_joint_0.25_None"
+# stop 34's kept traces (16-token answers), on which the README's stop 37-39 figures were measured
+TRACES = Path(fallbackgate.__file__).parent / "bench/results/victims-oracle-2026-12-05/traces"
+TRACE = TRACES / "long-retrieval_0_joint_0.25_None"
 
 
 def _view(on_device: list, used: tuple = (), num_layers: int = NUM_LAYERS) -> StaticView:
