@@ -7,8 +7,10 @@ to every seed, the held-out one included) and ``independent_lru``. A gain is rel
 ``joint / partner − 1`` (partner 0: reported as the difference), P99 TPOT ``1 − joint / partner``, and the
 same for read bytes and stall seconds. Intervals are Student-t 95 % over seeds (n = 3 gives wide ones).
 A verdict is ``met`` only when the whole interval clears the goal, ``not met`` when it lies below it,
-``undecided`` otherwise. Quality is reported beside (``quality``: joint's and the baselines' audited mean KL
-and whether every gate passed), not folded into the gains.
+``undecided`` otherwise. On mixed a second verdict (``verdict_per_metric_best``) compares each of SLO
+attainment and P99 TPOT with the split best on that metric alone (:func:`per_metric_best`). Quality is reported
+beside (``quality``: joint's and the baselines' audited mean KL and whether every gate passed), not folded into
+the gains.
 
 ``python -m fallbackgate.sweep.summary SWEEP.json`` recomputes the summary and the heatmaps of a results file.
 """
@@ -76,6 +78,31 @@ def chosen_share(by_seed: dict[int, list[dict[str, Any]]], held_out: int) -> flo
     return min(scores, key=lambda s: tuple(statistics.fmean(x[i] for x in scores[s]) for i in (0, 1)))
 
 
+def per_metric_best(by_seed: dict[int, list[dict[str, Any]]], held_out: int) -> dict[str, Any]:
+    """Per SLO attainment and P99 TPOT: the KV share with the best mean of that metric alone over the non-held-out
+    seeds, and joint's gain on that metric over it (interval over all seeds) — the stricter reading of "the best
+    static split", which no tie on the other metric can move."""
+    out: dict[str, Any] = {}
+    for metric in ("slo_attainment", "tpot_p99_ms"):
+        means: dict[float, list[float]] = {}
+        for seed, cell in by_seed.items():
+            for p in cell:
+                if p["controller"] == STATIC and seed != held_out:
+                    means.setdefault(p["kv_share"], []).append(p["metrics"][metric])
+        if not means:
+            continue
+        sign = -1.0 if metric in HIGHER_IS_BETTER else 1.0
+        share = min(means, key=lambda s: sign * statistics.fmean(means[s]))
+        gains = []
+        for cell in by_seed.values():
+            joint = next((p for p in cell if p["controller"] == JOINT), None)
+            partner = next((p for p in cell if p["controller"] == STATIC and p["kv_share"] == share), None)
+            if joint and partner:
+                gains.append(gain(metric, joint["metrics"][metric], partner["metrics"][metric]))
+        out[metric] = {"kv_share": share, "all": interval(gains)}
+    return out
+
+
 def compare(by_seed: dict[int, list[dict[str, Any]]], held_out: int) -> dict[str, Any]:
     """Per partner and metric, joint's gain per seed and its interval (all seeds; held-out apart)."""
     share = chosen_share(by_seed, held_out)
@@ -104,7 +131,8 @@ def compare(by_seed: dict[int, list[dict[str, Any]]], held_out: int) -> dict[str
             ),
             "all_gates_passed": float(all(p["metrics"]["gate_passed"] for p in cell)),
         }
-    out: dict[str, Any] = {"chosen_static_kv_share": share, "quality": quality, "gains": {}}
+    out: dict[str, Any] = {"chosen_static_kv_share": share, "quality": quality, "gains": {},
+                           "per_metric_best": per_metric_best(by_seed, held_out)}  # fmt: skip
     for name, by_metric in rows.items():
         out["gains"][name] = {
             metric: {
@@ -123,6 +151,13 @@ def _best(gains: dict[str, Any], partner: str) -> dict[str, float]:
     found = [g[m]["all"] | {"metric": m} for m in ("slo_attainment", "tpot_p99_ms") if m in g]
     return max(found, key=lambda x: x["mean"]) if found else {"mean": float("nan"), "lo": float("nan"),
                                                              "hi": float("nan"), "metric": ""}  # fmt: skip
+
+
+def _any_met(states: list[str]) -> str:
+    """``met`` when one metric met the goal, ``not met`` when every one did not, else ``undecided``."""
+    if "met" in states:
+        return "met"
+    return "not met" if states and set(states) == {"not met"} else ("undecided" if states else "no data")
 
 
 def decide(iv: dict[str, Any], goal: float) -> str:
@@ -186,8 +221,10 @@ def summarise(points: list[dict[str, Any]], held_out_seed: int) -> dict[str, Any
         workload, g = key.split("@")[0], c["gains"]
         if workload == "mixed":
             chosen, oracle = _best(g, "chosen_static"), _best(g, "oracle_static")
+            strict = [decide(b["all"], GOAL_MIXED) for b in c["per_metric_best"].values()]
             verdicts["mixed_vs_static"][key] = {"chosen": chosen, "oracle": oracle,
-                                                "verdict": decide(chosen, GOAL_MIXED)}  # fmt: skip
+                                                "verdict": decide(chosen, GOAL_MIXED),
+                                                "verdict_per_metric_best": _any_met(strict)}  # fmt: skip
         indep = _best(g, INDEPENDENT)
         verdicts["vs_independent"][key] = {"best": indep, "verdict": decide(indep, 1e-12)}
         if workload != "mixed":
