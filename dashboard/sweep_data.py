@@ -45,6 +45,7 @@ def read_doc(path: Path) -> Any:
 
 @functools.lru_cache(maxsize=16)
 def _parsed(path: str, mtime_ns: int, size: int) -> Any:
+    """The JSON at `path` as parsed at this version (modification time and size: the cache key)."""
     return json.loads(Path(path).read_text())
 
 
@@ -130,25 +131,25 @@ def load_anatomy(setting: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame
             for cell, data in (anatomy or {}).items():
                 parts += _parts(str(path), cell, data)
                 ceilings += _ceilings(str(path), cell, data)
-        except (AttributeError, TypeError) as exc:
+        except (AttributeError, TypeError, ValueError) as exc:
             problems.append(f"{path}: its anatomy is malformed ({exc})")
     parts_df = pd.DataFrame(parts).dropna(subset=["ms"]) if parts else pd.DataFrame()
     return parts_df, pd.DataFrame(ceilings), problems
 
 
 def _parts(source: str, cell: str, data: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per (run, part) in the order the cell names them (``runs``, ``parts``); a cell written before
-    those were kept names its runs by its means and its parts by their ``p99_request_*`` keys."""
-    means_by_run = data.get("mean", {})
-    runs = list(data.get("runs") or means_by_run)
-    names = list(data.get("parts") or {k.removeprefix("p99_request_"): k for r in means_by_run.values()
-                                       for k in (r or {}) if k.startswith("p99_request_")})  # fmt: skip
+    """One row per (run, part) in the order the cell names them (``runs``, ``parts``: name -> label)."""
+    runs, names = data.get("runs"), data.get("parts")
+    if not isinstance(runs, dict) or not isinstance(names, dict):
+        raise ValueError(f"cell {cell} names no parts and runs (written before they were kept): rerun "
+                         f"`python -m fallbackgate.sweep.anatomy {source} --ledger URL`")  # fmt: skip
     rows = []
-    for run_rank, run in enumerate(runs):
-        means = means_by_run.get(run) or {}
-        rows += [{"source": source, "cell": cell, "run": run, "run_rank": run_rank, "part": part.removesuffix("_ms"),
-                  "part_rank": rank, "ms": means.get(f"p99_request_{part}")}
-                 for rank, part in enumerate(names)]  # fmt: skip
+    for run_rank, (run, run_label) in enumerate(runs.items()):
+        means = data.get("mean", {}).get(run) or {}
+        for rank, (part, label) in enumerate(names.items()):
+            rows.append({"source": source, "cell": cell, "run": run, "run_label": run_label, "run_rank": run_rank,
+                         "part": part.removesuffix("_ms"), "part_label": label, "part_rank": rank,
+                         "ms": means.get(f"p99_request_{part}")})  # fmt: skip
     return rows
 
 

@@ -33,6 +33,7 @@ def test_budget_sweep_shows_the_anatomy_of_the_shipped_sweep(db: Path, monkeypat
     assert names == ["stall_ms", "prefill_step_ms", "decode_step_ms", "gap_ms"]  # in the order the chart stacks
     assert got.to_dict() == pytest.approx({k.removesuffix("_ms"): joint[f"p99_request_{k}"] for k in names})
     assert list(parts.sort_values("part_rank")["part"].unique()) == [k.removesuffix("_ms") for k in names]
+    assert list(parts.sort_values("run_rank")["run_label"].unique()) == ["joint", "chosen static", "two LRUs"]
     assert len(parts) == 10 * 3 * 4  # cells × runs × parts
     ceilings = frame(at, "stall_ceiling_%")
     row = ceilings[(ceilings.cell == "long-reasoning@0.5") & (ceilings.partner == "independent_lru")].iloc[0]
@@ -56,15 +57,23 @@ def test_several_sweeps_are_shown_one_at_a_time_and_a_malformed_anatomy_is_a_war
     assert len(parts) == 10 * 3 * 4 and set(parts["source"]) == {str(tmp_path / "a.json")}  # not a + b summed
 
 
-def test_an_anatomy_written_before_cells_named_their_parts_and_runs_still_reads(tmp_path: Path) -> None:
+def test_an_anatomy_written_before_cells_named_their_parts_and_runs_is_a_warning_with_the_fix(
+    tmp_path: Path,
+) -> None:
     shipped = json.loads(SHIPPED_SWEEP.read_text())
     named = ("parts", "runs")
     old = {key: {k: v for k, v in cell.items() if k not in named} for key, cell in shipped["anatomy"].items()}
     path = tmp_path / "old.json"
     path.write_text(json.dumps({"points": shipped["points"][:3], "anatomy": old}))
-    parts, ceilings, problems = sweep_data.load_anatomy(str(path))
-    now, now_ceilings, _ = sweep_data.load_anatomy(str(SHIPPED_SWEEP))
-    assert not problems and len(parts) == len(now) == 10 * 3 * 4 and len(ceilings) == len(now_ceilings)
-    key = ["cell", "run", "part"]
-    assert parts.set_index(key)["ms"].sort_index().equals(now.set_index(key)["ms"].sort_index())
-    assert list(parts.sort_values("run_rank")["run"].unique()) == ["joint", "chosen_static", "independent_lru"]
+    parts, _, problems = sweep_data.load_anatomy(str(path))
+    assert parts.empty and len(problems) == 1
+    assert "names no parts and runs" in problems[0] and f"python -m fallbackgate.sweep.anatomy {path}" in problems[0]
+
+
+def test_a_sweep_json_is_parsed_once_per_version(tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"points": [], "n": 1}))
+    first = sweep_data.read_doc(path)
+    assert sweep_data.read_doc(path) is first  # the same parse, not a second one
+    path.write_text(json.dumps({"points": [], "n": 22}))  # another size: another version
+    assert sweep_data.read_doc(path) == {"points": [], "n": 22}

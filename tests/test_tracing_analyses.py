@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from fallbackgate.cli import main
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.ledger.trace_queries import analysed_traces, trace_analyses
 from fallbackgate.tracing import TraceTable, TraceWriter, read_trace
+from fallbackgate.tracing.analyze import trace_labels
 from fallbackgate.tracing.cachesim import stack_distances
 from fallbackgate.tracing.coburst import co_burst
 from fallbackgate.tracing.contention import overlap, union
@@ -152,12 +154,14 @@ def test_report_answers_the_six_questions(planted_report: tuple) -> None:
     assert "lift **1.7" in text and "lag **3** steps" in text
     assert "| best-split flips | 1 | 1 |" in text
     served = [line for line in text.splitlines() if line.startswith("| prefill | ") or line.startswith("| decode | ")]
-    shares = collections.defaultdict(float)
+    shares = {}
     for line in served:
-        phase, context, _, share = (cell.strip() for cell in line.strip("|").split("|"))
-        shares[(phase, context)] += float(share)
-    assert {phase for phase, _ in shares} == {"prefill", "decode"}  # the planted trace arbitrates in both
-    assert list(shares.values()) == pytest.approx([1.0] * len(shares), abs=1e-3)  # each bucket's options, in all
+        phase, context, option, share = (cell.strip() for cell in line.strip("|").split("|"))
+        shares[(phase, context, option)] = float(share)
+    # planted: recompute below 1,149 context tokens in prefill and 287 in decode, expert-first above
+    assert shares[("prefill", "<256", "recompute")] == shares[("prefill", "<1k", "recompute")] == 1.0
+    assert shares[("decode", "<256", "recompute")] == shares[("decode", "<4k", "expert_first")] == 1.0
+    assert 0.0 < shares[("prefill", "<4k", "recompute")] < 0.1  # 1,025-1,149 of 1,025-4,095
     figures = [line.split("(")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
     assert len(figures) == 5
     with open_ledger(str(ledger), read_only=True) as opened:
@@ -175,6 +179,14 @@ def test_two_traces_of_one_workload_keep_their_own_sections_and_figures(tmp_path
     assert text.count("### planted-seed0 (a)") == text.count("### planted-seed0 (b)") == 6  # one per question
     figures = [line.split("(")[-1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
     assert len(figures) == len(set(figures)) == 10 and all((tmp_path / f).is_file() for f in figures)
+
+
+def test_trace_labels_are_unique_even_for_one_directory_name_in_two_places() -> None:
+    def trace(workload: str, path: str) -> SimpleNamespace:
+        return SimpleNamespace(workload=workload, path=Path(path))
+
+    traces = [trace("mixed_joint", "a/x"), trace("mixed_joint", "b/x"), trace("mixed_joint", "c/y"), trace("w", "z")]
+    assert trace_labels(traces) == ["mixed_joint (x)", "mixed_joint (x) #2", "mixed_joint (y)", "w"]
 
 
 def test_reanalysis_replaces_rows_and_bad_traces_exit_2(planted_report: tuple, tmp_path: Path) -> None:

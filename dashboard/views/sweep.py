@@ -77,9 +77,9 @@ def render(url: str, f: RunFilter, ledger: Ledger | None = None) -> None:
         source = st.selectbox("Sweep", sources, key="anatomy_source") if len(sources) > 1 else sources[0]
         parts, ceilings = parts[parts["source"] == source], ceilings[ceilings["source"] == source]
         st.caption(
-            "The P99 request's TPOT per cell, ms per token (wall clock, mean over seeds), split into expert stall, "
-            "steps with a prefill chunk, decode-only steps and the gap between its steps; the stall ceiling is "
-            "the P99 TPOT gain of removing every expert stall of the partner's runs."
+            "The P99 request's TPOT per cell, ms per token (wall clock, mean over seeds), split into the parts "
+            "the sweep names; the stall ceiling is the P99 TPOT gain of removing every expert stall of the "
+            "partner's runs."
         )
         st.altair_chart(anatomy_bars(parts), width="content")
         st.dataframe(ceilings, hide_index=True, key="sweep_ceilings")
@@ -87,17 +87,17 @@ def render(url: str, f: RunFilter, ledger: Ledger | None = None) -> None:
 
 def anatomy_bars(parts: pd.DataFrame) -> alt.Chart:
     """Stacked bars of the TPOT parts, one bar per run kind, one panel per cell (wrapping)."""
-    names = list(parts.sort_values("part_rank")["part"].unique())  # the order the sweep's JSON gives
-    runs = list(parts.sort_values("run_rank")["run"].unique())
+    names = list(parts.sort_values("part_rank")["part_label"].unique())  # the order the sweep's JSON gives
+    runs = list(parts.sort_values("run_rank")["run_label"].unique())
     bars = (
         alt.Chart(parts)
         .mark_bar()
         .encode(
-            x=alt.X("run:N", title=None, sort=runs),
+            x=alt.X("run_label:N", title=None, sort=runs),
             y=alt.Y("sum(ms):Q", title="ms per token"),
-            color=alt.Color("part:N", sort=names, legend=alt.Legend(orient="bottom")),
+            color=alt.Color("part_label:N", title="part", sort=names, legend=alt.Legend(orient="bottom")),
             order=alt.Order("part_rank:Q"),
-            tooltip=["cell", "run", "part", alt.Tooltip("ms:Q", format=".2f")],
+            tooltip=["cell", "run_label", "part_label", alt.Tooltip("ms:Q", format=".2f")],
         )
         .properties(width=alt.Step(28), height=180)
     )

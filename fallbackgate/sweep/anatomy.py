@@ -42,7 +42,7 @@ PARTS: dict[str, str] = {
 }
 """The parts of a request's TPOT (ms per output token after the first), in order, with their labels; each cell of
 :func:`sweep_anatomy` repeats them (``parts``) so readers of the JSON need not spell them."""
-RUNS: dict[str, str] = {"joint": "joint", "chosen_static": "chosen static", INDEPENDENT: "two LRUs"}
+RUNS: dict[str, str] = {JOINT: "joint", "chosen_static": "chosen static", INDEPENDENT: "two LRUs"}
 """The runs a cell compares, in order, with their labels (repeated in each cell as ``runs``)."""
 
 
@@ -150,11 +150,12 @@ def sweep_anatomy(points: Iterable[dict[str, Any]], ledger: Ledger, held_out: in
     out: dict[str, Any] = {}
     for key, by_seed in sorted(cells.items()):
         share = chosen_share(by_seed, held_out)
-        partners = {"chosen_static": lambda p, s=share: p["controller"] == STATIC and p["kv_share"] == s,
-                    INDEPENDENT: lambda p: p["controller"] == INDEPENDENT}  # fmt: skip
-        runs = {"joint": pick_joint, **partners}
-        assert list(runs) == list(RUNS), "RUNS names the runs a cell compares, in order"
-        cell: dict[str, Any] = {"chosen_static_kv_share": share, "parts": PARTS, "runs": RUNS, "mean": {}, "vs": {}}
+        picks = {JOINT: pick_joint, "chosen_static": lambda p, s=share: p["controller"] == STATIC
+                 and p["kv_share"] == s, INDEPENDENT: lambda p: p["controller"] == INDEPENDENT}  # fmt: skip
+        runs = {name: picks[name] for name in RUNS}
+        partners = dict(list(runs.items())[1:])
+        cell: dict[str, Any] = {"chosen_static_kv_share": share, "parts": dict(PARTS), "runs": dict(RUNS),
+                                "mean": {}, "vs": {}}  # fmt: skip
         for name, pick in runs.items():
             found = [p["anatomy"] for ps in by_seed.values() for p in ps if pick(p) and p["anatomy"]]
             keys = sorted(set.intersection(*(set(a) for a in found))) if found else []

@@ -115,7 +115,7 @@ def anatomy_bars(anatomy: dict[str, Any], path: str | pathlib.Path) -> pathlib.P
                 value = max(0.0, m.get(f"p99_request_{part}", 0.0))
                 ax.bar(x, value, bottom=bottom, color=colour, label=None if is_labelled else label, width=0.85)
                 bottom += value
-            is_labelled = True
+            is_labelled = is_labelled or bool(cell.get("parts"))
             xs.append(x)
             labels.append(run_label)
         if runs:

@@ -7,8 +7,8 @@ to every seed, the held-out one included) and ``independent_lru``. A gain is rel
 ``joint / partner − 1`` (partner 0: reported as the difference), P99 TPOT ``1 − joint / partner``, and the
 same for read bytes and stall seconds. Intervals are Student-t 95 % over seeds (n = 3 gives wide ones).
 A verdict is ``met`` only when the whole interval clears the goal, ``not met`` when it lies below it,
-``undecided`` otherwise. On mixed a second verdict (``verdict_per_metric_best``) compares each of SLO
-attainment and P99 TPOT with the split best on that metric alone (:func:`per_metric_best`). Quality is reported
+``undecided`` otherwise. On mixed a stricter verdict (``verdict_per_metric_best``) takes the same metric against
+the split best on that metric alone (:func:`per_metric_best`), never a better one for joint. Quality is reported
 beside (``quality``: joint's and the baselines' audited mean KL and whether every gate passed), not folded into
 the gains.
 
@@ -28,7 +28,8 @@ from typing import Any
 from scipy import stats
 
 STATIC, INDEPENDENT, JOINT = "static_split", "independent_lru", "joint"
-METRICS = ("slo_attainment", "tpot_p99_ms", "read_bytes", "stall_s")
+VERDICT_METRICS = ("slo_attainment", "tpot_p99_ms")  # what a verdict is decided on
+METRICS = (*VERDICT_METRICS, "read_bytes", "stall_s")
 HIGHER_IS_BETTER = {"slo_attainment"}
 GOAL_MIXED = 0.20  # joint beats the best static split on mixed by this much
 GOAL_WITHIN = 0.05  # joint within this of each homogeneous workload's best static split
@@ -79,20 +80,22 @@ def chosen_share(by_seed: dict[int, list[dict[str, Any]]], held_out: int) -> flo
 
 
 def per_metric_best(by_seed: dict[int, list[dict[str, Any]]], held_out: int) -> dict[str, Any]:
-    """Per SLO attainment and P99 TPOT: the KV share with the best mean of that metric alone over the non-held-out
-    seeds, and joint's gain on that metric over it (interval over all seeds) — the stricter reading of "the best
-    static split", which no tie on the other metric can move."""
+    """Per verdict metric: the KV share with the best mean of that metric over the non-held-out seeds (ties: the
+    other metric's mean), and joint's gain on that metric over it (interval over all seeds) — the stricter
+    reading of "the best static split", which a near-tie on the other metric cannot move."""
+    means: dict[float, dict[str, list[float]]] = {}
+    for seed, cell in by_seed.items():
+        for p in cell:
+            if p["controller"] == STATIC and seed != held_out:
+                for metric in VERDICT_METRICS:
+                    means.setdefault(p["kv_share"], {}).setdefault(metric, []).append(p["metrics"][metric])
+    score = {s: {m: (-1.0 if m in HIGHER_IS_BETTER else 1.0) * statistics.fmean(v) for m, v in by.items()}
+             for s, by in means.items()}  # fmt: skip
     out: dict[str, Any] = {}
-    for metric in ("slo_attainment", "tpot_p99_ms"):
-        means: dict[float, list[float]] = {}
-        for seed, cell in by_seed.items():
-            for p in cell:
-                if p["controller"] == STATIC and seed != held_out:
-                    means.setdefault(p["kv_share"], []).append(p["metrics"][metric])
-        if not means:
-            continue
-        sign = -1.0 if metric in HIGHER_IS_BETTER else 1.0
-        share = min(means, key=lambda s: sign * statistics.fmean(means[s]))
+    for metric, other in (VERDICT_METRICS, VERDICT_METRICS[::-1]):
+        if not score:
+            break
+        share = min(score, key=lambda s: (score[s][metric], score[s][other]))
         gains = []
         for cell in by_seed.values():
             joint = next((p for p in cell if p["controller"] == JOINT), None)
@@ -148,16 +151,9 @@ def compare(by_seed: dict[int, list[dict[str, Any]]], held_out: int) -> dict[str
 def _best(gains: dict[str, Any], partner: str) -> dict[str, float]:
     """The interval (all seeds) of whichever of SLO attainment and P99 TPOT gains more on average."""
     g = gains.get(partner, {})
-    found = [g[m]["all"] | {"metric": m} for m in ("slo_attainment", "tpot_p99_ms") if m in g]
+    found = [g[m]["all"] | {"metric": m} for m in VERDICT_METRICS if m in g]
     return max(found, key=lambda x: x["mean"]) if found else {"mean": float("nan"), "lo": float("nan"),
                                                              "hi": float("nan"), "metric": ""}  # fmt: skip
-
-
-def _any_met(states: list[str]) -> str:
-    """``met`` when one metric met the goal, ``not met`` when every one did not, else ``undecided``."""
-    if "met" in states:
-        return "met"
-    return "not met" if states and set(states) == {"not met"} else ("undecided" if states else "no data")
 
 
 def decide(iv: dict[str, Any], goal: float) -> str:
@@ -221,14 +217,14 @@ def summarise(points: list[dict[str, Any]], held_out_seed: int) -> dict[str, Any
         workload, g = key.split("@")[0], c["gains"]
         if workload == "mixed":
             chosen, oracle = _best(g, "chosen_static"), _best(g, "oracle_static")
-            strict = [decide(b["all"], GOAL_MIXED) for b in c["per_metric_best"].values()]
+            strict = c["per_metric_best"].get(chosen["metric"], {}).get("all") or chosen | {"mean": float("nan")}
             verdicts["mixed_vs_static"][key] = {"chosen": chosen, "oracle": oracle,
                                                 "verdict": decide(chosen, GOAL_MIXED),
-                                                "verdict_per_metric_best": _any_met(strict)}  # fmt: skip
+                                                "verdict_per_metric_best": decide(strict, GOAL_MIXED)}  # fmt: skip
         indep = _best(g, INDEPENDENT)
         verdicts["vs_independent"][key] = {"best": indep, "verdict": decide(indep, 1e-12)}
         if workload != "mixed":
-            per = [g.get("oracle_static", {}).get(m, {}).get("all") for m in ("slo_attainment", "tpot_p99_ms")]
+            per = [g.get("oracle_static", {}).get(m, {}).get("all") for m in VERDICT_METRICS]
             per = [x for x in per if x]
             states = [decide(x, -GOAL_WITHIN) for x in per]
             verdict = (

@@ -50,9 +50,16 @@ def _slug(text: str) -> str:
 
 def trace_labels(traces: list[Trace]) -> list[str]:
     """One label per trace: its workload, with its directory's name where another trace has the same workload
-    (two seeds of one sweep cell), so no two reports' sections or figures share a name."""
+    (two seeds of one sweep cell), numbered where even those agree, so no two sections or figure names of a
+    report are the same."""
     counts = collections.Counter(t.workload for t in traces)
-    return [t.workload if counts[t.workload] == 1 else f"{t.workload} ({t.path.name})" for t in traces]
+    labels = [t.workload if counts[t.workload] == 1 else f"{t.workload} ({t.path.name})" for t in traces]
+    seen: collections.Counter[str] = collections.Counter()
+    out = []
+    for label in labels:  # same workload and directory name (two sweeps' kept cells): numbered
+        seen[_slug(label)] += 1
+        out.append(label if seen[_slug(label)] == 1 else f"{label} #{seen[_slug(label)]}")
+    return out
 
 
 def analyze_trace(trace: Trace, out_dir: Path, label: str = "") -> TraceAnalysis:

@@ -76,8 +76,9 @@ def fit_measured(trace: Trace) -> DeviceModel | None:
 def device_models(trace: Trace) -> list[DeviceModel]:
     """The measured model followed by the what-ifs: fitted to the trace's reads (or the numbers its profile
     states) when they allow it, else this machine's miss as the trace's recorded ``fallbackgate profile``
-    measured it through the engine's I/O path (:func:`fit_profile`: a recording whose reads are all one
-    expert's size cannot be fitted); none when neither is there."""
+    measured it through the engine's I/O path (:func:`fit_profile`, named ``profile``; ``profile-disk``, the
+    pure disk, where that profile has no engine I/O points), since a recording whose reads are all one
+    expert's size cannot be fitted; none when neither is there."""
     measured = fit_measured(trace) or fit_profile(trace)
     return ([measured] if measured else []) + list(WHAT_IFS)
 

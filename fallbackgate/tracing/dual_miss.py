@@ -55,7 +55,8 @@ def dual_miss(trace: Trace, devices: list[DeviceModel]) -> AnalysisResult:
     options["option"] = options["option"].astype(str)
     options["phase"] = options["phase"].astype(str)
     chosen = options[options["is_chosen"]]
-    buckets = pd.cut(chosen["context_tokens"], [0, 256, 1024, 4096, np.inf], labels=["<256", "<1k", "<4k", ">=4k"])
+    edges, labels = [-np.inf, 256, 1024, 4096, np.inf], ["<256", "<1k", "<4k", ">=4k"]
+    buckets = pd.cut(chosen["context_tokens"], edges, labels=labels)
     shares = chosen.groupby([chosen["phase"], buckets], observed=True)["option"].value_counts(normalize=True)
     for (phase, bucket, option), share in shares.items():
         result.rows.append(AnalysisRow(Analysis.DUAL_MISS, "chosen_share", float(share), "share",
@@ -65,6 +66,7 @@ def dual_miss(trace: Trace, devices: list[DeviceModel]) -> AnalysisResult:
         rest = options["predicted_ns"] - (recorded.read_ns(options["bytes"]) if recorded else 0) * (
             options["bytes"] > 0
         )
+        rest = rest.clip(lower=0)  # a recorded device priced above the controller's own prediction leaves no rest
         options["cost"] = rest + device.read_ns(options["bytes"]) * (options["bytes"] > 0)
         for phase, group in options.groupby("phase"):
             tokens = crossover_tokens(group, "cost")

@@ -105,13 +105,13 @@ def _q3(a: TraceAnalysis, report_dir: Path) -> list[str]:
         return [*r.notes, "What would answer it: a run whose controller arbitrates late objects (joint: the "
                 "arbitration table) under a budget where exact KV copies arrive late, recorded with "
                 "`run --trace DIR`."]  # fmt: skip
+    shares = [row for row in r.rows if row.metric == "chosen_share"]
     lines = ["What the controller served its late objects with, by phase and context length (share of the late "
              "objects in each):", "", "| phase | context tokens | served with | share |",
-             "|---|---|---|---|"]  # fmt: skip
-    for row in r.rows:
-        if row.metric == "chosen_share":
-            params = row.params
-            lines.append(f"| {params['phase']} | {params['context']} | {params['option']} | {_f(row.value)} |")
+             "|---|---|---|---|"] if shares else []  # fmt: skip
+    for row in shares:
+        params = row.params
+        lines.append(f"| {params['phase']} | {params['context']} | {params['option']} | {_f(row.value)} |")
     lines += ["", "| device | phase | recompute beats loading the KV block below (context tokens) |", "|---|---|---|"]
     for row in r.rows:
         if row.metric == "recompute_crossover_tokens":
