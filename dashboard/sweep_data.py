@@ -153,6 +153,38 @@ def _parts(source: str, cell: str, data: dict[str, Any]) -> list[dict[str, Any]]
     return rows
 
 
+def load_verdicts(setting: str | None = None) -> tuple[pd.DataFrame, list[str]]:
+    """From every sweep JSON with a ``summary`` (``fallbackgate sweep``, ``python -m fallbackgate.sweep.merge``): one
+    row per (source, goal, cell, metric) with the verdict, the stricter one where the summary has it, and the
+    deciding interval of joint's gain in %; and one message per file whose verdicts could not be read."""
+    rows: list[dict[str, Any]] = []
+    problems: list[str] = []
+    for path in sweep_paths(setting):
+        try:
+            doc = read_doc(path)
+        except (OSError, ValueError):
+            continue
+        verdicts = (doc.get("summary") or {}).get("verdicts") if isinstance(doc, dict) else None
+        try:
+            for goal, cells in (verdicts or {}).items():
+                for cell, v in cells.items():
+                    rows += _verdict_rows(str(path), goal, cell, v)
+        except (AttributeError, TypeError, KeyError) as exc:
+            problems.append(f"{path}: its verdicts are malformed ({exc})")
+    return pd.DataFrame(rows), problems
+
+
+def _verdict_rows(source: str, goal: str, cell: str, v: dict[str, Any]) -> list[dict[str, Any]]:
+    """A verdict's deciding intervals: the chosen partner's, the best partner's, or both metrics' (within 5 %)."""
+    deciding = v.get("chosen") or v.get("best")
+    within = {"slo": "slo_attainment", "tpot_p99": "tpot_p99_ms"}  # the summary's keys for the two metrics
+    intervals = [deciding] if deciding else [v[k] | {"metric": m} for k, m in within.items() if v.get(k)]
+    return [{"source": source, "goal": goal, "cell": cell, "verdict": v["verdict"],
+             "stricter_verdict": v.get("verdict_per_metric_best", ""), "metric": iv.get("metric", ""),
+             "gain_%": _percent(iv.get("mean")), "gain_lo_%": _percent(iv.get("lo")),
+             "gain_hi_%": _percent(iv.get("hi"))} for iv in intervals]  # fmt: skip
+
+
 def _ceilings(source: str, cell: str, data: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for partner, vs in (data.get("vs") or {}).items():

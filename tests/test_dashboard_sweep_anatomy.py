@@ -23,7 +23,7 @@ def test_budget_sweep_shows_the_anatomy_of_the_shipped_sweep(db: Path, monkeypat
     shipped = json.loads(SHIPPED_SWEEP.read_text())
     monkeypatch.setenv("FALLBACKGATE_SWEEP_JSON", str(SHIPPED_SWEEP))
     at = open_page(db, "sweep", monkeypatch)
-    assert at.subheader[0].value == "Where the slowest request's time goes"
+    assert [s.value for s in at.subheader][-1] == "Where the slowest request's time goes"
     spec = charts(at)[1]
     assert spec["facet"]["field"] == "cell" and spec["spec"]["encoding"]["order"]["field"] == "part_rank"
     (parts,) = chart_rows(at, 1)
@@ -77,3 +77,21 @@ def test_a_sweep_json_is_parsed_once_per_version(tmp_path: Path) -> None:
     assert sweep_data.read_doc(path) is first  # the same parse, not a second one
     path.write_text(json.dumps({"points": [], "n": 22}))  # another size: another version
     assert sweep_data.read_doc(path) == {"points": [], "n": 22}
+
+
+def test_budget_sweep_shows_the_shipped_sweeps_verdicts(db: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shipped = json.loads(SHIPPED_SWEEP.read_text())["summary"]["verdicts"]
+    monkeypatch.setenv("FALLBACKGATE_SWEEP_JSON", str(SHIPPED_SWEEP))
+    at = open_page(db, "sweep", monkeypatch)
+    assert "Verdicts against the goals" in [s.value for s in at.subheader]
+    table = frame(at, "stricter_verdict")
+    mixed = table[(table.goal == "mixed_vs_static") & (table.cell == "mixed@0.5")].iloc[0]
+    expected = shipped["mixed_vs_static"]["mixed@0.5"]
+    assert (mixed["verdict"], mixed["stricter_verdict"]) == (expected["verdict"], expected["verdict_per_metric_best"])
+    assert mixed["gain_lo_%"] == pytest.approx(100 * expected["chosen"]["lo"], abs=0.05)
+    lrus = table[table.goal == "vs_independent"]
+    assert len(lrus) == 10 and (lrus.verdict == "met").sum() == sum(
+        v["verdict"] == "met" for v in shipped["vs_independent"].values()
+    )
+    within = table[table.goal == "within_static"]
+    assert len(within) == 2 * 8 and set(within.metric) == {"slo_attainment", "tpot_p99_ms"}

@@ -68,6 +68,7 @@ def render(url: str, f: RunFilter, ledger: Ledger | None = None) -> None:
     st.metric("Controllers", len(controllers))
     st.altair_chart(heatmap(df, metric), width="content")
     st.dataframe(df, hide_index=True, key="sweep_points")
+    show_verdicts()
     parts, ceilings, problems = sweep_data.load_anatomy()
     for p in problems:
         st.warning(p)
@@ -83,6 +84,21 @@ def render(url: str, f: RunFilter, ledger: Ledger | None = None) -> None:
         )
         st.altair_chart(anatomy_bars(parts), width="content")
         st.dataframe(ceilings, hide_index=True, key="sweep_ceilings")
+
+
+def show_verdicts() -> None:
+    """The sweeps' verdicts against the issue's goals, with their deciding intervals (when the JSONs have them)."""
+    verdicts, problems = sweep_data.load_verdicts()
+    for p in problems:
+        st.warning(p)
+    if verdicts.empty:
+        return
+    st.subheader("Verdicts against the goals")
+    st.caption(
+        "Per goal and cell: met only when the whole 95 % interval of joint's gain clears the goal; the stricter "
+        "verdict (mixed) compares the same metric with the split best on that metric alone."
+    )
+    st.dataframe(verdicts, hide_index=True, key="sweep_verdicts")
 
 
 def anatomy_bars(parts: pd.DataFrame) -> alt.Chart:
