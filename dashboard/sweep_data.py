@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,17 @@ def metric_columns(df: pd.DataFrame) -> list[str]:
     return first + [c for c in numeric if c not in first]
 
 
+def _docs(setting: str | None) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """Each named sweep JSON that reads as an object (the others are reported by :func:`load_sweep`)."""
+    for path in sweep_paths(setting):
+        try:
+            doc = read_doc(path)
+        except (OSError, ValueError):
+            continue
+        if isinstance(doc, dict):
+            yield path, doc
+
+
 def load_anatomy(setting: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame, list[str]]:
     """From every sweep JSON with an ``anatomy`` (``fallbackgate sweep``): the slowest requests' TPOT parts, one row
     per (source, cell, run, part) with ``ms`` per token; per (source, cell, partner) the stall ceiling beside
@@ -121,12 +133,8 @@ def load_anatomy(setting: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame
     parts: list[dict[str, Any]] = []
     ceilings: list[dict[str, Any]] = []
     problems: list[str] = []
-    for path in sweep_paths(setting):
-        try:
-            doc = read_doc(path)
-        except (OSError, ValueError):
-            continue
-        anatomy = doc.get("anatomy") if isinstance(doc, dict) else None
+    for path, doc in _docs(setting):
+        anatomy = doc.get("anatomy")
         try:
             for cell, data in (anatomy or {}).items():
                 parts += _parts(str(path), cell, data)
@@ -159,12 +167,8 @@ def load_verdicts(setting: str | None = None) -> tuple[pd.DataFrame, list[str]]:
     deciding interval of joint's gain in %; and one message per file whose verdicts could not be read."""
     rows: list[dict[str, Any]] = []
     problems: list[str] = []
-    for path in sweep_paths(setting):
-        try:
-            doc = read_doc(path)
-        except (OSError, ValueError):
-            continue
-        verdicts = (doc.get("summary") or {}).get("verdicts") if isinstance(doc, dict) else None
+    for path, doc in _docs(setting):
+        verdicts = (doc.get("summary") or {}).get("verdicts")
         try:
             for goal, cells in (verdicts or {}).items():
                 for cell, v in cells.items():
