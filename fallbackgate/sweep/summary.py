@@ -66,36 +66,37 @@ def _groups(points: list[dict[str, Any]]) -> dict[tuple[str, float], dict[int, l
     return out
 
 
+def _split_scores(by_seed: dict[int, list[dict[str, Any]]], held_out: int) -> dict[float, dict[str, float]]:
+    """Per KV share, each verdict metric's mean over the non-held-out seeds, signed so that lower is better."""
+    values: dict[float, dict[str, list[float]]] = {}
+    for seed, cell in by_seed.items():
+        for p in cell:
+            if p["controller"] == STATIC and seed != held_out:
+                for metric in VERDICT_METRICS:
+                    values.setdefault(p["kv_share"], {}).setdefault(metric, []).append(p["metrics"][metric])
+    return {share: {m: (-1.0 if m in HIGHER_IS_BETTER else 1.0) * statistics.fmean(v) for m, v in by.items()}
+            for share, by in values.items()}  # fmt: skip
+
+
+def _best_share(scores: dict[float, dict[str, float]], first: str) -> float | None:
+    """The share best on `first`, ties broken by the other verdict metric."""
+    order = (first, *(m for m in VERDICT_METRICS if m != first))
+    return min(scores, key=lambda s: tuple(scores[s][m] for m in order)) if scores else None
+
+
 def chosen_share(by_seed: dict[int, list[dict[str, Any]]], held_out: int) -> float | None:
     """The KV share with the best mean (SLO attainment, then P99 TPOT) over the non-held-out seeds."""
-    scores: dict[float, list[tuple[float, float]]] = {}
-    for seed, cell in by_seed.items():
-        if seed != held_out:
-            for p in cell:
-                if p["controller"] == STATIC:
-                    scores.setdefault(p["kv_share"], []).append(_rank(p))
-    if not scores:
-        return None
-    return min(scores, key=lambda s: tuple(statistics.fmean(x[i] for x in scores[s]) for i in (0, 1)))
+    return _best_share(_split_scores(by_seed, held_out), "slo_attainment")
 
 
 def per_metric_best(by_seed: dict[int, list[dict[str, Any]]], held_out: int) -> dict[str, Any]:
     """Per verdict metric: the KV share with the best mean of that metric over the non-held-out seeds (ties: the
     other metric's mean), and joint's gain on that metric over it (interval over all seeds) — the stricter
     reading of "the best static split", which a near-tie on the other metric cannot move."""
-    means: dict[float, dict[str, list[float]]] = {}
-    for seed, cell in by_seed.items():
-        for p in cell:
-            if p["controller"] == STATIC and seed != held_out:
-                for metric in VERDICT_METRICS:
-                    means.setdefault(p["kv_share"], {}).setdefault(metric, []).append(p["metrics"][metric])
-    score = {s: {m: (-1.0 if m in HIGHER_IS_BETTER else 1.0) * statistics.fmean(v) for m, v in by.items()}
-             for s, by in means.items()}  # fmt: skip
+    scores = _split_scores(by_seed, held_out)
     out: dict[str, Any] = {}
-    for metric, other in (VERDICT_METRICS, VERDICT_METRICS[::-1]):
-        if not score:
-            break
-        share = min(score, key=lambda s: (score[s][metric], score[s][other]))
+    for metric in VERDICT_METRICS if scores else ():
+        share = _best_share(scores, metric)
         gains = []
         for cell in by_seed.values():
             joint = next((p for p in cell if p["controller"] == JOINT), None)
