@@ -1,0 +1,47 @@
+"""python fallbackgate/bench/results/lowbit-admission-2026-12-05/diag.py sweep ... --expert-admission lowbit_colder
+
+Runs ``fallbackgate sweep`` (the patch beside this file applied) counting, for the joint's in-time expert misses,
+why the low-bit admission did or did not serve them, and every expert decision by tag and reason.
+"""
+
+import collections
+import sys
+
+from fallbackgate.cli import main
+from fallbackgate.controllers import joint
+
+COUNTS: collections.Counter = collections.Counter()
+_expert_action = joint.JointController.expert_action
+_lowbit_when_colder = joint.JointController._lowbit_when_colder
+
+
+def expert_action(self, miss):  # noqa: ANN001, ANN201
+    decision = _expert_action(self, miss)
+    COUNTS[f"decision {decision.tag.value} {decision.reason[:30]}"] += 1
+    return decision
+
+
+def lowbit_when_colder(self, miss, budget):  # noqa: ANN001, ANN201
+    COUNTS["asked"] += 1
+    if not miss.is_lowbit_available:
+        COUNTS["no lowbit copy"] += 1
+    elif miss.is_device_room:
+        COUNTS["device room"] += 1
+    elif not self.is_colder_than_victim(miss, self.view):
+        COUNTS["not colder"] += 1
+    else:
+        why = budget.why_not(
+            joint.Tag.EXPERT_LOWBIT, self.cost.expert_cost(joint.Tag.EXPERT_LOWBIT, miss.layer, miss.max_gate_weight)
+        )
+        if why:
+            COUNTS[f"{miss.request_class}: " + why.split("(")[0]] += 1
+    return _lowbit_when_colder(self, miss, budget)
+
+
+joint.JointController.expert_action = expert_action
+joint.JointController._lowbit_when_colder = lowbit_when_colder
+try:
+    main(sys.argv[1:])
+finally:
+    for name, count in sorted(COUNTS.items(), key=lambda kv: -kv[1]):
+        print(f"{count:6d} {name}")
