@@ -5,9 +5,9 @@ why the low-bit admission did or did not serve them, and every expert decision b
 """
 
 import collections
+import runpy
 import sys
 
-from fallbackgate.cli import main
 from fallbackgate.controllers import joint
 
 COUNTS: collections.Counter = collections.Counter()
@@ -40,8 +40,9 @@ def lowbit_when_colder(self, miss, budget):  # noqa: ANN001, ANN201
 
 joint.JointController.expert_action = expert_action
 joint.JointController._lowbit_when_colder = lowbit_when_colder
-try:
-    main(sys.argv[1:])
+sys.argv = ["fallbackgate", *sys.argv[1:]]
+try:  # as `python -m fallbackgate ...` would run
+    runpy.run_module("fallbackgate", run_name="__main__", alter_sys=True)
 finally:
     for name, count in sorted(COUNTS.items(), key=lambda kv: -kv[1]):
         print(f"{count:6d} {name}")
