@@ -2,6 +2,9 @@
 
 Runs ``fallbackgate sweep`` (the patch beside this file applied) counting, for the joint's in-time expert misses,
 why the low-bit admission did or did not serve them, and every expert decision by tag and reason.
+"device room" counts room left after the layer's exact loads decided before the miss; diag.txt was written by
+the first version of this script, which counted ``miss.is_device_room`` alone (room for one expert, before any
+of the layer's loads) as "device room"; diag-booked-room.txt by this one.
 """
 
 import collections
@@ -25,8 +28,14 @@ def lowbit_when_colder(self, miss, budget):  # noqa: ANN001, ANN201
     COUNTS["asked"] += 1
     if not miss.is_lowbit_available:
         COUNTS["no lowbit copy"] += 1
-    elif miss.is_device_room:
+    elif (
+        miss.is_device_room
+        and self.view.device_free_bytes
+        >= (sum(1 for k in self.loading if k[0] == miss.layer) + 1) * self.view.bytes_per_expert
+    ):  # room even after the layer's loads decided before this miss
         COUNTS["device room"] += 1
+    elif miss.is_device_room:
+        COUNTS["room only before the layer's booked loads"] += 1
     elif not self.is_colder_than_victim(miss, self.view):
         COUNTS["not colder"] += 1
     else:
