@@ -34,6 +34,7 @@ from typing import Any
 from fallbackgate.bench.scale import GIB, Cgroup, cannot_run
 from fallbackgate.bench.scale_child import drop_page_cache
 from fallbackgate.sweep.regime import INDEPENDENT, JOINT, STATIC, RegimeConfig
+from fallbackgate.sweep.summary import expert_read_bytes
 from fallbackgate.workloads.kinds import WorkloadKind
 
 DEFAULT_CELLS = tuple(
@@ -109,15 +110,11 @@ def cell_summary(point: dict[str, Any]) -> dict[str, Any]:
     out["kernel_read_gib"] = m["kernel_read_bytes_serve"] / GIB
     out["kernel_over_io_read"] = m["kernel_read_bytes_serve"] / m["io_read_bytes"] if m["io_read_bytes"] else None
     out["io_write_gib"] = m["io_write_bytes"] / GIB
-    out["expert_read_over_belady_same_room"] = _ratio(_expert_read(m), m.get("belady_expert_bytes_same_room"))
+    out["expert_read_over_belady_same_room"] = _ratio(expert_read_bytes(m), m.get("belady_expert_bytes_same_room"))
     out["read_over_foo"] = _ratio(m["read_bytes"], m.get("foo_lb_bytes"))
     out["cgroup_peak_gib"] = point["cgroup_peak_bytes"] / GIB
     out["peak_kv_pool_gib"] = m.get("peak_pool_by_kind", {}).get("kv_block", 0) / GIB
     return out
-
-
-def _expert_read(m: dict[str, Any]) -> float:
-    return sum(v for k, v in m.items() if k.startswith("bytes_expert_") and not k.endswith("_resident"))
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -179,17 +179,18 @@ def bounds_summary(points: list[dict[str, Any]]) -> dict[str, Any]:
                 [m["read_bytes"] / max(1.0, m["belady_expert_bytes"] + m["belady_kv_bytes"]) for m in mine]
             ),
             "expert_read_over_belady_expert": interval(
-                [_expert_read(m) / max(1.0, m["belady_expert_bytes"]) for m in mine]
+                [expert_read_bytes(m) / max(1.0, m["belady_expert_bytes"]) for m in mine]
             ),
         }
-        same_room = [_expert_read(m) / max(1.0, m["belady_expert_bytes_same_room"])
+        same_room = [expert_read_bytes(m) / max(1.0, m["belady_expert_bytes_same_room"])
                      for m in mine if "belady_expert_bytes_same_room" in m]  # fmt: skip
         if same_room:  # sweeps before this bound have none
             out[controller]["expert_read_over_belady_same_room"] = interval(same_room)
     return out
 
 
-def _expert_read(m: dict[str, Any]) -> float:
+def expert_read_bytes(m: dict[str, Any]) -> float:
+    """A run's expert bytes read from slower tiers: every expert tag's bytes but the resident ones."""
     return sum(v for k, v in m.items() if k.startswith("bytes_expert_") and not k.endswith("_resident"))
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # bash .whl/run2.sh  (device machine, repo root): torch.profiler over bench.moe_layer's qwen3 batch-32 pair
+# .whl/site.tar.xz: as in device-run.sh beside this file.
 set -o pipefail
 R=$PWD
 mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz || exit 3

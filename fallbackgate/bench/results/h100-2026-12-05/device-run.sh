@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # bash .whl/run.sh  (device machine, repo root): gpu-check, then the MoE-layer benchmark, then the demo on CUDA
+# .whl/site.tar.xz (not kept: 15 MiB): the wheels the machine lacked (transformers 5.25.0, huggingface_hub 2.4.0,
+# httpx2/httpcore2, pydantic 2.14.4, SQLAlchemy 2.1.9, alembic, Mako, ...) downloaded here for cp312, unpacked, xz-packed.
 set -o pipefail
 R=$PWD
 mkdir -p /tmp/site && tar -C /tmp/site -xJf .whl/site.tar.xz || exit 3
