@@ -18,6 +18,7 @@ class Scratch(str, enum.Enum):
     KV_EXPAND = "kv_expand"  # one request's MLA latents expanded to every head's K/V for one layer's attention
     EXPERT_DEQUANT = "expert_dequant"  # a low-bit expert's transfer copy and dequantized weights; FP8 dequant staging
     EXPERT_PIN = "expert_pin"  # host: a read's pageable bytes while they are copied into page-locked memory
+    KV_WRITE_BEHIND = "kv_write_behind"  # RAM: a spilled KV block's bytes while its disk write is in flight
 
 
 class HeldCopy(str, enum.Enum):

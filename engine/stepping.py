@@ -54,6 +54,7 @@ class EngineStepping:
     def step(self) -> StepResult:
         """Schedule, make KV usable, run one packed forward, sample, and let the controller tidy up."""
         started = time.perf_counter()
+        self.kv_store.finish_writes()  # the last step's spill writes, queued behind it
         plan, chosen = self.scheduler.schedule()
         plan.is_observe = self.is_observe
         self.last_plan = plan
@@ -136,9 +137,10 @@ class EngineStepping:
 
     def _end_step(self, log: EventLog) -> None:
         """Between steps: the controller's step-end actions, each carried out by the part that owns the
-        objects (in this order: spills, evictions, promotions, prefetches), then per-step state reset."""
+        objects (in this order: spills, evictions, promotions, prefetches), then per-step state reset. The
+        spills' disk writes are queued, not waited for: the next step waits for them before it schedules."""
         actions = self.controller.on_step_end(self._view)
-        self.executor.end_step(actions.spill)
+        self.executor.end_step(actions.spill, is_behind=True)
         self.expert_store.evict_chosen(actions.evict_experts)
         self.kv_store.promote_chosen(actions.promote_kv)
         log_prefetches(log, self.config.profile, self.expert_store.end_step(actions.load_experts, log.step_id + 1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Container
 
 import torch
@@ -197,9 +198,10 @@ class Executor:
                 return True
         return is_done()
 
-    def spill_kv(self, key: KVBlockKey, mode: SpillMode) -> None:
+    def spill_kv(self, key: KVBlockKey, mode: SpillMode, is_behind: bool = False) -> None:
         """Take a KV block off device, keeping the copies `mode` names (host falls back to disk when full or
-        absent: a quantized copy to an int8 one, both copies to both, anything else to a full copy)."""
+        absent: a quantized copy to an int8 one, both copies to both, anything else to a full copy);
+        `is_behind`: its disk writes are queued, not waited for (``KVStore.spill_block``)."""
         request_id, layer, index = key
         block = self.kv_store.blocks(request_id, layer)[index]
         if block.device is None or block.key != key or self.kv_store.is_held(key):
@@ -208,18 +210,19 @@ class Executor:
             mode = SpillMode.HOST_FULL  # a partial tail is written to again: it comes back exactly, so a full copy
         if not self.kv_store.spill_cost_fits_host(mode):
             mode = DISK_FALLBACK.get(mode, SpillMode.DISK_FULL)
-        written = self.kv_store.spill_block(block, mode)
+        written = self.kv_store.spill_block(block, mode, is_behind)
         target = Tier.DISK if mode in DISK_MODES else Tier.HOST
         self.pending_modeled_s += self.profile.transfer_s(written, Tier.DEVICE, target) if written else 0.0
 
     # --- step end ------------------------------------------------------------------------------
-    def end_step(self, spill: list[tuple[KVBlockKey, SpillMode]]) -> None:
-        """Spill the KV blocks the controller chose (those of live requests that still exist) and forget the
-        step's uses."""
-        for key, mode in spill:
-            request_id, layer, index = key
-            if request_id in self.kv_store.tables and index < len(self.kv_store.blocks(request_id, layer)):
-                self.spill_kv(key, mode)
+    def end_step(self, spill: list[tuple[KVBlockKey, SpillMode]], is_behind: bool = False) -> None:
+        """Spill the KV blocks the controller chose (those of live requests that still exist; `is_behind`:
+        their disk writes not waited for) and forget the step's uses."""
+        with self.kv_store.spill.writing_behind() if is_behind else contextlib.nullcontext():  # queued together
+            for key, mode in spill:
+                request_id, layer, index = key
+                if request_id in self.kv_store.tables and index < len(self.kv_store.blocks(request_id, layer)):
+                    self.spill_kv(key, mode, is_behind)
         self.uses.clear()
 
     def take_pending_modeled_s(self) -> float:

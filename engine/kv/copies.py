@@ -7,9 +7,11 @@ off-device KV event against a copy written earlier in the tier it names and not 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from fallbackgate.engine.device_pool import TierPool
+from fallbackgate.engine.device_pool import Scratch, TierPool
 from fallbackgate.engine.errors import BudgetError, EngineError
 from fallbackgate.engine.io.context import IOPriority, io_context
 from fallbackgate.engine.kv.block import BOTH_COPIES, KVBlock, SpillMode
@@ -39,6 +41,8 @@ class KVCopies:
     tables: dict[str, list[list[KVBlock]]]
     off_device: dict[str, set[tuple[int, int]]]  # request -> (layer, index) of its off-device blocks
     copy_changes: list[KVCopyChange]  # copies written, read and freed since the last `take_copy_changes`
+    write_behind_pool: TierPool  # the budget of the RAM that disk writes in flight hold their bytes in
+    num_behind_bytes: int  # bytes charged there for spill writes not yet waited for
     num_copy_changes: int  # changes noted so far (the next one's ordinal)
 
     # --- the copy journal ------------------------------------------------------------------------
@@ -127,14 +131,33 @@ class KVCopies:
         self.device_pool.release(ObjectKind.KV_BLOCK, self.bytes_per_block)
 
     # --- spilling ------------------------------------------------------------------------------
-    def spill_block(self, block: KVBlock, mode: SpillMode) -> int:
-        """Write a copy per `mode`, then free the device slot. Returns bytes written."""
+    def spill_block(self, block: KVBlock, mode: SpillMode, is_behind: bool = False) -> int:
+        """Write a copy per `mode`, then free the device slot. Returns bytes written. `is_behind`: disk
+        writes are queued, not waited for; their buffers' bytes are charged to `write_behind_pool` (as
+        ``Scratch.KV_WRITE_BEHIND``) until :meth:`finish_writes`, and waited for at once where it lacks room."""
         if block.device is None:
             raise EngineError(f"KV block {block.key} is not on device")
-        with io_context((block.key[0],), IOPriority.KV_WRITE, ":".join(map(str, block.key))):  # disk writes
+        before = self.spill.num_pending_bytes
+        behind = self.spill.writing_behind() if is_behind else contextlib.nullcontext()
+        with io_context((block.key[0],), IOPriority.KV_WRITE, ":".join(map(str, block.key))), behind:
             written = self._write_copy(block, mode)
         self._release_device(block)
+        queued = self.spill.num_pending_bytes - before
+        if queued > 0 and self.write_behind_pool.can_reserve(queued):
+            self.write_behind_pool.reserve(Scratch.KV_WRITE_BEHIND, queued)
+            self.num_behind_bytes += queued
+        elif queued > 0:
+            self.finish_writes()
         return written
+
+    def finish_writes(self) -> None:
+        """Wait for the spill writes in flight and give their bytes back to the budget (a failed one raises
+        :class:`EngineError` naming the spill directory and why, as a write waited for at once does)."""
+        try:
+            self.spill.finish_writes()
+        finally:
+            self.write_behind_pool.release(Scratch.KV_WRITE_BEHIND, self.num_behind_bytes)
+            self.num_behind_bytes = 0
 
     def _write_copy(self, block: KVBlock, mode: SpillMode) -> int:
         if mode in BOTH_COPIES:

@@ -7,22 +7,27 @@ write of the same size (KV blocks and their quantized parts come in a handful of
 keeps a few files, not one per block. In an engine every write and read goes through its I/O scheduler
 (:meth:`SpillDir.attach_io`): extents are then 4 KiB aligned and written and read with ``O_DIRECT``, so a
 block read back comes from the device, never from the page cache (where the file system refuses
-``O_DIRECT``, written pages are flushed and dropped). The directory is removed on `close`, when the object is collected,
+``O_DIRECT``, written pages are flushed and dropped). Inside :meth:`SpillDir.writing_behind` writes are
+queued and not waited for (:mod:`~fallbackgate.engine.kv.write_behind`) until :meth:`SpillDir.finish_writes`,
+or until their record is read or freed. The directory is removed on `close`, when the object is collected,
 at interpreter exit, and, after a crash, by the next SpillDir opened under the same parent: a directory
 whose lock nobody holds belongs to no live process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import os
 import pathlib
 import shutil
 import uuid
 import weakref
 import zlib
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -30,6 +35,7 @@ import torch
 from fallbackgate.engine.errors import ChecksumError, EngineError
 from fallbackgate.engine.io import IOContext, IOPriority, IOScheduler, IOSchedulerError, Ticket, current_io_context
 from fallbackgate.engine.io.direct import ALIGN, aligned_buffer, round_up
+from fallbackgate.engine.kv.write_behind import WriteBehind, WriteFailed
 from fallbackgate.engine.tags import ObjectKind
 
 PAGE_BYTES = 64 * 1024
@@ -132,6 +138,8 @@ class SpillDir:
         self.is_checksum_verified = True  # tests turn this off to plant a fault
         self.io: IOScheduler | None = None  # the engine's disk queue (None: read and write in this thread)
         self.extent_align = 1  # extents' alignment (ALIGN once an I/O scheduler is attached)
+        self.behind = WriteBehind()  # writes held back or queued inside `writing_behind`, not yet waited for
+        self.is_writing_behind = False
 
     @property
     def num_file_bytes(self) -> int:
@@ -139,8 +147,36 @@ class SpillDir:
         return sum(self.ends)
 
     def close(self) -> None:
-        """Close the files and remove the directory and everything spilled into it now."""
+        """Finish the writes in flight, close the files and remove the directory and everything in it."""
+        with contextlib.suppress(WriteFailed):  # what they wrote goes with the directory
+            self.behind.finish(self.io)
         self._finalizer()
+
+    @contextlib.contextmanager
+    def writing_behind(self) -> Iterator[None]:
+        """Writes inside are queued and not waited for (only through an I/O scheduler): their source
+        buffers (:attr:`num_pending_bytes`) are held until :meth:`finish_writes` or until their record is
+        read or freed."""
+        was, self.is_writing_behind = self.is_writing_behind, self.io is not None
+        try:
+            yield
+        finally:
+            self.is_writing_behind = was
+            if not was:  # the outermost: every write held back goes now
+                self.behind.submit_all()
+
+    @property
+    def num_pending_bytes(self) -> int:
+        """Bytes of the source buffers of writes still in flight."""
+        return self.behind.num_bytes
+
+    def finish_writes(self) -> None:
+        """Wait for every write in flight; a failed one raises :class:`EngineError` naming the directory, the
+        object and why, as a write waited for at once does."""
+        try:
+            self.behind.finish(self.io)
+        except WriteFailed as exc:
+            raise EngineError(f"spill directory {self.root.parent}: cannot write {exc}") from None
 
     def attach_io(self, io: IOScheduler) -> None:
         """Send every write and read through `io` from now on (before anything is written): extents are
@@ -198,10 +234,14 @@ class SpillDir:
         padded[: len(data)] = data
         ctx = current_io_context()
         priority = IOPriority.KV_WRITE if ctx.priority is None else ctx.priority
-        ticket = self.io.submit_write(
-            self.paths[segment], offset, memoryview(padded), ObjectKind.KV_BLOCK, ctx.object_id or name,
-            ctx.requester_ids, priority=priority,
+        submit = functools.partial(
+            self.io.submit_write, self.paths[segment], offset, memoryview(padded), ObjectKind.KV_BLOCK,
+            ctx.object_id or name, ctx.requester_ids, priority=priority,
         )  # fmt: skip
+        if self.is_writing_behind:
+            self.behind.add((self.paths[segment], offset), name, len(data), submit, padded)
+            return
+        ticket = submit()
         try:
             self.io.wait(ticket)
         except IOSchedulerError as exc:
@@ -215,6 +255,7 @@ class SpillDir:
     def submit_read(self, record: SpillRecord) -> PendingRead:
         """Queue a record's read on the I/O scheduler (read at :meth:`finish_read` without one), so several
         records' reads can be in flight at once."""
+        self._settle(record)
         raw = torch.empty(record.num_bytes, dtype=torch.uint8)
         if self.io is None:
             return PendingRead(record, raw, None, current_io_context())
@@ -246,12 +287,20 @@ class SpillDir:
     def read_into(self, record: SpillRecord, out: torch.Tensor) -> None:
         """Read a record's bytes into the contiguous CPU uint8 tensor `out` in this thread (checksums
         verified)."""
+        self._settle(record)
         view = memoryview(out.numpy())
         got = os.preadv(self.fds[self.paths.index(record.path)], [view], record.offset)
         self.num_read_bytes += got
         if got != record.num_bytes:
             raise ChecksumError(f"{record.path.name}@{record.offset}: {got} of {record.num_bytes} B read")
         self._verify(record, view)
+
+    def _settle(self, record: SpillRecord) -> None:
+        """Wait for the record's write if it is held back or in flight (a failed one: :class:`EngineError`)."""
+        try:
+            self.behind.settle(self.io, (record.path, record.offset))
+        except WriteFailed as exc:
+            raise EngineError(f"spill directory {self.root.parent}: cannot write {exc}") from None
 
     def _verify(self, record: SpillRecord, view: memoryview) -> None:
         if self.is_checksum_verified:
@@ -263,6 +312,7 @@ class SpillDir:
         """Free a record's extent for reuse (a record of a closed or foreign directory is ignored)."""
         if record.path not in self.paths:
             return
+        self._settle(record)  # the extent is reused only once written
         segment = self.paths.index(record.path)
         self.free_extents.setdefault(self._extent_bytes(record.num_bytes), []).append((segment, record.offset))
         self.num_live_bytes -= record.num_bytes

@@ -63,11 +63,15 @@ class KVStore(KVCopies, KVStaging):
         self.scratch: dict[KVBlockKey, Staged] = {}
         self.pending_exact: dict[KVBlockKey, PendingRead] = {}  # disk reads queued ahead of their staging
         self.copy_changes, self.num_copy_changes = [], 0  # the copy journal (`KVCopies.note_copy`)
+        self.write_behind_pool, self.num_behind_bytes = self.host_pool, 0  # RAM's budget (the engine sets it)
 
     # --- block tables --------------------------------------------------------------------------
     def close(self) -> None:
-        """Remove the spill directory (the store serves no more)."""
-        self.spill.close()
+        """Finish the writes in flight and remove the spill directory (the store serves no more)."""
+        try:
+            self.finish_writes()
+        finally:
+            self.spill.close()
 
     def add_sequence(self, request_id: str) -> None:
         self.tables[request_id] = [[] for _ in range(self.num_layers)]

@@ -193,4 +193,5 @@ def build_stores(
         device,
         loaded.dtype,
     )
+    kv_store.write_behind_pool = device_pool if layout is TierLayout.RAM_DISK else host_pool  # the RAM's budget
     return expert_store, kv_store, expert_floor, budgets

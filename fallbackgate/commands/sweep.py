@@ -29,6 +29,7 @@ from fallbackgate.sweep.anatomy import markdown_table as anatomy_table
 from fallbackgate.sweep.anatomy import sweep_anatomy, ttft_table
 from fallbackgate.sweep.belady import TraceRecorder
 from fallbackgate.sweep.grid import CellBuilder, SweepConfig
+from fallbackgate.sweep.merge import GRID_KEYS
 from fallbackgate.sweep.plot import anatomy_bars, regime_heatmaps
 from fallbackgate.sweep.regime import INDEPENDENT, JOINT, STATIC, RegimeConfig, run_regime
 from fallbackgate.sweep.summary import summarise, summary_lines, with_budget_fields
@@ -106,6 +107,10 @@ def add_parser(subparsers: Any) -> None:
     )
     lowbit.add_argument("--no-lowbit-copies", action="store_true", help="no prepared low-bit copies: a low-bit "
                         "miss makes its copy from the checkpoint (the sweeps before stop 39)")  # fmt: skip
+    p.add_argument("--slo-from", type=pathlib.Path, default=None, metavar="SWEEP_JSON",
+                   help="an earlier sweep of the same grid (one part, not a merge): its SLO targets, no reference "
+                        "run; to rerun some --controllers against them and splice the result into it "
+                        "(python -m fallbackgate.sweep.splice)")  # fmt: skip
     p.add_argument("--out", default="fallbackgate/sweep_results", help="directory for sweep.json and the PNGs")
     p.add_argument("--ledger", default=None, help=f"ledger URL (default: ${ENV_VAR}, else {DEFAULT_LEDGER})")
     p.set_defaults(func=run)
@@ -117,7 +122,7 @@ def config_from_args(args: argparse.Namespace) -> RegimeConfig:
         raise ValueError("--num-requests, --mixed-requests and --max-new-tokens must be >= 1")
     if not 0 < args.time_scale <= 10 or not 1 <= args.slo_scale <= 100:
         raise ValueError("--time-scale must be in (0, 10] and --slo-scale in [1, 100]")
-    return RegimeConfig(
+    cfg = RegimeConfig(
         model_dir=args.model or str(CHECKPOINT_DIR), workloads=args.workloads, seeds=args.seeds,
         held_out_seed=args.held_out_seed, num_requests=args.num_requests, mixed_requests=args.mixed_requests,
         max_new_tokens=args.max_new_tokens, max_model_len=args.max_model_len, time_scale=args.time_scale,
@@ -125,6 +130,28 @@ def config_from_args(args: argparse.Namespace) -> RegimeConfig:
         step_time=args.step_time, lowbit_dir=args.lowbit_dir,
         keep_traces=tuple(args.keep_trace), trace_out=str(pathlib.Path(args.out) / "traces"),
     )  # fmt: skip
+    return cfg if args.slo_from is None else dataclasses.replace(cfg, slo_from=earlier_references(cfg, args.slo_from))
+
+
+def earlier_references(cfg: RegimeConfig, path: pathlib.Path) -> dict[str, dict[str, Any]]:
+    """The SLO references of the sweep at `path`, which must share `cfg`'s grid but for its controllers and
+    cover its workloads (ValueError naming what differs)."""
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--slo-from {path}: {exc}") from None
+    references = earlier.get("slo_references")
+    if not isinstance(references, dict):
+        raise ValueError(f"--slo-from {path}: no slo_references (a merged sweep has one per part: give a part's)")
+    mine = json.loads(json.dumps(dataclasses.asdict(cfg)))  # as the earlier one was written: lists, not tuples
+    for key in GRID_KEYS:
+        theirs = earlier["config"].get(key)
+        if key not in ("controllers", "workloads") and theirs != mine[key]:
+            raise ValueError(f"--slo-from {path}: its {key} is {theirs!r}, this one's {mine[key]!r}")
+    missing = [k for k in cfg.workloads if k not in references]
+    if missing:
+        raise ValueError(f"--slo-from {path}: no SLO reference for {missing}")
+    return {k: references[k] for k in cfg.workloads}
 
 
 def cell_builder(cfg: SweepConfig) -> CellBuilder:
@@ -172,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_regime(cfg, ledger)
         anatomy = _anatomy(result["points"], ledger, cfg.held_out_seed)
-    except EngineError as exc:
+    except (EngineError, ValueError) as exc:
         print(f"fallbackgate sweep: error: {exc}", file=sys.stderr)
         return 2
     finally:

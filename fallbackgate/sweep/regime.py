@@ -69,6 +69,9 @@ class RegimeConfig:
     keep_traces: tuple[str, ...] = ()  # cell_key()s of the cells whose trace is kept
     trace_out: str | None = None  # where kept traces go
     lowbit_dir: str | None = None  # memory.lowbit_dir of every cell: low-bit expert copies prepared once there
+    # per kind, an earlier sweep's SLO reference (its sweep.json "slo_references"): its targets are used and no
+    # reference is run, so a rerun of some controllers is measured against the same targets as the sweep it joins
+    slo_from: dict[str, dict[str, Any]] | None = None
 
 
 def cell_key(cell: dict[str, Any]) -> str:
@@ -132,9 +135,12 @@ def kv_demand_bytes(cfg: RegimeConfig, shape: dict[str, int], specs: list[Prompt
 
 
 def sweep_policy(cfg: RegimeConfig, kind: str, ledger: Ledger) -> tuple[Policy, dict[str, Any]]:
-    """The kind's policy: SLO targets from one all-in-RAM exact run of its first seed's requests."""
-    specs = workload_specs(cfg, kind, cfg.seeds[0])
+    """The kind's policy: SLO targets from one all-in-RAM exact run of its first seed's requests, or the
+    earlier sweep's (`cfg.slo_from`: its reference, kept with ``"reused": True``)."""
     built = build(cfg, default_policy(), ControllerKind.EXACT_LRU.value, None, 0.5, None)
+    if cfg.slo_from is not None:
+        return _reused_policy(cfg, kind, built)
+    specs = workload_specs(cfg, kind, cfg.seeds[0])
     recorder = built.recorder(LedgerWriter(ledger), note=f"sweep {kind} slo-reference seed {cfg.seeds[0]}")
     outcome = recorder.serve(specs, built.settings)
     recorder.finish(outcome)
@@ -148,6 +154,20 @@ def sweep_policy(cfg: RegimeConfig, kind: str, ledger: Ledger) -> tuple[Policy, 
     info = {"reference": ref, "slo_tpot_ms": [strict[0], best[0]], "slo_ttft_ms": [strict[1], best[1]],
             "geometry": shape, "run_id": recorder.run_id}  # fmt: skip
     return policy, info
+
+
+def _reused_policy(cfg: RegimeConfig, kind: str, built: Assembly) -> tuple[Policy, dict[str, Any]]:
+    assert cfg.slo_from is not None
+    shape = geometry(built)
+    built.engine.close()
+    info = cfg.slo_from.get(kind)
+    if info is None:
+        raise ValueError(f"the sweep the SLO targets come from has no {kind!r} reference")
+    if info.get("geometry") != shape:
+        raise ValueError(f"{kind}: the earlier sweep's model geometry {info.get('geometry')} is not this one's {shape}")
+    tpot, ttft = (tuple(info[f"slo_{m}_ms"]) for m in ("tpot", "ttft"))  # (strict, best-effort) each
+    policy = default_policy(tpot_ms=tpot, ttft_ms=ttft, step_time=cfg.step_time)
+    return policy, {**info, "reused": True}
 
 
 def run_cell(cfg: RegimeConfig, policy: Policy, specs: list[PromptSpec], cell: dict[str, Any], ledger: Ledger) -> dict:
