@@ -38,3 +38,16 @@ def test_the_command_prints_the_cells(tmp_path: Path, capsys: pytest.CaptureFixt
     a = _sweep(tmp_path / "a.json", {0: 10.0, 1: 20.0})
     main([a, a, "--metrics", "tpot_p99_ms"])
     assert capsys.readouterr().out.splitlines()[1].endswith("(+0.0% [+0.0, +0.0])")
+
+
+def test_a_control_pairs_a_baselines_runs_instead(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def lru(path: Path, p99: float) -> str:
+        points = [{"workload": "mixed", "ram_frac": 0.5, "seed": s, "controller": c,
+                   "metrics": {"tpot_p99_ms": p99 if c == "independent_lru" else 1.0}}
+                  for s in (0, 1) for c in ("independent_lru", "joint")]  # fmt: skip
+        path.write_text(json.dumps({"points": points}))
+        return str(path)
+
+    main([lru(tmp_path / "a.json", 10.0), lru(tmp_path / "b.json", 11.0), "--metrics", "tpot_p99_ms",
+          "--controller", "independent_lru"])  # fmt: skip
+    assert capsys.readouterr().out.splitlines()[1].split()[1:4] == ["10", "->", "11"]

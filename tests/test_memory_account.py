@@ -84,7 +84,10 @@ def _run(path, force: tuple[str, ...], mode: str, budget: int, seen: dict[str, i
             engine.scheduler.preempt(engine.sequences[ids[1]])
         store = engine.expert_store
         assert result.num_device_bytes_expert == len(store.device_keys()) * store.bytes_per_expert
-        assert all(pool.used_bytes_by_kind[kind] == 0 for kind in Scratch), "scratch outlived its step"
+        step_scratch = [kind for kind in Scratch if kind is not Scratch.KV_WRITE_BEHIND]  # that one: to the next
+        assert all(pool.used_bytes_by_kind[kind] == 0 for kind in step_scratch), "scratch outlived its step"
+        behind = engine.kv_store.num_behind_bytes
+        assert pool.used_bytes_by_kind[Scratch.KV_WRITE_BEHIND] == behind >= engine.kv_store.spill.num_pending_bytes
         _check_kv(engine)
     tags: dict[str, int] = {}
     for request_id in ids:

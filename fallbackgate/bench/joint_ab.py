@@ -1,6 +1,7 @@
 """python -m fallbackgate.bench.joint_ab A.json B.json [--metrics M,M,...]
 
-Joint in sweep B against joint in sweep A (an A/B of a controller change), paired by (workload, RAM budget, seed):
+Joint in sweep B against joint in sweep A (an A/B of a controller or engine change; ``--controller
+independent_lru`` pairs the two LRUs' runs instead), paired by (workload, RAM budget, seed):
 per cell and metric A's and B's means, and the mean paired difference as % of A's mean with its Student-t 95 %
 interval over the seeds (:func:`fallbackgate.sweep.summary.interval`). A metric is a run's measure in the
 sweep.json (missing: 0) or one of :data:`DERIVED`.
@@ -14,7 +15,7 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from fallbackgate.sweep.summary import JOINT, expert_read_bytes, interval
+from fallbackgate.sweep.summary import INDEPENDENT, JOINT, expert_read_bytes, interval
 
 DERIVED: dict[str, Callable[[dict[str, Any]], float]] = {
     "expert_read": expert_read_bytes,  # exact plus low-bit expert bytes read
@@ -24,11 +25,12 @@ DERIVED: dict[str, Callable[[dict[str, Any]], float]] = {
 DEFAULT_METRICS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p99_ms", "slo_attainment", "read_bytes", "stall_s")
 
 
-def joint_points(path: str) -> dict[tuple[str, float, int], dict[str, Any]]:
-    """The joint runs' metrics of a sweep.json by (workload, RAM budget, seed)."""
+def joint_points(path: str, controller: str = JOINT) -> dict[tuple[str, float, int], dict[str, Any]]:
+    """The `controller` runs' metrics of a sweep.json by (workload, RAM budget, seed) (joint's by default;
+    static_split's runs differ by KV share, so they are not one run per key)."""
     with open(path) as f:
         points = json.load(f)["points"]
-    return {(p["workload"], p["ram_frac"], p["seed"]): p["metrics"] for p in points if p["controller"] == JOINT}
+    return {(p["workload"], p["ram_frac"], p["seed"]): p["metrics"] for p in points if p["controller"] == controller}
 
 
 def value(m: dict[str, Any], metric: str) -> float:
@@ -57,8 +59,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("a", help="sweep.json of the shipped controller")
     p.add_argument("b", help="sweep.json of the changed controller")
     p.add_argument("--metrics", default=",".join(DEFAULT_METRICS), help="comma-separated measures (see DERIVED)")
+    p.add_argument("--controller", default=JOINT, choices=(JOINT, INDEPENDENT),
+                   help="whose runs to pair (independent_lru: a control, the same baseline run twice)")  # fmt: skip
     args = p.parse_args(argv)
-    print("\n".join(compare_lines(joint_points(args.a), joint_points(args.b), tuple(args.metrics.split(",")))))
+    a, b = (joint_points(path, args.controller) for path in (args.a, args.b))
+    print("\n".join(compare_lines(a, b, tuple(args.metrics.split(",")))))
 
 
 if __name__ == "__main__":
