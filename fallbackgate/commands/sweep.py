@@ -109,8 +109,7 @@ def add_parser(subparsers: Any) -> None:
                         "miss makes its copy from the checkpoint (the sweeps before stop 39)")  # fmt: skip
     p.add_argument("--slo-from", type=pathlib.Path, default=None, metavar="SWEEP_JSON",
                    help="an earlier sweep of the same grid (one part, not a merge): its SLO targets, no reference "
-                        "run; to rerun some --controllers against them and splice the result into it "
-                        "(python -m fallbackgate.sweep.splice)")  # fmt: skip
+                        "run; to rerun some --controllers against them (bench.joint_ab --controller)")  # fmt: skip
     p.add_argument("--out", default="fallbackgate/sweep_results", help="directory for sweep.json and the PNGs")
     p.add_argument("--ledger", default=None, help=f"ledger URL (default: ${ENV_VAR}, else {DEFAULT_LEDGER})")
     p.set_defaults(func=run)

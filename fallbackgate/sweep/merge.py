@@ -6,8 +6,7 @@ Each seed's comparison is made inside its own sweep (joint against partners of t
 targets), so seeds from sweeps run one after another may be pooled; what may not differ is the grid: the
 model, workloads, requests, answer lengths, time scale, RAM fractions, KV shares, controllers, SLO scale,
 step time and held-out seed must agree, and no seed may appear twice. Nothing here can tell the code a sweep ran
-(the sources' commands, SLO references and splices are kept: ``command``, ``slo_references_by_source``,
-``spliced_by_source``, from :mod:`fallbackgate.sweep.splice`). The sources must
+(the sources' commands and SLO references are kept: ``command``, ``slo_references_by_source``). The sources must
 have been recorded in one ledger (no run id twice), so :mod:`fallbackgate.sweep.anatomy` can read the merged
 file back; their own ``anatomy`` is not carried over (rerun it on the merged file).
 """
@@ -59,7 +58,6 @@ def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
         "config": {**first, "seeds": sorted(seen)},
         "sources": sources,
         "slo_references_by_source": {s: r.get("slo_references") for r, s in zip(results, sources, strict=True)},
-        "spliced_by_source": {s: r.get("spliced", []) for r, s in zip(results, sources, strict=True)},
         "elapsed_s": sum(r.get("elapsed_s", 0.0) for r in results),
         "command": [r.get("command") for r in results],
         "summary": summarise(points, first["held_out_seed"]),
