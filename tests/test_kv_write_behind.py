@@ -49,8 +49,9 @@ def test_writes_behind_are_held_until_read_or_finished_and_come_back_exactly(tmp
     assert spill.num_pending_bytes == 4096
     spill.finish_writes()
     assert spill.num_pending_bytes == 0
+    assert spill.write("again", tensors[2]).offset == records[2].offset
     assert torch.equal(spill.read(records[0]), tensors[0])
-    assert sum(r.op is IOOp.WRITE for r in io.take_completed()) == 3
+    assert sum(r.op is IOOp.WRITE for r in io.take_completed()) == 4  # three behind, one at once
     spill.close()
     io.close()
 
@@ -144,3 +145,23 @@ def test_an_engine_returns_before_its_step_end_writes_and_its_tokens_do_not_chan
     assert [engine.finished[i].output_token_ids for i in ids] == ref_tokens
     engine.close()
     assert kv.num_behind_bytes == 0 and pool.used_bytes_by_kind[Scratch.KV_WRITE_BEHIND] == 0
+
+
+def test_a_write_that_fails_after_the_last_step_goes_with_the_closed_store(tmp_path: pathlib.Path, monkeypatch) -> None:
+    spill, io = _spill(tmp_path)
+
+    def failing(fd, is_direct, record, data, bounce):  # noqa: ANN001, ANN202 - the scheduler's signature
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(io_scheduler, "write_from", failing)
+    ram = TierPool("RAM", 1 << 20)
+    kv = KVStore(1, 2, 8, 8, 16, ram, None, spill, torch.device("cpu"))
+    kv.write_behind_pool = ram
+    kv.add_sequence("r")
+    kv.append("r", 16)
+    kv.write("r", 0, 0, torch.randn(2, 16, 8), torch.randn(2, 16, 8))
+    kv.spill_block(kv.blocks("r", 0)[0], SpillMode.DISK_FULL, is_behind=True)
+    assert kv.num_behind_bytes == 4096
+    kv.close()  # nothing will read it: the directory it was written into goes now
+    assert not spill.root.exists() and kv.num_behind_bytes == 0 and ram.used_bytes == 0
+    io.close()

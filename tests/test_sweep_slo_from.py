@@ -11,7 +11,7 @@ import pytest
 
 from fallbackgate.commands.sweep import earlier_references
 from fallbackgate.sweep import regime
-from fallbackgate.sweep.regime import RegimeConfig
+from fallbackgate.sweep.regime import RegimeConfig, SweepInputError
 from fallbackgate.sweep.workload import BEST_EFFORT, STRICT
 from tests.test_sweep_merge import CONFIG
 
@@ -45,7 +45,7 @@ def test_a_reused_reference_gives_each_class_the_earlier_targets(monkeypatch: py
     assert (strict.tpot_ms, strict.ttft_ms, best.tpot_ms, best.ttft_ms) == (8.0, 20.0, 16.0, 40.0)
     assert info == {**TARGETS, "reused": True} and closed == [True]
     monkeypatch.setattr(regime, "geometry", lambda _: {**GEOMETRY, "num_layers": 6})
-    with pytest.raises(ValueError, match="model geometry"):
+    with pytest.raises(SweepInputError, match="geometry"):
         regime._reused_policy(cfg, "short-chat", built)  # noqa: SLF001
-    with pytest.raises(ValueError, match="no 'mixed' reference"):
+    with pytest.raises(SweepInputError, match="no 'mixed' reference"):
         regime._reused_policy(cfg, "mixed", built)  # noqa: SLF001

@@ -65,15 +65,18 @@ class WriteBehind:
         pending = self.pending.pop(key, None)
         if pending is None or io is None:
             return
-        ticket = pending.ticket if pending.ticket is not None else pending.submit()
+        ticket = pending.ticket
         try:
+            ticket = ticket if ticket is not None else pending.submit()
             io.wait(ticket)
-        except IOSchedulerError as exc:
-            raise WriteFailed(pending.name, pending.num_bytes, ticket.record.error or str(exc)) from None
+        except IOSchedulerError as exc:  # a failed write, or a scheduler closed before it was queued
+            why = (ticket.record.error if ticket is not None else None) or str(exc)
+            raise WriteFailed(pending.name, pending.num_bytes, why) from None
 
     def finish(self, io: IOScheduler | None) -> None:
         """Wait for every write; raises :class:`WriteFailed` for the first that failed (after waiting for all)."""
         failed: WriteFailed | None = None
+        self.submit_all()  # any held back go side by side, not one by one
         for key in list(self.pending):
             try:
                 self.settle(io, key)

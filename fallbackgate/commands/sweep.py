@@ -31,7 +31,7 @@ from fallbackgate.sweep.belady import TraceRecorder
 from fallbackgate.sweep.grid import CellBuilder, SweepConfig
 from fallbackgate.sweep.merge import GRID_KEYS
 from fallbackgate.sweep.plot import anatomy_bars, regime_heatmaps
-from fallbackgate.sweep.regime import INDEPENDENT, JOINT, STATIC, RegimeConfig, run_regime
+from fallbackgate.sweep.regime import INDEPENDENT, JOINT, STATIC, RegimeConfig, SweepInputError, run_regime
 from fallbackgate.sweep.summary import summarise, summary_lines, with_budget_fields
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 from fallbackgate.workloads.kinds import WorkloadKind
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_regime(cfg, ledger)
         anatomy = _anatomy(result["points"], ledger, cfg.held_out_seed)
-    except (EngineError, ValueError) as exc:
+    except (EngineError, SweepInputError) as exc:
         print(f"fallbackgate sweep: error: {exc}", file=sys.stderr)
         return 2
     finally:

@@ -74,6 +74,10 @@ class RegimeConfig:
     slo_from: dict[str, dict[str, Any]] | None = None
 
 
+class SweepInputError(ValueError):
+    """The sweep cannot run as asked (an earlier sweep's reference that does not fit); the message says why."""
+
+
 def cell_key(cell: dict[str, Any]) -> str:
     """``<workload>/<seed>/<controller>/<ram_frac>/<kv_share>`` (kv_share ``None`` outside static_split)."""
     return f"{cell['workload']}/{cell['seed']}/{cell['controller']}/{cell['ram_frac']}/{cell['kv_share']}"
@@ -162,9 +166,9 @@ def _reused_policy(cfg: RegimeConfig, kind: str, built: Assembly) -> tuple[Polic
     built.engine.close()
     info = cfg.slo_from.get(kind)
     if info is None:
-        raise ValueError(f"the sweep the SLO targets come from has no {kind!r} reference")
+        raise SweepInputError(f"the sweep the SLO targets come from has no {kind!r} reference")
     if info.get("geometry") != shape:
-        raise ValueError(f"{kind}: the earlier sweep's model geometry {info.get('geometry')} is not this one's {shape}")
+        raise SweepInputError(f"{kind}: the earlier sweep's geometry {info.get('geometry')} is not this one's {shape}")
     tpot, ttft = (tuple(info[f"slo_{m}_ms"]) for m in ("tpot", "ttft"))  # (strict, best-effort) each
     policy = default_policy(tpot_ms=tpot, ttft_ms=ttft, step_time=cfg.step_time)
     return policy, {**info, "reused": True}
