@@ -13,16 +13,11 @@ change beyond the drift both saw. For SLO attainment (which can be 0) changes ar
 from __future__ import annotations
 
 import argparse
-import json
 
+from fallbackgate.bench.joint_ab import joint_points as runs
 from fallbackgate.sweep.summary import interval
 
 POINTS_METRICS = ("slo_attainment",)  # changes in attainment points, not ratios
-
-
-def runs(path: str, controller: str) -> dict[tuple[str, float, int], dict]:
-    points = json.load(open(path))["points"]
-    return {(p["workload"], p["ram_frac"], p["seed"]): p["metrics"] for p in points if p["controller"] == controller}
 
 
 def change(new: float, old: float, metric: str) -> float:
