@@ -66,6 +66,15 @@ class CheckedJoint(JointController):
         self.ranking.sync(view, self.values)
         got = [key for _, key in self.ranking.victims(view, self.values)]
         assert got == ref.joint_expert_victims(self.values, view, set(), len(got) + 1)
+        ranking = self.ranking  # stale entries (a walk pops them first: lower frequencies) stay few
+        assert ranking.num_entries == sum(map(len, ranking.heaps.values())) <= 2 * len(ranking.live) + 8
+        for key in view.device_expert_keys():  # the remembered load times are the profile's
+            assert (
+                self.values.expert_value(key, view)
+                == self.values.frequency(key)
+                * view.profile.transfer_s(view.bytes_per_expert, view.expert_home(key))
+                / view.bytes_per_expert
+            )
         verifier = self.engine_ref[0].verifier
         assert verifier._copies() == ref.copies_walk(self.engine_ref[0].expert_store.entries)
         self.num_checked += 1

@@ -243,28 +243,31 @@ def test_corrupt_disk_read_unchecked(
 
 
 class SlotReuseFault:
-    """A slot-reuse bug: to load an expert, evict one that the same layer still reads (one of the experts
-    the dispatch pinned), so the load takes the victim's freed slot while the layer's routing still points
-    the victim's rows at it: they compute with the loaded expert's weights. Planted once, at the first
-    chance from `from_step` on; `step` records where."""
+    """A slot-reuse bug: to load an expert, evict one that the same layer still reads (the expert the layer
+    loaded just before, whose rows the dispatch already pointed at its slot), so the load takes the victim's
+    freed slot (the free slots are a stack) while the victim's rows still read it: they compute with the
+    loaded expert's weights. Planted once, at the first chance from `from_step` on; `step` records where."""
 
     def __init__(self, engine: Engine, from_step: int, monkeypatch: pytest.MonkeyPatch) -> None:
         self.engine, self.from_step, self.store = engine, from_step, engine.expert_store
         self.step: int | None = None  # step in which the reused slot was read
-        self._make_room = engine.executor.make_room
-        monkeypatch.setattr(engine.executor, "make_room", self.make_room)
+        self.loaded: dict[tuple[int, int], ExpertKey] = {}  # (step, layer) -> the layer's last load
+        self._place = self.store.place
+        monkeypatch.setattr(self.store, "place", self.place)
 
     def _armed(self) -> bool:
         ctx = self.engine.executor.ctx
         return ctx is not None and not ctx.is_exact_baseline and ctx.step_id >= self.from_step and self.step is None
 
-    def make_room(self, num_bytes: int, **kwargs) -> bool:
-        pinned = kwargs.get("pinned_experts") or set()
-        resident = sorted(k for k in pinned if self.store.is_on_device(k))
-        if self._armed() and not kwargs.get("is_kv_evictable", True) and resident:
-            self.store.evict(resident[0])  # pinned: the layer's routing already points its rows at the slot
-            self.step = self.engine.executor.ctx.step_id
-        return self._make_room(num_bytes, **kwargs)
+    def place(self, key: ExpertKey) -> Fetched:
+        ctx = self.engine.executor.ctx
+        where = (ctx.step_id if ctx is not None else -1, key[0])
+        earlier = self.loaded.get(where)
+        if self._armed() and earlier is not None and self.store.is_on_device(earlier):
+            self.store.evict(earlier)  # the layer's routing already points its rows at the slot
+            self.step = ctx.step_id
+        self.loaded[where] = key
+        return self._place(key)
 
 
 def test_evicting_an_expert_the_forward_still_needs(

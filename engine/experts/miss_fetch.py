@@ -6,7 +6,7 @@ for this layer's misses and the next layer's predicted experts."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from typing import Protocol
 
 import numpy as np
@@ -74,6 +74,7 @@ class MissFetching:
         slots of the rows they serve (a quarantined expert's rows stay unset: deferred or failed)."""
         store, by_key = self.store, group_by_key(loads)
         pins = {(layer, int(e)) for e in np.unique(routing.experts[routing.slots >= 0])} | set(by_key)
+        self._room_for_all(by_key, pins)
         for key, key_uses in by_key.items():
             if not store.can_place(key) and not self.host.make_room(
                 store.place_bytes, pinned_experts=pins, is_kv_evictable=False
@@ -88,6 +89,17 @@ class MissFetching:
             slot = store.slots.slot_of[key]
             for use in key_uses:
                 slots[use.rows] = slot
+
+    def _room_for_all(self, keys: Iterable[ExpertKey], pins: set[ExpertKey]) -> None:
+        """Room for every expert of `keys` not on device, asked for once: the victims a request per load
+        would take, in the same order (the loads are pinned and nothing else changes between them), from one
+        walk of the controller's order instead of one per load. Where they do not all fit, the loads ask
+        again one by one (and compute what is ready first)."""
+        store = self.store
+        num_missing = sum(1 for key in keys if not store.is_on_device(key))
+        if num_missing > 1:
+            num_bytes = num_missing * store.bytes_per_expert + store.place_bytes - store.bytes_per_expert
+            self.host.make_room(num_bytes, pinned_experts=pins, is_kv_evictable=False)
 
     def _load(self, key: ExpertKey, uses: list[ExpertUse], pins: set[ExpertKey]) -> None:
         """One expert placed for its exact uses (a load earlier in the layer may have placed it already)."""

@@ -66,7 +66,7 @@ class ExpertRanking:
         for key in dict.fromkeys(freq_changed):  # only a frequency changed: residency and home are known
             if key in groups:
                 self._push(key, scaled.get(key, 0.0))
-        if self.num_entries > 2 * len(self.live) + 64:  # stale entries outnumber live ones: compact
+        if self.num_entries > 2 * len(self.live) + 8:  # stale entries outnumber live ones: compact (a walk pops them)
             self._heapify()
 
     def _push(self, key: ExpertKey, order: float) -> None:

@@ -49,6 +49,8 @@ class ValueModel:
         self.num_updates = 0
         self._due: dict[ExpertKey, int] = {}  # key -> the update at which its prune check is due
         self._checks: dict[int, list[ExpertKey]] = {}  # update -> keys due then (stale ones skipped)
+        self._profile: object = None  # the profile `_transfer_seconds` were computed from
+        self._transfer_seconds: dict[tuple[int, Tier], float] = {}  # (bytes, source tier) -> seconds to device
 
     def frequency(self, key: ExpertKey) -> float:
         """The decayed routing frequency of `key` (0 when never used or forgotten)."""
@@ -133,8 +135,7 @@ class ValueModel:
         freq = self.frequency(key)
         if not freq:
             return 0.0
-        seconds = view.profile.transfer_s(view.bytes_per_expert, view.expert_home(key))
-        return freq * seconds / view.bytes_per_expert
+        return freq * self.load_s(view, view.expert_home(key)) / view.bytes_per_expert
 
     def expert_urgency(self, key: ExpertKey, view: ControllerView, current_layer: int) -> float:
         """Seconds per byte saved by keeping `key` on device, weighted by how soon it is needed again: the
@@ -151,38 +152,48 @@ class ValueModel:
             return 0.0
         num_layers = view.num_layers
         distance = (key[0] - current_layer - 1) % num_layers + 1
-        seconds = view.profile.transfer_s(view.bytes_per_expert, view.expert_home(key))
+        seconds = self.load_s(view, view.expert_home(key))
         share = min(1.0, freq)  # a seeded frequency may exceed what uses can leave
         return seconds / view.bytes_per_expert / (distance / num_layers + 1.0 / share - 1.0)
 
     def expert_values(self, keys: Iterable[ExpertKey], view: ControllerView) -> list[tuple[ExpertKey, float]]:
         """`expert_value` of each key, in order (the same floats; each home tier's load time computed once)."""
-        num_bytes, seconds = view.bytes_per_expert, {}
+        num_bytes = view.bytes_per_expert
         out = []
         for key in keys:
             freq = self.frequency(key)
-            if not freq:
-                out.append((key, 0.0))
-                continue
-            home = view.expert_home(key)
-            if home not in seconds:
-                seconds[home] = view.profile.transfer_s(num_bytes, home)
-            out.append((key, freq * seconds[home] / num_bytes))
+            out.append((key, freq * self.load_s(view, view.expert_home(key)) / num_bytes if freq else 0.0))
         return out
+
+    def load_s(self, view: ControllerView, home: Tier) -> float:
+        """Seconds to bring one expert from `home` to device (``view.profile.transfer_s``)."""
+        return self.transfer_s(view, view.bytes_per_expert, home)
+
+    def transfer_s(self, view: ControllerView, num_bytes: int, source: Tier) -> float:
+        """``view.profile.transfer_s(num_bytes, source)`` (the same float), remembered while the view's profile
+        is the same object: the victim walks ask it for every object they value."""
+        profile = view.profile
+        if profile is not self._profile:
+            self._profile, self._transfer_seconds = profile, {}
+        key = (num_bytes, source)
+        seconds = self._transfer_seconds.get(key)
+        if seconds is None:
+            seconds = self._transfer_seconds[key] = profile.transfer_s(num_bytes, source)
+        return seconds
 
     def kv_value(self, key: KVBlockKey, view: ControllerView, running: set[str], reload_fraction: float = 1.0) -> float:
         """Seconds saved per step per byte by keeping KV block `key` on device (0 when its request is idle)."""
         if key[0] not in running:
             return 0.0
         num_bytes = view.bytes_per_kv_block
-        seconds = view.profile.transfer_s(max(1, int(num_bytes * reload_fraction)), _spill_tier(view))
+        seconds = self.transfer_s(view, max(1, int(num_bytes * reload_fraction)), _spill_tier(view))
         return seconds / num_bytes
 
     def prefix_value(self, entry: PrefixEntryInfo, view: ControllerView) -> float:
         """Seconds saved per step per byte by keeping a kept prefix block in the fast tier."""
         num_bytes = view.bytes_per_kv_block
         rate = min(1.0, (min(1.0, entry.reuse_share) + entry.num_hits) / (1 + entry.idle_steps))
-        seconds = view.profile.transfer_s(num_bytes, _spill_tier(view))
+        seconds = self.transfer_s(view, num_bytes, _spill_tier(view))
         return rate * seconds / num_bytes
 
 
