@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from fallbackgate.controllers.expert_rank import ExpertRanking
 from fallbackgate.controllers.values import ValueModel
 from fallbackgate.engine.controller import ControllerView, StepEndActions, Victim
+from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.tags import ObjectKind, Tag
 
 PREFETCH_MIN_FREQ = 0.3  # decayed use frequency an expert needs before it is prefetched
@@ -35,11 +36,8 @@ def rebalance(
     kv_cap = view.device_budget_bytes - max(1, top_k) * per_expert
     kv_used = view.device_used_bytes(ObjectKind.KV_BLOCK)
     running = set(view.running_ids)
-    if ranking is None:
-        ranking = ExpertRanking()
-        ranking.sync(view, values)
-    evictable = ranking.victims(view, values)
-    cheapest = next(evictable, None)
+    evictable: Iterator[tuple[float, ExpertKey]] = iter(())  # walked only once a promotion needs room
+    cheapest, is_walked = None, False
     for key in dict.fromkeys(view.used_kv_block_keys):
         staged = view.staged_kv_tag(key)
         if staged is None or staged is Tag.KV_DEQUANT or key[0] not in running:
@@ -47,6 +45,12 @@ def rebalance(
         if kv_used + per_block > kv_cap:
             break
         value = values.kv_value(key, view, running)
+        if free < per_block and not is_walked:
+            if ranking is None:
+                ranking = ExpertRanking()
+                ranking.sync(view, values)
+            evictable, is_walked = ranking.victims(view, values), True
+            cheapest = next(evictable, None)
         while free < per_block and cheapest is not None and cheapest[0] < value:
             actions.evict_experts.append(cheapest[1])
             free += per_expert
@@ -83,7 +87,7 @@ def demotions(
     free = view.device_free_bytes + per_expert * len(actions.evict_experts) - per_block * len(promoted)
     free -= per_expert * len(actions.load_experts)
     ranked = sorted(((values.expert_value(k, view), k) for k in missed), key=lambda item: -item[0])
-    victim = next(kv_victims, None)
+    victim = None if free >= per_expert * len(ranked) else next(kv_victims, None)  # walked only when needed
     for expert_value, _ in ranked:
         while free < per_expert and victim is not None and victim[0] < expert_value:
             key = victim[1].kv_block_key
