@@ -6,12 +6,14 @@ workload at 0.25 of demand, 3 experts resident beside 90 kept prefixes for the l
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 
 import pytest
 
 from fallbackgate.controllers import JointController
 from fallbackgate.controllers.arbitration import recompute_s
-from fallbackgate.engine.controller import KVBlockInfo
+from fallbackgate.controllers.joint_memory import demotions, rebalance
+from fallbackgate.engine.controller import KVBlockInfo, Victim
 from fallbackgate.engine.hardware import CPU_BOX
 from fallbackgate.engine.kv.block import SpillMode
 from fallbackgate.engine.kv.prefix_types import PrefixEntryInfo
@@ -103,3 +105,20 @@ def test_no_room_moves_when_the_prefix_is_hot_or_no_expert_was_lost() -> None:
     joint, view = _room_state(idle_steps=200)
     view = dataclasses.replace(view, on_device_experts=((0, 0), (0, 1)))
     assert joint.on_step_end(view).spill == []  # every used expert still on device
+
+
+def test_the_step_end_walks_no_victims_where_free_room_already_serves() -> None:
+    """rebalance walks the experts only for a promotion short of room, demotions the KV only for an expert
+    the free room cannot take back (stop 47: the two walks were most of the step end's 0.2 ms)."""
+    joint, view = _room_state(idle_steps=200, num_free=EXPERT_BYTES // BLOCK_BYTES)  # one expert's room is free
+
+    def untouched() -> Iterator[tuple[float, Victim]]:
+        raise AssertionError("walked")
+        yield  # a generator: raises only when asked for a victim
+
+    actions = rebalance(view, joint.values, 0.0, 1)
+    demotions(view, joint.values, untouched(), actions)
+    assert actions.spill == [] and actions.evict_experts == []
+    joint, view = _room_state(idle_steps=200, num_free=4)  # short of one expert's room: the KV is walked
+    with pytest.raises(AssertionError, match="walked"):
+        demotions(view, joint.values, untouched(), rebalance(view, joint.values, 0.0, 1))
