@@ -185,6 +185,7 @@ def test_tiny_regime_sweep_writes_points_traces_and_pngs(checkpoint_factory, tmp
         assert m["belady_expert_bytes_same_room"] > 0  # cold reads at least
         assert m["belady_same_room_mean_slots"] >= 1
     assert (out / "traces" / "short-chat_0_joint_0.5_None" / "metadata.json").is_file()
+    assert not (out / "sweep.partial.json").exists()  # written as the runs went, gone once sweep.json is
     lowbit_dir = doc["config"]["lowbit_dir"]  # copies prepared once for every cell, in a directory of the sweep's
     assert lowbit_dir and not pathlib.Path(lowbit_dir).exists()  # removed at its end
     assert (out / "sweep-short-chat.png").stat().st_size > 5_000

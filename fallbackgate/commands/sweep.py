@@ -213,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
     if anatomy is not None:
         result["anatomy"] = anatomy
     paths = write_outputs(result, args.out)
+    (pathlib.Path(args.out) / "sweep.partial.json").unlink(missing_ok=True)  # progress of a run cut short only
     print("\n".join(summary_lines(result["summary"])))
     if anatomy is not None:
         paths.append(anatomy_bars(anatomy, pathlib.Path(args.out) / "anatomy.png"))
