@@ -117,9 +117,6 @@ class JointController(JointPlacement, Controller):
         self.num_arbitrations_taken = len(self.arbitrations)
         return taken
 
-    def _load_s(self, view: ControllerView, key: ExpertKey) -> float:
-        return self._home_load_s(view.expert_home(key))
-
     def _home_load_s(self, home: Tier) -> float:
         """One expert's load time from `home` on the step's links now."""
         assert self.view is not None, "on_step_start gives the controller its view"

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from fallbackgate.controllers.expert_rank import ExpertRanking
 from fallbackgate.controllers.values import ValueModel
 from fallbackgate.engine.controller import ControllerView, StepEndActions, Victim
-from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.tags import ObjectKind, Tag
 
 PREFETCH_MIN_FREQ = 0.3  # decayed use frequency an expert needs before it is prefetched
@@ -36,8 +35,11 @@ def rebalance(
     kv_cap = view.device_budget_bytes - max(1, top_k) * per_expert
     kv_used = view.device_used_bytes(ObjectKind.KV_BLOCK)
     running = set(view.running_ids)
-    evictable: Iterator[tuple[float, ExpertKey]] = iter(())  # walked only once a promotion needs room
-    cheapest, is_walked = None, False
+    if ranking is None:
+        ranking = ExpertRanking()
+        ranking.sync(view, values)
+    evictable = ranking.victims(view, values)  # a generator: walked only once a promotion needs room
+    cheapest = None
     for key in dict.fromkeys(view.used_kv_block_keys):
         staged = view.staged_kv_tag(key)
         if staged is None or staged is Tag.KV_DEQUANT or key[0] not in running:
@@ -45,11 +47,7 @@ def rebalance(
         if kv_used + per_block > kv_cap:
             break
         value = values.kv_value(key, view, running)
-        if free < per_block and not is_walked:
-            if ranking is None:
-                ranking = ExpertRanking()
-                ranking.sync(view, values)
-            evictable, is_walked = ranking.victims(view, values), True
+        if free < per_block and cheapest is None:  # first asked (an exhausted walk answers None again)
             cheapest = next(evictable, None)
         while free < per_block and cheapest is not None and cheapest[0] < value:
             actions.evict_experts.append(cheapest[1])

@@ -6,7 +6,6 @@ the victims to free room, lowest value per byte first, and the step-end rebalanc
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections.abc import Container, Iterator
 from typing import TypeVar
 
@@ -96,8 +95,8 @@ class JointPlacement:
 
     def _kv_victims(self, view: ControllerView, pinned_kv: Container[KVBlockKey]) -> Iterator[tuple[float, Victim]]:
         """Device KV blocks by value, requests in value order (ties in the view's order), each one's blocks
-        walked lazily; a request pinned whole (a :class:`RequestBlockKeys` request) is not walked at all, one
-        with no block on device (a kept prefix already spilled) is not valued."""
+        walked lazily; a request pinned whole (a :class:`RequestBlockKeys` request) is not walked at all, a
+        kept prefix with no layer on device (already spilled) is not valued."""
         running = set(view.running_ids)
         whole = pinned_kv.request_ids if isinstance(pinned_kv, RequestBlockKeys) else frozenset()
         quant_fraction = None  # a quantized copy's share of a block's bytes, asked for once when needed
@@ -105,24 +104,20 @@ class JointPlacement:
         for i, rid in enumerate(view.kv_request_ids):
             if rid in whole:  # every block pinned: nothing to walk
                 continue
-            blocks = view.device_kv_blocks_of(rid)
-            first = next(blocks, None)
-            if first is None:
-                continue
             entry = view.prefix_entry(rid)
             if entry is not None:  # a kept prefix: goes to disk, still reusable, when colder than what stays
-                value, mode = self.values.prefix_value(entry, view), prefix_spill_mode(entry)
-            else:
-                mode = self.spill_mode(rid, view)
-                if mode is not SpillMode.HOST_FULL and quant_fraction is None:
-                    quant_bytes = view.quantized_bytes(ObjectKind.KV_BLOCK, self.kv_bits)
-                    quant_fraction = quant_bytes / max(1, view.bytes_per_kv_block)
-                fraction = 1.0 if mode is SpillMode.HOST_FULL else quant_fraction
-                value = self.values.kv_value((rid, 0, 0), view, running, fraction)
-            requests.append((value, i, mode, first, blocks))
+                if entry.num_on_device:
+                    requests.append((self.values.prefix_value(entry, view), i, rid, prefix_spill_mode(entry)))
+                continue
+            mode = self.spill_mode(rid, view)
+            if mode is not SpillMode.HOST_FULL and quant_fraction is None:
+                quant_bytes = view.quantized_bytes(ObjectKind.KV_BLOCK, self.kv_bits)
+                quant_fraction = quant_bytes / max(1, view.bytes_per_kv_block)
+            fraction = 1.0 if mode is SpillMode.HOST_FULL else quant_fraction
+            requests.append((self.values.kv_value((rid, 0, 0), view, running, fraction), i, rid, mode))
         heapq.heapify(requests)
-        for value, _, mode, first, blocks in _drain(requests):
-            for block in itertools.chain((first,), blocks):
+        for value, _, rid, mode in _drain(requests):
+            for block in view.device_kv_blocks_of(rid):
                 if block.key not in pinned_kv:
                     yield value, Victim(kv_block_key=block.key, spill_mode=mode)
 
