@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fallbackgate.controllers import ControllerKind, make_controller
@@ -23,7 +23,12 @@ NEW_TOKENS = 6
 
 
 def _serve(
-    path, controller, budget_bytes: int, classes: list[str], observe: bool = False, seed: int = 0,
+    path,
+    controller,
+    budget_bytes: int,
+    classes: list[str],
+    observe: bool = False,
+    seed: int = 0,
     is_emulated: bool = False,
 ):
     engine = Engine(
@@ -64,6 +69,26 @@ budgets = st.builds(
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.lists(budgets, min_size=2, max_size=2), st.lists(st.integers(0, 1), min_size=3, max_size=3), st.booleans())
+@example(  # the fraction's denominator counts resident uses, as the budget's and the audit gate's do
+    specs=[
+        QualityBudget(
+            max_mean_kl=0.01,
+            max_p99_kl=0.03,
+            max_approx_fraction=0.2,
+            allowed_tags=["expert_lowbit"],
+            min_top1_agreement=0,
+        ),
+        QualityBudget(
+            max_mean_kl=1e-6,
+            max_p99_kl=3e-6,
+            max_approx_fraction=0.0,
+            allowed_tags=["cpu_execute"],
+            min_top1_agreement=0,
+        ),
+    ],
+    assign=[0, 0, 0],
+    observe=False,
+)
 def test_joint_real_runs_respect_classes_and_budgets(checkpoint_factory, specs, assign, observe) -> None:
     path = checkpoint_factory("qwen3_moe")
     expert, block, layers, top_k = sizes(path)
@@ -83,7 +108,10 @@ def test_joint_real_runs_respect_classes_and_budgets(checkpoint_factory, specs, 
         if observe or not any(Tag(t).is_approximate for t in limits.allowed_tags):
             assert approx == 0, (rid, tags[rid])
         assert cost.get(rid, 0.0) <= limits.max_mean_kl * NEW_TOKENS + 1e-9
-        assert approx <= limits.max_approx_fraction * sum(tags[rid].values()) + 1e-9
+        served_counts = engine.finished[rid].tag_counts  # events plus resident expert uses
+        moved = {t: n for t, n in tags[rid].items() if t is not Tag.RESIDENT and n}
+        assert {Tag(t): n for t, n in served_counts.items() if t != Tag.RESIDENT.value and n} == moved
+        assert approx <= limits.max_approx_fraction * sum(served_counts.values()) + 1e-9
         assert len(engine.finished[rid].output_token_ids) == NEW_TOKENS
 
 
