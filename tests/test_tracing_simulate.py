@@ -27,9 +27,15 @@ def planted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Planted, str]:
     return write_planted_trace(path, Planted(num_steps_per_phase=20, num_layers=4, num_experts=32)), str(path)
 
 
+def _room_for_everything(p: Planted) -> int:
+    """Every expert, phase B's KV (the larger) and one layer's K/V of phase B gathered for attention."""
+    gathered = p.num_requests_per_phase * p.working_sets(1)[1] * p.bytes_per_kv_block
+    return int(1.5 * p.total_budget_bytes) + gathered
+
+
 def test_room_for_everything_leaves_only_cold_expert_misses(planted: tuple) -> None:
     p, path = planted
-    configs = [SimulationConfig(k.value, int(1.5 * p.total_budget_bytes), DEVICE) for k in registered_kinds()]
+    configs = [SimulationConfig(k.value, _room_for_everything(p), DEVICE) for k in registered_kinds()]
     cold = p.num_layers * p.working_sets(0)[0]  # phase B's experts are a subset of phase A's
     for result in simulate_many(path, configs, jobs=1):
         assert "error" not in result, result
@@ -38,6 +44,15 @@ def test_room_for_everything_leaves_only_cold_expert_misses(planted: tuple) -> N
         # phase A's requests wait for the cold loads over their steps; phase B's never wait
         tpot_a_ns = p.compute_ns + cold * DEVICE.read_ns(p.bytes_per_expert) / p.num_steps_per_phase
         assert result["slo_attainment"] == (int(tpot_a_ns <= p.slo_tpot_ns) + 1) / 2
+
+
+def test_a_layers_gathered_kv_takes_room_from_experts(planted: tuple) -> None:
+    """One expert's bytes less than everything: each layer's gathered K/V evicts an expert, which misses again."""
+    p, path = planted
+    budget = _room_for_everything(p) - p.bytes_per_expert
+    cold = p.num_layers * p.working_sets(0)[0]
+    for result in simulate_many(path, [SimulationConfig(k.value, budget, DEVICE) for k in registered_kinds()], jobs=1):
+        assert result["misses_by_tag"]["expert:exact_load"] > cold, result["controller"]
 
 
 def test_small_budgets_miss_and_move_the_bytes_they_say(planted: tuple) -> None:

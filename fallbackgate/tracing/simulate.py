@@ -7,7 +7,10 @@ the nearest copy of every KV block taken off device, the keys used in the step. 
 ``on_step_start``; every off-device KV block read is a :class:`KVMiss` and every off-device expert a
 :class:`ExpertMiss`; room is made with its ``choose_victims``; ``on_step_end``'s spills, evictions and
 expert loads are applied. A KV block's first access is its write (it takes device room, never a miss).
-Simplified against the engine (stated in the results): experts' homes are the host; a lowbit or dequant
+As in the engine, a layer's attention holds its requests' K/V gathered in one buffer (every block of a request
+longer than one block) inside the budget until the layer's experts run: its room is made with nothing but
+the step's KV pinned, so experts may leave for it. Simplified against the engine (stated in the results):
+experts' homes are the host; a lowbit or dequant
 read moves bits/16 of the full bytes; recompute and cpu_execute are counted, not timed; step-end expert
 loads are prefetches (link bytes, no stall).
 """
@@ -65,6 +68,7 @@ class SimulatedView:
         self.compute_dtype, self.num_expert_params = "bfloat16", bytes_per_expert // 2
         self.classes = classes
         self.experts: dict[ExpertKey, None] = {}  # on device
+        self.scratch_bytes = 0  # a layer's gathered K/V, held from its attention until its experts run
         self.kv: dict[KVKey, tuple[Tier | None, Tier | None, int]] = {}  # (exact, quant tier, bits); device: exact
         self.device_infos: dict[KVKey, KVBlockInfo] = {}  # the device blocks' infos
         self.by_request: dict[str, dict[KVKey, KVBlockInfo]] = {}  # the same, per request, in device order
@@ -126,7 +130,7 @@ class SimulatedView:
     @property
     def device_free_bytes(self) -> int:
         used = len(self.experts) * self.bytes_per_expert + self.num_kv_on_device * self.bytes_per_kv_block
-        return self.device_budget_bytes - used
+        return self.device_budget_bytes - used - self.scratch_bytes
 
     def request_class(self, request_id: str) -> str:
         return self.classes.get(request_id, "")

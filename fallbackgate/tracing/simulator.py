@@ -171,10 +171,11 @@ class Simulator:
         experts_by_layer: dict[int, list] = collections.defaultdict(list)
         for key in by_expert:
             experts_by_layer[key[0]].append(key)
-        for layer in layers:  # attention reads the layer's KV, then its MoE uses the experts
+        for layer in layers:  # attention reads the layer's KV and gathers it, then its MoE uses the experts
             for key in kv_by_layer[layer]:
                 num = self.kv_read(index, key, pinned)
                 reads, moved = reads + (num > 0), moved + num
+            self.gather(kv_by_layer[layer], pinned[1])
             for key in experts_by_layer[layer]:
                 num = self.expert_use(index, key, by_expert[key], pinned)
                 reads, moved = reads + (num > 0), moved + num
@@ -183,6 +184,16 @@ class Simulator:
         self.step_end()
         self.free(data.finished[index])
         return reads, moved
+
+    def gather(self, keys: list[tuple[str, int, int]], pinned_kv: set) -> None:
+        """Make room for one layer's gathered K/V (a request's blocks when it has more than one), as the
+        engine's ``ensure_room`` does with no expert pinned; the room is given back when the experts run."""
+        view = self.view
+        blocks = collections.Counter(key[0] for key in keys)
+        need = sum(n for n in blocks.values() if n > 1) * view.bytes_per_kv_block
+        if need and self.make_room(need, set(), pinned_kv):
+            view.scratch_bytes = need
+        view.scratch_bytes = 0
 
     def free(self, request_ids: list[str]) -> None:
         """Drop every KV block of requests that ended (as the engine frees a finished request's blocks)."""
@@ -230,10 +241,9 @@ class Simulator:
         return self.result(self.config.device.stall_ns(reads, moved))
 
     def result(self, stall_ns: np.ndarray) -> dict[str, Any]:
-        """The outcome with each step lasting its compute, its time before the next step and ``stall_ns``."""
+        """The outcome with each step lasting its compute and ``stall_ns`` (and the host time before it)."""
         timeline = self.data.timeline
-        between = timeline.between_ns if timeline.between_ns is not None else 0.0
-        outcome = timeline.outcome(timeline.compute_ns + between + stall_ns)
+        outcome = timeline.outcome(timeline.compute_ns + stall_ns)
         outcome["stall_s"] = float(np.sum(stall_ns) / 1e9)
         with_slo = int(np.sum(~np.isnan(timeline.request_slo_ns)))
         t = self.tally
