@@ -97,7 +97,8 @@ def add_parser(subparsers: Any) -> None:
                    help="what every controller's deadline leaves out: the profile's step time, or the larger of "
                         "it and the run's measured decode compute time (controller.step_time)")  # fmt: skip
     p.add_argument("--keep-trace", action="append", default=[], metavar="KEY",
-                   help="keep this cell's trace: workload/seed/controller/ram_frac/kv_share (repeatable)")  # fmt: skip
+                   help="keep this cell's trace: workload/seed/controller/ram_frac/kv_share (repeatable; "
+                        "'all': every cell's)")  # fmt: skip
     lowbit = p.add_mutually_exclusive_group()
     lowbit.add_argument(
         "--lowbit-dir",

@@ -10,8 +10,9 @@ configuration's transfers against a scratch file in DIR instead (one configurati
 ``--progress`` draws a bar.
 
 ``fallbackgate trace validate TRACE [--calibrate-from TRACE] [--device waits|profile|...] [--io real DIR]
-[--json FILE]``: simulate a recorded run with its own controller and budget and compare stall and TPOT with
-what it measured; exit 1 when outside max(25 %, 1 ms per step).
+[--expert-fraction F] [--json FILE]``: simulate a recorded run with its own controller and budget and compare
+stall and TPOT with what it measured; exit 1 when outside max(25 %, 1 ms per step). ``--expert-fraction``
+gives a static split's expert share where the trace predates ``metadata.json`` keeping it.
 
 ``fallbackgate trace planted --out DIR [--seed S] [--steps N]``: write the planted synthetic trace CI checks
 the analyses on.
@@ -76,6 +77,8 @@ def add_parser(subparsers: Any) -> None:
     v.add_argument("trace", metavar="TRACE", help="a trace recorded by `run --trace` or `serve --trace`")
     v.add_argument("--calibrate-from", metavar="TRACE", default=None, help="fit the waits on another run (held out)")
     v.add_argument("--device", default="waits", help="waits (default), profile, or a what-if's name prefix")
+    v.add_argument("--expert-fraction", type=float, default=None,
+                   help="a static split's expert share, for traces recorded before metadata.json kept it")  # fmt: skip
     v.add_argument("--json", metavar="FILE", default=None, help="write the comparison as JSON")
     _add_io_flags(v)
     v.set_defaults(func=run_validate)
@@ -266,7 +269,7 @@ def run_validate(args: argparse.Namespace) -> int:
             device = next((d for d in known if d.name.startswith(args.device)), None)
             if device is None:
                 raise ValueError(f"no device model {args.device!r}; known: {[d.name for d in known]}")
-        result = validate(args.trace, args.calibrate_from, device, real)
+        result = validate(args.trace, args.calibrate_from, device, real, args.expert_fraction)
     except (ValueError, TraceFormatError) as exc:
         print(f"fallbackgate trace validate: error: {exc}", file=sys.stderr)
         return 2

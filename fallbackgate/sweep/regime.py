@@ -44,6 +44,7 @@ from fallbackgate.workloads.tokens import ModelTokens, length_limit
 
 STATIC, INDEPENDENT, JOINT = (ControllerKind.STATIC_SPLIT.value, ControllerKind.INDEPENDENT_LRU.value,
                               ControllerKind.JOINT.value)  # fmt: skip
+KEEP_ALL = "all"  # keep_traces: every cell's trace
 
 
 @dataclasses.dataclass(slots=True)
@@ -66,7 +67,7 @@ class RegimeConfig:
     step_time: str = StepTime.MODELED.value  # controller.step_time for every controller (StepTime)
     audit_rate: float = 1.0
     is_equivalent_allowed: bool = True  # baselines may serve late misses with the equivalent tags joint uses
-    keep_traces: tuple[str, ...] = ()  # cell_key()s of the cells whose trace is kept
+    keep_traces: tuple[str, ...] = ()  # cell_key()s of the cells whose trace is kept (KEEP_ALL: every cell's)
     trace_out: str | None = None  # where kept traces go
     lowbit_dir: str | None = None  # memory.lowbit_dir of every cell: low-bit expert copies prepared once there
     # per kind, an earlier sweep's SLO reference (its sweep.json "slo_references"): its targets are used and no
@@ -206,7 +207,7 @@ def run_cell(cfg: RegimeConfig, policy: Policy, specs: list[PromptSpec], cell: d
         m.update(bounds.belady_expert_at_room(steps, queries.expert_room_by_step(ledger, recorder.run_id)))
         built.engine.close()
         key = cell_key(cell)
-        if cfg.trace_out and key in cfg.keep_traces:
+        if cfg.trace_out and (key in cfg.keep_traces or KEEP_ALL in cfg.keep_traces):
             target = pathlib.Path(cfg.trace_out) / key.replace("/", "_")
             shutil.rmtree(target, ignore_errors=True)
             shutil.copytree(trace_dir, target)

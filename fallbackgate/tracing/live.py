@@ -47,7 +47,8 @@ def engine_metadata(engine: Any) -> dict[str, Any]:
             "bytes_per_kv_block": int(kv.bytes_per_block), "block_size": int(kv.block_size),
             "dtype": engine.dtype_name, "path": config.model_dir,
         },
-        "budgets": {"device_bytes": config.device_budget_bytes, "host_bytes": config.host_budget_bytes},
+        "budgets": {"device_bytes": config.device_budget_bytes, "host_bytes": config.host_budget_bytes,
+                    "expert_fraction": getattr(engine.controller, "expert_fraction", None)},
         "profile": dataclasses.asdict(config.profile),
     }  # fmt: skip
 

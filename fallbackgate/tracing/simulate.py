@@ -6,13 +6,15 @@ device model.
 the nearest copy of every KV block taken off device, the keys used in the step. Per step the controller sees
 ``on_step_start``; every off-device KV block read is a :class:`KVMiss` and every off-device expert a
 :class:`ExpertMiss`; room is made with its ``choose_victims``; ``on_step_end``'s spills, evictions and
-expert loads are applied. A KV block's first access is its write (it takes device room, never a miss).
-As in the engine, a layer's attention holds its requests' K/V gathered in one buffer (every block of a request
-longer than one block) inside the budget until the layer's experts run: its room is made with nothing but
-the step's KV pinned, so experts may leave for it. Simplified against the engine (stated in the results):
-experts' homes are the host; a lowbit or dequant
-read moves bits/16 of the full bytes; recompute and cpu_execute are counted, not timed; step-end expert
-loads are prefetches (link bytes, no stall).
+expert loads are applied. A KV block's first access is its write (it takes device room, never a miss),
+unless it adopts a kept prefix block: a request's full blocks stay in the budget when it ends, as the engine's
+prefix reuse keeps them (:mod:`fallbackgate.tracing.sim_prefix`). As in the engine, a layer's attention holds
+its requests' K/V gathered in one buffer (every block of a request longer than one block) inside the budget
+until the layer's experts run: its room is made with nothing but the step's KV pinned, so experts may leave
+for it. Simplified against the engine (stated in the results): experts' homes are the host; a lowbit or
+dequant read moves bits/16 of the full bytes; recompute and cpu_execute are counted, not timed; step-end
+expert loads are prefetches (link bytes, no stall); the engine's other scratch (staged KV, low-bit copies,
+write-behind buffers) is not modelled.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from collections.abc import Iterator
 from fallbackgate.engine.controller import KVBlockInfo
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.io import EMPTY_SNAPSHOT, IOSnapshot
+from fallbackgate.engine.kv.prefix_types import PrefixEntryInfo
 from fallbackgate.engine.kv.store import SpillMode
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.tracing.devices import DeviceModel
+from fallbackgate.tracing.sim_prefix import KeptPrefixes
 
 ExpertKey = tuple[int, int]
 KVKey = tuple[str, int, int]
@@ -69,6 +73,8 @@ class SimulatedView:
         self.classes = classes
         self.experts: dict[ExpertKey, None] = {}  # on device
         self.scratch_bytes = 0  # a layer's gathered K/V, held from its attention until its experts run
+        self.prefix: KeptPrefixes | None = None  # kept prefix blocks (None: the trace names no content hashes)
+        self.step_index = 0  # the step being simulated (kept entries' idle steps)
         self.kv: dict[KVKey, tuple[Tier | None, Tier | None, int]] = {}  # (exact, quant tier, bits); device: exact
         self.device_infos: dict[KVKey, KVBlockInfo] = {}  # the device blocks' infos
         self.by_request: dict[str, dict[KVKey, KVBlockInfo]] = {}  # the same, per request, in device order
@@ -193,9 +199,13 @@ class SimulatedView:
             self._device_tuple = tuple(self.device_infos.values())
         return self._device_tuple
 
-    def prefix_entry(self, request_id: str) -> None:
-        """No kept prefix blocks here."""
-        return None
+    def prefix_entry(self, request_id: str) -> PrefixEntryInfo | None:
+        """The kept prefix block behind pseudo request `request_id`, None for any other id."""
+        if self.prefix is None:
+            return None
+        on_device = sum(self.kv.get((request_id, layer, 0), (None,))[0] is Tier.DEVICE for layer in
+                        range(self.num_layers))  # fmt: skip
+        return self.prefix.info(request_id, on_device, self.step_index)
 
     def staged_kv_tag(self, key: KVKey) -> Tag | None:
         return None

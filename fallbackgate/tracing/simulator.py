@@ -14,6 +14,7 @@ from fallbackgate.controllers.registry import make_controller
 from fallbackgate.engine.controller import Controller, ExpertMiss, KVMiss
 from fallbackgate.engine.messages import StepKind, StepPlan
 from fallbackgate.engine.tags import Tag, Tier
+from fallbackgate.tracing.sim_prefix import KeptPrefixes
 from fallbackgate.tracing.simulate import SimulatedView, SimulationConfig, _copies
 from fallbackgate.tracing.simulate_input import SimulationInput
 
@@ -53,6 +54,8 @@ class Simulator:
         self.controller: Controller = make_controller(
             config.controller, top_k=m.get("top_k", 1), expert_fraction=config.expert_fraction
         )
+        if data.last_read:
+            self.view.prefix = KeptPrefixes(m["num_layers"], data.last_read)
         self.tally = _Tally()
         self.staged: set[tuple[str, int, int]] = set()
         self.ops: list[list[IOOp]] | None = None  # per step, when recording: the I/O its decisions issue
@@ -88,11 +91,19 @@ class Simulator:
         """Put a KV block on the device (its only copy)."""
         self.view.set_kv(key, (Tier.DEVICE, None, 0))
 
-    def kv_read(self, index: int, key: tuple[str, int, int], pinned: tuple[set, set]) -> int:
+    def kv_read(self, index: int, key: tuple[str, int, int], pinned: tuple[set, set], content_hash: int = 0) -> int:
         """Serve one KV read; returns the bytes it moved on demand."""
         view, t = self.view, self.tally
         copies = view.kv.get(key)
         view.max_block[key[0]] = max(view.max_block[key[0]], key[2])
+        if view.prefix is not None:
+            view.prefix.note(key, content_hash)
+            kept = view.prefix.adopt(key, content_hash, view.kv, index) if copies is None else None
+            if kept is not None:  # a kept block becomes this request's, read where it is
+                copies = view.kv[kept]
+                view.drop_kv(kept)
+                view.set_kv(key, copies)
+                view.prefix.release(kept[0], view.kv)
         if copies is None:  # the block's write: its room is made before the forward, as the engine's append
             if self.make_room(view.bytes_per_kv_block, set(), pinned[1]):  # does: no expert is pinned yet
                 self.place_kv(key)
@@ -151,7 +162,7 @@ class Simulator:
         """Run one step; returns (demand reads, demand bytes)."""
         data, view = self.data, self.view
         requests = data.step_requests[index]
-        view.running_ids = tuple(requests)
+        view.running_ids, view.step_index = tuple(requests), index
         phase = data.phases[index]
         kind = StepKind.PREFILL if phase == "prefill" else StepKind.MIXED if phase == "mixed" else StepKind.DECODE
         plan = StepPlan(data.step_ids[index], kind, list(requests), dict.fromkeys(requests, 1),
@@ -166,23 +177,23 @@ class Simulator:
         reads = moved = 0
         layers = sorted({r[1] for r in kv_rows} | {k[0] for k in by_expert})
         kv_by_layer: dict[int, list] = collections.defaultdict(list)
-        for key in kv_rows:
-            kv_by_layer[key[1]].append(key)
+        for key, content_hash in zip(kv_rows, data.kv_hashes[index], strict=True):
+            kv_by_layer[key[1]].append((key, content_hash))
         experts_by_layer: dict[int, list] = collections.defaultdict(list)
         for key in by_expert:
             experts_by_layer[key[0]].append(key)
         for layer in layers:  # attention reads the layer's KV and gathers it, then its MoE uses the experts
-            for key in kv_by_layer[layer]:
-                num = self.kv_read(index, key, pinned)
+            for key, content_hash in kv_by_layer[layer]:
+                num = self.kv_read(index, key, pinned, content_hash)
                 reads, moved = reads + (num > 0), moved + num
-            self.gather(kv_by_layer[layer], pinned[1])
+            self.gather([key for key, _ in kv_by_layer[layer]], pinned[1])
             for key in experts_by_layer[layer]:
                 num = self.expert_use(index, key, by_expert[key], pinned)
                 reads, moved = reads + (num > 0), moved + num
         view.used_expert_keys, view.used_kv_block_keys = tuple(by_expert), tuple(kv_rows)
         view.deferred_expert_keys = tuple(self.deferred)
         self.step_end()
-        self.free(data.finished[index])
+        self.free(data.finished[index], index)
         return reads, moved
 
     def gather(self, keys: list[tuple[str, int, int]], pinned_kv: set) -> None:
@@ -195,13 +206,26 @@ class Simulator:
             view.scratch_bytes = need
         view.scratch_bytes = 0
 
-    def free(self, request_ids: list[str]) -> None:
-        """Drop every KV block of requests that ended (as the engine frees a finished request's blocks)."""
+    def free(self, request_ids: list[str], index: int = 0) -> None:
+        """Free the KV blocks of requests that ended, but for those kept as prefix blocks (as the engine's
+        prefix reuse keeps a finished request's full blocks)."""
         view = self.view
         gone = set(request_ids)
-        if gone:
-            for key in [k for k in view.kv if k[0] in gone]:
-                view.drop_kv(key)
+        if not gone:
+            return
+        mine: dict[str, dict[int, list]] = {rid: collections.defaultdict(list) for rid in gone}
+        for key in [k for k in view.kv if k[0] in gone]:
+            mine[key[0]][key[2]].append(key)
+        for rid, blocks in mine.items():
+            if view.prefix is not None:
+                for key, kept in view.prefix.keep(rid, blocks, view.kv, index):
+                    copies = view.kv[key]
+                    view.drop_kv(key)
+                    view.set_kv(kept, copies)
+            for keys in blocks.values():
+                for key in keys:
+                    if key in view.kv:
+                        view.drop_kv(key)
 
     def step_end(self) -> None:
         """Carry out the controller's step-end actions: spills, evictions, promotions, prefetches."""

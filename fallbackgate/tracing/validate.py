@@ -64,11 +64,16 @@ def within(predicted: float, measured: float, floor: float) -> bool:
 
 
 def validate(
-    path: str, calibration: str | None = None, device: DeviceModel | None = None, real: RealIO | None = None
+    path: str,
+    calibration: str | None = None,
+    device: DeviceModel | None = None,
+    real: RealIO | None = None,
+    expert_fraction: float | None = None,
 ) -> dict[str, Any]:
     """Simulate the trace at ``path`` with its own controller and budget; compare with what it measured.
     The device is ``device``, else the waits fitted on ``calibration`` (default: the trace itself); with
-    ``real`` the transfers are performed instead."""
+    ``real`` the transfers are performed instead. ``expert_fraction``: a static split's expert share where the
+    trace does not record it (a ValueError where it records another)."""
     trace = read_trace(path)
     controller, budget = trace.metadata.get("controller"), recorded_budget(trace)
     if not controller or not budget:
@@ -77,7 +82,11 @@ def validate(
         device = fit_waits(read_trace(calibration) if calibration else trace)
         if device is None:
             raise TraceFormatError(f"{calibration or path}: too few recorded demand waits to fit a device model")
-    config = SimulationConfig(str(controller), budget, device)
+    share = (trace.metadata.get("budgets") or {}).get("expert_fraction")  # a static split's (older traces: None)
+    if share is not None and expert_fraction is not None and abs(float(share) - expert_fraction) > 1e-9:
+        raise ValueError(f"{path}: recorded with expert_fraction {share}, not {expert_fraction}")
+    share = expert_fraction if share is None else float(share)
+    config = SimulationConfig(str(controller), budget, device, share)
     if real is not None:
         overhead = engine_overhead_ns(read_trace(calibration) if calibration else trace)
         real = dataclasses.replace(real, overhead_ns_per_read=overhead)
@@ -90,7 +99,7 @@ def validate(
     ok_tpot = within(predicted["mean_tpot_ms"], measured["mean_tpot_ms"], 1.0)
     return {
         "trace": path, "calibration": calibration or (path if device.name == "waits" else None),
-        "controller": controller, "budget_bytes": budget, "device": predicted["device"],
+        "controller": controller, "budget_bytes": budget, "expert_fraction": share, "device": predicted["device"],
         "io_overhead_ms_per_read": real.overhead_ns_per_read / 1e6 if real else None,
         "latency_ms": device.latency_ns / 1e6, "bandwidth_mb_s": device.bandwidth_bytes_per_s / 1e6,
         "measured": measured, "predicted": {k: predicted[k] for k in ("stall_s", "mean_tpot_ms", "p99_tpot_ms")},
