@@ -18,18 +18,24 @@ MODEL = {"num_layers": 1, "num_experts": 2, "top_k": 1, "bytes_per_expert": 1000
 IDLE_NS = 1_000 * MS  # the engine waits a second for the second request to arrive
 
 
-def _starts() -> list[int]:
-    """Steps 0-3 serve request a, 4-7 request b; 0.8 ms each, 0.2 ms of host time between, idle before 4."""
-    return [i * MS + (IDLE_NS if i >= 4 else 0) for i in range(8)]
+def _starts(period_ns: int = MS) -> list[int]:
+    """Steps 0-3 serve request a, 4-7 request b, one every `period_ns`; the engine idles before step 4."""
+    return [i * period_ns + (IDLE_NS if i >= 4 else 0) for i in range(8)]
 
 
-def _write(path: Path, tails_ns: tuple[int, int] = (50_000, 50_000)) -> None:
+def _write(
+    path: Path,
+    tails_ns: tuple[int, int] = (50_000, 50_000),
+    step_ns: int = 800_000,
+    period_ns: int = MS,
+    **meta: object,
+) -> None:
     """Each request's first token `tails_ns[0]` before its first step's end, its finish `tails_ns[1]` before
     its last step's end (the engine stamps a token while the step is still recording)."""
-    starts = _starts()
-    ends = [s + 800_000 for s in starts]
+    starts = _starts(period_ns)
+    ends = [s + step_ns for s in starts]
     owner = ["a"] * 4 + ["b"] * 4
-    metadata = {"model": MODEL, "controller": "exact_lru", "budgets": {"device_bytes": 10**6}}
+    metadata = {"model": MODEL, "controller": "exact_lru", "budgets": {"device_bytes": 10**6}, **meta}
     with TraceWriter(path, metadata) as writer:
         writer.append(TraceTable.STEPS, step=list(range(8)), phase=["prefill"] + ["decode"] * 3 + ["prefill"]
                       + ["decode"] * 3, start_ns=starts, end_ns=ends, batch=[1] * 8, tokens=[1] * 8)  # fmt: skip
@@ -65,3 +71,18 @@ def test_a_recorded_run_simulated_with_nothing_missing_predicts_its_own_tpot(tmp
     assert result["predicted"]["mean_tpot_ms"] == pytest.approx(1.0)  # the cold read is in step 0, before a's window
     assert result["predicted"]["stall_s"] == pytest.approx(device.read_ns(MODEL["bytes_per_expert"]) / 1e9)
     assert result["within_bound"]
+
+
+def test_another_run_is_predicted_with_its_own_configuration_from_this_trace(tmp_path: Path) -> None:
+    """``validate(..., target=)``: the target's controller, budget and split over this trace's accesses, against
+    the target's measured TPOT (here its steps are 0.2 ms slower, which this trace cannot know)."""
+    _write(tmp_path / "source")
+    _write(tmp_path / "target", step_ns=1_000_000, period_ns=1_200_000, controller="static_split",
+           budgets={"device_bytes": 2 * 10**6, "expert_fraction": 0.7})  # fmt: skip
+    result = validate(
+        str(tmp_path / "source"), device=DeviceModel("flat", 100_000, 2e9), target=str(tmp_path / "target")
+    )
+    assert (result["controller"], result["budget_bytes"], result["expert_fraction"]) == ("static_split", 2 * 10**6, 0.7)
+    assert result["measured"]["mean_tpot_ms"] == pytest.approx(1.2)  # the target's: a step every 1.2 ms
+    assert result["predicted"]["mean_tpot_ms"] == pytest.approx(1.0)  # the source's
+    assert result["tpot_error"] == pytest.approx(1.0 / 1.2 - 1) and result["target"] == str(tmp_path / "target")

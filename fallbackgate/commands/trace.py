@@ -10,9 +10,11 @@ configuration's transfers against a scratch file in DIR instead (one configurati
 ``--progress`` draws a bar.
 
 ``fallbackgate trace validate TRACE [--calibrate-from TRACE] [--device waits|profile|...] [--io real DIR]
-[--expert-fraction F] [--json FILE]``: simulate a recorded run with its own controller and budget and compare
-stall and TPOT with what it measured; exit 1 when outside max(25 %, 1 ms per step). ``--expert-fraction``
-gives a static split's expert share where the trace predates ``metadata.json`` keeping it.
+[--expert-fraction F] [--target TRACE2] [--json FILE]``: simulate a recorded run with its own controller and
+budget and compare stall and TPOT with what it measured; exit 1 when outside max(25 %, 1 ms per step).
+``--expert-fraction`` gives a static split's expert share where the trace predates ``metadata.json`` keeping
+it; ``--target`` predicts another run of the same requests (its controller, budget and split over TRACE's
+accesses, against what it measured).
 
 ``fallbackgate trace planted --out DIR [--seed S] [--steps N]``: write the planted synthetic trace CI checks
 the analyses on.
@@ -77,6 +79,9 @@ def add_parser(subparsers: Any) -> None:
     v.add_argument("trace", metavar="TRACE", help="a trace recorded by `run --trace` or `serve --trace`")
     v.add_argument("--calibrate-from", metavar="TRACE", default=None, help="fit the waits on another run (held out)")
     v.add_argument("--device", default="waits", help="waits (default), profile, or a what-if's name prefix")
+    v.add_argument("--target", metavar="TRACE", default=None,
+                   help="predict this other recorded run of the same requests: its controller, budget and split "
+                        "simulated over TRACE's accesses, against what it measured")  # fmt: skip
     v.add_argument("--expert-fraction", type=float, default=None,
                    help="a static split's expert share, for traces recorded before metadata.json kept it")  # fmt: skip
     v.add_argument("--json", metavar="FILE", default=None, help="write the comparison as JSON")
@@ -269,7 +274,7 @@ def run_validate(args: argparse.Namespace) -> int:
             device = next((d for d in known if d.name.startswith(args.device)), None)
             if device is None:
                 raise ValueError(f"no device model {args.device!r}; known: {[d.name for d in known]}")
-        result = validate(args.trace, args.calibrate_from, device, real, args.expert_fraction)
+        result = validate(args.trace, args.calibrate_from, device, real, args.expert_fraction, args.target)
     except (ValueError, TraceFormatError) as exc:
         print(f"fallbackgate trace validate: error: {exc}", file=sys.stderr)
         return 2
@@ -277,7 +282,8 @@ def run_validate(args: argparse.Namespace) -> int:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
     m, p = result["measured"], result["predicted"]
     print(f"{result['controller']} at {result['budget_bytes'] / (1 << 20):.3f} MiB, device {result['device']} "
-          f"(calibration: {result['calibration'] or 'none'}), {m['num_steps']} steps")  # fmt: skip
+          f"(calibration: {result['calibration'] or 'none'}), {m['num_steps']} steps"
+          + (f", predicting {result['target']}" if result["target"] != result["trace"] else ""))  # fmt: skip
     print(f"stall: measured {m['stall_s']:.3f} s, predicted {p['stall_s']:.3f} s ({result['stall_error']:+.1%})")
     print(f"mean TPOT: measured {m['mean_tpot_ms']:.2f} ms, predicted {p['mean_tpot_ms']:.2f} ms "
           f"({result['tpot_error']:+.1%})")  # fmt: skip

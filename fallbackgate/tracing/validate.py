@@ -69,20 +69,26 @@ def validate(
     device: DeviceModel | None = None,
     real: RealIO | None = None,
     expert_fraction: float | None = None,
+    target: str | None = None,
 ) -> dict[str, Any]:
     """Simulate the trace at ``path`` with its own controller and budget; compare with what it measured.
     The device is ``device``, else the waits fitted on ``calibration`` (default: the trace itself); with
     ``real`` the transfers are performed instead. ``expert_fraction``: a static split's expert share where the
-    trace does not record it (a ValueError where it records another)."""
+    trace does not record it (a ValueError where it records another). ``target``: another recorded run of the
+    same requests whose controller, budget and split are simulated over this trace's accesses and whose
+    measured stall and TPOT are predicted (a run the simulation has not seen)."""
     trace = read_trace(path)
-    controller, budget = trace.metadata.get("controller"), recorded_budget(trace)
+    measured_trace = read_trace(target) if target else trace
+    controller, budget = measured_trace.metadata.get("controller"), recorded_budget(measured_trace)
     if not controller or not budget:
-        raise TraceFormatError(f"{path}: metadata.json records no controller or device budget to simulate with")
+        raise TraceFormatError(
+            f"{target or path}: metadata.json records no controller or device budget to simulate with"
+        )
     if device is None:
         device = fit_waits(read_trace(calibration) if calibration else trace)
         if device is None:
             raise TraceFormatError(f"{calibration or path}: too few recorded demand waits to fit a device model")
-    share = (trace.metadata.get("budgets") or {}).get("expert_fraction")  # a static split's (older traces: None)
+    share = (measured_trace.metadata.get("budgets") or {}).get("expert_fraction")  # a static split's (or None)
     if share is not None and expert_fraction is not None and abs(float(share) - expert_fraction) > 1e-9:
         raise ValueError(f"{path}: recorded with expert_fraction {share}, not {expert_fraction}")
     share = expert_fraction if share is None else float(share)
@@ -93,12 +99,13 @@ def validate(
     predicted = simulate_real(path, [config], real)[0] if real else simulate_many(path, [config], jobs=1)[0]
     if "error" in predicted:
         raise TraceFormatError(f"{path}: the simulation failed: {predicted['error']}")
-    measured = recorded_outcome(trace)
+    measured = recorded_outcome(measured_trace)
     steps = measured["num_steps"]
     ok_stall = within(predicted["stall_s"], measured["stall_s"], 1e-3 * steps)
     ok_tpot = within(predicted["mean_tpot_ms"], measured["mean_tpot_ms"], 1.0)
     return {
-        "trace": path, "calibration": calibration or (path if device.name == "waits" else None),
+        "trace": path, "target": target or path,
+        "calibration": calibration or (path if device.name == "waits" else None),
         "controller": controller, "budget_bytes": budget, "expert_fraction": share, "device": predicted["device"],
         "io_overhead_ms_per_read": real.overhead_ns_per_read / 1e6 if real else None,
         "latency_ms": device.latency_ns / 1e6, "bandwidth_mb_s": device.bandwidth_bytes_per_s / 1e6,
