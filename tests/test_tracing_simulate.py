@@ -10,6 +10,7 @@ import pytest
 
 from fallbackgate.cli import main
 from fallbackgate.controllers.registry import registered_kinds
+from fallbackgate.tracing import TraceWriter
 from fallbackgate.tracing.devices import DeviceModel
 from fallbackgate.tracing.reader import read_trace
 from fallbackgate.tracing.schema import TraceTable
@@ -134,3 +135,26 @@ def test_simulating_a_recorded_joint_run_makes_the_misses_it_made(tmp_path: Path
     assert result["misses_by_tag"].get("kv:exact_load", 0) <= recorded_kv_loads + 8, result["misses_by_tag"]
     simulated = result["misses_by_tag"]["expert:exact_load"]
     assert 0.5 * recorded_expert_loads <= simulated <= 1.25 * recorded_expert_loads, (simulated, recorded_expert_loads)
+
+
+def test_only_the_layers_own_experts_are_pinned_while_it_loads(tmp_path: Path) -> None:
+    """Room for one expert (and a's one KV block), layers 0 and 1 each using their expert 0 in two steps: as in
+    the engine, layer 1's load may evict layer 0's expert (the step's other layers are not pinned), so every use
+    misses."""
+    model = {"num_layers": 2, "num_experts": 1, "top_k": 1, "bytes_per_expert": 1000, "bytes_per_kv_block": 100}
+    uses = [(step, layer) for step in (0, 1) for layer in (0, 1)]
+    with TraceWriter(tmp_path / "t", {"model": model}) as writer:
+        writer.append(TraceTable.STEPS, step=[0, 1], phase=["decode"] * 2, start_ns=[0, 10**6],
+                      end_ns=[9 * 10**5, 19 * 10**5], batch=[1, 1], tokens=[1, 1])  # fmt: skip
+        writer.append(TraceTable.EXPERT_ACCESS, step=[s for s, _ in uses], request=["a"] * 4,
+                      layer=[layer for _, layer in uses], expert=[0] * 4, router_rank=[0] * 4, router_weight=[1.0] * 4,
+                      tier_before=["disk"] * 4, tag=["exact_load"] * 4, bytes=[1000] * 4, ns=[10**5] * 4,
+                      is_predicted=[False] * 4)  # fmt: skip
+        writer.append(TraceTable.KV_ACCESS, step=[0, 1], request=["a"] * 2, layer=[0, 0], block=[0, 0],
+                      content_hash=None, tier_before=["device"] * 2, tag=["resident"] * 2, bytes=[0, 0],
+                      ns=[0, 0])  # fmt: skip
+        writer.append(TraceTable.REQUESTS, request=["a"], request_class=["x"], slo_ttft_ns=None,
+                      slo_tpot_ns=[None], arrival_ns=[0], first_token_ns=[None], finish_ns=[None], prompt_tokens=[1],
+                      output_tokens=[1])  # fmt: skip
+    result = simulate_many(str(tmp_path / "t"), [SimulationConfig("exact_lru", 1100, DEVICE)], jobs=1)[0]
+    assert result["misses_by_tag"] == {"expert:exact_load": 4}

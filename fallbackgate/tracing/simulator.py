@@ -187,8 +187,9 @@ class Simulator:
                 num = self.kv_read(index, key, pinned, content_hash)
                 reads, moved = reads + (num > 0), moved + num
             self.gather([key for key, _ in kv_by_layer[layer]], pinned[1])
+            layer_pins = (set(experts_by_layer[layer]), pinned[1])  # the engine pins the layer's experts only
             for key in experts_by_layer[layer]:
-                num = self.expert_use(index, key, by_expert[key], pinned)
+                num = self.expert_use(index, key, by_expert[key], layer_pins)
                 reads, moved = reads + (num > 0), moved + num
         view.used_expert_keys, view.used_kv_block_keys = tuple(by_expert), tuple(kv_rows)
         view.deferred_expert_keys = tuple(self.deferred)
