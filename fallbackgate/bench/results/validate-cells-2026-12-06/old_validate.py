@@ -14,12 +14,22 @@ points = json.load(open(sys.argv[1]))
 rows = []
 for p in points:
     r = validate(p["trace"])
-    rows.append({k: p[k] for k in ("controller", "workload", "seed", "ram_frac", "kv_share")}
-                | {k: r[k] for k in ("stall_error", "tpot_error", "stall_within", "tpot_within", "within_bound")})
+    rows.append(
+        {k: p[k] for k in ("controller", "workload", "seed", "ram_frac", "kv_share")}
+        | {k: r[k] for k in ("stall_error", "tpot_error", "stall_within", "tpot_within", "within_bound")}
+    )
 json.dump(rows, open(sys.argv[2], "w"), indent=1)
 for c in ["all", "independent_lru", "joint", "static_split"]:
     g = [r for r in rows if c == "all" or r["controller"] == c]
-    print(c, len(g), "within", sum(r["within_bound"] for r in g), "stall", sum(r["stall_within"] for r in g),
-          "tpot", sum(r["tpot_within"] for r in g),
-          "stall err median %+.1f%%" % (100 * statistics.median(r["stall_error"] for r in g)),
-          "tpot err median %+.1f%%" % (100 * statistics.median(r["tpot_error"] for r in g)))
+    print(
+        c,
+        len(g),
+        "within",
+        sum(r["within_bound"] for r in g),
+        "stall",
+        sum(r["stall_within"] for r in g),
+        "tpot",
+        sum(r["tpot_within"] for r in g),
+        "stall err median %+.1f%%" % (100 * statistics.median(r["stall_error"] for r in g)),
+        "tpot err median %+.1f%%" % (100 * statistics.median(r["tpot_error"] for r in g)),
+    )
