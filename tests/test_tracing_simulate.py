@@ -49,18 +49,20 @@ def test_room_for_everything_leaves_only_cold_expert_misses(planted: tuple) -> N
 
 
 def test_a_layers_gathered_kv_takes_room_from_experts(planted: tuple) -> None:
-    """A full budget: a layer's gathered K/V (a request's blocks when it has more than one) evicts experts for
-    its room, which is given back before the layer's experts run; a one-block request gathers nothing."""
+    """A full budget: a layer's gathered K/V (a request's blocks when it has more than one, a one-block request's
+    block when it was read from off device) evicts experts for its room."""
     p, path = planted
     simulator = Simulator(load_input(path), SimulationConfig("exact_lru", 10 * p.bytes_per_expert, DEVICE))
     view = simulator.view
     view.experts = dict.fromkeys((0, e) for e in range(10))
-    simulator.gather([("r", 0, 0)], set())
+    simulator.gather([("r", 0, 0)], set(), set())  # one resident block: read in place
     assert len(view.experts) == 10
+    simulator.gather([("r", 0, 0)], {("r", 0, 0)}, set())  # one block read from off device: staged
+    assert len(view.experts) == 9
     keys = [("r", 0, b) for b in range(5)] + [("s", 0, 0)]  # 5 blocks of r, 1 of s: r's 5 are gathered
-    simulator.gather(keys, set(keys))
-    freed = -(-5 * p.bytes_per_kv_block // p.bytes_per_expert)
-    assert len(view.experts) == 10 - freed and view.scratch_bytes == 0
+    view.experts = dict.fromkeys((0, e) for e in range(10))
+    simulator.gather(keys, set(), set(keys))
+    assert len(view.experts) == 10 - -(-5 * p.bytes_per_kv_block // p.bytes_per_expert)
 
 
 def test_small_budgets_miss_and_move_the_bytes_they_say(planted: tuple) -> None:

@@ -86,3 +86,26 @@ def test_another_run_is_predicted_with_its_own_configuration_from_this_trace(tmp
     assert result["measured"]["mean_tpot_ms"] == pytest.approx(1.2)  # the target's: a step every 1.2 ms
     assert result["predicted"]["mean_tpot_ms"] == pytest.approx(1.0)  # the source's
     assert result["tpot_error"] == pytest.approx(1.0 / 1.2 - 1) and result["target"] == str(tmp_path / "target")
+
+
+def test_requests_without_a_tpot_are_left_out_as_the_measurement_leaves_them_out(tmp_path: Path) -> None:
+    """A one-token request and one that never finished, both running beside a in steps 1-3: no TPOT window."""
+    _write(tmp_path / "t")
+    trace = read_trace(tmp_path / "t")
+    extra = trace.frame(TraceTable.EXPERT_ACCESS).iloc[[1, 2, 3]]
+    with TraceWriter(tmp_path / "u", trace.metadata) as writer:
+        for table in (TraceTable.STEPS, TraceTable.KV_ACCESS, TraceTable.REQUESTS):
+            writer.append(
+                table, **{c: trace.tables[table].column(c).to_pylist() for c in trace.tables[table].column_names}
+            )
+        experts = trace.tables[TraceTable.EXPERT_ACCESS].to_pydict()
+        for name in ("one", "open"):
+            for column, values in experts.items():
+                values += [name] * 3 if column == "request" else extra[column].tolist()
+        writer.append(TraceTable.EXPERT_ACCESS, **experts)
+        writer.append(TraceTable.REQUESTS, request=["one", "open"], request_class=["c", "c"], slo_ttft_ns=None,
+                      slo_tpot_ns=[None, None], arrival_ns=[0, 0], first_token_ns=[900_000, 900_000],
+                      finish_ns=[900_000, None], prompt_tokens=[4, 4], output_tokens=[1, 3])  # fmt: skip
+    timeline = build_timeline(read_trace(tmp_path / "u"))
+    assert sorted(timeline.decode_pairs[:, 0].tolist()) == [1, 2, 3, 5, 6, 7]  # a's and b's windows only
+    assert timeline.outcome(timeline.compute_ns)["mean_tpot_ms"] == pytest.approx(1.0)

@@ -50,6 +50,7 @@ def engine_metadata(engine: Any) -> dict[str, Any]:
         "budgets": {"device_bytes": config.device_budget_bytes, "host_bytes": config.host_budget_bytes,
                     "expert_fraction": getattr(engine.controller, "expert_fraction", None)},
         "profile": dataclasses.asdict(config.profile),
+        "prefix_reuse": bool(config.is_prefix_reused),
     }  # fmt: skip
 
 

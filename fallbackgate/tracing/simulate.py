@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from fallbackgate.engine.controller import KVBlockInfo
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.io import EMPTY_SNAPSHOT, IOSnapshot
-from fallbackgate.engine.kv.prefix_types import PrefixEntryInfo
+from fallbackgate.engine.kv.prefix_types import PREFIX_ID, PrefixEntryInfo
 from fallbackgate.engine.kv.store import SpillMode
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.tracing.devices import DeviceModel
@@ -72,9 +72,9 @@ class SimulatedView:
         self.compute_dtype, self.num_expert_params = "bfloat16", bytes_per_expert // 2
         self.classes = classes
         self.experts: dict[ExpertKey, None] = {}  # on device
-        self.scratch_bytes = 0  # a layer's gathered K/V, held from its attention until its experts run
-        self.prefix: KeptPrefixes | None = None  # kept prefix blocks (None: the trace names no content hashes)
+        self.prefix: KeptPrefixes | None = None  # kept prefix blocks (None: no content hashes, or reuse was off)
         self.step_index = 0  # the step being simulated (kept entries' idle steps)
+        self.staged: dict[KVKey, Tag] = {}  # KV blocks read from off device this step -> the tag they were read with
         self.kv: dict[KVKey, tuple[Tier | None, Tier | None, int]] = {}  # (exact, quant tier, bits); device: exact
         self.device_infos: dict[KVKey, KVBlockInfo] = {}  # the device blocks' infos
         self.by_request: dict[str, dict[KVKey, KVBlockInfo]] = {}  # the same, per request, in device order
@@ -136,7 +136,7 @@ class SimulatedView:
     @property
     def device_free_bytes(self) -> int:
         used = len(self.experts) * self.bytes_per_expert + self.num_kv_on_device * self.bytes_per_kv_block
-        return self.device_budget_bytes - used - self.scratch_bytes
+        return self.device_budget_bytes - used
 
     def request_class(self, request_id: str) -> str:
         return self.classes.get(request_id, "")
@@ -201,14 +201,12 @@ class SimulatedView:
 
     def prefix_entry(self, request_id: str) -> PrefixEntryInfo | None:
         """The kept prefix block behind pseudo request `request_id`, None for any other id."""
-        if self.prefix is None:
+        if self.prefix is None or not request_id.startswith(PREFIX_ID):
             return None
-        on_device = sum(self.kv.get((request_id, layer, 0), (None,))[0] is Tier.DEVICE for layer in
-                        range(self.num_layers))  # fmt: skip
-        return self.prefix.info(request_id, on_device, self.step_index)
+        return self.prefix.info(self, request_id, self.step_index)
 
     def staged_kv_tag(self, key: KVKey) -> Tag | None:
-        return None
+        return self.staged.get(key)
 
     def kv_quant_error_energy(self, key: KVKey) -> float | None:
         return None

@@ -28,6 +28,7 @@ class SimulationInput:
     expert_rows: list[list[tuple[int, int, str, float]]]  # per step: (layer, expert, request, router weight)
     classes: dict[str, str]  # request -> class
     finished: list[list[str]]  # per step: requests whose last access it is (their KV is freed after it)
+    is_prefix_reused: bool = True  # the run kept finished requests' blocks (traces before stop 48: assumed)
 
 
 def load_input(path: str) -> SimulationInput:
@@ -58,4 +59,5 @@ def load_input(path: str) -> SimulationInput:
         [kv_groups.get(s, []) for s in step_ids], [hash_groups.get(s, []) for s in step_ids],
         {int(h): int(i) for h, i in last_read.items()}, [expert_groups.get(s, []) for s in step_ids],
         dict(zip(table["request"], table["request_class"], strict=True)), [finished.get(s, []) for s in step_ids],
+        bool(trace.metadata.get("prefix_reuse", True)),
     )  # fmt: skip

@@ -13,7 +13,7 @@ import numpy as np
 from fallbackgate.controllers.registry import make_controller
 from fallbackgate.engine.controller import Controller, ExpertMiss, KVMiss
 from fallbackgate.engine.messages import StepKind, StepPlan
-from fallbackgate.engine.tags import Tag, Tier
+from fallbackgate.engine.tags import Exactness, Tag, Tier
 from fallbackgate.tracing.sim_prefix import KeptPrefixes
 from fallbackgate.tracing.simulate import SimulatedView, SimulationConfig, _copies
 from fallbackgate.tracing.simulate_input import SimulationInput
@@ -54,10 +54,9 @@ class Simulator:
         self.controller: Controller = make_controller(
             config.controller, top_k=m.get("top_k", 1), expert_fraction=config.expert_fraction
         )
-        if data.last_read:
+        if data.last_read and data.is_prefix_reused:
             self.view.prefix = KeptPrefixes(m["num_layers"], data.last_read)
         self.tally = _Tally()
-        self.staged: set[tuple[str, int, int]] = set()
         self.ops: list[list[IOOp]] | None = None  # per step, when recording: the I/O its decisions issue
 
     def make_room(self, need: int, pinned_e: set, pinned_kv: set, is_kv_evictable: bool = True) -> bool:
@@ -87,6 +86,12 @@ class Simulator:
             if self.ops is not None and num:
                 self.ops[-1].append(IOOp("write", "kv_block", key, num, key[1], "spill"))
 
+    def note_served(self, tag: Tag, request_ids: list[str]) -> None:
+        """A tag that is not exact taints what the requests compute from this step's block on (never kept)."""
+        if tag.exactness is not Exactness.EXACT and self.view.prefix is not None:
+            for request_id in dict.fromkeys(request_ids):
+                self.view.prefix.taint(request_id, self.view.max_block[request_id])
+
     def place_kv(self, key: tuple[str, int, int]) -> None:
         """Put a KV block on the device (its only copy)."""
         self.view.set_kv(key, (Tier.DEVICE, None, 0))
@@ -98,12 +103,8 @@ class Simulator:
         view.max_block[key[0]] = max(view.max_block[key[0]], key[2])
         if view.prefix is not None:
             view.prefix.note(key, content_hash)
-            kept = view.prefix.adopt(key, content_hash, view.kv, index) if copies is None else None
-            if kept is not None:  # a kept block becomes this request's, read where it is
-                copies = view.kv[kept]
-                view.drop_kv(kept)
-                view.set_kv(key, copies)
-                view.prefix.release(kept[0], view.kv)
+            if copies is None and view.prefix.adopt(view, key, content_hash, index):  # every layer's, read
+                copies = view.kv[key]  # where it is
         if copies is None:  # the block's write: its room is made before the forward, as the engine's append
             if self.make_room(view.bytes_per_kv_block, set(), pinned[1]):  # does: no expert is pinned yet
                 self.place_kv(key)
@@ -124,12 +125,11 @@ class Simulator:
             moved = view.bytes_per_kv_block * copies[2] // 16
         elif tag is Tag.EXACT_LOAD and copies[0] is not None:
             moved = view.bytes_per_kv_block
-            self.staged.add(key)
         elif tag is not Tag.RECOMPUTE:
             t.num_invalid += 1
             tag = Tag.RECOMPUTE
-        if tag is Tag.RECOMPUTE:
-            self.staged.add(key)
+        view.staged[key] = tag  # read into scratch this step: the controller may promote it at the step's end
+        self.note_served(tag, [key[0]])
         t.tags[f"kv:{tag.value}"] += 1
         t.bytes_by_tag[f"kv:{tag.value}"] += moved
         if self.ops is not None and moved:
@@ -147,6 +147,7 @@ class Simulator:
                           max(r[3] for r in rows), Tier.HOST, view.bytes_per_expert, True,
                           view.device_free_bytes >= view.bytes_per_expert, view.compute_dtype)  # fmt: skip
         tag = self.controller.expert_action(miss).tag
+        self.note_served(tag, [r[2] for r in rows])
         moved = {Tag.EXACT_LOAD: view.bytes_per_expert, Tag.EXPERT_LOWBIT: view.bytes_per_expert // 2}.get(tag, 0)
         if tag is Tag.EXACT_LOAD and self.make_room(view.bytes_per_expert, *pinned, is_kv_evictable=False):
             view.experts[key] = None
@@ -183,10 +184,13 @@ class Simulator:
         for key in by_expert:
             experts_by_layer[key[0]].append(key)
         for layer in layers:  # attention reads the layer's KV and gathers it, then its MoE uses the experts
+            staged = set()
             for key, content_hash in kv_by_layer[layer]:
                 num = self.kv_read(index, key, pinned, content_hash)
                 reads, moved = reads + (num > 0), moved + num
-            self.gather([key for key, _ in kv_by_layer[layer]], pinned[1])
+                if num:
+                    staged.add(key)
+            self.gather([key for key, _ in kv_by_layer[layer]], staged, pinned[1])
             layer_pins = (set(experts_by_layer[layer]), pinned[1])  # the engine pins the layer's experts only
             for key in experts_by_layer[layer]:
                 num = self.expert_use(index, key, by_expert[key], layer_pins)
@@ -197,19 +201,18 @@ class Simulator:
         self.free(data.finished[index], index)
         return reads, moved
 
-    def gather(self, keys: list[tuple[str, int, int]], pinned_kv: set) -> None:
-        """Make room for one layer's gathered K/V (a request's blocks when it has more than one), as the
-        engine's ``ensure_room`` does with no expert pinned; the room is given back when the experts run."""
-        view = self.view
+    def gather(self, keys: list[tuple[str, int, int]], staged: set, pinned_kv: set) -> None:
+        """Make room for one layer's gathered K/V, as the engine's ``ensure_room`` does with no expert pinned:
+        every block of a request that has more than one, and a one-block request's block when it was read from
+        off device (`staged`). The room goes back to the experts when they run, so only the evictions remain."""
         blocks = collections.Counter(key[0] for key in keys)
-        need = sum(n for n in blocks.values() if n > 1) * view.bytes_per_kv_block
-        if need and self.make_room(need, set(), pinned_kv):
-            view.scratch_bytes = need
-        view.scratch_bytes = 0
+        need = sum(n for n in blocks.values() if n > 1) + sum(1 for key in staged if blocks[key[0]] == 1)
+        if need:
+            self.make_room(need * self.view.bytes_per_kv_block, set(), pinned_kv)
 
-    def free(self, request_ids: list[str], index: int = 0) -> None:
-        """Free the KV blocks of requests that ended, but for those kept as prefix blocks (as the engine's
-        prefix reuse keeps a finished request's full blocks)."""
+    def free(self, request_ids: list[str], index: int) -> None:
+        """Free the KV blocks of requests that ended at step `index`, but for those kept as prefix blocks (the
+        engine's prefix reuse keeps a finished request's full exact blocks, then prunes dead entries)."""
         view = self.view
         gone = set(request_ids)
         if not gone:
@@ -219,14 +222,13 @@ class Simulator:
             mine[key[0]][key[2]].append(key)
         for rid, blocks in mine.items():
             if view.prefix is not None:
-                for key, kept in view.prefix.keep(rid, blocks, view.kv, index):
-                    copies = view.kv[key]
-                    view.drop_kv(key)
-                    view.set_kv(kept, copies)
+                view.prefix.keep(view, rid, blocks, index)
             for keys in blocks.values():
                 for key in keys:
                     if key in view.kv:
                         view.drop_kv(key)
+        if view.prefix is not None:
+            view.prefix.prune(view)
 
     def step_end(self) -> None:
         """Carry out the controller's step-end actions: spills, evictions, promotions, prefetches."""
@@ -237,10 +239,10 @@ class Simulator:
         for key in actions.evict_experts:
             view.experts.pop(key, None)
         for key in actions.promote_kv:
-            if key in self.staged and view.kv.get(key, (None,))[0] is not Tier.DEVICE:
+            if key in view.staged and view.kv.get(key, (None,))[0] is not Tier.DEVICE:
                 if self.make_room(view.bytes_per_kv_block, set(), set()):
                     self.place_kv(key)
-        self.staged.clear()
+        view.staged.clear()
         for key in actions.load_experts:  # prefetches start only into free room, as the engine's do
             if key not in view.experts and view.device_free_bytes >= view.bytes_per_expert:
                 view.experts[key] = None

@@ -6,7 +6,8 @@ that compute time plus the stall its simulated misses cost on a device model. A 
 between its first token and its finish — each step with the host time before it (sampling, recording,
 scheduling), which the cache does not change — over its output tokens less one. Idle time while the engine
 waits for arrivals lies before a request's first token or after its finish, never in its window. A request
-without those times (an imported trace may lack them) is priced over the non-prefill steps it accessed. The
+the requests table lacks is priced over the non-prefill steps it accessed; one with no TPOT there (fewer than
+two tokens, no finish) is left out, as the measured TPOT leaves it out. The
 P99 TPOT is taken over every (request, step of its window) pair.
 """
 
@@ -40,7 +41,7 @@ class Timeline:
     base_budget_bytes: tuple[float, float]  # the recorded (expert, KV) budgets
     between_ns: np.ndarray | None = None  # per step: time from its end to the next step's start (pacing a replay)
     before_ns: np.ndarray | None = None  # per step: time from the previous step's end to its start (host work)
-    num_tpot_tokens: np.ndarray | None = None  # per request code: output tokens − 1 (0: priced per step)
+    num_tpot_tokens: np.ndarray | None = None  # per request code: output tokens − 1 (0: per step; -1: none)
 
     @property
     def num_steps(self) -> int:
@@ -128,15 +129,17 @@ def build_timeline(trace: Trace) -> Timeline:
 
 def _tpot_windows(requests: pd.DataFrame, names: list[str], starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(step position, request code) of the steps that started after each request's first token and before
-    its finish, and per request code its output tokens less one (0: no such window)."""
+    its finish, and per request code its output tokens less one: 0 for a request the requests table lacks
+    (priced over the steps it accessed), -1 for one with no TPOT (fewer than two tokens, never finished)."""
     num_tokens = np.zeros(len(names), dtype=np.float64)
     code_of = {name: i for i, name in enumerate(names)}
     pairs = []
     for row in requests.itertuples(index=False):
         first, finish = row.first_token_ns, row.finish_ns
+        code = code_of[str(row.request)]
+        num_tokens[code] = -1
         if row.output_tokens < 2 or pd.isna(first) or pd.isna(finish):
             continue
-        code = code_of[str(row.request)]
         lo, hi = np.searchsorted(starts, int(first), "left"), np.searchsorted(starts, int(finish), "left")
         if hi > lo:
             num_tokens[code] = row.output_tokens - 1

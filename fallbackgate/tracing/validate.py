@@ -90,7 +90,7 @@ def validate(
             raise TraceFormatError(f"{calibration or path}: too few recorded demand waits to fit a device model")
     share = (measured_trace.metadata.get("budgets") or {}).get("expert_fraction")  # a static split's (or None)
     if share is not None and expert_fraction is not None and abs(float(share) - expert_fraction) > 1e-9:
-        raise ValueError(f"{path}: recorded with expert_fraction {share}, not {expert_fraction}")
+        raise ValueError(f"{target or path}: recorded with expert_fraction {share}, not {expert_fraction}")
     share = expert_fraction if share is None else float(share)
     config = SimulationConfig(str(controller), budget, device, share)
     if real is not None:
