@@ -22,8 +22,9 @@ from typing import Any
 
 import tqdm
 
+from fallbackgate.bench import write_results
 from fallbackgate.sweep.regime import JOINT
-from fallbackgate.sweep.summary import interval
+from fallbackgate.sweep.summary import interval, percent_interval
 from fallbackgate.tracing.devices import WHAT_IFS, DeviceModel, fit_waits
 from fallbackgate.tracing.reader import read_trace
 from fallbackgate.tracing.simulate import SimulationConfig
@@ -96,13 +97,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{device}: simulated stall per run (s), joint / best static / two LRUs; joint's stall gain over each")
         for name, row in sorted(rows.items()):
             s = row["stall_s"]
-            gains = "  ".join(f"{k} {g['mean']:+.0%} [{g['lo']:+.0%}, {g['hi']:+.0%}]"
-                              for k, g in ((k, row[f'gain_vs_{k}']) for k in PARTNERS))  # fmt: skip
+            gains = "  ".join(f"{k} {percent_interval(row[f'gain_vs_{k}'])}" for k in PARTNERS)
             print(f"  {name:22s} {s['joint']:.3f} / {s['best static']:.3f} / {s['two LRUs']:.3f}  {gains}  "
                   f"joint least in {row['joint_least_share']:.0%}")  # fmt: skip
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "summary": summary,
-                                                       "cells": cells}, indent=1))  # fmt: skip
+        write_results(args.json, summary=summary, cells=cells)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,10 @@ from typing import Any
 
 import tqdm
 
+from fallbackgate.bench import write_results
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.sweep.regime import JOINT, KEEP_ALL, STATIC, RegimeConfig, run_regime
-from fallbackgate.sweep.summary import interval
+from fallbackgate.sweep.summary import interval, percent_interval
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 from fallbackgate.tracing.devices import fit_profile
 from fallbackgate.tracing.reader import read_trace
@@ -143,11 +144,9 @@ def main(argv: list[str] | None = None) -> None:
             s, t = g["stall_error"], g["tpot_error"]
             print(f"  {name:16s} within {g['within']:3d}/{g['n']:3d} "
                   f"(stall {g['stall_within']}, TPOT {g['tpot_within']})"
-                  f"  stall error {s['mean']:+.1%} [{s['lo']:+.1%}, {s['hi']:+.1%}]"
-                  f"  TPOT error {t['mean']:+.1%} [{t['lo']:+.1%}, {t['hi']:+.1%}]")  # fmt: skip
+                  f"  stall error {percent_interval(s, 1)}  TPOT error {percent_interval(t, 1)}")  # fmt: skip
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "summary": summary,
-                                                       "rows": rows}, indent=1))  # fmt: skip
+        write_results(args.json, summary=summary, rows=rows)
 
 
 if __name__ == "__main__":
