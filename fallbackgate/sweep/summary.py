@@ -239,16 +239,13 @@ def summarise(points: list[dict[str, Any]], held_out_seed: int) -> dict[str, Any
 
 
 def _pct(x: dict[str, float]) -> str:
-    return percent_interval(x, 1, " %")
+    return f"{100 * x['mean']:+.1f} % [{100 * x['lo']:+.1f}, {100 * x['hi']:+.1f}]"
 
 
-def percent_interval(x: dict[str, float], digits: int = 0, unit: str = "%") -> str:
-    """An :func:`interval` of fractions as percent: ``+12% [+3%, +21%]`` (the unit after the mean only when it
-    starts with a space)."""
-    mean, lo, hi = (f"{100 * x[k]:+.{digits}f}" for k in ("mean", "lo", "hi"))
-    if unit.startswith(" "):
-        return f"{mean}{unit} [{lo}, {hi}]"
-    return f"{mean}{unit} [{lo}{unit}, {hi}{unit}]"
+def percent_interval(x: dict[str, float], digits: int = 0) -> str:
+    """An :func:`interval` of fractions as percent: ``+12% [+3%, +21%]``."""
+    mean, lo, hi = (f"{100 * x[k]:+.{digits}f}%" for k in ("mean", "lo", "hi"))
+    return f"{mean} [{lo}, {hi}]"
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:

@@ -39,9 +39,15 @@ class Timeline:
     request_slo_ns: np.ndarray  # per request code: its TPOT SLO (nan: none)
     total_budget_bytes: float  # the recorded expert + KV budget (0: not recorded)
     base_budget_bytes: tuple[float, float]  # the recorded (expert, KV) budgets
-    between_ns: np.ndarray | None = None  # per step: time from its end to the next step's start (pacing a replay)
-    before_ns: np.ndarray | None = None  # per step: time from the previous step's end to its start (host work)
+    between_ns: np.ndarray | None = None  # per step: time from its end to the next step's start (host work)
     num_tpot_tokens: np.ndarray | None = None  # per request code: output tokens − 1 (0: per step; -1: none)
+
+    @property
+    def before_ns(self) -> np.ndarray | None:
+        """Per step: time from the previous step's end to its start (the host work a step's time includes)."""
+        if self.between_ns is None:
+            return None
+        return np.concatenate([[0.0], self.between_ns[:-1]]) if len(self.between_ns) else self.between_ns
 
     @property
     def num_steps(self) -> int:
@@ -123,7 +129,7 @@ def build_timeline(trace: Trace) -> Timeline:
         AccessStream.from_keys(experts["step"].to_numpy(), e_keys, int(model["bytes_per_expert"]), True), e_step,
         AccessStream.from_keys(kv["step"].to_numpy(), kv_keys, int(model["bytes_per_kv_block"]), False), kv_step,
         decode_pairs.astype(np.int64), slo, sum(base), base, np.append(gaps, 0.0) if len(ends) else np.zeros(0),
-        np.insert(gaps, 0, 0.0) if len(ends) else np.zeros(0), num_tokens,
+        num_tokens,
     )  # fmt: skip
 
 

@@ -58,6 +58,14 @@ def engine_overhead_ns(trace: Trace) -> float:
     return max(float(ns.mean() - (demand["end_ns"] - demand["submit_ns"]).mean()), 0.0)
 
 
+def recorded_share(trace: Trace, given: float | None = None) -> float | None:
+    """A static split's expert share: the one the trace records, else `given` (a ValueError where they differ)."""
+    share = (trace.metadata.get("budgets") or {}).get("expert_fraction")
+    if share is not None and given is not None and abs(float(share) - given) > 1e-9:
+        raise ValueError(f"{trace.path}: recorded with expert_fraction {share}, not {given}")
+    return given if share is None else float(share)
+
+
 def within(predicted: float, measured: float, floor: float) -> bool:
     """The issue's bound: |predicted − measured| ≤ max(25 % of measured, floor)."""
     return bool(abs(predicted - measured) <= max(0.25 * abs(measured), floor))
@@ -88,10 +96,7 @@ def validate(
         device = fit_waits(read_trace(calibration) if calibration else trace)
         if device is None:
             raise TraceFormatError(f"{calibration or path}: too few recorded demand waits to fit a device model")
-    share = (measured_trace.metadata.get("budgets") or {}).get("expert_fraction")  # a static split's (or None)
-    if share is not None and expert_fraction is not None and abs(float(share) - expert_fraction) > 1e-9:
-        raise ValueError(f"{target or path}: recorded with expert_fraction {share}, not {expert_fraction}")
-    share = expert_fraction if share is None else float(share)
+    share = recorded_share(measured_trace, expert_fraction)
     config = SimulationConfig(str(controller), budget, device, share)
     if real is not None:
         overhead = engine_overhead_ns(read_trace(calibration) if calibration else trace)
