@@ -48,6 +48,8 @@ class ExpertMiss:
     is_cpu_execute_offered: bool = True  # False where the device is the CPU: RAM is the one fast tier
     lowbit_disk_bytes: int = 0  # bytes the low-bit copy must first read from disk: 0 kept (or made from a
     # resident or host copy), a low-bit copy's when persisted, the whole expert when made from the checkpoint
+    layer_expert_ids: tuple[int, ...] = ()  # every expert the layer routes in this forward (the engine pins them
+    # while it makes room for a load)
 
 
 @dataclasses.dataclass(slots=True)

@@ -174,7 +174,8 @@ class StepResult:
     wall_s: float  # measured wall time of the step, seconds
     modeled_s: float  # modeled time of the step from the hardware profile, seconds
     finished_ids: list[str] = dataclasses.field(default_factory=list)  # requests that ended this step
-    num_device_bytes_expert: int = 0  # device bytes held by expert slots after the step
+    num_device_bytes_expert: int = 0  # device bytes held by expert copies after the step: slots, and on a CPU the
+    # low-bit copies kept in the one RAM budget
     num_device_bytes_kv: int = 0  # device bytes held by KV blocks after the step
     transfer: TransferClock | None = None  # measured expert disk-read time of the step, hidden and exposed
     verifications: list[Verification] = dataclasses.field(default_factory=list)  # sampled copies checked

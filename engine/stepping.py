@@ -10,6 +10,7 @@ import torch
 
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.controller import Controller, ControllerView
+from fallbackgate.engine.device_pool import HeldCopy
 from fallbackgate.engine.experts.executor import Executor
 from fallbackgate.engine.experts.integrity import CopyVerifier
 from fallbackgate.engine.experts.store import ExpertStore
@@ -121,7 +122,7 @@ class EngineStepping:
             now - started,
             modeled,
             finished,
-            pool.used_bytes_by_kind[ObjectKind.EXPERT],
+            pool.used_bytes_by_kind[ObjectKind.EXPERT] + pool.used_bytes_by_kind[HeldCopy.EXPERT_LOWBIT],
             pool.used_bytes_by_kind[ObjectKind.KV_BLOCK],
             clock,
             self.verifier.verify_step(plan.step_id),

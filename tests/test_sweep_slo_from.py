@@ -49,3 +49,25 @@ def test_a_reused_reference_gives_each_class_the_earlier_targets(monkeypatch: py
         regime._reused_policy(cfg, "short-chat", built)  # noqa: SLF001
     with pytest.raises(SweepInputError, match="no 'mixed' reference"):
         regime._reused_policy(cfg, "mixed", built)  # noqa: SLF001
+
+
+def test_a_reused_reference_keeps_the_sweeps_controller_settings_and_class_budgets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--slo-from builds the same policy as a sweep with its own reference run, but for the targets."""
+    built = SimpleNamespace(engine=SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(regime, "geometry", lambda _: dict(GEOMETRY))
+    budgets = {BEST_EFFORT: {"min_top1_agreement": 0.0}, STRICT: {"allowed_tags": ["recompute", "expert_lowbit"]}}
+    cfg = RegimeConfig(
+        model_dir="m",
+        slo_from={"short-chat": TARGETS},
+        step_time="measured",
+        expert_admission="lowbit_colder",
+        class_budgets=budgets,
+    )
+    policy, _ = regime._reused_policy(cfg, "short-chat", built)  # noqa: SLF001
+    controller = policy.controller
+    assert (controller.step_time.value, controller.expert_admission.value) == ("measured", "lowbit_colder")
+    assert policy.classes[BEST_EFFORT].budget.min_top1_agreement == 0.0
+    assert policy.classes[BEST_EFFORT].budget.max_approx_fraction == 0.3  # a field not given keeps the sweep's
+    assert policy.classes[STRICT].budget.allowed_tags == ["recompute", "expert_lowbit"]

@@ -105,8 +105,10 @@ class ExpertDispatch(MissFetching):
     ) -> torch.Tensor:
         ctx, store = self.ctx, self.store
         num_tokens, top_k = top_k_weights.shape
+        routed = tuple(routing.used_experts.tolist())
         uses = [
-            ExpertUse((layer, m.expert_id), m.request_index, m.rows, self._decide(layer, m)) for m in routing.misses
+            ExpertUse((layer, m.expert_id), m.request_index, m.rows, self._decide(layer, m, routed))
+            for m in routing.misses
         ]
         if store.is_disk_tiered and store.num_read_slots:
             self._start_reads(layer, hidden, uses)
@@ -154,10 +156,11 @@ class ExpertDispatch(MissFetching):
             else:
                 log.add_expert_uses(request_id, layer, count)
 
-    def _decide(self, layer: int, miss: MissUse) -> Decision:
-        """The controller's action for one (expert, request) miss; a quarantined expert's is forced."""
+    def _decide(self, layer: int, miss: MissUse, routed: tuple[int, ...]) -> Decision:
+        """The controller's action for one (expert, request) miss (`routed`: the layer's routed experts); a
+        quarantined expert's is forced."""
         key = (layer, miss.expert_id)
-        asked = expert_miss(self.ctx, self.store, key, miss.request_index, len(miss.rows), miss.top_weight)
+        asked = expert_miss(self.ctx, self.store, key, miss.request_index, len(miss.rows), miss.top_weight, routed)
         record = self.store.reader.quarantine.get(key)
         return fault_decision(self.controller, asked, record) if record else self.controller.expert_action(asked)
 

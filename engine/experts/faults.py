@@ -23,9 +23,16 @@ from fallbackgate.engine.tags import Tag
 
 
 def expert_miss(
-    ctx: StepContext, store: ExpertStore, key: ExpertKey, request_index: int, num_tokens: int, top: float
+    ctx: StepContext,
+    store: ExpertStore,
+    key: ExpertKey,
+    request_index: int,
+    num_tokens: int,
+    top: float,
+    layer_expert_ids: tuple[int, ...] = (),
 ) -> ExpertMiss:
-    """The miss the controller is asked about: request `request_index`'s `num_tokens` tokens need `key`."""
+    """The miss the controller is asked about: request `request_index`'s `num_tokens` tokens need `key`
+    (`layer_expert_ids`: every expert its layer routes in this forward)."""
     return ExpertMiss(
         ctx.step_id,
         ctx.batch.request_ids[request_index],
@@ -41,6 +48,7 @@ def expert_miss(
         str(store.reader.compute_dtype).removeprefix("torch."),
         not store.is_ram_tiered,
         store.lowbit_disk_bytes(key),
+        layer_expert_ids,
     )
 
 

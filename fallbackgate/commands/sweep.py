@@ -18,13 +18,16 @@ import sys
 import tempfile
 from typing import Any
 
+import yaml
+from pydantic import ValidationError
 from sqlalchemy.exc import SQLAlchemyError
 
 from fallbackgate.assembly import Assembly, Overrides, assemble
 from fallbackgate.engine.errors import EngineError
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError, open_ledger
 from fallbackgate.policy.apply import with_sections
-from fallbackgate.policy.schema import STEP_TIMES, AuditMode
+from fallbackgate.policy.loader import format_errors
+from fallbackgate.policy.schema import EXPERT_ADMISSIONS, STEP_TIMES, AuditMode
 from fallbackgate.sweep.anatomy import markdown_table as anatomy_table
 from fallbackgate.sweep.anatomy import sweep_anatomy, ttft_table
 from fallbackgate.sweep.belady import TraceRecorder
@@ -33,6 +36,7 @@ from fallbackgate.sweep.merge import GRID_KEYS
 from fallbackgate.sweep.plot import anatomy_bars, regime_heatmaps
 from fallbackgate.sweep.regime import INDEPENDENT, JOINT, STATIC, RegimeConfig, SweepInputError, run_regime
 from fallbackgate.sweep.summary import summarise, summary_lines, with_budget_fields
+from fallbackgate.sweep.workload import default_policy
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 from fallbackgate.workloads.kinds import WorkloadKind
 
@@ -96,6 +100,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--step-time", choices=STEP_TIMES, default=d.step_time,
                    help="what every controller's deadline leaves out: the profile's step time, or the larger of "
                         "it and the run's measured decode compute time (controller.step_time)")  # fmt: skip
+    p.add_argument("--expert-admission", choices=EXPERT_ADMISSIONS, default=d.expert_admission,
+                   help="joint's in-time expert misses: always the exact copy, or the low-bit copy when colder "
+                        "than the expert it would evict (controller.expert_admission)")  # fmt: skip
+    p.add_argument("--class-budgets", type=pathlib.Path, default=None, metavar="YAML",
+                   help="a file of class -> quality-budget fields (strict, best-effort) that replace the sweep's "
+                        "own, e.g. to see what a looser budget buys (the SLO targets stay the sweep's)")  # fmt: skip
     p.add_argument("--keep-trace", action="append", default=[], metavar="KEY",
                    help="keep this cell's trace: workload/seed/controller/ram_frac/kv_share (repeatable; "
                         "'all': every cell's)")  # fmt: skip
@@ -127,10 +137,31 @@ def config_from_args(args: argparse.Namespace) -> RegimeConfig:
         held_out_seed=args.held_out_seed, num_requests=args.num_requests, mixed_requests=args.mixed_requests,
         max_new_tokens=args.max_new_tokens, max_model_len=args.max_model_len, time_scale=args.time_scale,
         ram_fracs=args.ram_fracs, kv_shares=args.kv_shares, controllers=args.controllers, slo_scale=args.slo_scale,
-        step_time=args.step_time, lowbit_dir=args.lowbit_dir,
+        step_time=args.step_time, expert_admission=args.expert_admission,
+        class_budgets=read_class_budgets(args.class_budgets), lowbit_dir=args.lowbit_dir,
         keep_traces=tuple(args.keep_trace), trace_out=str(pathlib.Path(args.out) / "traces"),
     )  # fmt: skip
     return cfg if args.slo_from is None else dataclasses.replace(cfg, slo_from=earlier_references(cfg, args.slo_from))
+
+
+def read_class_budgets(path: pathlib.Path | None) -> dict[str, dict[str, Any]] | None:
+    """``--class-budgets``: class -> budget fields, checked by building the sweep's policy with them
+    (ValueError naming the file and the field)."""
+    if path is None:
+        return None
+    try:
+        budgets = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"--class-budgets {path}: {exc}") from None
+    if not isinstance(budgets, dict) or not all(isinstance(v, dict) for v in budgets.values()):
+        raise ValueError(f"--class-budgets {path}: expected a mapping of class name -> budget fields")
+    try:
+        default_policy(class_budgets=budgets)
+    except ValidationError as exc:
+        raise ValueError(f"--class-budgets {path}: " + "; ".join(format_errors(exc))) from None
+    except ValueError as exc:
+        raise ValueError(f"--class-budgets {path}: {exc}") from None
+    return budgets
 
 
 def earlier_references(cfg: RegimeConfig, path: pathlib.Path) -> dict[str, dict[str, Any]]:

@@ -34,7 +34,7 @@ from fallbackgate.engine.kv.store import KVBlockKey
 from fallbackgate.engine.messages import StepPlan
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
 from fallbackgate.policy.budgets import BudgetBook, RequestBudget
-from fallbackgate.policy.schema import Policy, QualityBudget
+from fallbackgate.policy.schema import ExpertAdmission, Policy, QualityBudget
 
 
 @dataclasses.dataclass(slots=True)
@@ -63,6 +63,7 @@ class JointController(JointPlacement, Controller):
         self.expected = ExpectedMisses()  # the next step's expected miss time, kept between steps
         self.link = LinkBudget(CPU_BOX)
         self.kv_bits = spec.kv_quant_bits
+        self.is_lowbit_admission = spec.expert_admission is ExpertAdmission.LOWBIT_COLDER
         self.step_id, self.is_observe = -1, False
         self.loading: set[ExpertKey] = set()
         self.lowbit_loading: set[ExpertKey] = set()  # experts whose low-bit copy this step already booked
@@ -142,7 +143,8 @@ class JointController(JointPlacement, Controller):
         in_time = self.link.fits(miss.num_bytes, miss.home)
         self.link.release_s(Tier.HOST, reserve)
         if in_time:
-            return self._load(miss, budget, "")
+            admitted = self._lowbit_when_colder(miss, budget) if self.is_lowbit_admission else None
+            return admitted or self._load(miss, budget, "")
         candidates = self._expert_fallbacks(miss)
         notes = [budget.why_not(tag, cost) for tag, cost in candidates]  # before any of them is spent
         late = (
@@ -211,6 +213,21 @@ class JointController(JointPlacement, Controller):
         if not self.link.is_ram_tiered:
             legs.update(self.link.legs(self._lowbit_bytes(), Tier.HOST))
         return legs
+
+    def _lowbit_when_colder(self, miss: ExpertMiss, budget: RequestBudget) -> Decision | None:
+        """``expert_admission: lowbit_colder``: an in-time miss whose expert is colder than the first expert
+        its exact copy would evict computes with its low-bit copy instead (no room taken, nothing evicted) when
+        the request's class allows ``expert_lowbit`` and its budget holds the cost; None otherwise."""
+        assert self.view is not None, "on_step_start gives the controller its view"
+        if not miss.is_lowbit_available or not self.is_colder_than_victim(miss, self.view):
+            return None
+        cost = self.cost.expert_cost(Tag.EXPERT_LOWBIT, miss.layer, miss.max_gate_weight)
+        if budget.why_not(Tag.EXPERT_LOWBIT, cost):
+            return None
+        budget.spend(Tag.EXPERT_LOWBIT, cost, True)
+        self.link.take_legs(self._lowbit_legs(miss))
+        self.lowbit_loading.add((miss.layer, miss.expert_id))
+        return Decision(Tag.EXPERT_LOWBIT, cost, "admission: colder than its first victim")
 
     def _load(self, miss: ExpertMiss, budget: RequestBudget, reason: str) -> Decision:
         self.link.take(miss.num_bytes, miss.home)

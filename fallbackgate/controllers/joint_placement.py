@@ -14,7 +14,7 @@ from fallbackgate.controllers.expert_rank import ExpertRanking
 from fallbackgate.controllers.joint_memory import demotions, rebalance
 from fallbackgate.controllers.link import LinkBudget
 from fallbackgate.controllers.values import ValueModel
-from fallbackgate.engine.controller import ControllerView, StepEndActions, Victim
+from fallbackgate.engine.controller import ControllerView, ExpertMiss, StepEndActions, Victim
 from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.kv.block import RequestBlockKeys
 from fallbackgate.engine.kv.prefix_types import PrefixEntryInfo
@@ -49,6 +49,7 @@ class JointPlacement:
     values: ValueModel
     recency: Recency
     ranking: ExpertRanking  # device experts in victim order, kept between misses and steps
+    loading: set[ExpertKey]  # experts whose exact load this step booked
     current_layer: int  # the layer the step is at (its last expert miss; -1 before the first)
     link: LinkBudget
     kv_bits: int
@@ -92,6 +93,21 @@ class JointPlacement:
         )
         ranked_kv = self._kv_victims(view, pinned_kv)
         return (victim for _, victim in heapq.merge(ranked_experts, ranked_kv, key=lambda item: item[0]))
+
+    def is_colder_than_victim(self, miss: ExpertMiss, view: ControllerView) -> bool:
+        """Whether `miss`'s expert is expected back later than the first expert its exact copy would evict:
+        both by urgency at the miss's layer (:meth:`~fallbackgate.controllers.values.ValueModel.expert_urgency`),
+        the layer's routed experts pinned as the engine pins them (a load in the forward evicts experts only).
+        False when it fits without evicting, or nothing could go."""
+        key = (miss.layer, miss.expert_id)
+        booked = sum(1 for k in self.loading if k[0] == miss.layer)  # decided this layer, not placed yet
+        if view.device_free_bytes >= (booked + 1) * view.bytes_per_expert:
+            return False
+        pinned = {(miss.layer, e) for e in miss.layer_expert_ids} | {key}
+        self.ranking.sync(view, self.values)
+        victim = next((k for _, k in self.ranking.victims(view, self.values, pinned, miss.layer)), None)
+        urgency = self.values.expert_urgency
+        return victim is not None and urgency(key, view, miss.layer) < urgency(victim, view, miss.layer)
 
     def _kv_victims(self, view: ControllerView, pinned_kv: Container[KVBlockKey]) -> Iterator[tuple[float, Victim]]:
         """Device KV blocks by value, requests in value order (ties in the view's order), each one's blocks

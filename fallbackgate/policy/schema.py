@@ -41,11 +41,20 @@ class StepTime(str, enum.Enum):
     MEASURED = "measured"  # the larger of that and this run's measured decode compute time (wall clock)
 
 
+class ExpertAdmission(str, enum.Enum):
+    """What the joint controller does with an expert miss whose exact copy would arrive in time
+    (``controller.expert_admission``)."""
+
+    EXACT = "exact"  # load the exact copy, evicting what must go
+    LOWBIT_COLDER = "lowbit_colder"  # from its low-bit copy, taking no room, when colder than its first victim
+
+
 FALLBACK_TAGS: tuple[str, ...] = tuple(t.value for t in NON_EXACT_TAGS)
 """The tag names a class's ``allowed_tags`` may list: every tag that is not exact."""
 CONTROLLER_KINDS: tuple[str, ...] = tuple(k.value for k in ControllerKind)
 AUDIT_MODES: tuple[str, ...] = tuple(m.value for m in AuditMode)
 STEP_TIMES: tuple[str, ...] = tuple(t.value for t in StepTime)
+EXPERT_ADMISSIONS: tuple[str, ...] = tuple(a.value for a in ExpertAdmission)
 _CLASS_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,63}$")
 
 
@@ -125,6 +134,7 @@ class ControllerSpec(_Strict):
     kv_quant_bits: Literal[4, 8] = 8  # bits of quantized KV copies
     expert_lowbit_bits: Literal[0, 4, 8] = 8  # bits of low-bit expert copies (0: none)
     step_time: StepTime = StepTime.MODELED  # the step's fixed time a deadline leaves out (StepTime)
+    expert_admission: ExpertAdmission = ExpertAdmission.EXACT  # joint: in-time misses (ExpertAdmission)
 
 
 class AuditSpec(_Strict):

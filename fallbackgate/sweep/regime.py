@@ -32,7 +32,7 @@ from fallbackgate.ledger import queries
 from fallbackgate.ledger.db import Ledger
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.apply import with_sections
-from fallbackgate.policy.schema import ControllerKind, Policy, StepTime
+from fallbackgate.policy.schema import ControllerKind, ExpertAdmission, Policy, StepTime
 from fallbackgate.sweep import bounds, measures
 from fallbackgate.sweep.metrics import quality_metrics
 from fallbackgate.sweep.workload import BEST_EFFORT, STRICT, default_policy
@@ -65,6 +65,8 @@ class RegimeConfig:
     controllers: tuple[str, ...] = (STATIC, INDEPENDENT, JOINT)
     slo_scale: float = 1.5  # SLO targets: this × the all-in-RAM run's p50 TTFT / TPOT (strict; best-effort 2×)
     step_time: str = StepTime.MODELED.value  # controller.step_time for every controller (StepTime)
+    expert_admission: str = ExpertAdmission.EXACT.value  # controller.expert_admission (joint alone reads it)
+    class_budgets: dict[str, dict[str, Any]] | None = None  # fields replaced in the classes' quality budgets
     audit_rate: float = 1.0
     is_equivalent_allowed: bool = True  # baselines may serve late misses with the equivalent tags joint uses
     keep_traces: tuple[str, ...] = ()  # cell_key()s of the cells whose trace is kept (KEEP_ALL: every cell's)
@@ -155,7 +157,7 @@ def sweep_policy(cfg: RegimeConfig, kind: str, ledger: Ledger) -> tuple[Policy, 
     tpot, ttft = max(ref["tpot_p50_ms"], 1.0), max(ref["ttft_p50_ms"], 1.0)
     strict = (cfg.slo_scale * tpot, cfg.slo_scale * ttft)
     best = (2 * cfg.slo_scale * tpot, 2 * cfg.slo_scale * ttft)
-    policy = default_policy(tpot_ms=(strict[0], best[0]), ttft_ms=(strict[1], best[1]), step_time=cfg.step_time)
+    policy = _targets_policy(cfg, (strict[0], best[0]), (strict[1], best[1]))
     info = {"reference": ref, "slo_tpot_ms": [strict[0], best[0]], "slo_ttft_ms": [strict[1], best[1]],
             "geometry": shape, "run_id": recorder.run_id}  # fmt: skip
     return policy, info
@@ -171,8 +173,18 @@ def _reused_policy(cfg: RegimeConfig, kind: str, built: Assembly) -> tuple[Polic
     if info.get("geometry") != shape:
         raise SweepInputError(f"{kind}: the earlier sweep's geometry {info.get('geometry')} is not this one's {shape}")
     tpot, ttft = (tuple(info[f"slo_{m}_ms"]) for m in ("tpot", "ttft"))  # (strict, best-effort) each
-    policy = default_policy(tpot_ms=tpot, ttft_ms=ttft, step_time=cfg.step_time)
-    return policy, {**info, "reused": True}
+    return _targets_policy(cfg, tpot, ttft), {**info, "reused": True}
+
+
+def _targets_policy(cfg: RegimeConfig, tpot_ms: tuple[float, float], ttft_ms: tuple[float, float]) -> Policy:
+    """The sweep's policy at these (strict, best-effort) targets with `cfg`'s controller settings and budgets."""
+    return default_policy(
+        tpot_ms=tpot_ms,
+        ttft_ms=ttft_ms,
+        step_time=cfg.step_time,
+        expert_admission=cfg.expert_admission,
+        class_budgets=cfg.class_budgets,
+    )
 
 
 def run_cell(cfg: RegimeConfig, policy: Policy, specs: list[PromptSpec], cell: dict[str, Any], ledger: Ledger) -> dict:

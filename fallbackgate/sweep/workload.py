@@ -17,7 +17,7 @@ from typing import Any
 from fallbackgate.batch.prompts import PromptSpec
 from fallbackgate.engine.model.build import resolve_device
 from fallbackgate.engine.tags import NON_EXACT_TAGS, Exactness, Tag
-from fallbackgate.policy.schema import FALLBACK_TAGS, AuditMode, ControllerKind, Policy, StepTime
+from fallbackgate.policy.schema import FALLBACK_TAGS, AuditMode, ControllerKind, ExpertAdmission, Policy, StepTime
 from fallbackgate.profiling.names import MEASURED
 from fallbackgate.resources import package_dir
 
@@ -80,21 +80,46 @@ def build_workload(spec: WorkloadSpec, tokenizer: Any) -> list[PromptSpec]:
     return merged + specs
 
 
+def _class_budgets(offered: list[Tag], replaced: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The two classes' budget sections with `replaced`'s fields put in (ValueError for another class)."""
+    unknown = sorted(set(replaced) - {STRICT, BEST_EFFORT})
+    if unknown:
+        raise ValueError(f"class budgets for {unknown}: the sweep's classes are {STRICT!r} and {BEST_EFFORT!r}")
+    budgets: dict[str, dict[str, Any]] = {
+        STRICT: {"allowed_tags": [t.value for t in offered if t.exactness is Exactness.EQUIVALENT]},
+        BEST_EFFORT: {
+            "max_mean_kl": 0.05,
+            "max_p99_kl": 0.3,
+            "min_top1_agreement": 0.85,
+            "max_approx_fraction": 0.3,
+            "allowed_tags": [t.value for t in offered if t.value in FALLBACK_TAGS],
+        },
+    }
+    for name, fields in replaced.items():
+        budgets[name].update(fields)
+    return budgets
+
+
 def default_policy(
     tpot_ms: tuple[float, float] = (15.0, 10.0),
     ttft_ms: tuple[float, float] = (200.0, 100.0),
     profile: str = MEASURED,
     step_time: str = StepTime.MODELED.value,
+    expert_admission: str = ExpertAdmission.EXACT.value,
+    class_budgets: dict[str, dict[str, Any]] | None = None,
 ) -> Policy:
     """The sweep's two classes: ``strict`` (exact and equivalent tags only: cpu_execute and recompute) and
     ``best-effort`` (every fallback, small quality budget). ``tpot_ms`` / ``ttft_ms`` are the (strict,
     best-effort) targets in measured wall clock: a decode step of the bundled model with 8 requests takes
     7-9 ms on the 2-core machine this was built on. The controller predicts with ``profile`` (this
     machine's measured one by default; ``pcie4-gpu-nvme`` is the what-if the sweep used before) and
-    ``step_time`` (``controller.step_time``: what a deadline leaves out, the same for every controller)."""
+    ``step_time`` (``controller.step_time``: what a deadline leaves out, the same for every controller);
+    ``expert_admission`` is the joint controller's (``controller.expert_admission``). ``class_budgets``
+    (class -> budget field -> value) replaces those fields of the two classes' quality budgets (ValueError for
+    a class the sweep does not have; the policy's own validation names a bad field)."""
     is_cpu = resolve_device("auto").type == "cpu"  # cpu_execute is not offered where the device is the CPU
     offered = [t for t in NON_EXACT_TAGS if not (is_cpu and t is Tag.CPU_EXECUTE)]
-    equivalent = [t.value for t in offered if t.exactness is Exactness.EQUIVALENT]
+    budgets = _class_budgets(offered, class_budgets or {})
     return Policy.model_validate(
         {
             "hardware": {"profile": profile},
@@ -104,23 +129,18 @@ def default_policy(
                 "kv_quant_bits": 8,
                 "expert_lowbit_bits": 8,
                 "step_time": step_time,
+                "expert_admission": expert_admission,
             },
             "audit": {"mode": AuditMode.ENFORCE.value},
             "default_class": STRICT,
             "classes": {
                 STRICT: {
                     "slo": {"ttft_ms": ttft_ms[0], "tpot_ms": tpot_ms[0]},
-                    "budget": {"allowed_tags": equivalent},
+                    "budget": budgets[STRICT],
                 },
                 BEST_EFFORT: {
                     "slo": {"ttft_ms": ttft_ms[1], "tpot_ms": tpot_ms[1]},
-                    "budget": {
-                        "max_mean_kl": 0.05,
-                        "max_p99_kl": 0.3,
-                        "min_top1_agreement": 0.85,
-                        "max_approx_fraction": 0.3,
-                        "allowed_tags": [t for t in FALLBACK_TAGS if t in {o.value for o in offered}],
-                    },
+                    "budget": budgets[BEST_EFFORT],
                 },
             },
         }

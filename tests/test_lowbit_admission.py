@@ -1,0 +1,62 @@
+"""``controller.expert_admission: lowbit_colder``: the joint controller serves an in-time expert miss from its
+low-bit copy (taking no room, evicting nothing) only when the expert is colder than the first expert its exact
+copy would evict, the request's class allows ``expert_lowbit`` and its budget holds the cost."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fallbackgate.controllers import make_controller
+from fallbackgate.engine.controller import ExpertMiss
+from fallbackgate.engine.hardware import CPU_BOX
+from fallbackgate.engine.messages import StepKind, StepPlan
+from fallbackgate.engine.tags import ObjectKind, Tag, Tier
+from fallbackgate.policy.schema import SLO, ControllerSpec, ExpertAdmission, Policy, QualityBudget, RequestClass
+from tests.test_controllers import EXPERT_BYTES, QUANT_BYTES, TOP_K, fake_view
+
+OPEN = QualityBudget(
+    max_mean_kl=1.0, max_p99_kl=2.0, max_approx_fraction=1.0, allowed_tags=["expert_lowbit"], min_top1_agreement=0
+)
+RESIDENT = tuple((1, e) for e in range(4))  # a full device: four warm experts of layer 1
+
+
+def _decide(admission: ExpertAdmission, budget: QualityBudget, miss_freq: float, free_experts: int = 0) -> Tag:
+    policy = Policy(
+        controller=ControllerSpec(expert_admission=admission),
+        classes={"c": RequestClass(slo=SLO(tpot_ms=1e6), budget=budget)},
+        default_class="c",
+    )
+    controller = make_controller("joint", policy, top_k=TOP_K)
+    controller.values.set_frequencies({**{k: 0.5 for k in RESIDENT}, (0, 7): miss_freq})
+    view = dataclasses.replace(
+        fake_view(CPU_BOX, {"r": "c"}, ["r"]),
+        device_budget_bytes=(len(RESIDENT) + free_experts) * EXPERT_BYTES,
+        device_free_bytes=free_experts * EXPERT_BYTES,
+        device_bytes_by_kind={ObjectKind.EXPERT: len(RESIDENT) * EXPERT_BYTES},
+        on_device_experts=RESIDENT,
+        num_layers=2,
+        quantized_copy_bytes=QUANT_BYTES,
+    )
+    controller.on_step_start(StepPlan(1, StepKind.DECODE, ["r"], {"r": 1}, {"r": 8}), view)
+    miss = ExpertMiss(1, "r", "c", 0, 7, 1, 0.3, Tier.HOST, EXPERT_BYTES, True, free_experts > 0, layer_expert_ids=(7,))
+    return controller.expert_action(miss).tag
+
+
+def test_a_colder_in_time_miss_is_served_low_bit_only_under_lowbit_colder() -> None:
+    assert _decide(ExpertAdmission.LOWBIT_COLDER, OPEN, miss_freq=0.01) is Tag.EXPERT_LOWBIT
+    assert _decide(ExpertAdmission.EXACT, OPEN, miss_freq=0.01) is Tag.EXACT_LOAD
+
+
+@pytest.mark.parametrize(
+    ("budget", "miss_freq", "free_experts"),
+    [
+        (OPEN, 0.9, 0),  # warmer than every resident expert: worth its room
+        (OPEN, 0.01, 1),  # room without evicting anything
+        (OPEN.model_copy(update={"allowed_tags": []}), 0.01, 0),  # the class does not allow low-bit experts
+        (OPEN.model_copy(update={"max_mean_kl": 0.0, "max_p99_kl": 0.0}), 0.01, 0),  # no quality budget left
+    ],
+)
+def test_the_exact_copy_is_loaded_when_warmer_with_room_or_outside_the_budget(budget, miss_freq, free_experts) -> None:
+    assert _decide(ExpertAdmission.LOWBIT_COLDER, budget, miss_freq, free_experts) is Tag.EXACT_LOAD
