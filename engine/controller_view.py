@@ -134,6 +134,11 @@ class ControllerView(Protocol):
         ...
 
     @property
+    def num_expert_layers(self) -> int:
+        """Decoder layers that route to experts (a dense layer has none): a token uses ``top_k`` experts in each."""
+        ...
+
+    @property
     def block_size(self) -> int:
         """Tokens per KV block."""
         ...

@@ -43,6 +43,7 @@ class StaticView:
     on_device_experts: tuple[ExpertKey, ...] = ()
     expert_homes: Mapping[ExpertKey, Tier] = dataclasses.field(default_factory=_frozen)
     num_layers: int = 1
+    num_expert_layers: int | None = None  # None: every layer routes to experts
     block_size: int = 16
     bytes_per_kv_block: int = 0
     kv_blocks: tuple[KVBlockInfo, ...] = ()
@@ -56,6 +57,8 @@ class StaticView:
     prefix_entries: Mapping[str, PrefixEntryInfo] = dataclasses.field(default_factory=_frozen)  # kept prefixes
 
     def __post_init__(self) -> None:
+        if self.num_expert_layers is None:
+            object.__setattr__(self, "num_expert_layers", self.num_layers)
         names = ("request_classes", "device_bytes_by_kind", "expert_homes", "kv_tokens", "staged_kv_tags")
         for name in (*names, "quant_error_energies", "quantized_copy_bytes", "prefix_entries"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))

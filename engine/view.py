@@ -43,7 +43,8 @@ class LiveView:
     """Controllers' read-only view of a running engine (see the module docstring); each query is documented
     on :class:`~fallbackgate.engine.controller.ControllerView`."""
 
-    __slots__ = ("_experts", "_io", "_kv", "_num_experts", "_prefix", "_profile", "_scheduler", "_sequences", "_uses")
+    __slots__ = ("_experts", "_io", "_kv", "_num_experts", "_num_expert_layers", "_prefix", "_profile", "_scheduler",
+                 "_sequences", "_uses")  # fmt: skip
 
     def __init__(
         self,
@@ -60,6 +61,7 @@ class LiveView:
         self._sequences, self._scheduler, self._uses = sequences, scheduler, uses
         self._io, self._prefix = io, prefix
         self._num_experts = len({e for _, e in expert_store.entries})  # the store's entries are fixed at its build
+        self._num_expert_layers = len({layer for layer, _ in expert_store.entries})
 
     def io_snapshot(self) -> IOSnapshot:
         return self._io.snapshot() if self._io is not None else EMPTY_SNAPSHOT
@@ -142,6 +144,10 @@ class LiveView:
     @property
     def num_layers(self) -> int:
         return self._kv.num_layers
+
+    @property
+    def num_expert_layers(self) -> int:
+        return self._num_expert_layers
 
     @property
     def block_size(self) -> int:

@@ -238,3 +238,26 @@ def test_a_disk_read_on_the_ram_disk_layout_takes_the_disk_leg_only() -> None:
             assert controller.link.used_s(Tier.DISK) == pytest.approx(disk_s)
             assert controller.link.left_s[Tier.HOST] == controller.link.deadline_s
     assert tags == {False: Tag.EXPERT_DEFER, True: Tag.EXACT_LOAD}
+
+
+def test_a_dense_layer_does_not_count_toward_the_approximate_fraction() -> None:
+    """The share of approximate objects is bounded over the expert uses a request really has: a dense layer
+    (the bundled model's first) routes to no expert, so it adds none (it once added ``top_k`` per step, and
+    requests went 0.315 approximate under a 0.3 budget)."""
+    budget = QualityBudget(
+        max_mean_kl=1.0, max_p99_kl=2.0, max_approx_fraction=0.3, allowed_tags=["expert_lowbit"], min_top1_agreement=0
+    )
+    policy = Policy(classes={"c": RequestClass(slo=SLO(tpot_ms=0.001), budget=budget)}, default_class="c")
+    controller = make_controller("joint", policy, top_k=TOP_K)
+    view = dataclasses.replace(fake_view(SLOW, {"r": "c"}, ["r"]), num_layers=LAYERS + 1, num_expert_layers=LAYERS)
+    approx = uses = 0
+    for step_id in range(1, 21):
+        controller.on_step_start(StepPlan(step_id, StepKind.DECODE, ["r"], {"r": 1}, {"r": 8}), view)
+        for layer in range(1, LAYERS + 1):  # layer 0 is dense
+            for expert in range(TOP_K):
+                miss = ExpertMiss(step_id, "r", "c", layer, expert, 1, 0.5, Tier.HOST, EXPERT_BYTES, True, False)
+                approx += controller.expert_action(miss).tag.is_approximate
+                uses += 1
+        controller.on_step_end(view)
+    assert uses == 20 * LAYERS * TOP_K
+    assert 0.25 * uses < approx <= 0.3 * uses

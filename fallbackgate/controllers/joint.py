@@ -87,7 +87,7 @@ class JointController(JointPlacement, Controller):
         deadline = step_deadline_s(self.policy, plan, view)
         self.link.reset(deadline, view.io_snapshot(), view.is_ram_tiered)
         self.cpu_left_s = deadline
-        base = view.num_layers * self.top_k
+        base = view.num_expert_layers * self.top_k  # expert objects a request surely uses this step
         for rid in plan.request_ids:
             self._budget(rid, view.request_class(rid)).begin_step(plan.step_id, plan.num_tokens[rid] == 1, base)
         self._queue_kv(plan, view)

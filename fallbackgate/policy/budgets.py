@@ -37,7 +37,7 @@ class RequestBudget:
     step_spent: float = 0.0
     approx_objects: int = 0
     closed_objects: int = 0  # objects of finished steps (a lower bound)
-    step_base: int = 0  # expert uses this step is sure to have (layers × top_k)
+    step_base: int = 0  # expert uses this step is sure to have (expert layers × top_k)
     step_experts: int = 0  # expert misses decided this step
     step_kv: int = 0  # KV block misses decided this step
     touched_positions: int = 0  # positions (steps) with at least one approximate action

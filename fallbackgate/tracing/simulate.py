@@ -68,6 +68,7 @@ class SimulatedView:
         self.measured_compute_s = 0.0  # nothing is measured in a simulation: deadlines use the device model
         self.device_budget_bytes = int(budget_bytes)
         self.num_layers, self.num_experts, self.block_size = num_layers, num_experts, block_size
+        self.num_expert_layers = num_layers  # a trace with dense layers says so (Simulator)
         self.bytes_per_expert, self.bytes_per_kv_block = bytes_per_expert, bytes_per_kv_block
         self.compute_dtype, self.num_expert_params = "bfloat16", bytes_per_expert // 2
         self.classes = classes

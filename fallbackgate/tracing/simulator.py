@@ -51,6 +51,7 @@ class Simulator:
         self.view = SimulatedView(config.device, config.budget_bytes, m["num_layers"], m["num_experts"],
                                   m["bytes_per_expert"], m["bytes_per_kv_block"], m.get("block_size", 16),
                                   data.classes)  # fmt: skip
+        self.view.num_expert_layers = int(m.get("num_moe_layers") or m["num_layers"])
         self.controller: Controller = make_controller(
             config.controller, top_k=m.get("top_k", 1), expert_fraction=config.expert_fraction
         )

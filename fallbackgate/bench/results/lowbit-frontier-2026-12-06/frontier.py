@@ -1,10 +1,11 @@
-"""python fallbackgate/bench/results/lowbit-frontier-2026-12-06/frontier.py NAME=SWEEP_JSON ... [--json OUT]
+"""python fallbackgate/bench/results/lowbit-frontier-2026-12-06/frontier.py NAME=SWEEP_JSON[,...] ... [--json F]
 
 Joint's expert bytes over Belady's MIN at the same room against the audited quality it cost, one line per
-sweep (a variant of admission and class budgets; the first is the reference): the pooled mean and Student-t
-95 % interval of the per-run ratio, the same ratio against the *reference* run's MIN (the exact-only trace:
-low-bit experts change later routing a little), the share of runs under 1.3×, mean and worst mean KL, worst
-per-run P99 KL, lowest top-1 agreement, gates passed, low-bit uses, and per cell the mean ratio.
+variant of admission and class budgets (its parts over different seeds comma-separated; the first variant is
+the reference): the pooled mean and Student-t 95 % interval of the per-run ratio, the same ratio against the
+*reference* run's MIN (the exact-only trace: low-bit experts change later routing a little), the share of runs
+at most 1.3×, mean and worst mean KL, worst per-run P99 KL, lowest top-1 agreement, gates passed, low-bit uses,
+SLO attainment and P99 TPOT, and per cell the mean ratio.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from fallbackgate.sweep.summary import expert_read_bytes, interval
 GOAL = 1.3
 
 
-def _runs(path: str) -> dict[tuple[str, float, int], dict]:
-    points = json.load(open(path))["points"]
+def _runs(paths: str) -> dict[tuple[str, float, int], dict]:
+    """Joint's runs of the comma-separated sweep.jsons (parts of one variant over different seeds)."""
+    points = [p for path in paths.split(",") for p in json.load(open(path))["points"]]
     return {(p["workload"], p["ram_frac"], p["seed"]): p["metrics"] for p in points if p["controller"] == "joint"}
 
 
