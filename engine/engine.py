@@ -60,6 +60,8 @@ class Engine(BaselineAccess, EngineStepping):
             config, loaded, shape, self.device, self.num_dense_bytes
         )
         self.kv_store.spill.attach_io(self.io)
+        if self.expert_store.lowbit_cache is not None:  # persisted low-bit copies are read on the same queue
+            self.expert_store.lowbit_cache.io = self.io
         self.budget_note = budgets.note  # how the budgets were set (given, sized from memory, emulated)
         self.tier_layout = self.expert_store.layout
         model = loaded.model.to(self.device)
@@ -201,6 +203,8 @@ class Engine(BaselineAccess, EngineStepping):
         self.kv_store.close()
         self.io.close()
         self.expert_store.reader.files.io = None  # an audit after close reads the checkpoint in its own thread
+        if self.expert_store.lowbit_cache is not None:
+            self.expert_store.lowbit_cache.io = None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -11,6 +11,8 @@ import torch
 from fallbackgate.engine.errors import ExpertReadError
 from fallbackgate.engine.experts.lowbit_cache import LowbitDiskCache
 from fallbackgate.engine.experts.weights import ExpertWeights
+from fallbackgate.engine.io import IOPriority, IOScheduler, io_context
+from fallbackgate.engine.tags import ObjectKind
 
 SHAPES = ((16, 8), (8, 4))  # gate_up [2I, H], down [H, I]
 
@@ -47,3 +49,24 @@ def test_fill_stops_at_the_cap_skips_unreadable_experts_and_persists_one_index(t
     other = _cache(tmp_path, num_slots=2, dtype=torch.bfloat16)
     assert other.dir != again.dir and other.dir.name == "int8-bfloat16" and not other.slots  # not another dtype's
     other.close()
+
+
+def test_a_persisted_copy_is_read_on_the_engines_io_queue_for_the_callers_requests(tmp_path: pathlib.Path) -> None:
+    """With the engine's I/O scheduler attached a read is one queued transfer of the slot (the same bytes as
+    read inline), recorded for the requests and at the priority of the caller's io_context."""
+    cache = _cache(tmp_path, num_slots=2)
+    gen = torch.Generator().manual_seed(3)
+    weights = ExpertWeights(torch.randn(SHAPES[0], generator=gen), torch.randn(SHAPES[1], generator=gen))
+    assert cache.fill([(1, 4)], lambda _: weights) == 1
+    inline = cache.get((1, 4))
+    assert inline is not None and cache.num_bytes_read == cache.slot_bytes
+    with IOScheduler(num_workers=1) as io:
+        cache.io = io
+        with io_context(("r1", "r2"), IOPriority.EXPERT_MISS, "1:4") as ctx:
+            queued = cache.get((1, 4))
+        (record,) = io.take_completed()
+    assert queued is not None and all(torch.equal(a.codes, b.codes) for a, b in zip(queued, inline, strict=True))
+    assert cache.num_bytes_read == 2 * cache.slot_bytes == 2 * record.num_bytes_done
+    assert (record.object_id, record.requester_ids, record.priority) == ("1:4", ("r1", "r2"), IOPriority.EXPERT_MISS)
+    assert record.object_kind is ObjectKind.EXPERT and ctx.last_end_ns == record.end_ns > 0
+    cache.close()

@@ -5,8 +5,10 @@ One directory per checkpoint and bit width, keyed by the xxh3-64 of the checkpoi
 checkpoint never meets an old copy): ``<root>/<manifest hash>/int<bits>/`` holds ``slots.bin``, one
 4 KiB-aligned slot per expert (gate_up's codes, scales, zero points, then down's), and ``index.json``, per
 expert its slot and the xxh3-64 of the slot's bytes. Reads use O_DIRECT (no page cache: the bytes a tag
-reports are bytes the disk delivered) and are checked against the index; a mismatch drops the entry (the
-copy is made again from the checkpoint). The slots stop at `cap_bytes`.
+reports are bytes the disk delivered), go through the engine's I/O scheduler when one is attached (`io`: the
+disk's one queue, at the priority and for the requests of the caller's :func:`io_context`), and are checked
+against the index; a mismatch drops the entry (the copy is made again from the checkpoint). The slots stop at
+`cap_bytes`.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import xxhash
 from fallbackgate.engine.errors import ExpertReadError
 from fallbackgate.engine.experts.quant import Quantized, quantize
 from fallbackgate.engine.experts.weights import ExpertWeights
+from fallbackgate.engine.io import IOPriority, IOScheduler, IOSchedulerError, current_io_context
 from fallbackgate.engine.model.checkpoint_files import DIRECT_ALIGN
+from fallbackgate.engine.tags import ObjectKind
 
 INDEX_VERSION = 1
 LowbitPair = tuple[Quantized, Quantized]  # gate_up, down
@@ -62,6 +66,7 @@ class LowbitDiskCache:
         self.index_file, self.slots_file = self.dir / "index.json", self.dir / "slots.bin"
         self.slots: dict[str, tuple[int, str]] = self._load_index()  # "layer:expert" -> (slot, xxh3-64)
         self.num_bytes_read = 0
+        self.io: IOScheduler | None = None  # the engine's disk queue reads go through (None: read inline)
         self.buffer = mmap.mmap(-1, self.slot_bytes)  # page-aligned, for O_DIRECT
         try:
             self.fd = os.open(self.slots_file, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644)
@@ -93,7 +98,7 @@ class LowbitDiskCache:
         if name not in self.slots:
             return None
         slot, digest = self.slots[name]
-        got = os.preadv(self.fd, [self.buffer], slot * self.slot_bytes)
+        got = os.preadv(self.fd, [self.buffer], slot * self.slot_bytes) if self.io is None else self._queued(name, slot)
         self.num_bytes_read += got
         raw = bytes(memoryview(self.buffer)[: self.copy_bytes])
         if got < self.copy_bytes or xxhash.xxh3_64(raw).hexdigest() != digest:
@@ -109,6 +114,23 @@ class LowbitDiskCache:
             Quantized(tensors[3 * i], tensors[3 * i + 1], tensors[3 * i + 2], q.bits, q.axis, q.group_size, q.shape)
             for i, q in enumerate(self.template)
         )
+
+    def _queued(self, name: str, slot: int) -> int:
+        """Read `slot` into the buffer through the I/O scheduler; the bytes read (0 when the read failed: the
+        entry is then dropped as a corrupt one is)."""
+        assert self.io is not None
+        ctx = current_io_context()
+        priority = IOPriority.EXPERT_MISS if ctx.priority is None else ctx.priority
+        ticket = self.io.submit_read(
+            self.slots_file, slot * self.slot_bytes, self.slot_bytes, ObjectKind.EXPERT, ctx.object_id or name,
+            ctx.requester_ids, into=memoryview(self.buffer), priority=priority,
+        )  # fmt: skip
+        try:
+            self.io.wait(ticket)
+        except IOSchedulerError:
+            return 0
+        ctx.note_end(ticket.record.end_ns)
+        return ticket.record.num_bytes_done
 
     def put(self, key: tuple[int, int], pair: LowbitPair, is_saved: bool = True) -> bool:
         """Persist expert `key`'s copy in the next free slot; False when the cap is reached. `is_saved`
