@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple, Protocol
 
+from fallbackgate.engine.device_pool import HeldCopy
 from fallbackgate.engine.experts.sources import ExpertKey
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.io.requests import IOSnapshot
@@ -83,8 +84,9 @@ class ControllerView(Protocol):
         """Device budget bytes not held by anything."""
         ...
 
-    def device_used_bytes(self, kind: ObjectKind) -> int:
-        """Device bytes held by objects of `kind`."""
+    def device_used_bytes(self, kind: ObjectKind | HeldCopy) -> int:
+        """Device bytes held by objects of `kind` (``HeldCopy.EXPERT_LOWBIT``: low-bit copies kept in a CPU's RAM
+        budget, the first to go when room is made)."""
         ...
 
     # --- experts

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 
 from fallbackgate.engine.controller import KVBlockInfo
+from fallbackgate.engine.device_pool import HeldCopy
 from fallbackgate.engine.hardware import HardwareProfile
 from fallbackgate.engine.io import EMPTY_SNAPSHOT, IOSnapshot
 from fallbackgate.engine.kv.prefix_cache import PrefixEntryInfo
@@ -59,6 +60,8 @@ class StaticView:
     def __post_init__(self) -> None:
         if self.num_expert_layers is None:
             object.__setattr__(self, "num_expert_layers", self.num_layers)
+        if not 0 <= self.num_expert_layers <= self.num_layers:  # dataclasses.replace keeps an earlier default
+            raise ValueError(f"num_expert_layers {self.num_expert_layers} is not within num_layers {self.num_layers}")
         names = ("request_classes", "device_bytes_by_kind", "expert_homes", "kv_tokens", "staged_kv_tags")
         for name in (*names, "quant_error_energies", "quantized_copy_bytes", "prefix_entries"):
             object.__setattr__(self, name, _frozen(getattr(self, name)))
@@ -66,7 +69,7 @@ class StaticView:
     def request_class(self, request_id: str) -> str:
         return self.request_classes.get(request_id, "")
 
-    def device_used_bytes(self, kind: ObjectKind) -> int:
+    def device_used_bytes(self, kind: ObjectKind | HeldCopy) -> int:
         return self.device_bytes_by_kind.get(kind, 0)
 
     def device_expert_keys(self) -> tuple[ExpertKey, ...]:

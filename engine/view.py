@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 from fallbackgate.engine.controller import KVBlockInfo
+from fallbackgate.engine.device_pool import HeldCopy
 from fallbackgate.engine.experts.quant import lowbit_expert_nbytes
 from fallbackgate.engine.experts.sources import ExpertKey
 from fallbackgate.engine.experts.store import ExpertStore
@@ -106,7 +107,7 @@ class LiveView:
     def device_free_bytes(self) -> int:
         return self._experts.device_pool.free_bytes
 
-    def device_used_bytes(self, kind: ObjectKind) -> int:
+    def device_used_bytes(self, kind: ObjectKind | HeldCopy) -> int:
         return self._experts.device_pool.used_bytes_by_kind[kind]
 
     @property

@@ -22,14 +22,22 @@ OPEN = QualityBudget(
 RESIDENT = tuple((1, e) for e in range(4))  # a full device: four warm experts of layer 1
 
 
-def _decide(admission: ExpertAdmission, budget: QualityBudget, miss_freq: float, free_experts: int = 0) -> Tag:
+def _decide(
+    admission: ExpertAdmission,
+    budget: QualityBudget,
+    miss_freq: float,
+    free_experts: int = 0,
+    disk_bytes: int = 0,
+    num_misses: int = 1,
+) -> list[Tag]:
+    """The tags of `num_misses` cold misses of layer 0 in one step (expert 7, then 6, ...)."""
     policy = Policy(
         controller=ControllerSpec(expert_admission=admission),
         classes={"c": RequestClass(slo=SLO(tpot_ms=1e6), budget=budget)},
         default_class="c",
     )
     controller = make_controller("joint", policy, top_k=TOP_K)
-    controller.values.set_frequencies({**{k: 0.5 for k in RESIDENT}, (0, 7): miss_freq})
+    controller.values.set_frequencies({**{k: 0.5 for k in RESIDENT}, **{(0, 7 - i): miss_freq for i in range(3)}})
     view = dataclasses.replace(
         fake_view(CPU_BOX, {"r": "c"}, ["r"]),
         device_budget_bytes=(len(RESIDENT) + free_experts) * EXPERT_BYTES,
@@ -37,16 +45,26 @@ def _decide(admission: ExpertAdmission, budget: QualityBudget, miss_freq: float,
         device_bytes_by_kind={ObjectKind.EXPERT: len(RESIDENT) * EXPERT_BYTES},
         on_device_experts=RESIDENT,
         num_layers=2,
+        num_expert_layers=2,
         quantized_copy_bytes=QUANT_BYTES,
     )
     controller.on_step_start(StepPlan(1, StepKind.DECODE, ["r"], {"r": 1}, {"r": 8}), view)
-    miss = ExpertMiss(1, "r", "c", 0, 7, 1, 0.3, Tier.HOST, EXPERT_BYTES, True, free_experts > 0, layer_expert_ids=(7,))
-    return controller.expert_action(miss).tag
+    misses = [
+        ExpertMiss(1, "r", "c", 0, 7 - i, 1, 0.3, Tier.HOST, EXPERT_BYTES, True, free_experts > i, "", True, disk_bytes)
+        for i in range(num_misses)
+    ]
+    return [controller.expert_action(dataclasses.replace(m, layer_expert_ids=(7, 6, 5))).tag for m in misses]
 
 
 def test_a_colder_in_time_miss_is_served_low_bit_only_under_lowbit_colder() -> None:
-    assert _decide(ExpertAdmission.LOWBIT_COLDER, OPEN, miss_freq=0.01) is Tag.EXPERT_LOWBIT
-    assert _decide(ExpertAdmission.EXACT, OPEN, miss_freq=0.01) is Tag.EXACT_LOAD
+    assert _decide(ExpertAdmission.LOWBIT_COLDER, OPEN, miss_freq=0.01) == [Tag.EXPERT_LOWBIT]
+    assert _decide(ExpertAdmission.EXACT, OPEN, miss_freq=0.01) == [Tag.EXACT_LOAD]
+
+
+def test_room_booked_by_the_layers_earlier_loads_is_not_room() -> None:
+    """One free slot: the layer's first miss takes it, the second (as cold) is admitted low-bit."""
+    tags = _decide(ExpertAdmission.LOWBIT_COLDER, OPEN, miss_freq=0.01, free_experts=1, num_misses=2)
+    assert tags == [Tag.EXACT_LOAD, Tag.EXPERT_LOWBIT]
 
 
 @pytest.mark.parametrize(
@@ -59,4 +77,10 @@ def test_a_colder_in_time_miss_is_served_low_bit_only_under_lowbit_colder() -> N
     ],
 )
 def test_the_exact_copy_is_loaded_when_warmer_with_room_or_outside_the_budget(budget, miss_freq, free_experts) -> None:
-    assert _decide(ExpertAdmission.LOWBIT_COLDER, budget, miss_freq, free_experts) is Tag.EXACT_LOAD
+    assert _decide(ExpertAdmission.LOWBIT_COLDER, budget, miss_freq, free_experts) == [Tag.EXACT_LOAD]
+
+
+def test_a_copy_that_must_be_made_from_the_whole_expert_is_not_admitted() -> None:
+    """With no low-bit copy kept or persisted, making one reads the whole expert: no byte saved."""
+    tags = _decide(ExpertAdmission.LOWBIT_COLDER, OPEN, miss_freq=0.01, disk_bytes=EXPERT_BYTES)
+    assert tags == [Tag.EXACT_LOAD]

@@ -70,3 +70,17 @@ def test_a_persisted_copy_is_read_on_the_engines_io_queue_for_the_callers_reques
     assert (record.object_id, record.requester_ids, record.priority) == ("1:4", ("r1", "r2"), IOPriority.EXPERT_MISS)
     assert record.object_kind is ObjectKind.EXPERT and ctx.last_end_ns == record.end_ns > 0
     cache.close()
+
+
+def test_a_read_the_scheduler_refuses_keeps_the_entry(tmp_path: pathlib.Path) -> None:
+    """A closed scheduler is a transfer's fault, not the copy's: `get` answers None and the index keeps it."""
+    cache = _cache(tmp_path, num_slots=1)
+    weights = ExpertWeights(torch.ones(SHAPES[0]), torch.ones(SHAPES[1]))
+    assert cache.fill([(0, 0)], lambda _: weights) == 1
+    io = IOScheduler(num_workers=1)
+    io.close()
+    cache.io = io
+    assert cache.get((0, 0)) is None and (0, 0) in cache and cache.num_bytes_read == 0
+    cache.io = None
+    assert cache.get((0, 0)) is not None
+    cache.close()

@@ -44,6 +44,8 @@ def test_two_sweeps_pool_their_seeds_into_one_interval() -> None:
     assert gains["held_out"] == pytest.approx(0.2)  # seed 2
     assert merged["slo_references_by_source"]["b"] == {"short-chat": {"slo_tpot_ms": [8.0, 16.0]}}
     assert merged["elapsed_s"] == 20.0
+    explicit = _sweep([3], 8.0, expert_admission="exact", class_budgets=None)  # as written since stop 49
+    assert merge([_sweep([0, 1], 8.0), explicit], ["a", "b"])["config"]["seeds"] == [0, 1, 3]
 
 
 @pytest.mark.parametrize(
@@ -53,6 +55,8 @@ def test_two_sweeps_pool_their_seeds_into_one_interval() -> None:
         (_sweep([3], 8.0, max_new_tokens=16), "config 'max_new_tokens' is 16, not 256"),
         (_sweep([3], 8.0, held_out_seed=3), "'held_out_seed'"),
         ({**_sweep([3], 8.0), "points": [_point(3, "joint", 8.0, run_id=1)]}, "run 1 is in both a and b"),
+        (_sweep([3], 8.0, expert_admission="lowbit_colder"), "'expert_admission' is 'lowbit_colder', not 'exact'"),
+        (_sweep([3], 8.0, class_budgets={"strict": {}}), "'class_budgets'"),
     ],
 )
 def test_a_different_grid_or_a_repeated_seed_is_refused(second: dict, needle: str) -> None:

@@ -93,12 +93,15 @@ class LowbitDiskCache:
         return f"{key[0]}:{key[1]}" in self.slots
 
     def get(self, key: tuple[int, int]) -> LowbitPair | None:
-        """The persisted copy of expert `key`, read from disk and verified; None when absent or corrupt."""
+        """The persisted copy of expert `key`, read from disk and verified; None when absent, corrupt (the entry
+        is dropped) or not read (the I/O scheduler refused or failed the read: the entry is kept)."""
         name = f"{key[0]}:{key[1]}"
         if name not in self.slots:
             return None
         slot, digest = self.slots[name]
         got = os.preadv(self.fd, [self.buffer], slot * self.slot_bytes) if self.io is None else self._queued(name, slot)
+        if got < 0:
+            return None
         self.num_bytes_read += got
         raw = bytes(memoryview(self.buffer)[: self.copy_bytes])
         if got < self.copy_bytes or xxhash.xxh3_64(raw).hexdigest() != digest:
@@ -116,19 +119,19 @@ class LowbitDiskCache:
         )
 
     def _queued(self, name: str, slot: int) -> int:
-        """Read `slot` into the buffer through the I/O scheduler; the bytes read (0 when the read failed: the
-        entry is then dropped as a corrupt one is)."""
+        """Read `slot` into the buffer through the I/O scheduler; the bytes read (-1 when the scheduler refused
+        or failed the read: a transfer's fault, not the copy's)."""
         assert self.io is not None
         ctx = current_io_context()
         priority = IOPriority.EXPERT_MISS if ctx.priority is None else ctx.priority
-        ticket = self.io.submit_read(
-            self.slots_file, slot * self.slot_bytes, self.slot_bytes, ObjectKind.EXPERT, ctx.object_id or name,
-            ctx.requester_ids, into=memoryview(self.buffer), priority=priority,
-        )  # fmt: skip
         try:
+            ticket = self.io.submit_read(
+                self.slots_file, slot * self.slot_bytes, self.slot_bytes, ObjectKind.EXPERT, ctx.object_id or name,
+                ctx.requester_ids, into=memoryview(self.buffer), priority=priority,
+            )  # fmt: skip
             self.io.wait(ticket)
         except IOSchedulerError:
-            return 0
+            return -1
         ctx.note_end(ticket.record.end_ns)
         return ticket.record.num_bytes_done
 

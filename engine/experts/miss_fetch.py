@@ -132,11 +132,14 @@ class MissFetching:
         hidden: torch.Tensor,
         flat_weights: torch.Tensor,
         out: LayerRows,
+        pins: Container[ExpertKey] = (),
     ) -> None:
-        """cpu_execute or expert_lowbit: one expert's rows through the kernel on a one-slot stack."""
+        """cpu_execute or expert_lowbit: one expert's rows through the kernel on a one-slot stack (a low-bit
+        copy's dequantization scratch evicts none of `pins`, the layer's routed experts, unless nothing else
+        can go)."""
         ctx, store = self.ctx, self.store
         scratch_bytes = store.lowbit_scratch_bytes if tag is Tag.EXPERT_LOWBIT else 0
-        if scratch_bytes:
+        if scratch_bytes and not self.host.make_room(scratch_bytes, pinned_experts=pins, is_kv_evictable=False):
             self.host.ensure_room(scratch_bytes, f"the dequantized low-bit copy of expert {key}", is_kv_evictable=False)
         request_ids = tuple(dict.fromkeys(ctx.batch.request_ids[u.request_index] for u in uses))
         rows = np.sort(np.concatenate([u.rows for u in uses]))

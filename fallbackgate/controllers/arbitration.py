@@ -75,15 +75,15 @@ def recompute_s(profile: HardwareProfile, view: ControllerView, num_tokens: int,
     to load the experts that pass needs and the device does not hold: its distinct experts per layer times
     the share of experts off device, each at one expert's load time (a rebuild is not free where experts
     are short)."""
-    layers = view.num_layers
+    layers, expert_layers = view.num_layers, view.num_expert_layers
     uses = min(max(1, view.num_experts), num_tokens * top_k)
     per_expert_tokens = max(1, num_tokens * top_k // uses)
     params, dtype = view.num_expert_params, view.compute_dtype
     expert = profile.expert_s(per_expert_tokens, view.bytes_per_expert, params, on_cpu=False, dtype=dtype)
     num_resident = view.device_used_bytes(ObjectKind.EXPERT) // max(1, view.bytes_per_expert)
-    off_share = max(0.0, 1.0 - num_resident / max(1, layers * view.num_experts))
+    off_share = max(0.0, 1.0 - num_resident / max(1, expert_layers * view.num_experts))
     load_s = profile.transfer_s(view.bytes_per_expert, Tier.DISK if view.is_ram_tiered else Tier.HOST)
-    return profile.dense_step_s(layers, 0.0) + layers * uses * (expert + off_share * load_s)
+    return profile.dense_step_s(layers, 0.0) + expert_layers * uses * (expert + off_share * load_s)
 
 
 def arbitrate(

@@ -143,7 +143,8 @@ class JointController(JointPlacement, Controller):
         in_time = self.link.fits(miss.num_bytes, miss.home)
         self.link.release_s(Tier.HOST, reserve)
         if in_time:
-            admitted = self._lowbit_when_colder(miss, budget) if self.is_lowbit_admission else None
+            is_admitting = self.is_lowbit_admission and not self.is_observe  # observe serves exact: nothing to admit
+            admitted = self._lowbit_when_colder(miss, budget) if is_admitting else None
             return admitted or self._load(miss, budget, "")
         candidates = self._expert_fallbacks(miss)
         notes = [budget.why_not(tag, cost) for tag, cost in candidates]  # before any of them is spent
@@ -216,10 +217,14 @@ class JointController(JointPlacement, Controller):
 
     def _lowbit_when_colder(self, miss: ExpertMiss, budget: RequestBudget) -> Decision | None:
         """``expert_admission: lowbit_colder``: an in-time miss whose expert is colder than the first expert
-        its exact copy would evict computes with its low-bit copy instead (no room taken, nothing evicted) when
-        the request's class allows ``expert_lowbit`` and its budget holds the cost; None otherwise."""
+        its exact copy would evict computes with its low-bit copy instead (it takes no expert slot; its
+        computation holds a dequantization scratch while it runs) when the copy reads fewer bytes than the
+        expert and arrives in time, the request's class allows ``expert_lowbit`` and its budget holds the cost;
+        None otherwise."""
         assert self.view is not None, "on_step_start gives the controller its view"
-        if not miss.is_lowbit_available or not self.is_colder_than_victim(miss, self.view):
+        if not miss.is_lowbit_available or not miss.lowbit_disk_bytes < miss.num_bytes:
+            return None  # made from the checkpoint, the copy would read the whole expert
+        if not self.link.fits_legs(self._lowbit_legs(miss)) or not self.is_colder_than_victim(miss, self.view):
             return None
         cost = self.cost.expert_cost(Tag.EXPERT_LOWBIT, miss.layer, miss.max_gate_weight)
         if budget.why_not(Tag.EXPERT_LOWBIT, cost):

@@ -15,6 +15,7 @@ from fallbackgate.controllers.joint_memory import demotions, rebalance
 from fallbackgate.controllers.link import LinkBudget
 from fallbackgate.controllers.values import ValueModel
 from fallbackgate.engine.controller import ControllerView, ExpertMiss, StepEndActions, Victim
+from fallbackgate.engine.device_pool import HeldCopy
 from fallbackgate.engine.experts.store import ExpertKey
 from fallbackgate.engine.kv.block import RequestBlockKeys
 from fallbackgate.engine.kv.prefix_types import PrefixEntryInfo
@@ -100,8 +101,10 @@ class JointPlacement:
         the layer's routed experts pinned as the engine pins them (a load in the forward evicts experts only).
         False when it fits without evicting, or nothing could go."""
         key = (miss.layer, miss.expert_id)
-        booked = sum(1 for k in self.loading if k[0] == miss.layer)  # decided this layer, not placed yet
-        if view.device_free_bytes >= (booked + 1) * view.bytes_per_expert:
+        booked = sum(1 for k in self.loading if k[0] == miss.layer and not view.is_expert_on_device(k))
+        free = view.device_free_bytes  # kept low-bit copies go before any expert when room is made (CPU)
+        free += view.device_used_bytes(HeldCopy.EXPERT_LOWBIT) if view.is_ram_tiered else 0
+        if free >= (booked + 1) * view.bytes_per_expert:
             return False
         pinned = {(miss.layer, e) for e in miss.layer_expert_ids} | {key}
         self.ranking.sync(view, self.values)

@@ -46,7 +46,7 @@ class ExpertAdmission(str, enum.Enum):
     (``controller.expert_admission``)."""
 
     EXACT = "exact"  # load the exact copy, evicting what must go
-    LOWBIT_COLDER = "lowbit_colder"  # from its low-bit copy, taking no room, when colder than its first victim
+    LOWBIT_COLDER = "lowbit_colder"  # from its low-bit copy (no expert slot) when colder than its first victim
 
 
 FALLBACK_TAGS: tuple[str, ...] = tuple(t.value for t in NON_EXACT_TAGS)

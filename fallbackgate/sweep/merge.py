@@ -25,6 +25,9 @@ GRID_KEYS = ("model_dir", "workloads", "num_requests", "mixed_requests", "max_ne
              "time_scale", "ram_fracs", "kv_shares", "controllers", "slo_scale", "step_time", "held_out_seed",
              "is_equivalent_allowed", "audit_rate")  # fmt: skip
 """Config fields every merged sweep must share."""
+POLICY_KEYS = {"expert_admission": "exact", "class_budgets": None}
+"""Policy fields every merged sweep must share too, with the value a sweep written before them ran with (an
+earlier part's SLO targets may serve a sweep with others: ``sweep --slo-from``)."""
 
 
 class MergeError(ValueError):
@@ -43,6 +46,10 @@ def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
         for key in GRID_KEYS:
             if config.get(key) != first.get(key):
                 raise MergeError(f"{source}: config {key!r} is {config.get(key)!r}, not {first.get(key)!r}")
+        for key, default in POLICY_KEYS.items():
+            if config.get(key, default) != first.get(key, default):
+                raise MergeError(f"{source}: config {key!r} is {config.get(key, default)!r}, not "
+                                 f"{first.get(key, default)!r}")  # fmt: skip
         for seed in config["seeds"]:
             if seed in seen:
                 raise MergeError(f"seed {seed} is in both {seen[seed]} and {source}")
