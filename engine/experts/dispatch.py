@@ -130,11 +130,10 @@ class ExpertDispatch(MissFetching):
         late: list[np.ndarray] = []  # rows deferred when their expert's read failed (after others computed)
         loads = by_tag.get(Tag.EXACT_LOAD, [])
         self._load_all(module, layer, hidden, flat_weights, loads, routing, slots, out, late)
-        pins = {(layer, expert_id) for expert_id in routed}  # not yet computed: _flush reads their slots
         for tag in (Tag.CPU_EXECUTE, Tag.EXPERT_LOWBIT):
             for key, key_uses in group_by_key(by_tag.get(tag, [])).items():
                 try:
-                    self._run_single(module, key, tag, key_uses, hidden, flat_weights, out, pins)
+                    self._run_single(module, key, tag, key_uses, hidden, flat_weights, out)
                 except ExpertQuarantined as exc:
                     self._late_defer(key_uses, exc, flat_weights, late)
         self._flush(module, layer, hidden, flat_weights, slots, out)
