@@ -124,14 +124,16 @@ class LowbitDiskCache:
         assert self.io is not None
         ctx = current_io_context()
         priority = IOPriority.EXPERT_MISS if ctx.priority is None else ctx.priority
-        try:
+        try:  # into the scheduler's own aligned buffer: the workers may hold a view of it after the read
             ticket = self.io.submit_read(
                 self.slots_file, slot * self.slot_bytes, self.slot_bytes, ObjectKind.EXPERT, ctx.object_id or name,
-                ctx.requester_ids, into=memoryview(self.buffer), priority=priority,
+                ctx.requester_ids, priority=priority,
             )  # fmt: skip
-            self.io.wait(ticket)
+            data = self.io.wait(ticket)
         except IOSchedulerError:
             return -1
+        assert data is not None, "a read returns its bytes"
+        self.buffer[: data.nbytes] = data
         ctx.note_end(ticket.record.end_ns)
         return ticket.record.num_bytes_done
 

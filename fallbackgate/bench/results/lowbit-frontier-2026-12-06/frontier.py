@@ -55,10 +55,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sweeps", nargs="+", metavar="NAME=SWEEP_JSON")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--common", action="store_true", help="only the runs (cell and seed) every variant has")
     args = parser.parse_args()
-    named = dict(s.split("=", 1) for s in args.sweeps)
-    reference = _runs(next(iter(named.values())))
-    out = {name: summarise(_runs(path), reference) for name, path in named.items()}
+    runs = {name: _runs(path) for name, path in dict(s.split("=", 1) for s in args.sweeps).items()}
+    if args.common:
+        keys = set.intersection(*(set(r) for r in runs.values()))
+        runs = {name: {k: m for k, m in r.items() if k in keys} for name, r in runs.items()}
+    reference = next(iter(runs.values()))
+    out = {name: summarise(r, reference) for name, r in runs.items()}
     for name, s in out.items():
         iv, rf = s["over_min_same_room"], s["over_reference_min"]
         print(
