@@ -29,8 +29,10 @@ def _decide(
     free_experts: int = 0,
     disk_bytes: int = 0,
     num_misses: int = 1,
+    num_tokens: int = 1,
 ) -> list[Tag]:
-    """The tags of `num_misses` cold misses of layer 0 in one step (expert 7, then 6, ...)."""
+    """The tags of `num_misses` cold misses of layer 0 in one step (expert 7, then 6, ...) of a request running
+    `num_tokens` tokens (more than one: a prefill chunk)."""
     policy = Policy(
         controller=ControllerSpec(expert_admission=admission),
         classes={"c": RequestClass(slo=SLO(tpot_ms=1e6), budget=budget)},
@@ -48,7 +50,8 @@ def _decide(
         num_expert_layers=2,
         quantized_copy_bytes=QUANT_BYTES,
     )
-    controller.on_step_start(StepPlan(1, StepKind.DECODE, ["r"], {"r": 1}, {"r": 8}), view)
+    kind = StepKind.DECODE if num_tokens == 1 else StepKind.PREFILL
+    controller.on_step_start(StepPlan(1, kind, ["r"], {"r": num_tokens}, {"r": 8}), view)
     misses = [
         ExpertMiss(1, "r", "c", 0, 7 - i, 1, 0.3, Tier.HOST, EXPERT_BYTES, True, free_experts > i, "", True, disk_bytes)
         for i in range(num_misses)
@@ -59,6 +62,14 @@ def _decide(
 def test_a_colder_in_time_miss_is_served_low_bit_only_under_lowbit_colder() -> None:
     assert _decide(ExpertAdmission.LOWBIT_COLDER, OPEN, miss_freq=0.01) == [Tag.EXPERT_LOWBIT]
     assert _decide(ExpertAdmission.EXACT, OPEN, miss_freq=0.01) == [Tag.EXACT_LOAD]
+
+
+def test_lowbit_colder_decode_admits_in_decode_steps_only() -> None:
+    """A prefill chunk loads the exact copy (its tokens share one grouped load); a decode step is admitted."""
+    decode_only, anywhere = ExpertAdmission.LOWBIT_COLDER_DECODE, ExpertAdmission.LOWBIT_COLDER
+    assert _decide(decode_only, OPEN, miss_freq=0.01) == [Tag.EXPERT_LOWBIT]
+    assert _decide(decode_only, OPEN, miss_freq=0.01, num_tokens=8) == [Tag.EXACT_LOAD]
+    assert _decide(anywhere, OPEN, miss_freq=0.01, num_tokens=8) == [Tag.EXPERT_LOWBIT]
 
 
 def test_room_booked_by_the_layers_earlier_loads_is_not_room() -> None:

@@ -102,7 +102,8 @@ def add_parser(subparsers: Any) -> None:
                         "it and the run's measured decode compute time (controller.step_time)")  # fmt: skip
     p.add_argument("--expert-admission", choices=EXPERT_ADMISSIONS, default=d.expert_admission,
                    help="joint's in-time expert misses: always the exact copy, or the low-bit copy when colder "
-                        "than the expert it would evict (controller.expert_admission)")  # fmt: skip
+                        "than the expert it would evict (_decode: not while the request prefills; "
+                        "controller.expert_admission)")  # fmt: skip
     p.add_argument("--class-budgets", type=pathlib.Path, default=None, metavar="YAML",
                    help="a file of class -> quality-budget fields (strict, best-effort) that replace the sweep's "
                         "own, e.g. to see what a looser budget buys (the SLO targets stay the sweep's)")  # fmt: skip

@@ -47,6 +47,8 @@ class ExpertAdmission(str, enum.Enum):
 
     EXACT = "exact"  # load the exact copy, evicting what must go
     LOWBIT_COLDER = "lowbit_colder"  # from its low-bit copy (no expert slot) when colder than its first victim
+    LOWBIT_COLDER_DECODE = "lowbit_colder_decode"  # the same, but not while its request prefills (one expert at a
+    # time with a dequantization costs a prefill more than the grouped exact load it replaces)
 
 
 FALLBACK_TAGS: tuple[str, ...] = tuple(t.value for t in NON_EXACT_TAGS)
