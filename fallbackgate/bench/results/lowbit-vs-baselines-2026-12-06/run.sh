@@ -1,0 +1,13 @@
+# bash run.sh: default controllers (A) and joint with low-bit admission + opened best-effort budget (B), interleaved
+set -e
+cd /work/main
+FB=.venv/bin/fallbackgate
+SLO=fallbackgate/sweep_results/seeds50-59/sweep.json
+BUD=fallbackgate/bench/results/lowbit-frontier-2026-12-06/best-effort-open.yaml
+COMMON="--workloads mixed,multi-turn --held-out-seed 2 --slo-from $SLO --ledger sqlite:////tmp/s50/open/ledger.sqlite"
+for part in 60,61,62,63,64 65,66,67,68,69; do
+  tag=${part%%,*}
+  $FB sweep $COMMON --seeds $part --out /tmp/s50/open/A$tag
+  $FB sweep $COMMON --seeds $part --controllers joint --expert-admission lowbit_colder --class-budgets $BUD --out /tmp/s50/open/B$tag
+done
+echo ALLDONE
