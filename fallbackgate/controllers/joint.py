@@ -66,7 +66,7 @@ class JointController(JointPlacement, Controller):
         admission = spec.expert_admission
         self.is_lowbit_admission = admission in (ExpertAdmission.LOWBIT_COLDER, ExpertAdmission.LOWBIT_COLDER_DECODE)
         self.is_decode_only_admission = admission is ExpertAdmission.LOWBIT_COLDER_DECODE
-        self.prefilling_ids: set[str] = set()  # the step's requests with more than one token (prefill chunks)
+        self.prefilling_ids: set[str] = set()  # decode-only admission: the step's prefilling requests
         self.step_id, self.is_observe = -1, False
         self.loading: set[ExpertKey] = set()
         self.lowbit_loading: set[ExpertKey] = set()  # experts whose low-bit copy this step already booked
@@ -85,7 +85,8 @@ class JointController(JointPlacement, Controller):
         self.link.profile, self.view = view.profile, view
         self.step_id, self.is_observe = plan.step_id, plan.is_observe
         self.current_layer = -1
-        self.prefilling_ids = {rid for rid in plan.request_ids if plan.num_tokens[rid] > 1}
+        if self.is_decode_only_admission:
+            self.prefilling_ids = {rid for rid in plan.request_ids if plan.num_tokens[rid] > 1}
         self.loading.clear()
         self.lowbit_loading.clear()
         deadline = step_deadline_s(self.policy, plan, view)
@@ -147,9 +148,9 @@ class JointController(JointPlacement, Controller):
         in_time = self.link.fits(miss.num_bytes, miss.home)
         self.link.release_s(Tier.HOST, reserve)
         if in_time:
-            is_admitting = self.is_lowbit_admission and not self.is_observe  # observe serves exact: nothing to admit
-            if self.is_decode_only_admission and miss.request_id in self.prefilling_ids:
-                is_admitting = False
+            is_admitting = (  # observe serves exact: nothing to admit; decode-only skips prefilling requests
+                self.is_lowbit_admission and not self.is_observe and miss.request_id not in self.prefilling_ids
+            )
             admitted = self._lowbit_when_colder(miss, budget) if is_admitting else None
             return admitted or self._load(miss, budget, "")
         candidates = self._expert_fallbacks(miss)
