@@ -17,6 +17,7 @@ class Scratch(str, enum.Enum):
     KV_GATHER = "kv_gather"  # one layer's K/V of the packed requests laid out contiguously for attention
     KV_EXPAND = "kv_expand"  # one request's MLA latents expanded to every head's K/V for one layer's attention
     EXPERT_DEQUANT = "expert_dequant"  # a low-bit expert's transfer copy and dequantized weights; FP8 dequant staging
+    EXPERT_LOWBIT_READ = "expert_lowbit_read"  # a persisted low-bit copy's read buffer while it is read ahead of use
     EXPERT_PIN = "expert_pin"  # host: a read's pageable bytes while they are copied into page-locked memory
     KV_WRITE_BEHIND = "kv_write_behind"  # RAM: a spilled KV block's bytes while its disk write is in flight
 

@@ -19,7 +19,7 @@ import torch
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig
 from fallbackgate.engine.engine import Engine
-from fallbackgate.engine.experts.grouped import grouped_rows, stacked_forward, sum_rows
+from fallbackgate.engine.experts.grouped import grouped_rows, single_expert_rows, stacked_forward, sum_rows
 from fallbackgate.engine.experts.routing import group_layer, row_owner
 from fallbackgate.engine.experts.weights import ExpertWeights
 from fallbackgate.engine.sequence import SamplingParams
@@ -119,6 +119,24 @@ def test_the_host_sorted_path_gives_the_grouped_mm_rows_bitwise(dtype: torch.dty
             on_host = grouped_rows(module, pool_up, pool_down, hidden, slots, weights, top_k, slots.numpy())
             assert on_host.dtype == on_device.dtype and torch.equal(on_host, on_device)
             assert on_host[int(is_partial) :].abs().sum() > 0 and not (is_partial and on_host[0].any())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_expert_on_the_cpu_gives_the_grouped_kernel_rows_bitwise(dtype: torch.dtype) -> None:
+    """cpu_execute and expert_lowbit compute one expert's rows without the kernel's sort and scatter; the rows
+    equal a one-slot stack through the grouped kernel bit for bit, for one row to a prefill's many, with the
+    weights in fp32 as routing gives them."""
+    torch.manual_seed(2)
+    module = _Gated()
+    for inner in (32, 24):
+        expert = ExpertWeights(torch.randn(2 * inner, 48, dtype=dtype), torch.randn(48, inner, dtype=dtype))
+        for num_rows in (1, 3, 64, 65, 300):
+            x, weights = torch.randn(num_rows, 48, dtype=dtype), torch.rand(num_rows)
+            slots = torch.zeros(num_rows, dtype=torch.int64)
+            kernel = grouped_rows(module, expert.gate_up[None], expert.down[None], x, slots, weights, 1)
+            direct = single_expert_rows(module, expert, x, weights)
+            assert direct.dtype == kernel.dtype and torch.equal(direct, kernel), (inner, num_rows)
+            assert direct.abs().sum() > 0
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from fallbackgate.batch.session import memory_summary
 from fallbackgate.cli import build_parser
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig, TierLayout
-from fallbackgate.engine.device_pool import HeldCopy
+from fallbackgate.engine.device_pool import HeldCopy, Scratch
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import BudgetError, EngineError
 from fallbackgate.engine.experts.lowbit_cache import _parts, manifest_hash
@@ -265,6 +265,54 @@ def test_prepared_lowbit_copies_are_the_copies_a_miss_makes_and_no_low_bit_miss_
         assert abs(read - tagged) <= 0.10 * tagged, (read / MIB, tagged / MIB)
     finally:
         prepared.close()
+
+
+def test_persisted_lowbit_copies_are_read_ahead_of_their_use_and_counted_while_in_flight(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A layer's persisted low-bit copies are queued on the disk queue before its exact rows compute: each
+    read's buffer is counted in the budget until its copy is taken (none outlives its step), every persisted
+    copy a miss reads was read ahead, and tokens and bytes are those of reading each copy at its use."""
+    engine = _lowbit_engine(tmp_path, is_prepared=True)
+    store, cache = engine.expert_store, engine.expert_store.lowbit_cache
+    assert cache is not None
+    started, taken, start = [], [], cache.start_read
+    get = cache.get
+
+    def counted_start(key: tuple[int, int]) -> bool:
+        is_started = start(key)
+        started.extend([key] if is_started else [])
+        return is_started
+
+    def counted_get(key: tuple[int, int]):
+        taken.append(f"{key[0]}:{key[1]}" in cache.flights)
+        return get(key)
+
+    monkeypatch.setattr(cache, "start_read", counted_start)
+    monkeypatch.setattr(cache, "get", counted_get)
+    pool = store.device_pool
+    try:
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=NEW_TOKENS)) for p in _prompts(engine)]
+        events = []
+        while engine.has_unfinished():
+            events += engine.step().events
+            assert pool.used_bytes_by_kind[Scratch.EXPERT_LOWBIT_READ] == 0 and not cache.flights
+        tokens = [engine.finished.pop(i).output_token_ids for i in ids]
+    finally:
+        engine.close()
+    moved = [e for e in events if e.tag is Tag.EXPERT_LOWBIT and e.bytes_moved]
+    assert moved and len(started) == sum(e.bytes_moved for e in moved) // cache.copy_bytes
+    assert taken and all(taken)  # every persisted copy a miss read had been queued ahead of it
+    assert pool.peak_bytes_by_kind[Scratch.EXPERT_LOWBIT_READ] >= cache.slot_bytes and pool.peak_used_bytes <= 4 * MIB
+    at_use = _lowbit_engine(tmp_path, is_prepared=True)
+    monkeypatch.setattr(at_use.expert_store, "start_lowbit_read", lambda key: False)
+    try:
+        again, events_at_use, _ = _run(at_use)
+    finally:
+        at_use.close()
+    assert again == tokens
+    disk_bytes = [sum(e.bytes_moved for e in evs if e.source_tier is Tier.DISK) for evs in (events, events_at_use)]
+    assert disk_bytes[0] == disk_bytes[1]
 
 
 def test_persisted_lowbit_copies_make_a_miss_read_half_the_bytes(tmp_path: pathlib.Path) -> None:

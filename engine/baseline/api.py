@@ -28,9 +28,9 @@ from fallbackgate.engine.controller import (
 )
 from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.experts.grouped import stacked_forward
-from fallbackgate.engine.experts.quant import dequantize_rows, quantize, quantized_to
+from fallbackgate.engine.experts.quant import quantize
 from fallbackgate.engine.experts.sources import ExpertKey
-from fallbackgate.engine.experts.store import DEQUANT_ROWS
+from fallbackgate.engine.experts.store import dequantized
 from fallbackgate.engine.experts.weights import ExpertWeights
 from fallbackgate.engine.kv.codec import dequantize_kv, quantize_kv
 from fallbackgate.engine.tags import Tag
@@ -91,7 +91,7 @@ def lowbit_round_trip(weights: ExpertWeights, bits: int, device: torch.device) -
     """An expert's weights quantized to `bits` and dequantized as the store's low-bit copies are."""
     parts = (quantize(weights.gate_up, bits, axis=1), quantize(weights.down, bits, axis=1))
     dtype = weights.gate_up.dtype
-    return ExpertWeights(*(dequantize_rows(quantized_to(p, device), dtype, DEQUANT_ROWS) for p in parts))
+    return ExpertWeights(*(dequantized(p, device, dtype) for p in parts))
 
 
 def kv_round_trip(packed: torch.Tensor, bits: int, key_dim: int) -> torch.Tensor:

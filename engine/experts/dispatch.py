@@ -4,8 +4,9 @@ expert computed in one grouped kernel over the slot pool.
 Per layer: `group_layer` makes the one host copy; each miss is put to the controller; `exact_load`s are
 placed into free slots (every expert the layer uses is pinned while they are, so no load evicts an expert
 this layer still reads; when the budget cannot hold the layer's whole working set the rows ready so far
-are computed first and their experts unpinned); `cpu_execute` and `expert_lowbit` uses compute their
-rows through the same kernel on a one-slot stack; `expert_defer` rows are omitted and their tokens'
+are computed first and their experts unpinned); the disk reads of persisted low-bit copies are queued
+before the exact rows compute; then `cpu_execute` and `expert_lowbit` uses compute their rows one expert at a
+time (the kernel's per-group matmul on the rows as they are); `expert_defer` rows are omitted and their tokens'
 weights renormalised. All rows are reduced once per token, as transformers' grouped forward does.
 """
 
@@ -45,6 +46,7 @@ class ExpertDispatch(MissFetching):
     ) -> None:
         self.store, self.controller, self.view, self.profile, self.host = store, controller, view, profile, host
         self.routers, self.top_k, self.num_expert_params = routers, top_k, num_expert_params
+        self.lowbit_reads: set[tuple[int, int]] = set()
 
     @property
     def ctx(self) -> StepContext:
@@ -130,13 +132,17 @@ class ExpertDispatch(MissFetching):
         late: list[np.ndarray] = []  # rows deferred when their expert's read failed (after others computed)
         loads = by_tag.get(Tag.EXACT_LOAD, [])
         self._load_all(module, layer, hidden, flat_weights, loads, routing, slots, out, late)
-        for tag in (Tag.CPU_EXECUTE, Tag.EXPERT_LOWBIT):
-            for key, key_uses in group_by_key(by_tag.get(tag, [])).items():
-                try:
-                    self._run_single(module, key, tag, key_uses, hidden, flat_weights, out)
-                except ExpertQuarantined as exc:
-                    self._late_defer(key_uses, exc, flat_weights, late)
-        self._flush(module, layer, hidden, flat_weights, slots, out)
+        self._read_lowbit_ahead(by_tag.get(Tag.EXPERT_LOWBIT, []))  # they arrive while the exact rows compute
+        try:
+            self._flush(module, layer, hidden, flat_weights, slots, out)
+            for tag in (Tag.CPU_EXECUTE, Tag.EXPERT_LOWBIT):
+                for key, key_uses in group_by_key(by_tag.get(tag, [])).items():
+                    try:
+                        self._run_single(module, key, tag, key_uses, hidden, flat_weights, out)
+                    except ExpertQuarantined as exc:
+                        self._late_defer(key_uses, exc, flat_weights, late)
+        finally:
+            self._settle_lowbit_reads()
         if out.rows is None:
             return torch.zeros_like(hidden)
         result = sum_rows(out.rows, num_tokens, top_k, hidden.dtype)

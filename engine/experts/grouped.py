@@ -139,7 +139,16 @@ def sum_rows(rows: torch.Tensor, num_tokens: int, top_k: int, dtype: torch.dtype
 def single_expert_rows(
     module: torch.nn.Module, expert: ExpertWeights, x: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
-    """One expert's weighted rows for the tokens `x` (a one-slot stack through the same kernel)."""
+    """One expert's weighted rows for the tokens `x` (a one-slot stack through the same kernel). On a CPU
+    its one group's matmuls run on the rows as they are: the per-group matmul of :func:`grouped_rows` without
+    its sort, gather and scatter (bitwise the same rows, tests/test_dispatch.py)."""
+    if x.device.type == "cpu" and x.shape[0]:
+        proj = torch.mm(x if x.dtype == expert.gate_up.dtype else x.to(expert.gate_up.dtype), expert.gate_up.t())
+        proj = module._apply_gate(proj)
+        out = torch.mm(proj if proj.dtype == expert.down.dtype else proj.to(expert.down.dtype), expert.down.t())
+        if getattr(module, "has_post_expert_norm", False):
+            out = module.post_expert_norm(out)
+        return out * weights.unsqueeze(-1)
     slots = torch.zeros(x.shape[0], dtype=torch.int64, device=x.device)
     return grouped_rows(module, expert.gate_up[None], expert.down[None], x, slots, weights, 1)
 

@@ -26,7 +26,7 @@ import xxhash
 from fallbackgate.engine.errors import ExpertReadError
 from fallbackgate.engine.experts.quant import Quantized, quantize
 from fallbackgate.engine.experts.weights import ExpertWeights
-from fallbackgate.engine.io import IOPriority, IOScheduler, IOSchedulerError, current_io_context
+from fallbackgate.engine.io import IOPriority, IOScheduler, IOSchedulerError, Ticket, current_io_context
 from fallbackgate.engine.model.checkpoint_files import DIRECT_ALIGN
 from fallbackgate.engine.tags import ObjectKind
 
@@ -67,6 +67,7 @@ class LowbitDiskCache:
         self.slots: dict[str, tuple[int, str]] = self._load_index()  # "layer:expert" -> (slot, xxh3-64)
         self.num_bytes_read = 0
         self.io: IOScheduler | None = None  # the engine's disk queue reads go through (None: read inline)
+        self.flights: dict[str, Ticket] = {}  # reads queued ahead of their use (`start_read`), by name
         self.buffer = mmap.mmap(-1, self.slot_bytes)  # page-aligned, for O_DIRECT
         try:
             self.fd = os.open(self.slots_file, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644)
@@ -99,16 +100,19 @@ class LowbitDiskCache:
         if name not in self.slots:
             return None
         slot, digest = self.slots[name]
-        got = os.preadv(self.fd, [self.buffer], slot * self.slot_bytes) if self.io is None else self._queued(name, slot)
+        if self.io is None:
+            got, read = os.preadv(self.fd, [self.buffer], slot * self.slot_bytes), memoryview(self.buffer)
+        else:
+            got, read = self._queued(name, slot)
         if got < 0:
             return None
         self.num_bytes_read += got
-        raw = bytes(memoryview(self.buffer)[: self.copy_bytes])
+        raw = read[: self.copy_bytes]
         if got < self.copy_bytes or xxhash.xxh3_64(raw).hexdigest() != digest:
             del self.slots[name]
             self._save_index()
             return None
-        data, offset, tensors = torch.frombuffer(bytearray(raw), dtype=torch.uint8), 0, []
+        data, offset, tensors = torch.frombuffer(bytearray(raw), dtype=torch.uint8), 0, []  # the one copy kept
         for template in _parts(self.template):
             size = template.numel() * template.element_size()
             tensors.append(data[offset : offset + size].view(template.dtype).view(template.shape))
@@ -118,24 +122,55 @@ class LowbitDiskCache:
             for i, q in enumerate(self.template)
         )
 
-    def _queued(self, name: str, slot: int) -> int:
-        """Read `slot` into the buffer through the I/O scheduler; the bytes read (-1 when the scheduler refused
-        or failed the read: a transfer's fault, not the copy's)."""
+    def start_read(self, key: tuple[int, int]) -> bool:
+        """Queue the read of expert `key`'s persisted copy ahead of its use, through the I/O scheduler at the
+        priority and for the requests of the caller's :func:`io_context`; :meth:`get` then waits for it.
+        False when there is no scheduler, no persisted copy, a read already queued, or the scheduler refused.
+        The read lands in a buffer of `slot_bytes` the scheduler allocates (the caller counts it)."""
+        name = f"{key[0]}:{key[1]}"
+        if self.io is None or name not in self.slots or name in self.flights:
+            return False
+        try:
+            self.flights[name] = self._submit(name, self.slots[name][0])
+        except IOSchedulerError:
+            return False
+        return True
+
+    def drop_reads(self) -> int:
+        """Settle every read queued ahead and not taken by :meth:`get` (taken off the queue, or waited for when
+        already running); returns how many there were."""
+        flights, self.flights = self.flights, {}
+        for ticket in flights.values():
+            if self.io is not None and not self.io.cancel(ticket):
+                try:
+                    self.io.wait(ticket)
+                except IOSchedulerError:
+                    pass  # an unused read that failed is simply dropped
+        return len(flights)
+
+    def _submit(self, name: str, slot: int) -> Ticket:
+        """Submit the read of `slot` for the caller's :func:`io_context` (priority: an expert miss's unless
+        it names one)."""
         assert self.io is not None
         ctx = current_io_context()
         priority = IOPriority.EXPERT_MISS if ctx.priority is None else ctx.priority
-        try:  # into the scheduler's own aligned buffer: the workers may hold a view of it after the read
-            ticket = self.io.submit_read(
-                self.slots_file, slot * self.slot_bytes, self.slot_bytes, ObjectKind.EXPERT, ctx.object_id or name,
-                ctx.requester_ids, priority=priority,
-            )  # fmt: skip
+        return self.io.submit_read(  # into the scheduler's own aligned buffer: workers may hold a view of it
+            self.slots_file, slot * self.slot_bytes, self.slot_bytes, ObjectKind.EXPERT, ctx.object_id or name,
+            ctx.requester_ids, priority=priority,
+        )  # fmt: skip
+
+    def _queued(self, name: str, slot: int) -> tuple[int, memoryview]:
+        """Read `slot` through the I/O scheduler (or take the read queued ahead for it): the bytes read and a
+        view of them (-1 when the scheduler refused or failed the read: a transfer's fault, not the copy's)."""
+        assert self.io is not None
+        try:
+            ticket = self.flights.pop(name, None) or self._submit(name, slot)
             data = self.io.wait(ticket)
         except IOSchedulerError:
-            return -1
+            return -1, memoryview(b"")
         assert data is not None, "a read returns its bytes"
-        self.buffer[: data.nbytes] = data
-        ctx.note_end(ticket.record.end_ns)
-        return ticket.record.num_bytes_done
+        current_io_context().note_end(ticket.record.end_ns)
+        return ticket.record.num_bytes_done, memoryview(data).cast("B")
 
     def put(self, key: tuple[int, int], pair: LowbitPair, is_saved: bool = True) -> bool:
         """Persist expert `key`'s copy in the next free slot; False when the cap is reached. `is_saved`
@@ -185,7 +220,8 @@ class LowbitDiskCache:
         return num_made
 
     def close(self) -> None:
-        """Close the slots file and the read buffer."""
+        """Settle reads queued ahead; close the slots file and the read buffer."""
+        self.drop_reads()
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -14,13 +14,20 @@ import torch
 
 from fallbackgate.engine.device_pool import PoolKind, TierPool
 from fallbackgate.engine.experts.lowbit_cache import LowbitDiskCache
-from fallbackgate.engine.experts.quant import Quantized, dequantize_rows, lowbit_expert_nbytes, quantize, quantized_to
+from fallbackgate.engine.experts.quant import (
+    Quantized,
+    dequant_chunk_rows,
+    dequantize_rows,
+    lowbit_expert_nbytes,
+    quantize,
+    quantized_to,
+)
 from fallbackgate.engine.experts.reader import ExpertReader
 from fallbackgate.engine.experts.sources import ExpertKey
 from fallbackgate.engine.experts.weights import ExpertWeights, Fetched
 from fallbackgate.engine.tags import Tier
 
-DEQUANT_ROWS = 64  # rows dequantized at a time: bounds the fp32 working set of an expert_lowbit copy
+DEQUANT_NUMEL = 1 << 18  # elements dequantized at a time (1 MiB in fp32): an expert_lowbit copy's working set
 
 LowbitPair = tuple[Quantized, Quantized]  # (gate_up, down)
 
@@ -85,10 +92,8 @@ class LowbitCopies:
             if key in self.lru:
                 self.lru.move_to_end(key)
         dtype = self.reader.compute_dtype
-        weights = ExpertWeights(  # the low-bit bytes cross the link; dequantized where the expert runs
-            dequantize_rows(quantized_to(low[0], self.device), dtype, DEQUANT_ROWS),
-            dequantize_rows(quantized_to(low[1], self.device), dtype, DEQUANT_ROWS),
-        )
+        # the low-bit bytes cross the link; dequantized where the expert runs
+        weights = ExpertWeights(dequantized(low[0], self.device, dtype), dequantized(low[1], self.device, dtype))
         if self.is_ram_tiered:  # no link after the disk: the copy is computed with where it is, in RAM
             return Fetched(weights, Tier.DISK if moved else None, moved, note)
         return Fetched(weights, source, moved + low[0].num_bytes + low[1].num_bytes, note)
@@ -97,12 +102,34 @@ class LowbitCopies:
         """Bytes :meth:`weights` must read from disk before `key` can run low-bit: none for a kept copy or
         one made from a resident or host copy, a low-bit copy's for a persisted one, the whole expert
         (`num_full_bytes`) for one made from the checkpoint on disk (`home`)."""
-        entry = self.entries[key]
-        if entry.lowbit is not None or (self.is_in_place and entry.device is not None):
+        if self._is_at_hand(key):
             return 0
         if self.cache is not None and key in self.cache:
             return self.cache.copy_bytes
         return num_full_bytes if home is Tier.DISK else 0
+
+    def _is_at_hand(self, key: ExpertKey) -> bool:
+        """Whether `key` runs low-bit without a disk read: a kept copy, or a resident full copy to quantize."""
+        entry = self.entries[key]
+        return entry.lowbit is not None or (self.is_in_place and entry.device is not None)
+
+    def is_read_from_cache(self, key: ExpertKey) -> bool:
+        """Whether `key`'s next low-bit run reads its persisted copy (no kept copy, no resident full copy)."""
+        return self.cache is not None and not self._is_at_hand(key) and key in self.cache
+
+    def start_read(self, key: ExpertKey) -> bool:
+        """Queue the read of `key`'s persisted copy ahead of its use (:meth:`weights` then takes it); whether it
+        was queued. It holds a buffer of `read_buffer_bytes` until taken or settled by :meth:`drop_reads`."""
+        return self.is_read_from_cache(key) and self.cache is not None and self.cache.start_read(key)
+
+    @property
+    def read_buffer_bytes(self) -> int:
+        """Bytes of one read queued ahead (a persisted copy's 4 KiB-aligned slot); 0 without persisted copies."""
+        return self.cache.slot_bytes if self.cache is not None else 0
+
+    def drop_reads(self) -> int:
+        """Settle the reads queued ahead that no use took; how many there were."""
+        return self.cache.drop_reads() if self.cache is not None else 0
 
     def _keep(self, key: ExpertKey, low: LowbitPair, free_host: Callable[[int], None]) -> None:
         """Keep a new low-bit copy while its pool has room: on CUDA full host copies make room (they can be
@@ -131,9 +158,19 @@ class LowbitCopies:
     def scratch_bytes(self, bytes_per_expert: int) -> int:
         """Device bytes an expert_lowbit computation holds at its peak: the low-bit copy as stored (codes,
         int4 packed two per byte, with fp32 scales and zero points), the weights in the compute dtype, and
-        the working set of `dequantize_rows` (two fp32 buffers of DEQUANT_ROWS rows, and for int4 those
-        rows' unpacked codes)."""
-        bits, chunk = self.bits or 8, self.reader.max_rows_numel(DEQUANT_ROWS)
+        the working set of :func:`dequantized`: one fp32 chunk of at most DEQUANT_NUMEL elements (or one
+        row), and for int4 that chunk's codes unpacked (its two nibble halves and the unpacked codes)."""
+        bits = self.bits or 8
+        chunk, unpacked = 0, 0
+        for num_rows, num_cols in self.reader.matrix_shapes:
+            num_chunk_rows = min(num_rows, dequant_chunk_rows(num_cols, DEQUANT_NUMEL))
+            chunk = max(chunk, num_chunk_rows * num_cols)
+            unpacked = max(unpacked, 2 * num_chunk_rows * (num_cols + 1))  # an odd row pads one code
         lowbit = lowbit_expert_nbytes(self.reader.matrix_shapes, bits)
-        unpacked = chunk + DEQUANT_ROWS if bits == 4 else 0  # an odd row unpacks one padding code more
-        return lowbit + bytes_per_expert + 2 * 4 * chunk + unpacked
+        return lowbit + bytes_per_expert + 4 * chunk + (unpacked if bits == 4 else 0)
+
+
+def dequantized(q: Quantized, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A low-bit matrix copy dequantized on `device` into `dtype`, DEQUANT_NUMEL elements at a time (the
+    store's expert_lowbit path and the baselines that reproduce it)."""
+    return dequantize_rows(quantized_to(q, device), dtype, dequant_chunk_rows(q.shape[-1], DEQUANT_NUMEL))

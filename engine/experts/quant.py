@@ -133,9 +133,26 @@ def dequantize(q: Quantized) -> torch.Tensor:
 
 def dequantize_rows(q: Quantized, dtype: torch.dtype, num_rows: int = 64) -> torch.Tensor:
     """`dequantize(q).to(dtype)` for a 2-D tensor grouped along its last axis, `num_rows` rows at a time,
-    so the fp32 working set is `num_rows` rows rather than the whole tensor (same values, same rounding)."""
+    so the fp32 working set is one buffer of `num_rows` rows rather than the whole tensor (same values, same
+    rounding: each code times its group's scale, plus its minimum, in fp32, then rounded to `dtype`)."""
     if len(q.shape) != 2 or q.axis != 1:
         return dequantize(q).to(dtype)
+    num_total_rows, length = q.shape
+    if length % q.group_size:  # a padded last group: the general path, chunk by chunk
+        return _dequantize_padded_rows(q, dtype, num_rows)
+    out = torch.empty(q.shape, dtype=dtype, device=q.codes.device)
+    for start in range(0, num_total_rows, num_rows):
+        rows = slice(start, start + num_rows)
+        codes = q.codes[rows]
+        values = (unpack_int4(codes, length) if q.bits == 4 else codes).float()
+        grouped = values.view(values.shape[0], -1, q.group_size)
+        grouped.mul_(q.scales[rows].unsqueeze(-1)).add_(q.zeros[rows].unsqueeze(-1))
+        out[rows] = values
+    return out
+
+
+def _dequantize_padded_rows(q: Quantized, dtype: torch.dtype, num_rows: int) -> torch.Tensor:
+    """:func:`dequantize_rows` for rows whose last group is padded."""
     out = torch.empty(q.shape, dtype=dtype, device=q.codes.device)
     for start in range(0, q.shape[0], num_rows):
         rows = slice(start, start + num_rows)
@@ -145,6 +162,12 @@ def dequantize_rows(q: Quantized, dtype: torch.dtype, num_rows: int = 64) -> tor
         )
         out[rows] = dequantize(chunk)
     return out
+
+
+def dequant_chunk_rows(num_cols: int, max_numel: int) -> int:
+    """Rows :func:`dequantize_rows` takes at a time for a matrix of `num_cols` columns so its fp32 working
+    set stays within `max_numel` elements (at least one row)."""
+    return max(1, max_numel // max(1, num_cols))
 
 
 def quantized_to(q: Quantized, device: torch.device) -> Quantized:

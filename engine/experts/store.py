@@ -30,7 +30,7 @@ from fallbackgate.engine.errors import EngineError
 from fallbackgate.engine.experts.host_cache import HostCache
 from fallbackgate.engine.experts.journal import ChangeLog
 from fallbackgate.engine.experts.lowbit_cache import LowbitDiskCache
-from fallbackgate.engine.experts.lowbit_copies import DEQUANT_ROWS, LowbitCopies
+from fallbackgate.engine.experts.lowbit_copies import LowbitCopies, dequantized
 from fallbackgate.engine.experts.placement import DevicePlacement, ExpertEntry
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined
 from fallbackgate.engine.experts.reader import ExpertReader
@@ -40,7 +40,7 @@ from fallbackgate.engine.experts.weights import ExpertWeights, Fetched
 from fallbackgate.engine.pinned_memory import PinnedHostCopies
 from fallbackgate.engine.tags import ObjectKind, Tier
 
-__all__ = ["DEQUANT_ROWS", "ExpertKey", "ExpertStore", "ExpertWeights", "Fetched"]
+__all__ = ["ExpertKey", "ExpertStore", "ExpertWeights", "Fetched", "dequantized"]
 
 
 def pins_host_copies(layout: TierLayout) -> bool:
@@ -213,6 +213,24 @@ class ExpertStore(DevicePlacement):
         """Dequantized low-bit copy (made now if it does not exist); bytes moved are the low-bit bytes (on a
         CPU only what was read from disk: a copy kept in RAM, or made from a resident one, moves nothing)."""
         return self.lowbit.weights(key, lambda k: self.host_cache.read_home(k, is_cached=False), self.host_cache.free)
+
+    def is_lowbit_read_from_disk(self, key: ExpertKey) -> bool:
+        """CPU: whether `key`'s next low-bit run reads its persisted low-bit copy from disk."""
+        return self.lowbit.is_read_from_cache(key)
+
+    def start_lowbit_read(self, key: ExpertKey) -> bool:
+        """CPU: queue the disk read of `key`'s persisted low-bit copy ahead of its use; whether it was queued
+        (it holds `lowbit_read_bytes` until its use takes it or `drop_lowbit_reads`)."""
+        return self.lowbit.start_read(key)
+
+    @property
+    def lowbit_read_bytes(self) -> int:
+        """Bytes one low-bit read queued ahead holds until its copy is taken."""
+        return self.lowbit.read_buffer_bytes
+
+    def drop_lowbit_reads(self) -> int:
+        """Settle the low-bit reads queued ahead that no use took; how many there were."""
+        return self.lowbit.drop_reads()
 
     def drop_lowbit(self, num_bytes: int, is_done: Callable[[], bool] | None = None) -> int:
         """On a CPU: drop low-bit copies kept in RAM, least recently used first, until `is_done()` (default:
