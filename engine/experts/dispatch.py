@@ -20,6 +20,7 @@ from fallbackgate.engine.errors import EngineError
 from fallbackgate.engine.experts.faults import expert_miss, fault_decision, rescale_late_defers
 from fallbackgate.engine.experts.grouped import grouped_rows, sum_rows
 from fallbackgate.engine.experts.hook import ExpertUse, renormalise_deferred, served_tag
+from fallbackgate.engine.experts.lowbit_ahead import LowbitReadAhead
 from fallbackgate.engine.experts.miss_fetch import MissFetching, RoomMaker
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined
 from fallbackgate.engine.experts.routing import LayerRouting, MissUse, group_layer, request_digests, row_owner
@@ -46,7 +47,7 @@ class ExpertDispatch(MissFetching):
     ) -> None:
         self.store, self.controller, self.view, self.profile, self.host = store, controller, view, profile, host
         self.routers, self.top_k, self.num_expert_params = routers, top_k, num_expert_params
-        self.lowbit_reads: set[tuple[int, int]] = set()
+        self.lowbit_ahead = LowbitReadAhead(store)
 
     @property
     def ctx(self) -> StepContext:
@@ -132,7 +133,7 @@ class ExpertDispatch(MissFetching):
         late: list[np.ndarray] = []  # rows deferred when their expert's read failed (after others computed)
         loads = by_tag.get(Tag.EXACT_LOAD, [])
         self._load_all(module, layer, hidden, flat_weights, loads, routing, slots, out, late)
-        self._read_lowbit_ahead(by_tag.get(Tag.EXPERT_LOWBIT, []))  # they arrive while the exact rows compute
+        self._read_lowbit_ahead(by_tag.get(Tag.EXPERT_LOWBIT, []))
         try:
             self._flush(module, layer, hidden, flat_weights, slots, out)
             for tag in (Tag.CPU_EXECUTE, Tag.EXPERT_LOWBIT):
@@ -142,13 +143,25 @@ class ExpertDispatch(MissFetching):
                     except ExpertQuarantined as exc:
                         self._late_defer(key_uses, exc, flat_weights, late)
         finally:
-            self._settle_lowbit_reads()
+            self.lowbit_ahead.settle()
         if out.rows is None:
             return torch.zeros_like(hidden)
         result = sum_rows(out.rows, num_tokens, top_k, hidden.dtype)
         rows = [torch.as_tensor(r, device=hidden.device) for r in late]
         rescale_late_defers(result, weights, [(r // top_k, r % top_k) for r in rows])
         return result
+
+    def _read_lowbit_ahead(self, uses: list[ExpertUse]) -> None:
+        """Queue the reads of the persisted low-bit copies `uses` run from, to arrive while the exact rows
+        compute (see `LowbitReadAhead`)."""
+        if not uses:
+            return
+        request_ids = self.ctx.batch.request_ids
+        keys = {
+            key: tuple(dict.fromkeys(request_ids[u.request_index] for u in key_uses))
+            for key, key_uses in group_by_key(uses).items()
+        }
+        self.lowbit_ahead.start(keys, lambda num_bytes: self.host.make_room(num_bytes, is_kv_evictable=False))
 
     def _count_resident(self, layer: int, routing: LayerRouting) -> None:
         """Count the layer's resident uses per request: on the step's rows, or as rebuild events in a KV

@@ -27,7 +27,7 @@ from fallbackgate.engine.experts.sources import ExpertKey
 from fallbackgate.engine.experts.weights import ExpertWeights, Fetched
 from fallbackgate.engine.tags import Tier
 
-DEQUANT_NUMEL = 1 << 18  # elements dequantized at a time (1 MiB in fp32): an expert_lowbit copy's working set
+DEQUANT_NUMEL = (1 << 14, 1 << 18)  # fewest and most elements dequantized at a time (64 KiB, 1 MiB in fp32)
 
 LowbitPair = tuple[Quantized, Quantized]  # (gate_up, down)
 
@@ -158,12 +158,12 @@ class LowbitCopies:
     def scratch_bytes(self, bytes_per_expert: int) -> int:
         """Device bytes an expert_lowbit computation holds at its peak: the low-bit copy as stored (codes,
         int4 packed two per byte, with fp32 scales and zero points), the weights in the compute dtype, and
-        the working set of :func:`dequantized`: one fp32 chunk of at most DEQUANT_NUMEL elements (or one
-        row), and for int4 that chunk's codes unpacked (its two nibble halves and the unpacked codes)."""
+        the working set of :func:`dequantized`: one fp32 chunk (`dequant_chunk_rows` of DEQUANT_NUMEL, at
+        least one row), and for int4 that chunk's codes unpacked (its two nibble halves and the unpacked codes)."""
         bits = self.bits or 8
         chunk, unpacked = 0, 0
         for num_rows, num_cols in self.reader.matrix_shapes:
-            num_chunk_rows = min(num_rows, dequant_chunk_rows(num_cols, DEQUANT_NUMEL))
+            num_chunk_rows = min(num_rows, dequant_chunk_rows((num_rows, num_cols), *DEQUANT_NUMEL))
             chunk = max(chunk, num_chunk_rows * num_cols)
             unpacked = max(unpacked, 2 * num_chunk_rows * (num_cols + 1))  # an odd row pads one code
         lowbit = lowbit_expert_nbytes(self.reader.matrix_shapes, bits)
@@ -171,6 +171,6 @@ class LowbitCopies:
 
 
 def dequantized(q: Quantized, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A low-bit matrix copy dequantized on `device` into `dtype`, DEQUANT_NUMEL elements at a time (the
+    """A low-bit matrix copy dequantized on `device` into `dtype`, a chunk of rows at a time (the
     store's expert_lowbit path and the baselines that reproduce it)."""
-    return dequantize_rows(quantized_to(q, device), dtype, dequant_chunk_rows(q.shape[-1], DEQUANT_NUMEL))
+    return dequantize_rows(quantized_to(q, device), dtype, dequant_chunk_rows(q.shape, *DEQUANT_NUMEL))

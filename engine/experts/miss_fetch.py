@@ -16,6 +16,7 @@ from fallbackgate.engine.controller import Controller, ControllerView
 from fallbackgate.engine.device_pool import Scratch
 from fallbackgate.engine.experts.grouped import single_expert_rows
 from fallbackgate.engine.experts.hook import ExpertUse, fetch_for_tag
+from fallbackgate.engine.experts.lowbit_ahead import LowbitReadAhead
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined
 from fallbackgate.engine.experts.routing import LayerRouting
 from fallbackgate.engine.experts.served import LayerRows, group_by_key, record_fetched
@@ -57,7 +58,7 @@ class MissFetching:
     _flush: Callable[..., None]  # ExpertDispatch._flush(module, layer, hidden, flat_weights, slots, out)
     _late_defer: Callable[..., None]  # ExpertDispatch._late_defer(uses, exc, flat_weights, late)
     _expert_s: Callable[..., float]  # ExpertDispatch._expert_s(num_tokens, hidden, on_cpu): modeled seconds
-    lowbit_reads: set[ExpertKey]  # low-bit copies read ahead for this layer and not yet taken (their buffers held)
+    lowbit_ahead: LowbitReadAhead  # the layer's persisted low-bit copies read ahead of their use
 
     def _load_all(
         self,
@@ -136,8 +137,8 @@ class MissFetching:
     ) -> None:
         """cpu_execute or expert_lowbit: one expert's rows (the kernel's per-group matmul). It runs after the
         layer's exact rows are computed, so a low-bit copy's dequantization scratch may evict any expert in the
-        controller's victim order; a read of its persisted copy queued ahead (`_read_lowbit_ahead`) is taken
-        here and its buffer released. Pinning the layer's routed experts instead cost joint's low-bit
+        controller's victim order; a read of its persisted copy queued ahead (`LowbitReadAhead`) is taken here
+        and its buffer released. Pinning the layer's routed experts instead cost joint's low-bit
         admission bytes (stop 49: 1.307× Belady's MIN against 1.238× on 21 runs)."""
         ctx, store = self.ctx, self.store
         scratch_bytes = store.lowbit_scratch_bytes if tag is Tag.EXPERT_LOWBIT else 0
@@ -151,7 +152,7 @@ class MissFetching:
                 fetched = fetch_for_tag(store, key, tag, self.host.make_room)
                 wait_ns = time.perf_counter_ns() - started_ns
             ctx.log.add_expert_arrival(request_ids, key, tag, fetched.bytes_moved, io.last_end_ns)
-            self._took_lowbit_read(key)
+            self.lowbit_ahead.took(key)
             idx = torch.as_tensor(rows, device=hidden.device)
             x, w = hidden[idx // (len(out.is_done) // hidden.shape[0])], flat_weights[idx]
             if tag is Tag.CPU_EXECUTE:  # the model's dtype, on the CPU, where the host copy is
@@ -168,42 +169,6 @@ class MissFetching:
         )
         ctx.log.modeled_transfer_s += transfer_s
         self._record_fetched(uses, tag, fetched, transfer_s, wait_ns)
-
-    def _read_lowbit_ahead(self, uses: list[ExpertUse]) -> None:
-        """Queue the disk reads of this layer's persisted low-bit copies before its exact rows compute, so they
-        arrive while the kernel runs. Each read's buffer is counted (Scratch.EXPERT_LOWBIT_READ) until its use
-        takes the copy; room is made in the controller's victim order, as for a copy's dequantization scratch
-        (nothing is placed before the layer's rows are computed, so an expert evicted now is read in place);
-        reads that do not fit are read at use."""
-        ctx, store, num_bytes = self.ctx, self.store, self.store.lowbit_read_bytes
-        keys = [key for key in group_by_key(uses) if store.is_lowbit_read_from_disk(key)]
-        if not keys or not num_bytes:
-            return
-        self.host.make_room(len(keys) * num_bytes, is_kv_evictable=False)
-        pool = store.device_pool
-        for key, key_uses in group_by_key(uses).items():
-            if key not in keys or not pool.can_reserve(num_bytes):
-                continue
-            request_ids = tuple(dict.fromkeys(ctx.batch.request_ids[u.request_index] for u in key_uses))
-            with io_context(request_ids, IOPriority.EXPERT_MISS, f"{key[0]}:{key[1]}"):
-                if store.start_lowbit_read(key):
-                    pool.reserve(Scratch.EXPERT_LOWBIT_READ, num_bytes)
-                    self.lowbit_reads.add(key)
-
-    def _took_lowbit_read(self, key: ExpertKey) -> None:
-        """`key`'s copy was taken: its read-ahead buffer is no longer held."""
-        if key in self.lowbit_reads:
-            self.lowbit_reads.discard(key)
-            self.store.device_pool.release(Scratch.EXPERT_LOWBIT_READ, self.store.lowbit_read_bytes)
-
-    def _settle_lowbit_reads(self) -> None:
-        """At the end of a layer: reads ahead no use took (a use deferred late, or a fault) are settled."""
-        if self.lowbit_reads:
-            self.store.drop_lowbit_reads()
-            self.store.device_pool.release(
-                Scratch.EXPERT_LOWBIT_READ, len(self.lowbit_reads) * self.store.lowbit_read_bytes
-            )
-            self.lowbit_reads.clear()
 
     def _start_reads(self, layer: int, hidden: torch.Tensor, uses: list[ExpertUse]) -> None:
         """Queue disk reads of this layer's misses (they proceed while earlier experts compute), then of the

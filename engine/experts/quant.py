@@ -164,10 +164,13 @@ def _dequantize_padded_rows(q: Quantized, dtype: torch.dtype, num_rows: int) -> 
     return out
 
 
-def dequant_chunk_rows(num_cols: int, max_numel: int) -> int:
-    """Rows :func:`dequantize_rows` takes at a time for a matrix of `num_cols` columns so its fp32 working
-    set stays within `max_numel` elements (at least one row)."""
-    return max(1, max_numel // max(1, num_cols))
+def dequant_chunk_rows(shape: Sequence[int], min_numel: int, max_numel: int) -> int:
+    """Rows :func:`dequantize_rows` takes at a time for a `shape` matrix: a quarter of it, kept between
+    `min_numel` and `max_numel` elements (at least one row), so its fp32 working set is small beside the
+    matrix and each chunk is large enough for its few tensor operations to pay."""
+    num_rows, num_cols = shape
+    numel = min(max_numel, max(min_numel, num_rows * num_cols // 4))
+    return max(1, numel // max(1, num_cols))
 
 
 def quantized_to(q: Quantized, device: torch.device) -> Quantized:
