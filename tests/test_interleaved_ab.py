@@ -40,8 +40,9 @@ def _row(seed: int, variant: str, ttft: float, slo: float) -> dict:
 
 
 def test_changes_are_paired_over_the_seeds_every_variant_ran() -> None:
+    # seed 3 lacks b: left out
     rows = [_row(1, "a", 10.0, 0.0), _row(1, "b", 11.0, 0.5), _row(2, "a", 20.0, 0.0), _row(2, "b", 22.0, 0.25),
-            _row(3, "a", 99.0, 0.0)]  # fmt: skip  (seed 3 lacks b: left out)
+            _row(3, "a", 99.0, 0.0)]  # fmt: skip
     comparison = compare(rows, ["a", "b"], ("ttft_p50_ms", "slo_attainment"))
     cell = comparison["mixed@0.25"]
     assert cell["seeds"] == [1, 2]
@@ -69,6 +70,30 @@ def test_bad_input_is_refused_before_any_run(argv, message, tmp_path, capsys) ->
     base = ["--seeds", "60", "--workloads", "mixed", "--ram-frac", "0.25", "--out", str(out)]
     assert main(base + argv) == 2
     assert message in capsys.readouterr().err and not out.exists()
+
+
+def test_a_run_that_fails_keeps_the_runs_before_it(tmp_path, capsys, monkeypatch) -> None:
+    import fallbackgate.bench.interleaved_ab as ab
+    from fallbackgate.engine.errors import EngineError
+
+    calls = []
+
+    def run_one(base, variant, workload, seed, ledger):
+        calls.append(variant.name)
+        if len(calls) == 3:
+            raise EngineError("planted: the third run fails")
+        return {"seed": seed, "workload": workload, "ram_frac": 0.25, "variant": variant.name,
+                "metrics": {m: 1.0 for m in ab.DEFAULT_METRICS}}  # fmt: skip
+
+    monkeypatch.setattr(ab, "run_one", run_one)
+    monkeypatch.setattr(ab, "slo_targets", lambda base, path, ledger: {})
+    out = tmp_path / "ab.json"
+    argv = ["--seeds", "1,2", "--workloads", "mixed", "--ram-frac", "0.25", "--out", str(out),
+            "--variant", "a=exact", "--variant", "b=lowbit_colder"]  # fmt: skip
+    assert main(argv) == 1
+    body = json.loads(out.read_text())
+    assert [r["variant"] for r in body["runs"]] == ["a", "b"] and "third run fails" in body["error"]
+    assert body["comparison"]["mixed@0.25"]["seeds"] == [1] and "third run fails" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ expert admission (``controller.expert_admission``) and, after a colon, a class-b
 same grid but for seeds, workloads, controllers and which of its RAM budgets) or from one all-in-RAM reference run
 per workload made first; every variant is measured against the same targets. Prints per cell and metric each
 variant's mean and its paired change against the first variant (% of the first's mean, Student-t 95 % over the
-seeds); writes every run's metrics and that comparison as JSON.
+seeds); writes every run's metrics and that comparison as JSON (a run that fails stops the A/B: the runs before
+it are written with the error, exit status 1).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import tqdm
 
 from fallbackgate.bench.joint_ab import DERIVED
 from fallbackgate.commands.sweep import earlier_references, read_class_budgets
+from fallbackgate.engine.errors import EngineError
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.policy.schema import EXPERT_ADMISSIONS
 from fallbackgate.sweep.regime import RegimeConfig, run_regime, sweep_policy
@@ -158,25 +160,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interleaved_ab: error: {exc}", file=sys.stderr)
         return 2
     rows: list[dict[str, Any]] = []
+    error = None
     with tempfile.TemporaryDirectory(prefix="fg-interleaved-") as scratch:
         ledger = open_ledger(f"sqlite:///{scratch}/ledger.sqlite")
         try:
             base = dataclasses.replace(base, lowbit_dir=f"{scratch}/lowbit",
                                        slo_from=slo_targets(base, args.slo_from, ledger))  # fmt: skip
-        except ValueError as exc:
-            print(f"interleaved_ab: error: {exc}", file=sys.stderr)
+            by_name = {v.name: v for v in variants}
+            plan = [(s, w, n) for i, s in enumerate(seeds) for w in base.workloads for n in run_order(names, i)]
+            for seed, workload, name in tqdm.tqdm(plan, desc="runs", unit="run"):
+                rows.append(run_one(base, by_name[name], workload, seed, ledger))
+        except (EngineError, ValueError) as exc:  # bad input, or a run that failed: the runs so far are kept
+            error = str(exc)
+        finally:
+            ledger.close()
+    if error is not None:
+        print(f"interleaved_ab: error: {error}", file=sys.stderr)
+        if not rows:
             return 2
-        by_name = {v.name: v for v in variants}
-        plan = [(s, w, n) for i, s in enumerate(seeds) for w in base.workloads for n in run_order(names, i)]
-        for seed, workload, name in tqdm.tqdm(plan, desc="runs", unit="run"):
-            rows.append(run_one(base, by_name[name], workload, seed, ledger))
-        ledger.close()
     comparison = compare(rows, names, metrics)
     body = {"command": " ".join(sys.argv), "variants": [dataclasses.asdict(v) for v in variants], "runs": rows,
-            "comparison": comparison}  # fmt: skip
+            "comparison": comparison, "error": error}  # fmt: skip
     args.out.write_text(json.dumps(body, indent=1))
     print("\n".join(report_lines(comparison, names)))
-    return 0
+    return 0 if error is None else 1
 
 
 if __name__ == "__main__":
