@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from fallbackgate.commands.sweep import read_class_budgets
+from fallbackgate.sweep.inputs import read_class_budgets
 from fallbackgate.sweep.workload import BEST_EFFORT, STRICT, default_policy
 
 

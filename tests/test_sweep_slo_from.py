@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from fallbackgate.commands.sweep import earlier_references
 from fallbackgate.sweep import regime
+from fallbackgate.sweep.inputs import earlier_references
 from fallbackgate.sweep.regime import RegimeConfig, SweepInputError
 from fallbackgate.sweep.workload import BEST_EFFORT, STRICT
 from tests.test_sweep_merge import CONFIG

@@ -27,10 +27,10 @@ from typing import Any
 import tqdm
 
 from fallbackgate.bench.joint_ab import DERIVED
-from fallbackgate.commands.sweep import earlier_references, read_class_budgets
 from fallbackgate.engine.errors import EngineError
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.policy.schema import EXPERT_ADMISSIONS
+from fallbackgate.sweep.inputs import earlier_references, read_class_budgets
 from fallbackgate.sweep.regime import RegimeConfig, run_regime, sweep_policy
 from fallbackgate.sweep.summary import JOINT, interval
 from fallbackgate.tinymoe import CHECKPOINT_DIR

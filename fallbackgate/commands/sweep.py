@@ -18,25 +18,21 @@ import sys
 import tempfile
 from typing import Any
 
-import yaml
-from pydantic import ValidationError
 from sqlalchemy.exc import SQLAlchemyError
 
 from fallbackgate.assembly import Assembly, Overrides, assemble
 from fallbackgate.engine.errors import EngineError
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError, open_ledger
 from fallbackgate.policy.apply import with_sections
-from fallbackgate.policy.loader import format_errors
 from fallbackgate.policy.schema import EXPERT_ADMISSIONS, STEP_TIMES, AuditMode
 from fallbackgate.sweep.anatomy import markdown_table as anatomy_table
 from fallbackgate.sweep.anatomy import sweep_anatomy, ttft_table
 from fallbackgate.sweep.belady import TraceRecorder
 from fallbackgate.sweep.grid import CellBuilder, SweepConfig
-from fallbackgate.sweep.merge import GRID_KEYS
+from fallbackgate.sweep.inputs import earlier_references, read_class_budgets
 from fallbackgate.sweep.plot import anatomy_bars, regime_heatmaps
 from fallbackgate.sweep.regime import INDEPENDENT, JOINT, STATIC, RegimeConfig, SweepInputError, run_regime
 from fallbackgate.sweep.summary import summarise, summary_lines, with_budget_fields
-from fallbackgate.sweep.workload import default_policy
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 from fallbackgate.workloads.kinds import WorkloadKind
 
@@ -143,47 +139,6 @@ def config_from_args(args: argparse.Namespace) -> RegimeConfig:
         keep_traces=tuple(args.keep_trace), trace_out=str(pathlib.Path(args.out) / "traces"),
     )  # fmt: skip
     return cfg if args.slo_from is None else dataclasses.replace(cfg, slo_from=earlier_references(cfg, args.slo_from))
-
-
-def read_class_budgets(path: pathlib.Path | None) -> dict[str, dict[str, Any]] | None:
-    """``--class-budgets``: class -> budget fields, checked by building the sweep's policy with them
-    (ValueError naming the file and the field)."""
-    if path is None:
-        return None
-    try:
-        budgets = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"--class-budgets {path}: {exc}") from None
-    if not isinstance(budgets, dict) or not all(isinstance(v, dict) for v in budgets.values()):
-        raise ValueError(f"--class-budgets {path}: expected a mapping of class name -> budget fields")
-    try:
-        default_policy(class_budgets=budgets)
-    except ValidationError as exc:
-        raise ValueError(f"--class-budgets {path}: " + "; ".join(format_errors(exc))) from None
-    except ValueError as exc:
-        raise ValueError(f"--class-budgets {path}: {exc}") from None
-    return budgets
-
-
-def earlier_references(cfg: RegimeConfig, path: pathlib.Path) -> dict[str, dict[str, Any]]:
-    """The SLO references of the sweep at `path`, which must share `cfg`'s grid but for its controllers and
-    cover its workloads (ValueError naming what differs)."""
-    try:
-        earlier = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--slo-from {path}: {exc}") from None
-    references = earlier.get("slo_references")
-    if not isinstance(references, dict):
-        raise ValueError(f"--slo-from {path}: no slo_references (a merged sweep has one per part: give a part's)")
-    mine = json.loads(json.dumps(dataclasses.asdict(cfg)))  # as the earlier one was written: lists, not tuples
-    for key in GRID_KEYS:
-        theirs = earlier["config"].get(key)
-        if key not in ("controllers", "workloads") and theirs != mine[key]:
-            raise ValueError(f"--slo-from {path}: its {key} is {theirs!r}, this one's {mine[key]!r}")
-    missing = [k for k in cfg.workloads if k not in references]
-    if missing:
-        raise ValueError(f"--slo-from {path}: no SLO reference for {missing}")
-    return {k: references[k] for k in cfg.workloads}
 
 
 def cell_builder(cfg: SweepConfig) -> CellBuilder:
