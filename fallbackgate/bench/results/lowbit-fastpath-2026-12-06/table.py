@@ -1,4 +1,4 @@
-"""python fallbackgate/bench/results/lowbit-fastpath-2026-12-06/table.py
+"""python fallbackgate/bench/results/lowbit-fastpath-2026-12-06/table.py [A.json B.json]
 
 Per cell, joint as shipped (A) and joint with lowbit_colder admission and the best-effort budget opened (B), each
 against the same partners (A's, run in the same window): gains over the chosen static split and two LRUs, the
@@ -6,6 +6,7 @@ admission's paired gain over the shipped joint, its audited quality; then the go
 
 import json
 import pathlib
+import sys
 
 from fallbackgate.sweep.summary import INDEPENDENT, summarise
 from fallbackgate.sweep.variant import combine
@@ -17,9 +18,10 @@ def pct(iv: dict) -> str:
     return f"{100 * iv['mean']:+.0f} [{100 * iv['lo']:+.0f}, {100 * iv['hi']:+.0f}]"
 
 
-def main() -> None:
-    base = json.loads((HERE / "A.json").read_text())
-    combined = combine(base, json.loads((HERE / "B.json").read_text()), ("A", "B"))
+def main(argv: list[str]) -> None:
+    a_path, b_path = (pathlib.Path(p) for p in argv) if argv else (HERE / "A.json", HERE / "B.json")
+    base = json.loads(a_path.read_text())
+    combined = combine(base, json.loads(b_path.read_text()), ("A", "B"))
     shipped = summarise(base["points"], base["config"]["held_out_seed"])
     print("| cell | bytes read vs chosen static: shipped / admission | SLO vs chosen static: shipped / admission "
           "| P99 TPOT vs two LRUs: shipped / admission | admission vs shipped joint: SLO / P99 TPOT "
@@ -45,4 +47,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
