@@ -42,9 +42,10 @@ def report(name: str, base: dict, variant: dict) -> None:
         s = shipped["comparisons"][key]
         print(f"{key}: chosen static KV {s['chosen_static_kv_share']} (shipped's partners)")
         for label, g in (("shipped", s["gains"]), ("admission", c["gains"])):
-            print(f"  {label:9s} vs chosen static: SLO {pct(g['chosen_static']['slo_attainment']['all'])}, P99 TPOT "
-                  f"{pct(g['chosen_static']['tpot_p99_ms']['all'])}; vs two LRUs: SLO "
-                  f"{pct(g[INDEPENDENT]['slo_attainment']['all'])}, P99 TPOT {pct(g[INDEPENDENT]['tpot_p99_ms']['all'])}")
+            static, lru = g["chosen_static"], g[INDEPENDENT]
+            print(f"  {label:9s} vs chosen static: SLO {pct(static['slo_attainment']['all'])}, P99 TPOT "
+                  f"{pct(static['tpot_p99_ms']['all'])}; vs two LRUs: SLO {pct(lru['slo_attainment']['all'])}, "
+                  f"P99 TPOT {pct(lru['tpot_p99_ms']['all'])}")
         q = combined["joint_quality"][key]
         v, vs_base = q["variant"], q["variant_gain_over_base"]
         print(f"  admission vs shipped joint: SLO {pct(vs_base['slo_attainment'])}, P99 TPOT "
