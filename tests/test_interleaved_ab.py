@@ -51,7 +51,8 @@ def test_changes_are_paired_over_the_seeds_every_variant_ran() -> None:
     assert ttft["b"]["change"] == interval([1 / 15, 2 / 15]) and ttft["b"]["change"]["mean"] == pytest.approx(0.1)
     assert cell["metrics"]["slo_attainment"]["b"] == {"mean": 0.375, "change": None}  # no base to divide by
     lines = report_lines(comparison, ["a", "b"])
-    assert lines[0] == "mixed@0.25 n=2" and "b 16.5 (+10.0 % [" in lines[1] and "b 0.375" in lines[2]
+    assert lines[0] == "mixed@0.25 n=2" and "b 16.5 (+10.0 % [" in lines[1] and ", n=2)" in lines[1]
+    assert "b 0.375" in lines[2]
 
 
 @pytest.mark.parametrize(
@@ -72,28 +73,68 @@ def test_bad_input_is_refused_before_any_run(argv, message, tmp_path, capsys) ->
     assert message in capsys.readouterr().err and not out.exists()
 
 
-def test_a_run_that_fails_keeps_the_runs_before_it(tmp_path, capsys, monkeypatch) -> None:
+def _fake_runs(monkeypatch, out: pathlib.Path, fail_at: int | None = None) -> list[str]:
+    """`run_one` replaced: each call records its variant, sees the JSON as written so far, and the
+    `fail_at`-th call raises an error that is no EngineError."""
     import fallbackgate.bench.interleaved_ab as ab
-    from fallbackgate.engine.errors import EngineError
 
-    calls = []
+    calls: list[str] = []
+    num_done = [0]
 
     def run_one(base, variant, workload, seed, ledger):
+        written = json.loads(out.read_text())["runs"] if out.exists() else []
+        assert len(written) == num_done[0]  # the JSON holds every run done before this one
         calls.append(variant.name)
-        if len(calls) == 3:
-            raise EngineError("planted: the third run fails")
+        if len(calls) == fail_at:
+            raise RuntimeError("planted: this run fails")
+        num_done[0] += 1
         return {"seed": seed, "workload": workload, "ram_frac": 0.25, "variant": variant.name,
-                "metrics": {m: 1.0 for m in ab.DEFAULT_METRICS}}  # fmt: skip
+                "metrics": {m: float(seed) for m in ab.DEFAULT_METRICS}}  # fmt: skip
 
     monkeypatch.setattr(ab, "run_one", run_one)
     monkeypatch.setattr(ab, "slo_targets", lambda base, path, ledger: {})
+    return calls
+
+
+AB_ARGV = ["--seeds", "1,2", "--workloads", "mixed", "--ram-frac", "0.25", "--variant", "a=exact",
+           "--variant", "b=lowbit_colder"]  # fmt: skip
+
+
+def test_a_run_that_fails_stays_with_that_run_and_the_json_follows_every_run(tmp_path, capsys, monkeypatch) -> None:
     out = tmp_path / "ab.json"
-    argv = ["--seeds", "1,2", "--workloads", "mixed", "--ram-frac", "0.25", "--out", str(out),
-            "--variant", "a=exact", "--variant", "b=lowbit_colder"]  # fmt: skip
-    assert main(argv) == 1
+    calls = _fake_runs(monkeypatch, out, fail_at=3)  # seed 2 runs b first: b fails, a still runs
+    assert main([*AB_ARGV, "--out", str(out)]) == 1
     body = json.loads(out.read_text())
-    assert [r["variant"] for r in body["runs"]] == ["a", "b"] and "third run fails" in body["error"]
-    assert body["comparison"]["mixed@0.25"]["seeds"] == [1] and "third run fails" in capsys.readouterr().err
+    assert calls == ["a", "b", "b", "a"] and [r["variant"] for r in body["runs"]] == ["a", "b", "a"]
+    assert body["failed_runs"] == [{"seed": 2, "workload": "mixed", "variant": "b",
+                                    "error": "RuntimeError('planted: this run fails')"}]  # fmt: skip
+    assert body["is_complete"] and body["error"] is None
+    assert body["comparison"]["mixed@0.25"]["seeds"] == [1] and "this run fails" in capsys.readouterr().err
+
+
+def test_a_metric_the_runs_do_not_record_stops_the_ab_after_its_first_run(tmp_path, capsys, monkeypatch) -> None:
+    out = tmp_path / "ab.json"
+    calls = _fake_runs(monkeypatch, out)
+    assert main([*AB_ARGV, "--out", str(out), "--metrics", "ttft_p50_ms,ttft_p05_ms"]) == 2
+    body = json.loads(out.read_text())
+    assert calls == ["a"] and len(body["runs"]) == 1 and not body["is_complete"]
+    assert "--metrics: the runs record no ttft_p05_ms" in body["error"] and "ttft_p05_ms" in capsys.readouterr().err
+
+
+def test_one_seed_gives_a_change_without_an_interval() -> None:
+    comparison = compare([_row(1, "a", 10.0, 0.5), _row(1, "b", 12.0, 0.5)], ["a", "b"], ("ttft_p50_ms",))
+    change = comparison["mixed@0.25"]["metrics"]["ttft_p50_ms"]["b"]["change"]
+    assert change["mean"] == pytest.approx(0.2) and (change["lo"], change["hi"], change["n"]) == (None, None, 1)
+    assert "b 12 (+20.0 %, n=1: no interval)" in report_lines(comparison, ["a", "b"])[1]
+
+
+def test_seeds_that_do_not_balance_the_order_are_noted(tmp_path, capsys, monkeypatch) -> None:
+    out = tmp_path / "ab.json"
+    _fake_runs(monkeypatch, out)
+    argv = [*AB_ARGV, "--out", str(out)]
+    argv[1] = "1,2,3"
+    assert main(argv) == 0
+    assert "3 seeds for 2 variants" in capsys.readouterr().err and json.loads(out.read_text())["is_complete"]
 
 
 @pytest.mark.slow
@@ -110,5 +151,5 @@ def test_two_variants_run_after_run_against_one_reference(tmp_path, capsys) -> N
     assert runs[0]["metrics"]["lowbit_uses"] < runs[1]["metrics"]["lowbit_uses"]  # the admission took effect
     assert runs[1]["metrics"]["over_belady_same_room"] < runs[0]["metrics"]["over_belady_same_room"]
     change = body["comparison"]["multi-turn@0.25"]["metrics"]["ttft_p50_ms"]["colder"]["change"]
-    assert change["n"] == 1 and change["lo"] == change["mean"] == change["hi"]
+    assert change["n"] == 1 and change["lo"] is None and change["hi"] is None
     assert "multi-turn@0.25 n=1" in capsys.readouterr().out

@@ -133,8 +133,8 @@ class ExpertDispatch(MissFetching):
         late: list[np.ndarray] = []  # rows deferred when their expert's read failed (after others computed)
         loads = by_tag.get(Tag.EXACT_LOAD, [])
         self._load_all(module, layer, hidden, flat_weights, loads, routing, slots, out, late)
-        self._read_lowbit_ahead(by_tag.get(Tag.EXPERT_LOWBIT, []))
         try:
+            self._read_lowbit_ahead(by_tag.get(Tag.EXPERT_LOWBIT, []))
             self._flush(module, layer, hidden, flat_weights, slots, out)
             for tag in (Tag.CPU_EXECUTE, Tag.EXPERT_LOWBIT):
                 for key, key_uses in group_by_key(by_tag.get(tag, [])).items():

@@ -17,6 +17,7 @@ import torch
 
 DEFAULT_GROUP_SIZE = 32  # elements per group of an expert's low-bit copy (along each output row)
 SCALE_DTYPE = torch.float32  # scales and zero points are kept in fp32 whatever the tensor's dtype
+PADDED_BUFFERS = 4  # fp32 buffers of its rows `dequantize` holds at once for a padded last group
 
 
 @dataclasses.dataclass(slots=True)
@@ -152,8 +153,11 @@ def dequantize_rows(q: Quantized, dtype: torch.dtype, num_rows: int = 64) -> tor
 
 
 def _dequantize_padded_rows(q: Quantized, dtype: torch.dtype, num_rows: int) -> torch.Tensor:
-    """:func:`dequantize_rows` for rows whose last group is padded."""
+    """:func:`dequantize_rows` for rows whose last group is padded: :func:`dequantize` holds up to four
+    fp32 buffers of the rows it takes (padded codes, scaled, shifted, unpadded copy), so it takes a quarter of
+    `num_rows` at a time and the working set stays one buffer of `num_rows` rows."""
     out = torch.empty(q.shape, dtype=dtype, device=q.codes.device)
+    num_rows = max(1, num_rows // PADDED_BUFFERS)
     for start in range(0, q.shape[0], num_rows):
         rows = slice(start, start + num_rows)
         num_chunk_rows = min(num_rows, q.shape[0] - start)
@@ -168,7 +172,8 @@ def dequant_chunk_rows(shape: Sequence[int], min_numel: int, max_numel: int) -> 
     """Rows :func:`dequantize_rows` takes at a time for a `shape` matrix: a quarter of it, kept between
     `min_numel` and `max_numel` elements (at least one row), so its fp32 working set is small beside the
     matrix and each chunk is large enough for its few tensor operations to pay."""
-    num_rows, num_cols = shape
+    num_cols = shape[-1] if len(shape) else 1  # only a 2-D matrix is chunked; any other shape gets a number
+    num_rows = math.prod(shape) // max(1, num_cols)
     numel = min(max_numel, max(min_numel, num_rows * num_cols // 4))
     return max(1, numel // max(1, num_cols))
 

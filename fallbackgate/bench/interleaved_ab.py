@@ -3,15 +3,19 @@
     --out OUT.json
 
 Joint variants run after run: for each seed and workload every variant runs once, one after the other, the order
-rotated by seed, so machine drift between windows minutes apart cannot enter the comparison (parts of a sweep
+rotated by one per seed (each variant runs first equally often when the number of seeds is a multiple of the
+number of variants; otherwise a note says so), so machine drift between windows minutes apart cannot enter the
+comparison (parts of a sweep
 run minutes apart moved a time metric by up to 20 % with no byte moved: README, stop 50). A variant is an
 expert admission (``controller.expert_admission``) and, after a colon, a class-budgets YAML as
 ``fallbackgate sweep --class-budgets`` reads it. SLO targets come from ``--slo-from`` (an earlier sweep with the
 same grid but for seeds, workloads, controllers and which of its RAM budgets) or from one all-in-RAM reference run
 per workload made first; every variant is measured against the same targets. Prints per cell and metric each
 variant's mean and its paired change against the first variant (% of the first's mean, Student-t 95 % over the
-seeds); writes every run's metrics and that comparison as JSON (a run that fails stops the A/B: the runs before
-it are written with the error, exit status 1).
+seeds; no interval from one seed); writes every run's metrics and that comparison as JSON, rewritten after each
+run. A run that fails is recorded with its error (``failed_runs``) and the A/B goes on without it: its seed is
+left out of that cell's comparison, and the exit status is 1. A metric the runs do not record stops the A/B
+after its first run (exit status 2).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import pathlib
 import sys
 import tempfile
@@ -75,14 +80,16 @@ def compare(rows: list[dict[str, Any]], names: list[str], metrics: tuple[str, ..
         seeds = sorted(s for s, runs in by_seed.items() if all(n in runs for n in names))
         out[cell] = {"seeds": seeds, "metrics": {}}
         for metric in metrics:
-            base = [by_seed[s][names[0]]["metrics"][metric] for s in seeds]
+            base = [by_seed[s][names[0]]["metrics"].get(metric, math.nan) for s in seeds]
             mean_base = sum(base) / len(base) if base else 0.0
             entry = {}
             for name in names:
-                values = [by_seed[s][name]["metrics"][metric] for s in seeds]
+                values = [by_seed[s][name]["metrics"].get(metric, math.nan) for s in seeds]
                 diffs = [(v - b) / mean_base for v, b in zip(values, base, strict=True)] if mean_base else []
-                entry[name] = {"mean": sum(values) / len(values) if values else None,
-                               "change": interval(diffs) if name != names[0] and diffs else None}  # fmt: skip
+                change = interval(diffs) if name != names[0] and diffs else None
+                if change is not None and change["n"] < 2:  # one pair has no spread to make an interval from
+                    change |= {"lo": None, "hi": None}
+                entry[name] = {"mean": sum(values) / len(values) if values else None, "change": change}
             out[cell]["metrics"][metric] = entry
     return out
 
@@ -97,8 +104,11 @@ def report_lines(comparison: dict[str, Any], names: list[str]) -> list[str]:
             for name in names:
                 mean, change = entry[name]["mean"], entry[name]["change"]
                 text = f"{name} {mean:.3g}" if mean is not None else f"{name} -"
-                if change is not None:
-                    text += f" ({100 * change['mean']:+.1f} % [{100 * change['lo']:+.1f}, {100 * change['hi']:+.1f}])"
+                if change is not None and change["lo"] is None:
+                    text += f" ({100 * change['mean']:+.1f} %, n={change['n']}: no interval)"
+                elif change is not None:
+                    text += (f" ({100 * change['mean']:+.1f} % [{100 * change['lo']:+.1f}, {100 * change['hi']:+.1f}]"
+                             f", n={change['n']})")  # fmt: skip
                 parts.append(text)
             lines.append(f"  {metric:22s} " + "  ".join(parts))
     return lines
@@ -159,31 +169,58 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"interleaved_ab: error: {exc}", file=sys.stderr)
         return 2
+    if len(seeds) % len(names):
+        print(f"interleaved_ab: note: {len(seeds)} seeds for {len(names)} variants: the variants do not each run "
+              "first equally often", file=sys.stderr)  # fmt: skip
+    return _run_all(args, base, variants, metrics)
+
+
+def _run_all(args: argparse.Namespace, base: RegimeConfig, variants: list[Variant], metrics: tuple[str, ...]) -> int:
+    """Every run of the plan, the JSON rewritten after each; the exit status."""
+    names, by_name = [v.name for v in variants], {v.name: v for v in variants}
     rows: list[dict[str, Any]] = []
-    error = None
+    failed: list[dict[str, Any]] = []  # runs that raised: seed, workload, variant, error
+    error = None  # what stopped the A/B (bad input found once runs began)
     with tempfile.TemporaryDirectory(prefix="fg-interleaved-") as scratch:
         ledger = open_ledger(f"sqlite:///{scratch}/ledger.sqlite")
         try:
             base = dataclasses.replace(base, lowbit_dir=f"{scratch}/lowbit",
                                        slo_from=slo_targets(base, args.slo_from, ledger))  # fmt: skip
-            by_name = {v.name: v for v in variants}
-            plan = [(s, w, n) for i, s in enumerate(seeds) for w in base.workloads for n in run_order(names, i)]
+            plan = [(s, w, n) for i, s in enumerate(base.seeds) for w in base.workloads for n in run_order(names, i)]
             for seed, workload, name in tqdm.tqdm(plan, desc="runs", unit="run"):
-                rows.append(run_one(base, by_name[name], workload, seed, ledger))
-        except (EngineError, ValueError) as exc:  # bad input, or a run that failed: the runs so far are kept
+                try:
+                    rows.append(run_one(base, by_name[name], workload, seed, ledger))
+                except Exception as exc:  # noqa: BLE001 -- a run's fault stays with that run
+                    failed.append({"seed": seed, "workload": workload, "variant": name, "error": repr(exc)})
+                    print(f"interleaved_ab: run {name} {workload} seed {seed} failed: {exc!r}", file=sys.stderr)
+                unknown = sorted(set(metrics) - set(rows[0]["metrics"])) if rows else []
+                if unknown:  # found at the first run that did not fail
+                    raise ValueError(f"--metrics: the runs record no {', '.join(unknown)} (they record: "
+                                     f"{', '.join(sorted(rows[0]['metrics']))})")  # fmt: skip
+                _write(args, variants, rows, failed, names, metrics, error, is_complete=False)
+        except (EngineError, ValueError) as exc:  # bad input found once runs began: the runs so far are kept
             error = str(exc)
         finally:
             ledger.close()
     if error is not None:
         print(f"interleaved_ab: error: {error}", file=sys.stderr)
-        if not rows:
-            return 2
-    comparison = compare(rows, names, metrics)
+        if not rows and not failed:
+            return 2  # refused before any run: nothing to write
+    _write(args, variants, rows, failed, names, metrics, error, is_complete=error is None)
+    print("\n".join(report_lines(compare(rows, names, metrics), names)))
+    if error is not None and error.startswith("--metrics"):
+        return 2
+    return 0 if error is None and not failed else 1
+
+
+def _write(args: argparse.Namespace, variants: list[Variant], rows: list[dict[str, Any]],
+           failed: list[dict[str, Any]], names: list[str], metrics: tuple[str, ...], error: str | None,
+           is_complete: bool) -> None:  # fmt: skip
+    """The JSON as it stands: every run so far, the failed ones, the comparison and whether the plan ran."""
     body = {"command": " ".join(sys.argv), "variants": [dataclasses.asdict(v) for v in variants], "runs": rows,
-            "comparison": comparison, "error": error}  # fmt: skip
+            "failed_runs": failed, "comparison": compare(rows, names, metrics), "error": error,
+            "is_complete": is_complete}  # fmt: skip
     args.out.write_text(json.dumps(body, indent=1))
-    print("\n".join(report_lines(comparison, names)))
-    return 0 if error is None else 1
 
 
 if __name__ == "__main__":

@@ -11,15 +11,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from collections.abc import Callable
 from typing import Any
 
 from fallbackgate.sweep.summary import INDEPENDENT, JOINT, expert_read_bytes, interval
 
+
+def over_belady_same_room(m: dict[str, Any]) -> float:
+    """Expert bytes read over Belady's MIN at the same room; nan where the run has no bound (a sweep recorded
+    before it, or a run with nothing to read)."""
+    bound = m.get("belady_expert_bytes_same_room")
+    return expert_read_bytes(m) / bound if bound else math.nan
+
+
 DERIVED: dict[str, Callable[[dict[str, Any]], float]] = {
     "expert_read": expert_read_bytes,  # exact plus low-bit expert bytes read
-    "over_belady_same_room": lambda m: expert_read_bytes(m) / m["belady_expert_bytes_same_room"],
+    "over_belady_same_room": over_belady_same_room,
     "lowbit_uses": lambda m: m.get("count_expert_expert_lowbit", 0.0),
 }
 DEFAULT_METRICS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p99_ms", "slo_attainment", "read_bytes", "stall_s")
