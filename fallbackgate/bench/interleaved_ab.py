@@ -189,14 +189,16 @@ def _run_all(args: argparse.Namespace, base: RegimeConfig, variants: list[Varian
             plan = [(s, w, n) for i, s in enumerate(base.seeds) for w in base.workloads for n in run_order(names, i)]
             for seed, workload, name in tqdm.tqdm(plan, desc="runs", unit="run"):
                 try:
-                    rows.append(run_one(base, by_name[name], workload, seed, ledger))
+                    row = run_one(base, by_name[name], workload, seed, ledger)
                 except Exception as exc:  # noqa: BLE001 -- a run's fault stays with that run
                     failed.append({"seed": seed, "workload": workload, "variant": name, "error": repr(exc)})
                     print(f"interleaved_ab: run {name} {workload} seed {seed} failed: {exc!r}", file=sys.stderr)
-                unknown = sorted(set(metrics) - set(rows[0]["metrics"])) if rows else []
-                if unknown:  # found at the first run that did not fail
-                    raise ValueError(f"--metrics: the runs record no {', '.join(unknown)} (they record: "
-                                     f"{', '.join(sorted(rows[0]['metrics']))})")  # fmt: skip
+                else:
+                    rows.append(row)
+                    unknown = sorted(set(metrics) - set(row["metrics"])) if len(rows) == 1 else []
+                    if unknown:  # checked once, on the first run that did not fail
+                        raise ValueError(f"--metrics: the runs record no {', '.join(unknown)} (they record: "
+                                         f"{', '.join(sorted(row['metrics']))})")  # fmt: skip
                 _write(args, variants, rows, failed, names, metrics, error, is_complete=False)
         except (EngineError, ValueError) as exc:  # bad input found once runs began: the runs so far are kept
             error = str(exc)
