@@ -164,6 +164,16 @@ def test_a_split_chosen_on_an_slo_tie_does_not_decide_the_stricter_mixed_verdict
     assert no_joint["mixed@0.5"]["verdict_per_metric_best"] == "no data"
 
 
+def test_a_joint_only_sweep_decides_no_goal() -> None:
+    """Without static splits or two LRUs (``sweep --controllers joint``) every verdict is "no data", none is
+    "undecided"."""
+    points = [_point(kind, seed, "joint", None, 0.4, 70.0) for kind in ("mixed", "short-chat") for seed in range(3)]
+    verdicts = summarise(points, 2)["verdicts"]
+    assert verdicts["within_static"]["short-chat@0.5"]["verdict"] == "no data"
+    assert verdicts["vs_independent"]["short-chat@0.5"]["verdict"] == "no data"
+    assert verdicts["mixed_vs_static"]["mixed@0.5"]["verdict"] == "no data"
+
+
 @pytest.mark.slow
 def test_tiny_regime_sweep_writes_points_traces_and_pngs(checkpoint_factory, tmp_path: pathlib.Path) -> None:
     model = checkpoint_factory("qwen3_moe")

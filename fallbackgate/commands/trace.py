@@ -3,8 +3,9 @@ each trace (co-burst, marginal value, flips, dual-miss crossover, prediction, de
 the numbers to the ledger's ``trace_analyses`` table (the dashboard's Traces page reads them).
 
 ``fallbackgate trace simulate TRACE --out FILE.json [--controllers A,B] [--budget-gib X,Y] [--expert-fractions F,G]
-[--devices all|measured,...] [--jobs N]``: the project's controllers over the trace without the model, every
-configuration of the grid in parallel processes; one JSON object per configuration (hits, misses and bytes
+[--devices all|measured,...] [--compress E:KV,...] [--jobs N]``: the project's controllers over the trace without
+the model, every configuration of the grid in parallel processes (``--compress``: what-if experts and KV blocks at
+those fractions of their recorded bytes); one JSON object per configuration (hits, misses and bytes
 by tag, stall, P99 TPOT, SLO attainment). ``--io real DIR [--io-depth N] [--no-pace]`` performs each
 configuration's transfers against a scratch file in DIR instead (one configuration after another);
 ``--progress`` draws a bar.
@@ -71,6 +72,9 @@ def add_parser(subparsers: Any) -> None:
         "--expert-fractions", type=_floats, default=(), help="static split's expert shares (default: policy)"
     )
     m.add_argument("--devices", type=_names, default=("all",), help="device models by name prefix (default: all)")
+    m.add_argument("--compress", type=_scales, default=((1.0, 1.0),), metavar="E:KV,...",
+                   help="what-if compression: experts and KV blocks at these fractions of their recorded bytes, "
+                        "e.g. 1:1,0.5:1,0.5:0.5 (default 1:1)")  # fmt: skip
     m.add_argument("--jobs", type=int, default=None, help="processes (default: the CPUs)")
     _add_io_flags(m)
     m.add_argument("--progress", action="store_true", help="a progress bar on stderr")
@@ -139,6 +143,16 @@ def _floats(text: str) -> tuple[float, ...]:
     if not values or any(not v > 0 for v in values):
         raise argparse.ArgumentTypeError(f"numbers must be > 0, got {text!r}")
     return values
+
+
+def _scales(text: str) -> tuple[tuple[float, float], ...]:
+    try:
+        pairs = tuple((float(e), float(k)) for e, k in (x.split(":") for x in text.split(",") if x.strip()))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated EXPERTS:KV fractions, got {text!r}") from None
+    if not pairs or any(not (0 < v <= 1) for pair in pairs for v in pair):
+        raise argparse.ArgumentTypeError(f"fractions must be in (0, 1], got {text!r}")
+    return pairs
 
 
 def analyze_paths(paths: list[str], out_dir: pathlib.Path, command: str) -> list[TraceAnalysis] | None:
@@ -229,7 +243,8 @@ def simulation_configs(args: argparse.Namespace, trace: Trace) -> list[Simulatio
         fractions = args.expert_fractions if kind == "static_split" and args.expert_fractions else (None,)
         for size in sizes:
             for device in devices:
-                configs += [SimulationConfig(kind, size, device, f) for f in fractions]
+                configs += [SimulationConfig(kind, size, device, f, e, k) for f in fractions
+                            for e, k in args.compress]  # fmt: skip
     return configs
 
 
@@ -239,7 +254,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         check_output_path(args.out, "--out")
         trace = read_trace(args.trace)
         configs = simulation_configs(args, trace)
-        real_io(args)
+        if real_io(args) is not None and args.compress != ((1.0, 1.0),):
+            raise ValueError("--compress is priced on device models; --io real performs the recorded sizes")
     except (ValueError, TraceFormatError) as exc:
         print(f"fallbackgate trace simulate: error: {exc}", file=sys.stderr)
         return 2
@@ -253,6 +269,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     pathlib.Path(args.out).write_text(json.dumps(results, indent=1))
     for r in results:
         head = f"{r['controller']:16s} {r['budget_gib']:7.3f} GiB {r['device']:24s} f={r['expert_fraction']}"
+        if (r["expert_bytes_scale"], r["kv_bytes_scale"]) != (1.0, 1.0):
+            head += f" compress {r['expert_bytes_scale']:g}:{r['kv_bytes_scale']:g}"
         tail = (
             r.get("error")
             or f"stall {r['stall_s']:.3f} s  p99 TPOT {r['p99_tpot_ms']:.2f} ms  SLO {r['slo_attainment']:.2f}"

@@ -35,6 +35,9 @@ GOAL_MIXED = 0.20  # joint beats the best static split on mixed by this much
 GOAL_WITHIN = 0.05  # joint within this of each homogeneous workload's best static split
 
 
+NO_DATA = "no data"  # a verdict without a comparison to decide it
+
+
 def interval(values: Sequence[float]) -> dict[str, float]:
     """Mean and Student-t 95 % interval (half-width 0 for one value)."""
     values = [float(v) for v in values if math.isfinite(v)]
@@ -160,7 +163,7 @@ def _best(gains: dict[str, Any], partner: str) -> dict[str, float]:
 def decide(iv: dict[str, Any], goal: float) -> str:
     """``met`` when the whole interval clears ``goal``, ``not met`` when it lies below, else ``undecided``."""
     if not math.isfinite(iv["mean"]):
-        return "no data"
+        return NO_DATA
     if iv["lo"] >= goal:
         return "met"
     return "not met" if iv["hi"] < goal else "undecided"
@@ -231,7 +234,7 @@ def summarise(points: list[dict[str, Any]], held_out_seed: int) -> dict[str, Any
             states = [decide(x, -GOAL_WITHIN) for x in per]
             verdict = (
                 "not met" if "not met" in states else ("met" if states and set(states) == {"met"} else "undecided")
-            )
+            ) if states else NO_DATA
             verdicts["within_static"][key] = {"slo": per[0] if per else None, "tpot_p99": per[-1] if per else None,
                                               "verdict": verdict}  # fmt: skip
     return {"held_out_seed": held_out_seed, "comparisons": comparisons, "verdicts": verdicts,

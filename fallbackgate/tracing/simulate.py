@@ -14,7 +14,10 @@ until the layer's experts run: its room is made with nothing but the step's KV p
 for it. Simplified against the engine (stated in the results): experts' homes are the host; a lowbit or
 dequant read moves bits/16 of the full bytes; recompute and cpu_execute are counted, not timed; step-end
 expert loads are prefetches (link bytes, no stall); the engine's other scratch (staged KV, low-bit copies,
-write-behind buffers) is not modelled.
+write-behind buffers) is not modelled. A compression what-if (``SimulationConfig.expert_bytes_scale``,
+``kv_bytes_scale``) shrinks every expert or KV block to that fraction of its recorded bytes, in room and on the
+link; compute, routing and the requests' accesses stay the recorded ones, and a low-bit copy stays half the
+stored bytes.
 """
 
 from __future__ import annotations
@@ -221,3 +224,7 @@ class SimulationConfig:
     budget_bytes: int  # device budget shared by experts and KV
     device: DeviceModel  # what misses cost
     expert_fraction: float | None = None  # static split's expert share (None: the policy's)
+    # what-if model-side compression: each object moves and occupies this fraction of its recorded bytes
+    # (0.5: int8 of a bf16 model's experts or KV); the trace's compute and accesses stay as recorded
+    expert_bytes_scale: float = 1.0
+    kv_bytes_scale: float = 1.0

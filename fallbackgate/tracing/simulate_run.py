@@ -50,6 +50,7 @@ def _run_group(configs: list[SimulationConfig]) -> list[dict[str, Any]]:
         except Exception as exc:  # a controller failing on one configuration stays that configuration's result
             results.append({"controller": config.controller, "budget_gib": config.budget_bytes / GIB,
                             "device": config.device.name, "expert_fraction": config.expert_fraction,
+                            "expert_bytes_scale": config.expert_bytes_scale, "kv_bytes_scale": config.kv_bytes_scale,
                             "error": f"{type(exc).__name__}: {exc}"})  # fmt: skip
     return results
 
@@ -65,7 +66,8 @@ def _device_groups(configs: list[SimulationConfig]) -> list[list[int]]:
     """Indices of the configurations that differ only in their device model, in order of first appearance."""
     groups: dict[tuple, list[int]] = {}
     for index, c in enumerate(configs):
-        groups.setdefault((c.controller, c.budget_bytes, c.expert_fraction), []).append(index)
+        key = (c.controller, c.budget_bytes, c.expert_fraction, c.expert_bytes_scale, c.kv_bytes_scale)
+        groups.setdefault(key, []).append(index)
     return list(groups.values())
 
 

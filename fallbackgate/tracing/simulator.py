@@ -48,9 +48,14 @@ class Simulator:
     def __init__(self, data: SimulationInput, config: SimulationConfig):
         m = data.model
         self.data, self.config = data, config
+        if not (0 < config.expert_bytes_scale <= 1 and 0 < config.kv_bytes_scale <= 1):
+            raise ValueError(f"bytes scales must be in (0, 1]: experts {config.expert_bytes_scale}, KV "
+                             f"{config.kv_bytes_scale}")  # fmt: skip
         self.view = SimulatedView(config.device, config.budget_bytes, m["num_layers"], m["num_experts"],
-                                  m["bytes_per_expert"], m["bytes_per_kv_block"], m.get("block_size", 16),
-                                  data.classes)  # fmt: skip
+                                  max(1, round(m["bytes_per_expert"] * config.expert_bytes_scale)),
+                                  max(1, round(m["bytes_per_kv_block"] * config.kv_bytes_scale)),
+                                  m.get("block_size", 16), data.classes)  # fmt: skip
+        self.view.num_expert_params = m["bytes_per_expert"] // 2  # the recorded bf16 experts' parameters
         self.view.num_expert_layers = int(m.get("num_moe_layers") or m["num_layers"])
         self.controller: Controller = make_controller(
             config.controller, top_k=m.get("top_k", 1), expert_fraction=config.expert_fraction
@@ -273,14 +278,17 @@ class Simulator:
         timeline = self.data.timeline
         outcome = timeline.outcome(timeline.compute_ns + stall_ns)
         outcome["stall_s"] = float(np.sum(stall_ns) / 1e9)
+        before = timeline.before_ns if timeline.before_ns is not None else 0.0
+        run_s = float(np.sum(timeline.compute_ns + stall_ns + before) / 1e9)  # every step, end to end
         with_slo = int(np.sum(~np.isnan(timeline.request_slo_ns)))
         t = self.tally
         return {
             "controller": self.config.controller, "budget_gib": self.config.budget_bytes / GIB,
             "expert_fraction": self.config.expert_fraction, "device": self.config.device.name,
+            "expert_bytes_scale": self.config.expert_bytes_scale, "kv_bytes_scale": self.config.kv_bytes_scale,
             "expert_hits": t.hits["expert"], "kv_hits": t.hits["kv"], "misses_by_tag": dict(t.tags),
             "bytes_by_tag": dict(t.bytes_by_tag), "spill_bytes": t.spill_bytes, "prefetch_bytes": t.prefetch_bytes,
-            "num_invalid_decisions": t.num_invalid, "stall_s": outcome["stall_s"],
+            "num_invalid_decisions": t.num_invalid, "stall_s": outcome["stall_s"], "run_s": run_s,
             "p99_tpot_ms": outcome["p99_tpot_ms"], "mean_tpot_ms": outcome["mean_tpot_ms"],
             "slo_attainment": 1 - outcome["slo_violations"] / with_slo if with_slo else float("nan"),
         }  # fmt: skip
