@@ -15,6 +15,7 @@ from fallbackgate.dashboard import sweep_data
 from fallbackgate.sweep.belady import belady_misses
 from fallbackgate.sweep.bounds import StepTrace, belady_by_kind, belady_expert_at_room, foo_lower_bound, step_trace
 from fallbackgate.sweep.measures import quantile, trace_measures
+from fallbackgate.sweep.regime import INDEPENDENT, JOINT, STATIC, RegimeConfig, grid
 from fallbackgate.sweep.summary import compare, gain, interval, summarise, with_budget_fields
 
 E, K = 100, 10  # bytes of an expert and of a KV block in the hand traces
@@ -185,8 +186,9 @@ def test_tiny_regime_sweep_writes_points_traces_and_pngs(checkpoint_factory, tmp
     assert main(argv) == 0
     doc = json.loads((out / "sweep.json").read_text())
     assert [(p["seed"], p["controller"]) for p in doc["points"]] == [
-        (s, c) for s in (0, 1) for c in ("static_split", "independent_lru", "joint")
-    ]
+        (0, "static_split"), (0, "independent_lru"), (0, "joint"),
+        (1, "independent_lru"), (1, "joint"), (1, "static_split"),  # seed 1: the order rotated by one
+    ]  # fmt: skip
     for p in doc["points"]:
         m = p["metrics"]
         assert m["num_audited"] == 2 and m["gate_passed"] == 1.0 and p["is_held_out"] == (p["seed"] == 1)
@@ -229,3 +231,14 @@ def test_kv_prediction_scores_a_trace_whose_kv_never_missed() -> None:
                        "tier_before": ["device"] * 4})  # fmt: skip
     found, covered = kv_predictions(kv)  # the sweep's real runs: KV stayed in RAM
     assert found.tolist() == [True, False, True] and not covered.any()
+
+
+def test_each_seed_runs_the_controllers_in_an_order_rotated_by_the_seed() -> None:
+    """Seed 0 runs the static splits first, seed 1 two LRUs, seed 2 joint; every seed runs the same cells."""
+    cfg = RegimeConfig(model_dir="unused", kv_shares=(0.1, 0.3), ram_fracs=(0.25, 0.5))
+    orders = {seed: [(c["ram_frac"], c["controller"], c["kv_share"]) for c in grid(cfg, "mixed", seed, 1000)]
+              for seed in (0, 1, 2, 3)}  # fmt: skip
+    assert orders[0][:4] == [(0.25, STATIC, 0.1), (0.25, STATIC, 0.3), (0.25, INDEPENDENT, None), (0.25, JOINT, None)]
+    assert [o[0][1] for o in orders.values()] == [STATIC, INDEPENDENT, JOINT, STATIC]
+    assert orders[2][:4] == [(0.25, JOINT, None), (0.25, STATIC, 0.1), (0.25, STATIC, 0.3), (0.25, INDEPENDENT, None)]
+    assert all(sorted(o) == sorted(orders[0]) for o in orders.values()) and orders[3] == orders[0]

@@ -5,11 +5,11 @@ same requests everywhere) and seed, every controller serves the same requests at
 by ``time_scale``) under a binding RAM budget: a fraction of the workload's demand (all routed experts plus
 the KV every request would hold at its full length). ``static_split`` runs at each KV share (its expert
 share is 1 − KV share); ``independent_lru`` (the probe's two simple controllers: one LRU per kind, KV
-evicting KV first) and ``joint`` run once per budget. Experts are read from the checkpoint on disk, KV spills
-to disk. Every run is a ledger run, audited against the exact baseline and gated, and writes a trace (format
-v1) from which miss rates, stalls, I/O bytes by tier and the offline bounds come
-(:mod:`fallbackgate.sweep.bounds`). SLO targets are set per kind from one all-in-RAM run on the first seed
-(``slo_scale`` × its p50 TTFT and TPOT), never from the held-out seed.
+evicting KV first) and ``joint`` run once per budget, in an order rotated by the seed (:func:`grid`).
+Experts are read from the checkpoint on disk, KV spills to disk. Every run is a ledger run, audited against
+the exact baseline and gated, and writes a trace (format v1) from which miss rates, stalls, I/O bytes by tier
+and the offline bounds come (:mod:`fallbackgate.sweep.bounds`). SLO targets are set per kind from one
+all-in-RAM run on the first seed (``slo_scale`` × its p50 TTFT and TPOT), never from the held-out seed.
 """
 
 from __future__ import annotations
@@ -243,12 +243,16 @@ def _bounds(steps: bounds.StepTrace, ram: int, cell: dict[str, Any], m: dict[str
 
 
 def grid(cfg: RegimeConfig, kind: str, seed: int, demand: int) -> list[dict[str, Any]]:
-    """The cells of one workload and seed."""
+    """The cells of one workload and seed, per RAM budget the controllers in an order rotated by the seed
+    (``seed mod`` their number: seed 0 the first controller first, seed 1 the second, ...), so that none runs
+    first or last in every seed (a static split's KV shares stay together)."""
+    shift = seed % len(cfg.controllers) if cfg.controllers else 0
+    controllers = cfg.controllers[shift:] + cfg.controllers[:shift]
     cells = []
     for frac in cfg.ram_fracs:
         base = {"workload": kind, "seed": seed, "is_held_out": seed == cfg.held_out_seed, "ram_frac": frac,
                 "ram_bytes": int(frac * demand), "demand_bytes": demand}  # fmt: skip
-        for controller in cfg.controllers:
+        for controller in controllers:
             shares = cfg.kv_shares if controller == STATIC else (None,)
             cells += [{**base, "controller": controller, "kv_share": share} for share in shares]
     return cells
