@@ -12,16 +12,24 @@ from fallbackgate.bench.compression_value import (
     BASE,
     SAME_BYTES,
     SAME_PRESSURE,
+    VARIANTS,
     budget_bytes,
+    plan,
     plot_savings,
     report_lines,
+    simulate_cell,
     summarize,
 )
+from fallbackgate.bench.devices_flip import controllers
 from fallbackgate.cli import main
 from fallbackgate.tracing.devices import DeviceModel
+from fallbackgate.tracing.reader import read_trace
+from fallbackgate.tracing.realio import RealIO, run_real
 from fallbackgate.tracing.simulate import SimulationConfig
+from fallbackgate.tracing.simulate_input import load_input
 from fallbackgate.tracing.simulate_run import simulate_many
 from fallbackgate.tracing.synthetic import Planted, write_planted_trace
+from fallbackgate.tracing.validate import recorded_budget
 
 DEVICE = DeviceModel("flat", 100_000, 2e9)
 
@@ -63,7 +71,9 @@ def test_compressed_objects_occupy_and_move_their_scaled_bytes(planted: tuple) -
     assert "bytes scales must be in (0, 1]" in bad["error"]
 
 
-def test_cli_compress_adds_variants_and_refuses_bad_fractions(planted: tuple, tmp_path: Path) -> None:
+def test_cli_compress_adds_variants_and_refuses_bad_fractions(
+    planted: tuple, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     _, path = planted
     out = tmp_path / "sim.json"
     args = ["trace", "simulate", path, "--out", str(out), "--controllers", "exact_lru", "--devices", "nvme"]
@@ -74,7 +84,34 @@ def test_cli_compress_adds_variants_and_refuses_bad_fractions(planted: tuple, tm
         main([*args, "--compress", "2:1"])
     with pytest.raises(SystemExit):
         main([*args, "--compress", "half"])
+    capsys.readouterr()
     assert main([*args, "--compress", "0.5:1", "--io", "real", str(tmp_path)]) == 2
+    assert "--io real performs the recorded sizes" in capsys.readouterr().err
+
+
+def test_real_io_refuses_a_compression_what_if(planted: tuple, tmp_path: Path) -> None:
+    _, path = planted
+    with pytest.raises(ValueError, match="recorded sizes"):
+        run_real(load_input(path), SimulationConfig("exact_lru", 1 << 30, DEVICE, None, 0.5, 1.0), path,
+                 RealIO(str(tmp_path), 1, False))  # fmt: skip
+
+
+def test_plan_simulates_the_recorded_model_once_and_copies_it_to_both_budgets(planted: tuple) -> None:
+    p, path = planted
+    trace = read_trace(path)
+    recorded = int(recorded_budget(trace))
+    point = {"trace": path, "demand_bytes": 4 * recorded, "kv_demand_bytes": recorded}  # 3/4 experts, 1/4 KV
+    configs = plan(point, trace)
+    per_device = len(controllers()) * (1 + 2 * (len(VARIANTS) - 1))
+    assert len(configs) == 2 * per_device  # the trace's own waits and the NVMe what-if
+    assert {r for r, v, *_ in configs if v == BASE} == {SAME_BYTES}
+    budgets = {(r, v): c.budget_bytes for r, v, _, c in configs}
+    assert budgets[(SAME_PRESSURE, "experts x1/2")] == int(recorded * (0.5 * 3 + 1) / 4)
+    assert budgets[(SAME_BYTES, "experts x1/2")] == recorded
+    cell = simulate_cell(point, jobs=1)
+    for regimes in cell.values():
+        assert regimes[SAME_PRESSURE][BASE] == regimes[SAME_BYTES][BASE]
+        assert set(regimes[SAME_PRESSURE]) == set(VARIANTS) == set(regimes[SAME_BYTES])
 
 
 def _cell(seed: int, variants: dict[str, tuple[float, float, float]]) -> dict:
@@ -89,21 +126,21 @@ def _cell(seed: int, variants: dict[str, tuple[float, float, float]]) -> dict:
 
 
 def test_savings_and_their_change_against_the_uncompressed_model(tmp_path: Path) -> None:
-    cells = [_cell(0, {BASE: (1.0, 2.0, 4.0), "experts int8": (1.0, 1.0, 2.0)}),
-             _cell(1, {BASE: (2.0, 4.0, 4.0), "experts int8": (1.0, 4.0, 2.0)})]  # fmt: skip
+    cells = [_cell(0, {BASE: (1.0, 2.0, 4.0), "experts x1/2": (1.0, 1.0, 2.0)}),
+             _cell(1, {BASE: (2.0, 4.0, 4.0), "experts x1/2": (1.0, 4.0, 2.0)})]  # fmt: skip
     summary = summarize(cells)
     base = summary["waits"][SAME_BYTES][BASE]["mixed@0.25"]
-    int8 = summary["waits"][SAME_BYTES]["experts int8"]["mixed@0.25"]
+    half = summary["waits"][SAME_BYTES]["experts x1/2"]["mixed@0.25"]
     assert base["saving_vs_best static"]["mean"] == pytest.approx(0.5)
-    assert int8["saving_vs_best static"]["mean"] == pytest.approx((0.0 + 0.75) / 2)
-    assert int8["saving_change_vs_best static"]["mean"] == pytest.approx(((0.0 - 0.5) + (0.75 - 0.5)) / 2)
+    assert half["saving_vs_best static"]["mean"] == pytest.approx((0.0 + 0.75) / 2)
+    assert half["saving_change_vs_best static"]["mean"] == pytest.approx(((0.0 - 0.5) + (0.75 - 0.5)) / 2)
     # of the partner's whole run: its stall plus the 10 s every run spends unstalled
     assert base["run_saving_vs_best static"]["mean"] == pytest.approx((1 / 12 + 2 / 14) / 2)
-    assert int8["run_saving_change_vs_best static"]["mean"] == pytest.approx(((0 - 1 / 12) + (3 / 14 - 2 / 14)) / 2)
-    assert int8["run_saving_vs_two LRUs"]["mean"] == pytest.approx((1 / 12 + 1 / 12) / 2)
-    assert int8["stall_s"] == {"joint": 1.0, "best static": 2.5, "two LRUs": 2.0, "unstalled_s": 10.0}
-    assert int8["stall_share_of_run"] == pytest.approx(1 / 11)
+    assert half["run_saving_change_vs_best static"]["mean"] == pytest.approx(((0 - 1 / 12) + (3 / 14 - 2 / 14)) / 2)
+    assert half["run_saving_vs_two LRUs"]["mean"] == pytest.approx((1 / 12 + 1 / 12) / 2)
+    assert half["stall_s"] == {"joint": 1.0, "best static": 2.5, "two LRUs": 2.0} and half["unstalled_s"] == 10.0
+    assert half["stall_share_of_run"] == pytest.approx(1 / 11)
     assert "saving_change_vs_best static" not in base
-    assert any("experts int8" in line and "mixed@0.25" in line for line in report_lines(summary))
+    assert any("experts x1/2" in line and "mixed@0.25" in line for line in report_lines(summary))
     plot_savings(summary, str(tmp_path / "fig.png"))
     assert (tmp_path / "fig.png").stat().st_size > 10_000

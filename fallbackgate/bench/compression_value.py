@@ -3,8 +3,9 @@
 Does model-side compression shrink or grow the value of joint management? (PROBE.md, "also raised".) Over the
 joint traces a sweep kept (``fallbackgate sweep --controllers joint --keep-trace all``: its sweep.json's points
 name them), the trace simulator runs joint, two independent LRUs and the static split at KV 0.1 / 0.3 / 0.5 with
-the model's experts and / or KV blocks stored smaller (``SimulationConfig.expert_bytes_scale`` / ``kv_bytes_scale``:
-0.5 is int8 of bf16, 0.25 int4), under two budgets:
+the model's experts and / or KV blocks stored smaller (``SimulationConfig.expert_bytes_scale`` / ``kv_bytes_scale``,
+fractions of the recorded bytes: the bundled model is recorded in fp32, so 1/2 is bf16 and 1/4 int8 of it; of
+a bf16 model they would be int8 and int4), under two budgets:
 
 - *same bytes*: the run's own RAM budget, so compression frees memory;
 - *same pressure*: the budget scaled with the compressed demand (all routed experts plus the KV every request
@@ -13,17 +14,19 @@ the model's experts and / or KV blocks stored smaller (``SimulationConfig.expert
   kind that was not compressed.
 
 Per device, budget, variant and cell (``workload@ram``): each controller's mean simulated stall, joint's stall
-saving over the best static split of each seed and over two LRUs — relative (1 − joint / partner) and absolute
-(seconds per run) — and, paired seed by seed, how each moved against the uncompressed model (Student-t 95 %
-over the seeds). Devices: the waits the trace recorded (this machine, as validated) and the NVMe what-if.
-Trace-driven, compute as recorded: what compression does to compute (dequantisation) and to routing is not in
-it. JSON out; ``--png`` draws joint's relative saving over the best static split per variant.
+saving over the best static split of each seed and over two LRUs — of the partner's stall (1 − joint / partner)
+and of the partner's whole simulated run (its steps end to end: compute, the host time before each step, waits
+for arrivals included, and stall) — and, paired seed by seed, how each moved against the model as recorded
+(Student-t 95 % over the seeds). Devices: the waits the trace recorded (this machine, as validated) and the
+NVMe what-if. Trace-driven, compute as recorded: what compression does to compute (dequantisation) and to
+routing is not in it. JSON out; ``--png`` draws joint's relative saving over the best static split per variant.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import sys
 from typing import Any
@@ -35,15 +38,15 @@ from fallbackgate.bench.devices_flip import PARTNERS, controllers
 from fallbackgate.sweep.regime import JOINT
 from fallbackgate.sweep.summary import interval, percent_interval
 from fallbackgate.tracing.devices import NVME_PCIE4, fit_waits
-from fallbackgate.tracing.reader import read_trace
+from fallbackgate.tracing.reader import Trace, read_trace
 from fallbackgate.tracing.simulate import SimulationConfig
 from fallbackgate.tracing.simulate_run import simulate_many
 from fallbackgate.tracing.validate import recorded_budget
 
-BASE = "bf16"
+BASE = "as recorded"
 VARIANTS: dict[str, tuple[float, float]] = {  # name -> (expert bytes scale, KV bytes scale)
-    BASE: (1.0, 1.0), "experts int8": (0.5, 1.0), "experts int4": (0.25, 1.0), "KV int8": (1.0, 0.5),
-    "both int8": (0.5, 0.5),
+    BASE: (1.0, 1.0), "experts x1/2": (0.5, 1.0), "experts x1/4": (0.25, 1.0), "KV x1/2": (1.0, 0.5),
+    "both x1/2": (0.5, 0.5),
 }  # fmt: skip
 SAME_BYTES, SAME_PRESSURE = "same bytes", "same pressure"
 
@@ -57,10 +60,10 @@ def budget_bytes(point: dict[str, Any], recorded: int, scales: tuple[float, floa
     return int(recorded * (scales[0] * experts + scales[1] * kv) / (experts + kv))
 
 
-def plan(point: dict[str, Any], recorded: int) -> list[tuple[str, str, str, SimulationConfig]]:
+def plan(point: dict[str, Any], trace: Trace) -> list[tuple[str, str, str, SimulationConfig]]:
     """(regime, variant, controller label, configuration) of one trace: every variant under both budgets (the
-    uncompressed model once, under both names), every controller, on both devices."""
-    trace = read_trace(point["trace"])
+    model as recorded once: its budget is the same under both), every controller, on both devices."""
+    recorded = int(recorded_budget(trace))
     devices = [d for d in (fit_waits(trace), NVME_PCIE4) if d is not None]
     out = []
     for name, scales in VARIANTS.items():
@@ -75,7 +78,7 @@ def plan(point: dict[str, Any], recorded: int) -> list[tuple[str, str, str, Simu
 def simulate_cell(point: dict[str, Any], jobs: int) -> dict[str, Any]:
     """Per device, regime and variant, per controller label: simulated stall (s) and P99 TPOT (ms)."""
     path = point["trace"]
-    configs = plan(point, int(recorded_budget(read_trace(path))))
+    configs = plan(point, read_trace(path))
     results = simulate_many(path, [c for *_, c in configs], jobs=jobs)
     out: dict[str, Any] = {}
     for (regime, name, label, config), result in zip(configs, results, strict=True):
@@ -99,8 +102,10 @@ def seed_row(by_label: dict[str, dict[str, float]]) -> dict[str, float]:
 
 
 def _relative(row: dict[str, float], partner: str) -> float:
-    """Joint's stall saving as a fraction of the partner's stall."""
-    return 1 - row["joint"] / row[partner] if row[partner] > 0 else 0.0
+    """Joint's stall saving as a fraction of the partner's stall (NaN, left out, where only joint stalls)."""
+    if row[partner] > 0:
+        return 1 - row["joint"] / row[partner]
+    return 0.0 if row["joint"] == 0 else math.nan
 
 
 def _of_run(row: dict[str, float], partner: str) -> float:
@@ -128,8 +133,9 @@ def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
     for (device, regime, variant, name), by_seed in sorted(seeds.items(), key=lambda item: _order(item[0])):
         base = seeds[(device, regime, BASE, name)]
         rows = [by_seed[s] for s in sorted(by_seed)]
-        entry: dict[str, Any] = {"n": len(rows), "stall_s": {k: sum(r[k] for r in rows) / len(rows)
-                                                             for k in ("joint", *PARTNERS, "unstalled_s")}}  # fmt: skip
+        stall = {k: sum(r[k] for r in rows) / len(rows) for k in ("joint", *PARTNERS)}
+        entry: dict[str, Any] = {"n": len(rows), "stall_s": stall,
+                                 "unstalled_s": sum(r["unstalled_s"] for r in rows) / len(rows)}  # fmt: skip
         entry["stall_share_of_run"] = sum(r["joint"] / (r["joint"] + r["unstalled_s"]) for r in rows) / len(rows)
         paired = sorted(set(by_seed) & set(base))
         for partner in PARTNERS:
@@ -149,7 +155,7 @@ def report_lines(summary: dict[str, Any]) -> list[str]:
         for regime, variants in regimes.items():
             lines.append(f"{device}, {regime}: stall per run (s) joint / best static / two LRUs, joint's stall "
                          "share of its run; joint's saving over the best static split, of its stall and of its "
-                         "whole run (each one's change against bf16, points)")  # fmt: skip
+                         "whole run (each one's change against the model as recorded, points)")  # fmt: skip
             for variant, cells in variants.items():
                 for name, e in cells.items():
                     s = e["stall_s"]

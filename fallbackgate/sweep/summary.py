@@ -231,9 +231,9 @@ def summarise(points: list[dict[str, Any]], held_out_seed: int) -> dict[str, Any
         if workload != "mixed":
             per = [g.get("oracle_static", {}).get(m, {}).get("all") for m in VERDICT_METRICS]
             per = [x for x in per if x]
-            states = [decide(x, -GOAL_WITHIN) for x in per]
+            states = [state for state in (decide(x, -GOAL_WITHIN) for x in per) if state != NO_DATA]
             verdict = (
-                "not met" if "not met" in states else ("met" if states and set(states) == {"met"} else "undecided")
+                "not met" if "not met" in states else ("met" if set(states) == {"met"} else "undecided")
             ) if states else NO_DATA
             verdicts["within_static"][key] = {"slo": per[0] if per else None, "tpot_p99": per[-1] if per else None,
                                               "verdict": verdict}  # fmt: skip

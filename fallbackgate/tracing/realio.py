@@ -114,7 +114,10 @@ def _demand_stall(io: IOScheduler, path: str, layout: ScratchLayout, reads: list
 
 
 def run_real(data: SimulationInput, config: SimulationConfig, trace_path: str, real: RealIO) -> dict[str, Any]:
-    """One configuration with its transfers performed against a scratch file in ``real.directory``."""
+    """One configuration with its transfers performed against a scratch file in ``real.directory`` (the recorded
+    object sizes: a compression what-if is refused with ValueError)."""
+    if (config.expert_bytes_scale, config.kv_bytes_scale) != (1.0, 1.0):
+        raise ValueError("a compression what-if is priced on device models; --io real performs the recorded sizes")
     simulator = Simulator(data, config)
     simulator.decide(is_recording=True)
     ops = simulator.ops or []

@@ -55,7 +55,7 @@ class Simulator:
                                   max(1, round(m["bytes_per_expert"] * config.expert_bytes_scale)),
                                   max(1, round(m["bytes_per_kv_block"] * config.kv_bytes_scale)),
                                   m.get("block_size", 16), data.classes)  # fmt: skip
-        self.view.num_expert_params = m["bytes_per_expert"] // 2  # the recorded bf16 experts' parameters
+        self.view.num_expert_params = m["bytes_per_expert"] // 2  # as without a what-if: compression keeps them
         self.view.num_expert_layers = int(m.get("num_moe_layers") or m["num_layers"])
         self.controller: Controller = make_controller(
             config.controller, top_k=m.get("top_k", 1), expert_fraction=config.expert_fraction

@@ -29,6 +29,14 @@ def label(point: dict) -> str:
     return point["controller"] + ("" if point["kv_share"] is None else f" KV {point['kv_share']:g}")
 
 
+def as_run(order: tuple[str, ...], seed: int) -> tuple[str, ...]:
+    """The controllers to configure so that the sweep, which rotates them by the seed since b67f409
+    (``regime.grid``), runs them in `order` (counter-rotated; the committed results ran at 0e52c6d, before the
+    rotation, where this is `order` itself for every seed)."""
+    shift = seed % len(order)
+    return order[len(order) - shift:] + order[:len(order) - shift]
+
+
 def gains(points: list[dict]) -> dict[str, dict[str, float]]:
     """Joint's gain over each partner as the sweep's summary computes it (positive: joint better)."""
     by = {label(p): p["metrics"] for p in points}
@@ -84,7 +92,7 @@ def main() -> None:
         for i, seed in enumerate(seeds):
             names = list(ORDERS) if i % 2 == 0 else list(reversed(ORDERS))
             for name in names:
-                cfg = dataclasses.replace(base, seeds=(seed,), controllers=ORDERS[name])
+                cfg = dataclasses.replace(base, seeds=(seed,), controllers=as_run(ORDERS[name], seed))
                 points = run_regime(cfg, ledger, log=lambda line: None)["points"]
                 rows.append({"seed": seed, "order": name, "first": names[0], "points": points, "gains": gains(points)})
                 print(seed, name, {k: {m: round(v, 3) for m, v in g.items()} for k, g in rows[-1]["gains"].items()},
