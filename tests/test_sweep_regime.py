@@ -242,3 +242,13 @@ def test_each_seed_runs_the_controllers_in_an_order_rotated_by_the_seed() -> Non
     assert [o[0][1] for o in orders.values()] == [STATIC, INDEPENDENT, JOINT, STATIC]
     assert orders[2][:4] == [(0.25, JOINT, None), (0.25, STATIC, 0.1), (0.25, STATIC, 0.3), (0.25, INDEPENDENT, None)]
     assert all(sorted(o) == sorted(orders[0]) for o in orders.values()) and orders[3] == orders[0]
+
+
+def test_a_metric_without_data_does_not_keep_the_within_verdict_undecided() -> None:
+    """SLO attainment not recorded (NaN) and P99 TPOT well within 5 % of every split: met, not undecided."""
+    points = []
+    for seed in range(4):
+        points += [_point("short-chat", seed, "static_split", share, float("nan"), 100.0) for share in (0.1, 0.3)]
+        points.append(_point("short-chat", seed, "joint", None, float("nan"), 70.0 + seed))
+    within = summarise(points, 2)["verdicts"]["within_static"]["short-chat@0.5"]
+    assert within["verdict"] == "met"
