@@ -34,7 +34,7 @@ from typing import Any
 import tqdm
 
 from fallbackgate.bench import write_results
-from fallbackgate.bench.devices_flip import PARTNERS, controllers
+from fallbackgate.bench.devices_flip import PARTNERS, controllers, seed_stalls
 from fallbackgate.sweep.regime import JOINT
 from fallbackgate.sweep.summary import interval, percent_interval
 from fallbackgate.tracing.devices import NVME_PCIE4, fit_waits
@@ -94,11 +94,10 @@ def simulate_cell(point: dict[str, Any], jobs: int) -> dict[str, Any]:
 
 
 def seed_row(by_label: dict[str, dict[str, float]]) -> dict[str, float]:
-    """One seed's stalls (joint, the best static split, two LRUs) and the run's time without stall."""
-    statics = [v["stall_s"] for k, v in by_label.items() if k.startswith("static")]
+    """One seed's stalls (:func:`~fallbackgate.bench.devices_flip.seed_stalls`) and joint's run time without
+    its stall."""
     joint = by_label["joint"]
-    return {"joint": joint["stall_s"], "best static": min(statics), "two LRUs": by_label["two LRUs"]["stall_s"],
-            "unstalled_s": joint["run_s"] - joint["stall_s"]}  # fmt: skip
+    return seed_stalls(by_label) | {"unstalled_s": joint["run_s"] - joint["stall_s"]}
 
 
 def _relative(row: dict[str, float], partner: str) -> float:
@@ -116,7 +115,7 @@ def _of_run(row: dict[str, float], partner: str) -> float:
 def _order(key: tuple[str, str, str, str]) -> tuple:
     """(device, regime, variant in VARIANTS' order, cell): the summary's order."""
     device, regime, variant, name = key
-    return device, regime, list(VARIANTS).index(variant) if variant in VARIANTS else len(VARIANTS), variant, name
+    return device, regime, list(VARIANTS).index(variant), name
 
 
 def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:

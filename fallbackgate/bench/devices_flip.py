@@ -59,15 +59,20 @@ def simulate_cell(path: str, jobs: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def seed_stalls(by_label: dict[str, dict[str, float]]) -> dict[str, float]:
+    """One seed's simulated stalls: joint, the best of its static splits, two LRUs."""
+    statics = [v["stall_s"] for k, v in by_label.items() if k.startswith("static")]
+    return {"joint": by_label["joint"]["stall_s"], "best static": min(statics),
+            "two LRUs": by_label["two LRUs"]["stall_s"]}  # fmt: skip
+
+
 def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
     """Per device, per workload@ram: mean stalls and joint's stall gains over the seeds."""
     out: dict[str, Any] = {}
     for cell in cells:
         for device, by_label in cell["devices"].items():
             row = out.setdefault(device, {}).setdefault(f"{cell['workload']}@{cell['ram_frac']:g}", {"seeds": []})
-            statics = [v["stall_s"] for k, v in by_label.items() if k.startswith("static")]
-            row["seeds"].append({"joint": by_label["joint"]["stall_s"], "best static": min(statics),
-                                 "two LRUs": by_label["two LRUs"]["stall_s"]})  # fmt: skip
+            row["seeds"].append(seed_stalls(by_label))
     for rows in out.values():
         for row in rows.values():
             seeds = row.pop("seeds")

@@ -42,7 +42,7 @@ from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_le
 from fallbackgate.tracing.analyze import TraceAnalysis, analyze_trace, store, trace_labels
 from fallbackgate.tracing.devices import simulation_devices
 from fallbackgate.tracing.reader import Trace, read_trace
-from fallbackgate.tracing.realio import RealIO, simulate_real
+from fallbackgate.tracing.realio import RealIO, check_recorded_sizes, simulate_real
 from fallbackgate.tracing.simulate import SimulationConfig
 from fallbackgate.tracing.simulate_run import simulate_many
 from fallbackgate.tracing.simulator import GIB
@@ -254,8 +254,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         check_output_path(args.out, "--out")
         trace = read_trace(args.trace)
         configs = simulation_configs(args, trace)
-        if real_io(args) is not None and args.compress != ((1.0, 1.0),):
-            raise ValueError("--compress is priced on device models; --io real performs the recorded sizes")
+        if real_io(args) is not None:  # refused before any configuration runs
+            for config in configs:
+                check_recorded_sizes(config)
     except (ValueError, TraceFormatError) as exc:
         print(f"fallbackgate trace simulate: error: {exc}", file=sys.stderr)
         return 2

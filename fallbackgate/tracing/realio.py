@@ -113,11 +113,16 @@ def _demand_stall(io: IOScheduler, path: str, layout: ScratchLayout, reads: list
     return stall
 
 
-def run_real(data: SimulationInput, config: SimulationConfig, trace_path: str, real: RealIO) -> dict[str, Any]:
-    """One configuration with its transfers performed against a scratch file in ``real.directory`` (the recorded
-    object sizes: a compression what-if is refused with ValueError)."""
+def check_recorded_sizes(config: SimulationConfig) -> None:
+    """ValueError for a compression what-if: real I/O performs the objects' recorded sizes."""
     if (config.expert_bytes_scale, config.kv_bytes_scale) != (1.0, 1.0):
         raise ValueError("a compression what-if is priced on device models; --io real performs the recorded sizes")
+
+
+def run_real(data: SimulationInput, config: SimulationConfig, trace_path: str, real: RealIO) -> dict[str, Any]:
+    """One configuration with its transfers performed against a scratch file in ``real.directory`` (the recorded
+    object sizes: a compression what-if is refused, :func:`check_recorded_sizes`)."""
+    check_recorded_sizes(config)
     simulator = Simulator(data, config)
     simulator.decide(is_recording=True)
     ops = simulator.ops or []
