@@ -29,7 +29,7 @@ from fallbackgate.sweep.anatomy import markdown_table as anatomy_table
 from fallbackgate.sweep.anatomy import sweep_anatomy, ttft_table
 from fallbackgate.sweep.belady import TraceRecorder
 from fallbackgate.sweep.grid import CellBuilder, SweepConfig
-from fallbackgate.sweep.inputs import earlier_references, read_class_budgets
+from fallbackgate.sweep.inputs import earlier_references, read_class_budgets, read_ram_basis
 from fallbackgate.sweep.plot import anatomy_bars, regime_heatmaps
 from fallbackgate.sweep.regime import INDEPENDENT, JOINT, STATIC, RegimeConfig, SweepInputError, run_regime
 from fallbackgate.sweep.summary import summarise, summary_lines, with_budget_fields
@@ -90,6 +90,10 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--ram-fracs", type=_fracs, default=d.ram_fracs, help="RAM budgets: fractions of experts + KV demand"
     )
+    p.add_argument("--ram-basis-from", type=pathlib.Path, default=None, metavar="SWEEP_JSON",
+                   help="fractions of that sweep's demand per workload and seed instead of this one's: the same RAM "
+                        "bytes, e.g. for a bf16 copy of its model (python -m fallbackgate.synth.cast)")  # fmt: skip
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="requests decoded together at most")
     p.add_argument("--kv-shares", type=_fracs, default=d.kv_shares, help="static_split's KV shares of the RAM budget")
     p.add_argument("--controllers", type=_names((STATIC, INDEPENDENT, JOINT)), default=d.controllers)
     p.add_argument("--slo-scale", type=float, default=d.slo_scale, help="SLO = this × the all-in-RAM p50 (strict)")
@@ -125,8 +129,8 @@ def add_parser(subparsers: Any) -> None:
 
 def config_from_args(args: argparse.Namespace) -> RegimeConfig:
     """The sweep the flags describe (ValueError on bad input)."""
-    if args.num_requests < 1 or args.mixed_requests < 1 or args.max_new_tokens < 1:
-        raise ValueError("--num-requests, --mixed-requests and --max-new-tokens must be >= 1")
+    if min(args.num_requests, args.mixed_requests, args.max_new_tokens, args.max_num_seqs) < 1:
+        raise ValueError("--num-requests, --mixed-requests, --max-new-tokens and --max-num-seqs must be >= 1")
     if not 0 < args.time_scale <= 10 or not 1 <= args.slo_scale <= 100:
         raise ValueError("--time-scale must be in (0, 10] and --slo-scale in [1, 100]")
     cfg = RegimeConfig(
@@ -137,7 +141,10 @@ def config_from_args(args: argparse.Namespace) -> RegimeConfig:
         step_time=args.step_time, expert_admission=args.expert_admission,
         class_budgets=read_class_budgets(args.class_budgets), lowbit_dir=args.lowbit_dir,
         keep_traces=tuple(args.keep_trace), trace_out=str(pathlib.Path(args.out) / "traces"),
+        max_num_seqs=args.max_num_seqs,
     )  # fmt: skip
+    if args.ram_basis_from is not None:
+        cfg = dataclasses.replace(cfg, ram_basis=read_ram_basis(cfg, args.ram_basis_from))
     return cfg if args.slo_from is None else dataclasses.replace(cfg, slo_from=earlier_references(cfg, args.slo_from))
 
 

@@ -1,5 +1,6 @@
-"""What ``fallbackgate sweep`` (and the run-after-run A/B, ``bench.interleaved_ab``) read from files: class budgets
-and an earlier sweep's SLO references, each checked with a clear error naming the file."""
+"""What ``fallbackgate sweep`` (and the run-after-run A/B, ``bench.interleaved_ab``) read from files: class budgets,
+an earlier sweep's SLO references and the demand its budgets were fractions of, each checked with a clear error
+naming the file."""
 
 from __future__ import annotations
 
@@ -52,7 +53,26 @@ def earlier_references(cfg: RegimeConfig, path: pathlib.Path) -> dict[str, dict[
         theirs = earlier["config"].get(key)
         if key not in ("controllers", "workloads") and theirs != mine[key]:
             raise ValueError(f"--slo-from {path}: its {key} is {theirs!r}, this one's {mine[key]!r}")
+    if earlier["config"].get("max_num_seqs", 8) != cfg.max_num_seqs:  # sweeps before it decoded 8 at most
+        raise ValueError(f"--slo-from {path}: its max_num_seqs is {earlier['config'].get('max_num_seqs', 8)}, "
+                         f"this one's {cfg.max_num_seqs}")  # fmt: skip
     missing = [k for k in cfg.workloads if k not in references]
     if missing:
         raise ValueError(f"--slo-from {path}: no SLO reference for {missing}")
     return {k: references[k] for k in cfg.workloads}
+
+
+def read_ram_basis(cfg: RegimeConfig, path: pathlib.Path) -> dict[str, int]:
+    """``--ram-basis-from``: per ``"<workload>/<seed>"`` of `cfg`, the demand (all routed experts plus the KV every
+    request would hold at full length) of the sweep at `path`, so that `cfg`'s RAM fractions give that sweep's
+    RAM bytes, e.g. for a smaller copy of its model (ValueError naming a workload and seed it did not run)."""
+    try:
+        points = json.loads(path.read_text())["points"]
+        demands = {f"{p['workload']}/{p['seed']}": int(p["demand_bytes"]) for p in points}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--ram-basis-from {path}: not a sweep.json with points ({exc})") from None
+    keys = [f"{w}/{s}" for w in cfg.workloads for s in cfg.seeds]
+    missing = [k for k in keys if k not in demands]
+    if missing:
+        raise ValueError(f"--ram-basis-from {path}: no run of {', '.join(missing)} (workload/seed)")
+    return {k: demands[k] for k in keys}

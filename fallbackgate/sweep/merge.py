@@ -25,7 +25,7 @@ GRID_KEYS = ("model_dir", "workloads", "num_requests", "mixed_requests", "max_ne
              "time_scale", "ram_fracs", "kv_shares", "controllers", "slo_scale", "step_time", "held_out_seed",
              "is_equivalent_allowed", "audit_rate")  # fmt: skip
 """Config fields every merged sweep must share."""
-POLICY_KEYS = {"expert_admission": "exact", "class_budgets": None}
+POLICY_KEYS = {"expert_admission": "exact", "class_budgets": None, "max_num_seqs": 8}
 """Policy fields every merged sweep must share too, with the value a sweep written before them ran with (an
 earlier part's SLO targets may serve a sweep with others: ``sweep --slo-from``)."""
 
@@ -50,6 +50,9 @@ def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
             if config.get(key, default) != first.get(key, default):
                 raise MergeError(f"{source}: config {key!r} is {config.get(key, default)!r}, not "
                                  f"{first.get(key, default)!r}")  # fmt: skip
+        if (config.get("ram_basis") is None) != (first.get("ram_basis") is None):
+            raise MergeError(f"{source}: its RAM budgets are fractions of another sweep's demand and the first "
+                             "source's are not, or the other way round (sweep --ram-basis-from)")  # fmt: skip
         for seed in config["seeds"]:
             if seed in seen:
                 raise MergeError(f"seed {seed} is in both {seen[seed]} and {source}")
@@ -60,9 +63,11 @@ def merge(results: list[dict[str, Any]], sources: list[str]) -> dict[str, Any]:
                                  "sweeps recorded in different ledgers cannot be read back together")  # fmt: skip
             run_sources[point["run_id"]] = source
     points = with_budget_fields([p for r in results for p in r["points"]])
+    bases = [r["config"].get("ram_basis") for r in results]
+    basis = None if bases[0] is None else {k: v for b in bases for k, v in b.items()}
     return {
         "points": points,
-        "config": {**first, "seeds": sorted(seen)},
+        "config": {**first, "seeds": sorted(seen), "ram_basis": basis},
         "sources": sources,
         "slo_references_by_source": {s: r.get("slo_references") for r, s in zip(results, sources, strict=True)},
         "elapsed_s": sum(r.get("elapsed_s", 0.0) for r in results),

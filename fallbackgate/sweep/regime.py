@@ -75,6 +75,10 @@ class RegimeConfig:
     # per kind, an earlier sweep's SLO reference (its sweep.json "slo_references"): its targets are used and no
     # reference is run, so a rerun of some controllers is measured against the same targets as the sweep it joins
     slo_from: dict[str, dict[str, Any]] | None = None
+    max_num_seqs: int = 8  # memory.max_num_seqs: requests decoded together at most
+    # "<workload>/<seed>" -> the bytes ram_fracs are fractions of, from another sweep (its own demand: the same
+    # RAM bytes for another model or workload size); None: this sweep's own demand
+    ram_basis: dict[str, int] | None = None
 
 
 class SweepInputError(ValueError):
@@ -144,7 +148,7 @@ def kv_demand_bytes(cfg: RegimeConfig, shape: dict[str, int], specs: list[Prompt
 def sweep_policy(cfg: RegimeConfig, kind: str, ledger: Ledger) -> tuple[Policy, dict[str, Any]]:
     """The kind's policy: SLO targets from one all-in-RAM exact run of its first seed's requests, or the
     earlier sweep's (`cfg.slo_from`: its reference, kept with ``"reused": True``)."""
-    built = build(cfg, default_policy(), ControllerKind.EXACT_LRU.value, None, 0.5, None)
+    built = build(cfg, default_policy(max_num_seqs=cfg.max_num_seqs), ControllerKind.EXACT_LRU.value, None, 0.5, None)
     if cfg.slo_from is not None:
         return _reused_policy(cfg, kind, built)
     specs = workload_specs(cfg, kind, cfg.seeds[0])
@@ -184,6 +188,7 @@ def _targets_policy(cfg: RegimeConfig, tpot_ms: tuple[float, float], ttft_ms: tu
         step_time=cfg.step_time,
         expert_admission=cfg.expert_admission,
         class_budgets=cfg.class_budgets,
+        max_num_seqs=cfg.max_num_seqs,
     )
 
 
@@ -245,13 +250,16 @@ def _bounds(steps: bounds.StepTrace, ram: int, cell: dict[str, Any], m: dict[str
 def grid(cfg: RegimeConfig, kind: str, seed: int, demand: int) -> list[dict[str, Any]]:
     """The cells of one workload and seed, per RAM budget the controllers in an order rotated by the seed
     (``seed mod`` their number: seed 0 the first controller first, seed 1 the second, ...), so that none runs
-    first or last in every seed (a static split's KV shares stay together)."""
+    first or last in every seed (a static split's KV shares stay together). A budget is its fraction of
+    `demand`, or of ``cfg.ram_basis``'s bytes for the workload and seed (then named in ``ram_basis_bytes``)."""
     shift = seed % len(cfg.controllers) if cfg.controllers else 0
     controllers = cfg.controllers[shift:] + cfg.controllers[:shift]
+    basis = {} if cfg.ram_basis is None else {"ram_basis_bytes": cfg.ram_basis[f"{kind}/{seed}"]}
+    of = basis.get("ram_basis_bytes", demand)
     cells = []
     for frac in cfg.ram_fracs:
         base = {"workload": kind, "seed": seed, "is_held_out": seed == cfg.held_out_seed, "ram_frac": frac,
-                "ram_bytes": int(frac * demand), "demand_bytes": demand}  # fmt: skip
+                "ram_bytes": int(frac * of), "demand_bytes": demand, **basis}  # fmt: skip
         for controller in controllers:
             shares = cfg.kv_shares if controller == STATIC else (None,)
             cells += [{**base, "controller": controller, "kv_share": share} for share in shares]

@@ -107,6 +107,7 @@ def default_policy(
     step_time: str = StepTime.MODELED.value,
     expert_admission: str = ExpertAdmission.EXACT.value,
     class_budgets: dict[str, dict[str, Any]] | None = None,
+    max_num_seqs: int = 8,
 ) -> Policy:
     """The sweep's two classes: ``strict`` (exact and equivalent tags only: cpu_execute and recompute) and
     ``best-effort`` (every fallback, small quality budget). ``tpot_ms`` / ``ttft_ms`` are the (strict,
@@ -116,14 +117,15 @@ def default_policy(
     ``step_time`` (``controller.step_time``: what a deadline leaves out, the same for every controller);
     ``expert_admission`` is the joint controller's (``controller.expert_admission``). ``class_budgets``
     (class -> budget field -> value) replaces those fields of the two classes' quality budgets (ValueError for
-    a class the sweep does not have; the policy's own validation names a bad field)."""
+    a class the sweep does not have; the policy's own validation names a bad field). ``max_num_seqs``: requests
+    decoded together at most (``memory.max_num_seqs``)."""
     is_cpu = resolve_device("auto").type == "cpu"  # cpu_execute is not offered where the device is the CPU
     offered = [t for t in NON_EXACT_TAGS if not (is_cpu and t is Tag.CPU_EXECUTE)]
     budgets = _class_budgets(offered, class_budgets or {})
     return Policy.model_validate(
         {
             "hardware": {"profile": profile},
-            "memory": {"block_size": 16, "max_num_seqs": 8},
+            "memory": {"block_size": 16, "max_num_seqs": max_num_seqs},
             "controller": {
                 "kind": ControllerKind.JOINT.value,
                 "kv_quant_bits": 8,

@@ -14,14 +14,11 @@ import json
 import pathlib
 import sys
 
-import torch
 from tqdm import tqdm
 
 from fallbackgate.synth.shapes import ALL_NAMES, resolve
-from fallbackgate.synth.writer import SynthError, build_config, check_disk, write_checkpoint
+from fallbackgate.synth.writer import DTYPES, SynthError, build_config, check_disk, write_checkpoint
 from fallbackgate.tinymoe import CHECKPOINT_DIR
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

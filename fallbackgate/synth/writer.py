@@ -27,6 +27,7 @@ from fallbackgate.engine.model.checkpoint_files import INDEX_FILE, CheckpointFil
 from fallbackgate.engine.model.loader import find_experts_modules
 
 INIT_STD = 0.02
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # the --dtype names
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}
 _DEFAULT_NAMES = ("gate_proj", "up_proj", "down_proj")
