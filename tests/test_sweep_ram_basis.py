@@ -33,9 +33,9 @@ def test_budgets_are_fractions_of_the_other_sweeps_demand_per_workload_and_seed(
                        controllers=("joint",))  # fmt: skip
     basis = read_ram_basis(cfg, earlier)
     assert basis == {"mixed/0": 24_000, "mixed/1": 20_000}
-    cells = grid(dataclasses.replace(cfg, ram_basis=basis), "mixed", 1, 12_000)
-    assert [(c["ram_bytes"], c["demand_bytes"], c["ram_basis_bytes"]) for c in cells] == [
-        (5_000, 12_000, 20_000), (10_000, 12_000, 20_000)]  # fmt: skip
+    cells = grid(dataclasses.replace(cfg, ram_basis=basis, ram_fracs=(0.25, 0.5, 0.75)), "mixed", 1, 12_000)
+    assert [(c["ram_bytes"], c["demand_bytes"], c["ram_basis_bytes"], c["is_binding"]) for c in cells] == [
+        (5_000, 12_000, 20_000, True), (10_000, 12_000, 20_000, True), (15_000, 12_000, 20_000, False)]  # fmt: skip
     own = grid(cfg, "mixed", 1, 12_000)
     assert [c["ram_bytes"] for c in own] == [3_000, 6_000] and "ram_basis_bytes" not in own[0]
 

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fallbackgate.commands.verify import _check as check_manifest
+from fallbackgate.engine.model.checkpoint_files import INDEX_FILE
 from fallbackgate.synth.cast import cast_checkpoint, cast_tensors, main
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
@@ -55,3 +56,39 @@ def test_a_non_empty_out_a_quantized_or_missing_checkpoint_is_refused(
     assert "quantized (fp8)" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no readable config.json"):
         cast_checkpoint(tmp_path / "nothing", tmp_path / "o3", torch.bfloat16)
+
+
+def test_a_sharded_checkpoint_keeps_its_index_and_sub_configs_name_the_dtype(tmp_path: pathlib.Path) -> None:
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    save_file({"a": torch.ones(4), "ids": torch.arange(3)}, src / "model-00001-of-00002.safetensors")
+    save_file({"b": torch.full((2,), 2.5)}, src / "model-00002-of-00002.safetensors")
+    save_file({"stray": torch.ones(8)}, src / "consolidated.safetensors")  # not in the index: not weights
+    weight_map = {"a": "model-00001-of-00002.safetensors", "ids": "model-00001-of-00002.safetensors",
+                  "b": "model-00002-of-00002.safetensors"}  # fmt: skip
+    (src / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": 48}, "weight_map": weight_map}))
+    (src / "config.json").write_text(json.dumps({"torch_dtype": "float32", "text_config": {"dtype": "float32"}}))
+    (src / "extra").mkdir()
+    (src / "extra" / "notes.txt").write_text("kept")
+    assert cast_checkpoint(src, out, torch.float16) == 4 * 2 + 3 * 8 + 2 * 2  # a fp16, ids int64, b fp16
+    index = json.loads((out / INDEX_FILE).read_text())
+    assert index["weight_map"] == weight_map and index["metadata"]["total_size"] == 36
+    config = json.loads((out / "config.json").read_text())
+    assert config == {"torch_dtype": "float16", "dtype": "float16", "text_config": {"dtype": "float16"}}
+    assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(set(weight_map.values()))
+    assert load_file(out / "model-00002-of-00002.safetensors")["b"].dtype == torch.float16
+    assert (out / "extra" / "notes.txt").read_text() == "kept"
+
+
+def test_values_fp16_cannot_hold_or_float8_codes_are_refused_and_nothing_is_left(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError, match="beyond torch.float16's range"):
+        cast_tensors({"w": torch.tensor([1e6])}, torch.float16)
+    assert cast_tensors({"w": torch.tensor([float("inf")])}, torch.float16)["w"].isinf().all()  # inf stays inf
+    with pytest.raises(ValueError, match="float8_e4m3fn is not cast"):
+        cast_tensors({"w": torch.zeros(2, dtype=torch.float8_e4m3fn)}, torch.bfloat16)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    save_file({"w": torch.tensor([1e6])}, src / "model.safetensors")
+    assert main(["--model", str(src), "--dtype", "fp16", "--out", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()

@@ -75,6 +75,7 @@ def regime_heatmaps(points: list[dict[str, Any]], folder: str | pathlib.Path) ->
         mine = [p for p in points if p["workload"] == workload]
         fracs = sorted({p["ram_frac"] for p in mine})
         rows = sorted({_row_label(p) for p in mine}, key=lambda r: (not r.startswith("static"), r))
+        of = "another sweep's" if any("ram_basis_bytes" in p for p in mine) else "experts + KV"  # --ram-basis-from
         fig, axes = plt.subplots(1, len(REGIME_METRICS), figsize=(3.0 * len(REGIME_METRICS), 2.8), squeeze=False)
         for ax, (metric, title, div) in zip(axes[0], REGIME_METRICS, strict=True):
             grid = [[float("nan")] * len(fracs) for _ in rows]
@@ -89,7 +90,7 @@ def regime_heatmaps(points: list[dict[str, Any]], folder: str | pathlib.Path) ->
                     ax.text(j, i, f"{v:.3g}", ha="center", va="center", fontsize=7, color="w")
             ax.set_xticks(range(len(fracs)), [f"{f:g}" for f in fracs], fontsize=7)
             ax.set_yticks(range(len(rows)), rows, fontsize=7)
-            ax.set_xlabel("RAM budget (frac of experts + KV demand)", fontsize=7)
+            ax.set_xlabel(f"RAM budget (frac of {of} demand)", fontsize=7)
             ax.set_title(f"{workload}: {title}", fontsize=8)
         fig.tight_layout()
         path = pathlib.Path(folder) / f"sweep-{workload}.png"

@@ -251,7 +251,8 @@ def grid(cfg: RegimeConfig, kind: str, seed: int, demand: int) -> list[dict[str,
     """The cells of one workload and seed, per RAM budget the controllers in an order rotated by the seed
     (``seed mod`` their number: seed 0 the first controller first, seed 1 the second, ...), so that none runs
     first or last in every seed (a static split's KV shares stay together). A budget is its fraction of
-    `demand`, or of ``cfg.ram_basis``'s bytes for the workload and seed (then named in ``ram_basis_bytes``)."""
+    `demand`, or of ``cfg.ram_basis``'s bytes for the workload and seed (then named in ``ram_basis_bytes``;
+    ``is_binding`` is false where that holds the whole demand)."""
     shift = seed % len(cfg.controllers) if cfg.controllers else 0
     controllers = cfg.controllers[shift:] + cfg.controllers[:shift]
     basis = {} if cfg.ram_basis is None else {"ram_basis_bytes": cfg.ram_basis[f"{kind}/{seed}"]}
@@ -259,7 +260,8 @@ def grid(cfg: RegimeConfig, kind: str, seed: int, demand: int) -> list[dict[str,
     cells = []
     for frac in cfg.ram_fracs:
         base = {"workload": kind, "seed": seed, "is_held_out": seed == cfg.held_out_seed, "ram_frac": frac,
-                "ram_bytes": int(frac * of), "demand_bytes": demand, **basis}  # fmt: skip
+                "ram_bytes": int(frac * of), "demand_bytes": demand, "is_binding": int(frac * of) < demand,
+                **basis}  # fmt: skip
         for controller in controllers:
             shares = cfg.kv_shares if controller == STATIC else (None,)
             cells += [{**base, "controller": controller, "kv_share": share} for share in shares]
@@ -288,6 +290,7 @@ def run_regime(cfg: RegimeConfig, ledger: Ledger, log: Callable[[str], None] = p
                 log(f"[{time.perf_counter() - started:6.0f}s] {kind} s{seed} {cell['controller']:15s} "
                     f"ram {cell['ram_frac']} kv {cell['kv_share']}: tpot p99 {m['tpot_p99_ms']:.1f} ms "
                     f"slo {m['slo_attainment']:.2f} read {m['read_bytes'] / 2**20:.1f} MiB "
-                    f"foo {m['foo_lb_bytes'] / 2**20:.1f} MiB kl {m['mean_kl']:.1e}")  # fmt: skip
+                    f"foo {m['foo_lb_bytes'] / 2**20:.1f} MiB kl {m['mean_kl']:.1e}"
+                    + ("" if cell["is_binding"] else " (not binding: RAM holds the whole demand)"))  # fmt: skip
     return {"points": points, "slo_references": references, "config": dataclasses.asdict(cfg),
             "elapsed_s": time.perf_counter() - started}  # fmt: skip

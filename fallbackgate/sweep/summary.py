@@ -50,6 +50,20 @@ def interval(values: Sequence[float]) -> dict[str, float]:
     return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": len(values)}
 
 
+def welch_interval(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
+    """Mean of `a` minus mean of `b` and its Welch 95 % interval (two samples, unequal variances, not paired)."""
+    a, b = [float(x) for x in a if math.isfinite(x)], [float(x) for x in b if math.isfinite(x)]
+    if len(a) < 2 or len(b) < 2:
+        return {"mean": float("nan"), "lo": float("nan"), "hi": float("nan"), "n": min(len(a), len(b))}
+    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+    diff = statistics.fmean(a) - statistics.fmean(b)
+    if va + vb == 0:
+        return {"mean": diff, "lo": diff, "hi": diff, "n": min(len(a), len(b))}
+    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    half = float(stats.t.ppf(0.975, dof)) * math.sqrt(va + vb)
+    return {"mean": diff, "lo": diff - half, "hi": diff + half, "n": min(len(a), len(b))}
+
+
 def gain(metric: str, joint: float, partner: float) -> float:
     """Joint's relative gain over ``partner`` on ``metric`` (positive: joint better)."""
     if metric in HIGHER_IS_BETTER:
