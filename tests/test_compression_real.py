@@ -17,26 +17,30 @@ SHARES = (0.1, 0.3, 0.5)
 
 
 def _point(seed: int, frac: float, controller: str, share: float | None, tpot: float, stall: float, run_id: int,
-           demand: int, kl: float = 0.0) -> dict:  # fmt: skip
+           demand: int, basis: int, kl: float = 0.0) -> dict:  # fmt: skip
     metrics = {"slo_attainment": 0.5, "tpot_p99_ms": tpot, "read_bytes": 100.0, "stall_s": stall, "mean_kl": kl,
                "gate_passed": 1.0, "foo_lb_bytes": 50.0, "belady_expert_bytes": 60.0, "belady_kv_bytes": 0.0,
                "bytes_expert_exact_load": 100.0, "peak_pool_by_kind": {"expert": 10}}  # fmt: skip
-    return {"workload": "mixed", "ram_frac": frac, "ram_bytes": int(frac * 4000), "demand_bytes": demand,
+    return {"workload": "mixed", "ram_frac": frac, "ram_bytes": int(frac * basis), "demand_bytes": demand,
             "seed": seed, "controller": controller, "kv_share": share, "run_id": run_id,
             "metrics": metrics}  # fmt: skip
 
 
 def _sweep(seeds: list[int], joint_stall: dict[float, float], demand: int = 4000, joint_tpot: float = 8.0,
-           held_out: int = 0, **config: object) -> dict:  # fmt: skip
-    """Static splits stall 2, 3, 4 s at 10 ms P99 TPOT, two LRUs 4 s at 10 ms; joint's stall per RAM fraction (of
-    4000 bytes; `demand` is the condition's own)."""
+           held_out: int = 0, basis: int | None = None, **config: object) -> dict:  # fmt: skip
+    """Static splits stall 2, 3, 4 s at 10 ms P99 TPOT, two LRUs 4 s at 10 ms; joint's stall per RAM fraction of
+    `basis` (default: the condition's own `demand`)."""
     points = []
     for seed in seeds:
         for frac, stall in joint_stall.items():
             for share, static_stall in zip(SHARES, (2.0, 3.0, 4.0), strict=True):
-                points.append(_point(seed, frac, "static_split", share, 10.0, static_stall, len(points), demand))
-            points.append(_point(seed, frac, "independent_lru", None, 10.0, 4.0, len(points), demand))
-            points.append(_point(seed, frac, "joint", None, joint_tpot, stall, len(points), demand, kl=1e-6))
+                points.append(
+                    _point(seed, frac, "static_split", share, 10.0, static_stall, len(points), demand, basis or demand)
+                )
+            points.append(_point(seed, frac, "independent_lru", None, 10.0, 4.0, len(points), demand, basis or demand))
+            points.append(
+                _point(seed, frac, "joint", None, joint_tpot, stall, len(points), demand, basis or demand, kl=1e-6)
+            )
     for p in points:
         p["run_id"] += 1000 * seeds[0] + 100_000 * int(demand)
     base = {"held_out_seed": held_out, "seeds": seeds, "model_dir": "m", "workloads": ["mixed"], "mixed_requests": 8}
@@ -80,7 +84,7 @@ def test_a_half_size_copy_is_compared_at_the_same_pressure_and_the_same_bytes() 
 
 def test_other_requests_are_compared_by_their_means() -> None:
     base = cr.load_condition_results([_sweep([0, 1, 2], {0.25: 1.0})])
-    more = cr.load_condition_results([_sweep([0, 1, 2], {0.25: 1.5}, demand=3000, mixed_requests=16)])
+    more = cr.load_condition_results([_sweep([0, 1, 2], {0.25: 1.5}, demand=3000, basis=4000, mixed_requests=16)])
     change = cr.summarize({"fp32": base, "2x": more}, "fp32")["2x"]["cells"]["mixed@0.25"]["vs_base"]
     assert set(change) == {"same bytes"} and not change["same bytes"]["is_paired"]  # 0.25 of 3000 is no pressure match
     assert change["same bytes"]["oracle_static"]["stall_s"]["mean"] == pytest.approx(-0.25)

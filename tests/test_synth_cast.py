@@ -61,22 +61,26 @@ def test_a_non_empty_out_a_quantized_or_missing_checkpoint_is_refused(
 def test_a_sharded_checkpoint_keeps_its_index_and_sub_configs_name_the_dtype(tmp_path: pathlib.Path) -> None:
     src, out = tmp_path / "src", tmp_path / "out"
     src.mkdir()
-    save_file({"a": torch.ones(4), "ids": torch.arange(3)}, src / "model-00001-of-00002.safetensors")
-    save_file({"b": torch.full((2,), 2.5)}, src / "model-00002-of-00002.safetensors")
+    expert = "model.layers.0.mlp.experts.0."
+    gate, up, down = (expert + f"{n}_proj.weight" for n in ("gate", "up", "down"))
+    save_file({gate: torch.ones(2, 2), up: torch.ones(2, 2), "ids": torch.arange(3)},
+              src / "model-00001-of-00002.safetensors")  # fmt: skip
+    save_file({down: torch.full((2, 2), 2.5)}, src / "model-00002-of-00002.safetensors")
     save_file({"stray": torch.ones(8)}, src / "consolidated.safetensors")  # not in the index: not weights
-    weight_map = {"a": "model-00001-of-00002.safetensors", "ids": "model-00001-of-00002.safetensors",
-                  "b": "model-00002-of-00002.safetensors"}  # fmt: skip
+    weight_map = {gate: "model-00001-of-00002.safetensors", up: "model-00001-of-00002.safetensors",
+                  "ids": "model-00001-of-00002.safetensors", down: "model-00002-of-00002.safetensors"}  # fmt: skip
     (src / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": 48}, "weight_map": weight_map}))
     (src / "config.json").write_text(json.dumps({"torch_dtype": "float32", "text_config": {"dtype": "float32"}}))
     (src / "extra").mkdir()
     (src / "extra" / "notes.txt").write_text("kept")
-    assert cast_checkpoint(src, out, torch.float16) == 4 * 2 + 3 * 8 + 2 * 2  # a fp16, ids int64, b fp16
+    assert cast_checkpoint(src, out, torch.float16) == 3 * 4 * 2 + 3 * 8  # three 2x2 in fp16, ids int64
     index = json.loads((out / INDEX_FILE).read_text())
-    assert index["weight_map"] == weight_map and index["metadata"]["total_size"] == 36
+    assert index["weight_map"] == weight_map and index["metadata"]["total_size"] == 48
     config = json.loads((out / "config.json").read_text())
     assert config == {"torch_dtype": "float16", "dtype": "float16", "text_config": {"dtype": "float16"}}
     assert sorted(p.name for p in out.glob("*.safetensors")) == sorted(set(weight_map.values()))
-    assert load_file(out / "model-00002-of-00002.safetensors")["b"].dtype == torch.float16
+    assert load_file(out / "model-00002-of-00002.safetensors")[down].dtype == torch.float16
+    assert check_manifest(out, True) == 0
     assert (out / "extra" / "notes.txt").read_text() == "kept"
 
 

@@ -22,6 +22,10 @@ from fallbackgate.audit.replay_trace import TraceError
 from fallbackgate.engine.experts.routing import DIGEST_MASK, digest_sum, digest_terms
 
 ROUTING_TIE = 1e-5  # router-score gap (logits) within which rounding may swap the k-th expert and the next
+# In a 16-bit dtype the replay's router scores differ from the served ones by that dtype's rounding of every
+# layer before (bf16 keeps 8 bits: a score of 4 has steps of 0.03), so the window is also this many steps of
+# the token's largest score; a swap still has to reproduce the recorded 64-bit digest exactly.
+TIE_STEPS_16BIT = 8
 MAX_CANDIDATES = 64  # tokens nearest a tie tried
 MAX_FLIPS = 3  # swaps tried together
 
@@ -30,9 +34,19 @@ class RoutingError(TraceError):
     """A replayed forward's routing differs from the served one beyond what router near-ties explain."""
 
 
-def _candidates(ids: np.ndarray, scores: np.ndarray) -> list[tuple[int, int, int, float]]:
+def tie_window(scores: torch.Tensor) -> np.ndarray:
+    """Per token, the score gap within which rounding may have swapped the k-th expert and the next: ROUTING_TIE,
+    and in a 16-bit dtype at least TIE_STEPS_16BIT of its rounding steps at the token's largest score."""
+    window = np.full(scores.shape[0], ROUTING_TIE)
+    if scores.dtype in (torch.bfloat16, torch.float16):
+        step = torch.finfo(scores.dtype).eps * scores.detach().float().abs().amax(dim=1).cpu().numpy()
+        window = np.maximum(window, TIE_STEPS_16BIT * step)
+    return window
+
+
+def _candidates(ids: np.ndarray, scores: np.ndarray, window: np.ndarray) -> list[tuple[int, int, int, float]]:
     """(token, top-k slot, replacement expert, gap) for the tokens whose weakest chosen expert is within
-    ROUTING_TIE of the best one not chosen, nearest first."""
+    `window` (per token) of the best one not chosen, nearest first."""
     rows = np.arange(ids.shape[0])[:, None]
     chosen = np.take_along_axis(scores, ids, axis=1)
     slot = chosen.argmin(axis=1)
@@ -40,7 +54,7 @@ def _candidates(ids: np.ndarray, scores: np.ndarray) -> list[tuple[int, int, int
     others[rows, ids] = -np.inf
     best = others.argmax(axis=1)
     gap = chosen[np.arange(len(ids)), slot] - others[np.arange(len(ids)), best]
-    near = np.flatnonzero(np.abs(gap) < ROUTING_TIE)
+    near = np.flatnonzero(np.abs(gap) < window)
     near = near[np.argsort(np.abs(gap[near]), kind="stable")][:MAX_CANDIDATES]
     return [(int(t), int(slot[t]), int(best[t]), float(gap[t])) for t in near]
 
@@ -70,12 +84,15 @@ def served_routing(
 ) -> tuple[torch.Tensor, int]:
     """The forward's `top_k_index` [n, k] (tokens at `positions`) as the served forward routed it, and how
     many tokens were swapped; `scores()` gives the router's scores [n, num_experts] (asked only on a
-    mismatch). A token swapped keeps the weight of the expert it replaces: the two were within ROUTING_TIE."""
+    mismatch). A token swapped keeps the weight of the expert it replaces: the two were within a rounding of
+    each other (:func:`tie_window`)."""
     ids = top_k_index.detach().cpu().numpy()
     missing = (recorded - digest_sum(digest_terms(positions, ids))) & DIGEST_MASK
     if not missing:
         return top_k_index, 0
-    found = _candidates(ids, scores().detach().float().cpu().numpy())
+    raw = scores()
+    window = tie_window(raw)
+    found = _candidates(ids, raw.detach().float().cpu().numpy(), window)
     tokens, slots, news = (np.array([c[i] for c in found], dtype=np.int64) for i in range(3))
     swapped_in = digest_terms(positions[tokens], news[:, None])[:, 0]  # what each swap adds and removes
     swapped_out = digest_terms(positions[tokens], ids[tokens, slots][:, None])[:, 0]
@@ -84,8 +101,8 @@ def served_routing(
     if swaps is None:
         raise RoutingError(
             f"{where}: the replay's routing differs from the served one (digest {recorded:016x}) and no swap of "
-            f"the k-th expert at up to {MAX_FLIPS} of the {len(found)} tokens within {ROUTING_TIE:g} of a router "
-            "tie gives it: the served forward did not route what its inputs give"
+            f"the k-th expert at up to {MAX_FLIPS} of the {len(found)} tokens within {float(window.max()):.3g} of a "
+            "router tie gives it: the served forward did not route what its inputs give"
         )
     served = top_k_index.clone()
     for i in swaps:
