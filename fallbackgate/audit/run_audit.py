@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 from fallbackgate.audit.auditor import (
@@ -26,7 +25,7 @@ from fallbackgate.audit.auditor import (
     in_memory,
 )
 from fallbackgate.audit.baseline import Baseline
-from fallbackgate.audit.gate import FLOOR_MARGIN, Floor, served_exactness, tolerance
+from fallbackgate.audit.gate import Floor, served_exactness, tolerance
 from fallbackgate.audit.stats import PositionDiff, RequestDiffStats
 from fallbackgate.engine.baseline.api import BaselineEngine
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined
@@ -35,7 +34,6 @@ from fallbackgate.engine.tags import TAG_EXACTNESS, Exactness, Tag
 from fallbackgate.ledger.db import Ledger
 
 FLOOR_POSITIONS = 16  # output positions of each up-front control request
-KL_KEYS = ("max_kl", "mean_kl", "p99_kl")  # what widen_floor compares with the floor
 
 
 @dataclasses.dataclass(slots=True)
@@ -76,19 +74,13 @@ def widen_floor(
     control: FloorControl,
     request: tuple[str, list[int], list[int]],
     served: Exactness,
-    kl: Mapping[str, float],
+    max_kl: float,
     baseline: ServedRows | None = None,
 ) -> None:
     """Fold the request's own full control (against its `baseline` rows) into the floor when it was served
-    exact or equivalent only and its KL against the exact baseline (`kl`: max_kl, mean_kl, p99_kl) exceeds what
-    the floor so far allows: its tolerance on the largest KL, or the allowance quality budgets get on top of
-    the floor's mean and p99 (an exact request's KL is rounding, which 16-bit dtypes spread wide)."""
+    exact or equivalent only and its KL against the exact baseline exceeds the tolerance of the floor so far."""
     floor = Floor.of_run({"numeric_floor": control.summary()})
-    if served is Exactness.APPROXIMATE:
-        return
-    beyond = (kl["max_kl"] > tolerance(served, floor) or kl.get("mean_kl", 0.0) > FLOOR_MARGIN * floor.mean_kl
-              or kl.get("p99_kl", 0.0) > FLOOR_MARGIN * floor.p99_kl)  # fmt: skip
-    if beyond:
+    if served is not Exactness.APPROXIMATE and max_kl > tolerance(served, floor):
         request_id, prompt_ids, output_ids = request
         control.add(request_id, *control_diffs(engine, prompt_ids, output_ids, baseline))
 
@@ -136,6 +128,6 @@ def audit_outputs(
         except ExpertQuarantined as exc:  # its replay needs a quarantined object
             unaudited[output.request_id] = str(exc)
             continue
-        widen_floor(engine, control, request, served, {k: getattr(stats, k) for k in KL_KEYS}, rows)
+        widen_floor(engine, control, request, served, stats.max_kl, rows)
         results.append(AuditedRequest(output.request_id, diffs, stats, replay))
     return results, control.summary(), unaudited

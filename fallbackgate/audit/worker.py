@@ -21,7 +21,7 @@ from sqlalchemy import Connection, update
 
 from fallbackgate.audit.auditor import audit_request
 from fallbackgate.audit.gate import evaluate_run, served_exactness
-from fallbackgate.audit.run_audit import KL_KEYS, initial_floor, widen_floor
+from fallbackgate.audit.run_audit import initial_floor, widen_floor
 from fallbackgate.audit.verdicts import write_verdicts
 from fallbackgate.engine.baseline.api import BaselineEngine, build_baseline_engine
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined
@@ -200,8 +200,7 @@ class AuditWorker:
         control = initial_floor(engine, requests)
         by_exactness = queries.request_exactness(self.ledger, run_id)
         for request, summary in zip(requests, summaries, strict=True):
-            served = served_exactness(by_exactness.get(request[0], {}))
-            widen_floor(engine, control, request, served, {k: summary[k] for k in KL_KEYS})
+            widen_floor(engine, control, request, served_exactness(by_exactness.get(request[0], {})), summary["max_kl"])
         floor = control.summary()
         with begin_write(self.ledger.engine) as conn:  # the floor, under the claim (a taken-over run redoes it)
             audit_queue.check_held(conn, held)
