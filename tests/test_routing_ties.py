@@ -97,24 +97,31 @@ def test_the_replay_follows_a_served_swap_at_a_near_tie_and_only_there() -> None
         served_routing(ids, positions, _digest(positions, far.numpy()), ask, "here")
 
 
-def test_in_bf16_the_window_is_rounding_steps_of_the_tokens_scores() -> None:
-    """bf16 keeps 8 bits: a gap of 0.02 between router scores near 2 is a few rounding steps, not a routing the
-    inputs do not give; float32 keeps its 1e-5 window. A swap must still reproduce the digest."""
-    scores = _tied(ties={3: 0.02}) + 4.0  # every token's largest score is above 2: bf16 steps of 2**-7 * 2 there
-    window = routing_ties.tie_window(scores.to(torch.bfloat16))
-    assert np.all(window >= routing_ties.TIE_STEPS_16BIT * 2 * 2**-7 - 1e-9)
+def test_in_16_bit_dtypes_the_window_is_rounding_steps_of_the_tokens_scores() -> None:
+    """bf16 keeps 8 bits: a gap of 0.02 between router scores near 4 is a rounding step or two, not a routing
+    the inputs do not give; float32 keeps its 1e-5 window. A swap must still reproduce the digest, and a swap
+    farther than the window still fails."""
+    scores = _tied(ties={3: 0.02, 5: 1.0}) + 4.0  # every token's largest score is above 4
+    for dtype in (torch.bfloat16, torch.float16):
+        low = scores.to(dtype)
+        expected = routing_ties.TIE_STEPS_16BIT * torch.finfo(dtype).eps * low.float().abs().amax(1).numpy()
+        assert np.allclose(routing_ties.tie_window(low), np.maximum(expected, routing_ties.ROUTING_TIE))
     assert np.all(routing_ties.tie_window(scores) == routing_ties.ROUTING_TIE)
+    bf16 = scores.to(torch.bfloat16)
     ids = scores.topk(2).indices
     positions = np.arange(100, 112)
     served = _swap_third(scores, 3, ids)
     recorded = _digest(positions, served.numpy())
     with pytest.raises(RoutingError, match="within 1e-05 of a"):
         served_routing(ids, positions, recorded, lambda: scores, "fp32")
-    got, n = served_routing(ids, positions, recorded, lambda: scores.to(torch.bfloat16), "bf16")
+    got, n = served_routing(ids, positions, recorded, lambda: bf16, "bf16")
     assert n == 1 and torch.equal(got, served)
-    recorded ^= 1 << 40  # no swap within the window gives this digest
+    far = _swap_third(scores, 5, ids)  # a gap of 1.0: beyond 8 bf16 steps at 4-8 (0.25-0.5)
+    assert float(routing_ties.tie_window(bf16)[5]) < 1.0
     with pytest.raises(RoutingError, match="bf16: the replay's routing differs"):
-        served_routing(ids, positions, recorded, lambda: scores.to(torch.bfloat16), "bf16")
+        served_routing(ids, positions, _digest(positions, far.numpy()), lambda: bf16, "bf16")
+    with pytest.raises(RoutingError, match="bf16: the replay's routing differs"):
+        served_routing(ids, positions, recorded ^ (1 << 40), lambda: bf16, "bf16")  # no swap gives this digest
 
 
 @pytest.fixture(scope="module")

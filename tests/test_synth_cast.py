@@ -69,7 +69,7 @@ def test_a_sharded_checkpoint_keeps_its_index_and_sub_configs_name_the_dtype(tmp
     save_file({"stray": torch.ones(8)}, src / "consolidated.safetensors")  # not in the index: not weights
     weight_map = {gate: "model-00001-of-00002.safetensors", up: "model-00001-of-00002.safetensors",
                   "ids": "model-00001-of-00002.safetensors", down: "model-00002-of-00002.safetensors"}  # fmt: skip
-    (src / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": 48}, "weight_map": weight_map}))
+    (src / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": 72}, "weight_map": weight_map}))
     (src / "config.json").write_text(json.dumps({"torch_dtype": "float32", "text_config": {"dtype": "float32"}}))
     (src / "extra").mkdir()
     (src / "extra" / "notes.txt").write_text("kept")

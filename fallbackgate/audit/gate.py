@@ -9,10 +9,7 @@ exact computation itself differs by. A request fails when
   with equivalent tags (``cpu_execute``, ``recompute``): at least ``EQUIVALENT_FLOOR_MARGIN[dtype] ×``
   the floor. In float32 the floor is ~1e-14 nats on CPU, so the resolution sets the tolerance (1e-9); in
   bfloat16 the floor itself is ~1e-4 nats and sets it;
-- it was served with an approximate tag and its statistics break its quality budget, counted above the
-  floor (a request served exact and equivalent only chose no degradation: its KL is rounding, which the
-  tolerance above bounds; in bf16 one exact request of 16 decoded together measured mean KL 4.3e-3 against
-  the 4.1e-3 ten times three control requests allow): ``max_mean_kl`` and ``max_p99_kl``
+- its statistics break its quality budget, counted above the floor: ``max_mean_kl`` and ``max_p99_kl``
   each allow ``FLOOR_MARGIN ×`` the control's own mean and p99 KL on top, and ``min_top1_agreement``
   does not count a disagreement where the exact top-2 logit gap is within ``TIE_MARGIN ×`` the control's
   largest logit difference (a near-tie that rounding alone flips); ``max_approx_fraction`` and
@@ -149,8 +146,7 @@ def judge_request(
     quality: list[str] = []
     correctness: list[str] = []
     if stats is not None:
-        if served is Exactness.APPROXIMATE:  # exact and equivalent paths differ by rounding: the tolerance's
-            quality += _kl_budget_reasons(stats, budget, floor)
+        quality += _kl_budget_reasons(stats, budget, floor)
         tol = tolerance(served, floor)
         if stats["max_kl"] > tol:
             correctness.append(

@@ -1,8 +1,8 @@
 #!/bin/bash
 # bash fallbackgate/bench/results/compression-real-2026-12-06/rerun-audit-fix.sh   (after run.sh; ~7 min)
 # The bf16-2x seeds whose gates failed in run.sh (122, 124, 125, 126, 129), every controller, both budgets, again
-# with the audit's bf16 fixes (the replay's router near-tie window, the floor widened by an exact request's own
-# control), against bf16-2x's SLO targets and the fp32 runs' RAM bytes.
+# with the replay's bf16 router near-tie window (7ef029d; the floor widening in that commit was reverted in the
+# next), against bf16-2x's SLO targets and the fp32 runs' RAM bytes.
 set -euo pipefail
 HERE=fallbackgate/bench/results/compression-real-2026-12-06
 BF16=${BF16:-/tmp/fg-tinymoe-bf16}
