@@ -56,7 +56,7 @@ def cast_checkpoint(
     if config.get("quantization_config"):
         raise SynthError(f"--model {src}: quantized ({config['quantization_config'].get('quant_method')}); "
                          "only floating-point checkpoints are cast")  # fmt: skip
-    weights = _weight_files(src)
+    weights = weight_files(src)
     staging = dst.with_name(dst.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -84,7 +84,7 @@ def cast_checkpoint(
     return sum(sizes.values())
 
 
-def _weight_files(src: pathlib.Path) -> list[pathlib.Path]:
+def weight_files(src: pathlib.Path) -> list[pathlib.Path]:
     """The weight files: those the index names, else every ``*.safetensors``."""
     if (src / INDEX_FILE).is_file():
         names = set(json.loads((src / INDEX_FILE).read_text()).get("weight_map", {}).values())
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SynthError(f"--dtype {args.dtype!r}: choose bf16, fp16 or fp32")
         if args.out.exists() and any(args.out.iterdir()):
             raise SynthError(f"--out {args.out}: exists and is not empty")
-        with tqdm(total=len(list(args.model.glob("*.safetensors"))), unit="file", desc="cast") as bar:
+        with tqdm(total=len(weight_files(args.model)), unit="file", desc="cast") as bar:
             written = cast_checkpoint(args.model, args.out, DTYPES[args.dtype], lambda: bar.update(1))
     except (SynthError, CheckpointError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
