@@ -9,6 +9,7 @@ layer; the tokens are those of the same request with everything in RAM.
 from __future__ import annotations
 
 import pathlib
+import time
 
 import pytest
 import torch
@@ -41,11 +42,29 @@ def _spilling_engine(tmp_path: pathlib.Path, controller: ExactLRUController) -> 
     return Engine(config, controller), tokens
 
 
+def _slow_reads(monkeypatch: pytest.MonkeyPatch, delay_s: float = 0.003) -> None:
+    """Every read through the scheduler waits `delay_s` before its real read, so the depth a transfer finds at
+    submit says how the engine submits (together or one by one) and not how fast this host's disk is: a fast
+    disk can finish each read before the next is queued."""
+    from fallbackgate.engine.io import scheduler as scheduler_module
+
+    real = scheduler_module.read_into
+
+    def slow(fd, is_direct, record, buffer, bounce):
+        time.sleep(delay_s)
+        return real(fd, is_direct, record, buffer, bounce)
+
+    monkeypatch.setattr(scheduler_module, "read_into", slow)
+
+
 def _disk_bytes(events, kind: ObjectKind) -> int:
     return sum(e.bytes_moved for e in events if e.object_kind is kind and e.source_tier is Tier.DISK)
 
 
-def test_reported_disk_loads_are_what_the_kernel_read_and_tokens_match_ram(tmp_path: pathlib.Path) -> None:
+def test_reported_disk_loads_are_what_the_kernel_read_and_tokens_match_ram(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _slow_reads(monkeypatch)
     engine, tokens = _spilling_engine(tmp_path, ExactLRUController())
     engine.io.take_completed()  # the warm-up's reads
     before = proc_io()
@@ -85,7 +104,10 @@ def _same_step_misses(records: list[IORecord]) -> bool:
     return kinds == {ObjectKind.EXPERT, ObjectKind.KV_BLOCK}
 
 
-def test_an_expert_miss_and_a_kv_read_share_the_queue_in_one_step(tmp_path: pathlib.Path) -> None:
+def test_an_expert_miss_and_a_kv_read_share_the_queue_in_one_step(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _slow_reads(monkeypatch)
     # kv_dequant: a block's quantized parts are read together, so the queue holds several transfers at once
     engine, _ = _spilling_engine(tmp_path, ExactLRUController(force=["kv_dequant"]))
     engine.io.take_completed()
