@@ -40,11 +40,17 @@ def tier_layout(device: torch.device, is_emulated_device_tier: bool) -> TierLayo
 
 
 def default_io_threads() -> int:
-    """2 I/O threads where the machine has more than 2 cores (or an accelerator computes), else 0.
+    """``$FALLBACKGATE_IO_THREADS`` when set; else 2 I/O threads where the machine has more than 2 cores (or an
+    accelerator computes), else 0.
 
     Measured on a 2-core CPU box (the 16-layer OLMoE-shaped benchmark): reads on I/O threads hid half their
     time but slowed the compute they overlap by more (torch's two compute threads spin on both cores), 3.7-4.0
     against 4.5-4.9 tokens/s with every read on the compute thread."""
+    given = os.environ.get("FALLBACKGATE_IO_THREADS", "").strip()
+    if given:
+        if not given.isdigit():
+            raise ValueError(f"FALLBACKGATE_IO_THREADS must be a whole number >= 0, got {given!r}")
+        return int(given)
     return 2 if (os.cpu_count() or 1) > 2 or torch.cuda.is_available() else 0
 
 

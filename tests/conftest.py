@@ -12,6 +12,9 @@ from tests.checkpoints import make_checkpoint
 # every test (and every command a test runs) predicts with one fixed profile, not this machine's measurement
 FIXED_PROFILE = pathlib.Path(__file__).parent / "data" / "fixed_profile.json"
 os.environ["FALLBACKGATE_PROFILE"] = str(FIXED_PROFILE)
+# and reads experts on the compute thread unless a test asks for I/O threads, on any number of cores (the
+# default turns read-ahead on above 2 cores; the tests that need it set num_io_threads themselves)
+os.environ["FALLBACKGATE_IO_THREADS"] = "0"
 
 
 @pytest.fixture(scope="session")
