@@ -15,6 +15,12 @@ exact computation itself differs by. A request fails when
   largest logit difference (a near-tie that rounding alone flips); ``max_approx_fraction`` and
   ``allowed_tags`` (the approximate tags it may use; exact and equivalent tags are always allowed).
 
+An exact- or equivalent-only request the audit replayed because the floor did not explain it
+(``run_audit.is_beyond_floor``) and whose replay followed the served routing across router near-ties
+(``routing_swaps``) within the replay tolerance is *tie-explained*: it computed what the replay computes with
+the routing rounding gave it, so its budget's KL and top-1 and its exact tolerance are checked against that
+replay instead of the exact baseline (whose own rounding took the other side of the tie).
+
 Runs recorded before the control kept its statistics (only ``runs.numeric_floor_kl``) are judged as
 float32 with no allowances. Approximate tags recorded on observe steps were not applied, so they do not
 count as served. A run passes when it finished and all its requests pass. Failing verdicts name the first
@@ -29,7 +35,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fallbackgate.audit.completeness import check_completeness
-from fallbackgate.audit.stats import top1_outside_ties
+from fallbackgate.audit.stats import percentile, top1_outside_ties
 from fallbackgate.engine.tags import TAG_EXACTNESS, Exactness, ObjectKind, Tag
 from fallbackgate.ledger import audit_queries, quarantine_queries, queries
 from fallbackgate.ledger.db import Ledger, LedgerError
@@ -94,11 +100,13 @@ class RequestVerdict:
     layer: int | None = None  # lowest layer with a non-exact tag on that step
     tags: list[str] = dataclasses.field(default_factory=list)  # tags on that step for this request (KV: "kv_block:…")
     stats: dict[str, Any] | None = None
+    is_tie_explained: bool = False  # exact/equivalent only, routed across router near-ties: judged vs its replay
 
     @property
     def reason(self) -> str:
-        """All reasons in one line ("ok" when it passed)."""
-        return "; ".join(self.reasons) if self.reasons else "ok"
+        """All reasons in one line ("ok" when it passed; a tie-explained request says so)."""
+        ties = " (vs replay: router near-ties)" if self.is_tie_explained else ""
+        return ("; ".join(self.reasons) if self.reasons else "ok") + ties
 
 
 @dataclasses.dataclass
@@ -142,13 +150,14 @@ def judge_request(
     floor = floor if isinstance(floor, Floor) else Floor(max_kl=floor or 0.0)
     served = served_exactness(objects_by_exactness)
     v = RequestVerdict(request_id, True, served, stats=dict(stats) if stats is not None else None)
+    v.is_tie_explained = stats is not None and is_tie_explained(served, replay, floor)
     budget = budget or {}
     quality: list[str] = []
     correctness: list[str] = []
     if stats is not None:
-        quality += _kl_budget_reasons(stats, budget, floor)
+        quality += _kl_budget_reasons(_replay_stats(replay) if v.is_tie_explained else stats, budget, floor)
         tol = tolerance(served, floor)
-        if stats["max_kl"] > tol:
+        if not v.is_tie_explained and stats["max_kl"] > tol:
             correctness.append(
                 f"correctness bug: served {served.value}-only but max KL {stats['max_kl']:.3g} > {tol:.3g}"
             )
@@ -189,6 +198,25 @@ def _tag_reasons(
         if used:
             reasons.append(f"tags not allowed: {', '.join(used)}")
     return reasons
+
+
+def is_tie_explained(served: Exactness | str, replay: Mapping[str, Any] | None, floor: Floor) -> bool:
+    """Whether a request served exact or equivalent only was replayed, its replay followed the served routing
+    across router near-ties (``routing_swaps`` > 0) and matched the served logits within the replay tolerance."""
+    if Exactness(served) is Exactness.APPROXIMATE or not replay or replay.get("error") or replay.get("max_kl") is None:
+        return False
+    return (replay.get("routing_swaps") or 0) > 0 and replay["max_kl"] <= replay_tolerance(served, floor)
+
+
+def _replay_stats(replay: Mapping[str, Any]) -> dict[str, Any]:
+    """A replay's statistics in the budget's terms (its p99 where known, else its max)."""
+    p99 = replay.get("p99_kl")
+    return {
+        "mean_kl": replay["mean_kl"],
+        "p99_kl": replay["max_kl"] if p99 is None else p99,
+        "max_kl": replay["max_kl"],
+        "top1_agreement": replay["top1_agreement"],
+    }
 
 
 def replay_tolerance(served: Exactness | str, floor: Floor) -> float:
@@ -282,9 +310,14 @@ def evaluate_run(ledger: Ledger, run_id: int) -> RunVerdict:
     for req in requests:
         rid = req["request_id"]
         stats = {k: req[k] for k in stat_keys} if req["num_positions"] is not None else None
-        if stats is not None and tie_margin > 0:
-            stats["top1_outside_ties"] = top1_outside_ties(queries.position_diffs(ledger, run_id, rid), tie_margin)
-        replay = {k: req[f"replay_{k}"] for k in ("max_kl", "max_position", "error")}
+        replay = {k: req[f"replay_{k}"] for k in ("max_kl", "mean_kl", "max_position", "top1_agreement", "error")}
+        replay["routing_swaps"] = req["replay_routing_swaps"]
+        if stats is not None and (tie_margin > 0 or req["replay_max_kl"] is not None):
+            diffs = queries.position_diffs(ledger, run_id, rid)
+            if tie_margin > 0:
+                stats["top1_outside_ties"] = top1_outside_ties(diffs, tie_margin)
+            replay_kls = sorted(d["replay_kl"] for d in diffs if d["replay_kl"] is not None)
+            replay["p99_kl"] = percentile(replay_kls, 0.99) if replay_kls else None
         v = judge_request(
             rid,
             stats,

@@ -9,11 +9,16 @@
    control over every position, folded into the floor: the floor grows only with measured exact-vs-exact
    differences (bf16 rounding is heavy-tailed across prompts), never with what was served. A real bug
    leaves its request's own control small and still fails.
+4. An exact- or equivalent-only request still beyond what the floor allows an exact computation
+   (:func:`is_beyond_floor`) is replayed too: where the served forward routed a token across a router near-tie
+   the other way (in bf16 one rounding step apart), the replay routes it as served (``routing_ties``) and
+   computes what was served, and the gate judges the request against that replay.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from fallbackgate.audit.auditor import (
@@ -23,9 +28,10 @@ from fallbackgate.audit.auditor import (
     audit_request,
     control_diffs,
     in_memory,
+    replay_diffs,
 )
 from fallbackgate.audit.baseline import Baseline
-from fallbackgate.audit.gate import Floor, served_exactness, tolerance
+from fallbackgate.audit.gate import FLOOR_MARGIN, KL_RESOLUTION, Floor, served_exactness, tolerance
 from fallbackgate.audit.stats import PositionDiff, RequestDiffStats
 from fallbackgate.engine.baseline.api import BaselineEngine
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined
@@ -85,6 +91,39 @@ def widen_floor(
         control.add(request_id, *control_diffs(engine, prompt_ids, output_ids, baseline))
 
 
+def is_beyond_floor(stats: Mapping[str, Any], served: Exactness, floor: Floor) -> bool:
+    """Whether a request served exact or equivalent only differs from the exact baseline by more than the
+    control allows an exact computation: its mean or p99 KL above FLOOR_MARGIN × the control's (at least the
+    dtype's KL resolution), or its max KL above the tolerance (`stats`: ``mean_kl``, ``p99_kl``, ``max_kl``)."""
+    if served is Exactness.APPROXIMATE:
+        return False
+    resolution = KL_RESOLUTION.get(floor.dtype, KL_RESOLUTION["float32"])
+    return (
+        stats["mean_kl"] > FLOOR_MARGIN * max(floor.mean_kl, resolution)
+        or stats["p99_kl"] > FLOOR_MARGIN * max(floor.p99_kl, resolution)
+        or stats["max_kl"] > tolerance(served, floor)
+    )
+
+
+def replay_beyond_floor(
+    engine: BaselineEngine,
+    ledger: Ledger,
+    run_id: int,
+    request_id: str,
+    served_rows: ServedRows,
+    served: Exactness,
+    stats: Mapping[str, Any],
+    control: FloorControl,
+) -> tuple[list[float] | None, dict[str, Any] | None]:
+    """The replay of an exact- or equivalent-only request beyond the floor so far (:func:`is_beyond_floor`):
+    KL(replay ‖ served) per position and its summary (:func:`~fallbackgate.audit.auditor.replay_diffs`);
+    (None, None) when it is within the floor or approximate (an approximate request is always replayed)."""
+    floor = Floor.of_run({"numeric_floor": control.summary()})
+    if not is_beyond_floor(stats, served, floor):
+        return None, None
+    return replay_diffs(engine, ledger, run_id, request_id, served_rows)
+
+
 def auditable(engine: BaselineEngine, outputs: list[RequestOutput]) -> tuple[list[RequestOutput], dict[str, str]]:
     """The outputs whose exact baseline can be computed, and the rest: request id -> the quarantined object
     its baseline needs (the checkpoint's bytes of it cannot be read correctly). Tried together first."""
@@ -125,9 +164,15 @@ def audit_outputs(
                 engine, ledger, run_id, output.request_id, *ids, in_memory(output), served is Exactness.APPROXIMATE,
                 rows,
             )  # fmt: skip
+            widen_floor(engine, control, request, served, stats.max_kl, rows)
+            if replay is None:
+                kls, replay = replay_beyond_floor(
+                    engine, ledger, run_id, output.request_id, in_memory(output), served, dataclasses.asdict(stats),
+                    control,
+                )  # fmt: skip
+                diffs = [dataclasses.replace(d, replay_kl=k) for d, k in zip(diffs, kls, strict=True)] if kls else diffs
         except ExpertQuarantined as exc:  # its replay needs a quarantined object
             unaudited[output.request_id] = str(exc)
             continue
-        widen_floor(engine, control, request, served, stats.max_kl, rows)
         results.append(AuditedRequest(output.request_id, diffs, stats, replay))
     return results, control.summary(), unaudited

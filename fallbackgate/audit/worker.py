@@ -2,7 +2,8 @@
 
 A request task runs both baselines against the served logits the serving process left in the ledger and
 writes the request's diffs; the run task (claimable once every request task of the run is done) runs the
-floor control, judges the run and writes its verdicts. Results are written only while the worker's claim
+floor control, replays the exact- or equivalent-only requests the floor does not explain (``run_audit``),
+judges the run and writes its verdicts. Results are written only while the worker's claim
 is current; a heartbeat thread renews the lease while a task runs. The model is loaded once per (model,
 dtype, block size) with no expert in memory: the baselines read experts from the checkpoint files.
 """
@@ -17,11 +18,11 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from sqlalchemy import Connection, update
+from sqlalchemy import Connection, bindparam, update
 
-from fallbackgate.audit.auditor import audit_request
+from fallbackgate.audit.auditor import FloorControl, audit_request
 from fallbackgate.audit.gate import evaluate_run, served_exactness
-from fallbackgate.audit.run_audit import initial_floor, widen_floor
+from fallbackgate.audit.run_audit import initial_floor, replay_beyond_floor, widen_floor
 from fallbackgate.audit.verdicts import write_verdicts
 from fallbackgate.engine.baseline.api import BaselineEngine, build_baseline_engine
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined
@@ -31,12 +32,13 @@ from fallbackgate.ledger.audit_queue import Claim, LeaseLost
 from fallbackgate.ledger.audit_rows import diff_rows
 from fallbackgate.ledger.bulk import insert_rows
 from fallbackgate.ledger.db import Ledger, begin_write
-from fallbackgate.ledger.models import QuarantineRow, RequestStatRow, Run, VerificationRow
+from fallbackgate.ledger.models import PositionDiffRow, QuarantineRow, RequestStatRow, Run, VerificationRow
 from fallbackgate.ledger.quarantine_rows import object_rows, request_row
 from fallbackgate.ledger.retry import DEFAULT_RETRY_S, Backoff, is_transient
 from fallbackgate.ledger.rows import Rows, verification_rows
 
 POLL_S = 0.5  # wait between claims while other workers hold the remaining tasks
+REPLAY_KEPT = ("max_kl", "mean_kl", "max_position", "top1_agreement", "error", "routing_swaps")  # replay_* columns
 T = TypeVar("T")
 
 
@@ -183,8 +185,7 @@ class AuditWorker:
         rows: Rows = {}
         diff_rows(run_id, request_id, diffs, stats, step_ids if len(step_ids) == len(diffs) else None, rows, {})
         if replay is not None:
-            kept = ("max_kl", "mean_kl", "max_position", "top1_agreement", "error", "routing_swaps")
-            rows[RequestStatRow.__table__][0].update({f"replay_{k}": v for k, v in replay.items() if k in kept})
+            rows[RequestStatRow.__table__][0].update({f"replay_{k}": v for k, v in replay.items() if k in REPLAY_KEPT})
         failed = engine.verify_audit_copies()  # the baselines' own expert copies, checked again
         if failed:
             rows[VerificationRow.__table__] = verification_rows(run_id, failed)
@@ -199,18 +200,60 @@ class AuditWorker:
             requests.append((r["request_id"], token_ids[:num_prompt], token_ids[num_prompt:]))
         control = initial_floor(engine, requests)
         by_exactness = queries.request_exactness(self.ledger, run_id)
+        served_of = {r["request_id"]: served_exactness(by_exactness.get(r["request_id"], {})) for r in summaries}
         for request, summary in zip(requests, summaries, strict=True):
-            widen_floor(engine, control, request, served_exactness(by_exactness.get(request[0], {})), summary["max_kl"])
+            widen_floor(engine, control, request, served_of[request[0]], summary["max_kl"])
+        replays = self._replays_beyond_floor(engine, run_id, summaries, served_of, control)
         floor = control.summary()
         with begin_write(self.ledger.engine) as conn:  # the floor, under the claim (a taken-over run redoes it)
             audit_queue.check_held(conn, held)
             values = {"numeric_floor_kl": floor["max_kl"], "numeric_floor": floor}
             conn.execute(update(Run).where(Run.id == run_id).values(**values))
+            for request_id, (kls, replay) in replays.items():
+                _write_replay(conn, run_id, request_id, kls, replay)
             failed = engine.verify_audit_copies()
             if failed:
                 insert_rows(conn, VerificationRow.__table__, verification_rows(run_id, failed), ())
         verdict = evaluate_run(self.ledger, run_id)
         audit_queue.complete(self.ledger, held, lambda conn: write_verdicts(conn, verdict))
+
+    def _replays_beyond_floor(
+        self,
+        engine: BaselineEngine,
+        run_id: int,
+        summaries: list[dict[str, Any]],
+        served_of: dict[str, Exactness],
+        control: FloorControl,
+    ) -> dict[str, tuple[list[float], dict[str, Any]]]:
+        """request id -> per-position replay KL and summary, for the requests not replayed yet that
+        :func:`~fallbackgate.audit.run_audit.replay_beyond_floor` replays."""
+        out = {}
+        for summary in summaries:
+            request_id = summary["request_id"]
+            if summary["replay_max_kl"] is not None:
+                continue
+            served_rows = audit_queue.read_served(self.ledger, run_id, request_id)
+            try:
+                kls, replay = replay_beyond_floor(
+                    engine, self.ledger, run_id, request_id, served_rows, served_of[request_id], summary, control
+                )
+            except ExpertQuarantined:  # a near-tie's other expert cannot be read: judged against the baseline
+                continue
+            if replay is not None:
+                out[request_id] = (kls or [], replay)
+        return out
+
+
+def _write_replay(conn: Connection, run_id: int, request_id: str, kls: list[float], replay: dict[str, Any]) -> None:
+    """A replay done at judging: its request_stats ``replay_*`` columns and each position's ``replay_kl``."""
+    stats = RequestStatRow.__table__
+    values = {f"replay_{k}": v for k, v in replay.items() if k in REPLAY_KEPT}
+    conn.execute(update(stats).where(stats.c.run_id == run_id, stats.c.request_id == request_id).values(**values))
+    if kls:
+        diffs = PositionDiffRow.__table__
+        at = (diffs.c.run_id == run_id, diffs.c.request_id == request_id, diffs.c.position == bindparam("b_position"))
+        stmt = update(diffs).where(*at).values(replay_kl=bindparam("b_replay_kl"))
+        conn.execute(stmt, [{"b_position": position, "b_replay_kl": kl} for position, kl in enumerate(kls)])
 
 
 def _insert(conn: Connection, rows: Rows) -> None:
