@@ -9,6 +9,7 @@ import pytest
 
 from fallbackgate.batch.demo import DEMO_POLICY
 from fallbackgate.cli import main
+from fallbackgate.engine.step_context import StepUses
 from fallbackgate.policy.loader import load_policy
 
 
@@ -33,16 +34,26 @@ def test_default_run_is_short_of_memory_reads_from_disk_and_passes(
     assert recap[1].startswith("demo fallbacks: exact_load x") and recap[2].endswith("verdict PASS")
 
 
+SLOW_STEP_S = 0.03  # decode compute a 2-core box measures under the demo budget: more than the 20 ms target
+
+
 @pytest.mark.slow
 def test_default_run_at_full_length_uses_an_approximate_tag_within_budget(
-    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # On a 2-core box a decode step under the demo budget measures more compute than the 20 ms target, so every
+    # read is late and, within the class's budget, low-bit experts and int8 KV copies arrive sooner than the
+    # exact ones (controller.step_time: measured); a faster machine would load in time, so the test measures at
+    # least SLOW_STEP_S of compute per decode step on any host (the steps themselves run as they are).
+    original = StepUses.note_decode_step
+
+    def as_on_a_slow_box(self: StepUses, wall_s: float, exposed_read_s: float) -> None:
+        original(self, max(wall_s, exposed_read_s + SLOW_STEP_S), exposed_read_s)
+
+    monkeypatch.setattr(StepUses, "note_decode_step", as_on_a_slow_box)
     ledger = f"sqlite:///{tmp_path / 'ledger.sqlite'}"
     assert main(["run", "--ledger", ledger, "--quiet"]) == 0
     text = capsys.readouterr().out
-    # On this machine kind (2 cores) a decode step under the demo budget measures more compute than the 20 ms
-    # target, so every read is late and, within the class's budget, low-bit experts and int8 KV copies arrive
-    # sooner than the exact ones (controller.step_time: measured); a much faster machine would load in time.
     assert "kv_dequant x" in text and "expert_lowbit x" in text
     cost = next(s for s in text.splitlines() if s.startswith("demo audited cost: "))
     words = cost.replace(")", "").replace(",", "").split()

@@ -94,7 +94,7 @@ def test_a_body_under_the_limit_is_served(limited: Server) -> None:
 
 def test_a_full_admission_queue_answers_429_with_retry_after(limited: Server) -> None:
     url = f"{limited.base}/v1/completions"
-    long_body = {"model": MODEL, "prompt": "The king said", "max_tokens": 400, "temperature": 0, "stream": True}
+    long_body = {"model": MODEL, "prompt": "The king said", "max_tokens": 1000, "temperature": 0, "stream": True}
     queued: list[int] = []
     with httpx.Client(timeout=120) as client, client.stream("POST", url, json=long_body) as running:
         lines = running.iter_lines()
@@ -105,14 +105,16 @@ def test_a_full_admission_queue_answers_429_with_retry_after(limited: Server) ->
             )
         )
         waiter.start()
-        time.sleep(1.0)  # the second request waits in the one queue place
+        deadline = time.monotonic() + 60
+        while _in_flight(limited.base) < 2:  # the second request waits in the one queue place
+            assert time.monotonic() < deadline, "the second request was not admitted"
+            time.sleep(0.05)
         refused = httpx.post(url, json={"model": MODEL, "prompt": "Hello", "max_tokens": 2}, timeout=30)
         assert refused.status_code == 429, refused.text
         assert refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "too_many_requests"
         assert "--max-queued" in refused.json()["error"]["message"]
-        for _ in lines:  # let the long one finish
-            pass
+    # leaving the stream disconnects the long one: the server cancels it and the slot frees
     waiter.join(timeout=120)
     assert queued == [200]  # the queued one was served once the slot freed
 
