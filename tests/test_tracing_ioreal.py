@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from fallbackgate.cli import main
+from fallbackgate.engine.io import IOScheduler
+from fallbackgate.tracing import realio
 from fallbackgate.tracing.devices import fit_profile, fit_waits
 from fallbackgate.tracing.reader import read_trace
 from fallbackgate.tracing.realio import RealIO, simulate_real
@@ -58,6 +60,53 @@ def test_io_real_performs_every_decided_transfer(planted: tuple, tmp_path: Path)
     assert result["stall_s"] == pytest.approx(sum(stalls) / 1e3, rel=1e-3)
     assert isinstance(result["is_direct"], bool) and result["io"] == "real"
     assert list(tmp_path.iterdir()) == []  # the scratch file is gone
+
+
+def test_io_real_orders_and_queues_the_two_kinds_as_asked(
+    planted: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``order``: background transfers behind demand reads or in submission order; ``queues``: one scheduler
+    for both kinds, or one per kind with half the workers each. The decisions are the same in every case."""
+    p, path = planted
+    made: list = []
+
+    class Recording(IOScheduler):
+        def __init__(self, num_workers: int) -> None:
+            super().__init__(num_workers=num_workers)
+            self.submitted: list[tuple[str, str, int]] = []  # (kind, op, priority)
+            made.append(self)
+
+        def submit_read(self, path, offset, num_bytes, kind, object_id, *args, priority=None, **kwargs):  # noqa: ANN001
+            self.submitted.append((kind.value, "read", priority))
+            return super().submit_read(path, offset, num_bytes, kind, object_id, *args, priority=priority, **kwargs)
+
+        def submit_write(self, path, offset, data, kind, object_id, *args, priority=None, **kwargs):  # noqa: ANN001
+            self.submitted.append((kind.value, "write", priority))
+            return super().submit_write(path, offset, data, kind, object_id, *args, priority=priority, **kwargs)
+
+    monkeypatch.setattr(realio, "IOScheduler", Recording)
+    config = SimulationConfig("exact_lru", p.total_budget_bytes // 2, fit_waits(read_trace(path)))
+    results = {}
+    for order, queues in (("priority", "shared"), ("fifo", "shared"), ("priority", "by_kind")):
+        made.clear()
+        real = RealIO(str(tmp_path), pace=False, order=order, queues=queues, workers=2)
+        results[order, queues] = simulate_real(path, [config], real)[0]
+        submitted = [s for io in made for s in io.submitted]
+        writes = [s for s in submitted if s[1] == "write"]
+        assert writes and all(kind == "kv_block" for kind, _, _ in writes)  # spilled KV blocks
+        assert {priority for _, _, priority in writes} == ({1} if order == "priority" else {0})
+        if queues == "shared":
+            assert len(made) == 1 and made[0].num_workers == 2
+        else:
+            assert sorted(io.num_workers for io in made) == [1, 1]
+            assert sorted({kind for kind, _, _ in io.submitted} for io in made) == [{"expert"}, {"kv_block"}]
+    for (order, queues), result in results.items():
+        assert (result["io_order"], result["io_queues"], result["io_workers"]) == (order, queues, 2)
+        assert result["misses_by_tag"] == results["priority", "shared"]["misses_by_tag"]
+    with pytest.raises(ValueError, match="by_kind needs --io-workers >= 2"):
+        RealIO(str(tmp_path), queues="by_kind")
+    with pytest.raises(ValueError, match="--io-order must be one of priority, fifo"):
+        RealIO(str(tmp_path), order="lifo")
 
 
 def test_cli_io_real_and_validate_refuse_bad_input(planted: tuple, tmp_path: Path) -> None:

@@ -6,7 +6,8 @@ the numbers to the ledger's ``trace_analyses`` table (the dashboard's Traces pag
 [--devices all|measured,...] [--compress E:KV,...] [--jobs N]``: the project's controllers over the trace without
 the model, every configuration of the grid in parallel processes (``--compress``: what-if experts and KV blocks at
 those fractions of their recorded bytes); one JSON object per configuration (hits, misses and bytes
-by tag, stall, P99 TPOT, SLO attainment). ``--io real DIR [--io-depth N] [--no-pace]`` performs each
+by tag, stall, P99 TPOT, SLO attainment). ``--io real DIR [--io-depth N] [--no-pace] [--io-order O]
+[--io-queues Q] [--io-workers N]`` performs each
 configuration's transfers against a scratch file in DIR instead (one configuration after another);
 ``--progress`` draws a bar.
 
@@ -42,7 +43,7 @@ from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_le
 from fallbackgate.tracing.analyze import TraceAnalysis, analyze_trace, store, trace_labels
 from fallbackgate.tracing.devices import simulation_devices
 from fallbackgate.tracing.reader import Trace, read_trace
-from fallbackgate.tracing.realio import RealIO, check_recorded_sizes, simulate_real
+from fallbackgate.tracing.realio import ORDERS, QUEUES, RealIO, check_recorded_sizes, simulate_real
 from fallbackgate.tracing.simulate import SimulationConfig
 from fallbackgate.tracing.simulate_run import simulate_many
 from fallbackgate.tracing.simulator import GIB
@@ -112,6 +113,14 @@ def _add_io_flags(parser: argparse.ArgumentParser) -> None:
                         "pricing it on a device model")  # fmt: skip
     parser.add_argument("--io-depth", type=int, default=1, help="--io real: demand reads in flight per layer")
     parser.add_argument("--no-pace", action="store_true", help="--io real: do not sleep each step's compute time")
+    parser.add_argument("--io-order", choices=ORDERS, default="priority",
+                        help="--io real: demand reads before queued prefetches and spill writes (priority, the "
+                        "engine's order) or in submission order (fifo)")  # fmt: skip
+    parser.add_argument("--io-queues", choices=QUEUES, default="shared",
+                        help="--io real: one queue for experts and KV (shared) or one per kind (by_kind, half the "
+                        "workers each)")  # fmt: skip
+    parser.add_argument("--io-workers", type=int, default=None,
+                        help="--io real: transfers in flight in all (default: --io-depth)")  # fmt: skip
 
 
 def real_io(args: argparse.Namespace) -> RealIO | None:
@@ -125,7 +134,9 @@ def real_io(args: argparse.Namespace) -> RealIO | None:
         raise ValueError(f"--io real {directory}: not a directory")
     if args.io_depth < 1:
         raise ValueError(f"--io-depth must be >= 1, got {args.io_depth}")
-    return RealIO(directory, args.io_depth, not args.no_pace)
+    return RealIO(
+        directory, args.io_depth, not args.no_pace, order=args.io_order, queues=args.io_queues, workers=args.io_workers
+    )
 
 
 def _names(text: str) -> tuple[str, ...]:

@@ -14,6 +14,12 @@ note where it does not, e.g. tmpfs, which is RAM) against one scratch file of ra
 - with ``pace`` the step's compute and host time (the trace's duration less its waits, plus the gap before
   the next step) is slept before the next step, so background transfers overlap compute as they did.
 
+How the two kinds share the device is a choice (PROBE.md: how read-only experts and append-only KV pages
+should share an SSD): ``order`` ``priority`` serves waited-on reads before queued prefetches and spill writes
+(the engine's order), ``fifo`` in submission order; ``queues`` ``shared`` puts both kinds on one queue of
+``workers`` transfers in flight, ``by_kind`` gives experts and KV blocks a queue each with half of them (two
+independent links: neither kind's transfers wait behind the other's).
+
 Sizes are the objects' bytes; offsets are the recorded ones where the trace's io table names the object
 (an expert's span in its checkpoint file: the read size is then the recorded aligned span), else the
 object's slot in the scratch file (experts by (layer, expert), KV blocks in first-write order).
@@ -47,6 +53,63 @@ class RealIO:
     depth: int = 1  # demand reads in flight at once within a layer
     pace: bool = True  # sleep each step's compute time between steps (the trace's timing)
     overhead_ns_per_read: float = 0.0  # the engine's own work per demand read beyond the I/O, added to the stall
+    order: str = "priority"  # "priority": demand reads before queued background transfers; "fifo": as submitted
+    queues: str = "shared"  # "shared": one queue for both kinds; "by_kind": experts and KV blocks a queue each
+    workers: int | None = None  # transfers in flight in all (None: max(depth, 1)); by_kind: half per kind
+
+    def __post_init__(self) -> None:
+        if self.order not in ORDERS:
+            raise ValueError(f"--io-order must be one of {', '.join(ORDERS)}, got {self.order!r}")
+        if self.queues not in QUEUES:
+            raise ValueError(f"--io-queues must be one of {', '.join(QUEUES)}, got {self.queues!r}")
+        if self.workers is not None and not 1 <= self.workers <= 64:
+            raise ValueError(f"--io-workers must be 1..64, got {self.workers}")
+        if self.queues == "by_kind" and self.num_workers < 2:
+            raise ValueError("--io-queues by_kind needs --io-workers >= 2 (one per kind at least)")
+
+    @property
+    def num_workers(self) -> int:
+        """Transfers in flight in all."""
+        return self.workers if self.workers is not None else max(self.depth, 1)
+
+    @property
+    def background_priority(self) -> int:
+        """The serving priority of prefetches and spill writes (demand reads have 0, lower first)."""
+        return 1 if self.order == "priority" else 0
+
+
+ORDERS = ("priority", "fifo")
+QUEUES = ("shared", "by_kind")
+
+
+class Links:
+    """The I/O scheduler(s) transfers go through: one shared, or one per object kind."""
+
+    def __init__(self, real: RealIO) -> None:
+        if real.queues == "shared":
+            shared = IOScheduler(num_workers=real.num_workers)
+            self.by_kind = {"expert": shared, "kv_block": shared}
+        else:
+            half = real.num_workers // 2
+            self.by_kind = {"expert": IOScheduler(num_workers=half), "kv_block": IOScheduler(num_workers=half)}
+        self.schedulers = list({id(io): io for io in self.by_kind.values()}.values())
+
+    def of(self, op: IOOp) -> IOScheduler:
+        """The scheduler an operation goes through."""
+        return self.by_kind["expert" if op.kind == "expert" else "kv_block"]
+
+    def __enter__(self) -> Links:
+        for io in self.schedulers:
+            io.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for io in self.schedulers:
+            io.close()
+
+    def take_completed(self) -> list:
+        """Every scheduler's finished transfers."""
+        return [record for io in self.schedulers for record in io.take_completed()]
 
 
 def recorded_spans(path: str) -> dict[str, tuple[int, int]]:
@@ -85,16 +148,20 @@ class ScratchLayout:
         return self.kv_base + self.kv_slots[op.key] * self.kv_bytes, op.num_bytes
 
 
-def _issue(io: IOScheduler, path: str, layout: ScratchLayout, op: IOOp, into: Any, priority: int, data: Any) -> Ticket:
+def _issue(
+    links: Links, path: str, layout: ScratchLayout, op: IOOp, into: Any, priority: int, data: Any
+) -> tuple[IOScheduler, Ticket]:
+    """Queue one transfer on its kind's scheduler; that scheduler and its ticket."""
+    io = links.of(op)
     offset, num = layout.place(op)
     kind = ObjectKind.EXPERT if op.kind == "expert" else ObjectKind.KV_BLOCK
     name = ":".join(map(str, op.key))
     if op.op == "write":
-        return io.submit_write(path, offset, data[:num], kind, name, priority=priority)
-    return io.submit_read(path, offset, num, kind, name, into=into, priority=priority)
+        return io, io.submit_write(path, offset, data[:num], kind, name, priority=priority)
+    return io, io.submit_read(path, offset, num, kind, name, into=into, priority=priority)
 
 
-def _demand_stall(io: IOScheduler, path: str, layout: ScratchLayout, reads: list[IOOp], depth: int, pool: list) -> int:
+def _demand_stall(links: Links, path: str, layout: ScratchLayout, reads: list[IOOp], depth: int, pool: list) -> int:
     """Issue one step's demand reads layer by layer, ``depth`` at a time; the summed wall time waited (ns)."""
     stall = 0
     if not reads:
@@ -106,8 +173,8 @@ def _demand_stall(io: IOScheduler, path: str, layout: ScratchLayout, reads: list
         started = time.monotonic_ns()
         for first in range(0, len(ops), depth):
             batch = ops[first : first + depth]
-            tickets = [_issue(io, path, layout, op, pool[i], 0, None) for i, op in enumerate(batch)]
-            for ticket in tickets:
+            tickets = [_issue(links, path, layout, op, pool[i], 0, None) for i, op in enumerate(batch)]
+            for io, ticket in tickets:
                 io.wait(ticket)
         stall += time.monotonic_ns() - started
     return stall
@@ -140,20 +207,20 @@ def run_real(data: SimulationInput, config: SimulationConfig, trace_path: str, r
     stall = np.zeros(len(ops))
     background: list[Ticket] = []
     try:
-        with IOScheduler(num_workers=max(real.depth, 1)) as io:
-            io.start()
+        with Links(real) as links:
             for index, step in enumerate(ops):
                 demand = [op for op in step if op.requester == "demand"]
-                waited = _demand_stall(io, path, layout, demand, real.depth, pool)
+                waited = _demand_stall(links, path, layout, demand, real.depth, pool)
                 stall[index] = waited + real.overhead_ns_per_read * len(demand)
-                background = [t for t in background if not t.done.is_set()]
+                background = [(io, t) for io, t in background if not t.done.is_set()]
                 rest = [op for op in step if op.requester != "demand"]
-                background += [_issue(io, path, layout, op, None, 1, write_data) for op in rest]
+                priority = real.background_priority
+                background += [_issue(links, path, layout, op, None, priority, write_data) for op in rest]
                 if real.pace:
                     time.sleep(max(float(gaps[index]), 0.0) / 1e9)
-            for ticket in background:
+            for io, ticket in background:
                 io.wait(ticket)
-            records = io.take_completed()
+            records = links.take_completed()
     finally:
         os.unlink(path)
     return _with_measurements(simulator.result(stall), real, records, stall)
@@ -163,12 +230,23 @@ def _with_measurements(result: dict[str, Any], real: RealIO, records: list, stal
     reads = [r for r in records if r.op.value == "read" and not r.error]
     service_ms = np.array([r.service_s * 1e3 for r in reads]) if reads else np.zeros(1)
     is_direct = all(r.is_direct for r in records) if records else None
+    by_kind: dict[str, dict[str, float]] = {}
+    for kind in sorted({r.object_kind.value for r in reads}):  # submission to arrival: queueing included
+        kind_ms = np.array([(r.wait_s + r.service_s) * 1e3 for r in reads if r.object_kind.value == kind])
+        by_kind[kind] = {"p50": float(np.percentile(kind_ms, 50)), "p99": float(np.percentile(kind_ms, 99))}
+    moved: dict[str, int] = {}
+    for r in records:
+        if not r.error:
+            key = f"{r.object_kind.value}:{r.op.value}"
+            moved[key] = moved.get(key, 0) + r.num_bytes
     result.update({
         "device": f"real:{real.directory}", "io": "real", "io_depth": real.depth, "is_paced": real.pace,
+        "io_order": real.order, "io_queues": real.queues, "io_workers": real.num_workers,
         "overhead_ms_per_read": real.overhead_ns_per_read / 1e6, "is_direct": is_direct,
         "num_reads": len(reads), "num_writes": len(records) - len(reads),
         "read_service_ms": {"p50": float(np.percentile(service_ms, 50)), "p99": float(np.percentile(service_ms, 99)),
                             "max": float(service_ms.max())},
+        "read_latency_ms_by_kind": by_kind, "bytes_moved": moved,
         "stall_ms_per_step": [round(float(s) / 1e6, 4) for s in stall],
         "note": "" if is_direct or is_direct is None else
         f"{real.directory}'s file system refused O_DIRECT (e.g. tmpfs, i.e. RAM): reads were buffered",

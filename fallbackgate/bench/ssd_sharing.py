@@ -1,0 +1,171 @@
+"""python -m fallbackgate.bench.ssd_sharing --trace DIR [--trace DIR ...] --dir SCRATCH [--controllers A,B]
+    [--expert-fraction F] [--workers N] [--repeats R] [--no-pace] [--json FILE] [--png FILE]
+
+How should read-only experts and append-only KV pages share one SSD? (PROBE.md, "also raised".) Each trace's
+recorded run is decided again by each controller (``trace simulate``'s simulator, the trace's own budget), and
+its transfers -- demand reads of experts and KV blocks, step-end expert prefetches, KV spill writes -- are
+performed for real against a scratch file in SCRATCH (``trace simulate --io real``, ``tracing.realio``) under
+each way of sharing the device:
+
+- ``priority/shared``: one queue, waited-on reads before queued prefetches and spill writes (the engine's);
+- ``fifo/shared``: one queue in submission order (a spill write queued first delays the next miss);
+- ``priority/by_kind`` and ``fifo/by_kind``: experts and KV blocks a queue each, half the workers each (two
+  independent links, as two independent controllers would own them).
+
+Every (trace, controller) runs every layout ``--repeats`` times, the layouts' order rotated each repeat, so
+drift of the disk over the run falls on all of them alike. Per layout: the summed stall (the wall time the
+steps waited on their demand reads), P99 and mean TPOT as the simulator prices them with that stall, read
+latency (submission to arrival) by kind, and the bytes moved by kind and direction; each layout's stall and P99
+TPOT as a ratio to ``priority/shared`` of the same repeat, with their mean over repeats and traces. JSON out;
+``--png`` draws the stall ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from typing import Any
+
+import numpy as np
+
+from fallbackgate.tracing.devices import fit_waits
+from fallbackgate.tracing.reader import read_trace
+from fallbackgate.tracing.realio import ORDERS, QUEUES, RealIO, simulate_real
+from fallbackgate.tracing.simulate import SimulationConfig
+from fallbackgate.tracing.validate import recorded_budget
+
+LAYOUTS = [(order, queues) for queues in QUEUES for order in ORDERS]  # priority/shared first: the reference
+REFERENCE = "priority/shared"
+KEPT = ("stall_s", "p99_tpot_ms", "mean_tpot_ms", "read_latency_ms_by_kind", "bytes_moved", "num_reads",
+        "num_writes", "is_direct")  # fmt: skip
+
+
+def layout_name(order: str, queues: str) -> str:
+    """``order/queues``, e.g. ``priority/shared``."""
+    return f"{order}/{queues}"
+
+
+def run_cell(trace: str, config: SimulationConfig, args: argparse.Namespace, repeat: int) -> dict[str, Any]:
+    """One (trace, controller) repeat: every layout, in an order rotated by `repeat`."""
+    shift = repeat % len(LAYOUTS)
+    out: dict[str, Any] = {}
+    for order, queues in LAYOUTS[shift:] + LAYOUTS[:shift]:
+        real = RealIO(args.dir, pace=not args.no_pace, order=order, queues=queues, workers=args.workers)
+        result = simulate_real(trace, [config], real)[0]
+        out[layout_name(order, queues)] = {k: result.get(k) for k in KEPT}
+    out = {layout_name(o, q): out[layout_name(o, q)] for o, q in LAYOUTS}  # reported in one order
+    reference = out[REFERENCE]
+    for metrics in out.values():
+        metrics["stall_ratio"] = metrics["stall_s"] / reference["stall_s"] if reference["stall_s"] else None
+        metrics["p99_tpot_ratio"] = metrics["p99_tpot_ms"] / reference["p99_tpot_ms"]
+    return out
+
+
+def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per layout: the mean and range of the stall and P99 TPOT ratios over every (trace, controller, repeat)."""
+    summary = {}
+    for order, queues in LAYOUTS:
+        name = layout_name(order, queues)
+        stall = [c["layouts"][name]["stall_ratio"] for c in cells if c["layouts"][name]["stall_ratio"] is not None]
+        p99 = [c["layouts"][name]["p99_tpot_ratio"] for c in cells]
+        summary[name] = {
+            "stall_ratio_mean": float(np.mean(stall)) if stall else None,
+            "stall_ratio_range": [float(min(stall)), float(max(stall))] if stall else None,
+            "p99_tpot_ratio_mean": float(np.mean(p99)),
+            "p99_tpot_ratio_range": [float(min(p99)), float(max(p99))],
+            "num_cells": len(p99),
+        }
+    return summary
+
+
+def kv_share(cells: list[dict[str, Any]]) -> float:
+    """The KV blocks' share of all bytes moved over the link (reference layout, every cell)."""
+    moved = [c["layouts"][REFERENCE]["bytes_moved"] for c in cells]
+    kv = sum(v for m in moved for k, v in m.items() if k.startswith("kv_block"))
+    total = sum(v for m in moved for v in m.values())
+    return kv / total if total else 0.0
+
+
+def draw(cells: list[dict[str, Any]], path: str) -> None:
+    """Each cell's stall ratio per layout (against priority/shared)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [layout_name(o, q) for o, q in LAYOUTS]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for cell in cells:
+        ratios = [cell["layouts"][n]["stall_ratio"] or np.nan for n in names]
+        ax.plot(names, ratios, marker="o", alpha=0.6, label=f"{cell['trace']} {cell['controller']} r{cell['repeat']}")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_ylabel("stall / priority-shared's (same cell, same repeat)")
+    ax.set_title("Experts and KV on one disk: the device's queue order and sharing (measured I/O)")
+    ax.legend(fontsize=5, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _configs(trace: str, controllers: list[str], expert_fraction: float) -> list[SimulationConfig]:
+    """Each controller at the trace's recorded budget, deciding with the device its own waits fit."""
+    recorded = read_trace(trace)
+    budget, device = recorded_budget(recorded), fit_waits(recorded)
+    if not budget or device is None:
+        raise ValueError(f"{trace}: no recorded budget or no waits to fit a device model from")
+    fraction = {"static_split": expert_fraction}
+    return [SimulationConfig(c, budget, device, expert_fraction=fraction.get(c)) for c in controllers]
+
+
+def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every (trace, controller, repeat) cell, printed as it finishes."""
+    if not pathlib.Path(args.dir).is_dir():
+        raise ValueError(f"--dir {args.dir}: not a directory")
+    controllers = [c.strip() for c in args.controllers.split(",") if c.strip()]
+    cells = []
+    for trace in args.trace:
+        name = pathlib.Path(trace).name
+        for config in _configs(trace, controllers, args.expert_fraction):
+            for repeat in range(args.repeats):
+                layouts = run_cell(trace, config, args, repeat)
+                cells.append({"trace": name, "controller": config.controller, "repeat": repeat, "layouts": layouts})
+                ratios = "  ".join(f"{n} x{m['stall_ratio'] or 0:.3f}" for n, m in layouts.items())
+                stall = layouts[REFERENCE]["stall_s"]
+                print(f"{name} {config.controller} r{repeat}: stall {stall:.3f} s; {ratios}", flush=True)
+    return cells
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fallbackgate.bench.ssd_sharing", description=__doc__)
+    parser.add_argument("--trace", action="append", required=True, help="a trace directory (repeatable)")
+    parser.add_argument("--dir", required=True, help="a directory on the disk under test (tmpfs: RAM)")
+    parser.add_argument("--controllers", default="joint,static_split", help="comma-separated")
+    parser.add_argument("--expert-fraction", type=float, default=0.9, help="static_split's expert share")
+    parser.add_argument("--workers", type=int, default=2, help="transfers in flight in all (by_kind: half each)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every layout per cell")
+    parser.add_argument("--no-pace", action="store_true", help="do not sleep each step's compute time")
+    parser.add_argument("--json", default=None, help="results file")
+    parser.add_argument("--png", default=None, help="figure of the stall ratios")
+    args = parser.parse_args(argv)
+    try:
+        cells = run_all(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"ssd_sharing: {exc}", file=sys.stderr)
+        return 2
+    result = {"command": " ".join(sys.argv), "cells": cells, "summary": summarize(cells)}
+    result["kv_share_of_bytes"] = kv_share(cells)
+    for name, s in result["summary"].items():
+        print(f"{name:18} stall x{s['stall_ratio_mean'] or 0:.3f} {s['stall_ratio_range']}  "
+              f"P99 TPOT x{s['p99_tpot_ratio_mean']:.3f} {s['p99_tpot_ratio_range']}")  # fmt: skip
+    print(f"KV share of the bytes moved: {result['kv_share_of_bytes']:.4f}")
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    if args.png:
+        draw(cells, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
