@@ -29,7 +29,8 @@ def test_every_layout_runs_every_cell_against_the_engines_own(tmp_path: Path) ->
         ("joint", 0), ("joint", 1), ("static_split", 0), ("static_split", 1)
     ]  # fmt: skip
     for cell in result["cells"]:
-        assert list(cell["layouts"]) == ["priority/shared", "fifo/shared", "priority/by_kind", "fifo/by_kind"]
+        names = ["priority/shared", "fifo/shared", "priority/by_kind", "fifo/by_kind", "priority/shared/1"]
+        assert list(cell["layouts"]) == names
         assert cell["layouts"]["priority/shared"]["stall_ratio"] == 1.0
         moved = [layout["bytes_moved"] for layout in cell["layouts"].values()]
         assert all(m == moved[0] for m in moved)  # the same decisions, so the same transfers, in every layout
@@ -42,3 +43,9 @@ def test_every_layout_runs_every_cell_against_the_engines_own(tmp_path: Path) ->
 def test_bad_input_is_refused_with_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert ssd_sharing.main(["--trace", str(tmp_path), "--dir", str(tmp_path / "nowhere")]) == 2
     assert "not a directory" in capsys.readouterr().err
+
+
+def test_layouts_can_be_chosen_and_the_reference_always_runs(tmp_path: Path) -> None:
+    assert ssd_sharing.chosen_layouts("priority/shared/1") == [("priority", "shared"), ("priority", "shared/1")]
+    with pytest.raises(ValueError, match="--layouts: unknown lifo/shared"):
+        ssd_sharing.chosen_layouts("lifo/shared")

@@ -10,7 +10,8 @@ each way of sharing the device:
 - ``priority/shared``: one queue, waited-on reads before queued prefetches and spill writes (the engine's);
 - ``fifo/shared``: one queue in submission order (a spill write queued first delays the next miss);
 - ``priority/by_kind`` and ``fifo/by_kind``: experts and KV blocks a queue each, half the workers each (two
-  independent links, as two independent controllers would own them).
+  independent links, as two independent controllers would own them);
+- ``priority/shared/1``: the control for by_kind: one queue with one worker, what each kind has there.
 
 Every (trace, controller) runs every layout ``--repeats`` times, the layouts' order rotated each repeat, so
 drift of the disk over the run falls on all of them alike. Per layout: the summed stall (the wall time the
@@ -37,6 +38,7 @@ from fallbackgate.tracing.simulate import SimulationConfig
 from fallbackgate.tracing.validate import recorded_budget
 
 LAYOUTS = [(order, queues) for queues in QUEUES for order in ORDERS]  # priority/shared first: the reference
+LAYOUTS.append(("priority", "shared/1"))  # control: one queue with ONE worker (by_kind's per-kind share)
 REFERENCE = "priority/shared"
 KEPT = ("stall_s", "p99_tpot_ms", "mean_tpot_ms", "read_latency_ms_by_kind", "bytes_moved", "num_reads",
         "num_writes", "is_direct")  # fmt: skip
@@ -47,15 +49,28 @@ def layout_name(order: str, queues: str) -> str:
     return f"{order}/{queues}"
 
 
+def chosen_layouts(names: str | None) -> list[tuple[str, str]]:
+    """The layouts a ``--layouts`` list names (default: all), the reference always first."""
+    if not names:
+        return list(LAYOUTS)
+    wanted = {n.strip() for n in names.split(",") if n.strip()} | {REFERENCE}
+    known = {layout_name(o, q) for o, q in LAYOUTS}
+    if wanted - known:
+        raise ValueError(f"--layouts: unknown {', '.join(sorted(wanted - known))}; known: {', '.join(sorted(known))}")
+    return [(o, q) for o, q in LAYOUTS if layout_name(o, q) in wanted]
+
+
 def run_cell(trace: str, config: SimulationConfig, args: argparse.Namespace, repeat: int) -> dict[str, Any]:
     """One (trace, controller) repeat: every layout, in an order rotated by `repeat`."""
-    shift = repeat % len(LAYOUTS)
+    layouts = chosen_layouts(args.layouts)
+    shift = repeat % len(layouts)
     out: dict[str, Any] = {}
-    for order, queues in LAYOUTS[shift:] + LAYOUTS[:shift]:
-        real = RealIO(args.dir, pace=not args.no_pace, order=order, queues=queues, workers=args.workers)
+    for order, queues in layouts[shift:] + layouts[:shift]:
+        workers = 1 if queues == "shared/1" else args.workers
+        real = RealIO(args.dir, pace=not args.no_pace, order=order, queues=queues.split("/")[0], workers=workers)
         result = simulate_real(trace, [config], real)[0]
         out[layout_name(order, queues)] = {k: result.get(k) for k in KEPT}
-    out = {layout_name(o, q): out[layout_name(o, q)] for o, q in LAYOUTS}  # reported in one order
+    out = {layout_name(o, q): out[layout_name(o, q)] for o, q in layouts}  # reported in one order
     reference = out[REFERENCE]
     for metrics in out.values():
         metrics["stall_ratio"] = metrics["stall_s"] / reference["stall_s"] if reference["stall_s"] else None
@@ -68,6 +83,8 @@ def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
     summary = {}
     for order, queues in LAYOUTS:
         name = layout_name(order, queues)
+        if any(name not in c["layouts"] for c in cells):
+            continue
         stall = [c["layouts"][name]["stall_ratio"] for c in cells if c["layouts"][name]["stall_ratio"] is not None]
         p99 = [c["layouts"][name]["p99_tpot_ratio"] for c in cells]
         summary[name] = {
@@ -95,7 +112,7 @@ def draw(cells: list[dict[str, Any]], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [layout_name(o, q) for o, q in LAYOUTS]
+    names = [layout_name(o, q) for o, q in LAYOUTS if all(layout_name(o, q) in c["layouts"] for c in cells)]
     fig, ax = plt.subplots(figsize=(8, 4))
     for cell in cells:
         ratios = [cell["layouts"][n]["stall_ratio"] or np.nan for n in names]
@@ -146,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="transfers in flight in all (by_kind: half each)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every layout per cell")
     parser.add_argument("--no-pace", action="store_true", help="do not sleep each step's compute time")
+    parser.add_argument("--layouts", default=None, help="comma-separated (default: all; priority/shared always)")
     parser.add_argument("--json", default=None, help="results file")
     parser.add_argument("--png", default=None, help="figure of the stall ratios")
     args = parser.parse_args(argv)
