@@ -38,6 +38,11 @@ def test_every_layout_runs_every_cell_against_the_engines_own(tmp_path: Path) ->
     assert summary["priority/shared"]["stall_ratio_mean"] == 1.0 and summary["fifo/by_kind"]["num_cells"] == 4
     assert 0.0 < result["kv_share_of_bytes"] < 1.0 and (tmp_path / "r.png").stat().st_size > 0
     assert list(scratch.iterdir()) == []  # every scratch file removed
+    over = summary["fifo/shared"]["by_controller"]["joint"]["stall_ratio"]  # one trace: a mean, no spread
+    assert over["n"] == 1 and over["lo"] == over["mean"] == over["hi"]
+    again = tmp_path / "again.json"
+    assert ssd_sharing.main(["--summarize", str(out), "--json", str(again), "--trace", "-", "--dir", "-"]) == 0
+    assert json.loads(again.read_text())["summary"] == summary  # summarized again from the cells alone
 
 
 def test_bad_input_is_refused_with_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from fallbackgate.sweep.summary import interval
 from fallbackgate.tracing.devices import fit_waits
 from fallbackgate.tracing.reader import read_trace
 from fallbackgate.tracing.realio import ORDERS, QUEUES, RealIO, simulate_real
@@ -79,7 +80,9 @@ def run_cell(trace: str, config: SimulationConfig, args: argparse.Namespace, rep
 
 
 def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per layout: the mean and range of the stall and P99 TPOT ratios over every (trace, controller, repeat)."""
+    """Per layout: the stall and P99 TPOT ratios' mean and range over every (trace, controller, repeat) cell,
+    and per controller a Student-t 95 % interval over the traces of each trace's mean ratio (the repeats of a
+    trace are not independent draws; its traces are)."""
     summary = {}
     for order, queues in LAYOUTS:
         name = layout_name(order, queues)
@@ -93,8 +96,19 @@ def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
             "p99_tpot_ratio_mean": float(np.mean(p99)),
             "p99_tpot_ratio_range": [float(min(p99)), float(max(p99))],
             "num_cells": len(p99),
+            "by_controller": {c: _over_traces(cells, name, c) for c in sorted({c["controller"] for c in cells})},
         }
     return summary
+
+
+def _over_traces(cells: list[dict[str, Any]], name: str, controller: str) -> dict[str, Any]:
+    by_trace: dict[str, list[dict[str, Any]]] = {}
+    for cell in cells:
+        if cell["controller"] == controller:
+            by_trace.setdefault(cell["trace"], []).append(cell["layouts"][name])
+    stall = [float(np.mean([m["stall_ratio"] for m in ms if m["stall_ratio"] is not None])) for ms in by_trace.values()]
+    p99 = [float(np.mean([m["p99_tpot_ratio"] for m in ms])) for ms in by_trace.values()]
+    return {"stall_ratio": interval(stall), "p99_tpot_ratio": interval(p99)}
 
 
 def kv_share(cells: list[dict[str, Any]]) -> float:
@@ -166,17 +180,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", default=None, help="comma-separated (default: all; priority/shared always)")
     parser.add_argument("--json", default=None, help="results file")
     parser.add_argument("--png", default=None, help="figure of the stall ratios")
+    parser.add_argument(
+        "--summarize",
+        metavar="JSON",
+        default=None,
+        help="summarize an earlier run's results file again (nothing is run; with --json: rewritten)",
+    )
     args = parser.parse_args(argv)
     try:
-        cells = run_all(args)
-    except (ValueError, FileNotFoundError) as exc:
+        if args.summarize:
+            earlier = json.loads(pathlib.Path(args.summarize).read_text())
+            command, cells = earlier["command"], earlier["cells"]
+        else:
+            command, cells = " ".join(sys.argv), run_all(args)
+    except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError) as exc:
         print(f"ssd_sharing: {exc}", file=sys.stderr)
         return 2
-    result = {"command": " ".join(sys.argv), "cells": cells, "summary": summarize(cells)}
+    result = {"command": command, "cells": cells, "summary": summarize(cells)}
     result["kv_share_of_bytes"] = kv_share(cells)
     for name, s in result["summary"].items():
-        print(f"{name:18} stall x{s['stall_ratio_mean'] or 0:.3f} {s['stall_ratio_range']}  "
-              f"P99 TPOT x{s['p99_tpot_ratio_mean']:.3f} {s['p99_tpot_ratio_range']}")  # fmt: skip
+        for controller, over in s["by_controller"].items():
+            st, pt = over["stall_ratio"], over["p99_tpot_ratio"]
+            print(f"{name:18} {controller:13} stall x{st['mean']:.3f} [{st['lo']:.3f}, {st['hi']:.3f}]  "
+                  f"P99 TPOT x{pt['mean']:.3f} [{pt['lo']:.3f}, {pt['hi']:.3f}]  (n={st['n']} traces)")  # fmt: skip
     print(f"KV share of the bytes moved: {result['kv_share_of_bytes']:.4f}")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
