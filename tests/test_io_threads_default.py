@@ -15,9 +15,9 @@ def test_the_environment_sets_the_default_and_bad_values_are_refused(monkeypatch
     assert default_io_threads() == 3
     assert EngineConfig(model_dir="unused").num_io_threads == 3
     assert EngineConfig(model_dir="unused", num_io_threads=1).num_io_threads == 1  # the config wins
-    for bad in ("two", "-1", "1.5"):
+    for bad in ("two", "-1", "1.5", "²", "65"):
         monkeypatch.setenv("FALLBACKGATE_IO_THREADS", bad)
-        with pytest.raises(ValueError, match="FALLBACKGATE_IO_THREADS must be a whole number"):
+        with pytest.raises(ValueError, match="FALLBACKGATE_IO_THREADS must be a whole number 0..64"):
             default_io_threads()
 
 

@@ -31,6 +31,7 @@ def test_every_layout_runs_every_cell_against_the_engines_own(tmp_path: Path) ->
     for cell in result["cells"]:
         names = ["priority/shared", "fifo/shared", "priority/by_kind", "fifo/by_kind", "priority/shared/1"]
         assert list(cell["layouts"]) == names
+        assert [cell["layouts"][n]["io_workers"] for n in names] == [2, 2, 2, 2, 1]  # the control: one worker
         assert cell["layouts"]["priority/shared"]["stall_ratio"] == 1.0
         moved = [layout["bytes_moved"] for layout in cell["layouts"].values()]
         assert all(m == moved[0] for m in moved)  # the same decisions, so the same transfers, in every layout

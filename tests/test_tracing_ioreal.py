@@ -99,10 +99,14 @@ def test_io_real_orders_and_queues_the_two_kinds_as_asked(
             assert len(made) == 1 and made[0].num_workers == 2
         else:
             assert sorted(io.num_workers for io in made) == [1, 1]
-            assert sorted({kind for kind, _, _ in io.submitted} for io in made) == [{"expert"}, {"kv_block"}]
+            assert {frozenset(kind for kind, _, _ in io.submitted) for io in made} == {
+                frozenset({"expert"}), frozenset({"kv_block"})
+            }
     for (order, queues), result in results.items():
         assert (result["io_order"], result["io_queues"], result["io_workers"]) == (order, queues, 2)
         assert result["misses_by_tag"] == results["priority", "shared"]["misses_by_tag"]
+    with pytest.raises(ValueError, match="by_kind needs an even --io-workers"):
+        RealIO(str(tmp_path), queues="by_kind", workers=3)
     with pytest.raises(ValueError, match="by_kind needs --io-workers >= 2"):
         RealIO(str(tmp_path), queues="by_kind")
     with pytest.raises(ValueError, match="--io-order must be one of priority, fifo"):

@@ -9,10 +9,10 @@
    control over every position, folded into the floor: the floor grows only with measured exact-vs-exact
    differences (bf16 rounding is heavy-tailed across prompts), never with what was served. A real bug
    leaves its request's own control small and still fails.
-4. An exact- or equivalent-only request still beyond what the floor allows an exact computation
-   (:func:`is_beyond_floor`) is replayed too: where the served forward routed a token across a router near-tie
-   the other way (in bf16 one rounding step apart), the replay routes it as served (``routing_ties``) and
-   computes what was served, and the gate judges the request against that replay.
+4. An exact- or equivalent-only request that fails against the exact baseline under the final floor
+   (:func:`needs_replay`) is replayed too: where the served forward routed a token across a router near-tie the
+   other way (in bf16 one rounding step apart), the replay routes it as served (``routing_ties``) and computes
+   what was served, and the gate judges the request against that replay (``gate.is_tie_explained``).
 """
 
 from __future__ import annotations
@@ -31,12 +31,13 @@ from fallbackgate.audit.auditor import (
     replay_diffs,
 )
 from fallbackgate.audit.baseline import Baseline
-from fallbackgate.audit.gate import FLOOR_MARGIN, KL_RESOLUTION, Floor, served_exactness, tolerance
-from fallbackgate.audit.stats import PositionDiff, RequestDiffStats
+from fallbackgate.audit.gate import TIE_MARGIN, Floor, fails_against_baseline, served_exactness, tolerance
+from fallbackgate.audit.stats import PositionDiff, RequestDiffStats, top1_outside_ties
 from fallbackgate.engine.baseline.api import BaselineEngine
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined
 from fallbackgate.engine.messages import RequestOutput
 from fallbackgate.engine.tags import TAG_EXACTNESS, Exactness, Tag
+from fallbackgate.ledger import queries
 from fallbackgate.ledger.db import Ledger
 
 FLOOR_POSITIONS = 16  # output positions of each up-front control request
@@ -91,37 +92,43 @@ def widen_floor(
         control.add(request_id, *control_diffs(engine, prompt_ids, output_ids, baseline))
 
 
-def is_beyond_floor(stats: Mapping[str, Any], served: Exactness, floor: Floor) -> bool:
-    """Whether a request served exact or equivalent only differs from the exact baseline by more than the
-    control allows an exact computation: its mean or p99 KL above FLOOR_MARGIN × the control's (at least the
-    dtype's KL resolution), or its max KL above the tolerance (`stats`: ``mean_kl``, ``p99_kl``, ``max_kl``)."""
-    if served is Exactness.APPROXIMATE:
+def needs_replay(
+    stats: Mapping[str, Any], diffs: list[Any], budget: Mapping[str, Any] | None, served: Exactness, floor: Floor
+) -> bool:
+    """Whether a request served exact or equivalent only fails against the exact baseline as the gate judges
+    it (``gate.fails_against_baseline``, near-tie top-1 flips discounted from `diffs`: PositionDiff objects or
+    ledger rows), so that its replay may explain it (an approximate request is always replayed)."""
+    if served is Exactness.APPROXIMATE or not diffs:
         return False
-    resolution = KL_RESOLUTION.get(floor.dtype, KL_RESOLUTION["float32"])
-    return (
-        stats["mean_kl"] > FLOOR_MARGIN * max(floor.mean_kl, resolution)
-        or stats["p99_kl"] > FLOOR_MARGIN * max(floor.p99_kl, resolution)
-        or stats["max_kl"] > tolerance(served, floor)
-    )
+    judged = dict(stats)
+    tie_margin = TIE_MARGIN * floor.max_abs_dlogit
+    if tie_margin > 0:
+        judged["top1_outside_ties"] = top1_outside_ties(diffs, tie_margin)
+    return fails_against_baseline(judged, budget, served, floor)
 
 
-def replay_beyond_floor(
+def replay_to_explain(
     engine: BaselineEngine,
     ledger: Ledger,
     run_id: int,
     request_id: str,
     served_rows: ServedRows,
+    diffs: list[Any],
+    budget: Mapping[str, Any] | None,
     served: Exactness,
     stats: Mapping[str, Any],
-    control: FloorControl,
+    floor: Floor,
 ) -> tuple[list[float] | None, dict[str, Any] | None]:
-    """The replay of an exact- or equivalent-only request beyond the floor so far (:func:`is_beyond_floor`):
-    KL(replay ‖ served) per position and its summary (:func:`~fallbackgate.audit.auditor.replay_diffs`);
-    (None, None) when it is within the floor or approximate (an approximate request is always replayed)."""
-    floor = Floor.of_run({"numeric_floor": control.summary()})
-    if not is_beyond_floor(stats, served, floor):
+    """The replay of an exact- or equivalent-only request that fails against the exact baseline under the
+    run's final `floor` (:func:`needs_replay`): KL(replay ‖ served) per position and its summary
+    (:func:`~fallbackgate.audit.auditor.replay_diffs`); (None, None) when not needed, or when the replay needs
+    a quarantined object (the request is then judged against the baseline alone)."""
+    if not needs_replay(stats, diffs, budget, served, floor):
         return None, None
-    return replay_diffs(engine, ledger, run_id, request_id, served_rows)
+    try:
+        return replay_diffs(engine, ledger, run_id, request_id, served_rows)
+    except ExpertQuarantined:
+        return None, None
 
 
 def auditable(engine: BaselineEngine, outputs: list[RequestOutput]) -> tuple[list[RequestOutput], dict[str, str]]:
@@ -154,7 +161,7 @@ def audit_outputs(
     requests = [(o.request_id, o.prompt_token_ids, o.output_token_ids) for o in audited]
     baseline = Baseline(engine, [(p, o) for _, p, o in requests])
     control = initial_floor(engine, requests, baseline)
-    results = []
+    results, served_of = [], {}
     for index, (output, request) in enumerate(zip(audited, requests, strict=True)):
         served = served_exactness(objects_by_exactness(output))
         rows = baseline.of(index)
@@ -164,15 +171,37 @@ def audit_outputs(
                 engine, ledger, run_id, output.request_id, *ids, in_memory(output), served is Exactness.APPROXIMATE,
                 rows,
             )  # fmt: skip
-            widen_floor(engine, control, request, served, stats.max_kl, rows)
-            if replay is None:
-                kls, replay = replay_beyond_floor(
-                    engine, ledger, run_id, output.request_id, in_memory(output), served, dataclasses.asdict(stats),
-                    control,
-                )  # fmt: skip
-                diffs = [dataclasses.replace(d, replay_kl=k) for d, k in zip(diffs, kls, strict=True)] if kls else diffs
         except ExpertQuarantined as exc:  # its replay needs a quarantined object
             unaudited[output.request_id] = str(exc)
             continue
+        widen_floor(engine, control, request, served, stats.max_kl, rows)
         results.append(AuditedRequest(output.request_id, diffs, stats, replay))
+        served_of[output.request_id] = (served, output)
+    _explain(engine, ledger, run_id, results, served_of, Floor.of_run({"numeric_floor": control.summary()}))
     return results, control.summary(), unaudited
+
+
+def _explain(
+    engine: BaselineEngine,
+    ledger: Ledger,
+    run_id: int,
+    results: list[AuditedRequest],
+    served_of: dict[str, tuple[Exactness, RequestOutput]],
+    floor: Floor,
+) -> None:
+    """Replay, under the final floor, the exact- or equivalent-only results that fail against the baseline."""
+    budgets = {r["request_id"]: r["budget"] for r in queries.request_summaries(ledger, run_id)}
+    for index, result in enumerate(results):
+        served, output = served_of[result.request_id]
+        if result.replay is not None:
+            continue
+        stats = dataclasses.asdict(result.stats)
+        kls, replay = replay_to_explain(
+            engine, ledger, run_id, result.request_id, in_memory(output), result.diffs,
+            budgets.get(result.request_id), served, stats, floor,
+        )  # fmt: skip
+        if replay is not None:
+            diffs = result.diffs
+            if kls:
+                diffs = [dataclasses.replace(d, replay_kl=k) for d, k in zip(diffs, kls, strict=True)]
+            results[index] = dataclasses.replace(result, diffs=diffs, replay=replay)

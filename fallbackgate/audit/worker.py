@@ -2,7 +2,7 @@
 
 A request task runs both baselines against the served logits the serving process left in the ledger and
 writes the request's diffs; the run task (claimable once every request task of the run is done) runs the
-floor control, replays the exact- or equivalent-only requests the floor does not explain (``run_audit``),
+floor control, replays the exact- or equivalent-only requests that fail against the baseline (``run_audit``),
 judges the run and writes its verdicts. Results are written only while the worker's claim
 is current; a heartbeat thread renews the lease while a task runs. The model is loaded once per (model,
 dtype, block size) with no expert in memory: the baselines read experts from the checkpoint files.
@@ -20,9 +20,9 @@ from typing import Any, TypeVar
 
 from sqlalchemy import Connection, bindparam, update
 
-from fallbackgate.audit.auditor import FloorControl, audit_request
-from fallbackgate.audit.gate import evaluate_run, served_exactness
-from fallbackgate.audit.run_audit import initial_floor, replay_beyond_floor, widen_floor
+from fallbackgate.audit.auditor import audit_request
+from fallbackgate.audit.gate import Floor, evaluate_run, served_exactness
+from fallbackgate.audit.run_audit import initial_floor, replay_to_explain, widen_floor
 from fallbackgate.audit.verdicts import write_verdicts
 from fallbackgate.engine.baseline.api import BaselineEngine, build_baseline_engine
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined
@@ -203,8 +203,8 @@ class AuditWorker:
         served_of = {r["request_id"]: served_exactness(by_exactness.get(r["request_id"], {})) for r in summaries}
         for request, summary in zip(requests, summaries, strict=True):
             widen_floor(engine, control, request, served_of[request[0]], summary["max_kl"])
-        replays = self._replays_beyond_floor(engine, run_id, summaries, served_of, control)
         floor = control.summary()
+        replays = self._replays_to_explain(engine, run_id, summaries, served_of, Floor.of_run({"numeric_floor": floor}))
         with begin_write(self.ledger.engine) as conn:  # the floor, under the claim (a taken-over run redoes it)
             audit_queue.check_held(conn, held)
             values = {"numeric_floor_kl": floor["max_kl"], "numeric_floor": floor}
@@ -217,28 +217,26 @@ class AuditWorker:
         verdict = evaluate_run(self.ledger, run_id)
         audit_queue.complete(self.ledger, held, lambda conn: write_verdicts(conn, verdict))
 
-    def _replays_beyond_floor(
+    def _replays_to_explain(
         self,
         engine: BaselineEngine,
         run_id: int,
         summaries: list[dict[str, Any]],
         served_of: dict[str, Exactness],
-        control: FloorControl,
+        floor: Floor,
     ) -> dict[str, tuple[list[float], dict[str, Any]]]:
         """request id -> per-position replay KL and summary, for the requests not replayed yet that
-        :func:`~fallbackgate.audit.run_audit.replay_beyond_floor` replays."""
+        :func:`~fallbackgate.audit.run_audit.replay_to_explain` replays under the run's final floor."""
         out = {}
         for summary in summaries:
             request_id = summary["request_id"]
-            if summary["replay_max_kl"] is not None:
+            if summary["replay_max_kl"] is not None or served_of[request_id] is Exactness.APPROXIMATE:
                 continue
-            served_rows = audit_queue.read_served(self.ledger, run_id, request_id)
-            try:
-                kls, replay = replay_beyond_floor(
-                    engine, self.ledger, run_id, request_id, served_rows, served_of[request_id], summary, control
-                )
-            except ExpertQuarantined:  # a near-tie's other expert cannot be read: judged against the baseline
-                continue
+            kls, replay = replay_to_explain(
+                engine, self.ledger, run_id, request_id, audit_queue.read_served(self.ledger, run_id, request_id),
+                queries.position_diffs(self.ledger, run_id, request_id), summary["budget"], served_of[request_id],
+                summary, floor,
+            )  # fmt: skip
             if replay is not None:
                 out[request_id] = (kls or [], replay)
         return out

@@ -13,8 +13,9 @@ each way of sharing the device:
   independent links, as two independent controllers would own them);
 - ``priority/shared/1``: the control for by_kind: one queue with one worker, what each kind has there.
 
-Every (trace, controller) runs every layout ``--repeats`` times, the layouts' order rotated each repeat, so
-drift of the disk over the run falls on all of them alike. Per layout: the summed stall (the wall time the
+Every (trace, controller) runs every layout ``--repeats`` times, the layouts' order rotated each repeat: with
+``--repeats`` equal to the number of layouts each layout takes each place once, so drift of the disk over a cell
+falls on all of them alike (fewer repeats leave the places unbalanced). Per layout: the summed stall (the wall time the
 steps waited on their demand reads), P99 and mean TPOT as the simulator prices them with that stall, read
 latency (submission to arrival) by kind, and the bytes moved by kind and direction; each layout's stall and P99
 TPOT as a ratio to ``priority/shared`` of the same repeat, with their mean over repeats and traces. JSON out;
@@ -41,8 +42,8 @@ from fallbackgate.tracing.validate import recorded_budget
 LAYOUTS = [(order, queues) for queues in QUEUES for order in ORDERS]  # priority/shared first: the reference
 LAYOUTS.append(("priority", "shared/1"))  # control: one queue with ONE worker (by_kind's per-kind share)
 REFERENCE = "priority/shared"
-KEPT = ("stall_s", "p99_tpot_ms", "mean_tpot_ms", "read_latency_ms_by_kind", "bytes_moved", "num_reads",
-        "num_writes", "is_direct")  # fmt: skip
+KEPT = ("stall_s", "p99_tpot_ms", "mean_tpot_ms", "demand_read_latency_ms_by_kind", "bytes_moved", "num_reads",
+        "io_workers", "num_writes", "is_direct")  # fmt: skip
 
 
 def layout_name(order: str, queues: str) -> str:

@@ -66,6 +66,8 @@ class RealIO:
             raise ValueError(f"--io-workers must be 1..64, got {self.workers}")
         if self.queues == "by_kind" and self.num_workers < 2:
             raise ValueError("--io-queues by_kind needs --io-workers >= 2 (one per kind at least)")
+        if self.queues == "by_kind" and self.num_workers % 2:
+            raise ValueError(f"--io-queues by_kind needs an even --io-workers (half per kind), got {self.num_workers}")
 
     @property
     def num_workers(self) -> int:
@@ -79,6 +81,7 @@ class RealIO:
 
 
 ORDERS = ("priority", "fifo")
+DEMAND = "demand"  # the requester id a step's waited-on reads carry (prefetches and spill writes carry none)
 QUEUES = ("shared", "by_kind")
 
 
@@ -156,9 +159,10 @@ def _issue(
     offset, num = layout.place(op)
     kind = ObjectKind.EXPERT if op.kind == "expert" else ObjectKind.KV_BLOCK
     name = ":".join(map(str, op.key))
+    requesters = (DEMAND,) if op.requester == "demand" else ()
     if op.op == "write":
-        return io, io.submit_write(path, offset, data[:num], kind, name, priority=priority)
-    return io, io.submit_read(path, offset, num, kind, name, into=into, priority=priority)
+        return io, io.submit_write(path, offset, data[:num], kind, name, requesters, priority=priority)
+    return io, io.submit_read(path, offset, num, kind, name, requesters, into=into, priority=priority)
 
 
 def _demand_stall(links: Links, path: str, layout: ScratchLayout, reads: list[IOOp], depth: int, pool: list) -> int:
@@ -231,8 +235,9 @@ def _with_measurements(result: dict[str, Any], real: RealIO, records: list, stal
     service_ms = np.array([r.service_s * 1e3 for r in reads]) if reads else np.zeros(1)
     is_direct = all(r.is_direct for r in records) if records else None
     by_kind: dict[str, dict[str, float]] = {}
-    for kind in sorted({r.object_kind.value for r in reads}):  # submission to arrival: queueing included
-        kind_ms = np.array([(r.wait_s + r.service_s) * 1e3 for r in reads if r.object_kind.value == kind])
+    demand = [r for r in reads if r.requester_ids == (DEMAND,)]
+    for kind in sorted({r.object_kind.value for r in demand}):  # waited-on reads, submission to arrival
+        kind_ms = np.array([(r.wait_s + r.service_s) * 1e3 for r in demand if r.object_kind.value == kind])
         by_kind[kind] = {"p50": float(np.percentile(kind_ms, 50)), "p99": float(np.percentile(kind_ms, 99))}
     moved: dict[str, int] = {}
     for r in records:
@@ -246,7 +251,7 @@ def _with_measurements(result: dict[str, Any], real: RealIO, records: list, stal
         "num_reads": len(reads), "num_writes": len(records) - len(reads),
         "read_service_ms": {"p50": float(np.percentile(service_ms, 50)), "p99": float(np.percentile(service_ms, 99)),
                             "max": float(service_ms.max())},
-        "read_latency_ms_by_kind": by_kind, "bytes_moved": moved,
+        "demand_read_latency_ms_by_kind": by_kind, "bytes_moved": moved,
         "stall_ms_per_step": [round(float(s) / 1e6, 4) for s in stall],
         "note": "" if is_direct or is_direct is None else
         f"{real.directory}'s file system refused O_DIRECT (e.g. tmpfs, i.e. RAM): reads were buffered",

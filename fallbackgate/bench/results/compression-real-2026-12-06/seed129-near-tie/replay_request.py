@@ -1,8 +1,9 @@
-"""python fallbackgate/bench/results/compression-real-2026-12-06/seed129-near-tie/replay_request.py LEDGER_URL
+"""python fallbackgate/bench/results/compression-real-2026-12-06/seed129-near-tie/replay_request.py LEDGER_URL [MODEL]
 
-One deferred run's request multi-turn-s0000-t0 (run 1 of LEDGER_URL, served with ``--audit deferred``) against
-its exact baseline and against its replay, which routes as the served forward's digests say: the replay's
-summary counts the router near-ties it followed (``routing_swaps``)."""
+One deferred run's request multi-turn-s0000-t0 (run 1 of LEDGER_URL, served with ``--audit deferred``; MODEL: the
+bf16 copy, default /tmp/fg-tinymoe-bf16) against its exact baseline and against its replay, which routes as the
+served forward's digests say: the statistics against each, the replay's summary (``routing_swaps``: the router
+near-ties it followed), and every position's KL against each and largest logit difference from the baseline."""
 
 import sys
 
@@ -13,7 +14,7 @@ from fallbackgate.ledger.db import open_ledger
 
 ledger = open_ledger(sys.argv[1], read_only=True)
 request_id = "multi-turn-s0000-t0"
-engine = build_baseline_engine("/tmp/fg-tinymoe-bf16", "bfloat16", 16)
+engine = build_baseline_engine(sys.argv[2] if len(sys.argv) > 2 else "/tmp/fg-tinymoe-bf16", "bfloat16", 16)
 token_ids, num_prompt = audit_queries.request_tokens(ledger, 1, request_id)
 served = audit_queue.read_served(ledger, 1, request_id)
 diffs, stats, replay = audit_request(
@@ -21,4 +22,6 @@ diffs, stats, replay = audit_request(
 )
 print(stats)
 print(replay)
-print([(d.position, round(d.kl, 5), None if d.replay_kl is None else round(d.replay_kl, 6)) for d in diffs][:10])
+print("position  KL vs baseline  max |dlogit|  KL vs replay")
+for d in diffs:
+    print(f"{d.position:8d}  {d.kl:14.3g}  {d.max_abs_dlogit:12.3g}  {d.replay_kl:12.3g}")
