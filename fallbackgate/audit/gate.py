@@ -275,13 +275,13 @@ def _locate(ledger: Ledger, run_id: int, v: RequestVerdict, floor: Floor) -> Non
     diffs = queries.position_diffs(ledger, run_id, v.request_id)
     if not diffs:
         return
-    first = None
-    if v.is_replay_bug:
-        tol = replay_tolerance(v.served, floor)
-        first = next((d for d in diffs if d["replay_kl"] is not None and d["replay_kl"] > tol), None)
-    elif v.correctness_bug:
-        tol = tolerance(v.served, floor)
-        first = next((d for d in diffs if d["kl"] > tol), None)
+    replay_tol, tol = replay_tolerance(v.served, floor), tolerance(v.served, floor)
+    beyond_replay = [d for d in diffs if v.is_replay_bug and d["replay_kl"] is not None and d["replay_kl"] > replay_tol]
+    beyond_baseline = [d for d in diffs if v.correctness_bug and d["kl"] > tol]  # (inf for approximate: none)
+    # served exact or equivalent: the baseline's first divergence (a replay asked to explain it may only fail
+    # downstream, where the served routing already followed the corrupted state); approximate: the replay's
+    searches = (beyond_baseline, beyond_replay) if v.served is not Exactness.APPROXIMATE else (beyond_replay,)
+    first = next((found[0] for found in searches if found), None)
     first = first or next((d for d in diffs if not d["top1_agree"]), None)
     first = first or max(diffs, key=lambda d: d["kl"])
     v.position, v.step = first["position"], first["step_id"]
