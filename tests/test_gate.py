@@ -7,14 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from fallbackgate.audit.gate import (
-    EQUIVALENT_TOLERANCE,
-    Floor,
-    evaluate_run,
-    judge_request,
-    tolerance,
-)
+from fallbackgate.audit.gate import evaluate_run, judge_request
 from fallbackgate.audit.stats import PositionDiff, request_stats, top1_outside_ties
+from fallbackgate.audit.tolerances import EQUIVALENT_TOLERANCE, Floor, tolerance
 from fallbackgate.commands import gate as gate_cmd
 from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger.db import open_ledger

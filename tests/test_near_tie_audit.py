@@ -19,9 +19,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from fallbackgate.audit import gate, routing_ties
-from fallbackgate.audit.gate import Floor, judge_request
+from fallbackgate.audit import routing_ties, tolerances
+from fallbackgate.audit.gate import judge_request
 from fallbackgate.audit.run_audit import needs_replay
+from fallbackgate.audit.tolerances import Floor
 from fallbackgate.audit.worker import AuditWorker
 from fallbackgate.batch.session import RunSettings
 from fallbackgate.controllers.exact_lru import ExactLRUController
@@ -83,7 +84,7 @@ def test_a_served_near_tie_is_judged_against_the_replay(
     verdicts = {v.request_id: v for v in recorded.verdict.requests}
     swapped = verdicts["prompt-0"]  # served first, alone (max_num_seqs 1): its decode steps come first
     assert recorded.verdict.passed and swapped.served is Exactness.EXACT and swapped.is_tie_explained
-    assert swapped.stats["max_kl"] > gate.tolerance(Exactness.EXACT, recorded.verdict.floor)  # vs the baseline
+    assert swapped.stats["max_kl"] > tolerances.tolerance(Exactness.EXACT, recorded.verdict.floor)  # vs the baseline
     assert not verdicts["prompt-1"].is_tie_explained
     with open_ledger(str(tmp_path / "l.sqlite"), read_only=True) as ledger:
         stats = {r["request_id"]: r for r in queries.request_summaries(ledger, recorded.run_id)}
@@ -141,7 +142,7 @@ def test_the_gate_uses_the_replay_only_for_exact_requests_it_followed_across_tie
     assert not approximate.is_tie_explained and not approximate.quality_passed
     noisy = _judge("exact", {**followed, "mean_kl": 5e-3})  # tie-explained, but noisy against its own replay
     assert noisy.is_tie_explained and not noisy.passed and "mean KL 0.005" in noisy.reason
-    many = _judge("exact", {**followed, "routing_swaps": gate.MAX_TIE_SWAPS + 1})  # more ties than rounding makes
+    many = _judge("exact", {**followed, "routing_swaps": tolerances.MAX_TIE_SWAPS + 1})  # more ties than rounding makes
     assert not many.is_tie_explained and not many.passed
     flipped = _judge("exact", {**followed, "top1_agreement": 0.95})  # a replay-vs-served flip at a logit near-tie:
     assert flipped.passed  # top-1 is the better of the replay's and the baseline's (near-ties discounted) 1.0

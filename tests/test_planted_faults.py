@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from fallbackgate.audit.gate import EQUIVALENT_TOLERANCE, RequestVerdict, RunVerdict
+from fallbackgate.audit.gate import RequestVerdict, RunVerdict
+from fallbackgate.audit.tolerances import EQUIVALENT_TOLERANCE
 from fallbackgate.batch.session import RunSettings
 from fallbackgate.controllers.exact_lru import ExactLRUController
 from fallbackgate.engine.config import EngineConfig

@@ -31,8 +31,9 @@ from fallbackgate.audit.auditor import (
     replay_diffs,
 )
 from fallbackgate.audit.baseline import Baseline
-from fallbackgate.audit.gate import TIE_MARGIN, Floor, fails_against_baseline, served_exactness, tolerance
+from fallbackgate.audit.gate import fails_against_baseline, served_exactness
 from fallbackgate.audit.stats import PositionDiff, RequestDiffStats, top1_outside_ties
+from fallbackgate.audit.tolerances import TIE_MARGIN, Floor, tolerance
 from fallbackgate.engine.baseline.api import BaselineEngine
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined
 from fallbackgate.engine.messages import RequestOutput

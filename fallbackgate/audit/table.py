@@ -7,7 +7,8 @@ import sys
 from typing import TextIO
 
 from fallbackgate.audit.coverage import pair_text
-from fallbackgate.audit.gate import RunVerdict, tolerance
+from fallbackgate.audit.gate import RunVerdict
+from fallbackgate.audit.tolerances import tolerance
 from fallbackgate.engine.tags import Exactness
 
 

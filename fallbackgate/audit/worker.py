@@ -21,8 +21,9 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection, bindparam, update
 
 from fallbackgate.audit.auditor import audit_request
-from fallbackgate.audit.gate import Floor, evaluate_run, served_exactness
+from fallbackgate.audit.gate import evaluate_run, served_exactness
 from fallbackgate.audit.run_audit import initial_floor, replay_to_explain, widen_floor
+from fallbackgate.audit.tolerances import Floor
 from fallbackgate.audit.verdicts import write_verdicts
 from fallbackgate.engine.baseline.api import BaselineEngine, build_baseline_engine
 from fallbackgate.engine.experts.quarantine import ExpertQuarantined
