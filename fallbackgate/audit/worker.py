@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection, bindparam, update
 
 from fallbackgate.audit.auditor import audit_request
-from fallbackgate.audit.gate import evaluate_run, served_exactness
+from fallbackgate.audit.gate import evaluate_run, fails_against_baseline, served_exactness
 from fallbackgate.audit.run_audit import initial_floor, replay_to_explain, widen_floor
 from fallbackgate.audit.tolerances import Floor
 from fallbackgate.audit.verdicts import write_verdicts
@@ -233,6 +233,8 @@ class AuditWorker:
             request_id = summary["request_id"]
             if summary["replay_max_kl"] is not None or served_of[request_id] is Exactness.APPROXIMATE:
                 continue
+            if not fails_against_baseline(summary, summary["budget"], served_of[request_id], floor):
+                continue  # passes even on raw top-1 (never above the near-tie-discounted one): no rows to read
             kls, replay = replay_to_explain(
                 engine, self.ledger, run_id, request_id, audit_queue.read_served(self.ledger, run_id, request_id),
                 queries.position_diffs(self.ledger, run_id, request_id), summary["budget"], served_of[request_id],
