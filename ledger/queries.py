@@ -126,16 +126,15 @@ def request_summaries(ledger: Ledger, run_id: int) -> list[dict[str, Any]]:
 
 
 def served_events(run_id: int) -> ColumnElement[bool]:
-    """The condition on a run's events that keeps what was served: an approximate tag of an observe step
-    was recorded as the controller's decision while the exact action was served, so it is left out."""
-    observe = select(Step.step_id).where(Step.run_id == run_id, Step.is_observe.is_(True))
-    applied = (EventRow.exactness != Exactness.APPROXIMATE.value) | EventRow.step_id.not_in(observe.scalar_subquery())
-    return (EventRow.run_id == run_id) & applied
+    """The condition on a run's events that keeps what was served: every recorded event. An observe step
+    records the tag it served (exact, or a rebuild) and notes in ``note`` what the controller would have
+    served; the approximate tags it records were served (a fault's forced ``expert_defer``), so they count."""
+    return EventRow.run_id == run_id
 
 
 def request_exactness(ledger: Ledger, run_id: int) -> dict[str, dict[str, int]]:
-    """request id -> {exactness -> objects}, from the events (observe steps excluded for approximate) and
-    the counted resident uses."""
+    """request id -> {exactness -> objects}, from the served events (:func:`served_events`) and the counted
+    resident uses."""
     u = object_uses(served_events(run_id), StepRequest.run_id == run_id)
     stmt = select(u.c.request_id, u.c.exactness, func.sum(u.c.count).label("objects")).group_by(
         u.c.request_id, u.c.exactness

@@ -119,7 +119,7 @@ def request_verdict(ledger: Ledger, run_id: int, request_id: str) -> dict[str, A
 
 
 def request_objects_by_exactness(ledger: Ledger, run_id: int, request_id: str) -> dict[str, int]:
-    """One request's objects per exactness (approximate tags of observe steps excluded, as in
+    """One request's objects per exactness (its served events, as in
     :func:`~fallbackgate.ledger.queries.request_exactness`)."""
     u = object_uses(
         served_events(run_id) & (EventRow.request_id == request_id),

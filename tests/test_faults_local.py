@@ -51,8 +51,9 @@ def copy_bundled(tmp_path: pathlib.Path) -> pathlib.Path:
     return pathlib.Path(shutil.copytree(CHECKPOINT_DIR, tmp_path / "bundled"))
 
 
-def disk_engine(path: pathlib.Path, controller: Controller | None = None) -> Engine:
-    """Experts read from the checkpoint on use: room for a few experts and the KV of every request."""
+def disk_engine(path: pathlib.Path, controller: Controller | None = None, is_observe: bool = False) -> Engine:
+    """Experts read from the checkpoint on use: room for a few experts and the KV of every request
+    (`is_observe`: observe mode)."""
     probe = Engine(EngineConfig(model_dir=str(path), block_size=4, host_budget_bytes=0), ExactLRUController())
     expert, block, layers = (
         probe.expert_store.bytes_per_expert,
@@ -61,7 +62,11 @@ def disk_engine(path: pathlib.Path, controller: Controller | None = None) -> Eng
     )
     probe.close()
     config = EngineConfig(
-        model_dir=str(path), block_size=4, host_budget_bytes=0, device_budget_bytes=5 * expert + 64 * layers * block
+        model_dir=str(path),
+        block_size=4,
+        host_budget_bytes=0,
+        device_budget_bytes=5 * expert + 64 * layers * block,
+        is_observe=is_observe,
     )
     return Engine(config, controller or ExactLRUController())
 

@@ -11,12 +11,25 @@ from sqlalchemy import select
 
 from fallbackgate import cli
 from fallbackgate.audit.worker import audit_loop
+from fallbackgate.batch.prompts import PromptSpec
+from fallbackgate.batch.session import RunSettings
 from fallbackgate.engine.experts.reader import ExpertReader
 from fallbackgate.engine.sequence import SamplingParams
+from fallbackgate.engine.tags import Tag
 from fallbackgate.ledger import queries
 from fallbackgate.ledger.db import open_ledger
-from fallbackgate.ledger.models import QuarantineRow, Request
-from tests.test_faults_local import LAYER, POLICY, copy_bundled, disk_engine, some_not_all
+from fallbackgate.ledger.models import QuarantineRow, Request, Step
+from fallbackgate.policy import loader
+from fallbackgate.recording import record_and_judge
+from tests.test_faults_local import (
+    LAYER,
+    POLICY,
+    copy_bundled,
+    disk_engine,
+    overwrite_expert,
+    policy_controller,
+    some_not_all,
+)
 
 TEXTS = [
     "Once upon a time there was a little girl",
@@ -121,3 +134,39 @@ def test_an_audit_worker_cannot_use_a_quarantined_expert(tmp_path, monkeypatch) 
     assert {rid for rid in routed if verdicts[rid]["reason"] == why} == users
     assert all(verdicts[rid]["passed"] for rid in set(routed) - users)
     assert not verdicts[None]["passed"] and why in verdicts[None]["reason"]
+
+
+def test_observe_mode_counts_a_forced_defer_as_served(tmp_path) -> None:
+    """Observe mode serves exactly except where a fault leaves no exact action: a lenient request that
+    deferred a quarantined expert was served that defer, and the ledger and the gate count it as served
+    (approximate, unauditable), never as an exact-only request."""
+    path = copy_bundled(tmp_path)
+    routed = routed_experts(path)
+    expert = some_not_all(routed)
+    engine = disk_engine(path, policy_controller(), is_observe=True)
+    overwrite_expert(engine, (LAYER, expert))
+    specs = [PromptSpec(t, f"p{i}", "lenient") for i, t in enumerate(TEXTS)]
+    settings = RunSettings(model_dir=str(path), max_new_tokens=NEW_TOKENS, seed=engine.config.seed)
+    budgets = {name: c.budget.model_dump() for name, c in loader.loads_policy(POLICY).classes.items()}
+    recorded = record_and_judge(engine, specs, str(tmp_path / "ledger.sqlite"), settings=settings, budgets=budgets)
+    forced = {
+        (s.step_id, e.request_id)
+        for s in recorded.outcome.steps
+        for e in s.events
+        if e.tag is Tag.EXPERT_DEFER and f"quarantined: expert {LAYER}:{expert}" in e.note
+    }
+    users = {rid for rid, experts in routed.items() if expert in experts}
+    assert {rid for _, rid in forced} == users and not engine.failed  # deferred, not failed
+    with open_ledger(str(tmp_path / "ledger.sqlite"), read_only=True) as ledger:
+        with ledger.engine.connect() as conn:
+            observed = conn.execute(select(Step.step_id, Step.is_observe).where(Step.run_id == recorded.run_id))
+            assert {step_id for step_id, is_observe in observed if is_observe} >= {step for step, _ in forced}
+        exactness = queries.request_exactness(ledger, recorded.run_id)
+    assert all(exactness[rid].get("approximate", 0) > 0 for rid in users), exactness
+    assert all("approximate" not in exactness[rid] for rid in set(routed) - users), exactness
+    verdicts = {v.request_id: v for v in recorded.verdict.requests}
+    why = f"unauditable (quarantined: expert {LAYER}:{expert})"
+    for rid in users:
+        assert verdicts[rid].served.value == "approximate" and not verdicts[rid].passed
+        assert why in verdicts[rid].reasons, verdicts[rid].reasons
+        assert not any("correctness bug" in r for r in verdicts[rid].reasons), verdicts[rid].reasons

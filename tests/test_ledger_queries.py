@@ -64,10 +64,11 @@ def test_drift_and_calibration_pairs(ledger: Ledger) -> None:
     assert queries.calibration_pairs(ledger, tag="expert_defer")[0]["run_id"] == a
 
 
-def test_observe_steps_do_not_count_as_served_approximate(ledger: Ledger) -> None:
+def test_observe_steps_count_the_tags_they_recorded_as_served(ledger: Ledger) -> None:
+    # an observe step records the tag it served (a fault's forced expert_defer is served even there)
     observed = _run(ledger, [0.0], [Tag.RESIDENT, Tag.EXPERT_DEFER], observe=True)
     enforced = _run(ledger, [0.0], [Tag.RESIDENT, Tag.EXPERT_DEFER])
-    assert "approximate" not in queries.request_exactness(ledger, observed)["a"]
+    assert queries.request_exactness(ledger, observed)["a"]["approximate"] == 2
     assert queries.request_exactness(ledger, enforced)["a"]["approximate"] == 2
     assert queries.request_tags(ledger, observed)["a"] == {"resident": 1, "expert_defer": 2}
 

@@ -11,6 +11,7 @@ import pytest
 
 from fallbackgate.cli import main
 from fallbackgate.engine.io import IOScheduler
+from fallbackgate.engine.io.direct import ALIGN
 from fallbackgate.tracing import realio
 from fallbackgate.tracing.devices import fit_profile, fit_waits
 from fallbackgate.tracing.reader import read_trace
@@ -54,6 +55,11 @@ def test_io_real_performs_every_decided_transfer(planted: tuple, tmp_path: Path)
     assert result["misses_by_tag"] == modelled["misses_by_tag"]  # the same decisions, other pricing
     assert result["num_reads"] == sum(op.op == "read" for op in ops) > 0
     assert result["num_writes"] == sum(op.op == "write" for op in ops)
+    for key, moved in result["bytes_moved"].items():  # bytes done: each op's, up to its aligned span
+        kind_ops = [op for op in ops if f"{op.kind}:{op.op}" == key]
+        asked = sum(op.num_bytes for op in kind_ops)
+        assert asked <= moved < asked + 2 * ALIGN * len(kind_ops), key
+    assert set(result["bytes_moved"]) == {f"{op.kind}:{op.op}" for op in ops}
     stalls = result["stall_ms_per_step"]
     assert len(stalls) == len(demand)
     assert all((s > 0) == bool(d) for s, d in zip(stalls, demand, strict=True))

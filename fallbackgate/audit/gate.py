@@ -23,10 +23,10 @@ against that replay instead of the exact baseline (whose own rounding took the o
 replay is only asked when the request fails anyway, so it can turn a FAIL into a PASS, never the reverse.
 
 Runs recorded before the control kept its statistics (only ``runs.numeric_floor_kl``) are judged as
-float32 with no allowances. Approximate tags recorded on observe steps were not applied, so they do not
-count as served. A run passes when it finished and all its requests pass. Failing verdicts name the first
-diverging position, the step that produced it, the lowest layer with a non-exact tag on that step and its
-tags.
+float32 with no allowances. An observe step records the tags it served (a fault's forced ``expert_defer``
+among them) and only notes what the controller would have served. A run passes when it finished and all its
+requests pass. Failing verdicts name the first diverging position, the step that produced it, the lowest layer
+with a non-exact tag on that step and its tags.
 """
 
 from __future__ import annotations

@@ -239,11 +239,10 @@ def _with_measurements(result: dict[str, Any], real: RealIO, records: list, stal
     for kind in sorted({r.object_kind.value for r in demand}):  # waited-on reads, submission to arrival
         kind_ms = np.array([(r.wait_s + r.service_s) * 1e3 for r in demand if r.object_kind.value == kind])
         by_kind[kind] = {"p50": float(np.percentile(kind_ms, 50)), "p99": float(np.percentile(kind_ms, 99))}
-    moved: dict[str, int] = {}
+    moved: dict[str, int] = {}  # bytes each transfer really moved, a failed one's partial bytes included
     for r in records:
-        if not r.error:
-            key = f"{r.object_kind.value}:{r.op.value}"
-            moved[key] = moved.get(key, 0) + r.num_bytes
+        key = f"{r.object_kind.value}:{r.op.value}"
+        moved[key] = moved.get(key, 0) + r.num_bytes_done
     result.update({
         "device": f"real:{real.directory}", "io": "real", "io_depth": real.depth, "is_paced": real.pace,
         "io_order": real.order, "io_queues": real.queues, "io_workers": real.num_workers,
