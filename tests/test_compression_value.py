@@ -22,12 +22,14 @@ from fallbackgate.bench.compression_value import (
 )
 from fallbackgate.bench.devices_flip import controllers
 from fallbackgate.cli import main
+from fallbackgate.engine.io.direct import ALIGN
 from fallbackgate.tracing.devices import DeviceModel
 from fallbackgate.tracing.reader import read_trace
 from fallbackgate.tracing.realio import RealIO, run_real
 from fallbackgate.tracing.simulate import SimulationConfig
 from fallbackgate.tracing.simulate_input import load_input
 from fallbackgate.tracing.simulate_run import simulate_many
+from fallbackgate.tracing.simulator import Simulator
 from fallbackgate.tracing.synthetic import Planted, write_planted_trace
 from fallbackgate.tracing.validate import recorded_budget
 
@@ -80,20 +82,34 @@ def test_cli_compress_adds_variants_and_refuses_bad_fractions(
     assert main([*args, "--compress", "1:1,0.5:1", "--jobs", "1"]) == 0
     results = json.loads(out.read_text())
     assert [(r["expert_bytes_scale"], r["kv_bytes_scale"]) for r in results] == [(1.0, 1.0), (0.5, 1.0)]
-    with pytest.raises(SystemExit):
-        main([*args, "--compress", "2:1"])
-    with pytest.raises(SystemExit):
-        main([*args, "--compress", "half"])
-    capsys.readouterr()
-    assert main([*args, "--compress", "0.5:1", "--io", "real", str(tmp_path)]) == 2
-    assert "--io real performs the recorded sizes" in capsys.readouterr().err
+    assert main([*args, "--compress", "1:4", "--jobs", "1"]) == 0  # a larger KV: 4 times the bytes per block
+    assert [r["kv_bytes_scale"] for r in json.loads(out.read_text())] == [4.0]
+    for bad in ("2:1", "1:65", "half", "0:1"):
+        with pytest.raises(SystemExit):
+            main([*args, "--compress", bad])
+    assert "fractions must be in (0, 1] (KV: (0, 64]" in capsys.readouterr().err
 
 
-def test_real_io_refuses_a_compression_what_if(planted: tuple, tmp_path: Path) -> None:
-    _, path = planted
-    with pytest.raises(ValueError, match="recorded sizes"):
-        run_real(load_input(path), SimulationConfig("exact_lru", 1 << 30, DEVICE, None, 0.5, 1.0), path,
-                 RealIO(str(tmp_path), 1, False))  # fmt: skip
+@pytest.mark.parametrize("scales", [(0.5, 1.0), (1.0, 4.0)], ids=["experts-halved", "kv-4x"])
+def test_real_io_moves_the_what_if_sizes(scales: tuple[float, float], tmp_path: Path) -> None:
+    trace = tmp_path / "trace"
+    p = Planted(num_steps_per_phase=10, num_layers=3, num_experts=16, bytes_per_expert=32 * 1024,
+                bytes_per_kv_block=8 * 1024, total_budget_bytes=1 << 20)  # fmt: skip
+    write_planted_trace(trace, p)
+    config = SimulationConfig("exact_lru", p.total_budget_bytes, DEVICE, None, *scales)
+    simulator = Simulator(load_input(str(trace)), config)
+    simulator.decide(is_recording=True)
+    ops = [op for step in simulator.ops for op in step]
+    sizes = {"expert": int(p.bytes_per_expert * scales[0]), "kv_block": int(p.bytes_per_kv_block * scales[1])}
+    assert {op.num_bytes for op in ops if op.op == "write"} == {sizes["kv_block"]}  # spills: whole blocks
+    assert {op.num_bytes for op in ops if op.kind == "expert"} == {sizes["expert"]}
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    result = run_real(load_input(str(trace)), config, str(trace), RealIO(str(scratch), 1, False))
+    assert result["num_reads"] + result["num_writes"] == len(ops)  # the same decisions, performed
+    for key, moved in result["bytes_moved"].items():
+        asked = sum(op.num_bytes for op in ops if f"{op.kind}:{op.op}" == key)
+        assert asked <= moved < asked + ALIGN * sum(f"{op.kind}:{op.op}" == key for op in ops), key
 
 
 def test_plan_simulates_the_recorded_model_once_and_copies_it_to_both_budgets(planted: tuple) -> None:

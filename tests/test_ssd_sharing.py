@@ -38,6 +38,8 @@ def test_every_layout_runs_every_cell_against_the_engines_own(tmp_path: Path) ->
     summary = result["summary"]
     assert summary["priority/shared"]["stall_ratio_mean"] == 1.0 and summary["fifo/by_kind"]["num_cells"] == 4
     assert 0.0 < result["kv_share_of_bytes"] < 1.0 and (tmp_path / "r.png").stat().st_size > 0
+    assert set(result["kv_share_of_bytes_by_controller"]) == {"joint", "static_split"}
+    assert result["kv_bytes_scale"] == 1.0
     assert list(scratch.iterdir()) == []  # every scratch file removed
     over = summary["fifo/shared"]["by_controller"]["joint"]["stall_ratio"]  # one trace: a mean, no spread
     assert over["n"] == 1 and over["lo"] == over["mean"] == over["hi"]
@@ -55,3 +57,25 @@ def test_layouts_can_be_chosen_and_the_reference_always_runs(tmp_path: Path) -> 
     assert ssd_sharing.chosen_layouts("priority/shared/1") == [("priority", "shared"), ("priority", "shared/1")]
     with pytest.raises(ValueError, match="--layouts: unknown lifo/shared"):
         ssd_sharing.chosen_layouts("lifo/shared")
+
+
+def test_a_larger_kv_moves_a_larger_share_of_the_bytes(tmp_path: Path) -> None:
+    trace = tmp_path / "trace"
+    planted = Planted(num_steps_per_phase=10, num_layers=3, num_experts=16, bytes_per_expert=32 * KIB,
+                      bytes_per_kv_block=8 * KIB, total_budget_bytes=1 << 20)  # fmt: skip
+    write_planted_trace(trace, planted)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    shares = {}
+    for scale in (1.0, 4.0):
+        out = tmp_path / f"r{scale:g}.json"
+        argv = ["--trace", str(trace), "--dir", str(scratch), "--no-pace", "--controllers", "static_split",
+                "--layouts", "priority/shared", "--kv-scale", f"{scale:g}", "--json", str(out)]  # fmt: skip
+        assert ssd_sharing.main(argv) == 0
+        result = json.loads(out.read_text())
+        assert result["kv_bytes_scale"] == scale
+        (cell,) = result["cells"]
+        writes = cell["layouts"]["priority/shared"]["bytes_moved"]["kv_block:write"]
+        assert writes % round(planted.bytes_per_kv_block * scale) == 0  # whole blocks of the scaled size
+        shares[scale] = result["kv_share_of_bytes"]
+    assert 0.0 < shares[1.0] < shares[4.0] < 1.0

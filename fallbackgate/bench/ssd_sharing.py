@@ -1,5 +1,5 @@
 """python -m fallbackgate.bench.ssd_sharing --trace DIR [--trace DIR ...] --dir SCRATCH [--controllers A,B]
-    [--expert-fraction F] [--workers N] [--repeats R] [--no-pace] [--json FILE] [--png FILE]
+    [--expert-fraction F] [--kv-scale F] [--workers N] [--repeats R] [--no-pace] [--json FILE] [--png FILE]
 
 How should read-only experts and append-only KV pages share one SSD? (PROBE.md, "also raised".) Each trace's
 recorded run is decided again by each controller (``trace simulate``'s simulator, the trace's own budget), and
@@ -19,7 +19,9 @@ falls on all of them alike (fewer repeats leave the places unbalanced). Per layo
 steps waited on their demand reads), P99 and mean TPOT as the simulator prices them with that stall, read
 latency (submission to arrival) by kind, and the bytes moved by kind and direction; each layout's stall and P99
 TPOT as a ratio to ``priority/shared`` of the same repeat, with their mean over repeats and traces. JSON out;
-``--png`` draws the stall ratios.
+``--png`` draws the stall ratios. ``--kv-scale F`` (above 1) is the simulator's larger-KV what-if: every KV block
+F times its recorded bytes, in room and on the disk (a model with F times the KV bytes per token against its
+experts, serving the same accesses), so KV moves a larger share of the bytes.
 """
 
 from __future__ import annotations
@@ -112,9 +114,9 @@ def _over_traces(cells: list[dict[str, Any]], name: str, controller: str) -> dic
     return {"stall_ratio": interval(stall), "p99_tpot_ratio": interval(p99)}
 
 
-def kv_share(cells: list[dict[str, Any]]) -> float:
-    """The KV blocks' share of all bytes moved over the link (reference layout, every cell)."""
-    moved = [c["layouts"][REFERENCE]["bytes_moved"] for c in cells]
+def kv_share(cells: list[dict[str, Any]], controller: str | None = None) -> float:
+    """The KV blocks' share of all bytes moved over the link (reference layout; every cell, or `controller`'s)."""
+    moved = [c["layouts"][REFERENCE]["bytes_moved"] for c in cells if controller in (None, c["controller"])]
     kv = sum(v for m in moved for k, v in m.items() if k.startswith("kv_block"))
     total = sum(v for m in moved for v in m.values())
     return kv / total if total else 0.0
@@ -141,14 +143,14 @@ def draw(cells: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-def _configs(trace: str, controllers: list[str], expert_fraction: float) -> list[SimulationConfig]:
+def _configs(trace: str, controllers: list[str], expert_fraction: float, kv_scale: float) -> list[SimulationConfig]:
     """Each controller at the trace's recorded budget, deciding with the device its own waits fit."""
     recorded = read_trace(trace)
     budget, device = recorded_budget(recorded), fit_waits(recorded)
     if not budget or device is None:
         raise ValueError(f"{trace}: no recorded budget or no waits to fit a device model from")
     fraction = {"static_split": expert_fraction}
-    return [SimulationConfig(c, budget, device, expert_fraction=fraction.get(c)) for c in controllers]
+    return [SimulationConfig(c, budget, device, fraction.get(c), kv_bytes_scale=kv_scale) for c in controllers]
 
 
 def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -159,7 +161,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     cells = []
     for trace in args.trace:
         name = pathlib.Path(trace).name
-        for config in _configs(trace, controllers, args.expert_fraction):
+        for config in _configs(trace, controllers, args.expert_fraction, args.kv_scale):
             for repeat in range(args.repeats):
                 layouts = run_cell(trace, config, args, repeat)
                 cells.append({"trace": name, "controller": config.controller, "repeat": repeat, "layouts": layouts})
@@ -175,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", required=True, help="a directory on the disk under test (tmpfs: RAM)")
     parser.add_argument("--controllers", default="joint,static_split", help="comma-separated")
     parser.add_argument("--expert-fraction", type=float, default=0.9, help="static_split's expert share")
+    parser.add_argument("--kv-scale", type=float, default=1.0, help="KV blocks at F times their recorded bytes")
     parser.add_argument("--workers", type=int, default=2, help="transfers in flight in all (by_kind: half each)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every layout per cell")
     parser.add_argument("--no-pace", action="store_true", help="do not sleep each step's compute time")
@@ -191,20 +194,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.summarize:
             earlier = json.loads(pathlib.Path(args.summarize).read_text())
-            command, cells = earlier["command"], earlier["cells"]
+            command, cells, kv_scale = earlier["command"], earlier["cells"], earlier.get("kv_bytes_scale", 1.0)
         else:
-            command, cells = " ".join(sys.argv), run_all(args)
+            command, cells, kv_scale = " ".join(sys.argv), run_all(args), args.kv_scale
     except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError) as exc:
         print(f"ssd_sharing: {exc}", file=sys.stderr)
         return 2
     result = {"command": command, "cells": cells, "summary": summarize(cells)}
     result["kv_share_of_bytes"] = kv_share(cells)
+    controllers = sorted({c["controller"] for c in cells})
+    result["kv_share_of_bytes_by_controller"] = {c: kv_share(cells, c) for c in controllers}
+    result["kv_bytes_scale"] = kv_scale
     for name, s in result["summary"].items():
         for controller, over in s["by_controller"].items():
             st, pt = over["stall_ratio"], over["p99_tpot_ratio"]
             print(f"{name:18} {controller:13} stall x{st['mean']:.3f} [{st['lo']:.3f}, {st['hi']:.3f}]  "
                   f"P99 TPOT x{pt['mean']:.3f} [{pt['lo']:.3f}, {pt['hi']:.3f}]  (n={st['n']} traces)")  # fmt: skip
-    print(f"KV share of the bytes moved: {result['kv_share_of_bytes']:.4f}")
+    by = ", ".join(f"{c} {v:.4f}" for c, v in result["kv_share_of_bytes_by_controller"].items())
+    print(f"KV share of the bytes moved: {result['kv_share_of_bytes']:.4f} ({by})")
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
     if args.png:

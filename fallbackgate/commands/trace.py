@@ -43,8 +43,8 @@ from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_le
 from fallbackgate.tracing.analyze import TraceAnalysis, analyze_trace, store, trace_labels
 from fallbackgate.tracing.devices import simulation_devices
 from fallbackgate.tracing.reader import Trace, read_trace
-from fallbackgate.tracing.realio import ORDERS, QUEUES, RealIO, check_recorded_sizes, simulate_real
-from fallbackgate.tracing.simulate import SimulationConfig
+from fallbackgate.tracing.realio import ORDERS, QUEUES, RealIO, simulate_real
+from fallbackgate.tracing.simulate import MAX_KV_BYTES_SCALE, SimulationConfig
 from fallbackgate.tracing.simulate_run import simulate_many
 from fallbackgate.tracing.simulator import GIB
 from fallbackgate.tracing.synthetic import Planted, write_planted_trace
@@ -75,7 +75,7 @@ def add_parser(subparsers: Any) -> None:
     m.add_argument("--devices", type=_names, default=("all",), help="device models by name prefix (default: all)")
     m.add_argument("--compress", type=_scales, default=((1.0, 1.0),), metavar="E:KV,...",
                    help="what-if compression: experts and KV blocks at these fractions of their recorded bytes, "
-                        "e.g. 1:1,0.5:1,0.5:0.5 (default 1:1)")  # fmt: skip
+                        "e.g. 1:1,0.5:1,0.5:0.5 (default 1:1); a KV factor above 1 is a larger KV")  # fmt: skip
     m.add_argument("--jobs", type=int, default=None, help="processes (default: the CPUs)")
     _add_io_flags(m)
     m.add_argument("--progress", action="store_true", help="a progress bar on stderr")
@@ -161,8 +161,10 @@ def _scales(text: str) -> tuple[tuple[float, float], ...]:
         pairs = tuple((float(e), float(k)) for e, k in (x.split(":") for x in text.split(",") if x.strip()))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated EXPERTS:KV fractions, got {text!r}") from None
-    if not pairs or any(not (0 < v <= 1) for pair in pairs for v in pair):
-        raise argparse.ArgumentTypeError(f"fractions must be in (0, 1], got {text!r}")
+    if not pairs or any(not (0 < e <= 1 and 0 < k <= MAX_KV_BYTES_SCALE) for e, k in pairs):
+        raise argparse.ArgumentTypeError(
+            f"fractions must be in (0, 1] (KV: (0, {MAX_KV_BYTES_SCALE:g}], above 1 a larger KV), got {text!r}"
+        )
     return pairs
 
 
@@ -265,9 +267,6 @@ def run_simulate(args: argparse.Namespace) -> int:
         check_output_path(args.out, "--out")
         trace = read_trace(args.trace)
         configs = simulation_configs(args, trace)
-        if real_io(args) is not None:  # refused before any configuration runs
-            for config in configs:
-                check_recorded_sizes(config)
     except (ValueError, TraceFormatError) as exc:
         print(f"fallbackgate trace simulate: error: {exc}", file=sys.stderr)
         return 2

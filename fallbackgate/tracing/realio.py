@@ -184,20 +184,15 @@ def _demand_stall(links: Links, path: str, layout: ScratchLayout, reads: list[IO
     return stall
 
 
-def check_recorded_sizes(config: SimulationConfig) -> None:
-    """ValueError for a compression what-if: real I/O performs the objects' recorded sizes."""
-    if (config.expert_bytes_scale, config.kv_bytes_scale) != (1.0, 1.0):
-        raise ValueError("a compression what-if is priced on device models; --io real performs the recorded sizes")
-
-
 def run_real(data: SimulationInput, config: SimulationConfig, trace_path: str, real: RealIO) -> dict[str, Any]:
-    """One configuration with its transfers performed against a scratch file in ``real.directory`` (the recorded
-    object sizes: a compression what-if is refused, :func:`check_recorded_sizes`)."""
-    check_recorded_sizes(config)
+    """One configuration with its transfers performed against a scratch file in ``real.directory``, at the
+    objects' sizes in the configuration (a bytes-scale what-if moves its scaled sizes)."""
     simulator = Simulator(data, config)
     simulator.decide(is_recording=True)
     ops = simulator.ops or []
-    layout = ScratchLayout(data.model, recorded_spans(trace_path), ops)
+    view = simulator.view
+    sizes = {"bytes_per_expert": view.bytes_per_expert, "bytes_per_kv_block": view.bytes_per_kv_block}
+    layout = ScratchLayout(data.model | sizes, recorded_spans(trace_path), ops)
     free = shutil.disk_usage(real.directory).free
     if layout.size > 0.9 * free:
         raise ValueError(f"--io real {real.directory}: the scratch file needs {layout.size} bytes, {free} are free")

@@ -17,7 +17,8 @@ expert loads are prefetches (link bytes, no stall); the engine's other scratch (
 write-behind buffers) is not modelled. A compression what-if (``SimulationConfig.expert_bytes_scale``,
 ``kv_bytes_scale``) shrinks every expert or KV block to that fraction of its recorded bytes, in room and on the
 link; compute, routing and the requests' accesses stay the recorded ones, and a low-bit copy stays half the
-stored bytes.
+stored bytes. A KV scale above 1 grows every KV block likewise: a model with more KV bytes per token against
+its experts, serving the same accesses.
 """
 
 from __future__ import annotations
@@ -216,6 +217,9 @@ class SimulatedView:
         return None
 
 
+MAX_KV_BYTES_SCALE = 64.0  # the largest what-if KV growth (kv_bytes_scale above 1)
+
+
 @dataclasses.dataclass(slots=True)
 class SimulationConfig:
     """One configuration to simulate."""
@@ -225,6 +229,8 @@ class SimulationConfig:
     device: DeviceModel  # what misses cost
     expert_fraction: float | None = None  # static split's expert share (None: the policy's)
     # what-if model-side compression: each object moves and occupies this fraction of its recorded bytes
-    # (0.5: int8 of a bf16 model's experts or KV); the trace's compute and accesses stay as recorded
+    # (0.5: int8 of a bf16 model's experts or KV); the trace's compute and accesses stay as recorded. A KV
+    # scale above 1 (at most MAX_KV_BYTES_SCALE) is a model with that many times the KV bytes per token
+    # (more KV heads, a wider head): its blocks grow likewise
     expert_bytes_scale: float = 1.0
     kv_bytes_scale: float = 1.0

@@ -15,7 +15,7 @@ from fallbackgate.engine.controller import Controller, ExpertMiss, KVMiss
 from fallbackgate.engine.messages import StepKind, StepPlan
 from fallbackgate.engine.tags import Exactness, Tag, Tier
 from fallbackgate.tracing.sim_prefix import KeptPrefixes
-from fallbackgate.tracing.simulate import SimulatedView, SimulationConfig, _copies
+from fallbackgate.tracing.simulate import MAX_KV_BYTES_SCALE, SimulatedView, SimulationConfig, _copies
 from fallbackgate.tracing.simulate_input import SimulationInput
 
 GIB = float(1 << 30)
@@ -48,9 +48,9 @@ class Simulator:
     def __init__(self, data: SimulationInput, config: SimulationConfig):
         m = data.model
         self.data, self.config = data, config
-        if not (0 < config.expert_bytes_scale <= 1 and 0 < config.kv_bytes_scale <= 1):
-            raise ValueError(f"bytes scales must be in (0, 1]: experts {config.expert_bytes_scale}, KV "
-                             f"{config.kv_bytes_scale}")  # fmt: skip
+        if not (0 < config.expert_bytes_scale <= 1 and 0 < config.kv_bytes_scale <= MAX_KV_BYTES_SCALE):
+            raise ValueError(f"bytes scales must be in (0, 1] (KV: (0, {MAX_KV_BYTES_SCALE:g}]): experts "
+                             f"{config.expert_bytes_scale}, KV {config.kv_bytes_scale}")  # fmt: skip
         self.view = SimulatedView(config.device, config.budget_bytes, m["num_layers"], m["num_experts"],
                                   max(1, round(m["bytes_per_expert"] * config.expert_bytes_scale)),
                                   max(1, round(m["bytes_per_kv_block"] * config.kv_bytes_scale)),
