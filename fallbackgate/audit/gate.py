@@ -254,6 +254,27 @@ def unauditable_verdict(request_id: str, served: Exactness, objects: list[str]) 
     return RequestVerdict(request_id, False, served, [reason], quality_passed=False, correctness_passed=None)
 
 
+STAT_KEYS = ("num_positions", "mean_kl", "median_kl", "p99_kl", "max_kl", "top1_agreement", "first_divergence")
+
+
+def request_statistics(
+    ledger: Ledger, run_id: int, req: Mapping[str, Any], tie_margin: float
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """One request's audited statistics against the exact baseline (None: not audited) and against its replay
+    (None: not replayed), read from its ``request_summaries`` row, its positions read only when needed (top-1
+    outside near-ties, the replay's p99 KL)."""
+    stats = {k: req[k] for k in STAT_KEYS} if req["num_positions"] is not None else None
+    replay = {k: req[f"replay_{k}"] for k in ("max_kl", "mean_kl", "max_position", "top1_agreement", "error")}
+    replay["routing_swaps"] = req["replay_routing_swaps"]
+    if stats is not None and (tie_margin > 0 or req["replay_max_kl"] is not None):
+        diffs = queries.position_diffs(ledger, run_id, req["request_id"])
+        if tie_margin > 0:
+            stats["top1_outside_ties"] = top1_outside_ties(diffs, tie_margin)
+        replay_kls = sorted(d["replay_kl"] for d in diffs if d["replay_kl"] is not None)
+        replay["p99_kl"] = percentile(replay_kls, 0.99) if replay_kls else None
+    return stats, replay if req["replay_max_kl"] is not None else None
+
+
 def evaluate_run(ledger: Ledger, run_id: int) -> RunVerdict:
     """Judge every request of ``run_id`` and the run; raise LedgerError when the run does not exist."""
     run = queries.get_run(ledger, run_id)
@@ -264,39 +285,14 @@ def evaluate_run(ledger: Ledger, run_id: int) -> RunVerdict:
     by_exactness = queries.request_exactness(ledger, run_id)
     by_tag = queries.request_tags(ledger, run_id)
     verdicts = []
-    stat_keys = (
-        "num_positions",
-        "mean_kl",
-        "median_kl",
-        "p99_kl",
-        "max_kl",
-        "top1_agreement",
-        "first_divergence",
-    )
     requests = queries.request_summaries(ledger, run_id)
     completeness = check_completeness(ledger, run, requests)
     touched, quarantined = quarantine_queries.unauditable(ledger, run_id)
     for req in requests:
         rid = req["request_id"]
-        stats = {k: req[k] for k in stat_keys} if req["num_positions"] is not None else None
-        replay = {k: req[f"replay_{k}"] for k in ("max_kl", "mean_kl", "max_position", "top1_agreement", "error")}
-        replay["routing_swaps"] = req["replay_routing_swaps"]
-        if stats is not None and (tie_margin > 0 or req["replay_max_kl"] is not None):
-            diffs = queries.position_diffs(ledger, run_id, rid)
-            if tie_margin > 0:
-                stats["top1_outside_ties"] = top1_outside_ties(diffs, tie_margin)
-            replay_kls = sorted(d["replay_kl"] for d in diffs if d["replay_kl"] is not None)
-            replay["p99_kl"] = percentile(replay_kls, 0.99) if replay_kls else None
-        v = judge_request(
-            rid,
-            stats,
-            req["budget"],
-            by_exactness.get(rid, {}),
-            by_tag.get(rid, {}),
-            floor,
-            replay=replay if req["replay_max_kl"] is not None else None,
-            incomplete=completeness.request_reasons.get(rid),
-        )
+        stats, replay = request_statistics(ledger, run_id, req, tie_margin)
+        v = judge_request(rid, stats, req["budget"], by_exactness.get(rid, {}), by_tag.get(rid, {}), floor,
+                          replay=replay, incomplete=completeness.request_reasons.get(rid))  # fmt: skip
         if rid in touched:  # its output or its audit needs bytes that cannot be read: never a PASS
             v = unauditable_verdict(rid, v.served, touched[rid])
         elif not v.passed:
