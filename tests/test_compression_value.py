@@ -23,6 +23,7 @@ from fallbackgate.bench.compression_value import (
 from fallbackgate.bench.devices_flip import controllers
 from fallbackgate.cli import main
 from fallbackgate.engine.io.direct import ALIGN
+from fallbackgate.tracing import realio
 from fallbackgate.tracing.devices import DeviceModel
 from fallbackgate.tracing.reader import read_trace
 from fallbackgate.tracing.realio import RealIO, run_real
@@ -91,7 +92,9 @@ def test_cli_compress_adds_variants_and_refuses_bad_fractions(
 
 
 @pytest.mark.parametrize("scales", [(0.5, 1.0), (1.0, 4.0)], ids=["experts-halved", "kv-4x"])
-def test_real_io_moves_the_what_if_sizes(scales: tuple[float, float], tmp_path: Path) -> None:
+def test_real_io_moves_the_what_if_sizes(
+    scales: tuple[float, float], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     trace = tmp_path / "trace"
     p = Planted(num_steps_per_phase=10, num_layers=3, num_experts=16, bytes_per_expert=32 * 1024,
                 bytes_per_kv_block=8 * 1024, total_budget_bytes=1 << 20)  # fmt: skip
@@ -105,8 +108,20 @@ def test_real_io_moves_the_what_if_sizes(scales: tuple[float, float], tmp_path: 
     assert {op.num_bytes for op in ops if op.kind == "expert"} == {sizes["expert"]}
     scratch = tmp_path / "scratch"
     scratch.mkdir()
+    layouts: list[realio.ScratchLayout] = []
+    make_layout = realio.ScratchLayout
+
+    def kept_layout(*args):
+        layouts.append(make_layout(*args))
+        return layouts[-1]
+
+    monkeypatch.setattr(realio, "ScratchLayout", kept_layout)
     result = run_real(load_input(str(trace)), config, str(trace), RealIO(str(scratch), 1, False))
-    assert result["num_reads"] + result["num_writes"] == len(ops)  # the same decisions, performed
+    assert result["num_reads"] + result["num_writes"] == len(ops) and result["num_failed"] == 0
+    extents = {(op.kind, op.key): layouts[0].place(op) for op in ops if op.num_bytes == sizes[op.kind]}
+    ends = sorted((offset, offset + n) for offset, n in extents.values())
+    assert all(end <= start for (_, end), (start, _) in zip(ends, ends[1:], strict=False))  # no two overlap
+    assert ends[-1][1] <= layouts[0].size
     for key, moved in result["bytes_moved"].items():
         asked = sum(op.num_bytes for op in ops if f"{op.kind}:{op.op}" == key)
         assert asked <= moved < asked + ALIGN * sum(f"{op.kind}:{op.op}" == key for op in ops), key

@@ -149,12 +149,14 @@ def test_observe_mode_counts_a_forced_defer_as_served(tmp_path) -> None:
     settings = RunSettings(model_dir=str(path), max_new_tokens=NEW_TOKENS, seed=engine.config.seed)
     budgets = {name: c.budget.model_dump() for name, c in loader.loads_policy(POLICY).classes.items()}
     recorded = record_and_judge(engine, specs, str(tmp_path / "ledger.sqlite"), settings=settings, budgets=budgets)
-    forced = {
-        (s.step_id, e.request_id)
+    events = [
+        (s.step_id, e)
         for s in recorded.outcome.steps
         for e in s.events
         if e.tag is Tag.EXPERT_DEFER and f"quarantined: expert {LAYER}:{expert}" in e.note
-    }
+    ]
+    forced = {(step_id, e.request_id) for step_id, e in events}
+    assert all(e.predicted_cost > 0 for _, e in events)  # served, so its predicted cost is kept
     users = {rid for rid, experts in routed.items() if expert in experts}
     assert {rid for _, rid in forced} == users and not engine.failed  # deferred, not failed
     with open_ledger(str(tmp_path / "ledger.sqlite"), read_only=True) as ledger:

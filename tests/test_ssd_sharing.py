@@ -39,7 +39,7 @@ def test_every_layout_runs_every_cell_against_the_engines_own(tmp_path: Path) ->
     assert summary["priority/shared"]["stall_ratio_mean"] == 1.0 and summary["fifo/by_kind"]["num_cells"] == 4
     assert 0.0 < result["kv_share_of_bytes"] < 1.0 and (tmp_path / "r.png").stat().st_size > 0
     assert set(result["kv_share_of_bytes_by_controller"]) == {"joint", "static_split"}
-    assert result["kv_bytes_scale"] == 1.0
+    assert (result["kv_bytes_scale"], result["budget_scale"]) == (1.0, 1.0)
     assert list(scratch.iterdir()) == []  # every scratch file removed
     over = summary["fifo/shared"]["by_controller"]["joint"]["stall_ratio"]  # one trace: a mean, no spread
     assert over["n"] == 1 and over["lo"] == over["mean"] == over["hi"]
@@ -59,7 +59,7 @@ def test_layouts_can_be_chosen_and_the_reference_always_runs(tmp_path: Path) -> 
         ssd_sharing.chosen_layouts("lifo/shared")
 
 
-def test_a_larger_kv_moves_a_larger_share_of_the_bytes(tmp_path: Path) -> None:
+def test_a_larger_kv_moves_a_larger_share_of_the_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "trace"
     planted = Planted(num_steps_per_phase=10, num_layers=3, num_experts=16, bytes_per_expert=32 * KIB,
                       bytes_per_kv_block=8 * KIB, total_budget_bytes=1 << 20)  # fmt: skip
@@ -67,15 +67,19 @@ def test_a_larger_kv_moves_a_larger_share_of_the_bytes(tmp_path: Path) -> None:
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     shares = {}
-    for scale in (1.0, 4.0):
+    base = ["--trace", str(trace), "--dir", str(scratch), "--no-pace", "--controllers", "static_split",
+            "--layouts", "priority/shared"]  # fmt: skip
+    assert ssd_sharing.main([*base, "--kv-scale", "4"]) == 2  # at the recorded budget a layer's K/V cannot fit
+    assert "layer gathers did not fit the budget at --kv-scale 4" in capsys.readouterr().err
+    for scale in (1.0, 2.0):
         out = tmp_path / f"r{scale:g}.json"
-        argv = ["--trace", str(trace), "--dir", str(scratch), "--no-pace", "--controllers", "static_split",
-                "--layouts", "priority/shared", "--kv-scale", f"{scale:g}", "--json", str(out)]  # fmt: skip
-        assert ssd_sharing.main(argv) == 0
+        assert ssd_sharing.main([*base, "--kv-scale", f"{scale:g}", "--budget-scale", "2", "--json", str(out)]) == 0
         result = json.loads(out.read_text())
-        assert result["kv_bytes_scale"] == scale
+        assert (result["kv_bytes_scale"], result["budget_scale"]) == (scale, 2.0)
+        assert result["cells"][0]["layouts"]["priority/shared"]["num_unfit_gathers"] == 0
         (cell,) = result["cells"]
-        writes = cell["layouts"]["priority/shared"]["bytes_moved"]["kv_block:write"]
+        writes = cell["layouts"]["priority/shared"]["bytes_moved"].get("kv_block:write", 0)
         assert writes % round(planted.bytes_per_kv_block * scale) == 0  # whole blocks of the scaled size
+        assert writes > 0 or scale == 1.0
         shares[scale] = result["kv_share_of_bytes"]
-    assert 0.0 < shares[1.0] < shares[4.0] < 1.0
+    assert shares[1.0] < shares[2.0] < 1.0

@@ -77,8 +77,8 @@ def test_io_real_orders_and_queues_the_two_kinds_as_asked(
     made: list = []
 
     class Recording(IOScheduler):
-        def __init__(self, num_workers: int) -> None:
-            super().__init__(num_workers=num_workers)
+        def __init__(self, num_workers: int, max_records: int) -> None:
+            super().__init__(num_workers=num_workers, max_records=max_records)
             self.submitted: list[tuple[str, str, int]] = []  # (kind, op, priority)
             made.append(self)
 

@@ -79,7 +79,7 @@ def record_use(
         note = (note + "; " if note else "") + use.decision.reason
     if ctx.is_observe and decided not in (Tag.RESIDENT, Tag.EXACT_LOAD, tag):
         note = (note + "; " if note else "") + f"observe: would serve {decided.value}"
-    cost = use.decision.predicted_cost if not ctx.is_observe else 0.0
+    cost = use.decision.predicted_cost if not ctx.is_observe or use.decision.is_forced else 0.0  # what was served
     ctx.log.add(
         request_id,
         use.key[0],

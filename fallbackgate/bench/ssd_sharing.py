@@ -1,5 +1,6 @@
 """python -m fallbackgate.bench.ssd_sharing --trace DIR [--trace DIR ...] --dir SCRATCH [--controllers A,B]
-    [--expert-fraction F] [--kv-scale F] [--workers N] [--repeats R] [--no-pace] [--json FILE] [--png FILE]
+    [--expert-fraction F] [--kv-scale F] [--budget-scale F] [--workers N] [--repeats R] [--no-pace]
+    [--layouts A,B] [--json FILE] [--png FILE]
 
 How should read-only experts and append-only KV pages share one SSD? (PROBE.md, "also raised".) Each trace's
 recorded run is decided again by each controller (``trace simulate``'s simulator, the trace's own budget), and
@@ -21,7 +22,9 @@ latency (submission to arrival) by kind, and the bytes moved by kind and directi
 TPOT as a ratio to ``priority/shared`` of the same repeat, with their mean over repeats and traces. JSON out;
 ``--png`` draws the stall ratios. ``--kv-scale F`` (above 1) is the simulator's larger-KV what-if: every KV block
 F times its recorded bytes, in room and on the disk (a model with F times the KV bytes per token against its
-experts, serving the same accesses), so KV moves a larger share of the bytes.
+experts, serving the same accesses), so KV moves a larger share of the bytes; ``--budget-scale F`` gives it F
+times each trace's recorded budget, so that one layer's K/V of the batch still fits (a configuration where it
+does not is refused: the engine could not serve it, ``num_unfit_gathers``).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ LAYOUTS = [(order, queues) for queues in QUEUES for order in ORDERS]  # priority
 LAYOUTS.append(("priority", "shared/1"))  # control: one queue with ONE worker (by_kind's per-kind share)
 REFERENCE = "priority/shared"
 KEPT = ("stall_s", "p99_tpot_ms", "mean_tpot_ms", "demand_read_latency_ms_by_kind", "bytes_moved", "num_reads",
-        "io_workers", "num_writes", "is_direct")  # fmt: skip
+        "io_workers", "num_writes", "is_direct", "num_unfit_gathers")  # fmt: skip
 
 
 def layout_name(order: str, queues: str) -> str:
@@ -73,6 +76,9 @@ def run_cell(trace: str, config: SimulationConfig, args: argparse.Namespace, rep
         workers = 1 if queues == "shared/1" else args.workers
         real = RealIO(args.dir, pace=not args.no_pace, order=order, queues=queues.split("/")[0], workers=workers)
         result = simulate_real(trace, [config], real)[0]
+        if result["num_unfit_gathers"]:
+            raise ValueError(f"{trace} {config.controller}: {result['num_unfit_gathers']} layer gathers did not fit "
+                             f"the budget at --kv-scale {config.kv_bytes_scale:g}: the engine could not serve it")
         out[layout_name(order, queues)] = {k: result.get(k) for k in KEPT}
     out = {layout_name(o, q): out[layout_name(o, q)] for o, q in layouts}  # reported in one order
     reference = out[REFERENCE]
@@ -143,14 +149,17 @@ def draw(cells: list[dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-def _configs(trace: str, controllers: list[str], expert_fraction: float, kv_scale: float) -> list[SimulationConfig]:
-    """Each controller at the trace's recorded budget, deciding with the device its own waits fit."""
+def _configs(trace: str, controllers: list[str], args: argparse.Namespace) -> list[SimulationConfig]:
+    """Each controller at the trace's recorded budget (times ``--budget-scale``), deciding with the device its
+    own waits fit."""
     recorded = read_trace(trace)
     budget, device = recorded_budget(recorded), fit_waits(recorded)
     if not budget or device is None:
         raise ValueError(f"{trace}: no recorded budget or no waits to fit a device model from")
-    fraction = {"static_split": expert_fraction}
-    return [SimulationConfig(c, budget, device, fraction.get(c), kv_bytes_scale=kv_scale) for c in controllers]
+    if args.budget_scale <= 0:
+        raise ValueError(f"--budget-scale must be positive, got {args.budget_scale:g}")
+    budget, fraction = int(budget * args.budget_scale), {"static_split": args.expert_fraction}
+    return [SimulationConfig(c, budget, device, fraction.get(c), kv_bytes_scale=args.kv_scale) for c in controllers]
 
 
 def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -161,7 +170,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     cells = []
     for trace in args.trace:
         name = pathlib.Path(trace).name
-        for config in _configs(trace, controllers, args.expert_fraction, args.kv_scale):
+        for config in _configs(trace, controllers, args):
             for repeat in range(args.repeats):
                 layouts = run_cell(trace, config, args, repeat)
                 cells.append({"trace": name, "controller": config.controller, "repeat": repeat, "layouts": layouts})
@@ -178,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--controllers", default="joint,static_split", help="comma-separated")
     parser.add_argument("--expert-fraction", type=float, default=0.9, help="static_split's expert share")
     parser.add_argument("--kv-scale", type=float, default=1.0, help="KV blocks at F times their recorded bytes")
+    parser.add_argument("--budget-scale", type=float, default=1.0, help="F times each trace's recorded budget")
     parser.add_argument("--workers", type=int, default=2, help="transfers in flight in all (by_kind: half each)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every layout per cell")
     parser.add_argument("--no-pace", action="store_true", help="do not sleep each step's compute time")
@@ -194,9 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.summarize:
             earlier = json.loads(pathlib.Path(args.summarize).read_text())
-            command, cells, kv_scale = earlier["command"], earlier["cells"], earlier.get("kv_bytes_scale", 1.0)
+            command, cells = earlier["command"], earlier["cells"]
+            scales = earlier.get("kv_bytes_scale", 1.0), earlier.get("budget_scale", 1.0)
         else:
-            command, cells, kv_scale = " ".join(sys.argv), run_all(args), args.kv_scale
+            command, cells, scales = " ".join(sys.argv), run_all(args), (args.kv_scale, args.budget_scale)
     except (ValueError, FileNotFoundError, KeyError, json.JSONDecodeError) as exc:
         print(f"ssd_sharing: {exc}", file=sys.stderr)
         return 2
@@ -204,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     result["kv_share_of_bytes"] = kv_share(cells)
     controllers = sorted({c["controller"] for c in cells})
     result["kv_share_of_bytes_by_controller"] = {c: kv_share(cells, c) for c in controllers}
-    result["kv_bytes_scale"] = kv_scale
+    result["kv_bytes_scale"], result["budget_scale"] = scales
     for name, s in result["summary"].items():
         for controller, over in s["by_controller"].items():
             st, pt = over["stall_ratio"], over["p99_tpot_ratio"]

@@ -267,11 +267,11 @@ def run_simulate(args: argparse.Namespace) -> int:
         check_output_path(args.out, "--out")
         trace = read_trace(args.trace)
         configs = simulation_configs(args, trace)
+        real = real_io(args)  # refused before any configuration runs
     except (ValueError, TraceFormatError) as exc:
         print(f"fallbackgate trace simulate: error: {exc}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    real = real_io(args)
     if real is not None:
         results = simulate_real(args.trace, configs, real)
     else:
@@ -286,6 +286,8 @@ def run_simulate(args: argparse.Namespace) -> int:
             r.get("error")
             or f"stall {r['stall_s']:.3f} s  p99 TPOT {r['p99_tpot_ms']:.2f} ms  SLO {r['slo_attainment']:.2f}"
         )
+        if r.get("num_unfit_gathers"):
+            tail += f"  UNSERVABLE: {r['num_unfit_gathers']} layer gathers did not fit the budget"
         print(f"{head}  {tail}")
     print(f"{len(configs)} configurations in {elapsed:.1f} s; wrote {args.out}")
     return 0

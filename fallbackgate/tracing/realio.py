@@ -86,15 +86,17 @@ QUEUES = ("shared", "by_kind")
 
 
 class Links:
-    """The I/O scheduler(s) transfers go through: one shared, or one per object kind."""
+    """The I/O scheduler(s) transfers go through: one shared, or one per object kind, each keeping the record of
+    up to `num_transfers` finished transfers (all of a run's: none may fall off its log)."""
 
-    def __init__(self, real: RealIO) -> None:
+    def __init__(self, real: RealIO, num_transfers: int = 1 << 16) -> None:
+        keep = max(num_transfers, 1)
         if real.queues == "shared":
-            shared = IOScheduler(num_workers=real.num_workers)
+            shared = IOScheduler(num_workers=real.num_workers, max_records=keep)
             self.by_kind = {"expert": shared, "kv_block": shared}
         else:
             half = real.num_workers // 2
-            self.by_kind = {"expert": IOScheduler(num_workers=half), "kv_block": IOScheduler(num_workers=half)}
+            self.by_kind = {kind: IOScheduler(num_workers=half, max_records=keep) for kind in ("expert", "kv_block")}
         self.schedulers = list({id(io): io for io in self.by_kind.values()}.values())
 
     def of(self, op: IOOp) -> IOScheduler:
@@ -111,8 +113,11 @@ class Links:
             io.close()
 
     def take_completed(self) -> list:
-        """Every scheduler's finished transfers."""
-        return [record for io in self.schedulers for record in io.take_completed()]
+        """Every scheduler's finished transfers; RuntimeError if any fell off a scheduler's log."""
+        records = [record for io in self.schedulers for record in io.take_completed()]
+        if any(io.num_records_dropped for io in self.schedulers):
+            raise RuntimeError("finished transfers fell off the I/O scheduler's log: the counts would be short")
+        return records
 
 
 def recorded_spans(path: str) -> dict[str, tuple[int, int]]:
@@ -192,7 +197,8 @@ def run_real(data: SimulationInput, config: SimulationConfig, trace_path: str, r
     ops = simulator.ops or []
     view = simulator.view
     sizes = {"bytes_per_expert": view.bytes_per_expert, "bytes_per_kv_block": view.bytes_per_kv_block}
-    layout = ScratchLayout(data.model | sizes, recorded_spans(trace_path), ops)
+    spans = recorded_spans(trace_path) if config.expert_bytes_scale == 1.0 else {}  # the recorded experts' extents
+    layout = ScratchLayout(data.model | sizes, spans, ops)
     free = shutil.disk_usage(real.directory).free
     if layout.size > 0.9 * free:
         raise ValueError(f"--io real {real.directory}: the scratch file needs {layout.size} bytes, {free} are free")
@@ -206,7 +212,7 @@ def run_real(data: SimulationInput, config: SimulationConfig, trace_path: str, r
     stall = np.zeros(len(ops))
     background: list[Ticket] = []
     try:
-        with Links(real) as links:
+        with Links(real, sum(len(step) for step in ops)) as links:
             for index, step in enumerate(ops):
                 demand = [op for op in step if op.requester == "demand"]
                 waited = _demand_stall(links, path, layout, demand, real.depth, pool)
@@ -226,7 +232,7 @@ def run_real(data: SimulationInput, config: SimulationConfig, trace_path: str, r
 
 
 def _with_measurements(result: dict[str, Any], real: RealIO, records: list, stall: np.ndarray) -> dict[str, Any]:
-    reads = [r for r in records if r.op.value == "read" and not r.error]
+    reads = [r for r in records if r.op.value == "read" and not r.error]  # the latencies: finished reads only
     service_ms = np.array([r.service_s * 1e3 for r in reads]) if reads else np.zeros(1)
     is_direct = all(r.is_direct for r in records) if records else None
     by_kind: dict[str, dict[str, float]] = {}
@@ -242,7 +248,8 @@ def _with_measurements(result: dict[str, Any], real: RealIO, records: list, stal
         "device": f"real:{real.directory}", "io": "real", "io_depth": real.depth, "is_paced": real.pace,
         "io_order": real.order, "io_queues": real.queues, "io_workers": real.num_workers,
         "overhead_ms_per_read": real.overhead_ns_per_read / 1e6, "is_direct": is_direct,
-        "num_reads": len(reads), "num_writes": len(records) - len(reads),
+        "num_reads": sum(r.op.value == "read" for r in records),
+        "num_writes": sum(r.op.value == "write" for r in records), "num_failed": sum(bool(r.error) for r in records),
         "read_service_ms": {"p50": float(np.percentile(service_ms, 50)), "p99": float(np.percentile(service_ms, 99)),
                             "max": float(service_ms.max())},
         "demand_read_latency_ms_by_kind": by_kind, "bytes_moved": moved,

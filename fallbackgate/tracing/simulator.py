@@ -40,6 +40,7 @@ class _Tally:
     spill_bytes: int = 0  # device -> host writes of KV taken off device
     prefetch_bytes: int = 0  # step-end expert loads
     num_invalid: int = 0  # decisions the object's copies could not serve (served by recompute / exact load)
+    num_unfit_gathers: int = 0  # step x layer gathers whose K/V did not fit the budget (the engine would raise)
 
 
 class Simulator:
@@ -210,11 +211,13 @@ class Simulator:
     def gather(self, keys: list[tuple[str, int, int]], staged: set, pinned_kv: set) -> None:
         """Make room for one layer's gathered K/V, as the engine's ``ensure_room`` does with no expert pinned:
         every block of a request that has more than one, and a one-block request's block when it was read from
-        off device (`staged`). The room goes back to the experts when they run, so only the evictions remain."""
+        off device (`staged`). The room goes back to the experts when they run, so only the evictions remain.
+        Where the budget cannot hold it (a larger-KV what-if), the engine would refuse the step; the simulator
+        goes on and counts it (``num_unfit_gathers``), so such a configuration is one the engine cannot serve."""
         blocks = collections.Counter(key[0] for key in keys)
         need = sum(n for n in blocks.values() if n > 1) + sum(1 for key in staged if blocks[key[0]] == 1)
-        if need:
-            self.make_room(need * self.view.bytes_per_kv_block, set(), pinned_kv)
+        if need and not self.make_room(need * self.view.bytes_per_kv_block, set(), pinned_kv):
+            self.tally.num_unfit_gathers += 1  # only a what-if's larger KV gets here: a recorded run fitted
 
     def free(self, request_ids: list[str], index: int) -> None:
         """Free the KV blocks of requests that ended at step `index`, but for those kept as prefix blocks (the
@@ -288,7 +291,8 @@ class Simulator:
             "expert_bytes_scale": self.config.expert_bytes_scale, "kv_bytes_scale": self.config.kv_bytes_scale,
             "expert_hits": t.hits["expert"], "kv_hits": t.hits["kv"], "misses_by_tag": dict(t.tags),
             "bytes_by_tag": dict(t.bytes_by_tag), "spill_bytes": t.spill_bytes, "prefetch_bytes": t.prefetch_bytes,
-            "num_invalid_decisions": t.num_invalid, "stall_s": outcome["stall_s"], "run_s": run_s,
+            "num_invalid_decisions": t.num_invalid, "num_unfit_gathers": t.num_unfit_gathers,
+            "stall_s": outcome["stall_s"], "run_s": run_s,
             "p99_tpot_ms": outcome["p99_tpot_ms"], "mean_tpot_ms": outcome["mean_tpot_ms"],
             "slo_attainment": 1 - outcome["slo_violations"] / with_slo if with_slo else float("nan"),
         }  # fmt: skip
