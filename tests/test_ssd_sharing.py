@@ -12,15 +12,20 @@ from fallbackgate.bench import ssd_sharing
 from fallbackgate.tracing.synthetic import Planted, write_planted_trace
 
 KIB = 1024
+PLANTED = Planted(num_steps_per_phase=10, num_layers=3, num_experts=16, bytes_per_expert=32 * KIB,
+                  bytes_per_kv_block=8 * KIB, total_budget_bytes=1 << 20)  # fmt: skip
+
+
+def _trace_and_scratch(tmp_path: Path) -> tuple[Path, Path]:
+    """A small planted trace and an empty scratch directory under `tmp_path`."""
+    trace, scratch = tmp_path / "trace", tmp_path / "scratch"
+    write_planted_trace(trace, PLANTED)
+    scratch.mkdir()
+    return trace, scratch
 
 
 def test_every_layout_runs_every_cell_against_the_engines_own(tmp_path: Path) -> None:
-    trace = tmp_path / "trace"
-    planted = Planted(num_steps_per_phase=10, num_layers=3, num_experts=16, bytes_per_expert=32 * KIB,
-                      bytes_per_kv_block=8 * KIB, total_budget_bytes=1 << 20)  # fmt: skip
-    write_planted_trace(trace, planted)
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
+    trace, scratch = _trace_and_scratch(tmp_path)
     out = tmp_path / "r.json"
     argv = ["--trace", str(trace), "--dir", str(scratch), "--no-pace", "--repeats", "2", "--json", str(out)]
     assert ssd_sharing.main([*argv, "--png", str(tmp_path / "r.png")]) == 0
@@ -60,12 +65,7 @@ def test_layouts_can_be_chosen_and_the_reference_always_runs(tmp_path: Path) -> 
 
 
 def test_a_larger_kv_moves_a_larger_share_of_the_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    trace = tmp_path / "trace"
-    planted = Planted(num_steps_per_phase=10, num_layers=3, num_experts=16, bytes_per_expert=32 * KIB,
-                      bytes_per_kv_block=8 * KIB, total_budget_bytes=1 << 20)  # fmt: skip
-    write_planted_trace(trace, planted)
-    scratch = tmp_path / "scratch"
-    scratch.mkdir()
+    trace, scratch = _trace_and_scratch(tmp_path)
     shares = {}
     base = ["--trace", str(trace), "--dir", str(scratch), "--no-pace", "--controllers", "static_split",
             "--layouts", "priority/shared"]  # fmt: skip
@@ -79,7 +79,7 @@ def test_a_larger_kv_moves_a_larger_share_of_the_bytes(tmp_path: Path, capsys: p
         assert result["cells"][0]["layouts"]["priority/shared"]["num_unfit_gathers"] == 0
         (cell,) = result["cells"]
         writes = cell["layouts"]["priority/shared"]["bytes_moved"].get("kv_block:write", 0)
-        assert writes % round(planted.bytes_per_kv_block * scale) == 0  # whole blocks of the scaled size
+        assert writes % round(PLANTED.bytes_per_kv_block * scale) == 0  # whole blocks of the scaled size
         assert writes > 0 or scale == 1.0
         shares[scale] = result["kv_share_of_bytes"]
     assert shares[1.0] < shares[2.0] < 1.0
