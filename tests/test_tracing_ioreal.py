@@ -7,11 +7,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fallbackgate.cli import main
 from fallbackgate.engine.io import IOScheduler
 from fallbackgate.engine.io.direct import ALIGN
+from fallbackgate.engine.io.requests import IOOp, IORecord
+from fallbackgate.engine.tags import ObjectKind
 from fallbackgate.tracing import realio
 from fallbackgate.tracing.devices import fit_profile, fit_waits
 from fallbackgate.tracing.reader import read_trace
@@ -151,3 +154,21 @@ def test_simulating_a_recorded_run_predicts_its_stall_and_tpot(tmp_path: Path) -
     demand_reads = int((recorded.frame("io")["requester"] == "demand").sum())
     assert result["misses_by_tag"]["expert:exact_load"] == pytest.approx(demand_reads, rel=0.15)
     assert result["stall_within"] and result["tpot_within"] and code == 0, result
+
+
+def test_measurements_count_bytes_done_and_failures_by_op(tmp_path: Path) -> None:
+    """A failed read's partial bytes were moved (they count in ``bytes_moved``), it counts as a read and as a
+    failure, never as a write; latencies come from finished reads only."""
+    def record(op: IOOp, kind: ObjectKind, asked: int, done: int, error: str = "") -> IORecord:
+        return IORecord(0, op, kind, "x", "f", 0, asked, (realio.DEMAND,), 0, 0, 0, 1_000, 2_000_000, done,
+                        True, error)  # fmt: skip
+
+    records = [
+        record(IOOp.READ, ObjectKind.EXPERT, 8192, 8192),
+        record(IOOp.READ, ObjectKind.EXPERT, 8192, 4096, "short read"),
+        record(IOOp.WRITE, ObjectKind.KV_BLOCK, 4096, 4096),
+    ]
+    result = realio._with_measurements({}, RealIO(str(tmp_path)), records, np.zeros(1))
+    assert result["bytes_moved"] == {"expert:read": 8192 + 4096, "kv_block:write": 4096}
+    assert (result["num_reads"], result["num_writes"], result["num_failed"]) == (2, 1, 1)
+    assert result["demand_read_latency_ms_by_kind"]["expert"]["p50"] == pytest.approx(2.0, rel=1e-3)
