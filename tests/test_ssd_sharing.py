@@ -64,13 +64,19 @@ def test_layouts_can_be_chosen_and_the_reference_always_runs(tmp_path: Path) -> 
         ssd_sharing.chosen_layouts("lifo/shared")
 
 
-def test_a_larger_kv_moves_a_larger_share_of_the_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_larger_kv_moves_a_larger_share_of_the_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     trace, scratch = _trace_and_scratch(tmp_path)
     shares = {}
     base = ["--trace", str(trace), "--dir", str(scratch), "--no-pace", "--controllers", "static_split",
             "--layouts", "priority/shared"]  # fmt: skip
+    performed = []
+    real = ssd_sharing.simulate_real
+    monkeypatch.setattr(ssd_sharing, "simulate_real", lambda *a, **k: performed.append(a) or real(*a, **k))
     assert ssd_sharing.main([*base, "--kv-scale", "4"]) == 2  # at the recorded budget a layer's K/V cannot fit
     assert "layer gathers did not fit the budget at --kv-scale 4" in capsys.readouterr().err
+    assert performed == [] and list(scratch.iterdir()) == []  # refused from the modelled pass, before any I/O
     for scale in (1.0, 2.0):
         out = tmp_path / f"r{scale:g}.json"
         assert ssd_sharing.main([*base, "--kv-scale", f"{scale:g}", "--budget-scale", "2", "--json", str(out)]) == 0

@@ -24,7 +24,8 @@ TPOT as a ratio to ``priority/shared`` of the same repeat, with their mean over 
 F times its recorded bytes, in room and on the disk (a model with F times the KV bytes per token against its
 experts, serving the same accesses), so KV moves a larger share of the bytes; ``--budget-scale F`` gives it F
 times each trace's recorded budget, so that one layer's K/V of the batch still fits (a configuration where it
-does not is refused: the engine could not serve it, ``num_unfit_gathers``).
+does not is refused before any real transfer, from a pass on the model device: the engine could not serve it,
+``num_unfit_gathers``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from fallbackgate.tracing.devices import fit_waits
 from fallbackgate.tracing.reader import read_trace
 from fallbackgate.tracing.realio import ORDERS, QUEUES, RealIO, simulate_real
 from fallbackgate.tracing.simulate import SimulationConfig
+from fallbackgate.tracing.simulate_run import simulate_many
 from fallbackgate.tracing.validate import recorded_budget
 
 LAYOUTS = [(order, queues) for queues in QUEUES for order in ORDERS]  # priority/shared first: the reference
@@ -76,9 +78,7 @@ def run_cell(trace: str, config: SimulationConfig, args: argparse.Namespace, rep
         workers = 1 if queues == "shared/1" else args.workers
         real = RealIO(args.dir, pace=not args.no_pace, order=order, queues=queues.split("/")[0], workers=workers)
         result = simulate_real(trace, [config], real)[0]
-        if result["num_unfit_gathers"]:
-            raise ValueError(f"{trace} {config.controller}: {result['num_unfit_gathers']} layer gathers did not fit "
-                             f"the budget at --kv-scale {config.kv_bytes_scale:g}: the engine could not serve it")
+        _refuse_unservable(trace, config, result)
         out[layout_name(order, queues)] = {k: result.get(k) for k in KEPT}
     out = {layout_name(o, q): out[layout_name(o, q)] for o, q in layouts}  # reported in one order
     reference = out[REFERENCE]
@@ -86,6 +86,22 @@ def run_cell(trace: str, config: SimulationConfig, args: argparse.Namespace, rep
         metrics["stall_ratio"] = metrics["stall_s"] / reference["stall_s"] if reference["stall_s"] else None
         metrics["p99_tpot_ratio"] = metrics["p99_tpot_ms"] / reference["p99_tpot_ms"]
     return out
+
+
+def _refuse_unservable(trace: str, config: SimulationConfig, result: dict[str, Any]) -> None:
+    if result.get("error"):
+        raise ValueError(f"{trace} {config.controller}: {result['error']}")
+    if result["num_unfit_gathers"]:
+        raise ValueError(f"{trace} {config.controller}: {result['num_unfit_gathers']} layer gathers did not fit "
+                         f"the budget at --kv-scale {config.kv_bytes_scale:g}: the engine could not serve it")
+
+
+def check_servable(trace: str, configs: list[SimulationConfig]) -> None:
+    """Refuse, before any real transfer, a configuration the engine could not serve: its decisions are priced on
+    the model device alone (the same decisions the real runs make, every layout alike), and one whose layer
+    gathers do not fit the budget, or whose controller fails, raises ValueError."""
+    for config, result in zip(configs, simulate_many(trace, configs, jobs=1), strict=True):
+        _refuse_unservable(trace, config, result)
 
 
 def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
@@ -167,10 +183,13 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     if not pathlib.Path(args.dir).is_dir():
         raise ValueError(f"--dir {args.dir}: not a directory")
     controllers = [c.strip() for c in args.controllers.split(",") if c.strip()]
+    configs = {trace: _configs(trace, controllers, args) for trace in args.trace}
+    for trace, trace_configs in configs.items():
+        check_servable(trace, trace_configs)
     cells = []
     for trace in args.trace:
         name = pathlib.Path(trace).name
-        for config in _configs(trace, controllers, args):
+        for config in configs[trace]:
             for repeat in range(args.repeats):
                 layouts = run_cell(trace, config, args, repeat)
                 cells.append({"trace": name, "controller": config.controller, "repeat": repeat, "layouts": layouts})
