@@ -1,4 +1,5 @@
-"""The ``fallbackgate`` command line: one subcommand per module in ``fallbackgate.commands``."""
+"""The ``fallbackgate`` command line: one subcommand per module in ``fallbackgate.commands`` (``trace``'s simulate
+and validate in ``trace_simulate``)."""
 
 from __future__ import annotations
 
