@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 
 from fallbackgate.bench import ssd_sharing
+from fallbackgate.tracing.devices import fit_waits
+from fallbackgate.tracing.reader import read_trace
+from fallbackgate.tracing.realio import RealIO, simulate_real
+from fallbackgate.tracing.simulate import SimulationConfig
+from fallbackgate.tracing.simulate_input import load_input
 from fallbackgate.tracing.synthetic import Planted, write_planted_trace
+from fallbackgate.tracing.validate import recorded_budget
 
 KIB = 1024
 PLANTED = Planted(num_steps_per_phase=10, num_layers=3, num_experts=16, bytes_per_expert=32 * KIB,
@@ -76,7 +82,9 @@ def test_a_larger_kv_moves_a_larger_share_of_the_bytes(
     monkeypatch.setattr(ssd_sharing, "simulate_real", lambda *a, **k: performed.append(a) or real(*a, **k))
     assert ssd_sharing.main([*base, "--kv-scale", "4"]) == 2  # at the recorded budget a layer's K/V cannot fit
     assert "layer gathers did not fit the budget at --kv-scale 4" in capsys.readouterr().err
-    assert performed == [] and list(scratch.iterdir()) == []  # refused from the modelled pass, before any I/O
+    assert performed == []  # refused from the modelled pass, before any real run
+    assert ssd_sharing.main([*base, "--workers", "3", "--layouts", "priority/by_kind"]) == 2  # half per kind
+    assert "even --io-workers" in capsys.readouterr().err and performed == []
     for scale in (1.0, 2.0):
         out = tmp_path / f"r{scale:g}.json"
         assert ssd_sharing.main([*base, "--kv-scale", f"{scale:g}", "--budget-scale", "2", "--json", str(out)]) == 0
@@ -89,3 +97,16 @@ def test_a_larger_kv_moves_a_larger_share_of_the_bytes(
         assert writes > 0 or scale == 1.0
         shares[scale] = result["kv_share_of_bytes"]
     assert shares[1.0] < shares[2.0] < 1.0
+
+
+def test_the_modelled_pass_counts_the_unfit_gathers_a_real_run_meets(tmp_path: Path) -> None:
+    trace, scratch = _trace_and_scratch(tmp_path)
+    budget = recorded_budget(read_trace(str(trace)))
+    device = fit_waits(read_trace(str(trace)))
+    assert device is not None
+    for kv_scale in (1.0, 4.0):
+        config = SimulationConfig("static_split", budget, device, 0.9, kv_bytes_scale=kv_scale)
+        modelled = ssd_sharing.num_unfit_gathers(load_input(str(trace)), config)
+        real = simulate_real(str(trace), [config], RealIO(str(scratch), pace=False))[0]["num_unfit_gathers"]
+        assert modelled == real and (modelled > 0) == (kv_scale > 1.0)
+

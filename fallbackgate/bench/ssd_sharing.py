@@ -24,7 +24,7 @@ TPOT as a ratio to ``priority/shared`` of the same repeat, with their mean over 
 F times its recorded bytes, in room and on the disk (a model with F times the KV bytes per token against its
 experts, serving the same accesses), so KV moves a larger share of the bytes; ``--budget-scale F`` gives it F
 times each trace's recorded budget, so that one layer's K/V of the batch still fits (a configuration where it
-does not is refused before any real transfer, from a pass on the model device: the engine could not serve it,
+does not is refused before any real transfer, from its decisions alone: the engine could not serve it,
 ``num_unfit_gathers``).
 """
 
@@ -43,7 +43,8 @@ from fallbackgate.tracing.devices import fit_waits
 from fallbackgate.tracing.reader import read_trace
 from fallbackgate.tracing.realio import ORDERS, QUEUES, RealIO, simulate_real
 from fallbackgate.tracing.simulate import SimulationConfig
-from fallbackgate.tracing.simulate_run import simulate_many
+from fallbackgate.tracing.simulate_input import SimulationInput, load_input
+from fallbackgate.tracing.simulator import Simulator
 from fallbackgate.tracing.validate import recorded_budget
 
 LAYOUTS = [(order, queues) for queues in QUEUES for order in ORDERS]  # priority/shared first: the reference
@@ -69,18 +70,27 @@ def chosen_layouts(names: str | None) -> list[tuple[str, str]]:
     return [(o, q) for o, q in LAYOUTS if layout_name(o, q) in wanted]
 
 
-def run_cell(trace: str, config: SimulationConfig, args: argparse.Namespace, repeat: int) -> dict[str, Any]:
-    """One (trace, controller) repeat: every layout, in an order rotated by `repeat`."""
-    layouts = chosen_layouts(args.layouts)
-    shift = repeat % len(layouts)
-    out: dict[str, Any] = {}
-    for order, queues in layouts[shift:] + layouts[:shift]:
+def real_ios(args: argparse.Namespace) -> list[tuple[str, RealIO]]:
+    """Each chosen layout's name and I/O settings (ValueError for a bad list or a bad worker count)."""
+    ios = []
+    for order, queues in chosen_layouts(args.layouts):
         workers = 1 if queues == "shared/1" else args.workers
         real = RealIO(args.dir, pace=not args.no_pace, order=order, queues=queues.split("/")[0], workers=workers)
+        ios.append((layout_name(order, queues), real))
+    return ios
+
+
+def run_cell(trace: str, config: SimulationConfig, ios: list[tuple[str, RealIO]], repeat: int) -> dict[str, Any]:
+    """One (trace, controller) repeat: every layout, in an order rotated by `repeat`."""
+    shift = repeat % len(ios)
+    out: dict[str, Any] = {}
+    for name, real in ios[shift:] + ios[:shift]:
         result = simulate_real(trace, [config], real)[0]
-        _refuse_unservable(trace, config, result)
-        out[layout_name(order, queues)] = {k: result.get(k) for k in KEPT}
-    out = {layout_name(o, q): out[layout_name(o, q)] for o, q in layouts}  # reported in one order
+        if result["num_unfit_gathers"]:  # check_servable refused it before: the decisions differ
+            raise RuntimeError(f"{trace} {config.controller}: {result['num_unfit_gathers']} unfit layer gathers in a "
+                               "real run that the modelled pass found servable")  # fmt: skip
+        out[name] = {k: result.get(k) for k in KEPT}
+    out = {name: out[name] for name, _ in ios}  # reported in one order
     reference = out[REFERENCE]
     for metrics in out.values():
         metrics["stall_ratio"] = metrics["stall_s"] / reference["stall_s"] if reference["stall_s"] else None
@@ -88,20 +98,23 @@ def run_cell(trace: str, config: SimulationConfig, args: argparse.Namespace, rep
     return out
 
 
-def _refuse_unservable(trace: str, config: SimulationConfig, result: dict[str, Any]) -> None:
-    if result.get("error"):
-        raise ValueError(f"{trace} {config.controller}: {result['error']}")
-    if result["num_unfit_gathers"]:
-        raise ValueError(f"{trace} {config.controller}: {result['num_unfit_gathers']} layer gathers did not fit "
-                         f"the budget at --kv-scale {config.kv_bytes_scale:g}: the engine could not serve it")
+def num_unfit_gathers(data: SimulationInput, config: SimulationConfig) -> int:
+    """The layer gathers of `config`'s decisions over a trace's `data` that do not fit its budget, from the
+    decisions alone (no transfer): the same decisions every real run of it makes, in every layout."""
+    simulator = Simulator(data, config)
+    simulator.decide()
+    return simulator.tally.num_unfit_gathers
 
 
 def check_servable(trace: str, configs: list[SimulationConfig]) -> None:
-    """Refuse, before any real transfer, a configuration the engine could not serve: its decisions are priced on
-    the model device alone (the same decisions the real runs make, every layout alike), and one whose layer
-    gathers do not fit the budget, or whose controller fails, raises ValueError."""
-    for config, result in zip(configs, simulate_many(trace, configs, jobs=1), strict=True):
-        _refuse_unservable(trace, config, result)
+    """Refuse (ValueError), before any real transfer, a configuration the engine could not serve: one whose
+    layer gathers do not fit the budget. A controller that fails raises as it would in a real run."""
+    data = load_input(trace)
+    for config in configs:
+        unfit = num_unfit_gathers(data, config)
+        if unfit:
+            raise ValueError(f"{trace} {config.controller}: {unfit} layer gathers did not fit the budget at "
+                             f"--kv-scale {config.kv_bytes_scale:g}: the engine could not serve it")  # fmt: skip
 
 
 def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
@@ -183,6 +196,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
     if not pathlib.Path(args.dir).is_dir():
         raise ValueError(f"--dir {args.dir}: not a directory")
     controllers = [c.strip() for c in args.controllers.split(",") if c.strip()]
+    ios = real_ios(args)
     configs = {trace: _configs(trace, controllers, args) for trace in args.trace}
     for trace, trace_configs in configs.items():
         check_servable(trace, trace_configs)
@@ -191,7 +205,7 @@ def run_all(args: argparse.Namespace) -> list[dict[str, Any]]:
         name = pathlib.Path(trace).name
         for config in configs[trace]:
             for repeat in range(args.repeats):
-                layouts = run_cell(trace, config, args, repeat)
+                layouts = run_cell(trace, config, ios, repeat)
                 cells.append({"trace": name, "controller": config.controller, "repeat": repeat, "layouts": layouts})
                 ratios = "  ".join(f"{n} x{m['stall_ratio'] or 0:.3f}" for n, m in layouts.items())
                 stall = layouts[REFERENCE]["stall_s"]

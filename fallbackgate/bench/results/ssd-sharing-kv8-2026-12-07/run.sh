@@ -1,11 +1,11 @@
 #!/bin/bash
-# bash fallbackgate/bench/results/ssd-sharing-kv8-2026-12-07/run.sh   (repository root; ~12 min, quiet machine)
-# Experts and a KV that dominates the disk's bytes (PROBE.md, "also raised"), after ../ssd-sharing-kv-2026-12-07
+# bash fallbackgate/bench/results/ssd-sharing-kv8-2026-12-07/run.sh   (repository root; ~9 min)
+# Experts and a KV that moves over a third of the disk's bytes (PROBE.md, "also raised"), after ../ssd-sharing-kv-2026-12-07
 # (KV x4 at 3x the budget: 15 % of the static split's bytes). Every KV block 8 times its recorded bytes, at 6x
 # each trace's recorded budget, the smallest multiple where a layer's K/V of the batch fits on every seed
-# (modelled.txt: x4 and x5 do not on seed 62). The mixed workload's joint traces at RAM 0.25 (seeds 60-64),
+# of those tried (modelled.txt, seeds 60-62: x4 and x5 do not fit seed 62). The mixed workload's joint traces at RAM 0.25 (seeds 60-64),
 # decided again by the static split (expert share 0.9: experts get all they can hold, KV the rest; joint keeps
-# KV on device here and moves 0-4 % KV, modelled), their transfers performed with O_DIRECT against a scratch file
+# KV on device here and moves 0-1.2 % KV at x6, modelled), their transfers performed with O_DIRECT against a scratch file
 # on this machine's disk under four layouts, each in each place once (4 repeats, rotated).
 set -euo pipefail
 HERE=fallbackgate/bench/results/ssd-sharing-kv8-2026-12-07
