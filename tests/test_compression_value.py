@@ -89,6 +89,10 @@ def test_cli_compress_adds_variants_and_refuses_bad_fractions(
         with pytest.raises(SystemExit):
             main([*args, "--compress", bad])
     assert "fractions must be in (0, 1] (KV: (0, 64]" in capsys.readouterr().err
+    for bad, why in (("1,x", "expected comma-separated numbers, got '1,x'"), ("0.5,0", "numbers must be > 0")):
+        with pytest.raises(SystemExit):
+            main([*args, "--budget-gib", bad])
+        assert why in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("scales", [(0.5, 1.0), (1.0, 4.0)], ids=["experts-halved", "kv-4x"])

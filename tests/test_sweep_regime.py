@@ -219,7 +219,13 @@ def test_sweep_rejects_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:
         main(["sweep", "--controllers", "joint,nope"])
     with pytest.raises(SystemExit):
         main(["sweep", "--ram-fracs", "0,0.5"])
-    assert "fractions must be in (0, 1)" in capsys.readouterr().err
+    assert "fractions must be in (0, 1), got '0,0.5'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sweep", "--seeds", "1,x"])
+    assert "expected comma-separated integers, got '1,x'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sweep", "--seeds", "3,-1"])
+    assert "seeds must be integers >= 0, got '3,-1'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["sweep", "--workloads", "long-chat"])
 

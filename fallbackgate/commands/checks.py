@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def check_output_path(path: str, flag: str) -> None:
@@ -17,6 +21,24 @@ def check_output_path(path: str, flag: str) -> None:
         raise ValueError(f"{flag} {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK):
         raise ValueError(f"{flag} {path}: directory {parent} is not writable")
+
+
+def comma_separated(
+    convert: Callable[[str], T], noun: str, is_valid: Callable[[T], bool], rule: str
+) -> Callable[[str], tuple[T, ...]]:
+    """An argparse ``type`` for a comma-separated list of `noun` (``convert`` each item), none empty, each passing
+    ``is_valid`` (``rule`` says what that means in the error)."""
+
+    def parse(text: str) -> tuple[T, ...]:
+        try:
+            values = tuple(convert(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {noun}, got {text!r}") from None
+        if not values or not all(is_valid(v) for v in values):
+            raise argparse.ArgumentTypeError(f"{rule}, got {text!r}")
+        return values
+
+    return parse
 
 
 def add_kv_flags(parser: argparse.ArgumentParser) -> None:

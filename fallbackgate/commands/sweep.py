@@ -21,6 +21,7 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from fallbackgate.assembly import Assembly, Overrides, assemble
+from fallbackgate.commands.checks import comma_separated
 from fallbackgate.engine.errors import EngineError
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, Ledger, LedgerError, open_ledger
 from fallbackgate.policy.apply import with_sections
@@ -39,24 +40,8 @@ from fallbackgate.workloads.kinds import WorkloadKind
 KINDS = tuple(k.value for k in WorkloadKind)
 
 
-def _fracs(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated fractions, got {text!r}") from None
-    if not values or any(not 0 < v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"fractions must be in (0, 1), got {text!r}")
-    return values
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"seeds must be integers >= 0, got {text!r}")
-    return values
+_fracs = comma_separated(float, "fractions", lambda v: 0 < v < 1, "fractions must be in (0, 1)")
+_ints = comma_separated(int, "integers", lambda v: v >= 0, "seeds must be integers >= 0")
 
 
 def _names(choices: tuple[str, ...]) -> Any:

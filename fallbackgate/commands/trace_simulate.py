@@ -26,7 +26,7 @@ import sys
 import time
 from typing import Any
 
-from fallbackgate.commands.checks import check_output_path
+from fallbackgate.commands.checks import check_output_path, comma_separated
 from fallbackgate.controllers.registry import registered_kinds
 from fallbackgate.tracing.devices import simulation_devices
 from fallbackgate.tracing.reader import Trace, read_trace
@@ -109,14 +109,7 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not values or any(not v > 0 for v in values):
-        raise argparse.ArgumentTypeError(f"numbers must be > 0, got {text!r}")
-    return values
+_floats = comma_separated(float, "numbers", lambda v: v > 0, "numbers must be > 0")
 
 
 def _scales(text: str) -> tuple[tuple[float, float], ...]:

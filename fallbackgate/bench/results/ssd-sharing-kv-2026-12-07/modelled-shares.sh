@@ -14,14 +14,4 @@ for seed in 60 61 62; do
     fallbackgate trace simulate "$T" --out "$HERE/modelled-$seed.json" --controllers static_split,joint \
         --expert-fractions 0.9 --devices waits --compress 1:1,1:2,1:4,1:8,1:16 --budget-gib "$gib" --jobs 2 > /dev/null
 done
-python - "$HERE"/modelled-6?.json <<'PY' | tee "$HERE/modelled-shares.txt"
-import json, sys
-for path in sys.argv[1:]:
-    for c in json.load(open(path)):
-        moved = c["bytes_by_tag"]
-        kv = sum(v for k, v in moved.items() if k.startswith("kv")) + c["spill_bytes"]
-        total = sum(moved.values()) + c["spill_bytes"] + c["prefetch_bytes"]
-        print(f"{path[-7:-5]} {c['controller']:12} KV x{c['kv_bytes_scale']:<4g} budget {c['budget_gib'] * 1024:5.1f} MiB "
-              f"unfit gathers {c['num_unfit_gathers']:5d}  KV share {kv / total:.3f}  spill {c['spill_bytes'] / 2**20:7.1f} MiB"
-              f"  stall {c['stall_s']:.2f} s (modelled)")
-PY
+python -m fallbackgate.bench.kv_shares "$HERE"/modelled-6?.json | tee "$HERE/modelled-shares.txt"
