@@ -30,7 +30,9 @@ def _trace_and_scratch(tmp_path: Path) -> tuple[Path, Path]:
     return trace, scratch
 
 
-def test_every_layout_runs_every_cell_against_the_engines_own(tmp_path: Path) -> None:
+def test_every_layout_runs_every_cell_against_the_engines_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     trace, scratch = _trace_and_scratch(tmp_path)
     out = tmp_path / "r.json"
     argv = ["--trace", str(trace), "--dir", str(scratch), "--no-pace", "--repeats", "2", "--json", str(out)]
@@ -57,6 +59,8 @@ def test_every_layout_runs_every_cell_against_the_engines_own(tmp_path: Path) ->
     again = tmp_path / "again.json"
     assert ssd_sharing.main(["--summarize", str(out), "--json", str(again), "--trace", "-", "--dir", "-"]) == 0
     assert json.loads(again.read_text())["summary"] == summary  # summarized again from the cells alone
+    assert ssd_sharing.main(["--summarize", str(out), "--kv-scale", "4", "--trace", "-", "--dir", "-"]) == 2
+    assert "--summarize runs nothing" in capsys.readouterr().err
 
 
 def test_bad_input_is_refused_with_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

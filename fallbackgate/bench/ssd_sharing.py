@@ -236,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.summarize:
+            if (args.kv_scale, args.budget_scale) != (1.0, 1.0):
+                raise ValueError("--summarize runs nothing: its scales are the results file's, not --kv-scale or "
+                                 "--budget-scale")  # fmt: skip
             earlier = json.loads(pathlib.Path(args.summarize).read_text())
             command, cells = earlier["command"], earlier["cells"]
             scales = earlier.get("kv_bytes_scale", 1.0), earlier.get("budget_scale", 1.0)
