@@ -12,94 +12,13 @@ from sqlalchemy import Table
 from fallbackgate.engine.experts.read_ahead import TransferClock
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.engine.tags import Exactness
-from fallbackgate.ledger.models import (
-    EventObjectsRow,
-    EventRow,
-    KVCopyRow,
-    Step,
-    StepRequest,
-    VerificationRow,
-)
+from fallbackgate.ledger.models import EventObjectsRow, EventRow, KVCopyRow, Step, StepRequest, VerificationRow
 from fallbackgate.ledger.vocabulary import EXACTNESS
 
 Rows = dict[Table, list[Any]]
-"""Pending rows per table: dicts, or tuples in TUPLE_COLUMNS order for the events and step_requests tables."""
+"""Pending rows per table: dicts, or tuples (for the tables in ``row_columns.TUPLE_COLUMNS``, in its order)."""
 SampleSteps = dict[tuple[int, str], list[int]]
 """(run id, request id) -> ids of the steps that sampled a token for the request, in order."""
-
-EVENT_COLUMNS: tuple[str, ...] = (
-    "run_id",
-    "step_id",
-    "request_id",
-    "layer",
-    "object_kind",
-    "tag",
-    "exactness",
-    "count",
-    "bytes_moved",
-    "source_tier",
-    "predicted_cost",
-    "modeled_s",
-    "note",
-)
-"""Column order of the event tuples that :func:`step_rows` produces."""
-STEP_COLUMNS: tuple[str, ...] = (
-    "run_id",
-    "step_id",
-    "kind",
-    "num_requests",
-    "num_tokens",
-    "is_observe",
-    "wall_s",
-    "modeled_s",
-    "device_bytes_expert",
-    "device_bytes_kv",
-    "num_events",
-    "num_verified",
-    "transfer_s",
-    "transfer_exposed_s",
-    "num_predicted_reads",
-    "num_predicted_used",
-    "num_unpredicted_reads",
-    "num_resident_expert_uses",
-    "num_resident_kv_reads",
-)
-"""Column order of the step tuples that :func:`step_rows` produces."""
-STEP_REQUEST_COLUMNS: tuple[str, ...] = (
-    "run_id",
-    "step_id",
-    "request_id",
-    "start_position",
-    "num_tokens",
-    "is_sampled",
-    "num_events",
-    "num_objects",
-    "kv_resident_reads",
-    "rebuild_objects",
-    "num_resident_expert_uses",
-    "resident_expert_uses",
-    "routing_digests",
-)
-"""Column order of the step_requests tuples that :func:`step_rows` produces."""
-EVENT_OBJECT_COLUMNS: tuple[str, ...] = (
-    "run_id",
-    "step_id",
-    "request_id",
-    "layer",
-    "object_kind",
-    "tag",
-    "bits",
-    "is_rebuild",
-    "object_ids",
-)
-"""Column order of the event_objects tuples that :func:`step_rows` produces."""
-TUPLE_COLUMNS: dict[Table, tuple[str, ...]] = {
-    Step.__table__: STEP_COLUMNS,  # type: ignore[dict-item]
-    EventRow.__table__: EVENT_COLUMNS,  # type: ignore[dict-item]
-    StepRequest.__table__: STEP_REQUEST_COLUMNS,  # type: ignore[dict-item]
-    EventObjectsRow.__table__: EVENT_OBJECT_COLUMNS,  # type: ignore[dict-item]
-}
-"""Tables whose pending rows are tuples (the bulk fast path), with their column order."""
 
 
 def value(x: Any) -> Any:
@@ -158,6 +77,12 @@ def step_rows(
     failed = [v for v in result.verifications if not v.passed]  # passing checks are counted on the step row
     if failed:
         rows.setdefault(VerificationRow.__table__, []).extend(verification_rows(run_id, failed))
+    _append_event_rows(run_id, result, rows)
+    return 1 + len(plan.request_ids) + len(result.events) + len(result.kv_copies)
+
+
+def _append_event_rows(run_id: int, result: StepResult, rows: Rows) -> None:
+    """The step's events as ``events`` rows, and those naming their objects as ``event_objects`` rows."""
     events = rows.setdefault(EventRow.__table__, [])
     objects = rows.setdefault(EventObjectsRow.__table__, [])
     exactness, unknown = EXACTNESS.get, Exactness.APPROXIMATE.value  # an unknown tag is never assumed exact
@@ -194,7 +119,6 @@ def step_rows(
                     ",".join(map(str, e.object_ids)),
                 )
             )
-    return 1 + len(plan.request_ids) + len(result.events) + len(result.kv_copies)
 
 
 def kv_copy_rows(run_id: int, step_id: int, result: StepResult) -> list[dict[str, Any]]:

@@ -38,7 +38,8 @@ from fallbackgate.ledger.models import (
     VerificationRow,
 )
 from fallbackgate.ledger.retry import DEFAULT_RETRY_S, is_transient, transaction_id, transaction_status
-from fallbackgate.ledger.rows import TUPLE_COLUMNS, Rows, request_row, step_rows
+from fallbackgate.ledger.row_columns import TUPLE_COLUMNS
+from fallbackgate.ledger.rows import Rows, request_row, step_rows
 
 _TABLE_ORDER: tuple[Table, ...] = tuple(
     m.__table__  # type: ignore[misc]

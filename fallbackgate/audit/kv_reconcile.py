@@ -58,7 +58,6 @@ def check_kv_events(
     step of its own: a copy of them exists, which a later load or rebuild may read or replace)."""
     memory = memory or {}
     block_size = int(memory.get("block_size") or 0)
-    object_bytes = memory.get("object_bytes") or {}
     by_key, before = _positions(ledger, run_id, reused or {})
     out: dict[str, list[str]] = {}
 
@@ -66,8 +65,36 @@ def check_kv_events(
         out.setdefault(rid, []).append(f"KV event mismatch: {text}")
 
     named = audit_queries.kv_event_objects(ledger, run_id)
-    staged_recompute: dict[Key, int] = {}
-    dequant_bytes: dict[tuple[int, str, int], int] = {}
+    staged_recompute, dequant_bytes = _check_named_blocks(named, before, memory, fail)
+    _check_rebuild_passes(by_key, {(s, r) for s, r, _ in staged_recompute}, fail)
+    unnamed, moved = _check_copies_read(audit_queries.kv_events(ledger, run_id), memory, fail)
+    for slot, num_bytes in moved.items():
+        if slot in dequant_bytes and num_bytes != dequant_bytes[slot]:
+            fail(
+                slot[1],
+                f"kv_dequant at step {slot[0]} (layer {slot[2]}) moved {num_bytes} B, its quantized "
+                f"copies hold {dequant_bytes[slot]} B",
+            )
+    for slot, count in unnamed.items():
+        _check_refill(
+            slot, count - staged_recompute.get(slot, 0), before.get(slot[:2], (0, 0)), by_key, block_size, fail
+        )
+    return out
+
+
+Slot = tuple[int, str, int]  # (step, request, layer)
+
+
+def _check_named_blocks(
+    named: list[Mapping[str, Any]], before: Mapping[Key, tuple[int, int]], memory: Mapping[str, Any], fail: Any
+) -> tuple[dict[Slot, int], dict[Slot, int]]:
+    """Events that name their blocks: each block held a computed position before the step, and a dequant read
+    a precision the run keeps. Returns blocks a staged recompute named and bytes the named dequant copies
+    hold, per slot."""
+    block_size = int(memory.get("block_size") or 0)
+    object_bytes = memory.get("object_bytes") or {}
+    staged_recompute: dict[Slot, int] = {}
+    dequant_bytes: dict[Slot, int] = {}
     for o in named:
         key, ids = (o["step_id"], o["request_id"]), _ids(o["object_ids"])
         computed = before.get(key, (0, 0))[0]
@@ -78,8 +105,8 @@ def check_kv_events(
                 f"{o['tag']} at step {key[0]} (layer {o['layer']}) of blocks {late}, which held no computed "
                 f"position before the step ({computed} computed): no copy of them existed",
             )
+        slot = (key[0], key[1], o["layer"])  # one row per event: notes may split a slot's blocks over rows
         if o["tag"] == _RECOMPUTE and not o["is_rebuild"]:
-            slot = (*key, o["layer"])  # one row per event: notes may split a slot's blocks over rows
             staged_recompute[slot] = staged_recompute.get(slot, 0) + len(ids)
         elif o["tag"] == _DEQUANT:
             size = (object_bytes.get(_DEQUANT) or {}).get(str(o["bits"]))
@@ -89,12 +116,19 @@ def check_kv_events(
                     f"kv_dequant at step {key[0]} (layer {o['layer']}) read {o['bits']}-bit copies, a "
                     f"precision the run keeps no quantized copy in",
                 )
-            slot = (key[0], key[1], o["layer"])
             dequant_bytes[slot] = dequant_bytes.get(slot, 0) + len(ids) * int(size or 0)
-    _check_rebuild_passes(by_key, {(s, r) for s, r, _ in staged_recompute}, fail)
-    unnamed: dict[tuple[int, str, int], int] = {}
-    moved: dict[tuple[int, str, int], int] = {}
-    for e in audit_queries.kv_events(ledger, run_id):
+    return staged_recompute, dequant_bytes
+
+
+def _check_copies_read(
+    events: list[Mapping[str, Any]], memory: Mapping[str, Any], fail: Any
+) -> tuple[dict[Slot, int], dict[Slot, int]]:
+    """Loads and dequants read a copy from a tier the run could hold, and a full load its block's bytes.
+    Returns re-prefill recomputes' block counts and dequants' bytes moved, per slot."""
+    object_bytes = memory.get("object_bytes") or {}
+    unnamed: dict[Slot, int] = {}
+    moved: dict[Slot, int] = {}
+    for e in events:
         slot = (e["step_id"], e["request_id"], e["layer"])
         where = f"{e['tag']} at step {slot[0]} (layer {slot[2]})"
         if e["tag"] == _RECOMPUTE:
@@ -114,18 +148,7 @@ def check_kv_events(
                 fail(slot[1], f"{where} moved {e['bytes_moved']} B for {e['count']} full block(s) of {expected} B")
         elif e["tag"] == _DEQUANT:
             moved[slot] = moved.get(slot, 0) + int(e["bytes_moved"] or 0)
-    for slot, num_bytes in moved.items():
-        if slot in dequant_bytes and num_bytes != dequant_bytes[slot]:
-            fail(
-                slot[1],
-                f"kv_dequant at step {slot[0]} (layer {slot[2]}) moved {num_bytes} B, its quantized "
-                f"copies hold {dequant_bytes[slot]} B",
-            )
-    for slot, count in unnamed.items():
-        _check_refill(
-            slot, count - staged_recompute.get(slot, 0), before.get(slot[:2], (0, 0)), by_key, block_size, fail
-        )
-    return out
+    return unnamed, moved
 
 
 def _check_rebuild_passes(by_key: Mapping[Key, Mapping[str, Any]], recomputed: set[Key], fail: Any) -> None:

@@ -21,24 +21,30 @@ Exit status: 0 after a clean shutdown, 2 for bad arguments, policy, model or led
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import pathlib
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fallbackgate.assembly import Assembly, Overrides, assemble, no_policy
 from fallbackgate.batch.prompts import PromptsFileError
 from fallbackgate.batch.session import memory_summary
 from fallbackgate.commands.checks import add_kv_flags, add_trace_flag, check_trace_flag
 from fallbackgate.engine import heap
+from fallbackgate.engine.engine import Engine
 from fallbackgate.engine.errors import EngineError
 from fallbackgate.ledger.backlog import DEFAULT_BUFFER_BYTES
 from fallbackgate.ledger.db import DEFAULT_LEDGER, ENV_VAR, LedgerError, open_ledger
 from fallbackgate.ledger.retry import DEFAULT_RETRY_S
 from fallbackgate.ledger.writer import LedgerWriter
 from fallbackgate.policy.apply import policy_from_args
+from fallbackgate.recording import RunRecorder
+
+if TYPE_CHECKING:
+    from fallbackgate.api_server.service import EngineService
 
 DEFAULT_AUDIT_RATE = 0.1  # without a policy file (a policy's audit.sample_rate otherwise)
 API_KEY_VAR = "FALLBACKGATE_API_KEY"  # the key, kept off the command line
@@ -180,21 +186,7 @@ def run(args: argparse.Namespace) -> int:
     )
     workers = _start_audit_workers(args, writer, run_id) if writer is not None and rate > 0 else []
 
-    def shutdown() -> None:
-        status = service.drain(args.grace_s)
-        if recorder is not None:
-            recorder.close(status, memory=memory_summary(engine))
-        engine.close()
-        for proc in workers:
-            try:
-                proc.wait(timeout=args.grace_s)
-            except subprocess.TimeoutExpired:
-                proc.terminate()  # its claims expire; any `fallbackgate audit` finishes them
-        print(
-            f"fallbackgate serve: run {run_id} {status}; {service.num_interrupted} request(s) interrupted, "
-            f"{service.num_cancelled} recorded as cancelled"
-        )
-
+    shutdown = functools.partial(_shut_down, service, recorder, engine, workers, args.grace_s)
     name = pathlib.Path(engine.config.model_dir).name
     info = ServerInfo(
         name,
@@ -214,6 +206,30 @@ def run(args: argparse.Namespace) -> int:
     )
     with heap.frozen_while_serving():  # no full collection inside an engine step while the server runs
         return 0 if _serve_until_stopped(config, service.stop_admitting) else 3
+
+
+def _shut_down(
+    service: EngineService,
+    recorder: RunRecorder | None,
+    engine: Engine,
+    workers: list[subprocess.Popen],
+    grace_s: float,
+) -> None:
+    """Drain the service, close the run's record and the engine, and wait for the audit workers."""
+    status = service.drain(grace_s)
+    if recorder is not None:
+        recorder.close(status, memory=memory_summary(engine))
+    engine.close()
+    for proc in workers:
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # its claims expire; any `fallbackgate audit` finishes them
+    run_id = recorder.run_id if recorder is not None else None
+    print(
+        f"fallbackgate serve: run {run_id} {status}; {service.num_interrupted} request(s) interrupted, "
+        f"{service.num_cancelled} recorded as cancelled"
+    )
 
 
 def _serve_until_stopped(config: Any, on_exit: Callable[[], None]) -> bool:
