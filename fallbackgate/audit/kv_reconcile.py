@@ -16,7 +16,7 @@ store's copy journal in :mod:`fallbackgate.audit.kv_copies`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fallbackgate.engine.tags import Tag, Tier
@@ -86,7 +86,7 @@ Slot = tuple[int, str, int]  # (step, request, layer)
 
 
 def _check_named_blocks(
-    named: list[Mapping[str, Any]], before: Mapping[Key, tuple[int, int]], memory: Mapping[str, Any], fail: Any
+    named: Sequence[Mapping[str, Any]], before: Mapping[Key, tuple[int, int]], memory: Mapping[str, Any], fail: Any
 ) -> tuple[dict[Slot, int], dict[Slot, int]]:
     """Events that name their blocks: each block held a computed position before the step, and a dequant read
     a precision the run keeps. Returns blocks a staged recompute named and bytes the named dequant copies
@@ -121,7 +121,7 @@ def _check_named_blocks(
 
 
 def _check_copies_read(
-    events: list[Mapping[str, Any]], memory: Mapping[str, Any], fail: Any
+    events: Sequence[Mapping[str, Any]], memory: Mapping[str, Any], fail: Any
 ) -> tuple[dict[Slot, int], dict[Slot, int]]:
     """Loads and dequants read a copy from a tier the run could hold, and a full load its block's bytes.
     Returns re-prefill recomputes' block counts and dequants' bytes moved, per slot."""

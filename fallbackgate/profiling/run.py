@@ -61,7 +61,7 @@ def measure_machine(
     the engine spills when given none); `is_quick` measures the disk on the smaller grid."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     measured = measure_parts(device, disk_dir or pathlib.Path(tempfile.gettempdir()), dtype, quiet, is_quick)
-    return fit_profile(measured, device, dtype)
+    return fit_measured(measured, device, dtype)
 
 
 def measure_parts(
@@ -104,7 +104,7 @@ def measure_parts(
     )
 
 
-def fit_profile(m: Measured, device: torch.device, dtype: torch.dtype) -> tuple[HardwareProfile, dict[str, Any]]:
+def fit_measured(m: Measured, device: torch.device, dtype: torch.dtype) -> tuple[HardwareProfile, dict[str, Any]]:
     """The profile fitted to the measurements, and the raw measurements with the fits' errors."""
     timings = m.cpu_timings + m.device_timings
     groups = group_timings(timings, device.type)
