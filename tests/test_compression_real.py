@@ -11,7 +11,7 @@ import pathlib
 import pytest
 
 from fallbackgate.bench import compression_real as cr
-from fallbackgate.sweep.summary import welch_interval
+from fallbackgate.sweep.intervals import welch_interval
 
 SHARES = (0.1, 0.3, 0.5)
 

@@ -10,7 +10,7 @@ import pathlib
 import pytest
 
 from fallbackgate.bench.interleaved_ab import compare, main, parse_variant, report_lines, run_order
-from fallbackgate.sweep.summary import interval
+from fallbackgate.sweep.intervals import interval
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 OPEN = REPO / "fallbackgate/bench/results/lowbit-frontier-2026-12-06/best-effort-open.yaml"

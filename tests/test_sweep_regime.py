@@ -14,9 +14,10 @@ from fallbackgate.cli import main
 from fallbackgate.dashboard import sweep_data
 from fallbackgate.sweep.belady import belady_misses
 from fallbackgate.sweep.bounds import StepTrace, belady_by_kind, belady_expert_at_room, foo_lower_bound, step_trace
+from fallbackgate.sweep.intervals import interval
 from fallbackgate.sweep.measures import quantile, trace_measures
 from fallbackgate.sweep.regime import INDEPENDENT, JOINT, STATIC, RegimeConfig, grid
-from fallbackgate.sweep.summary import compare, gain, interval, summarise, with_budget_fields
+from fallbackgate.sweep.summary import compare, gain, summarise, with_budget_fields
 
 E, K = 100, 10  # bytes of an expert and of a KV block in the hand traces
 

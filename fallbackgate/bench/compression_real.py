@@ -31,16 +31,9 @@ import sys
 from typing import Any
 
 from fallbackgate.bench import write_results
+from fallbackgate.sweep.intervals import interval, welch_interval
 from fallbackgate.sweep.merge import merge
-from fallbackgate.sweep.summary import (
-    INDEPENDENT,
-    JOINT,
-    STATIC,
-    interval,
-    summarise,
-    welch_interval,
-    with_budget_fields,
-)
+from fallbackgate.sweep.summary import INDEPENDENT, JOINT, STATIC, summarise, with_budget_fields
 
 PARTNERS = ("chosen_static", "oracle_static", INDEPENDENT)
 METRICS = ("slo_attainment", "tpot_p99_ms", "stall_s")
@@ -101,11 +94,16 @@ def cell_summary(comparison: dict[str, Any], by_seed: dict[int, dict[str, float]
         "is_binding": all(r["ram_bytes"] < r["demand_bytes"] for r in rows),
         "chosen_static_kv_share": comparison["chosen_static_kv_share"],
         "gains": {p: {m: gains[p][m]["all"] for m in METRICS if m in gains.get(p, {})} for p in PARTNERS},
-        "gains_by_seed": {p: {m: gains[p][m]["per_seed"] for m in METRICS if m in gains.get(p, {})}
-                          for p in PARTNERS},  # fmt: skip
+        "gains_by_seed": {
+            p: {m: gains[p][m]["per_seed"] for m in METRICS if m in gains.get(p, {})} for p in PARTNERS
+        },  # fmt: skip
         "stall_s": {k: _mean(rows, k) for k in (JOINT, *POOLED)},
-        "pooled_stall_saving": {k: 1 - sum(r[JOINT] for r in rows) / sum(r[k] for r in rows)
-                                if sum(r[k] for r in rows) > 0 else float("nan") for k in POOLED},  # fmt: skip
+        "pooled_stall_saving": {
+            k: 1 - sum(r[JOINT] for r in rows) / sum(r[k] for r in rows)
+            if sum(r[k] for r in rows) > 0
+            else float("nan")
+            for k in POOLED
+        },  # fmt: skip
         "joint_mean_kl": _mean(rows, "joint_mean_kl"),
         "joint_max_mean_kl": max(r["joint_mean_kl"] for r in rows),
         "baseline_max_mean_kl": _mean(rows, "baseline_max_mean_kl"),
@@ -196,8 +194,10 @@ def report_lines(summary: dict[str, Any], base: str) -> list[str]:
             lines.append(f"    pooled stall saving over the least-stall split / two LRUs: {pooled}; stall s joint "
                          f"{e['stall_s'][JOINT]:.3f}, least-stall split {e['stall_s'][POOLED[0]]:.3f}, two LRUs "
                          f"{e['stall_s'][POOLED[1]]:.3f}")  # fmt: skip
-            lines.append(f"    mean KL joint {e['joint_mean_kl']:.2e} (worst run {e['joint_max_mean_kl']:.2e}), "
-                         f"baselines {e['baseline_max_mean_kl']:.2e}; gates passed {e['gates_passed']}/{e['runs']}")
+            lines.append(
+                f"    mean KL joint {e['joint_mean_kl']:.2e} (worst run {e['joint_max_mean_kl']:.2e}), "
+                f"baselines {e['baseline_max_mean_kl']:.2e}; gates passed {e['gates_passed']}/{e['runs']}"
+            )
             for kind, change in e.get("vs_base", {}).items():
                 how = "paired by seed" if change["is_paired"] else "difference of means, Welch"
                 moved = "; ".join(f"{m} {_points(change[p][m])}" for p in ("oracle_static", INDEPENDENT)

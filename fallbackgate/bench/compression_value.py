@@ -35,8 +35,8 @@ import tqdm
 
 from fallbackgate.bench import write_results
 from fallbackgate.bench.devices_flip import PARTNERS, controllers, seed_stalls
+from fallbackgate.sweep.intervals import interval, percent_interval
 from fallbackgate.sweep.regime import JOINT
-from fallbackgate.sweep.summary import interval, percent_interval
 from fallbackgate.tracing.devices import NVME_PCIE4, fit_waits
 from fallbackgate.tracing.reader import Trace, read_trace
 from fallbackgate.tracing.simulate import SimulationConfig

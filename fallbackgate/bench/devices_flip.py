@@ -23,8 +23,8 @@ from typing import Any
 import tqdm
 
 from fallbackgate.bench import write_results
+from fallbackgate.sweep.intervals import interval, percent_interval
 from fallbackgate.sweep.regime import JOINT
-from fallbackgate.sweep.summary import interval, percent_interval
 from fallbackgate.tracing.devices import WHAT_IFS, DeviceModel, fit_waits
 from fallbackgate.tracing.reader import read_trace
 from fallbackgate.tracing.simulate import SimulationConfig

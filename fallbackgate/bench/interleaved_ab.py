@@ -36,8 +36,9 @@ from fallbackgate.engine.errors import EngineError
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.policy.schema import EXPERT_ADMISSIONS
 from fallbackgate.sweep.inputs import earlier_references, read_class_budgets
+from fallbackgate.sweep.intervals import interval
 from fallbackgate.sweep.regime import RegimeConfig, run_regime, sweep_policy
-from fallbackgate.sweep.summary import JOINT, interval
+from fallbackgate.sweep.summary import JOINT
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 DEFAULT_METRICS = ("ttft_p50_ms", "tpot_p99_ms", "slo_attainment", "over_belady_same_room", "lowbit_uses", "mean_kl")

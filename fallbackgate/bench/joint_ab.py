@@ -3,7 +3,7 @@
 Joint in sweep B against joint in sweep A (an A/B of a controller or engine change; ``--controller
 independent_lru`` pairs the two LRUs' runs instead), paired by (workload, RAM budget, seed):
 per cell and metric A's and B's means, and the mean paired difference as % of A's mean with its Student-t 95 %
-interval over the seeds (:func:`fallbackgate.sweep.summary.interval`). A metric is a run's measure in the
+interval over the seeds (:func:`fallbackgate.sweep.intervals.interval`). A metric is a run's measure in the
 sweep.json (missing: 0) or one of :data:`DERIVED`.
 """
 
@@ -16,7 +16,8 @@ import statistics
 from collections.abc import Callable
 from typing import Any
 
-from fallbackgate.sweep.summary import INDEPENDENT, JOINT, expert_read_bytes, interval
+from fallbackgate.sweep.intervals import interval
+from fallbackgate.sweep.summary import INDEPENDENT, JOINT, expert_read_bytes
 
 
 def over_belady_same_room(m: dict[str, Any]) -> float:

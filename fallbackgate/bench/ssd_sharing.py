@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from fallbackgate.sweep.summary import interval
+from fallbackgate.sweep.intervals import interval
 from fallbackgate.tracing.devices import fit_waits
 from fallbackgate.tracing.reader import read_trace
 from fallbackgate.tracing.realio import ORDERS, QUEUES, RealIO, simulate_real

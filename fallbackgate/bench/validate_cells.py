@@ -26,8 +26,8 @@ import tqdm
 
 from fallbackgate.bench import write_results
 from fallbackgate.ledger.db import open_ledger
+from fallbackgate.sweep.intervals import interval, percent_interval
 from fallbackgate.sweep.regime import JOINT, KEEP_ALL, STATIC, RegimeConfig, run_regime
-from fallbackgate.sweep.summary import interval, percent_interval
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 from fallbackgate.tracing.devices import fit_profile
 from fallbackgate.tracing.reader import read_trace

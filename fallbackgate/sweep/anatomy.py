@@ -30,9 +30,10 @@ from sqlalchemy import select
 
 from fallbackgate.ledger.db import Ledger, LedgerError, open_ledger
 from fallbackgate.ledger.models import Request, Run, Step, StepRequest
+from fallbackgate.sweep.intervals import interval
 from fallbackgate.sweep.metrics import p99
 from fallbackgate.sweep.plot import anatomy_bars
-from fallbackgate.sweep.summary import INDEPENDENT, JOINT, STATIC, chosen_share, gain, interval
+from fallbackgate.sweep.summary import INDEPENDENT, JOINT, STATIC, chosen_share, gain
 
 PARTS: dict[str, str] = {
     "stall_ms": "expert stall",

@@ -20,7 +20,8 @@ import pathlib
 import statistics
 from typing import Any
 
-from fallbackgate.sweep.summary import INDEPENDENT, VERDICT_METRICS, welch_interval
+from fallbackgate.sweep.intervals import welch_interval
+from fallbackgate.sweep.summary import INDEPENDENT, VERDICT_METRICS
 
 PARTNERS = (INDEPENDENT, "chosen_static", "oracle_static")
 

@@ -22,10 +22,9 @@ import math
 import pathlib
 import statistics
 import sys
-from collections.abc import Sequence
 from typing import Any
 
-from scipy import stats
+from fallbackgate.sweep.intervals import interval
 
 STATIC, INDEPENDENT, JOINT = "static_split", "independent_lru", "joint"
 VERDICT_METRICS = ("slo_attainment", "tpot_p99_ms")  # what a verdict is decided on
@@ -36,32 +35,6 @@ GOAL_WITHIN = 0.05  # joint within this of each homogeneous workload's best stat
 
 
 NO_DATA = "no data"  # a verdict without a comparison to decide it
-
-
-def interval(values: Sequence[float]) -> dict[str, float]:
-    """Mean and Student-t 95 % interval (half-width 0 for one value)."""
-    values = [float(v) for v in values if math.isfinite(v)]
-    if not values:
-        return {"mean": float("nan"), "lo": float("nan"), "hi": float("nan"), "n": 0}
-    mean = statistics.fmean(values)
-    half = 0.0
-    if len(values) > 1:
-        half = float(stats.t.ppf(0.975, len(values) - 1)) * statistics.stdev(values) / math.sqrt(len(values))
-    return {"mean": mean, "lo": mean - half, "hi": mean + half, "n": len(values)}
-
-
-def welch_interval(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:
-    """Mean of `a` minus mean of `b` and its Welch 95 % interval (two samples, unequal variances, not paired)."""
-    a, b = [float(x) for x in a if math.isfinite(x)], [float(x) for x in b if math.isfinite(x)]
-    if len(a) < 2 or len(b) < 2:
-        return {"mean": float("nan"), "lo": float("nan"), "hi": float("nan"), "n": min(len(a), len(b))}
-    va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
-    diff = statistics.fmean(a) - statistics.fmean(b)
-    if va + vb == 0:
-        return {"mean": diff, "lo": diff, "hi": diff, "n": min(len(a), len(b))}
-    dof = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
-    half = float(stats.t.ppf(0.975, dof)) * math.sqrt(va + vb)
-    return {"mean": diff, "lo": diff - half, "hi": diff + half, "n": min(len(a), len(b))}
 
 
 def gain(metric: str, joint: float, partner: float) -> float:
@@ -247,8 +220,10 @@ def summarise(points: list[dict[str, Any]], held_out_seed: int) -> dict[str, Any
             per = [x for x in per if x]
             states = [state for state in (decide(x, -GOAL_WITHIN) for x in per) if state != NO_DATA]
             verdict = (
-                "not met" if "not met" in states else ("met" if set(states) == {"met"} else "undecided")
-            ) if states else NO_DATA
+                ("not met" if "not met" in states else ("met" if set(states) == {"met"} else "undecided"))
+                if states
+                else NO_DATA
+            )
             verdicts["within_static"][key] = {"slo": per[0] if per else None, "tpot_p99": per[-1] if per else None,
                                               "verdict": verdict}  # fmt: skip
     return {"held_out_seed": held_out_seed, "comparisons": comparisons, "verdicts": verdicts,
@@ -257,12 +232,6 @@ def summarise(points: list[dict[str, Any]], held_out_seed: int) -> dict[str, Any
 
 def _pct(x: dict[str, float]) -> str:
     return f"{100 * x['mean']:+.1f} % [{100 * x['lo']:+.1f}, {100 * x['hi']:+.1f}]"
-
-
-def percent_interval(x: dict[str, float], digits: int = 0) -> str:
-    """An :func:`interval` of fractions as percent: ``+12% [+3%, +21%]``."""
-    mean, lo, hi = (f"{100 * x[k]:+.{digits}f}%" for k in ("mean", "lo", "hi"))
-    return f"{mean} [{lo}, {hi}]"
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:

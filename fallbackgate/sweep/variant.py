@@ -20,12 +20,12 @@ import pathlib
 import statistics
 from typing import Any
 
+from fallbackgate.sweep.intervals import interval
 from fallbackgate.sweep.merge import GRID_KEYS, POLICY_KEYS
 from fallbackgate.sweep.summary import (
     JOINT,
     VERDICT_METRICS,
     gain,
-    interval,
     markdown_table,
     summarise,
     summary_lines,

@@ -19,8 +19,9 @@ import yaml
 from fallbackgate.engine.experts import grouped, lowbit_copies, miss_fetch, quant
 from fallbackgate.engine.experts.store import ExpertStore
 from fallbackgate.ledger.db import open_ledger
+from fallbackgate.sweep.intervals import interval
 from fallbackgate.sweep.regime import RegimeConfig, run_regime
-from fallbackgate.sweep.summary import expert_read_bytes, interval
+from fallbackgate.sweep.summary import expert_read_bytes
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 OPEN = yaml.safe_load(open("fallbackgate/bench/results/lowbit-frontier-2026-12-06/best-effort-open.yaml"))

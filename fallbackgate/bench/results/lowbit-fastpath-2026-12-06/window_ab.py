@@ -16,8 +16,9 @@ import yaml
 from fallbackgate.engine.experts import lowbit_copies
 from fallbackgate.engine.experts.lowbit_ahead import LowbitReadAhead
 from fallbackgate.ledger.db import open_ledger
+from fallbackgate.sweep.intervals import interval
 from fallbackgate.sweep.regime import RegimeConfig, run_regime
-from fallbackgate.sweep.summary import expert_read_bytes, interval
+from fallbackgate.sweep.summary import expert_read_bytes
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 OPEN = yaml.safe_load(open("fallbackgate/bench/results/lowbit-frontier-2026-12-06/best-effort-open.yaml"))

@@ -15,7 +15,8 @@ import json
 import statistics
 from collections import defaultdict
 
-from fallbackgate.sweep.summary import expert_read_bytes, interval
+from fallbackgate.sweep.intervals import interval
+from fallbackgate.sweep.summary import expert_read_bytes
 
 GOAL = 1.3
 

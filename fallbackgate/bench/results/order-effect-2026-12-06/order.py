@@ -16,8 +16,9 @@ import tempfile
 
 from fallbackgate.ledger.db import open_ledger
 from fallbackgate.sweep.inputs import earlier_references
+from fallbackgate.sweep.intervals import interval, percent_interval
 from fallbackgate.sweep.regime import INDEPENDENT, JOINT, STATIC, RegimeConfig, run_regime
-from fallbackgate.sweep.summary import gain, interval, percent_interval
+from fallbackgate.sweep.summary import gain
 from fallbackgate.tinymoe import CHECKPOINT_DIR
 
 SLO_FROM = pathlib.Path("fallbackgate/sweep_results/seeds50-59/sweep.json")

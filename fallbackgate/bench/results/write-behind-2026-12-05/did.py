@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from fallbackgate.bench.joint_ab import joint_points as runs
-from fallbackgate.sweep.summary import interval
+from fallbackgate.sweep.intervals import interval
 
 POINTS_METRICS = ("slo_attainment",)  # changes in attainment points, not ratios
 
