@@ -117,7 +117,7 @@ def test_every_tag_and_preemption_stay_within_the_device_budget(mode: str, check
     assert all_tags == {tag.value for tag in Tag}
     del peaks[Scratch.KV_EXPAND]  # MLA's expanded K/V only (tests/test_mla_staging.py)
     del peaks[Scratch.EXPERT_PIN]  # the host pool's, CUDA only (tests/test_pinned_host_copies.py)
-    del peaks[Scratch.EXPERT_LOWBIT_READ]  # persisted low-bit copies read ahead (tests/test_ram_tier.py)
+    del peaks[Scratch.EXPERT_LOWBIT_READ]  # persisted low-bit copies read ahead (tests/test_ram_tier_lowbit.py)
     assert all(peak > 0 for peak in peaks.values()), peaks  # every kind of scratch was really held and counted
     assert seen["gather"] > 0 and seen["dequant"] > 0
 

@@ -12,11 +12,12 @@ from fallbackgate.sweep import pools
 
 
 def _summary(cells: dict[str, dict[str, list[float]]]) -> dict:
-    """cell -> metric -> joint's per-seed gains over two LRUs (the same gains over the chosen split)."""
+    """cell -> metric -> joint's per-seed gains over two LRUs (over the chosen split: the same, negated)."""
     comparisons = {}
     for cell, by_metric in cells.items():
-        gains = {m: {"per_seed": {str(i): v for i, v in enumerate(vs)}} for m, vs in by_metric.items()}
-        comparisons[cell] = {"gains": {"independent_lru": gains, "chosen_static": gains}}
+        lru = {m: {"per_seed": {str(i): v for i, v in enumerate(vs)}} for m, vs in by_metric.items()}
+        static = {m: {"per_seed": {str(i): -v for i, v in enumerate(vs)}} for m, vs in by_metric.items()}
+        comparisons[cell] = {"gains": {"independent_lru": lru, "chosen_static": static}}
     return {"comparisons": comparisons}
 
 
@@ -28,6 +29,10 @@ SECOND = _summary({
     "mixed@0.25": {"tpot_p99_ms": [0.00, 0.02, 0.04], "slo_attainment": [0.1, 0.0, 0.1, 0.0]},
     "short-chat@0.5": {"tpot_p99_ms": [0.01, 0.03, 0.02], "slo_attainment": [0.2, 0.0, 0.1]},
     "long-reasoning@0.5": {"tpot_p99_ms": [0.5, 0.6], "slo_attainment": [0.0, 0.0]},
+})  # fmt: skip
+THIRD = _summary({
+    "mixed@0.25": {"tpot_p99_ms": [0.00, 0.02, 0.04], "slo_attainment": [0.1, 0.0, 0.1, 0.0]},
+    "short-chat@0.5": {"tpot_p99_ms": [0.01], "slo_attainment": [0.2]},  # one seed: no interval
 })  # fmt: skip
 
 
@@ -50,9 +55,21 @@ def test_overall_counts_the_cells_wholly_above_or_below_zero() -> None:
     summary = pools.overall(pools.cell_differences(FIRST, SECOND, ("independent_lru", "chosen_static")))
     tpot = summary["independent_lru"]["tpot_p99_ms"]
     assert tpot["above"] == ["mixed@0.25"] and tpot["below"] == []
-    assert tpot["mean_of_cells"] == pytest.approx(5.5)  # (11 + 0) / 2
+    assert tpot["mean_of_cells"] == pytest.approx(5.5) and tpot["num_cells"] == 2  # (11 + 0) / 2
+    static_tpot = summary["chosen_static"]["tpot_p99_ms"]  # the partners are kept apart: negated gains
+    assert static_tpot["below"] == ["mixed@0.25"] and static_tpot["above"] == []
+    assert static_tpot["mean_of_cells"] == pytest.approx(-5.5)
     slo = summary["chosen_static"]["slo_attainment"]
     assert slo["above"] == [] and slo["below"] == [] and slo["mean_of_cells"] == pytest.approx(0.0)
+
+
+def test_a_cell_without_an_interval_is_left_out_of_the_mean_and_counted() -> None:
+    summary = pools.overall(pools.cell_differences(FIRST, THIRD, ("independent_lru",)))
+    tpot = summary["independent_lru"]["tpot_p99_ms"]
+    assert tpot["num_cells"] == 1 and tpot["num_without_interval"] == 1
+    assert tpot["mean_of_cells"] == pytest.approx(11.0)  # not nan
+    text = "\n".join(pools.lines(pools.cell_differences(FIRST, THIRD, ("independent_lru",)), summary))
+    assert "mean over 1 cells +11.0 points" in text and "1 cell(s) without an interval" in text
 
 
 def test_main_prints_and_writes_json(tmp_path, capsys) -> None:
@@ -77,8 +94,14 @@ def test_bad_input_is_a_clear_error(tmp_path, capsys) -> None:
     other.write_text(json.dumps({"summary": _summary({"mixed@0.5": {"tpot_p99_ms": [0.1, 0.2]}})}))
     first = tmp_path / "first.json"
     first.write_text(json.dumps({"summary": FIRST}))
+    null_summary = tmp_path / "null.json"
+    null_summary.write_text(json.dumps({"summary": None}))
+    no_partner = tmp_path / "no-partner.json"
+    no_partner.write_text(json.dumps({"summary": {"comparisons": {"mixed@0.25": {"gains": {}}}}}))
     for argv, text in (
         ([str(no_summary), str(first)], "no sweep summary"),
+        ([str(first), str(null_summary)], "no sweep summary"),
+        ([str(first), str(no_partner)], "no cell of both sweeps compares joint with independent_lru"),
         ([str(first), str(other)], "share no (workload, RAM) cell"),
         ([str(first), str(tmp_path / "missing.json")], "missing.json"),
     ):

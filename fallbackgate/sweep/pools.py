@@ -1,21 +1,24 @@
 """Two sweeps' gains for joint compared cell by cell, so a claim that one pool of seeds "decides less" or "gains
 less" than another has an interval.
 
-    python -m fallbackgate.sweep.pools fallbackgate/sweep_results/rotated40/sweep.json \\
+    python -m fallbackgate.sweep.pools fallbackgate/sweep_results/rotated20/sweep.json \\
         fallbackgate/sweep_results/sweep.json [--partners independent_lru,chosen_static] [--json OUT]
 
 For every (workload, RAM) cell in both summaries, partner and verdict metric: joint's per-seed gains in the
-first sweep minus those in the second (the summaries' ``per_seed`` gains, in points: 100 × the relative gain),
-with a Welch 95 % interval (the seeds differ, so nothing is paired). Each sweep's ``chosen_static`` is its own
-(its non-held-out seeds chose it). Then, per partner and metric, the mean of the cells' differences and the
-cells whose interval lies wholly above or below 0. What made the two sweeps differ (machine, order, code) is
-not known here: say it beside the numbers.
+first sweep minus those in the second (the summaries' ``per_seed`` gains × 100: points of relative gain, or of
+SLO attainment where a partner met none), with a Welch 95 % interval (the seeds differ, so nothing is paired).
+Each sweep's ``chosen_static`` is its own (its non-held-out seeds chose it). Then, per partner and metric, the
+mean of the cells' differences (a cell with fewer than two seeds on a side has no interval: left out, and
+counted) and the cells whose interval lies wholly above or below 0. Two sweeps with no cell comparing joint
+with the partners asked for are an error. What made the two sweeps differ (machine, order, code) is not known
+here: say it beside the numbers.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import statistics
 from typing import Any
@@ -44,6 +47,8 @@ def cell_differences(first: dict[str, Any], second: dict[str, Any], partners: tu
                                       [100 * v for v in gb["per_seed"].values()])  # fmt: skip
                 diff["n_first"], diff["n_second"] = len(ga["per_seed"]), len(gb["per_seed"])
                 out.setdefault(cell, {}).setdefault(partner, {})[metric] = diff
+    if not out:
+        raise ValueError(f"no cell of both sweeps compares joint with {', '.join(partners)}")
     return out
 
 
@@ -53,7 +58,12 @@ def overall(cells: dict[str, Any]) -> dict[str, Any]:
     for cell, by_partner in cells.items():
         for partner, by_metric in by_partner.items():
             for metric, d in by_metric.items():
-                o = out.setdefault(partner, {}).setdefault(metric, {"means": [], "above": [], "below": []})
+                o = out.setdefault(partner, {}).setdefault(
+                    metric, {"means": [], "above": [], "below": [], "num_without_interval": 0}
+                )
+                if not math.isfinite(d["lo"]):
+                    o["num_without_interval"] += 1
+                    continue
                 o["means"].append(d["mean"])
                 if d["lo"] > 0:
                     o["above"].append(cell)
@@ -61,7 +71,9 @@ def overall(cells: dict[str, Any]) -> dict[str, Any]:
                     o["below"].append(cell)
     for by_metric in out.values():
         for o in by_metric.values():
-            o["mean_of_cells"] = statistics.fmean(o.pop("means"))
+            means = o.pop("means")
+            o["num_cells"] = len(means)
+            o["mean_of_cells"] = statistics.fmean(means) if means else float("nan")
     return out
 
 
@@ -75,17 +87,19 @@ def lines(cells: dict[str, Any], summary: dict[str, Any]) -> list[str]:
     for partner, by_metric in summary.items():
         for metric, o in by_metric.items():
             text.append(
-                f"vs {partner} {metric}: mean over {len(cells)} cells {o['mean_of_cells']:+.1f} points; "
+                f"vs {partner} {metric}: mean over {o['num_cells']} cells {o['mean_of_cells']:+.1f} points; "
                 f"above 0: {', '.join(o['above']) or 'none'}; below 0: {', '.join(o['below']) or 'none'}"
+                + (f"; {o['num_without_interval']} cell(s) without an interval" if o["num_without_interval"] else "")
             )
     return text
 
 
 def _summary(path: pathlib.Path) -> dict[str, Any]:
     result = json.loads(path.read_text())
-    if not isinstance(result, dict) or "comparisons" not in result.get("summary", {}):
+    summary = result.get("summary") if isinstance(result, dict) else None
+    if not isinstance(summary, dict) or "comparisons" not in summary:
         raise ValueError(f"{path}: no sweep summary (python -m fallbackgate.sweep.summary {path} writes one)")
-    return result["summary"]
+    return summary
 
 
 def main(argv: list[str] | None = None) -> int:
