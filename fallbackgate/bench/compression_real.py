@@ -94,16 +94,14 @@ def cell_summary(comparison: dict[str, Any], by_seed: dict[int, dict[str, float]
         "is_binding": all(r["ram_bytes"] < r["demand_bytes"] for r in rows),
         "chosen_static_kv_share": comparison["chosen_static_kv_share"],
         "gains": {p: {m: gains[p][m]["all"] for m in METRICS if m in gains.get(p, {})} for p in PARTNERS},
-        "gains_by_seed": {
-            p: {m: gains[p][m]["per_seed"] for m in METRICS if m in gains.get(p, {})} for p in PARTNERS
-        },  # fmt: skip
+        "gains_by_seed": {p: {m: gains[p][m]["per_seed"] for m in METRICS if m in gains.get(p, {})} for p in PARTNERS},
         "stall_s": {k: _mean(rows, k) for k in (JOINT, *POOLED)},
         "pooled_stall_saving": {
             k: 1 - sum(r[JOINT] for r in rows) / sum(r[k] for r in rows)
             if sum(r[k] for r in rows) > 0
             else float("nan")
             for k in POOLED
-        },  # fmt: skip
+        },
         "joint_mean_kl": _mean(rows, "joint_mean_kl"),
         "joint_max_mean_kl": max(r["joint_mean_kl"] for r in rows),
         "baseline_max_mean_kl": _mean(rows, "baseline_max_mean_kl"),
