@@ -1,5 +1,5 @@
 """python fallbackgate/sweep_results/seeds140-149/order.py fallbackgate/sweep_results/seeds140-149/sweep.json
-   (and on the pool of the two rotated parts: ... fallbackgate/sweep_results/rotated20/sweep.json)
+   (and on the pools of the rotated parts: ... fallbackgate/sweep_results/rotated20/sweep.json, rotated30/sweep.json)
 
 The first sweep part with the controllers' order rotated by the seed (stop 53): seed mod 3 puts joint first
 (seeds 140, 143, 146, 149), in the middle (142, 145, 148) or last (141, 144, 147) of the seed's cells. Joint's
