@@ -7,13 +7,10 @@ from sqlalchemy import Table
 
 from fallbackgate.ledger.models import EventObjectsRow, EventRow, Step, StepRequest
 
+EVENT_KEY_COLUMNS: tuple[str, ...] = ("run_id", "step_id", "request_id", "layer", "object_kind", "tag")
+"""The leading columns an event row and its objects row share."""
 EVENT_COLUMNS: tuple[str, ...] = (
-    "run_id",
-    "step_id",
-    "request_id",
-    "layer",
-    "object_kind",
-    "tag",
+    *EVENT_KEY_COLUMNS,
     "exactness",
     "count",
     "bytes_moved",
@@ -62,12 +59,7 @@ STEP_REQUEST_COLUMNS: tuple[str, ...] = (
 )
 """Column order of the step_requests tuples that :func:`~fallbackgate.ledger.rows.step_rows` produces."""
 EVENT_OBJECT_COLUMNS: tuple[str, ...] = (
-    "run_id",
-    "step_id",
-    "request_id",
-    "layer",
-    "object_kind",
-    "tag",
+    *EVENT_KEY_COLUMNS,
     "bits",
     "is_rebuild",
     "object_ids",
