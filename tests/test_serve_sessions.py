@@ -10,8 +10,9 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from fallbackgate.api_server.app import ServerInfo, build_app
+from fallbackgate.api_server.app import build_app
 from fallbackgate.api_server.metrics import ServerMetrics
+from fallbackgate.api_server.routing import ServerInfo
 from fallbackgate.api_server.service import EngineService
 from fallbackgate.bench.prefix_reuse import make_engine
 from fallbackgate.engine.engine import Engine

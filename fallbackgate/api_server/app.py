@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import hmac
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -27,21 +27,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fallbackgate.api_server.protocol import (
-    DEFAULT_CHAT_TEMPLATE,
-    MAX_SESSION_CHARS,
-    ChatRequest,
-    CompletionRequest,
-)
+from fallbackgate.api_server.protocol import ChatRequest, CompletionRequest
 from fallbackgate.api_server.responses import error_body
+from fallbackgate.api_server.routing import RequestReader, ServerInfo
 from fallbackgate.api_server.service import EngineService
-from fallbackgate.api_server.serving import ApiError, Prompt, Responder, Route
-
-CLASS_HEADER = "X-Fallbackgate-Class"
-SESSION_HEADER = "X-Fallbackgate-Session"
-
-
-DEFAULT_MAX_BODY_BYTES = 1 << 20  # a request body larger than this is refused (413) before it is read
+from fallbackgate.api_server.serving import ApiError, Responder
 
 
 class BodyLimit:
@@ -108,19 +98,6 @@ class ApiKey:
         await self.app(scope, receive, send)
 
 
-@dataclasses.dataclass(slots=True)
-class ServerInfo:
-    """What the routes need besides the service."""
-
-    model_name: str  # the id /v1/models lists and requests must name
-    run_id: int | None  # the ledger run of this server start (None without a ledger)
-    default_class: str  # a request naming no class gets this one
-    on_shutdown: Callable[[], None]  # drains the engine and closes the run
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413 before they are read
-    request_timeout_s: float | None = None  # a request's time limit unless its body names a shorter one
-    api_key: str | None = None  # when set, /v1/ routes need "Authorization: Bearer <api_key>"
-
-
 def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
     """The app; its lifespan starts the engine loop and, at shutdown, drains it and closes the run."""
 
@@ -135,7 +112,7 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
     if info.api_key is not None:
         app.add_middleware(ApiKey, key=info.api_key)
     _errors(app)
-    tokenizer = service.engine.tokenizer
+    reader = RequestReader(service, info)
     responder = Responder(service)
 
     @app.get("/health")
@@ -167,73 +144,16 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        route = _route(body, request)
-        prompts = [_prompt(p, i) for i, p in enumerate(body.prompts)]
+        route = reader.route(body, request)  # the model and class are checked before the prompts
+        prompts = [reader.prompt(p, i) for i, p in enumerate(body.prompts)]
         return await responder.serve(route, prompts, request)
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatRequest, request: Request) -> Response:
-        route = _route(body, request)
-        messages = [m.model_dump() for m in body.messages]
-        template = getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
-        text = tokenizer.apply_chat_template(
-            messages, chat_template=template, add_generation_prompt=True, tokenize=False
-        )
-        return await responder.serve(route, [Prompt(text, tokenizer.encode(text))], request)
-
-    def _prompt(prompt: str | list[int], index: int) -> Prompt:
-        if isinstance(prompt, str):
-            return Prompt(prompt, tokenizer.encode(prompt))
-        vocab = int(service.engine.model_config.vocab_size)
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ApiError(400, f"prompt {index}: token ids must be in [0, {vocab})", "prompt", "invalid_value")
-        return Prompt(tokenizer.decode(prompt), list(prompt))
-
-    def _route(body: CompletionRequest | ChatRequest, request: Request) -> Route:
-        if body.model != info.model_name:
-            raise ApiError(
-                404,
-                f"model {body.model!r} is not served here; /v1/models lists {info.model_name!r}",
-                "model",
-                "model_not_found",
-            )
-        asked = body.fallbackgate.timeout_s if body.fallbackgate is not None else None
-        limits = [t for t in (asked, info.request_timeout_s) if t is not None]
-        timeout_s = min(limits) if limits else None
-        return Route(body, _class_of(body, request), info.run_id, timeout_s, session_of(body, request))
-
-    def _class_of(body: Any, request: Request) -> str:
-        named = body.fallbackgate.request_class if body.fallbackgate is not None else None
-        named = named or request.headers.get(CLASS_HEADER) or info.default_class
-        if named not in service.classes:
-            classes = ", ".join(sorted(service.classes))
-            raise ApiError(
-                400,
-                f"unknown quality class {named!r}; the classes are: {classes}",
-                "fallbackgate.class",
-                "unknown_class",
-            )
-        return named
+        route = reader.route(body, request)
+        return await responder.serve(route, [reader.chat_prompt(body)], request)
 
     return app
-
-
-def session_of(body: CompletionRequest | ChatRequest, request: Request) -> str | None:
-    """The session a request names: the body's ``fallbackgate.session`` (validated with the body), else the
-    ``X-Fallbackgate-Session`` header (empty: none, as an empty class header names no class); an over-long
-    header is a 400 naming it."""
-    named = body.fallbackgate.session if body.fallbackgate is not None else None
-    if named is not None:
-        return named
-    header = request.headers.get(SESSION_HEADER) or None
-    if header is not None and len(header) > MAX_SESSION_CHARS:
-        raise ApiError(
-            400,
-            f"a session id has 1 to {MAX_SESSION_CHARS} characters, got {len(header)}",
-            SESSION_HEADER,
-            "invalid_value",
-        )
-    return header
 
 
 def _errors(app: FastAPI) -> None:

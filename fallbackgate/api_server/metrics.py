@@ -31,7 +31,17 @@ class ServerMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
+        self._declare_requests(self.registry)
+        self._declare_objects(self.registry)
+        self._declare_quality_and_ledger(self.registry)
+        self._hits = self._misses = 0
+        self._seen_stats: set[str] = set()
+        self._seen_verdicts = 0
+        self._slo_counts: dict[tuple[str, str], tuple[int, int]] = {}  # (class, slo) -> (met, checked)
+        self._lock = threading.Lock()
+
+    def _declare_requests(self, r: CollectorRegistry) -> None:
+        """Requests: finished, in flight, queued; their measured times and SLOs; quarantined objects."""
         self.requests = Counter(
             "fallbackgate_requests", "Requests finished, by class and outcome", ["request_class", "outcome"], registry=r
         )
@@ -69,6 +79,9 @@ class ServerMetrics:
         self.slo_attainment = Gauge(
             "fallbackgate_slo_attainment", "Fraction of requests that met the SLO", ["request_class", "slo"], registry=r
         )
+
+    def _declare_objects(self, r: CollectorRegistry) -> None:
+        """Objects served and bytes moved by tag, kind and tier; fallbacks; pools; expert hits."""
         self.objects = Counter(
             "fallbackgate_objects", "Objects served, by tag, kind and source tier", ["tag", "kind", "tier"], registry=r
         )
@@ -101,6 +114,9 @@ class ServerMetrics:
         self.expert_hit = Gauge(
             "fallbackgate_expert_hit_ratio", "Expert uses served from device / all uses", registry=r
         )
+
+    def _declare_quality_and_ledger(self, r: CollectorRegistry) -> None:
+        """Audited KL and gate failures; the ledger's buffer while it is away."""
         self.audit_kl = Histogram(
             "fallbackgate_audited_kl_nats",
             "Audited KL against the exact baseline",
@@ -126,11 +142,6 @@ class ServerMetrics:
         self.ledger_retries = Gauge(
             "fallbackgate_ledger_write_retries", "Ledger write attempts after a failure, since start", registry=r
         )
-        self._hits = self._misses = 0
-        self._seen_stats: set[str] = set()
-        self._seen_verdicts = 0
-        self._slo_counts: dict[tuple[str, str], tuple[int, int]] = {}  # (class, slo) -> (met, checked)
-        self._lock = threading.Lock()
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""

@@ -30,6 +30,8 @@ DEFAULT_CHAT_TEMPLATE = (
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
 MAX_SESSION_CHARS = 256  # a session id's length at most
+CLASS_HEADER = "X-Fallbackgate-Class"  # names a request's quality class when its body does not
+SESSION_HEADER = "X-Fallbackgate-Session"  # names a request's session when its body does not
 SessionId = Annotated[str, Field(min_length=1, max_length=MAX_SESSION_CHARS)]
 
 

@@ -29,8 +29,9 @@ from fallbackgate.api_server.responses import (
     error_body,
     new_id,
 )
-from fallbackgate.api_server.service import Done, EngineService, Failed, Overloaded, Submission, Unavailable
+from fallbackgate.api_server.service import EngineService
 from fallbackgate.api_server.stops import StopStrings
+from fallbackgate.api_server.submissions import Done, Failed, Overloaded, Submission, Unavailable
 from fallbackgate.engine.messages import RequestOutput
 from fallbackgate.engine.sequence import SamplingParams
 

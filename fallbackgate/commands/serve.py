@@ -160,8 +160,9 @@ def run(args: argparse.Namespace) -> int:
     """Entry point of ``fallbackgate serve``."""
     import uvicorn
 
-    from fallbackgate.api_server.app import ServerInfo, build_app
+    from fallbackgate.api_server.app import build_app
     from fallbackgate.api_server.metrics import ServerMetrics
+    from fallbackgate.api_server.routing import ServerInfo
     from fallbackgate.api_server.service import EngineService
 
     try:

@@ -23,10 +23,10 @@ from typing import Any
 import httpx
 import numpy as np
 
+from fallbackgate.api_server.protocol import CLASS_HEADER
 from fallbackgate.batch.prompts import PromptSpec
 
 DEFAULT_MAX_TOKENS = 16  # for a request whose line names no max_new_tokens
-CLASS_HEADER = "X-Fallbackgate-Class"
 
 
 @dataclasses.dataclass(slots=True)
