@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fallbackgate.evals.task_dir import TaskError, check_tasks, render_include_dir
 from fallbackgate.evals.tolerances import ParitySpec, TaskTolerance, load_parity_policy
 from fallbackgate.policy import Policy
 from fallbackgate.tinymoe import CHECKPOINT_DIR
+
+if TYPE_CHECKING:  # lm-eval loads only when a parity run starts
+    from fallbackgate.evals.lm_adapter import FallbackgateLM
 
 
 class ParityInputError(ValueError):
@@ -148,11 +151,41 @@ def _evaluate(lm: Any, task: str, prepared: Prepared) -> dict[str, Any]:
     )
 
 
+def _parity_task(
+    exact: FallbackgateLM, policy_lm: FallbackgateLM, task: str, prepared: Prepared, dtype: str
+) -> dict[str, Any]:
+    """One task on both engines (the policy's run recorded and gated), compared item by item and judged."""
+    from fallbackgate.evals.parity_stats import compare, task_items
+
+    cfg = prepared.config
+    base = _evaluate(exact, task, prepared)
+    run_id = policy_lm.start_run(note=f"parity {task} limit={cfg.limit}")
+    approx = _evaluate(policy_lm, task, prepared)
+    verdict = policy_lm.finish()
+    result = compare(
+        task_items(base, task),
+        task_items(approx, task),
+        samples=prepared.spec.bootstrap_samples,
+        confidence=prepared.spec.confidence,
+        seed=cfg.seed,
+    )
+    tol = prepared.spec.for_task(task)
+    checks = judge(result, tol, dtype)
+    result.update(
+        task=task,
+        tolerances=tol.model_dump(),
+        checks=checks,
+        passed=all(c["passed"] for c in checks),
+        drift=ledger_drift(policy_lm.ledger_url, run_id),
+        gate=None if verdict is None else {"passed": verdict.passed, "reasons": verdict.reasons},
+    )
+    return result
+
+
 def run_parity(prepared: Prepared) -> dict[str, Any]:
     """Run both engines on every task and build the report (see :mod:`fallbackgate.evals.parity_report`)."""
     from fallbackgate.evals.engine_setup import build_setup
     from fallbackgate.evals.lm_adapter import FallbackgateLM
-    from fallbackgate.evals.parity_stats import compare, task_items
 
     cfg = prepared.config
     exact = FallbackgateLM(
@@ -171,30 +204,7 @@ def run_parity(prepared: Prepared) -> dict[str, Any]:
     )
     policy_lm = FallbackgateLM(setup=setup, ledger=cfg.ledger, batch_size=cfg.batch_size)
     url = policy_lm.ledger_url
-    tasks = []
-    for task in cfg.tasks:
-        base = _evaluate(exact, task, prepared)
-        run_id = policy_lm.start_run(note=f"parity {task} limit={cfg.limit}")
-        approx = _evaluate(policy_lm, task, prepared)
-        verdict = policy_lm.finish()
-        result = compare(
-            task_items(base, task),
-            task_items(approx, task),
-            samples=prepared.spec.bootstrap_samples,
-            confidence=prepared.spec.confidence,
-            seed=cfg.seed,
-        )
-        tol = prepared.spec.for_task(task)
-        checks = judge(result, tol, setup.engine.dtype_name)
-        result.update(
-            task=task,
-            tolerances=tol.model_dump(),
-            checks=checks,
-            passed=all(c["passed"] for c in checks),
-            drift=ledger_drift(url, run_id),
-            gate=None if verdict is None else {"passed": verdict.passed, "reasons": verdict.reasons},
-        )
-        tasks.append(result)
+    tasks = [_parity_task(exact, policy_lm, task, prepared, setup.engine.dtype_name) for task in cfg.tasks]
     return {
         "policy": cfg.policy_path,
         "model": prepared.model_dir,
