@@ -124,18 +124,9 @@ def judge_request(
             correctness.append(
                 f"correctness bug: served {served.value}-only but max KL {stats['max_kl']:.3g} > {tol:.3g}"
             )
-    if replay is not None and replay.get("max_kl") is not None:
-        tol = replay_tolerance(served, floor)
-        if replay.get("error"):
-            v.is_replay_bug = True
-            correctness.append(f"correctness bug vs replay: it cannot follow the recorded actions: {replay['error']}")
-        elif replay["max_kl"] > tol:
-            v.is_replay_bug = True
-            where = f" at output position {replay['max_position']}" if replay.get("max_position") is not None else ""
-            correctness.append(
-                f"correctness bug vs replay: served logits differ from the replay of its recorded actions by "
-                f"max KL {replay['max_kl']:.3g}{where} > {tol:.3g}"
-            )
+    replay_reasons = _replay_reasons(replay, served, floor)
+    v.is_replay_bug = bool(replay_reasons)
+    correctness += replay_reasons
     quality += _tag_reasons(budget, objects_by_exactness, objects_by_tag)
     v.correctness_bug = bool(correctness)
     correctness += incomplete or []
@@ -144,6 +135,23 @@ def judge_request(
     v.correctness_passed = not correctness if (stats is not None or replay is not None or incomplete) else None
     v.passed = not v.reasons
     return v
+
+
+def _replay_reasons(replay: Mapping[str, Any] | None, served: Exactness, floor: Floor) -> list[str]:
+    """Why the served logits fail their replay: it could not follow the recorded actions, or they differ from
+    it by more than the served class's replay tolerance (nothing without a replay)."""
+    if replay is None or replay.get("max_kl") is None:
+        return []
+    tol = replay_tolerance(served, floor)
+    if replay.get("error"):
+        return [f"correctness bug vs replay: it cannot follow the recorded actions: {replay['error']}"]
+    if replay["max_kl"] > tol:
+        where = f" at output position {replay['max_position']}" if replay.get("max_position") is not None else ""
+        return [
+            f"correctness bug vs replay: served logits differ from the replay of its recorded actions by "
+            f"max KL {replay['max_kl']:.3g}{where} > {tol:.3g}"
+        ]
+    return []
 
 
 def _tag_reasons(
