@@ -140,6 +140,20 @@ def size_budgets(
     return Budgets(everything_bytes if device is None else device, host, note)
 
 
+def _attach_lowbit_cache(config: EngineConfig, loaded: LoadedCheckpoint, expert_store: ExpertStore) -> None:
+    """The persisted low-bit copies on disk (filled now when the config says they are prepared)."""
+    expert_store.lowbit_cache = LowbitDiskCache(
+        pathlib.Path(config.lowbit_cache_dir),
+        manifest_hash(loaded.reader.files.path / MANIFEST_FILE),
+        config.expert_lowbit_bits,
+        loaded.reader.matrix_shapes,
+        config.lowbit_cache_bytes,
+        loaded.reader.compute_dtype,
+    )
+    if config.is_lowbit_prepared:  # before serving: these reads are no step's
+        expert_store.lowbit_cache.fill(list(expert_store.entries), loaded.reader.read, progress=True)
+
+
 def build_stores(
     config: EngineConfig, loaded: LoadedCheckpoint, shape: KVShape, device: torch.device, dense_bytes: int = 0
 ) -> tuple[ExpertStore, KVStore, int, Budgets]:
@@ -171,16 +185,7 @@ def build_stores(
         loaded.reader, device_pool, host_pool, device, config.expert_lowbit_bits, config.num_io_threads, layout
     )
     if config.lowbit_cache_dir and layout is TierLayout.RAM_DISK and config.expert_lowbit_bits:
-        expert_store.lowbit_cache = LowbitDiskCache(
-            pathlib.Path(config.lowbit_cache_dir),
-            manifest_hash(loaded.reader.files.path / MANIFEST_FILE),
-            config.expert_lowbit_bits,
-            loaded.reader.matrix_shapes,
-            config.lowbit_cache_bytes,
-            loaded.reader.compute_dtype,
-        )
-        if config.is_lowbit_prepared:  # before serving: these reads are no step's
-            expert_store.lowbit_cache.fill(list(expert_store.entries), loaded.reader.read, progress=True)
+        _attach_lowbit_cache(config, loaded, expert_store)
     kv_store = KVStore(
         shape.num_layers,
         shape.num_kv_heads,
