@@ -164,20 +164,9 @@ def _config_dtype(config: dict) -> torch.dtype:
     )
 
 
-def load_checkpoint(
-    path: str | pathlib.Path, *, dtype: torch.dtype | None = None, is_tokenizer_required: bool = False
-) -> LoadedCheckpoint:
-    """Build `path`'s model on the meta device, load its dense weights, and leave the experts to a reader.
-
-    Weights keep the checkpoint's dtype unless `dtype` overrides the compute dtype; routed experts are never
-    materialised in the model (the expert store reads them one at a time through the returned reader).
-    """
-    path = pathlib.Path(path)
-    config_dict = _read_config(path)
-    _check_supported(path, config_dict)
-    files = CheckpointFiles(path)
-    checkpoint_dtype = _checkpoint_dtype(files, map_experts(files))
-    compute = dtype or (_config_dtype(config_dict) if fp8.is_fp8(checkpoint_dtype) else checkpoint_dtype)
+def _meta_model(path: pathlib.Path, compute: torch.dtype) -> torch.nn.Module:
+    """The model built by transformers from `path`'s config on the meta device, its routed experts run by
+    our experts function (a config transformers cannot build is a :class:`CheckpointError`)."""
     from fallbackgate.engine.experts.hook import EXPERTS_IMPLEMENTATION, register_experts_function
 
     register_experts_function()
@@ -193,6 +182,24 @@ def load_checkpoint(
         raise CheckpointError(
             f"{path / 'config.json'}: transformers could not build the model from it: {first_line(exc)}"
         ) from exc
+    return model
+
+
+def load_checkpoint(
+    path: str | pathlib.Path, *, dtype: torch.dtype | None = None, is_tokenizer_required: bool = False
+) -> LoadedCheckpoint:
+    """Build `path`'s model on the meta device, load its dense weights, and leave the experts to a reader.
+
+    Weights keep the checkpoint's dtype unless `dtype` overrides the compute dtype; routed experts are never
+    materialised in the model (the expert store reads them one at a time through the returned reader).
+    """
+    path = pathlib.Path(path)
+    config_dict = _read_config(path)
+    _check_supported(path, config_dict)
+    files = CheckpointFiles(path)
+    checkpoint_dtype = _checkpoint_dtype(files, map_experts(files))
+    compute = dtype or (_config_dtype(config_dict) if fp8.is_fp8(checkpoint_dtype) else checkpoint_dtype)
+    model = _meta_model(path, compute)
     model.eval()
     experts = find_experts_modules(model)
     if not experts:
