@@ -138,11 +138,11 @@ def fmt_layers(stats: list[dict], key: str, digits: int = 3) -> str:
     return " / ".join(f"{s[key]:.{digits}f}" for s in stats)
 
 
-def render_section(res: dict, info: dict, cfg: dict) -> str:
-    """Markdown for the card's generated numbers section."""
-    ppl, rt = res["perplexity"], res["routing"]
+def _quantity_rows(res: dict, info: dict, cfg: dict) -> list[str]:
+    """The card's table of the model's shape, training and held-out quality."""
+    ppl = res["perplexity"]
     n_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-    lines = [
+    return [
         "| Quantity | Value |", "|---|---|",
         (f"| Architecture | `{cfg['architectures'][0]}`: {layer_kinds(cfg)}; "
         f"{n_experts} routed experts per MoE layer, top-{cfg['num_experts_per_tok']}; hidden "
@@ -163,21 +163,28 @@ def render_section(res: dict, info: dict, cfg: dict) -> str:
          f"{res['cloze']['acc_norm']:.1%} |"),
         (f"| Name completion exact match (greedy) | {res['name_completion']['exact_match']:.1%} "
         f"(n={res['name_completion']['n']}) |"),
+    ]  # fmt: skip
+
+
+def _routing_rows(rt: dict, cfg: dict) -> list[str]:
+    """The card's routing statistics per MoE layer, trained against random init, and the note on transformers'
+    default initialisation when it was measured."""
+    lines = [
         "", (f"Routing statistics per MoE layer (layers {' / '.join(map(str, moe_layer_ids(cfg)))}; "
         f"{rt['n_tokens']:,} held-out tokens). "
         "Entropy ratio = expert-load entropy / log(number of experts) (1 = uniform); reuse@k = "
         "P(an expert used at token t is used again within tokens t+1..t+k); "
         "'indep.' = that probability if tokens drew experts independently with the same loads."), "",
         "| Statistic | Trained | Random init |", "|---|---|---|",
-    ]
+    ]  # fmt: skip
     tr, rd = rt["trained"], rt["random_init"]
     lines.append(f"| Load entropy ratio | {fmt_layers(tr, 'entropy_ratio')} | {fmt_layers(rd, 'entropy_ratio')} |")
     lines.append(f"| Max load / mean load | {fmt_layers(tr, 'max_load_over_mean', 2)} | "
-                 f"{fmt_layers(rd, 'max_load_over_mean', 2)} |")
+                 f"{fmt_layers(rd, 'max_load_over_mean', 2)} |")  # fmt: skip
     for k in (1, 4, 16):
         lines.append(f"| reuse@{k} | {fmt_layers(tr, f'reuse@{k}')} | {fmt_layers(rd, f'reuse@{k}')} |")
         lines.append(f"| reuse@{k} (indep.) | {fmt_layers(tr, f'reuse_indep@{k}')} | "
-                     f"{fmt_layers(rd, f'reuse_indep@{k}')} |")
+                     f"{fmt_layers(rd, f'reuse_indep@{k}')} |")  # fmt: skip
     dflt = rt.get("random_init_default")
     if dflt:
         lines += ["", ("With transformers' default initialisation instead (token embeddings of std "
@@ -186,15 +193,21 @@ def render_section(res: dict, info: dict, cfg: dict) -> str:
                   "such small embeddings leave deeper layers' router inputs dominated by a running "
                   "mean over the prefix, so neighbouring tokens pick the same experts whatever the "
                   "text. That is why the recipe initialises embeddings with std 1/sqrt(hidden) and "
-                  "why the random column above is initialised as the recipe initialises its model.")]
+                  "why the random column above is initialised as the recipe initialises its model.")]  # fmt: skip
+    return lines
+
+
+def render_section(res: dict, info: dict, cfg: dict) -> str:
+    """Markdown for the card's generated numbers section."""
+    lines = _quantity_rows(res, info, cfg) + _routing_rows(res["routing"], cfg)
     lines += ["", "Acceptance checks (the model issue's done-when criteria):", "",
-              "| Check | Result | Measured (trained vs reference) |", "|---|---|---|"]
+              "| Check | Result | Measured (trained vs reference) |", "|---|---|---|"]  # fmt: skip
     for name, ok, measured in acceptance_checks(res):
         lines.append(f"| {name} | {'pass' if ok else '**FAIL**'} | {measured} |")
     sample = res["greedy_sample"]
     lines += ["", "Greedy sample from the start of a held-out passage (prompt, then *model text*):", "",
               "> " + sample["prompt"].replace("\n", " ") + " *"
-              + sample["continuation"].replace("\n", " ").strip() + "*"]
+              + sample["continuation"].replace("\n", " ").strip() + "*"]  # fmt: skip
     return "\n".join(lines)
 
 
