@@ -58,12 +58,11 @@ class ExpertTable:
             self.journal.record(key)
 
 
+MedianSeconds = Callable[[Callable[[], Any], int], float]  # (call, reps) -> median seconds per call
+
+
 def expert_rows(
-    view: ControllerView,
-    table: ExpertTable,
-    values: ValueModel,
-    reps: int,
-    median_s: Callable[[Callable[[], Any], int], float],
+    view: ControllerView, table: ExpertTable, values: ValueModel, reps: int, median_s: MedianSeconds
 ) -> dict[str, dict[str, float]]:
     """Old against new for each expert-side row on `view`, whose residency `table` holds (seconds per call;
     see the module docstring)."""
@@ -71,7 +70,26 @@ def expert_rows(
     rng = random.Random(1)
     ranking = ExpertRanking()
     ranking.sync(view, values)
-    rows: dict[str, dict[str, float]] = {}
+    rows = {
+        "expert_victims_after_miss": _victims_row(view, table, values, ranking, rng, reps, median_s),
+        "joint_step_values": _values_row(view, values, ranking, reps, median_s),
+        "copy_sample": _copies_row(table, rng, reps, median_s),
+    }
+    for row in rows.values():
+        row["ratio"] = row["old_s"] / max(row["new_s"], 1e-9)
+    return rows
+
+
+def _victims_row(
+    view: ControllerView,
+    table: ExpertTable,
+    values: ValueModel,
+    ranking: ExpertRanking,
+    rng: random.Random,
+    reps: int,
+    median_s: MedianSeconds,
+) -> dict[str, float]:
+    """The first victims after a miss: the full valuation against the kept ranking (checked equal first)."""
 
     def victims_old() -> list:
         table.flip(rng)
@@ -84,8 +102,13 @@ def expert_rows(
 
     if victims_new() != ref.joint_expert_victims(values, view, set(), TAKEN):
         raise AssertionError("expert victims: the ranking's first victims differ from the full valuation's")
-    rows["expert_victims_after_miss"] = {"old_s": median_s(victims_old, reps), "new_s": median_s(victims_new, reps)}
+    return {"old_s": median_s(victims_old, reps), "new_s": median_s(victims_new, reps)}
 
+
+def _values_row(
+    view: ControllerView, values: ValueModel, ranking: ExpertRanking, reps: int, median_s: MedianSeconds
+) -> dict[str, float]:
+    """A step's value update: decaying every frequency against the scaled update (checked equal after)."""
     old_freq = dict(values.frequencies())
     used = set(view.used_expert_keys)
 
@@ -94,7 +117,7 @@ def expert_rows(
         ranking.sync(view, values)
 
     gc.collect()
-    rows["joint_step_values"] = {
+    row = {
         "old_s": median_s(lambda: ref.decay_walk(old_freq, values.decay, used), reps),
         "new_s": median_s(step_new, reps),
     }
@@ -102,7 +125,11 @@ def expert_rows(
     is_off = any(abs(old_freq[k] - f) > 1e-9 * f for k, f in new_freq.items() if k in old_freq)
     if old_freq.keys() != new_freq.keys() or is_off:
         raise AssertionError("frequencies: the scaled update differs from decaying every frequency")
+    return row
 
+
+def _copies_row(table: ExpertTable, rng: random.Random, reps: int, median_s: MedianSeconds) -> dict[str, float]:
+    """The copy a step verifies: a walk of every entry against the journaled list (checked equal after)."""
     verifier = CopyVerifier(table, torch.float32, num_per_step=1)  # type: ignore[arg-type]
     verifier._copies()
 
@@ -116,9 +143,7 @@ def expert_rows(
             table.flip(rng)
         return verifier.rng.sample(verifier._copies(), 1)
 
-    rows["copy_sample"] = {"old_s": median_s(copies_old, reps), "new_s": median_s(copies_new, reps)}
+    row = {"old_s": median_s(copies_old, reps), "new_s": median_s(copies_new, reps)}
     if verifier._copies() != ref.copies_walk(table.entries):
         raise AssertionError("copies: the journaled copy list differs from a walk of every entry")
-    for row in rows.values():
-        row["ratio"] = row["old_s"] / max(row["new_s"], 1e-9)
-    return rows
+    return row
