@@ -37,3 +37,17 @@ def test_verdicts_follow_the_interval_ends() -> None:
     assert overhead_verdict([0.80, 1.20, 0.95, 1.05])["goal_verdict"] == "undecided"
     assert overhead_verdict([1.00, 1.01, 0.99, 1.00])["goal_verdict"] == "met"
     assert overhead_verdict([0.96, 0.98], goal=0.05)["goal_verdict"] == "undecided"  # two pairs: t(1) is wide
+
+
+def test_fewer_than_two_pairs_decide_nothing() -> None:
+    assert overhead_verdict([0.5])["goal_verdict"] == "undecided"
+    assert overhead_verdict([1.0])["goal_verdict"] == "undecided"
+    nothing = overhead_verdict([0.0, -1.0])
+    assert nothing["goal_verdict"] == "undecided" and nothing["overhead_geomean"]["n"] == 0
+
+
+def test_a_verdict_on_the_point_estimate_alone_would_differ() -> None:
+    """A mean cost of 2.4 % whose interval reaches past 3 %: undecided, not met."""
+    out = overhead_verdict([0.99, 0.96, 0.98, 0.97])
+    assert out["overhead_geomean"]["mean"] < 0.03 < out["overhead_geomean"]["hi"]
+    assert out["goal_verdict"] == "undecided"

@@ -70,11 +70,14 @@ def _side(built: Assembly, ledger: Ledger, tag: str, trace_dir: pathlib.Path | N
 def overhead_verdict(ratios: list[float], goal: float = GOAL) -> dict[str, Any]:
     """The overhead 1 - geometric mean of the pairs' traced/untraced ratios, its 95 % interval (Student-t on
     the log ratios) and the verdict against `goal`: "met" (the interval's high end <= goal), "not met" (its
-    low end > goal) or "undecided"."""
+    low end > goal) or "undecided" (so is fewer than two pairs with positive ratios)."""
     logs = interval([math.log(r) for r in ratios if r > 0])
     cost = {"mean": 1.0 - math.exp(logs["mean"]), "lo": 1.0 - math.exp(logs["hi"]),
             "hi": 1.0 - math.exp(logs["lo"]), "n": logs["n"]}  # fmt: skip
-    verdict = "met" if cost["hi"] <= goal else "not met" if cost["lo"] > goal else "undecided"
+    if cost["n"] < 2:  # one pair (or none with a positive ratio) has no interval
+        verdict = "undecided"
+    else:
+        verdict = "met" if cost["hi"] <= goal else "not met" if cost["lo"] > goal else "undecided"
     return {"overhead_geomean": cost, "goal_verdict": verdict}
 
 
