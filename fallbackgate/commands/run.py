@@ -40,6 +40,13 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = seeded sampling")
+    _add_memory_flags(p)
+    _add_audit_flags(p)
+    p.set_defaults(func=run)
+
+
+def _add_memory_flags(p: argparse.ArgumentParser) -> None:
+    """Budgets, tiers, KV layout, the hardware profile and the read-ahead threads."""
     p.add_argument(
         "--device-budget-mb",
         type=float,
@@ -84,6 +91,10 @@ def add_parser(subparsers: Any) -> None:
         help="threads reading experts from disk ahead of use, 0-8 (default: 2, or 0 on a CPU-only machine with "
         "2 cores, where they measured slower; 0: every read on the compute thread)",
     )
+
+
+def _add_audit_flags(p: argparse.ArgumentParser) -> None:
+    """The controller and forced tags, the ledger, the audit and what the run writes."""
     p.add_argument("--controller", choices=CONTROLLER_KINDS, default=None, help="controller (overrides the policy)")
     p.add_argument("--mode", choices=AUDIT_MODES, default=None, help="audit mode (overrides the policy)")
     p.add_argument(
@@ -107,7 +118,6 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--json", default=None, help="write the run's results as JSON to this path")
     add_trace_flag(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=run)
 
 
 MAX_NEW_TOKENS = 1 << 20
