@@ -20,7 +20,14 @@ from fallbackgate.engine.kv import paged_attention
 from fallbackgate.engine.kv.prefix_cache import PrefixCache
 from fallbackgate.engine.kv.store import KVBlockKey
 from fallbackgate.engine.messages import RequestOutput, StepPlan
-from fallbackgate.engine.model.build import KVShape, build_stores, fill_expert_tiers, probe_kv_shapes, resolve_device
+from fallbackgate.engine.model.build import (
+    Budgets,
+    KVShape,
+    build_stores,
+    fill_expert_tiers,
+    probe_kv_shapes,
+    resolve_device,
+)
 from fallbackgate.engine.model.compiled import CompiledDecode
 from fallbackgate.engine.model.loader import LoadedCheckpoint, find_routers, load_checkpoint
 from fallbackgate.engine.model.runner import ModelRunner
@@ -46,24 +53,7 @@ class Engine(BaselineAccess, EngineStepping):
         self.tokenizer, self.model_config = loaded.tokenizer, loaded.model.config
         self.device = resolve_device(config.device)
         shape = probe_kv_shapes(loaded)
-        dense = [
-            p
-            for n, p in loaded.model.named_parameters()
-            if not n.endswith(("experts.gate_up_proj", "experts.down_proj"))
-        ]
-        self.num_dense_params = sum(p.numel() for p in dense)  # resident, outside the device budget
-        self.num_dense_bytes = sum(p.numel() * p.element_size() for p in dense)
-        self.io = IOScheduler(num_workers=max(1, config.num_io_threads or 0))  # the disk's one queue (workers
-        # start on first use): expert reads from the checkpoint and KV spill reads and writes all go through it
-        loaded.reader.files.io = self.io
-        self.expert_store, self.kv_store, expert_floor, budgets = build_stores(
-            config, loaded, shape, self.device, self.num_dense_bytes
-        )
-        self.kv_store.spill.attach_io(self.io)
-        if self.expert_store.lowbit_cache is not None:  # persisted low-bit copies are read on the same queue
-            self.expert_store.lowbit_cache.io = self.io
-        self.budget_note = budgets.note  # how the budgets were set (given, sized from memory, emulated)
-        self.tier_layout = self.expert_store.layout
+        expert_floor, budgets = self._attach_stores(config, loaded, shape)
         model = loaded.model.to(self.device)
         fill_expert_tiers(config, loaded, self.expert_store, budgets)
         self.loaded_experts = loaded.experts_by_layer  # decoder layer -> routed-experts module
@@ -94,6 +84,29 @@ class Engine(BaselineAccess, EngineStepping):
         self.is_observe = config.is_observe
         self.last_plan: StepPlan | None = None  # plan of the latest step, for recorders
         self.is_capturing = False  # fill StepResult.capture with every access of each step (a trace recorder)
+
+    def _attach_stores(self, config: EngineConfig, loaded: LoadedCheckpoint, shape: KVShape) -> tuple[int, Budgets]:
+        """The dense weights' size, the one I/O queue, and the expert and KV stores on it; returns the expert
+        floor and the budgets."""
+        dense = [
+            p
+            for n, p in loaded.model.named_parameters()
+            if not n.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        ]
+        self.num_dense_params = sum(p.numel() for p in dense)  # resident, outside the device budget
+        self.num_dense_bytes = sum(p.numel() * p.element_size() for p in dense)
+        self.io = IOScheduler(num_workers=max(1, config.num_io_threads or 0))  # the disk's one queue (workers
+        # start on first use): expert reads from the checkpoint and KV spill reads and writes all go through it
+        loaded.reader.files.io = self.io
+        self.expert_store, self.kv_store, expert_floor, budgets = build_stores(
+            config, loaded, shape, self.device, self.num_dense_bytes
+        )
+        self.kv_store.spill.attach_io(self.io)
+        if self.expert_store.lowbit_cache is not None:  # persisted low-bit copies are read on the same queue
+            self.expert_store.lowbit_cache.io = self.io
+        self.budget_note = budgets.note  # how the budgets were set (given, sized from memory, emulated)
+        self.tier_layout = self.expert_store.layout
+        return expert_floor, budgets
 
     def _attach_executor(
         self, loaded: LoadedCheckpoint, model: torch.nn.Module, shape: KVShape, uses: StepUses
