@@ -182,3 +182,20 @@ def get_profile(name: str) -> HardwareProfile:
     if name not in PROFILES:
         raise ValueError(f"unknown hardware profile {name!r}; shipped profiles: {sorted(PROFILES)}")
     return PROFILES[name]
+
+
+_RECORDS: dict[int, tuple[HardwareProfile, dict[str, Any]]] = {}  # id -> (the profile, kept alive; its record)
+_MAX_RECORDS = 16
+
+
+def profile_record(profile: HardwareProfile) -> dict[str, Any]:
+    """``dataclasses.asdict(profile)`` as runs and traces record it, built once per profile (a measured one's
+    curves and disk table make it thousands of calls, per run). Shared: callers must not change it."""
+    kept = _RECORDS.get(id(profile))
+    if kept is not None and kept[0] is profile:
+        return kept[1]
+    if len(_RECORDS) >= _MAX_RECORDS:
+        _RECORDS.clear()
+    record = dataclasses.asdict(profile)
+    _RECORDS[id(profile)] = (profile, record)
+    return record

@@ -26,6 +26,7 @@ from fallbackgate.audit.verdicts import record_verdicts
 from fallbackgate.batch.prompts import PromptSpec
 from fallbackgate.batch.session import RunOutcome, RunSettings, run_prompts
 from fallbackgate.engine.engine import Engine
+from fallbackgate.engine.hardware import profile_record
 from fallbackgate.engine.messages import RequestOutput, StepPlan, StepResult
 from fallbackgate.ledger import audit_queries
 from fallbackgate.ledger.db import LedgerError
@@ -99,7 +100,7 @@ class RunRecorder:
             policy_name=row.policy_name,
             model_path=engine.config.model_dir,
             controller=row.controller,
-            hardware_profile=dataclasses.asdict(engine.config.profile),
+            hardware_profile=profile_record(engine.config.profile),
             versions=versions(),
             mode=(AuditMode.OBSERVE if engine.is_observe else AuditMode.ENFORCE).value,
             note=row.note,

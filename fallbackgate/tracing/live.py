@@ -7,7 +7,6 @@ finished request are appended as batches. The run recorder owns one :class:`Live
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -15,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from fallbackgate.engine.hardware import profile_record
 from fallbackgate.engine.io import IOOp, IORecord
 from fallbackgate.engine.messages import RequestOutput, RoutingCall, StepCapture, StepKind, StepPlan, StepResult
 from fallbackgate.engine.tags import ObjectKind, Tag, Tier
@@ -49,7 +49,7 @@ def engine_metadata(engine: Any) -> dict[str, Any]:
         },
         "budgets": {"device_bytes": config.device_budget_bytes, "host_bytes": config.host_budget_bytes,
                     "expert_fraction": getattr(engine.controller, "expert_fraction", None)},
-        "profile": dataclasses.asdict(config.profile),
+        "profile": profile_record(config.profile),
         "prefix_reuse": bool(config.is_prefix_reused),
     }  # fmt: skip
 
@@ -59,6 +59,7 @@ class LiveTracer:
 
     def __init__(self, directory: str | os.PathLike[str], engine: Any, metadata: Mapping[str, Any]):
         """``metadata``: what the caller adds (controller, workload, source, ...) to the engine's shape."""
+        started, started_cpu = time.perf_counter_ns(), time.thread_time_ns()
         self.engine = engine
         self.writer = TraceWriter(directory, {"source": "recorded", **engine_metadata(engine), **metadata})
         self.batches = RowBatches(self.writer)  # steps' rows, appended to the writer in larger batches
@@ -73,9 +74,15 @@ class LiveTracer:
         self.step_ids: list[int] = []  # recorded steps, in order
         self.step_starts: list[int] = []  # their start_ns (to place an I/O in the step that issued it)
         self.num_decisions = 0  # arbitration decisions written so far
-        self.spent_ns = 0  # wall ns spent inside this tracer (its share of the decode loop)
-        self.spent_cpu_ns = 0  # CPU ns of the calling thread spent inside it (what the machine's load leaves out)
         engine.is_capturing = True
+        self.spent_ns = time.perf_counter_ns() - started  # wall ns spent inside this tracer, its start included
+        self.spent_cpu_ns = time.thread_time_ns() - started_cpu  # CPU ns of the calling thread spent inside it
+        # (what the machine's load leaves out); the sink's thread: `sink_cpu_ns`
+
+    @property
+    def sink_cpu_ns(self) -> int:
+        """CPU ns the trace's sink thread has spent converting and writing row groups."""
+        return self.writer.sink_cpu_ns
 
     @property
     def directory(self) -> str:

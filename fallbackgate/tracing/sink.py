@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -55,6 +56,8 @@ class ParquetSink:
         self._files: dict[TraceTable, pq.ParquetWriter] = {}
         self._rows: dict[TraceTable, int] = dict.fromkeys(TraceTable, 0)  # rows written per table
         self._error: BaseException | None = None  # the first failure of a job
+        self.spent_cpu_ns = 0  # CPU ns the sink's own thread spent on jobs (those run on the caller's thread not
+        # included: they are the caller's time)
         self._put(self._open_files)  # opened while the caller goes on recording
         self._thread = threading.Thread(target=self._run, name=f"trace-sink {directory.name}", daemon=True)
         self._thread.start()
@@ -125,7 +128,9 @@ class ParquetSink:
                     return
                 job = self._take()
                 if job is not None:
+                    started = time.thread_time_ns()
                     self._execute(job)
+                    self.spent_cpu_ns += time.thread_time_ns() - started
 
     def _open_files(self) -> None:
         local = pafs.LocalFileSystem()  # given, so pyarrow does not resolve the path's filesystem per file

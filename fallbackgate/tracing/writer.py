@@ -244,6 +244,11 @@ class TraceWriter:
         tmp.replace(self.directory / METADATA_FILE)
 
     @property
+    def sink_cpu_ns(self) -> int:
+        """CPU ns the sink's own thread has spent converting and writing (beside the writing thread's)."""
+        return self._sink.spent_cpu_ns
+
+    @property
     def num_rows(self) -> dict[str, int]:
         """Rows written or buffered so far, per table."""
         return {t.value: self._num_rows[t] + self._num_pending[t] for t in TraceTable}
