@@ -3,12 +3,14 @@ ratios, judged against the 3 % goal."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 from scipy import stats
 
-from fallbackgate.bench.trace_overhead import overhead_verdict
+from fallbackgate.bench.trace_overhead import main, overhead_verdict, pool
 
 
 def test_equal_ratios_have_a_point_interval() -> None:
@@ -51,3 +53,29 @@ def test_a_verdict_on_the_point_estimate_alone_would_differ() -> None:
     out = overhead_verdict([0.99, 0.96, 0.98, 0.97])
     assert out["overhead_geomean"]["mean"] < 0.03 < out["overhead_geomean"]["hi"]
     assert out["goal_verdict"] == "undecided"
+
+
+def _part(path: Path, ratios: list[float], tokens: int = 128) -> str:
+    path.write_text(json.dumps({
+        "max_new_tokens": tokens, "batch": 8, "device_budget_mb": None, "pair_ratios": ratios,
+        "pair_ratios_after_collection": [r - 0.01 for r in ratios], "trace_cpu_share": [0.015] * len(ratios),
+    }))  # fmt: skip
+    return str(path)
+
+
+def test_pooled_parts_are_judged_on_every_pair(tmp_path: Path) -> None:
+    first, second = [0.99, 0.95, 1.00], [0.97, 0.99, 0.98, 1.01]
+    out = pool([_part(tmp_path / "a.json", first), _part(tmp_path / "b.json", second)])
+    assert out["reps"] == 7
+    assert out["overhead_geomean"] == overhead_verdict(first + second)["overhead_geomean"]
+    assert out["after_collection"] == overhead_verdict([r - 0.01 for r in first + second])
+    assert out["parts"][str(tmp_path / "a.json")] == overhead_verdict(first)
+    assert out["trace_cpu_share_interval"]["mean"] == pytest.approx(0.015)
+
+
+def test_parts_of_different_experiments_are_not_pooled(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        pool([_part(tmp_path / "a.json", [0.99, 1.0]), _part(tmp_path / "b.json", [0.99, 1.0], tokens=32)])
+    with pytest.raises(SystemExit) as exc:
+        main(["--json", str(tmp_path / "out.json"), "--pool", str(tmp_path / "missing.json")])
+    assert exc.value.code == 2 and not (tmp_path / "out.json").exists()

@@ -118,15 +118,7 @@ class ExpertDispatch(MissFetching):
         by_tag: dict[Tag, list[ExpertUse]] = {}
         for use in uses:
             by_tag.setdefault(served_tag(use.decision, ctx.is_observe), []).append(use)
-        deferred = by_tag.get(Tag.EXPERT_DEFER, [])
-        weights = top_k_weights
-        if deferred:
-            mask = np.zeros(num_tokens * top_k, dtype=bool)
-            mask[np.concatenate([u.rows for u in deferred])] = True
-            weights = renormalise_deferred(
-                top_k_weights, torch.as_tensor(mask, device=hidden.device).view_as(top_k_weights)
-            )
-            self._defer(deferred)
+        weights = self._weights_after_defers(top_k_weights, by_tag.get(Tag.EXPERT_DEFER, []))
         flat_weights = weights.reshape(-1)
         out = LayerRows(num_tokens * top_k)
         slots = routing.slots.copy()
@@ -150,6 +142,19 @@ class ExpertDispatch(MissFetching):
         rows = [torch.as_tensor(r, device=hidden.device) for r in late]
         rescale_late_defers(result, weights, [(r // top_k, r % top_k) for r in rows])
         return result
+
+    def _weights_after_defers(self, top_k_weights: torch.Tensor, deferred: list[ExpertUse]) -> torch.Tensor:
+        """The router weights with the deferred uses' rows dropped and the rest renormalised (unchanged when
+        nothing is deferred); the deferrals are recorded."""
+        if not deferred:
+            return top_k_weights
+        mask = np.zeros(top_k_weights.numel(), dtype=bool)
+        mask[np.concatenate([u.rows for u in deferred])] = True
+        weights = renormalise_deferred(
+            top_k_weights, torch.as_tensor(mask, device=top_k_weights.device).view_as(top_k_weights)
+        )
+        self._defer(deferred)
+        return weights
 
     def _read_lowbit_ahead(self, uses: list[ExpertUse]) -> None:
         """Queue the reads of the persisted low-bit copies `uses` run from, to arrive while the exact rows

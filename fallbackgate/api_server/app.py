@@ -117,15 +117,7 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        body = {"status": "ok" if service.is_alive else "failed", "model": info.model_name, "run_id": info.run_id}
-        if service.recorder is not None:
-            body["ledger"] = dataclasses.asdict(service.recorder.writer.buffer_state())
-        body["quarantined"] = [  # requests that need one fail alone (or defer it); the rest are served
-            {"object_kind": "expert", "object_id": r.object_id, "tensors": r.tensors, "expected": r.expected,
-             "found": r.found, "error": r.error}
-            for r in service.engine.expert_store.reader.quarantine.records()
-        ]  # fmt: skip
-        return JSONResponse(body, status_code=200 if service.is_alive else 503)
+        return JSONResponse(_health(service, info), status_code=200 if service.is_alive else 503)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -154,6 +146,19 @@ def build_app(service: EngineService, info: ServerInfo) -> FastAPI:
         return await responder.serve(route, [reader.chat_prompt(body)], request)
 
     return app
+
+
+def _health(service: EngineService, info: ServerInfo) -> dict[str, Any]:
+    """The health body: alive or failed, the model and run, the ledger's buffer, the quarantined experts."""
+    body = {"status": "ok" if service.is_alive else "failed", "model": info.model_name, "run_id": info.run_id}
+    if service.recorder is not None:
+        body["ledger"] = dataclasses.asdict(service.recorder.writer.buffer_state())
+    body["quarantined"] = [  # requests that need one fail alone (or defer it); the rest are served
+        {"object_kind": "expert", "object_id": r.object_id, "tensors": r.tensors, "expected": r.expected,
+         "found": r.found, "error": r.error}
+        for r in service.engine.expert_store.reader.quarantine.records()
+    ]  # fmt: skip
+    return body
 
 
 def _errors(app: FastAPI) -> None:

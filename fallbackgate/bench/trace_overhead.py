@@ -1,5 +1,5 @@
 """python -m fallbackgate.bench.trace_overhead --json trace-overhead.json [--reps 7] [--max-new-tokens 32]
-[--device-budget-mb MB]
+[--device-budget-mb MB]  |  --json pooled.json --pool A.json B.json ...
 
 What writing the live trace (``run --trace DIR``) costs in tokens/s, measured in one process on one engine:
 the same 8 prompts (batch 8) decoded and recorded to a SQLite ledger without and with the trace, each request
@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -128,18 +129,18 @@ def measure(built: Assembly, ledger: Ledger, scratch: pathlib.Path, reps: int) -
         for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
             trace = scratch / f"trace-{rep}" if mode == "on" else None
             sides[mode].append(_side(built, ledger, f"{mode}{rep}", trace))
+    return {"reps": reps, "batch": BATCH, **_summary(sides)}
+
+
+def _summary(sides: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    """The pairs' ratios, the sides' medians and the trace's own shares, as the JSON reports them."""
     pairs = list(zip(sides["off"], sides["on"], strict=True))
     ratios = [on["tokens_per_s"] / off["tokens_per_s"] for off, on in pairs]
     after = [on["tokens_per_s_after_collection"] / off["tokens_per_s_after_collection"] for off, on in pairs]
-    cpu_ratios = [
-        on["process_cpu_s_per_token"] / off["process_cpu_s_per_token"]
-        for off, on in zip(sides["off"], sides["on"], strict=True)
-    ]
+    cpu_ratios = [on["process_cpu_s_per_token"] / off["process_cpu_s_per_token"] for off, on in pairs]
     median_off = statistics.median(r["tokens_per_s"] for r in sides["off"])
     median_on = statistics.median(r["tokens_per_s"] for r in sides["on"])
     return {
-        "reps": reps,
-        "batch": BATCH,
         "steps_per_run": sides["on"][0]["steps"],
         "tokens_per_run": sides["on"][0]["tokens"],
         "trace_rows_per_run": sides["on"][0]["trace_rows"],
@@ -176,16 +177,39 @@ def measure(built: Assembly, ledger: Ledger, scratch: pathlib.Path, reps: int) -
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: build the bundled model's engine, measure, print and write the JSON."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1] if __doc__ else None)
-    parser.add_argument("--json", required=True, help="write the results here")
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--device-budget-mb", type=float, default=None, help="default: no budget (all resident)")
-    args = parser.parse_args(argv)
-    if not 1 <= args.reps <= 1000:
-        parser.error(f"--reps must be 1..1000, got {args.reps}")
+def pool(paths: Sequence[str]) -> dict[str, Any]:
+    """The pairs of earlier runs' JSONs judged together (they must share answer length, batch and budget: one
+    experiment run in parts); each part's own verdict is kept beside the pooled one."""
+    parts = [json.loads(pathlib.Path(p).read_text()) for p in paths]
+    keys = {(d["max_new_tokens"], d["batch"], d["device_budget_mb"]) for d in parts}
+    if len(keys) != 1:
+        raise ValueError(f"the runs differ in (max_new_tokens, batch, device_budget_mb): {sorted(map(str, keys))}")
+    ratios = [r for d in parts for r in d["pair_ratios"]]
+    after = [r for d in parts for r in d["pair_ratios_after_collection"]]
+    shares = [r for d in parts for r in d["trace_cpu_share"]]
+    return {
+        "pooled": list(paths), "max_new_tokens": parts[0]["max_new_tokens"], "batch": parts[0]["batch"],
+        "device_budget_mb": parts[0]["device_budget_mb"], "reps": len(ratios), "goal": GOAL,
+        "parts": {p: overhead_verdict(d["pair_ratios"]) for p, d in zip(paths, parts, strict=True)},
+        **overhead_verdict(ratios), "after_collection": overhead_verdict(after),
+        "trace_cpu_share_interval": interval(shares),
+    }  # fmt: skip
+
+
+def _print_verdicts(result: dict[str, Any]) -> None:
+    for label, verdict in (("", result), (", start-up collection left out", result["after_collection"])):
+        cost = verdict["overhead_geomean"]
+        print(
+            f"overhead, geometric mean of the pairs{label}: {100 * cost['mean']:+.2f} % [{100 * cost['lo']:+.2f}, "
+            f"{100 * cost['hi']:+.2f}] (95 %, n={cost['n']}): goal <= {100 * GOAL:.0f} % {verdict['goal_verdict']}"
+        )
+    share = result["trace_cpu_share_interval"]
+    print(f"the trace's own CPU (decode thread + sink thread) over the decode thread's: {100 * share['mean']:.2f} % "
+          f"[{100 * share['lo']:.2f}, {100 * share['hi']:.2f}]")  # fmt: skip
+
+
+def _run(args: argparse.Namespace) -> dict[str, Any]:
+    """Build the bundled model's engine and measure."""
     memory = {"device_budget_mb": args.device_budget_mb} if args.device_budget_mb is not None else {}
     built = assemble(no_policy(memory=memory), Overrides(max_new_tokens=args.max_new_tokens))
     load_before = os.getloadavg()
@@ -203,24 +227,35 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
         "device": str(built.engine.device),
     })  # fmt: skip
-    pathlib.Path(args.json).write_text(json.dumps(result, indent=2))
     print(f"trace overhead: median pair ratio {result['median_pair_ratio']:.4f} (overhead "
           f"{100 * result['overhead_of_median_pair']:.2f} %), medians {result['median_off_tokens_per_s']:.1f} -> "
           f"{result['median_on_tokens_per_s']:.1f} tok/s over {args.reps} pairs; time inside the tracer "
           f"{100 * result['median_tracer_share']:.2f} % of the traced runs' wall time, "
           f"{100 * result['median_tracer_cpu_share']:.2f} % of their decode thread's CPU time; process CPU per token "
           f"traced/untraced {result['median_process_cpu_ratio']:.4f}; load average "
-          f"{load_before[0]:.1f} -> {result['load_average_after'][0]:.1f}")  # fmt: skip
-    for label, verdict in (("", result), (", start-up collection left out", result["after_collection"])):
-        cost = verdict["overhead_geomean"]
-        print(
-            f"overhead, geometric mean of the pairs{label}: {100 * cost['mean']:+.2f} % [{100 * cost['lo']:+.2f}, "
-            f"{100 * cost['hi']:+.2f}] (95 %, n={cost['n']}): goal <= {100 * GOAL:.0f} % {verdict['goal_verdict']}"
-        )
-    share = result["trace_cpu_share_interval"]
-    print(f"the trace's own CPU (decode thread + sink thread) over the decode thread's: {100 * share['mean']:.2f} % "
-          f"[{100 * share['lo']:.2f}, {100 * share['hi']:.2f}]; start-up collection median "
+          f"{load_before[0]:.1f} -> {result['load_average_after'][0]:.1f}; start-up collection median "
           f"{result['start_collection_s']['off']:.3f} s untraced, {result['start_collection_s']['on']:.3f} s traced")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: measure (or pool earlier runs' pairs), print and write the JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[1] if __doc__ else None)
+    parser.add_argument("--json", required=True, help="write the results here")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--device-budget-mb", type=float, default=None, help="default: no budget (all resident)")
+    parser.add_argument("--pool", nargs="+", metavar="JSON",
+                        help="judge earlier runs' pairs together (one experiment in parts) instead of measuring")
+    args = parser.parse_args(argv)
+    if not 1 <= args.reps <= 1000:
+        parser.error(f"--reps must be 1..1000, got {args.reps}")
+    try:
+        result = pool(args.pool) if args.pool else _run(args)
+    except (OSError, ValueError, KeyError) as exc:
+        parser.exit(2, f"trace_overhead: error: {exc}\n")
+    pathlib.Path(args.json).write_text(json.dumps(result, indent=2))
+    _print_verdicts(result)
     return 0
 
 

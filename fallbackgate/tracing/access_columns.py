@@ -33,16 +33,37 @@ def expert_columns(step: int | np.ndarray, cap: StepCapture, names: list[str], i
     request = np.concatenate([owners[id(c.token_owner)] for c in calls]).repeat(k)
     per_call = np.array([int(c.token_owner.numel()) * k for c in calls], dtype=np.int64)
     call = np.repeat(np.arange(len(calls)), per_call)
-    layer = np.repeat(np.array([c.layer for c in calls], dtype=np.int64), per_call)
     num_experts, num_requests = int(ids.max(initial=0)) + 1, len(names)
     if cap.expert_served:
         num_experts = max(num_experts, max(e for _, e, *_ in cap.expert_served) + 1)
     key = (call * num_experts + ids) * num_requests + request
+    served = _served_columns(key, cap.expert_served, num_experts, num_requests, index)
+    predicted = np.zeros(len(key), dtype=bool)
+    for i, c in enumerate(calls):
+        if c.named_ids:
+            rows_of_call = call == i
+            predicted[rows_of_call] = np.isin(ids[rows_of_call], np.array(c.named_ids))
+    return {
+        "step": np.repeat(np.broadcast_to(np.asarray(step, dtype=np.int64), (len(calls),)), per_call),
+        "request": Indexed(names, request),
+        "layer": np.repeat(np.array([c.layer for c in calls], dtype=np.int64), per_call),
+        "expert": ids,
+        "router_rank": np.tile(np.arange(k), len(key) // k),
+        "router_weight": weights,
+        **served,
+        "is_predicted": predicted,
+    }
+
+
+def _served_columns(
+    key: np.ndarray, served: list[tuple], num_experts: int, num_requests: int, index: dict[str, int]
+) -> dict[str, np.ndarray]:
+    """Per row (``key``: call, expert, request), the tier before, tag, bytes and wait of the uses ``served``
+    lists (resident from device, 0 bytes, 0 ns for the rest); a use's bytes and wait on its first row."""
     tier = np.full(len(key), TIER_CODE[Tier.DEVICE], dtype=np.int32)
     tag = np.full(len(key), TAG_CODE[Tag.RESIDENT], dtype=np.int32)
     moved, waited = np.zeros(len(key), dtype=np.int64), np.zeros(len(key), dtype=np.int64)
-    if cap.expert_served:
-        served = cap.expert_served
+    if served:
         m_key = np.array([(c * num_experts + e) * num_requests + index[r] for c, e, r, *_ in served], dtype=np.int64)
         order = np.argsort(m_key, kind="stable")
         sorted_keys = m_key[order]
@@ -52,28 +73,11 @@ def expert_columns(step: int | np.ndarray, cap: StepCapture, names: list[str], i
         tier[hit] = np.array([TIER_CODE[s[3]] for s in served], dtype=np.int32)[rows]
         tag[hit] = np.array([TAG_CODE[s[4]] for s in served], dtype=np.int32)[rows]
         first = np.zeros(len(key), dtype=bool)
-        first[np.unique(key, return_index=True)[1]] = True  # a use's bytes and wait go on its first row
+        first[np.unique(key, return_index=True)[1]] = True
         carry = hit & first
         moved[carry] = np.array([s[5] for s in served], dtype=np.int64)[order[pos[carry]]]
         waited[carry] = np.array([s[6] for s in served], dtype=np.int64)[order[pos[carry]]]
-    predicted = np.zeros(len(key), dtype=bool)
-    for i, c in enumerate(calls):
-        if c.named_ids:
-            rows_of_call = call == i
-            predicted[rows_of_call] = np.isin(ids[rows_of_call], np.array(c.named_ids))
-    return {
-        "step": np.repeat(np.broadcast_to(np.asarray(step, dtype=np.int64), (len(calls),)), per_call),
-        "request": Indexed(names, request),
-        "layer": layer,
-        "expert": ids,
-        "router_rank": np.tile(np.arange(k), len(key) // k),
-        "router_weight": weights,
-        "tier_before": tier,
-        "tag": tag,
-        "bytes": moved,
-        "ns": waited,
-        "is_predicted": predicted,
-    }
+    return {"tier_before": tier, "tag": tag, "bytes": moved, "ns": waited}
 
 
 class KVPending:
