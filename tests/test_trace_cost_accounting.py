@@ -6,17 +6,21 @@ from __future__ import annotations
 import dataclasses
 import gc
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from sqlalchemy import func, select
 
 from fallbackgate.assembly import Overrides, assemble, no_policy
 from fallbackgate.bench.trace_overhead import FullCollections, _side
 from fallbackgate.engine import hardware
 from fallbackgate.engine.hardware import CPU_BOX, PCIE4_GPU_NVME, profile_record
 from fallbackgate.ledger.db import open_ledger
+from fallbackgate.ledger.models_runs import Request, Run
 from fallbackgate.tracing import TraceTable, TraceWriter, read_trace
+from fallbackgate.tracing.live import LiveTracer
 from fallbackgate.tracing.sink import ParquetSink
 
 
@@ -45,11 +49,31 @@ def test_sink_counts_cpu_of_jobs_on_its_own_thread_only(tmp_path: Path) -> None:
 
 
 def test_writer_reports_its_sinks_cpu(tmp_path: Path) -> None:
-    with TraceWriter(tmp_path / "t", {}, row_group_rows=4) as writer:
-        writer.append(TraceTable.STEPS, step=np.arange(8), phase=["decode"] * 8, start_ns=np.arange(8),
-                      end_ns=np.arange(8) + 1, batch=[1] * 8, tokens=[1] * 8)  # fmt: skip
+    rows = 200_000  # one row group big enough that converting and writing it takes the sink's thread measurable CPU
+    with TraceWriter(tmp_path / "t", {}, row_group_rows=rows) as writer:
+        assert writer.sink_cpu_ns < 50_000_000  # opening the files only
+        opened = writer.sink_cpu_ns
+        writer.append(TraceTable.STEPS, step=np.arange(rows), phase=np.zeros(rows, dtype=np.int64),
+                      start_ns=np.arange(rows), end_ns=np.arange(rows) + 1, batch=np.ones(rows, dtype=np.int64),
+                      tokens=np.ones(rows, dtype=np.int64))  # fmt: skip
+        deadline = time.monotonic() + 30
+        while writer.sink_cpu_ns == opened and time.monotonic() < deadline:  # the sink's thread takes the group
+            time.sleep(0.01)
         writer.flush()
-        assert writer.sink_cpu_ns == writer._sink.spent_cpu_ns >= 0
+        assert writer.sink_cpu_ns > opened
+        assert writer.sink_cpu_ns == writer._sink.spent_cpu_ns
+
+
+def test_tracer_counts_its_own_construction(tmp_path: Path) -> None:
+    built = assemble(no_policy(), Overrides(max_new_tokens=2))
+    try:
+        tracer = LiveTracer(tmp_path / "t", built.engine, {})
+        assert tracer.spent_ns > 0 and tracer.spent_cpu_ns >= 0
+        made = tracer.spent_ns
+        tracer.close()
+        assert tracer.spent_ns > made  # closing counted on top
+    finally:
+        built.engine.close()
 
 
 def test_full_collections_counts_generation_two_only() -> None:
@@ -90,6 +114,9 @@ def test_benchmark_sides_record_requests_and_account_the_trace(tmp_path: Path) -
         with open_ledger(f"sqlite:///{tmp_path / 'ledger.sqlite'}") as ledger:
             off = _side(built, ledger, "off", None)
             on = _side(built, ledger, "on", tmp_path / "trace")
+            with ledger.engine.connect() as conn:  # the ledger's request rows, one per request per side
+                query = select(Run.note, func.count(Request.id)).join(Request).group_by(Run.note)
+                counts = dict(conn.execute(query).all())
     finally:
         built.engine.close()
     trace = read_trace(tmp_path / "trace")
@@ -100,4 +127,5 @@ def test_benchmark_sides_record_requests_and_account_the_trace(tmp_path: Path) -
         assert 0 < side["start_collection_s"] < side["s"]
         assert side["tokens_per_s_after_collection"] == pytest.approx(24 / (side["s"] - side["start_collection_s"]))
     assert "trace_cpu_share" not in off and 0 < on["trace_cpu_share"] < 1
+    assert counts == {"bench_trace_overhead off": 8, "bench_trace_overhead on": 8}
     assert on["trace_rows"] == sum(t.num_rows for t in trace.tables.values())

@@ -76,6 +76,9 @@ def test_pooled_parts_are_judged_on_every_pair(tmp_path: Path) -> None:
 def test_parts_of_different_experiments_are_not_pooled(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="max_new_tokens"):
         pool([_part(tmp_path / "a.json", [0.99, 1.0]), _part(tmp_path / "b.json", [0.99, 1.0], tokens=32)])
+    same = _part(tmp_path / "c.json", [0.99, 1.0])
+    with pytest.raises(ValueError, match="twice"):
+        pool([same, str(tmp_path / "." / "c.json")])
     with pytest.raises(SystemExit) as exc:
         main(["--json", str(tmp_path / "out.json"), "--pool", str(tmp_path / "missing.json")])
     assert exc.value.code == 2 and not (tmp_path / "out.json").exists()

@@ -103,7 +103,8 @@ def _side(built: Assembly, ledger: Ledger, tag: str, trace_dir: pathlib.Path | N
         side["trace_rows"] = sum(tracer.writer.num_rows.values())
         side["tracer_share"] = tracer.spent_ns / 1e9 / seconds  # time inside the tracer / the side's time
         side["tracer_cpu_share"] = tracer.spent_cpu_ns / 1e9 / cpu_s  # the same in the decode thread's CPU time
-        side["trace_cpu_share"] = (tracer.spent_cpu_ns + tracer.sink_cpu_ns) / 1e9 / (cpu_s - start_cpu_s)
+        side["trace_cpu_share"] = (tracer.spent_cpu_ns + tracer.sink_cpu_ns) / 1e9 / (cpu_s - start_cpu_s)  # of
+        # the traced side's decode-thread CPU, its own part included (as a cost over the rest: share / (1 - share))
     return side
 
 
@@ -136,7 +137,9 @@ def _summary(sides: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     """The pairs' ratios, the sides' medians and the trace's own shares, as the JSON reports them."""
     pairs = list(zip(sides["off"], sides["on"], strict=True))
     ratios = [on["tokens_per_s"] / off["tokens_per_s"] for off, on in pairs]
-    after = [on["tokens_per_s_after_collection"] / off["tokens_per_s_after_collection"] for off, on in pairs]
+    ratios_after_collection = [
+        on["tokens_per_s_after_collection"] / off["tokens_per_s_after_collection"] for off, on in pairs
+    ]
     cpu_ratios = [on["process_cpu_s_per_token"] / off["process_cpu_s_per_token"] for off, on in pairs]
     median_off = statistics.median(r["tokens_per_s"] for r in sides["off"])
     median_on = statistics.median(r["tokens_per_s"] for r in sides["on"])
@@ -167,36 +170,41 @@ def _summary(sides: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
         "trace_cpu_share_interval": interval([r["trace_cpu_share"] for r in sides["on"]]),
         "start_collection_s": {mode: statistics.median(r["start_collection_s"] for r in rows)
                                for mode, rows in sides.items()},  # fmt: skip
+        "min_full_collections_per_run": min(r["num_full_collections"] for rows in sides.values() for r in rows),
         "max_full_collections_per_run": max(r["num_full_collections"] for rows in sides.values() for r in rows),
+        # one each: the serving loop's start-up collection alone (the one left out above)
         "goal": GOAL,
         "meets_goal": 1.0 - statistics.median(ratios) <= GOAL,  # the median pair alone, no interval
         **overhead_verdict(ratios),
-        "pair_ratios_after_collection": after,  # each side's tokens over its time less the serving loop's
-        # start-up full collection (the same work on both sides, not the trace's): the stricter ratio
-        "after_collection": overhead_verdict(after),
+        "pair_ratios_after_collection": ratios_after_collection,  # each side's tokens over its time less the
+        # serving loop's start-up full collection (the same work on both sides, not the trace's): the stricter ratio
+        "after_collection": overhead_verdict(ratios_after_collection),
     }
 
 
 def pool(paths: Sequence[str]) -> dict[str, Any]:
     """The pairs of earlier runs' JSONs judged together (they must share answer length, batch and budget: one
     experiment run in parts); each part's own verdict is kept beside the pooled one."""
+    if len({pathlib.Path(p).resolve() for p in paths}) != len(paths):
+        raise ValueError(f"a run given twice would count its pairs twice: {list(paths)}")
     parts = [json.loads(pathlib.Path(p).read_text()) for p in paths]
     keys = {(d["max_new_tokens"], d["batch"], d["device_budget_mb"]) for d in parts}
     if len(keys) != 1:
         raise ValueError(f"the runs differ in (max_new_tokens, batch, device_budget_mb): {sorted(map(str, keys))}")
     ratios = [r for d in parts for r in d["pair_ratios"]]
-    after = [r for d in parts for r in d["pair_ratios_after_collection"]]
+    ratios_after_collection = [r for d in parts for r in d["pair_ratios_after_collection"]]
     shares = [r for d in parts for r in d["trace_cpu_share"]]
     return {
         "pooled": list(paths), "max_new_tokens": parts[0]["max_new_tokens"], "batch": parts[0]["batch"],
         "device_budget_mb": parts[0]["device_budget_mb"], "reps": len(ratios), "goal": GOAL,
         "parts": {p: overhead_verdict(d["pair_ratios"]) for p, d in zip(paths, parts, strict=True)},
-        **overhead_verdict(ratios), "after_collection": overhead_verdict(after),
+        **overhead_verdict(ratios), "after_collection": overhead_verdict(ratios_after_collection),
         "trace_cpu_share_interval": interval(shares),
     }  # fmt: skip
 
 
 def _print_verdicts(result: dict[str, Any]) -> None:
+    """The goal's verdicts (with and without the start-up collection) and the trace's own CPU share."""
     for label, verdict in (("", result), (", start-up collection left out", result["after_collection"])):
         cost = verdict["overhead_geomean"]
         print(
@@ -250,10 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 1 <= args.reps <= 1000:
         parser.error(f"--reps must be 1..1000, got {args.reps}")
-    try:
-        result = pool(args.pool) if args.pool else _run(args)
-    except (OSError, ValueError, KeyError) as exc:
-        parser.exit(2, f"trace_overhead: error: {exc}\n")
+    if args.pool:
+        try:
+            result = pool(args.pool)
+        except (OSError, ValueError, KeyError) as exc:
+            parser.exit(2, f"trace_overhead: error: {exc}\n")
+    else:
+        result = _run(args)
     pathlib.Path(args.json).write_text(json.dumps(result, indent=2))
     _print_verdicts(result)
     return 0

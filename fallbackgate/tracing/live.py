@@ -7,9 +7,10 @@ finished request are appended as batches. The run recorder owns one :class:`Live
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -89,14 +90,20 @@ class LiveTracer:
         """The trace directory, absolute."""
         return str(self.writer.directory.resolve())
 
-    def on_step(self, plan: StepPlan, result: StepResult, arbitrations: Sequence[Any] = ()) -> None:
-        """Record one step: its row, its expert and KV accesses, the I/O completed since, its arbitrations."""
+    @contextlib.contextmanager
+    def _spending(self) -> Iterator[None]:
+        """Adds the block's wall time and the calling thread's CPU time to the tracer's own."""
         started, started_cpu = time.perf_counter_ns(), time.thread_time_ns()
         try:
-            self._step(plan, result, arbitrations)
+            yield
         finally:
             self.spent_ns += time.perf_counter_ns() - started
             self.spent_cpu_ns += time.thread_time_ns() - started_cpu
+
+    def on_step(self, plan: StepPlan, result: StepResult, arbitrations: Sequence[Any] = ()) -> None:
+        """Record one step: its row, its expert and KV accesses, the I/O completed since, its arbitrations."""
+        with self._spending():
+            self._step(plan, result, arbitrations)
 
     def _step(self, plan: StepPlan, result: StepResult, arbitrations: Sequence[Any]) -> None:
         cap = result.capture
@@ -206,12 +213,15 @@ class LiveTracer:
 
     def on_request(self, output: RequestOutput, slo: Mapping[str, Any] | None = None) -> None:
         """Record a request that ended (times on the trace's clock; its class's SLO targets when it has one)."""
+        with self._spending():
+            self._append_request(output, slo or {})
 
+    def _append_request(self, output: RequestOutput, slo: Mapping[str, Any]) -> None:
         def ns(seconds: float) -> int | None:
             return int(seconds * 1e9) + self.clock_offset_ns if seconds else None
 
         def slo_ns(key: str) -> int | None:
-            value = (slo or {}).get(key)
+            value = slo.get(key)
             return None if value is None else int(float(value) * 1e6)
 
         self.writer.append(
@@ -227,17 +237,15 @@ class LiveTracer:
         """Take the last completed transfers, write every buffered row and the metadata; stop capturing."""
         if self.writer.is_closed:
             return
-        started, started_cpu = time.perf_counter_ns(), time.thread_time_ns()
-        try:
-            self.record_io(self.engine.io.take_completed())
-            self.flush_experts()
-            self.flush_kv()
-            self.batches.flush()
-        finally:
-            self.engine.is_capturing = False
-            self.writer.close()
-            self.spent_ns += time.perf_counter_ns() - started
-            self.spent_cpu_ns += time.thread_time_ns() - started_cpu
+        with self._spending():
+            try:
+                self.record_io(self.engine.io.take_completed())
+                self.flush_experts()
+                self.flush_kv()
+                self.batches.flush()
+            finally:
+                self.engine.is_capturing = False
+                self.writer.close()
 
 
 def _requester(record: IORecord) -> str:
