@@ -64,6 +64,7 @@ class PrefixCache(PrefixSharing):
         self.entries: collections.OrderedDict[bytes, KeptEntry] = collections.OrderedDict()  # least recent first
         self.by_id: dict[str, bytes] = {}  # pseudo request id -> digest
         self.chains: dict[str, list[bytes]] = {}  # live request -> hashes of its full blocks so far
+        self.chain_ids: dict[str, list[int]] = {}  # live request -> the same hashes as uint64 (the trace's)
         self.clean_tokens: dict[str, int] = {}  # live request -> positions below which its KV is exact
         self.hits: dict[str, list[int]] = {}  # live request -> adopted blocks' hit counts, by block index
         self.next_shared: dict[str, int] = {}  # live request -> its first block index not yet looked at to share
@@ -80,7 +81,11 @@ class PrefixCache(PrefixSharing):
     def read_hashes(self, seq: Sequence, num_tokens: int) -> list[int]:
         """uint64 content hashes of the request's full blocks once its first `num_tokens` positions are
         written (a step's reads; the partial tail has none)."""
-        return [hash_u64(d) for d in self.hashes(seq, num_tokens // self.kv.block_size)]
+        num_blocks = num_tokens // self.kv.block_size
+        ids = self.chain_ids.setdefault(seq.request_id, [])
+        if len(ids) < num_blocks:  # a block filled since: hash it (once per block)
+            ids += [hash_u64(d) for d in self.hashes(seq, num_blocks)[len(ids) :]]
+        return ids[:num_blocks]
 
     def note_events(self, plan: StepPlan, events: Iterable[Event]) -> None:
         """Taint what a step computed with a non-exact tag: a request's KV from the step's start position on
@@ -237,6 +242,7 @@ class PrefixCache(PrefixSharing):
     def forget(self, request_id: str) -> None:
         """Drop what is kept about a live request (it ended or its KV was freed)."""
         self.chains.pop(request_id, None)
+        self.chain_ids.pop(request_id, None)
         self.clean_tokens.pop(request_id, None)
         self.hits.pop(request_id, None)
         self._forget_computed(request_id)

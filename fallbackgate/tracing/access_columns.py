@@ -28,8 +28,8 @@ def expert_columns(step: int | np.ndarray, cap: StepCapture, names: list[str], i
         if id(c.token_owner) not in owners:
             mapping = np.array([index[r] for r in c.request_ids], dtype=np.int64)
             owners[id(c.token_owner)] = mapping[c.token_owner.cpu().numpy()]
-    ids = torch.cat([c.top_k_index.reshape(-1) for c in calls]).cpu().numpy().astype(np.int64)
-    weights = torch.cat([c.top_k_weights.reshape(-1).float() for c in calls]).cpu().numpy()
+    ids = torch.cat([c.top_k_index for c in calls]).reshape(-1).cpu().numpy().astype(np.int64)
+    weights = torch.cat([c.top_k_weights for c in calls]).reshape(-1).float().cpu().numpy()
     request = np.concatenate([owners[id(c.token_owner)] for c in calls]).repeat(k)
     per_call = np.array([int(c.token_owner.numel()) * k for c in calls], dtype=np.int64)
     call = np.repeat(np.arange(len(calls)), per_call)

@@ -25,6 +25,7 @@ from fallbackgate.tracing.schema import ArbitrationOption, Phase, TraceTable
 from fallbackgate.tracing.writer import TraceWriter
 
 KEPT_STEPS = 8192  # recent steps' starts kept to place completed I/O in the step that issued it
+STEP_COLUMNS = ("step", "phase", "start_ns", "end_ns", "batch", "tokens")  # a kept steps row's fields
 PHASE_OF_KIND = {StepKind.PREFILL: Phase.PREFILL, StepKind.DECODE: Phase.DECODE, StepKind.MIXED: Phase.MIXED,
                  StepKind.RECOMPUTE: Phase.PREFILL}  # fmt: skip  # a rebuild re-runs prompt-like tokens
 PHASE_CODE = {kind: list(Phase).index(phase) for kind, phase in PHASE_OF_KIND.items()}  # codes into the schema's
@@ -72,6 +73,7 @@ class LiveTracer:
         self.kv = KVPending()  # KV reads of the steps not yet expanded into rows
         self.num_kv_rows = 0  # kv_access rows they will make
         self.clock_offset_ns = time.monotonic_ns() - time.perf_counter_ns()  # perf_counter -> monotonic
+        self.step_rows: list[tuple[int, ...]] = []  # steps rows not yet handed on, in STEP_COLUMNS order
         self.step_ids: list[int] = []  # recorded steps, in order
         self.step_starts: list[int] = []  # their start_ns (to place an I/O in the step that issued it)
         self.num_decisions = 0  # arbitration decisions written so far
@@ -102,8 +104,12 @@ class LiveTracer:
 
     def on_step(self, plan: StepPlan, result: StepResult, arbitrations: Sequence[Any] = ()) -> None:
         """Record one step: its row, its expert and KV accesses, the I/O completed since, its arbitrations."""
-        with self._spending():
+        started, started_cpu = time.perf_counter_ns(), time.thread_time_ns()  # not _spending: once per step
+        try:
             self._step(plan, result, arbitrations)
+        finally:
+            self.spent_ns += time.perf_counter_ns() - started
+            self.spent_cpu_ns += time.thread_time_ns() - started_cpu
 
     def _step(self, plan: StepPlan, result: StepResult, arbitrations: Sequence[Any]) -> None:
         cap = result.capture
@@ -118,9 +124,10 @@ class LiveTracer:
                 names += tuple(dict.fromkeys(extra))
         tokens = sum(int(c.token_owner.numel()) for c in cap.routing if c.layer == cap.routing[0].layer)
         tokens = tokens or sum(plan.num_tokens.values())
-        self.batches.add(TraceTable.STEPS, 1, {
-            "step": [result.step_id], "phase": [PHASE_CODE[plan.kind]], "start_ns": [cap.start_ns],
-            "end_ns": [cap.end_ns], "batch": [len(plan.request_ids)], "tokens": [tokens]})  # fmt: skip
+        self.step_rows.append((result.step_id, PHASE_CODE[plan.kind], cap.start_ns, cap.end_ns,
+                               len(plan.request_ids), tokens))  # fmt: skip
+        if len(self.step_rows) >= KEPT_STEPS:
+            self.flush_steps()
         self.step_ids.append(result.step_id)
         self.step_starts.append(cap.start_ns)
         if len(self.step_ids) > KEPT_STEPS:  # an I/O completes steps, not thousands of steps, after it was issued
@@ -141,6 +148,13 @@ class LiveTracer:
         self.record_io(self.engine.io.take_completed())
         if arbitrations:
             self._arbitrations(plan, result, arbitrations)
+
+    def flush_steps(self) -> None:
+        """Hand the kept ``steps`` rows on as one batch."""
+        if self.step_rows:
+            rows = np.array(self.step_rows, dtype=np.int64)
+            self.batches.add(TraceTable.STEPS, len(rows), dict(zip(STEP_COLUMNS, rows.T, strict=True)))
+            self.step_rows = []
 
     def flush_experts(self) -> None:
         """Expand the kept routing calls into ``expert_access`` rows (one pass over many steps)."""
@@ -240,6 +254,7 @@ class LiveTracer:
         with self._spending():
             try:
                 self.record_io(self.engine.io.take_completed())
+                self.flush_steps()
                 self.flush_experts()
                 self.flush_kv()
                 self.batches.flush()
