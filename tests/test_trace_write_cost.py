@@ -12,6 +12,7 @@ import pytest
 
 from fallbackgate.assembly import Overrides, assemble, no_policy
 from fallbackgate.bench.trace_overhead import _side
+from fallbackgate.engine.kv import prefix_cache
 from fallbackgate.engine.kv.prefix_cache import PrefixCache
 from fallbackgate.engine.kv.prefix_types import chain_hashes, hash_u64
 from fallbackgate.ledger.db import open_ledger
@@ -25,6 +26,16 @@ BLOCK_SIZE = 4
 def _prefix_cache() -> PrefixCache:
     kv = types.SimpleNamespace(block_size=BLOCK_SIZE)
     return PrefixCache(kv, is_enabled=True, step_of=lambda: 0)  # type: ignore[arg-type]
+
+
+def test_read_hashes_hash_each_block_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = _prefix_cache()
+    seq = types.SimpleNamespace(request_id="r", all_token_ids=list(range(16)))
+    hashed: list[bytes] = []
+    monkeypatch.setattr(prefix_cache, "hash_u64", lambda digest: hashed.append(digest) or hash_u64(digest))
+    for num_tokens in range(1, 17):  # one decode step after another, each reading every full block so far
+        assert len(cache.read_hashes(seq, num_tokens)) == num_tokens // BLOCK_SIZE
+    assert hashed == cache.chains["r"]  # four blocks, each hashed once, in order
 
 
 def test_read_hashes_are_the_chain_hashes_as_uint64_and_copies() -> None:
@@ -46,11 +57,12 @@ def test_read_hashes_are_the_chain_hashes_as_uint64_and_copies() -> None:
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
-    """A 9-token batch traced with steps rows handed on every 2 steps (the path long runs take)."""
+    """A 9-token batch traced with steps rows handed on every 2 steps (the path long runs take; the steps kept
+    to place I/O stay as they are)."""
     tmp = tmp_path_factory.mktemp("traced")
     built = assemble(no_policy(), Overrides(max_new_tokens=9))
     patch = pytest.MonkeyPatch()
-    patch.setattr(live, "KEPT_STEPS", 2)
+    patch.setattr(live, "STEP_ROWS_PER_BATCH", 2)
     try:
         with open_ledger(f"sqlite:///{tmp / 'ledger.sqlite'}") as ledger:
             side = _side(built, ledger, "on", tmp / "trace")

@@ -40,6 +40,21 @@ def test_expert_columns_put_each_use_s_tag_on_its_rows_and_its_bytes_on_the_firs
     np.testing.assert_allclose(cols["router_weight"], weights.reshape(-1).numpy())
 
 
+def test_expert_columns_join_calls_of_different_token_counts_in_order() -> None:
+    # a prefill call of 3 tokens then a decode call of 1 (bf16 weights, as the model makes them), top-2
+    first = RoutingCall(0, ["a"], torch.tensor([0, 0, 0]), torch.tensor([[1, 2], [3, 4], [5, 6]]),
+                        torch.tensor([[0.5, 0.25], [0.75, 0.125], [1.0, 0.0]], dtype=torch.bfloat16))  # fmt: skip
+    second = RoutingCall(1, ["b"], torch.tensor([0]), torch.tensor([[7, 0]]),
+                         torch.tensor([[0.625, 0.375]], dtype=torch.bfloat16))  # fmt: skip
+    cols = expert_columns(np.array([2, 3]), StepCapture(0, 1, [first, second]), ["a", "b"], {"a": 0, "b": 1})
+    assert cols["expert"].tolist() == [1, 2, 3, 4, 5, 6, 7, 0]
+    assert cols["router_weight"].dtype == np.float32
+    assert cols["router_weight"].tolist() == [0.5, 0.25, 0.75, 0.125, 1.0, 0.0, 0.625, 0.375]
+    assert cols["step"].tolist() == [2] * 6 + [3] * 2 and cols["layer"].tolist() == [0] * 6 + [1] * 2
+    assert cols["request"].index.tolist() == [0] * 6 + [1] * 2
+    assert cols["router_rank"].tolist() == [0, 1] * 4
+
+
 def test_kv_columns_cover_every_block_of_every_layer_and_mark_the_served_ones() -> None:
     cap = StepCapture(0, 1, kv_reads=[("a", 2), ("b", 3)],
                       kv_served={("b", 1, 2): (Tier.DISK, Tag.EXACT_LOAD, 8192, 500)})  # fmt: skip

@@ -25,6 +25,7 @@ from fallbackgate.tracing.schema import ArbitrationOption, Phase, TraceTable
 from fallbackgate.tracing.writer import TraceWriter
 
 KEPT_STEPS = 8192  # recent steps' starts kept to place completed I/O in the step that issued it
+STEP_ROWS_PER_BATCH = 8192  # steps rows kept before they are handed on as one batch
 STEP_COLUMNS = ("step", "phase", "start_ns", "end_ns", "batch", "tokens")  # a kept steps row's fields
 PHASE_OF_KIND = {StepKind.PREFILL: Phase.PREFILL, StepKind.DECODE: Phase.DECODE, StepKind.MIXED: Phase.MIXED,
                  StepKind.RECOMPUTE: Phase.PREFILL}  # fmt: skip  # a rebuild re-runs prompt-like tokens
@@ -126,7 +127,7 @@ class LiveTracer:
         tokens = tokens or sum(plan.num_tokens.values())
         self.step_rows.append((result.step_id, PHASE_CODE[plan.kind], cap.start_ns, cap.end_ns,
                                len(plan.request_ids), tokens))  # fmt: skip
-        if len(self.step_rows) >= KEPT_STEPS:
+        if len(self.step_rows) >= STEP_ROWS_PER_BATCH:
             self.flush_steps()
         self.step_ids.append(result.step_id)
         self.step_starts.append(cap.start_ns)
