@@ -105,12 +105,8 @@ class LiveTracer:
 
     def on_step(self, plan: StepPlan, result: StepResult, arbitrations: Sequence[Any] = ()) -> None:
         """Record one step: its row, its expert and KV accesses, the I/O completed since, its arbitrations."""
-        started, started_cpu = time.perf_counter_ns(), time.thread_time_ns()  # not _spending: once per step
-        try:
+        with self._spending():
             self._step(plan, result, arbitrations)
-        finally:
-            self.spent_ns += time.perf_counter_ns() - started
-            self.spent_cpu_ns += time.thread_time_ns() - started_cpu
 
     def _step(self, plan: StepPlan, result: StepResult, arbitrations: Sequence[Any]) -> None:
         cap = result.capture
